@@ -1,0 +1,170 @@
+"""Buffer pools, striping over several paths, and space claimed at start."""
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from tiertrain.io import ALIGN, BufferPool, FileHandle, OutOfSpaceError, Storage, check_space
+from tiertrain.io.stripe import local_size
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def rand_bytes(n, seed=0):
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+# -- pools ------------------------------------------------------------------------------------
+
+
+def test_pool_buffers_are_aligned_and_fixed():
+    pool = BufferPool(5, 10_000, pin=False)
+    assert pool.size_bytes == 5 * 12_288  # stride rounded up to 4 KiB
+    bufs = [pool.acquire() for _ in range(5)]
+    assert all(b.tensor.data_ptr() % ALIGN == 0 and b.tensor.numel() == 10_000 for b in bufs)
+    assert len({b.tensor.data_ptr() for b in bufs}) == 5
+    for b in bufs:
+        b.release()
+    assert pool.high_water == 5 and pool.in_use == 0 and pool.size_bytes == 5 * 12_288
+
+
+def test_pool_blocks_when_exhausted_then_resumes():
+    pool = BufferPool(2, 4096, pin=False)
+    a, b = pool.acquire(), pool.acquire()
+    got = []
+
+    def taker():
+        got.append(pool.acquire())  # blocks until a buffer comes back
+
+    t = threading.Thread(target=taker)
+    t.start()
+    time.sleep(0.2)
+    assert not got and t.is_alive()
+    a.release()
+    t.join(5)
+    assert len(got) == 1 and got[0].index == a.index
+    assert pool.high_water == 2 and pool.wait_s > 0.1
+    with pytest.raises(TimeoutError, match="no buffer free after 0.05 s"):
+        pool.acquire(timeout=0.05)
+    b.release()
+    got[0].release()
+
+
+def test_pool_refuses_double_release_and_bad_sizes():
+    pool = BufferPool(1, 100, pin=False)
+    with pool.acquire() as buf:
+        pass
+    with pytest.raises(ValueError, match="released twice"):
+        buf.release()
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        BufferPool(0, 100)
+    with pytest.raises(ValueError, match="size must be >= 1 byte"):
+        BufferPool(1, 0)
+
+
+# -- striping ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("npaths", [1, 3])
+@pytest.mark.parametrize("size", [1, 4097, 5 * MIB + 4321])
+def test_striped_roundtrip(tmp_path, npaths, size):
+    paths = [str(tmp_path / f"ssd{i}") for i in range(npaths)]
+    data = rand_bytes(size, seed=size)
+    with Storage(paths, stripe_bytes=256 * KIB, chunk_bytes=192 * KIB, threads=3, checksum_block=64 * KIB) as st:
+        off = size // 3
+        plen = min(1000, size - off)
+        with st.create("state", size) as f:
+            assert f.write(data) == size
+            f.write(data[:plen], file_offset=off)  # a partial rewrite across stripe edges
+        expect = data.clone()
+        expect[off : off + plen] = data[:plen]
+        with st.open("state", "r") as f:
+            assert f.size == size
+            out = torch.zeros(size, dtype=torch.uint8)
+            assert f.read(out) == size
+            assert torch.equal(out, expect)
+            if size > 10:
+                piece = torch.zeros(size - 7, dtype=torch.uint8)
+                f.read(piece, file_offset=7)
+                assert torch.equal(piece, expect[7:])
+        per_path = st.stats()
+        for i, p in enumerate(st.paths):  # each path wrote exactly its stripes
+            assert os.path.getsize(os.path.join(p, "state")) == local_size(size, i, npaths, 256 * KIB)
+        assert sum(s.write_bytes for s in per_path.values()) == size + plen
+
+
+def test_stripes_land_on_the_right_paths(tmp_path):
+    stripe = 64 * KIB
+    paths = [str(tmp_path / f"p{i}") for i in range(3)]
+    data = rand_bytes(7 * stripe + 5)
+    with Storage(paths, stripe_bytes=stripe, chunk_bytes=stripe, checksum=False) as st:
+        with st.create("x", data.numel()) as f:
+            f.write(data)
+    for k in range(8):  # stripe k -> path k % 3 at local offset (k // 3) * stripe
+        with open(os.path.join(paths[k % 3], "x"), "rb") as raw:
+            raw.seek((k // 3) * stripe)
+            got = raw.read(stripe)
+        assert got == data[k * stripe : (k + 1) * stripe].numpy().tobytes()
+
+
+def test_three_paths_work_at_once(tmp_path):
+    paths = [str(tmp_path / f"q{i}") for i in range(3)]
+    with Storage(paths, stripe_bytes=256 * KIB, chunk_bytes=256 * KIB, checksum=False) as st:
+        with st.create("big", 6 * MIB) as f:
+            f.write(rand_bytes(6 * MIB))
+        stats = st.stats()
+    assert [s.write_bytes for s in stats.values()] == [2 * MIB] * 3
+
+
+def test_storage_rejects_bad_paths(tmp_path):
+    with pytest.raises(ValueError, match="at least one path"):
+        Storage([])
+    with pytest.raises(ValueError, match="must be distinct"):
+        Storage([str(tmp_path), str(tmp_path) + "/"])
+
+
+# -- space ------------------------------------------------------------------------------------
+
+
+def test_full_disk_is_reported_at_start_with_numbers(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OutOfSpaceError, match=rf"not enough space on the filesystem of {tmp_path}.*need \d+ bytes .* bytes free") as ei:
+        check_space([(str(tmp_path / "huge"), free * 4)])
+    assert ei.value.needed == free * 4 and ei.value.errno == 28
+    with pytest.raises(OutOfSpaceError, match="not enough space"):
+        FileHandle(tmp_path / "huge", "w", size=free * 4)
+    assert not (tmp_path / "huge").exists() or os.path.getsize(tmp_path / "huge") == 0
+    with Storage([str(tmp_path / "s")]) as st:
+        with pytest.raises(OutOfSpaceError):
+            st.check_space([("a", free // 2 + 4096), ("b", free // 2 + 4096)])  # summed per filesystem
+
+
+def test_create_claims_the_blocks(tmp_path):
+    with FileHandle(tmp_path / "pre", "w", size=8 * MIB) as f:
+        assert f.size == 8 * MIB
+    st = os.stat(tmp_path / "pre")
+    assert st.st_size == 8 * MIB and st.st_blocks * 512 >= 8 * MIB  # allocated, not sparse
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs, when this process may mount one."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)])
+
+
+def test_enospc_during_preallocation_names_the_path(small_fs):
+    with pytest.raises(OutOfSpaceError, match=rf"filesystem of {small_fs}/f.*need 8388608 bytes"):
+        FileHandle(small_fs / "f", "w", size=8 * MIB)
+    with FileHandle(small_fs / "ok", "w", size=MIB) as f:  # what fits still works
+        f.write(rand_bytes(MIB))

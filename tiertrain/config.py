@@ -1,0 +1,390 @@
+"""The configuration tree: one kw-only dataclass per component, loaded from TOML and
+overridden by ``--section.field=value`` flags. Every field has a doc string (shown by
+``tiertrain config``) and is validated when the section is made, with errors that name
+the field, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "IOConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "MemoryConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "UpdateConfig",
+    "load_config",
+    "config_reference",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is not acceptable. The message names field, value and fix."""
+
+
+def opt(default: Any, doc: str, *, factory: Any = None) -> Any:
+    """A config field with its documentation."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+class Section:
+    """Base of config sections: validation helpers that name ``section.field``."""
+
+    SECTION: ClassVar[str] = ""
+
+    def _fail(self, name: str, why: str) -> None:
+        raise ConfigError(f"{self.SECTION}.{name} = {getattr(self, name)!r}: {why}")
+
+    def _at_least(self, name: str, low: float) -> None:
+        if getattr(self, name) < low:
+            self._fail(name, f"must be >= {low}")
+
+    def _in_range(self, name: str, low: float, high: float) -> None:
+        if not low <= getattr(self, name) <= high:
+            self._fail(name, f"must be between {low} and {high}")
+
+    def _one_of(self, name: str, choices: Sequence[Any]) -> None:
+        if getattr(self, name) not in choices:
+            self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(kw_only=True)
+class IOConfig(Section):
+    """The storage tier: where states live on SSD and how they are read and written."""
+
+    SECTION: ClassVar[str] = "io"
+    paths: list[str] = opt(None, "Scratch directories, one per SSD; files are striped over all of them.", factory=lambda: ["./tiertrain-scratch"])
+    threads: int = opt(8, "I/O threads per path (measured here: 4-8 reach the disk's limit).")
+    chunk_kib: int = opt(16384, "Largest single request, KiB (a multiple of 4; 16 MiB measured best here).")
+    stripe_kib: int = opt(4096, "Stripe size over several paths, KiB (a multiple of checksum_block_kib).")
+    direct: bool = opt(True, "Use O_DIRECT (falls back to buffered I/O, with a warning, where unsupported).")
+    checksum: bool = opt(True, "Keep a CRC32C per block beside every state file and verify it on read.")
+    checksum_block_kib: int = opt(1024, "Bytes covered by one checksum, KiB (a multiple of 4 dividing chunk_kib).")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        if not self.paths or any(not isinstance(p, str) or not p for p in self.paths):
+            self._fail("paths", "give at least one directory, e.g. --io.paths=/nvme0/tt,/nvme1/tt")
+        if len(set(map(os.path.abspath, self.paths))) != len(self.paths):
+            self._fail("paths", "paths must be distinct directories")
+        self._in_range("threads", 1, 256)
+        for name in ("chunk_kib", "stripe_kib", "checksum_block_kib"):
+            if getattr(self, name) < 4 or getattr(self, name) % 4:
+                self._fail(name, "must be a positive multiple of 4 (KiB), the O_DIRECT alignment")
+        if self.chunk_kib % self.checksum_block_kib:
+            self._fail("checksum_block_kib", f"must divide io.chunk_kib ({self.chunk_kib})")
+        if self.stripe_kib % self.checksum_block_kib:
+            self._fail("stripe_kib", f"must be a multiple of io.checksum_block_kib ({self.checksum_block_kib})")
+
+
+@dataclass(kw_only=True)
+class ModelConfig(Section):
+    """Which model to train. Sizes apply to a model built from scratch (random weights)."""
+
+    SECTION: ClassVar[str] = "model"
+    kind: str = opt("gpt", "'gpt' (built-in), 'llama' (transformers LlamaForCausalLM) or 'gpt2'.")
+    hf_dir: str | None = opt(None, "Local Hugging Face model directory (config.json + safetensors); never downloads.")
+    from_scratch: bool = opt(False, "With hf_dir: use its config.json but start from random weights.")
+    n_layers: int = opt(4, "Transformer blocks (from-scratch models).")
+    d_model: int = opt(256, "Hidden size (from-scratch models).")
+    n_heads: int = opt(4, "Attention heads (from-scratch models).")
+    n_kv_heads: int | None = opt(None, "Key/value heads for llama (None: same as n_heads).")
+    d_ff: int | None = opt(None, "MLP inner size (None: 4*d_model for gpt/gpt2, ~8/3*d_model for llama).")
+    vocab_size: int = opt(256, "Vocabulary size (from-scratch models; 256 fits the byte tokenizer).")
+    max_seq_len: int = opt(1024, "Longest sequence the model supports (position table size).")
+    tie_embeddings: bool = opt(False, "Share the input embedding with the output head (gpt2 ties by default).")
+    init_std: float = opt(0.02, "Standard deviation of the random initial weights.")
+
+    def __post_init__(self) -> None:
+        self._one_of("kind", ("gpt", "llama", "gpt2"))
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+            self._at_least(name, 1)
+        if self.d_model % self.n_heads:
+            self._fail("d_model", f"must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            self._fail("n_kv_heads", f"must divide model.n_heads ({self.n_heads})")
+        if self.d_ff is not None:
+            self._at_least("d_ff", 1)
+        if self.hf_dir is not None and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+            self._fail("hf_dir", "no config.json there; point it at a local Hugging Face model directory")
+        self._in_range("init_std", 0.0, 1.0)
+
+
+@dataclass(kw_only=True)
+class DataConfig(Section):
+    """Training data and batch shape."""
+
+    SECTION: ClassVar[str] = "data"
+    corpus: str = opt("bundled", "'bundled' (small public-domain text shipped with tiertrain), a .txt file, or a token file made by `tiertrain prepare`.")
+    tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for .txt corpora (None: byte-level).")
+    seq_len: int = opt(128, "Tokens per sequence.")
+    micro_batch_size: int = opt(4, "Sequences per micro-batch.")
+    micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
+    seed: int = opt(0, "Seed of the sampling order.")
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "micro_batches"):
+            self._at_least(name, 1)
+        if self.corpus != "bundled" and not os.path.exists(self.corpus):
+            self._fail("corpus", "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
+
+
+@dataclass(kw_only=True)
+class OptimConfig(Section):
+    """Optimizer and learning-rate schedule."""
+
+    SECTION: ClassVar[str] = "optim"
+    name: str = opt("adamw", "'adamw' (torch's fused kernel) or 'sgd' (with momentum).")
+    lr: float = opt(3e-4, "Peak learning rate.")
+    beta1: float = opt(0.9, "AdamW beta1.")
+    beta2: float = opt(0.95, "AdamW beta2.")
+    eps: float = opt(1e-8, "AdamW epsilon.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW) or L2 (SGD).")
+    momentum: float = opt(0.9, "SGD momentum.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0 turns clipping off).")
+    warmup_steps: int = opt(10, "Linear warmup steps.")
+    schedule: str = opt("cosine", "'cosine' (to min_lr_ratio * lr at the last step) or 'constant'.")
+    min_lr_ratio: float = opt(0.1, "Final learning rate of the cosine schedule, as a fraction of lr.")
+
+    def __post_init__(self) -> None:
+        self._one_of("name", ("adamw", "sgd"))
+        self._in_range("lr", 0.0, 10.0)
+        self._in_range("beta1", 0.0, 0.999999)
+        self._in_range("beta2", 0.0, 0.999999999)
+        self._in_range("eps", 0.0, 1.0)
+        self._at_least("weight_decay", 0.0)
+        self._in_range("momentum", 0.0, 0.999999)
+        self._at_least("grad_clip", 0.0)
+        self._at_least("warmup_steps", 0)
+        self._one_of("schedule", ("cosine", "constant"))
+        self._in_range("min_lr_ratio", 0.0, 1.0)
+
+
+@dataclass(kw_only=True)
+class MemoryConfig(Section):
+    """Fixed memory budgets, sized once at start."""
+
+    SECTION: ClassVar[str] = "memory"
+    device_slots: int = opt(3, "Device buffers for layer parameters (>= 2: one computing, the rest prefetching).")
+    host_param_mib: int = opt(0, "Host memory for keeping layer parameters off SSD, MiB (0: every layer streams from SSD).")
+    stash_host_mib: int = opt(256, "Host memory for hidden states between layers, MiB; the rest spills to SSD.")
+    update_buffer_mib: int = opt(64, "Per-buffer size of the streamed optimizer update, MiB (3 buffers in flight).")
+
+    def __post_init__(self) -> None:
+        self._in_range("device_slots", 2, 64)
+        self._at_least("host_param_mib", 0)
+        self._at_least("stash_host_mib", 0)
+        self._in_range("update_buffer_mib", 1, 4096)
+
+
+@dataclass(kw_only=True)
+class UpdateConfig(Section):
+    """Where the optimizer step runs."""
+
+    SECTION: ClassVar[str] = "update"
+    mode: str = opt("baseline", "'baseline': the trainer streams states through its own buffers after the backward.")
+
+    def __post_init__(self) -> None:
+        self._one_of("mode", ("baseline",))
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig(Section):
+    """Checkpoints of the whole run state."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    every: int = opt(0, "Save every N steps (0: only at the end).")
+    keep: int = opt(2, "Keep the last K checkpoints.")
+
+    def __post_init__(self) -> None:
+        self._at_least("every", 0)
+        self._at_least("keep", 1)
+
+
+@dataclass(kw_only=True)
+class TrainConfig(Section):
+    """The run."""
+
+    SECTION: ClassVar[str] = "train"
+    steps: int = opt(40, "Optimizer steps to run.")
+    seed: int = opt(0, "Seed of the model's initial weights and of dropout.")
+    device: str = opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda'.")
+    param_dtype: str = opt("auto", "'auto' (float32 on cpu, bfloat16 on cuda), 'float32' or 'bfloat16'.")
+    run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
+    log_every: int = opt(1, "Print the per-step line every N steps.")
+    progress: bool = opt(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        self._at_least("steps", 1)
+        self._one_of("device", ("auto", "cpu", "cuda"))
+        self._one_of("param_dtype", ("auto", "float32", "bfloat16"))
+        self._at_least("log_every", 1)
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole tree. ``Config()`` is the default main job."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
+                "lower one or raise the other"
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, tree: dict[str, Any]) -> "Config":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw = {}
+        for name, values in tree.items():
+            if name not in sections:
+                raise ConfigError(f"unknown config section [{name}]{_suggest(name, sections)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
+            kw[name] = _make_section(_section_class(name), values)
+        return cls(**kw)
+
+
+def _section_class(name: str) -> type:
+    return typing.get_type_hints(Config)[name]
+
+
+def _suggest(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def _make_section(cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown field {cls.SECTION}.{key}{_suggest(key, names)}")
+        kw[key] = _coerce(f"{cls.SECTION}.{key}", value, hints[key])
+    return cls(**kw)
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Turn ``value`` (from TOML or a flag) into ``typ``, or say why it cannot be."""
+    args = typing.get_args(typ)
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} = {value!r}: expected a list")
+        return [_coerce(name, v, args[0]) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{name} = {value!r}: expected true or false")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{name} = {value!r}: expected an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name} = {value!r}: expected an integer") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} = {value!r}: expected a number") from None
+    if typ is str:
+        return str(value)
+    return value
+
+
+def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["--optim.lr=1e-3", "--io.paths", "/a,/b"]`` -> ``{"optim": {"lr": "1e-3"}, ...}``."""
+    tree: dict[str, dict[str, Any]] = {}
+    it = iter(flags)
+    for flag in it:
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"unexpected argument {flag!r}: overrides look like --section.field=value")
+        key, eq, value = flag[2:].partition("=")
+        if not eq:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"{flag} needs a value: {flag}=VALUE")
+        section, _, name = key.partition(".")
+        tree.setdefault(section, {})[name] = _literal(value)
+    return tree
+
+
+def _literal(text: str) -> Any:
+    """A flag's text as a TOML value where it parses as one (1e-3, true, [1, 2]), else the text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``--section.field=value`` overrides, validate."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for section, values in parse_overrides(overrides).items():
+        if section not in tree:
+            tree[section] = {}
+        if not isinstance(tree[section], dict):
+            raise ConfigError(f"[{section}] in {path} is not a table")
+        tree[section].update(values)
+    return Config.from_dict(tree)
+
+
+def config_reference() -> str:
+    """Markdown reference of every section and field: default and doc."""
+    lines = []
+    for f in dataclasses.fields(Config):
+        cls = _section_class(f.name)
+        lines += [f"### [{f.name}]", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
+        default = cls()
+        for sf in dataclasses.fields(cls):
+            lines.append(f"| `{sf.name}` | `{getattr(default, sf.name)!r}` | {sf.metadata.get('doc', '')} |")
+        lines.append("")
+    return "\n".join(lines)

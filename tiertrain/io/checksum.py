@@ -1,0 +1,109 @@
+"""Per-block CRC32C checksums, stored in a sidecar file beside the data.
+
+Layout of ``<file>.crc``: a 40-byte header (magic, version, block size, data size, block
+count, crc32c of the rest) followed by one little-endian uint32 per block. Block ``i``
+covers bytes ``[i*block, min((i+1)*block, size))`` of the data file. The sidecar is
+replaced atomically (temp file, fsync, rename), so it is either the old table or the new.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from typing import Iterable
+
+import crc32c as _crc
+import numpy as np
+
+from .align import ALIGN
+from .errors import StorageError
+
+__all__ = ["ChecksumTable", "crc32c", "sidecar_path"]
+
+_MAGIC = b"TTCRC32C"
+_HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, block, size, nblocks
+_VERSION = 1
+
+
+def crc32c(data: Iterable[np.ndarray] | np.ndarray, value: int = 0) -> int:
+    """CRC32C of one buffer or of several buffers in sequence (GIL released on large ones)."""
+    if isinstance(data, np.ndarray):
+        return _crc.crc32c(data, value)
+    for part in data:
+        value = _crc.crc32c(part, value)
+    return value
+
+
+def sidecar_path(path: str) -> str:
+    return path + ".crc"
+
+
+class ChecksumTable:
+    """The CRC32C of every ``block``-byte block of a file of fixed ``size``."""
+
+    def __init__(self, size: int, block: int, crcs: np.ndarray | None = None) -> None:
+        if block <= 0 or block % ALIGN:
+            raise ValueError(f"checksum block must be a positive multiple of {ALIGN}, got {block}")
+        self.size, self.block = size, block
+        self.nblocks = -(-size // block)
+        self._lock = threading.Lock()
+        if crcs is None:
+            crcs = np.full(self.nblocks, self._zero_crc(block), dtype=np.uint32)
+            if self.nblocks and size % block:
+                crcs[-1] = self._zero_crc(size % block)
+        self.crcs = crcs
+
+    @staticmethod
+    def _zero_crc(n: int) -> int:
+        return _crc.crc32c(bytes(n))
+
+    def block_len(self, i: int) -> int:
+        return min(self.block, self.size - i * self.block)
+
+    def set(self, i: int, value: int) -> None:
+        self.crcs[i] = value
+
+    def expected(self, i: int) -> int:
+        return int(self.crcs[i])
+
+    # -- persistence -------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        body = self.crcs.astype("<u4").tobytes()
+        head = _HEADER.pack(_MAGIC, _VERSION, 0, self.block, self.size, self.nblocks)
+        return head + struct.pack("<I", _crc.crc32c(body, _crc.crc32c(head))) + body
+
+    def save(self, path: str) -> None:
+        """Atomically replace the sidecar at ``path`` (temp file, fsync, rename)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with self._lock:
+            data = self.to_bytes()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "ChecksumTable":
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise StorageError(
+                errno.ENOENT, path, f"checksum file {path} is missing (was the data written with checksum=False?)"
+            ) from None
+        n = _HEADER.size + 4
+        if len(data) < n:
+            raise StorageError(errno.EIO, path, f"checksum file {path} is truncated ({len(data)} bytes)")
+        magic, version, _, block, size, nblocks = _HEADER.unpack_from(data)
+        (stored,) = struct.unpack_from("<I", data, _HEADER.size)
+        body = data[n:]
+        if magic != _MAGIC or version != _VERSION:
+            raise StorageError(errno.EIO, path, f"{path} is not a tiertrain checksum file (bad magic or version)")
+        if len(body) != 4 * nblocks or _crc.crc32c(body, _crc.crc32c(data[: _HEADER.size])) != stored:
+            raise StorageError(errno.EIO, path, f"checksum file {path} is corrupt (its own crc32c does not match)")
+        return cls(size, block, np.frombuffer(body, dtype="<u4").astype(np.uint32))

@@ -1,0 +1,63 @@
+"""Futures returned by non-blocking I/O calls."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Callable, Sequence
+
+__all__ = ["IOFuture"]
+
+
+class IOFuture:
+    """The result of a non-blocking ``pread``/``pwrite``: one request split into chunk tasks.
+
+    ``get()`` waits for every chunk and returns the number of bytes transferred; if a chunk
+    failed it raises that chunk's error (an ``OSError`` with the original errno and path),
+    after all chunks have stopped, so the caller's buffer is never still being written
+    when the exception reaches it.
+    """
+
+    __slots__ = ("_parts", "_finish", "_result", "_error")
+
+    def __init__(self, parts: Sequence[cf.Future], finish: Callable[[int], int] | None = None) -> None:
+        self._parts = list(parts)
+        self._finish = finish
+        self._result: int | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def completed(cls, nbytes: int = 0) -> "IOFuture":
+        f: cf.Future = cf.Future()
+        f.set_result(nbytes)
+        return cls([f])
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def cancel(self) -> bool:
+        """Cancel the chunks that have not started. True if none of the request ran."""
+        return all([p.cancel() for p in self._parts])
+
+    def get(self, timeout: float | None = None) -> int:
+        """Block until done; return bytes transferred or raise the first chunk error."""
+        if self._result is not None:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        done, pending = cf.wait(self._parts, timeout=timeout)
+        if pending:
+            raise TimeoutError(f"I/O not finished after {timeout} s ({len(pending)} chunks pending)")
+        total = 0
+        for p in self._parts:  # in submission order, so the first failing chunk is reported
+            if p.cancelled():
+                self._error = cf.CancelledError("I/O request was cancelled before it ran")
+                raise self._error
+            exc = p.exception()
+            if exc is not None:
+                self._error = exc
+                raise exc
+            total += p.result()
+        if self._finish is not None:
+            total = self._finish(total)
+        self._result = total
+        return total

@@ -1,0 +1,65 @@
+"""Claiming disk space at start, so a full disk is found before training, not during it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import defaultdict
+from typing import Iterable
+
+from .errors import OutOfSpaceError, StorageError
+
+__all__ = ["check_space", "preallocate", "free_bytes"]
+
+
+def _existing_dir(path: str) -> str:
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    return d if os.path.isdir(d) else os.path.dirname(d)
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free to this user on the filesystem that holds ``path`` (or would hold it)."""
+    return shutil.disk_usage(_existing_dir(path)).free
+
+
+def check_space(needs: Iterable[tuple[str, int]], *, reserve: int = 0) -> None:
+    """Raise ``OutOfSpaceError`` unless every filesystem can hold the bytes asked of it.
+
+    ``needs`` lists ``(path, bytes)``; paths on the same filesystem are added up, and
+    bytes already allocated to an existing file at that path count as available (the
+    file will be reused). ``reserve`` is kept free on each filesystem besides.
+    """
+    per_fs: dict[int, list] = defaultdict(lambda: [None, 0])
+    for path, nbytes in needs:
+        existing = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
+        dev = os.stat(_existing_dir(path)).st_dev
+        entry = per_fs[dev]
+        entry[0] = entry[0] or path
+        entry[1] += max(0, nbytes - existing)
+    for path, needed in per_fs.values():
+        free = free_bytes(path)
+        if needed + reserve > free:
+            raise OutOfSpaceError(path, needed + reserve, free)
+
+
+def preallocate(fd: int, size: int, path: str) -> None:
+    """Give the open file ``size`` bytes of real disk blocks now (posix_fallocate).
+
+    Unlike ftruncate, which makes a sparse file that can still fail with ENOSPC on a
+    later write, this reserves the blocks: later writes inside ``size`` cannot run out of
+    space. Filesystems without fallocate support get glibc's emulation (zero writes).
+    """
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise OutOfSpaceError(path, size, free_bytes(path)) from None
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. some network filesystems
+            os.ftruncate(fd, size)
+            return
+        raise StorageError.from_os(exc, path, "preallocation", 0, size) from None

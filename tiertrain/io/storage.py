@@ -1,0 +1,117 @@
+"""``Storage``: the storage tier of a run, one or more directories (one per SSD)."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+from .space import check_space
+from .stats import StatsSnapshot
+from .stripe import StripedFile, local_size
+from .workers import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, IOWorkers
+
+__all__ = ["Storage"]
+
+
+class Storage:
+    """Directories on one or more SSDs, each with its own I/O threads and counters.
+
+    Files made here are striped over every path, preallocated to their full size (so
+    space is claimed when they are created), and checksummed when ``checksum`` is on.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        *,
+        threads: int = DEFAULT_THREADS,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stripe_bytes: int = 4 << 20,
+        direct: bool = True,
+        checksum: bool = True,
+        checksum_block: int = 1 << 20,
+        bounce_buffers: int = 2,
+    ) -> None:
+        if not paths:
+            raise ValueError("Storage needs at least one path")
+        self.paths = [os.path.abspath(os.fspath(p)) for p in paths]
+        if len(set(self.paths)) != len(self.paths):
+            raise ValueError(f"storage paths must be distinct, got {self.paths}")
+        for p in self.paths:
+            os.makedirs(p, exist_ok=True)
+        self.stripe_bytes, self.direct = stripe_bytes, direct
+        self.checksum, self.checksum_block = checksum, checksum_block
+        self.workers = [
+            IOWorkers(p, threads=threads, chunk_bytes=chunk_bytes, bounce_buffers=bounce_buffers) for p in self.paths
+        ]
+
+    @classmethod
+    def from_config(cls, cfg: "IOConfig", paths: Sequence[str] | None = None) -> "Storage":  # noqa: F821
+        return cls(
+            paths if paths is not None else cfg.paths,
+            threads=cfg.threads,
+            chunk_bytes=cfg.chunk_kib << 10,
+            stripe_bytes=cfg.stripe_kib << 10,
+            direct=cfg.direct,
+            checksum=cfg.checksum,
+            checksum_block=cfg.checksum_block_kib << 10,
+        )
+
+    def _kw(self, checksum: bool | None) -> dict:
+        return dict(
+            workers=self.workers,
+            stripe_bytes=self.stripe_bytes,
+            direct=self.direct,
+            checksum=self.checksum if checksum is None else checksum,
+            checksum_block=self.checksum_block,
+        )
+
+    def create(self, name: str, size: int, *, checksum: bool | None = None) -> StripedFile:
+        """Make (or replace) file ``name`` of ``size`` bytes on every path, space claimed now."""
+        return StripedFile(self.paths, name, "w", size=size, **self._kw(checksum))
+
+    def open(self, name: str, mode: str = "r+", *, checksum: bool | None = None) -> StripedFile:
+        """Open an existing file made by ``create``."""
+        return StripedFile(self.paths, name, mode, **self._kw(checksum))
+
+    def exists(self, name: str) -> bool:
+        return all(os.path.exists(os.path.join(p, name)) for p in self.paths)
+
+    def remove(self, name: str) -> None:
+        for p in self.paths:
+            for f in (os.path.join(p, name), os.path.join(p, name) + ".crc"):
+                if os.path.exists(f):
+                    os.remove(f)
+
+    def check_space(self, files: Iterable[tuple[str, int]]) -> None:
+        """Raise ``OutOfSpaceError`` now unless every path can hold its share of ``files``."""
+        needs = []
+        for name, size in files:
+            for i, p in enumerate(self.paths):
+                needs.append((os.path.join(p, name), local_size(size, i, len(self.paths), self.stripe_bytes)))
+        check_space(needs)
+
+    def stats(self) -> dict[str, StatsSnapshot]:
+        """Counters per path (bytes and busy seconds per direction) since start."""
+        return {w.name: w.stats.snapshot() for w in self.workers}
+
+    def total(self) -> StatsSnapshot:
+        out = StatsSnapshot()
+        for s in self.stats().values():
+            out = out + s
+        return out
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host memory held by bounce/staging buffers of all paths."""
+        return sum(w.pool_bytes for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+    def __enter__(self) -> "Storage":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
