@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the command line (`tiertrain bench ...`)."""

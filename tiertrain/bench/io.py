@@ -1,0 +1,221 @@
+"""``tiertrain bench io``: sequential write and read bandwidth of the storage tier,
+against fio at the same block size and depth, measured in the same run.
+
+Both tools overwrite and read back a file that was laid out (allocated and written)
+first: that is the steady state of training, where state files are rewritten every step.
+Runs alternate (tiertrain, fio, tiertrain, fio, ...) so drift in the disk's speed hits
+both; medians are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..io import Storage, aligned_empty
+
+__all__ = ["IOBenchResult", "run_io_bench", "format_io_bench", "run_sweep"]
+
+
+@dataclass
+class IOBenchResult:
+    paths: list[str]
+    size_bytes: int
+    threads: int
+    chunk_bytes: int
+    repeats: int
+    ours: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": [], "read_crc": []})
+    fio: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": []})
+    fio_version: str | None = None
+    dropped_cache: bool = False
+
+    def median(self, who: str, kind: str) -> float | None:
+        vals = (self.ours if who == "ours" else self.fio).get(kind) or []
+        return statistics.median(vals) if vals else None
+
+
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the page cache, when this process is allowed to."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _ours(st: Storage, name: str, buf: torch.Tensor, size: int, kind: str) -> float:
+    """GB/s of one sequential pass over ``name``, the buffer reused at successive offsets."""
+    with st.open(name, "r" if kind == "read" else "r+") as f:
+        t0 = time.perf_counter()
+        futs = []
+        for off in range(0, size, buf.numel()):
+            n = min(buf.numel(), size - off)
+            futs.append(f.pread(buf, n, off) if kind == "read" else f.pwrite(buf, n, off))
+        done = sum(x.get() for x in futs)
+        dt = time.perf_counter() - t0
+    assert done == size, f"moved {done} of {size} bytes"
+    return size / dt / 1e9
+
+
+FIO_ENGINES = ("libaio", "io_uring")
+
+
+def _fio(paths: list[str], name: str, size: int, threads: int, chunk: int, kind: str) -> float:
+    """GB/s of fio on the same files, O_DIRECT, one job per path, ``threads`` requests in
+    flight of ``chunk`` bytes: the better of its libaio and io_uring engines."""
+    return max(_fio_engine(e, paths, name, size, threads, chunk, kind) for e in FIO_ENGINES)
+
+
+def _fio_engine(engine: str, paths: list[str], name: str, size: int, threads: int, chunk: int, kind: str) -> float:
+    if kind == "read":
+        drop_page_cache()
+    args = ["fio", "--output-format=json", "--group_reporting", "--direct=1", f"--ioengine={engine}"]
+    args += [f"--bs={chunk}", f"--iodepth={threads}", f"--rw={'read' if kind == 'read' else 'write'}"]
+    args += ["--fallocate=none", "--overwrite=1" if kind == "write" else "--overwrite=0"]
+    per_path = size // len(paths)
+    for p in paths:
+        args += [f"--name=job-{os.path.basename(p)}", f"--filename={os.path.join(p, name)}", f"--size={per_path}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out)["jobs"][0]
+    return job["read" if kind == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def run_io_bench(
+    paths: list[str],
+    *,
+    size_bytes: int = 2 << 30,
+    threads: int = 8,
+    chunk_bytes: int = 16 << 20,
+    repeats: int = 3,
+    use_fio: bool = True,
+    progress: bool = True,
+) -> IOBenchResult:
+    from tqdm import tqdm
+
+    res = IOBenchResult(list(paths), size_bytes, threads, chunk_bytes, repeats)
+    fio_ok = use_fio and shutil.which("fio") is not None
+    if fio_ok:
+        res.fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+    name = "tiertrain-bench-io.dat"
+    buf = aligned_empty(min(size_bytes, 256 << 20))
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+    st = Storage(paths, threads=threads, chunk_bytes=chunk_bytes, stripe_bytes=chunk_bytes, checksum=False)
+    try:
+        st.check_space([(name, size_bytes)])
+        with st.create(name, size_bytes) as f:  # lay out: allocate and write once
+            for off in range(0, size_bytes, buf.numel()):
+                f.write(buf, min(buf.numel(), size_bytes - off), off)
+        steps = repeats * (4 if fio_ok else 3)
+        bar = tqdm(total=steps, desc="bench io", disable=not progress, unit="pass")
+        for _ in range(repeats):
+            res.ours["write"].append(_ours(st, name, buf, size_bytes, "write"))
+            bar.update()
+            if fio_ok:
+                res.fio["write"].append(_fio(st.paths, name, size_bytes, threads, chunk_bytes, "write"))
+                bar.update()
+            res.dropped_cache = drop_page_cache()
+            res.ours["read"].append(_ours(st, name, buf, size_bytes, "read"))
+            bar.update()
+            if fio_ok:
+                res.fio["read"].append(_fio(st.paths, name, size_bytes, threads, chunk_bytes, "read"))
+                bar.update()
+        bar.close()
+        _rewrite_with_checksums(st, name, buf, size_bytes)
+        for _ in range(repeats):  # the same read, verifying a CRC32C per block on the way
+            res.ours["read_crc"].append(_ours_crc(st, name, buf, size_bytes))
+    finally:
+        st.remove(name)
+        st.close()
+    return res
+
+
+def _rewrite_with_checksums(st: Storage, name: str, buf: torch.Tensor, size: int) -> None:
+    with st.create(name, size, checksum=True) as f:
+        for off in range(0, size, buf.numel()):
+            f.write(buf, min(buf.numel(), size - off), off)
+
+
+def _ours_crc(st: Storage, name: str, buf: torch.Tensor, size: int) -> float:
+    with st.open(name, "r", checksum=True) as f:
+        t0 = time.perf_counter()
+        futs = [f.pread(buf, min(buf.numel(), size - off), off) for off in range(0, size, buf.numel())]
+        done = sum(x.get() for x in futs)
+        dt = time.perf_counter() - t0
+    assert done == size
+    return size / dt / 1e9
+
+
+def _machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.node()}: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def format_io_bench(res: IOBenchResult) -> str:
+    """A markdown report: medians, spreads, and the ratio to fio."""
+    lines = [
+        f"# tiertrain bench io, {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        f"- machine: {_machine()}",
+        f"- paths: {', '.join(res.paths)}",
+        f"- file: {res.size_bytes / 2**30:.2f} GiB per pass, {res.threads} threads, {res.chunk_bytes >> 20} MiB chunks,"
+        f" {res.repeats} alternating repeats; page cache dropped before reads: {res.dropped_cache}",
+        f"- fio: {res.fio_version or 'not installed (apt-get install fio)'}"
+        + (
+            f" (O_DIRECT, bs={res.chunk_bytes >> 20} MiB, iodepth={res.threads}; each run the better of"
+            f" {' and '.join(FIO_ENGINES)})"
+            if res.fio_version
+            else ""
+        ),
+        "",
+        "| direction | tiertrain GB/s (median, runs) | fio GB/s (median, runs) | tiertrain / fio |",
+        "|---|---|---|---|",
+    ]
+    for kind in ("write", "read"):
+        ours, fio = res.median("ours", kind), res.median("fio", kind)
+        ratio = f"{ours / fio:.2f}" if fio else "n/a"
+        lines.append(
+            f"| {kind} | {ours:.2f} ({', '.join(f'{v:.2f}' for v in res.ours[kind])}) | "
+            + (f"{fio:.2f} ({', '.join(f'{v:.2f}' for v in res.fio[kind])})" if fio else "n/a")
+            + f" | {ratio} |"
+        )
+    crc = res.median("ours", "read_crc")
+    if crc:
+        lines.append(f"| read + crc32c verify | {crc:.2f} ({', '.join(f'{v:.2f}' for v in res.ours['read_crc'])}) | | |")
+    return "\n".join(lines) + "\n"
+
+
+def run_sweep(
+    paths: list[str],
+    *,
+    size_bytes: int = 1 << 30,
+    threads: tuple[int, ...] = (1, 2, 4, 8, 16),
+    chunks_mib: tuple[int, ...] = (1, 4, 16, 64),
+    progress: bool = True,
+) -> str:
+    """Write and read GB/s over a grid of thread counts and chunk sizes (no fio)."""
+    from tqdm import tqdm
+
+    rows = ["| threads | " + " | ".join(f"{c} MiB write / read" for c in chunks_mib) + " |"]
+    rows.append("|---|" + "---|" * len(chunks_mib))
+    bar = tqdm(total=len(threads) * len(chunks_mib), desc="sweep", disable=not progress)
+    for t in threads:
+        cells = []
+        for c in chunks_mib:
+            r = run_io_bench(paths, size_bytes=size_bytes, threads=t, chunk_bytes=c << 20, repeats=1,
+                             use_fio=False, progress=False)
+            cells.append(f"{r.median('ours', 'write'):.2f} / {r.median('ours', 'read'):.2f}")
+            bar.update()
+        rows.append(f"| {t} | " + " | ".join(cells) + " |")
+    bar.close()
+    head = f"## Sweep: GB/s, {size_bytes / 2**30:.1f} GiB per pass, one run each (noisy disk)\n\n"
+    return head + "\n".join(rows) + "\n"

@@ -1,0 +1,117 @@
+"""The ``tiertrain`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+from .config import ConfigError, config_reference, load_config
+
+__all__ = ["main"]
+
+log = logging.getLogger("tiertrain")
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
+
+
+def _cmd_bench_io(args: argparse.Namespace) -> int:
+    from .bench.io import format_io_bench, run_io_bench, run_sweep
+
+    res = run_io_bench(
+        args.path,
+        size_bytes=int(args.size_gib * 2**30),
+        threads=args.threads,
+        chunk_bytes=args.chunk_mib << 20,
+        repeats=args.repeats,
+        use_fio=not args.no_fio,
+    )
+    report = format_io_bench(res)
+    if args.sweep:
+        report += "\n" + run_sweep(args.path, size_bytes=min(res.size_bytes, 1 << 30))
+    print(report)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(report)
+        log.info("wrote %s", args.out)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    if args.reference:
+        print(config_reference())
+        return 0
+    cfg = load_config(args.config, overrides)
+    for section, values in cfg.to_dict().items():
+        print(f"[{section}]")
+        for k, v in values.items():
+            print(f"{k} = {_toml(v)}")
+        print()
+    return 0
+
+
+def _toml(v: object) -> str:
+    if v is None:
+        return '"none"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiertrain", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd")
+
+    c = sub.add_parser("config", help="print the resolved config (or --reference: every field)")
+    c.add_argument("--config", help="TOML file")
+    c.add_argument("--reference", action="store_true", help="print the documentation of every field")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bio = bsub.add_parser("io", help="sequential write/read GB/s of the storage tier vs fio")
+    bio.add_argument("--path", action="append", required=True, help="a scratch directory (repeat for several SSDs)")
+    bio.add_argument("--size-gib", type=float, default=2.0, help="bytes moved per pass (default 2 GiB)")
+    bio.add_argument("--threads", type=int, default=8)
+    bio.add_argument("--chunk-mib", type=int, default=16)
+    bio.add_argument("--repeats", type=int, default=3)
+    bio.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
+    bio.add_argument("--sweep", action="store_true", help="also sweep threads x chunk size")
+    bio.add_argument("--out", help="also write the report (markdown) here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        if args.cmd == "config":
+            return _cmd_config(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.cmd == "bench" and args.bench == "io":
+            return _cmd_bench_io(args)
+        parser.print_help()
+        return 2
+    except ConfigError as exc:
+        print(f"tiertrain: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
