@@ -15,8 +15,20 @@ __all__ = ["main"]
 log = logging.getLogger("tiertrain")
 
 
+class _TqdmHandler(logging.StreamHandler):
+    """Log lines written above a running progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
 def _setup_logging(verbose: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _TqdmHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
@@ -43,6 +55,23 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             f.write(report)
         log.info("wrote %s", args.out)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .train import Trainer
+
+    cfg = load_config(args.config, overrides)
+    with Trainer(cfg) as trainer:
+        trainer.run()
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .data.prepare import prepare
+
+    n = prepare(args.input, args.output, tokenizer=args.tokenizer)
+    log.info("wrote %d tokens to %s", n, args.output)
     return 0
 
 
@@ -76,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd")
 
+    t = sub.add_parser("train", help="train (no arguments: the default main job)")
+    t.add_argument("--config", help="TOML file; flags --section.field=value override it")
+
+    pr = sub.add_parser("prepare", help="tokenize text files into a token file for data.corpus")
+    pr.add_argument("--input", required=True, action="append", help="a .txt file (repeat for several)")
+    pr.add_argument("--output", required=True, help="the token file to write")
+    pr.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (default: byte-level)")
+
     c = sub.add_parser("config", help="print the resolved config (or --reference: every field)")
     c.add_argument("--config", help="TOML file")
     c.add_argument("--reference", action="store_true", help="print the documentation of every field")
@@ -102,10 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "config":
             return _cmd_config(args, rest)
+        if args.cmd in (None, "train"):
+            if args.cmd is None:
+                args.config = None
+            return _cmd_train(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.cmd == "bench" and args.bench == "io":
             return _cmd_bench_io(args)
+        if args.cmd == "prepare":
+            return _cmd_prepare(args)
         parser.print_help()
         return 2
     except ConfigError as exc:

@@ -183,14 +183,16 @@ class MemoryConfig(Section):
     SECTION: ClassVar[str] = "memory"
     device_slots: int = opt(3, "Device buffers for layer parameters (>= 2: one computing, the rest prefetching).")
     host_param_mib: int = opt(0, "Host memory for keeping layer parameters off SSD, MiB (0: every layer streams from SSD).")
+    grad_host_mib: int = opt(256, "Host memory where gradients wait for the update, MiB; the rest go to SSD.")
+    optim_host_mib: int = opt(0, "Host memory for optimizer states (moments, master weights), MiB (0: all on SSD).")
     stash_host_mib: int = opt(256, "Host memory for hidden states between layers, MiB; the rest spills to SSD.")
-    update_buffer_mib: int = opt(64, "Per-buffer size of the streamed optimizer update, MiB (3 buffers in flight).")
+    update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)
-        self._at_least("host_param_mib", 0)
-        self._at_least("stash_host_mib", 0)
-        self._in_range("update_buffer_mib", 1, 4096)
+        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib"):
+            self._at_least(name, 0)
+        self._in_range("update_buffer_kib", 64, 4 << 20)
 
 
 @dataclass(kw_only=True)

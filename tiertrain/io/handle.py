@@ -324,7 +324,30 @@ class FileHandle:
             return True
         return off % ALIGN == 0 and all(s.ctypes.data % ALIGN == 0 and len(s) % ALIGN == 0 for s in segs)
 
+    def _block_locks(self, lo: int, hi: int) -> list[threading.Lock]:
+        """The locks of the ``gran``-sized blocks in ``[lo, hi)``, in acquisition order.
+
+        Partial-block writers hold their edge blocks' locks while they read, patch, write
+        and re-checksum; readers that verify a block hold its lock, so they never see the
+        data of one version with the checksum of another.
+        """
+        gran = self._gran()
+        idx = sorted({(b // gran) % len(self._rmw_locks) for b in range(round_down(lo, gran), hi, gran)})
+        return [self._rmw_locks[i] for i in idx]
+
     def _read_chunk(self, off: int, segs: list[np.ndarray], n: int) -> int:
+        if self._table is None:
+            return self._read_unlocked(off, segs, n)
+        locks = self._block_locks(off, off + n)
+        for lock in locks:
+            lock.acquire()
+        try:
+            return self._read_unlocked(off, segs, n)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    def _read_unlocked(self, off: int, segs: list[np.ndarray], n: int) -> int:
         if self._straight(off, segs, n):
             got = self._preadv_full(segs, off)
             if self._table is not None:
@@ -351,7 +374,7 @@ class FileHandle:
         lo, hi = round_down(off, gran), round_up(off + n, gran)
         edges = sorted({b for b, partial in ((lo, off > lo), (hi - gran, off + n < hi)) if partial})
         locks = sorted({(b // gran) % len(self._rmw_locks) for b in edges})
-        for i in locks:  # ascending order: no deadlock between tasks sharing two edge blocks
+        for i in locks:  # ascending order everywhere: no deadlock between tasks
             self._rmw_locks[i].acquire()
         try:
             with self.workers.bounce().acquire() as bounce:

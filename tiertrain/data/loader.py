@@ -1,0 +1,92 @@
+"""Tokenizers, corpora and the batch sampler.
+
+The sampler is a pure function of (seed, step): step ``s`` draws its ``M * B`` windows of
+``T + 1`` tokens from a generator seeded by ``(seed, s)``. A run that resumes at step
+``s`` therefore sees exactly the batches an uninterrupted run would, with no data
+position to save beyond the step number.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, DataConfig
+from .tokens import read_tokens
+
+__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "bundled_corpus_path"]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class _HFTokenizer:
+    def __init__(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def load_tokenizer(directory: str | None) -> Any:
+    """The byte-level tokenizer, or a Hugging Face tokenizer from a local directory."""
+    if directory is None:
+        return ByteTokenizer()
+    if not os.path.isdir(directory):
+        raise ConfigError(f"data.tokenizer = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
+    return _HFTokenizer(directory)
+
+
+def bundled_corpus_path() -> str:
+    return str(resources.files("tiertrain.data").joinpath("kjv_genesis_exodus.txt"))
+
+
+class Corpus:
+    """Token ids of the configured corpus and the batches of each step."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        path = bundled_corpus_path() if cfg.corpus == "bundled" else cfg.corpus
+        if path.endswith(".txt"):
+            tok = load_tokenizer(cfg.tokenizer)
+            with open(path, encoding="utf-8") as f:
+                ids = tok.encode(f.read())
+            dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+            self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
+        else:
+            self.tokens, self.vocab_size = read_tokens(path)
+        self.path = path
+        need = cfg.seq_len + 1
+        if len(self.tokens) < need:
+            raise ConfigError(f"data.corpus: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``micro_batches`` (inputs, targets) pairs of step ``step`` (0-based)."""
+        c = self.cfg
+        rng = np.random.default_rng([c.seed, step])
+        starts = rng.integers(0, len(self.tokens) - c.seq_len, size=(c.micro_batches, c.micro_batch_size))
+        out = []
+        for row in starts:
+            win = np.stack([np.asarray(self.tokens[s : s + c.seq_len + 1], dtype=np.int64) for s in row])
+            t = torch.from_numpy(win)
+            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        return out

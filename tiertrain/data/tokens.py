@@ -1,0 +1,70 @@
+"""Token files: a header and a flat array of token ids, read through numpy memmap.
+
+Layout: 64-byte header (magic ``TTTOKENS``, version, item size, token count, vocabulary
+size, crc32c of the tokens), then the tokens as little-endian uint16 or uint32.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Iterable
+
+import numpy as np
+
+from ..io.checksum import crc32c
+
+__all__ = ["write_tokens", "read_tokens", "TokenFileError", "HEADER_BYTES"]
+
+_MAGIC = b"TTTOKENS"
+_HEAD = struct.Struct("<8sIIQQI")
+HEADER_BYTES = 64
+
+
+class TokenFileError(ValueError):
+    """A token file is missing, malformed or corrupt."""
+
+
+def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> int:
+    """Write token ids (an iterable of arrays) to ``path``; return the token count."""
+    dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    tmp = f"{path}.tmp{os.getpid()}"
+    count, crc = 0, 0
+    with open(tmp, "wb") as f:
+        f.write(bytes(HEADER_BYTES))
+        for chunk in chunks:
+            arr = np.asarray(chunk)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise TokenFileError(f"token ids must be in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
+            data = arr.astype(dtype).tobytes()
+            crc = crc32c(np.frombuffer(data, dtype=np.uint8), crc)
+            f.write(data)
+            count += arr.size
+        f.seek(0)
+        f.write(_HEAD.pack(_MAGIC, 1, dtype.itemsize, count, vocab_size, crc))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return count
+
+
+def read_tokens(path: str, *, verify: bool = False) -> tuple[np.ndarray, int]:
+    """The tokens of ``path`` (a read-only memmap) and the vocabulary size."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        raise TokenFileError(f"token file {path} does not exist; make one with `tiertrain prepare`") from None
+    if len(head) < _HEAD.size or head[:8] != _MAGIC:
+        raise TokenFileError(f"{path} is not a tiertrain token file (made by `tiertrain prepare`)")
+    _, version, itemsize, count, vocab, crc = _HEAD.unpack_from(head)
+    dtype = {2: "<u2", 4: "<u4"}.get(itemsize)
+    if version != 1 or dtype is None:
+        raise TokenFileError(f"{path}: unsupported token file version {version} / item size {itemsize}")
+    expected = HEADER_BYTES + count * itemsize
+    if os.path.getsize(path) < expected:
+        raise TokenFileError(f"{path} is truncated: expected {expected} bytes, found {os.path.getsize(path)}")
+    arr = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    if verify and crc32c(np.frombuffer(arr, dtype=np.uint8)) != crc:
+        raise TokenFileError(f"{path}: token data does not match its checksum; the file is corrupt")
+    return arr, vocab

@@ -1,0 +1,97 @@
+"""Per-step metrics: one fixed line for people, the same record as JSON lines for tools."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["StepRecord", "MetricsLog", "peak_flops", "log"]
+
+log = logging.getLogger("tiertrain")
+
+# Dense bf16 peak FLOP/s of devices whose MFU we can state (per device).
+_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    if not device_name:
+        return None
+    for key, value in _PEAKS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    step_s: float
+    forward_s: float
+    backward_s: float
+    update_s: float
+    io_wait_s: float
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+    ssd_read_gbps: float
+    ssd_write_gbps: float
+    peak_host_bytes: int
+    peak_device_bytes: int
+    mfu: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    def line(self, steps: int) -> str:
+        mfu = f"{100 * self.mfu:.1f}%" if self.mfu is not None else "-"
+        return (
+            f"step {self.step:>{len(str(steps))}}/{steps} | loss {self.loss:.4f} | "
+            f"{self.tokens_per_s:,.0f} tok/s | mfu {mfu} | "
+            f"ssd r {self.ssd_read_bytes / 1e9:.2f} GB {self.ssd_read_gbps:.2f} GB/s "
+            f"w {self.ssd_write_bytes / 1e9:.2f} GB {self.ssd_write_gbps:.2f} GB/s | "
+            f"peak host {self.peak_host_bytes / 2**20:,.0f} MiB dev {self.peak_device_bytes / 2**20:,.0f} MiB | "
+            f"io wait {self.io_wait_s:.2f} s | {self.step_s:.2f} s"
+        )
+
+
+class MetricsLog:
+    """Writes ``metrics.jsonl`` in the run directory and keeps the records for the summary."""
+
+    def __init__(self, run_dir: str, *, resume: bool = False) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._f = open(self.path, "a" if resume else "w")
+        self.records: list[StepRecord] = []
+
+    def add(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        d = asdict(rec)
+        d["tokens_per_s"] = rec.tokens_per_s
+        self._f.write(json.dumps(d) + "\n")
+        self._f.flush()
+
+    def summary(self) -> str:
+        if not self.records:
+            return "no steps run"
+        recs = self.records
+        steady = recs[1:] if len(recs) > 2 else recs  # the first step pays for warm-up
+        med = statistics.median(r.step_s for r in steady)
+        tok = statistics.median(r.tokens_per_s for r in steady)
+        rd = statistics.median(r.ssd_read_bytes for r in steady)
+        wr = statistics.median(r.ssd_write_bytes for r in steady)
+        return (
+            f"{len(recs)} steps: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}; median step {med:.2f} s, "
+            f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
+            f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
+        )
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,200 @@
+"""Models cut into units (embed, blocks, head) whose weights live in the parameter store.
+
+``build_model`` makes the skeleton (no weight memory) and a ``WeightSource`` for its
+initial weights: seeded random initialisation unit by unit, or a local Hugging Face
+directory of safetensors files read one unit at a time. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, ModelConfig
+from .base import LayeredModel, WeightSource, materialize_placeholders, unit_param_names
+from .gpt import build_gpt
+from .hf import layer_gpt2, layer_llama
+
+__all__ = [
+    "LayeredModel",
+    "WeightSource",
+    "build_model",
+    "hf_config_from",
+    "unit_param_names",
+    "random_source",
+    "safetensors_source",
+    "tensor_source",
+]
+
+
+def hf_config_from(cfg: ModelConfig) -> Any:
+    """The transformers config of an HF model kind: from ``hf_dir``, or from the sizes in ``cfg``."""
+    from transformers import AutoConfig, GPT2Config, LlamaConfig
+
+    if cfg.hf_dir is not None:
+        hf_cfg = AutoConfig.from_pretrained(cfg.hf_dir, local_files_only=True)
+    elif cfg.kind == "llama":
+        hf_cfg = LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.d_ff or _llama_ff(cfg.d_model),
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+            max_position_embeddings=cfg.max_seq_len,
+            tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.init_std,
+        )
+    else:
+        hf_cfg = GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_inner=cfg.d_ff,
+            n_positions=cfg.max_seq_len,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            initializer_range=cfg.init_std,
+        )
+    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg.use_cache = False
+    return hf_cfg
+
+
+def _llama_ff(d: int) -> int:
+    return 256 * ((int(8 * d / 3) + 255) // 256)
+
+
+def _build_hf(cfg: ModelConfig) -> LayeredModel:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = hf_config_from(cfg)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) real
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    # accelerate re-creates parameters assigned inside its context, which unties them
+    hf.tie_weights()
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
+            raise RuntimeError(f"{type(hf).__name__}: could not tie the output head to the input embedding")
+    arch = type(hf).__name__
+    if hasattr(hf, "model") and hasattr(hf.model, "layers") and hasattr(hf.model, "rotary_emb"):
+        return layer_llama(hf)
+    if hasattr(hf, "transformer") and hasattr(hf.transformer, "wpe"):
+        return layer_gpt2(hf)
+    raise ConfigError(f"model.hf_dir: {arch} is not supported yet (supported: Llama-family and GPT-2 layouts)")
+
+
+def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tuple[LayeredModel, WeightSource]:
+    """The skeleton of the configured model and where its initial weights come from."""
+    from accelerate import init_empty_weights
+
+    if cfg.kind == "gpt":
+        if cfg.hf_dir is not None:
+            raise ConfigError("model.hf_dir is set but model.kind = 'gpt' (built-in); use kind 'llama' or 'gpt2'")
+        with init_empty_weights(include_buffers=False):
+            model = build_gpt(
+                vocab_size=cfg.vocab_size,
+                d_model=cfg.d_model,
+                n_layers=cfg.n_layers,
+                n_heads=cfg.n_heads,
+                d_ff=cfg.d_ff,
+                max_seq_len=cfg.max_seq_len,
+                tie_embeddings=cfg.tie_embeddings,
+                init_std=cfg.init_std,
+            )
+        if cfg.tie_embeddings:  # accelerate re-creates parameters assigned inside its context: tie here
+            model.head.lm_head.weight = model.embed.wte.weight
+    else:
+        model = _build_hf(cfg)
+    materialize_placeholders(model, param_dtype)
+    if cfg.hf_dir is not None and not cfg.from_scratch:
+        return model, safetensors_source(model, cfg.hf_dir)
+    return model, random_source(model, seed)
+
+
+def random_source(model: LayeredModel, seed: int) -> WeightSource:
+    """Seeded initialisation of one unit at a time (generator seeded by seed and unit)."""
+    owned = unit_param_names(model)
+
+    def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
+        unit = model.units[u]
+        saved = {id(p): p.data for p in unit.parameters()}
+        scratch = {}
+        try:
+            for p in unit.parameters():  # foreign (tied) ones too: init must not touch the owner's
+                scratch[id(p)] = torch.empty(p.shape, dtype=torch.float32)
+                p.data = scratch[id(p)]
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + u)
+            model.init_unit(u, unit, gen)
+            return {name: scratch[id(p)] for name, p in owned[u] if name in names}
+        finally:
+            for p in unit.parameters():
+                p.data = saved[id(p)]
+
+    return WeightSource(f"random init (seed {seed})", load)
+
+
+def safetensors_source(model: LayeredModel, directory: str) -> WeightSource:
+    """Read each unit's tensors from the safetensors files of a local HF directory."""
+    from safetensors import safe_open
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+    elif os.path.exists(single):
+        with safe_open(single, "pt") as f:
+            where = {k: single for k in f.keys()}
+    else:
+        raise ConfigError(f"model.hf_dir = {directory!r}: no model.safetensors(.index.json) there; "
+                          "convert the weights to safetensors or set model.from_scratch = true")
+    hf_names = _hf_names(model)
+    prefix = getattr(model.hf_model, "base_model_prefix", "")
+
+    def find(name: str) -> str:
+        hf = hf_names[name]
+        for cand in (hf, hf.removeprefix(prefix + "."), f"{prefix}.{hf}"):
+            if cand in where:
+                return cand
+        raise ConfigError(f"model.hf_dir = {directory!r}: weight {hf!r} is missing from the safetensors files")
+
+    def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            key = find(name)
+            with safe_open(where[key], "pt") as f:
+                out[name] = f.get_tensor(key)
+        return out
+
+    return WeightSource(f"safetensors from {directory}", load)
+
+
+def tensor_source(model: LayeredModel, state: dict[str, torch.Tensor], describe: str = "given tensors") -> WeightSource:
+    """Weights from an in-memory state dict, keyed by our names or, for HF models, by the
+    HF model's own names (``hf_model.state_dict()``)."""
+    hf_names = _hf_names(model) if model.hf_model is not None else {}
+
+    def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            key = name if name in state else hf_names.get(name)
+            if key not in state:
+                raise KeyError(f"no tensor for {name} (HF name {hf_names.get(name)}) among the given weights")
+            out[name] = state[key]
+        return out
+
+    return WeightSource(describe, load)
+
+
+def _hf_names(model: LayeredModel) -> dict[str, str]:
+    """Our full parameter names -> the HF model's names, matched by parameter identity."""
+    by_id = {id(p): n for n, p in model.hf_model.named_parameters()}
+    return {name: by_id[id(p)] for own in unit_param_names(model) for name, p in own}

@@ -1,0 +1,106 @@
+"""A causal LM cut into units: embed, blocks, head (with the loss).
+
+tiertrain never holds a whole model in memory. A ``LayeredModel`` is a skeleton whose
+parameters are zero-memory placeholders; the parameter store binds each unit's
+parameters to views of a device slot just before the unit runs (``Parameter.data`` is
+reassigned; the ``Parameter`` objects, their names and ties never change).
+
+Contract of the three unit kinds:
+- ``embed(input_ids) -> hidden``
+- ``block(hidden) -> hidden`` (positions, masks and rotary tables made inside)
+- ``head(hidden, targets) -> loss``: mean cross-entropy over the micro-batch's tokens
+
+Composing them (``LayeredModel.forward``) is the plain PyTorch model that parity is
+measured against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LayeredModel", "WeightSource", "materialize_placeholders", "unit_param_names"]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a unit's initial weights come from.
+
+    ``load(unit_index, names) -> {name: tensor}``: full names, as in ``state_dict()``.
+    """
+
+    describe: str
+    load: Callable[[int, list[str]], dict[str, torch.Tensor]]
+
+
+class LayeredModel(nn.Module):
+    """``embed``, ``blocks`` and ``head`` of a causal LM, plus what is needed to load and
+    export it. ``units`` lists them in execution order: ``[embed, *blocks, head]``."""
+
+    def __init__(self, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, *, kind: str) -> None:
+        super().__init__()
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+        self.kind = kind
+        self.hf_model: Any = None  # the Hugging Face model object whose modules these are, if any
+        self.hf_config: Any = None
+        self.init_unit: Callable[[int, nn.Module, torch.Generator], None] | None = None
+
+    @property
+    def units(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    @property
+    def n_units(self) -> int:
+        return len(self.blocks) + 2
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h, targets)
+
+    def full_name(self, unit: int, local: str) -> str:
+        """The ``state_dict`` name (of the whole ``LayeredModel``) of a unit's parameter."""
+        prefix = "embed" if unit == 0 else "head" if unit == self.n_units - 1 else f"blocks.{unit - 1}"
+        return f"{prefix}.{local}"
+
+
+def unit_param_names(model: LayeredModel) -> list[list[tuple[str, nn.Parameter]]]:
+    """Per unit, ``(full name, parameter)`` of the parameters that unit owns.
+
+    A parameter shared by two units (tied embeddings) is owned by the first unit in
+    execution order; ``foreign_params`` lists where the later ones borrow it.
+    """
+    seen: set[int] = set()
+    out = []
+    for u, unit in enumerate(model.units):
+        own = []
+        for name, p in unit.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                own.append((model.full_name(u, name), p))
+        out.append(own)
+    return out
+
+
+def materialize_placeholders(model: nn.Module, dtype: torch.dtype) -> None:
+    """Replace every (meta) parameter by a zero-memory CPU placeholder of ``dtype``.
+
+    The placeholder is one element expanded to the parameter's shape (stride 0), so a
+    model of any size costs nothing until the store binds real views. Shared parameters
+    stay shared: each distinct parameter gets one placeholder used by all its owners.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                ph = torch.zeros((), dtype=dtype).expand(p.shape)
+                made[id(p)] = nn.Parameter(ph, requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]

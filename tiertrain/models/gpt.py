@@ -1,0 +1,101 @@
+"""The built-in GPT: a small, clean decoder-only transformer for the default job.
+
+Pre-norm blocks (LayerNorm, causal self-attention through PyTorch's SDPA, GELU MLP),
+learned positions, untied head by default. Weights are initialised per unit from a
+generator seeded by (seed, unit), so initialisation never needs the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import LayeredModel
+
+__all__ = ["GPTEmbed", "GPTBlock", "GPTHead", "build_gpt"]
+
+
+class GPTEmbed(nn.Module):
+    def __init__(self, vocab: int, d: int, max_len: int, dropout: float) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(max_len, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads, self.dropout = n_heads, dropout
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d_ff)
+        self.out = nn.Linear(d_ff, d)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.resid_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPTHead(nn.Module):
+    def __init__(self, d: int, vocab: int, tied: nn.Embedding | None) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied is not None:
+            self.lm_head.weight = tied.weight
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(h))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _init_unit(n_layers: int, std: float):
+    def init(unit_index: int, unit: nn.Module, gen: torch.Generator) -> None:
+        resid_std = std / math.sqrt(2 * n_layers)  # GPT-2: scale residual projections by depth
+        for name, p in unit.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln" in f".{name}" and name.endswith("weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("proj.weight", "out.weight")) and not name.startswith("lm_head"):
+                nn.init.normal_(p, 0.0, resid_std, generator=gen)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=gen)
+
+    return init
+
+
+def build_gpt(
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    d_ff: int | None,
+    max_seq_len: int,
+    dropout: float = 0.0,
+    tie_embeddings: bool = False,
+    init_std: float = 0.02,
+) -> LayeredModel:
+    """The built-in GPT, on whatever device/placeholder context the caller sets up."""
+    embed = GPTEmbed(vocab_size, d_model, max_seq_len, dropout)
+    blocks = [GPTBlock(d_model, n_heads, d_ff or 4 * d_model, dropout) for _ in range(n_layers)]
+    head = GPTHead(d_model, vocab_size, embed.wte if tie_embeddings else None)
+    model = LayeredModel(embed, blocks, head, kind="gpt")
+    model.init_unit = _init_unit(n_layers, init_std)
+    return model

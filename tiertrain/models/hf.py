@@ -1,0 +1,123 @@
+"""Hugging Face ``transformers`` models cut into units.
+
+``LlamaForCausalLM`` (which covers Qwen2 and Mistral shapes) and ``GPT2LMHeadModel``.
+The units wrap the model's own modules and call them exactly as the model's forward
+does (same masks, same rotary tables, same loss function), so a layered run computes
+what ``model(input_ids, labels=..., shift_labels=targets)`` computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers.masking_utils import create_causal_mask
+
+from .base import LayeredModel
+
+__all__ = ["layer_llama", "layer_gpt2"]
+
+
+def _positions(h: torch.Tensor) -> torch.Tensor:
+    return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+
+
+class LlamaEmbed(nn.Module):
+    def __init__(self, hf: Any) -> None:
+        super().__init__()
+        self.embed_tokens = hf.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, hf: Any, index: int) -> None:
+        super().__init__()
+        self.layer = hf.model.layers[index]
+        # Shared, parameter-free (its inv_freq is a buffer): kept out of the module tree so
+        # it is not counted as part of any unit.
+        object.__setattr__(self, "_rotary", hf.model.rotary_emb)
+        object.__setattr__(self, "_config", hf.config)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pos = _positions(h)
+        mask = create_causal_mask(
+            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
+        )
+        rope = self._rotary(h, position_ids=pos)
+        return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+
+
+class CausalLMHead(nn.Module):
+    """Final norm, output projection and the model's own causal-LM loss."""
+
+    def __init__(self, hf: Any, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = hf.lm_head
+        object.__setattr__(self, "_loss", hf.loss_function)
+        self.vocab_size = hf.config.vocab_size
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(h))
+        return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets)
+
+
+class GPT2Embed(nn.Module):
+    def __init__(self, hf: Any) -> None:
+        super().__init__()
+        t = hf.transformer
+        self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        inputs_embeds = self.wte(input_ids)
+        h = inputs_embeds + self.wpe(_positions(inputs_embeds)).to(inputs_embeds.device)
+        return self.drop(h)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, hf: Any, index: int) -> None:
+        super().__init__()
+        self.block = hf.transformer.h[index]
+        object.__setattr__(self, "_config", hf.config)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pos = _positions(h)
+        mask = create_causal_mask(
+            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
+        )
+        return self.block(h, None, mask, None, use_cache=False, position_ids=pos)
+
+
+def _hf_init(hf: Any):
+    def init(unit_index: int, unit: nn.Module, gen: torch.Generator) -> None:
+        # transformers' initialisers draw from the global generator: seed it per unit
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        for module in unit.modules():
+            for p in module.parameters(recurse=False):
+                p.data.zero_()  # parameters that _init_weights leaves alone start defined
+            hf._init_weights(module)
+
+    return init
+
+
+def _finish(model: LayeredModel, hf: Any) -> LayeredModel:
+    model.hf_model, model.hf_config = hf, hf.config
+    model.init_unit = _hf_init(hf)
+    return model
+
+
+def layer_llama(hf: Any) -> LayeredModel:
+    """Units of a ``LlamaForCausalLM`` (or a model with its layout)."""
+    blocks = [LlamaBlock(hf, i) for i in range(hf.config.num_hidden_layers)]
+    model = LayeredModel(LlamaEmbed(hf), blocks, CausalLMHead(hf, hf.model.norm), kind="llama")
+    return _finish(model, hf)
+
+
+def layer_gpt2(hf: Any) -> LayeredModel:
+    """Units of a ``GPT2LMHeadModel`` (head tied to the token embedding unless the config unties it)."""
+    blocks = [GPT2Block(hf, i) for i in range(hf.config.n_layer)]
+    model = LayeredModel(GPT2Embed(hf), blocks, CausalLMHead(hf, hf.transformer.ln_f), kind="gpt2")
+    return _finish(model, hf)

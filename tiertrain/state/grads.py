@@ -1,0 +1,162 @@
+"""Gradient buffers on the device, and where gradients wait for the update.
+
+During the backward, unit ``u``'s gradients accumulate, in micro-batch order, in a device
+buffer bound as its parameters' ``.grad`` (autograd adds in place into the views). When
+the unit is done (``end``), the norm of each parameter's gradient is taken on the device
+and the buffer is handed off to the gradients' home: host memory for the units that fit
+``host_bytes``, else ``grads.bin`` on the storage tier. The buffer is reused once the
+hand-off is complete; a fixed number of buffers exists.
+
+A unit whose parameters are borrowed by a later unit (an embedding tied to the head)
+keeps its buffer from the borrower's backward to its own: the head's gradient for the
+shared weight is accumulated first, the embedding's own at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..io import BufferPool, IOFuture, Storage
+from .device import Device
+from .layout import FlatLayout
+from .regions import TieredRegions
+
+__all__ = ["GradStore"]
+
+
+class _Handoff:
+    """A buffer on its way home: (CUDA) copy to host, then (file) write, then free."""
+
+    def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None) -> None:
+        self.base, self.copied, self.write, self.staging = base, copied, write, staging
+
+
+class GradStore:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        storage: Storage,
+        dev: Device,
+        dtype: torch.dtype,
+        *,
+        host_bytes: int = 0,
+        buffers: int = 2,
+    ) -> None:
+        self.layout, self.dev, self.dtype = layout, dev, dtype
+        self.home = TieredRegions(layout, storage, "grads.bin", dtype, host_bytes=host_bytes, pin=dev.cuda)
+        owners = {o for unit in layout.units for o in unit.borrows}
+        self._count = buffers + len(owners)
+        self._free = [dev.empty(layout.max_unit_numel, dtype) for _ in range(self._count)]
+        self.buffer_bytes = self._count * layout.max_unit_numel * dtype.itemsize
+        self._staging = (
+            BufferPool(buffers, layout.max_unit_numel * dtype.itemsize, pin=True, name="grad-staging")
+            if dev.cuda and self.home.file is not None
+            else None
+        )
+        self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
+        self._pending: list[_Handoff] = []
+        self.norms: dict[int, list[torch.Tensor]] = {}
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.buffer_bytes + self.home.host_bytes + (self._staging.size_bytes if self._staging else 0)
+
+    # -- backward side --------------------------------------------------------------------------
+    def begin(self, u: int) -> None:
+        """Bind zeroed gradient buffers for unit ``u`` and the owners of what it borrows."""
+        for x in (u, *self.layout.units[u].borrows):
+            if x in self._live:
+                continue  # an owner already live since its borrower's backward
+            numel = self.layout.units[x].numel
+            if not self.dev.cuda and self.home.on_host(x):
+                base = None  # CPU: accumulate right in the gradients' home
+                view = self.home.host_view(x)[:numel]
+            else:
+                base = self._take()
+                view = base[:numel]
+            view.zero_()
+            self._live[x] = (view, base)
+            self.layout.bind_grads(x, view)
+
+    def end(self, u: int) -> None:
+        """Unit ``u``'s gradients are complete: take their norms and send them home."""
+        buf, base = self._live.pop(u)
+        views = [rec.view(buf) for rec in self.layout.units[u].params]
+        norm_dtype = None if self.dtype == torch.float32 else torch.float32
+        self.norms[u] = list(torch._foreach_norm(views, 2, dtype=norm_dtype)) if views else []
+        self.layout.bind_grads(u, None)
+        if base is None:
+            return
+        self._pending.append(self._send(u, buf, base))
+        self.poll()
+
+    def _send(self, u: int, buf: torch.Tensor, base: torch.Tensor) -> _Handoff:
+        if not self.dev.cuda:
+            return _Handoff(base, write=self.home.write(u, buf))
+        ready = self.dev.event()  # the backward that filled buf has been enqueued before this
+        if self.home.on_host(u):
+            with self.dev.on_copy_stream(after=ready):
+                self.home.host_view(u).copy_(buf, non_blocking=True)
+            return _Handoff(base, copied=self.dev.copy_event())
+        staging = self._staging.acquire()
+        host = staging.tensor.view(self.dtype)[: buf.numel()]
+        with self.dev.on_copy_stream(after=ready):
+            host.copy_(buf, non_blocking=True)
+        return _Handoff(base, copied=self.dev.copy_event(), staging=(staging, u, host))
+
+    def _take(self) -> torch.Tensor:
+        while not self._free:
+            self._advance(self._pending[0], block=True)
+            self.poll()
+        return self._free.pop()
+
+    def _advance(self, h: _Handoff, block: bool) -> bool:
+        """Move a hand-off forward; True once its buffer is free again."""
+        if h.copied is not None:
+            if not block and not h.copied.query():
+                return False
+            Device.sync(h.copied)
+            h.copied = None
+            if h.staging is not None:  # now the host copy can go to the file
+                staging, u, host = h.staging
+                h.write = self.home.write(u, host)
+        if h.write is not None:
+            if not block and not h.write.done():
+                return False
+            h.write.get()
+            h.write = None
+        if h.staging is not None:
+            h.staging[0].release()
+            h.staging = None
+        return True
+
+    def poll(self) -> None:
+        """Reclaim buffers whose hand-off finished (never blocks)."""
+        still = []
+        for h in self._pending:
+            if self._advance(h, block=False):
+                self._free.append(h.base)
+            else:
+                still.append(h)
+        self._pending = still
+
+    def flush(self) -> None:
+        """Wait until every gradient is home. A sync point before the update."""
+        for h in self._pending:
+            self._advance(h, block=True)
+            self._free.append(h.base)
+        self._pending = []
+
+    # -- update side ----------------------------------------------------------------------------
+    def total_norm(self) -> torch.Tensor:
+        """The global 2-norm, over per-parameter norms in model parameter order (as
+        ``torch.nn.utils.clip_grad_norm_`` computes it)."""
+        norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
+        return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+    def read(self, u: int, out: torch.Tensor, start: int, end: int) -> IOFuture:
+        return self.home.read(u, out, start, end)
+
+    def close(self) -> None:
+        self.flush()
+        self.home.close()

@@ -1,0 +1,117 @@
+"""Flat per-unit layout of parameters.
+
+Every unit's parameters are packed into one flat buffer:
+
+- each parameter starts at a multiple of ``PARAM_ALIGN`` (64) elements. torch's fused
+  AdamW treats the last ``n % vector_width`` elements of a tensor differently from the
+  rest, so an optimizer chunk may only cut a parameter at a multiple of 64 elements from
+  its start to give bit-identical results to updating the whole tensor at once;
+- each unit starts at a multiple of ``UNIT_ALIGN`` (2048) elements, so in every state
+  file (2- or 4-byte elements) a unit begins on a 4 KiB boundary and can be read and
+  written with O_DIRECT straight into aligned buffers.
+
+The same element offsets are used for parameters, gradients, master weights and
+optimizer moments; only the element size differs between files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..models.base import LayeredModel, unit_param_names
+
+__all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout"]
+
+PARAM_ALIGN = 64
+UNIT_ALIGN = 2048
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter = field(repr=False, compare=False)
+    shape: torch.Size
+    offset: int  # elements from the start of the unit
+    numel: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    index: int
+    params: tuple[ParamRecord, ...]
+    numel: int  # padded to UNIT_ALIGN
+    offset: int  # elements from the start of the whole layout
+    borrows: tuple[int, ...]  # units whose (tied) parameters this unit also uses
+
+    @property
+    def used(self) -> int:
+        """Elements that hold parameters (the rest is alignment padding)."""
+        return sum(p.numel for p in self.params)
+
+
+class FlatLayout:
+    """The flat layout of a ``LayeredModel``: units, their sizes and global offsets."""
+
+    def __init__(self, model: LayeredModel) -> None:
+        owned = unit_param_names(model)
+        owner = {id(p): u for u, own in enumerate(owned) for _, p in own}
+        units, offset = [], 0
+        for u, own in enumerate(owned):
+            recs, pos = [], 0
+            for name, p in own:
+                recs.append(ParamRecord(name, p, p.shape, pos, p.numel()))
+                pos = _up(pos + p.numel(), PARAM_ALIGN)
+            numel = max(_up(pos, UNIT_ALIGN), UNIT_ALIGN)
+            borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))
+            units.append(UnitLayout(u, tuple(recs), numel, offset, borrows))
+            offset += numel
+        self.units: list[UnitLayout] = units
+        self.total_numel = offset
+        self.max_unit_numel = max(x.numel for x in units)
+        self.n_params = sum(x.used for x in units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def bind(self, u: int, flat: torch.Tensor) -> None:
+        """Point unit ``u``'s own parameters at views of ``flat`` (its slot)."""
+        for rec in self.units[u].params:
+            rec.param.data = rec.view(flat)
+
+    def bind_grads(self, u: int, flat: torch.Tensor | None) -> None:
+        """Make the parameters' ``.grad`` views of ``flat`` (accumulated in place), or unset them."""
+        for rec in self.units[u].params:
+            rec.param.grad = None if flat is None else rec.view(flat)
+
+    def segments(self, u: int, start: int, end: int) -> list[tuple[ParamRecord, int, int]]:
+        """Pieces ``(record, a, b)`` of parameters inside unit-local elements ``[start, end)``.
+
+        ``start`` must be a multiple of ``PARAM_ALIGN`` so that every cut falls at a
+        multiple of 64 elements from the start of the parameter it cuts.
+        """
+        if start % PARAM_ALIGN:
+            raise ValueError(f"chunk start {start} is not a multiple of {PARAM_ALIGN}")
+        out = []
+        for rec in self.units[u].params:
+            a, b = max(start, rec.offset), min(end, rec.offset + rec.numel)
+            if a < b:
+                out.append((rec, a, b))
+        return out
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.units)} units, {self.n_params / 1e6:.2f} M parameters, "
+            f"largest unit {self.max_unit_numel / 1e6:.2f} M elements"
+        )

@@ -1,0 +1,181 @@
+"""The baseline update path: AdamW in the trainer, streamed through fixed buffers.
+
+Optimizer state (first and second moments, and fp32 master weights when parameters are
+kept in a lower precision) lives on the storage tier, laid out like the parameters.
+``step`` walks every chunk of every unit, layer 0 first, with three buffer sets in
+flight: chunk i+1 is being read while chunk i is updated (torch's fused AdamW on its
+per-parameter segments) and chunk i-1 is being written. Memory: 3 sets of
+``chunk`` elements, fixed at start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import OptimConfig
+from ..io import IOFuture, Storage, aligned_empty
+from ..state.grads import GradStore
+from ..state.layout import UNIT_ALIGN, FlatLayout
+from ..state.regions import TieredRegions
+from ..state.store import ParamStore
+from .kernels import adamw_segments
+
+__all__ = ["StreamedAdamW", "UpdateStats"]
+
+F32 = torch.float32
+
+
+@dataclass
+class UpdateStats:
+    seconds: float = 0.0
+    wait_s: float = 0.0  # blocked on reads or writes
+    compute_s: float = 0.0
+    chunks: int = 0
+
+
+class _BufferSet:
+    """Aligned buffers for one chunk: params, grads (and an fp32 copy), moments, master."""
+
+    def __init__(self, chunk: int, pdtype: torch.dtype, master: bool) -> None:
+        parts = [("p", pdtype), ("g", pdtype), ("m", F32), ("v", F32)]
+        if pdtype != F32:
+            parts += [("g32", F32), ("w", F32)]
+        total = sum(chunk * d.itemsize for _, d in parts)
+        self.slab = aligned_empty(total)
+        pos = 0
+        for name, d in parts:
+            n = chunk * d.itemsize  # chunk is a multiple of 2048 elements: every part 4 KiB aligned
+            setattr(self, name, self.slab[pos : pos + n].view(d))
+            pos += n
+        self.nbytes = total
+
+
+class StreamedAdamW:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        storage: Storage,
+        params: ParamStore,
+        grads: GradStore,
+        cfg: OptimConfig,
+        *,
+        buffer_bytes: int,
+        state_host_bytes: int = 0,
+    ) -> None:
+        if cfg.name != "adamw":
+            raise ValueError(f"optim.name = {cfg.name!r} is not supported by the baseline update path yet")
+        self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
+        pdtype = params.dtype
+        self.has_master = pdtype != F32
+        per_elem = 2 * pdtype.itemsize + 8 + (8 if self.has_master else 0)
+        chunk = max(UNIT_ALIGN, (buffer_bytes // per_elem) // UNIT_ALIGN * UNIT_ALIGN)
+        self.chunk = min(chunk, layout.max_unit_numel)
+        share = state_host_bytes // (3 if self.has_master else 2)
+        self.m = TieredRegions(layout, storage, "exp_avg.bin", F32, host_bytes=share)
+        self.v = TieredRegions(layout, storage, "exp_avg_sq.bin", F32, host_bytes=share)
+        self.master = TieredRegions(layout, storage, "master.bin", F32, host_bytes=share) if self.has_master else None
+        self.sets = [_BufferSet(self.chunk, pdtype, self.has_master) for _ in range(3)]
+        self.step_count = 0
+        self.stats = UpdateStats()
+
+    @property
+    def pool_bytes(self) -> int:
+        regions = [self.m, self.v] + ([self.master] if self.master else [])
+        return sum(s.nbytes for s in self.sets) + sum(r.host_bytes for r in regions)
+
+    @property
+    def state_files(self) -> list[TieredRegions]:
+        return [r for r in (self.m, self.v, self.master) if r is not None]
+
+    def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
+        """Initial state of unit ``u`` from its fp32 weights. Moments start at zero: fresh
+        state files are zero-filled when created."""
+        return [self.master.write(u, flat32)] if self.master is not None else []
+
+    def _chunks(self) -> list[tuple[int, int, int]]:
+        return [(unit.index, a, min(a + self.chunk, unit.numel)) for unit in self.layout.units for a in range(0, unit.numel, self.chunk)]
+
+    def step(self, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
+        """Apply one optimizer step to every unit. Gradients must be home (``grads.flush()``)."""
+        self.step_count += 1
+        st = UpdateStats()
+        t_start = time.perf_counter()
+        coef = clip_coef.to("cpu") if clip_coef is not None else None  # sync point on CUDA: one scalar
+        chunks = self._chunks()
+        writes: list[list[IOFuture]] = [[] for _ in self.sets]
+        reads: dict[int, list[IOFuture]] = {}
+
+        def issue(i: int) -> None:
+            s = i % len(self.sets)
+            st.wait_s += _wait(writes[s])
+            writes[s] = []
+            reads[i] = self._read(self.sets[s], *chunks[i])
+
+        issue(0)
+        for i, (u, a, b) in enumerate(chunks):
+            if i + 1 < len(chunks):
+                issue(i + 1)
+            st.wait_s += _wait(reads.pop(i))  # sync point: chunk i's states are in memory
+            t0 = time.perf_counter()
+            bs = self.sets[i % len(self.sets)]
+            self._compute(bs, u, a, b, lr, coef)
+            st.compute_s += time.perf_counter() - t0
+            writes[i % len(self.sets)] = self._write(bs, u, a, b)
+        for w in writes:
+            st.wait_s += _wait(w)
+        self.params.invalidate()
+        st.seconds, st.chunks = time.perf_counter() - t_start, len(chunks)
+        self.stats = st
+        return st
+
+    # -- one chunk --------------------------------------------------------------------------------
+    def _pview(self, bs: _BufferSet, u: int, a: int, b: int) -> torch.Tensor:
+        if self.params.on_host(u):  # host-resident parameters are updated in place
+            return self.params.backing.host_view(u)[a:b]
+        return bs.p[: b - a]
+
+    def _read(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
+        futs = [self.grads.read(u, bs.g, a, b), self.m.read(u, bs.m, a, b), self.v.read(u, bs.v, a, b)]
+        if not self.params.on_host(u) and not self.has_master:
+            futs.append(self.params.read(u, bs.p, a, b))
+        if self.master is not None:
+            futs.append(self.master.read(u, bs.w, a, b))
+        return futs
+
+    def _compute(self, bs: _BufferSet, u: int, a: int, b: int, lr: float, coef: torch.Tensor | None) -> None:
+        n = b - a
+        g = bs.g[:n]
+        if coef is not None:
+            g.mul_(coef)  # as clip_grad_norm_ does, on the gradient in its own dtype
+        if self.has_master:
+            bs.g32[:n].copy_(g)
+            g, w = bs.g32[:n], bs.w[:n]
+        else:
+            w = self._pview(bs, u, a, b)
+        segs = self.layout.segments(u, a, b)
+        cut = lambda t: [t[x - a : y - a] for _, x, y in segs]  # noqa: E731
+        adamw_segments(cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
+        if self.has_master:
+            self._pview(bs, u, a, b).copy_(w)  # new low-precision parameters from the master
+
+    def _write(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
+        futs = [self.m.write(u, bs.m, a, b), self.v.write(u, bs.v, a, b)]
+        if self.master is not None:
+            futs.append(self.master.write(u, bs.w, a, b))
+        if not self.params.on_host(u):
+            futs.append(self.params.write(u, bs.p, a, b))
+        return futs
+
+    def close(self) -> None:
+        for r in self.state_files:
+            r.close()
+
+
+def _wait(futs: list[IOFuture]) -> float:
+    t0 = time.perf_counter()
+    for f in futs:
+        f.get()
+    return time.perf_counter() - t0
