@@ -87,7 +87,8 @@ class Trainer:
         has_master = pdt != f32
         share = (m.optim_host_mib * MIB) // (3 if has_master else 2)
 
-        file_bytes = lambda dtype, host: TieredRegions.plan_file_bytes(lay, dtype, host)  # noqa: E731
+        align = self.storage.record_align
+        file_bytes = lambda dtype, host: TieredRegions.plan_file_bytes(lay, dtype, host, align)  # noqa: E731
         entries = len(self.model.blocks) * self.cfg.data.micro_batches
         entry, _, spilled = HiddenStash.plan(self._stash_shape(), pdt, entries, m.stash_host_mib * MIB)
         files = [

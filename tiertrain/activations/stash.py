@@ -41,7 +41,8 @@ class HiddenStash:
         self.numel = math.prod(shape)
         self.entry_bytes, self.host_slots, self.spilled = self.plan(shape, dtype, entries, host_bytes)
         self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.cuda)
-        self._file = storage.create(FILE, self.spilled * self.entry_bytes) if self.spilled else None
+        block = storage.block_for(self.entry_bytes)  # entries sit on whole checksum blocks
+        self._file = storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
         self._spill = (
             BufferPool(spill_buffers, self.entry_bytes, pin=dev.cuda, name="stash-spill") if self.spilled else None
         )

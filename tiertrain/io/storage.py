@@ -57,22 +57,37 @@ class Storage:
             checksum_block=cfg.checksum_block_kib << 10,
         )
 
-    def _kw(self, checksum: bool | None) -> dict:
+    def _kw(self, checksum: bool | None, block: int | None) -> dict:
         return dict(
             workers=self.workers,
             stripe_bytes=self.stripe_bytes,
             direct=self.direct,
             checksum=self.checksum if checksum is None else checksum,
-            checksum_block=self.checksum_block,
+            checksum_block=block or self.checksum_block,
         )
 
-    def create(self, name: str, size: int, *, checksum: bool | None = None) -> StripedFile:
-        """Make (or replace) file ``name`` of ``size`` bytes on every path, space claimed now."""
-        return StripedFile(self.paths, name, "w", size=size, **self._kw(checksum))
+    @property
+    def record_align(self) -> int:
+        """Alignment, in bytes, that keeps records of a file on whole checksum blocks (and
+        O_DIRECT blocks): requests on such records never need a read-modify-write."""
+        return self.checksum_block if self.checksum else 4096
 
-    def open(self, name: str, mode: str = "r+", *, checksum: bool | None = None) -> StripedFile:
+    def block_for(self, record_bytes: int) -> int:
+        """A checksum block for files of ``record_bytes``-sized records (a multiple of 4 KiB):
+        the largest power of two dividing the record, at most the storage's block."""
+        return min(self.checksum_block, record_bytes & -record_bytes)
+
+    def create(
+        self, name: str, size: int, *, checksum: bool | None = None, checksum_block: int | None = None
+    ) -> StripedFile:
+        """Make (or replace) file ``name`` of ``size`` bytes on every path, space claimed now."""
+        return StripedFile(self.paths, name, "w", size=size, **self._kw(checksum, checksum_block))
+
+    def open(
+        self, name: str, mode: str = "r+", *, checksum: bool | None = None, checksum_block: int | None = None
+    ) -> StripedFile:
         """Open an existing file made by ``create``."""
-        return StripedFile(self.paths, name, mode, **self._kw(checksum))
+        return StripedFile(self.paths, name, mode, **self._kw(checksum, checksum_block))
 
     def exists(self, name: str) -> bool:
         return all(os.path.exists(os.path.join(p, name)) for p in self.paths)

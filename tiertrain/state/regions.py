@@ -1,8 +1,11 @@
 """Per-unit regions of one kind of state, placed in host memory or on the storage tier.
 
 Units are placed in order: each goes to host memory while it fits in ``host_bytes``, the
-rest into one file on the storage tier, packed (a host-resident unit takes no file space).
-The same element offsets inside a unit are used by every kind of state.
+rest into one file on the storage tier (a host-resident unit takes no file space). In the
+file every unit starts on a multiple of ``align`` bytes (the storage's checksum block), so
+reads and writes of a unit, or of chunks of whole blocks of it, never straddle a block
+that another request is also writing. The same element offsets inside a unit are used by
+every kind of state.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class TieredRegions:
         pin: bool = False,
     ) -> None:
         self.layout, self.name, self.dtype, self.esize = layout, name, dtype, dtype.itemsize
-        placement = self.place(layout, dtype, host_bytes)
+        self.align = storage.record_align
+        placement = self.place(layout, dtype, host_bytes, self.align)
         self._host = {
             u: aligned_empty(layout.units[u].numel * self.esize, pin=pin).view(dtype)
             for u, off in placement.items()
@@ -35,14 +39,15 @@ class TieredRegions:
         }
         self._file_off = {u: off for u, off in placement.items() if off is not None}
         self.host_bytes = sum(t.numel() * self.esize for t in self._host.values())
-        self.file_bytes = sum(layout.units[u].numel for u in self._file_off) * self.esize
+        self.file_bytes = self.plan_file_bytes(layout, dtype, host_bytes, self.align)
         self.file = storage.create(name, self.file_bytes) if self.file_bytes else None
 
     @staticmethod
-    def place(layout: FlatLayout, dtype: torch.dtype, host_bytes: int) -> dict[int, int | None]:
+    def place(layout: FlatLayout, dtype: torch.dtype, host_bytes: int, align: int) -> dict[int, int | None]:
         """Per unit: None (host memory) or its element offset in the file."""
         out: dict[int, int | None] = {}
         budget, pos = host_bytes, 0
+        step = max(1, align // dtype.itemsize)
         for unit in layout.units:
             nbytes = unit.numel * dtype.itemsize
             if nbytes <= budget:
@@ -50,13 +55,15 @@ class TieredRegions:
                 out[unit.index] = None
             else:
                 out[unit.index] = pos
-                pos += unit.numel
+                pos += -(-unit.numel // step) * step
         return out
 
     @classmethod
-    def plan_file_bytes(cls, layout: FlatLayout, dtype: torch.dtype, host_bytes: int) -> int:
+    def plan_file_bytes(cls, layout: FlatLayout, dtype: torch.dtype, host_bytes: int, align: int) -> int:
         """Bytes of the file that ``TieredRegions(layout, ..., dtype, host_bytes=...)`` creates."""
-        return sum(layout.units[u].numel for u, off in cls.place(layout, dtype, host_bytes).items() if off is not None) * dtype.itemsize
+        offs = cls.place(layout, dtype, host_bytes, align)
+        last = [(off, layout.units[u].numel) for u, off in offs.items() if off is not None]
+        return max((off + n for off, n in last), default=0) * dtype.itemsize
 
     def on_host(self, u: int) -> bool:
         return u in self._host

@@ -71,8 +71,12 @@ class StreamedAdamW:
         pdtype = params.dtype
         self.has_master = pdtype != F32
         per_elem = 2 * pdtype.itemsize + 8 + (8 if self.has_master else 0)
-        chunk = max(UNIT_ALIGN, (buffer_bytes // per_elem) // UNIT_ALIGN * UNIT_ALIGN)
-        self.chunk = min(chunk, layout.max_unit_numel)
+        # Chunks start at multiples of `step` elements: whole checksum blocks in every state
+        # file (units start on block boundaries there), and multiples of 64 elements per
+        # parameter for the fused kernel's exactness.
+        step = max(UNIT_ALIGN, storage.record_align // min(pdtype.itemsize, 4))
+        chunk = max(step, (buffer_bytes // per_elem) // step * step)
+        self.chunk = min(chunk, -(-layout.max_unit_numel // step) * step)
         share = state_host_bytes // (3 if self.has_master else 2)
         self.m = TieredRegions(layout, storage, "exp_avg.bin", F32, host_bytes=share)
         self.v = TieredRegions(layout, storage, "exp_avg_sq.bin", F32, host_bytes=share)
