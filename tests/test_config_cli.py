@@ -1,0 +1,106 @@
+"""The config tree (TOML, flags, validation) and the command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiertrain.cli import main
+from tiertrain.config import Config, ConfigError, IOConfig, config_reference, load_config, parse_overrides
+
+
+def test_defaults_are_the_main_job():
+    cfg = Config()
+    assert cfg.model.kind == "gpt" and cfg.data.corpus == "bundled" and cfg.io.paths == ["./tiertrain-scratch"]
+
+
+def test_toml_then_flags(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[optim]\nlr = 1e-3\n[io]\npaths = ["/a", "/b"]\n[model]\nkind = "llama"\n')
+    cfg = load_config(str(f), ["--optim.lr=5e-4", "--data.micro_batches", "8", "--train.progress=false",
+                               "--model.n_kv_heads=none"])
+    assert cfg.optim.lr == 5e-4 and cfg.io.paths == ["/a", "/b"] and cfg.model.kind == "llama"
+    assert cfg.data.micro_batches == 8 and cfg.train.progress is False and cfg.model.n_kv_heads is None
+    assert load_config(None, ["--io.paths=/x,/y"]).io.paths == ["/x", "/y"]
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--optim.lr=-1"], r"optim\.lr = -1(\.0)?: must be between 0.0 and 10.0"),
+        (["--memory.device_slots=1"], r"memory\.device_slots = 1: must be between 2 and 64"),
+        (["--model.kind=bert"], r"model\.kind = 'bert': must be one of 'gpt', 'llama', 'gpt2'"),
+        (["--model.d_model=100", "--model.n_heads=3"], r"model\.d_model = 100: must be divisible by model\.n_heads \(3\)"),
+        (["--io.chunk_kib=10"], r"io\.chunk_kib = 10: must be a positive multiple of 4"),
+        (["--io.checksum_block_kib=3072"], r"io\.checksum_block_kib = 3072: must divide io\.chunk_kib"),
+        (["--data.seq_len=2048"], r"data\.seq_len = 2048 is longer than model\.max_seq_len = 1024"),
+        (["--data.corpus=/no/such/file"], r"data\.corpus = '/no/such/file': no such file"),
+        (["--model.hf_dir=/tmp"], r"model\.hf_dir = '/tmp': no config.json there"),
+        (["--optim.lr=fast"], r"optim\.lr = 'fast': expected a number"),
+        (["--train.steps=1.5"], r"train\.steps = 1\.5: expected an integer"),
+        (["--train.progres=false"], r"unknown field train\.progres; did you mean 'progress'\?"),
+        (["--trian.steps=3"], r"unknown config section \[trian\]; did you mean 'train'\?"),
+        (["--train.steps"], r"--train\.steps needs a value"),
+        (["steps=3"], r"unexpected argument 'steps=3': overrides look like --section\.field=value"),
+    ],
+)
+def test_bad_configs_name_field_value_and_fix(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, flags)
+
+
+def test_bad_toml_is_reported(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[optim\nlr = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(str(f))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "none.toml"))
+
+
+def test_every_field_is_documented():
+    ref = config_reference()
+    for section in ("io", "model", "data", "optim", "memory", "update", "checkpoint", "train"):
+        assert f"### [{section}]" in ref
+    assert "| `threads` | `8` |" in ref
+    rows = [line for line in ref.splitlines() if line.startswith("| `")]
+    assert rows and all(not line.rstrip().endswith("|  |") for line in rows)
+
+
+def test_cli_config_errors_exit_2_with_the_message(capsys):
+    assert main(["train", "--optim.lr=-3"]) == 2
+    assert "config error: optim.lr = -3" in capsys.readouterr().err
+
+
+def test_cli_prints_resolved_config(capsys):
+    assert main(["config", "--optim.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "[optim]" in out and "lr = 0.01" in out
+
+
+def test_cli_trains_and_writes_metrics(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={run}", "--train.steps=3",
+            "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batches=2",
+            "--train.progress=false"]
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [d["step"] for d in lines] == [1, 2, 3]
+    for key in ("loss", "tokens_per_s", "ssd_read_bytes", "ssd_write_bytes", "ssd_read_gbps", "peak_host_bytes",
+                "io_wait_s"):
+        assert key in lines[0]
+    assert lines[0]["ssd_read_bytes"] > 0 and lines[0]["ssd_write_bytes"] > 0
+    assert "step 3/3 | loss" in r.stderr and "tok/s" in r.stderr and "ssd r" in r.stderr
+    assert "scratch space needed" in r.stderr and "done: 3 steps" in r.stderr
+    assert os.path.exists(tmp_path / "ssd" / "exp_avg.bin")
+
+
+def test_io_config_validation_standalone():
+    with pytest.raises(ConfigError, match=r"io\.paths = \[\]: give at least one directory"):
+        IOConfig(paths=[])
+    with pytest.raises(ConfigError, match="paths must be distinct"):
+        IOConfig(paths=["/a", "/a/"])
+    assert parse_overrides(["--a.b=[1, 2]"]) == {"a": {"b": [1, 2]}}

@@ -1,0 +1,92 @@
+"""Memory is fixed at start: pools sized from the config, states on disk, RSS bounded."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from reference import small_config
+from tiertrain.train import Trainer
+
+MIB = 1 << 20
+
+_CHILD = r"""
+import json, sys, gc
+from tiertrain.state.device import host_rss, host_peak_rss
+sys.path.insert(0, sys.argv[2])
+from reference import small_config
+import pathlib
+cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=512, heads=8, micro_batches=2, steps=2,
+                   update_kib=1024, slots=3)
+from tiertrain.train import Trainer
+base = host_rss()
+with Trainer(cfg) as tr:
+    tr.initialize(progress=False)
+    for _ in range(cfg.train.steps):
+        tr.train_step()
+    out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()),
+               state=sum(n for _, n in tr.plan.files), params=tr.layout.n_params,
+               files={name: n for name, n in tr.plan.files})
+print(json.dumps(out))
+"""
+
+
+def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
+    """A model whose states (params, grads, moments: ~16 B/param) are far larger than the
+    host budgets: the process's peak RSS grows by at most the fixed pools plus 96 MiB of
+    overhead (activations of one micro-batch, autograd temporaries, allocator slack)."""
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), here], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    state_bytes = 16 * out["params"]
+    assert out["state"] >= state_bytes  # every state is a file on the storage tier ...
+    for name in ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin"):
+        assert out["files"][name] >= 4 * out["params"]
+        assert os.path.getsize(tmp_path / "ssd0" / name) == out["files"][name]
+    growth = out["peak"] - out["base"]
+    assert growth <= out["pools"] + 96 * MIB, (growth / MIB, out["pools"] / MIB)
+    assert growth < state_bytes / 2  # ... and most of it never was in memory at once
+
+
+def test_pool_sizes_do_not_grow_with_depth(tmp_path):
+    sizes = {}
+    for layers in (4, 16):
+        cfg = small_config(tmp_path / f"l{layers}", layers=layers, d=128, micro_batches=2)
+        with Trainer(cfg) as tr:
+            pools = dict(tr.pool_bytes)
+            pools.pop("stash")  # one hidden state per block and micro-batch is stashed: grows with depth ...
+            sizes[layers] = pools
+            stash = tr.stash
+            assert stash.pool_bytes <= (cfg.memory.stash_host_mib * MIB) + 3 * stash.entry_bytes  # ... within its budget
+    assert sizes[4] == sizes[16]
+
+
+def test_pool_sizes_follow_the_config_formulas(tmp_path):
+    cfg = small_config(tmp_path, layers=4, d=128, micro_batches=3, slots=3, update_kib=256, stash_host_mib=1)
+    with Trainer(cfg) as tr:
+        lay = tr.layout
+        unit_bytes = lay.max_unit_numel * 4
+        assert tr.params.slot_bytes == cfg.memory.device_slots * unit_bytes
+        assert tr.grads.buffer_bytes == 2 * unit_bytes  # two buffers in flight, no tied owner
+        sets = 3 * tr.optim.chunk * 16  # p, g, m, v in fp32 per element
+        assert sum(s.nbytes for s in tr.optim.sets) == sets
+        assert tr.optim.chunk * 16 <= max(cfg.memory.update_buffer_kib << 10, 16 * tr.optim.chunk)
+        entry = tr.stash.entry_bytes
+        assert entry == -(-2 * 32 * 128 * 4 // 4096) * 4096  # micro_batch_size * seq_len * d_model * 4 B
+        assert tr.stash.host_slots == min(4 * 3, (1 * MIB) // entry)
+        assert tr.stash.spilled == 4 * 3 - tr.stash.host_slots
+
+
+def test_host_budgets_move_states_off_disk(tmp_path):
+    cfg = small_config(tmp_path, layers=3, d=64, host_param_mib=64, grad_host_mib=64)
+    with Trainer(cfg) as tr:
+        assert tr.params.backing.file is None and tr.grads.home.file is None
+        assert all(tr.params.on_host(u) for u in range(len(tr.layout)))
+        names = [n for n, size in tr.plan.files if size]
+        assert "params.bin" not in names and "grads.bin" not in names
+        assert not os.path.exists(tmp_path / "ssd0" / "params.bin")
+    assert torch.float32 == tr.dtype

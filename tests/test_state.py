@@ -1,0 +1,174 @@
+"""The parameter store's slots, the stash, gradient hand-off and checksummed concurrency."""
+
+import pytest
+import torch
+
+from tiertrain.activations.stash import HiddenStash
+from tiertrain.config import ModelConfig
+from tiertrain.io import FileHandle, Storage
+from tiertrain.models import build_model
+from tiertrain.state.device import Device
+from tiertrain.state.grads import GradStore
+from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
+from tiertrain.state.store import ParamStore
+
+KIB = 1 << 10
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model, _ = build_model(ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=32),
+                           param_dtype=torch.float32, seed=0)
+    layout = FlatLayout(model)
+    st = Storage([str(tmp_path / "s")], chunk_bytes=256 * KIB, stripe_bytes=64 * KIB, checksum_block=64 * KIB)
+    yield model, layout, st
+    st.close()
+
+
+def test_layout_alignment(setup):
+    model, layout, _ = setup
+    for unit in layout.units:
+        assert unit.offset % UNIT_ALIGN == 0 and unit.numel % UNIT_ALIGN == 0
+        assert all(r.offset % PARAM_ALIGN == 0 for r in unit.params)
+    assert layout.n_params == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        layout.segments(1, 10, 100)
+
+
+def fill(store, layout):
+    for unit in layout.units:
+        store.write(unit.index, torch.full((unit.numel,), float(unit.index))).get()
+
+
+def test_slots_prefetch_evict_and_invalidate(setup):
+    _, layout, st = setup
+    store = ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=2)
+    fill(store, layout)
+    flat = store.acquire(0)
+    assert float(flat[0]) == 0.0
+    rec = layout.units[0].params[0]
+    assert rec.param.data_ptr() == flat.data_ptr() + 4 * rec.offset  # modules see views of the slot
+    store.prefetch([1, 2])  # one free slot: loads 1; cannot evict 0 (bound)
+    states = sorted((s.unit, s.state) for s in store.slots)
+    assert states == [(0, "bound"), (1, "loading")]
+    store.release(0)
+    assert float(store.acquire(1)[0]) == 1.0 and store.stats.fetches == 2
+    store.release(1)
+    store.acquire(2)  # evicts the least recently used (unit 0)
+    assert sorted(s.unit for s in store.slots) == [1, 2]
+    with pytest.raises(RuntimeError, match="still bound"):
+        store.write(2, torch.zeros(layout.units[2].numel))
+    store.release(2)
+    store.write(2, torch.full((layout.units[2].numel,), 7.0)).get()  # invalidates the stale copy
+    assert float(store.acquire(2)[0]) == 7.0
+    store.release(2)
+    hits = store.stats.hits
+    store.acquire(1)
+    assert store.stats.hits == hits + 1  # still resident: no read
+    store.close()
+
+
+def test_slots_refuse_when_all_bound(setup):
+    _, layout, st = setup
+    store = ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=2)
+    fill(store, layout)
+    store.acquire(0), store.acquire(1)
+    with pytest.raises(RuntimeError, match="no device slot free for unit 2: all 2 are bound"):
+        store.acquire(2)
+    with pytest.raises(ValueError, match="at least 2 device slots"):
+        ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=1)
+    store.close()
+
+
+@pytest.mark.parametrize("host_entries", [0, 3, 12])
+def test_stash_spills_and_returns_every_entry(tmp_path, host_entries):
+    st = Storage([str(tmp_path / "s")], chunk_bytes=256 * KIB, checksum_block=64 * KIB)
+    shape = (2, 8, 32)
+    entry = 2 * 8 * 32 * 4
+    stash = HiddenStash(st, Device(torch.device("cpu")), shape=shape, dtype=torch.float32, entries=12,
+                        host_bytes=host_entries * 4096)
+    assert stash.host_slots == host_entries and stash.spilled == 12 - host_entries and stash.entry_bytes == 4096
+    vals = [torch.randn(shape) for _ in range(12)]
+    for i, v in enumerate(vals):
+        stash.put(i, v)
+    for i in reversed(range(12)):  # backward order, prefetching the next one
+        stash.prefetch(i - 1)
+        assert torch.equal(stash.get(i), vals[i])
+        stash.free(i)
+    with pytest.raises(ValueError, match=r"stash entries are \(2, 8, 32\), got \(1, 8, 32\)"):
+        stash.put(0, torch.zeros(1, 8, 32))
+    stash.close()
+    st.close()
+    assert entry == 2048
+
+
+def test_grad_store_hands_off_and_reuses_buffers(setup):
+    _, layout, st = setup
+    grads = GradStore(layout, st, Device(torch.device("cpu")), torch.float32, host_bytes=0)
+    for u in reversed(range(len(layout))):
+        grads.begin(u)
+        for rec in layout.units[u].params:
+            rec.param.grad.fill_(u + 1.0)
+        grads.end(u)
+        assert all(rec.param.grad is None for rec in layout.units[u].params)
+    grads.flush()
+    out = torch.zeros(layout.max_unit_numel)
+    for unit in layout.units:
+        grads.read(unit.index, out, 0, unit.numel).get()
+        rec = unit.params[0]
+        assert torch.all(out[rec.offset : rec.offset + rec.numel] == unit.index + 1.0)
+    norms = [n for u in range(len(layout)) for n in grads.norms[u]]
+    assert len(norms) == sum(len(u.params) for u in layout.units)
+    expected = torch.linalg.vector_norm(torch.stack(norms))
+    assert torch.equal(grads.total_norm(), expected)
+    grads.close()
+
+
+def test_checksummed_reads_never_see_half_written_blocks(tmp_path):
+    """Writers keep patching small pieces of shared 64 KiB checksum blocks while readers keep
+    reading other pieces of the same blocks (verifying whole blocks): no spurious checksum
+    errors, no lost bytes. Without the block locks on the read path this fails at once."""
+    import threading
+    import time
+
+    block, piece, nblocks = 64 * KIB, 3000, 4
+    size = block * nblocks
+    kw = dict(checksum=True, checksum_block=block, threads=8, chunk_bytes=block)
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    w_offs = [b * block + 1000 for b in range(nblocks)]  # one patched piece per block
+    r_offs = [b * block + 20000 for b in range(nblocks)]  # one untouched piece per block
+    with FileHandle(tmp_path / "r", "w", size=size, **kw) as f:
+        f.write(data)
+        stop, errors = threading.Event(), []
+
+        def reader(off):
+            out = torch.zeros(piece, dtype=torch.uint8)
+            while not stop.is_set():
+                try:
+                    f.read(out, file_offset=off)
+                    assert torch.equal(out, data[off : off + piece])
+                except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=reader, args=(off,)) for off in r_offs]
+        for t in threads:
+            t.start()
+        deadline, last = time.time() + 2.0, {}
+        while time.time() < deadline and not errors:
+            futs = []
+            for off in w_offs:
+                last[off] = torch.randint(0, 256, (piece,), dtype=torch.uint8)
+                futs.append(f.pwrite(last[off], file_offset=off))
+            for x in futs:
+                x.get()
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        for off, buf in last.items():
+            data[off : off + piece] = buf
+        out = torch.zeros(size, dtype=torch.uint8)
+        f.read(out)
+        assert torch.equal(out, data)
+        assert f.verify() == size
