@@ -14,7 +14,7 @@ MIB = 1 << 20
 
 _CHILD = r"""
 import json, sys, gc
-from tiertrain.state.device import host_rss, host_peak_rss
+from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
 import pathlib
@@ -22,11 +22,16 @@ cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=512, heads=8, micro_ba
                    update_kib=1024, slots=3)
 from tiertrain.train import Trainer
 base = host_rss()
+assert reset_peak_rss()  # imports may have peaked higher than base; measure from here
+stages = {}
 with Trainer(cfg) as tr:
+    stages["built"] = host_peak_rss()
     tr.initialize(progress=False)
-    for _ in range(cfg.train.steps):
+    stages["initialized"] = host_peak_rss()
+    for i in range(cfg.train.steps):
         tr.train_step()
-    out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()),
+        stages[f"step{i + 1}"] = host_peak_rss()
+    out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()), stages=stages,
                state=sum(n for _, n in tr.plan.files), params=tr.layout.n_params,
                files={name: n for name, n in tr.plan.files})
 print(json.dumps(out))
@@ -48,7 +53,8 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
         assert out["files"][name] >= 4 * out["params"]
         assert os.path.getsize(tmp_path / "ssd0" / name) == out["files"][name]
     growth = out["peak"] - out["base"]
-    assert growth <= out["pools"] + 96 * MIB, (growth / MIB, out["pools"] / MIB)
+    stages = {k: round((v - out["base"]) / MIB) for k, v in out["stages"].items()}
+    assert growth <= out["pools"] + 96 * MIB, (growth / MIB, out["pools"] / MIB, stages)
     assert growth < state_bytes / 2  # ... and most of it never was in memory at once
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 import psutil
 import torch
 
-__all__ = ["Device", "resolve_device", "resolve_dtype", "host_rss", "host_peak_rss"]
+__all__ = ["Device", "resolve_device", "resolve_dtype", "host_rss", "host_peak_rss", "reset_peak_rss"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,8 +32,25 @@ def host_rss() -> int:
 
 
 def host_peak_rss() -> int:
-    """Peak resident set size of this process so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process since start or the last ``reset_peak_rss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not resettable
+
+
+def reset_peak_rss() -> bool:
+    """Start measuring the peak afresh (Linux: clear_refs 5). False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class Device:
