@@ -24,7 +24,6 @@ __all__ = [
     "OptimConfig",
     "MemoryConfig",
     "TrainConfig",
-    "CheckpointConfig",
     "UpdateConfig",
     "load_config",
     "config_reference",
@@ -207,19 +206,6 @@ class UpdateConfig(Section):
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig(Section):
-    """Checkpoints of the whole run state."""
-
-    SECTION: ClassVar[str] = "checkpoint"
-    every: int = opt(0, "Save every N steps (0: only at the end).")
-    keep: int = opt(2, "Keep the last K checkpoints.")
-
-    def __post_init__(self) -> None:
-        self._at_least("every", 0)
-        self._at_least("keep", 1)
-
-
-@dataclass(kw_only=True)
 class TrainConfig(Section):
     """The run."""
 
@@ -249,7 +235,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
