@@ -62,7 +62,7 @@ def test_bad_toml_is_reported(tmp_path):
 
 def test_every_field_is_documented():
     ref = config_reference()
-    for section in ("io", "model", "data", "optim", "memory", "update", "train"):
+    for section in ("io", "model", "data", "optim", "memory", "update", "checkpoint", "train"):
         assert f"### [{section}]" in ref
     assert "| `threads` | `8` |" in ref
     rows = [line for line in ref.splitlines() if line.startswith("| `")]

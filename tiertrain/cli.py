@@ -59,11 +59,58 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .checkpoint import CheckpointError
+    from .scratch import ScratchInUseError
     from .train import Trainer
 
-    cfg = load_config(args.config, overrides)
-    with Trainer(cfg) as trainer:
-        trainer.run()
+    try:
+        if getattr(args, "resume", None):
+            path, cfg = _resume_target(args.resume, args.config, overrides)
+        else:
+            path, cfg = None, load_config(args.config, overrides)
+        with Trainer(cfg) as trainer:
+            trainer.run(resume=path)
+    except KeyboardInterrupt:
+        return 130
+    except (CheckpointError, ScratchInUseError) as exc:
+        print(f"tiertrain: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
+    """The checkpoint to resume (a checkpoint dir, a run dir, or 'latest') and the run's
+    config: the checkpoint's own, with the given file and flags applied on top."""
+    from .checkpoint import CheckpointError, Manifest, latest_checkpoint
+    from .config import Config, parse_overrides
+
+    if where == "latest":
+        base = load_config(config, overrides)
+        root = base.checkpoint.dir or os.path.join(base.train.run_dir, "checkpoints")
+        where = root
+    path = where
+    if not os.path.exists(os.path.join(where, "manifest.json")):
+        path = latest_checkpoint(os.path.join(where, "checkpoints")) or latest_checkpoint(where)
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {where}")
+    man = Manifest.read(path)
+    tree = man.config
+    if config is not None:  # only what the file sets overrides the checkpoint's config
+        import tomllib
+
+        with open(config, "rb") as f:
+            for section, values in tomllib.load(f).items():
+                tree.setdefault(section, {}).update(values)
+    for section, values in parse_overrides(overrides).items():
+        tree.setdefault(section, {}).update(values)
+    return path, Config.from_dict(tree)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    log.info("exported %s to %s", args.checkpoint, out)
     return 0
 
 
@@ -107,6 +154,11 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train (no arguments: the default main job)")
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
+    t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
+
+    ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
+    ex.add_argument("--checkpoint", required=True)
+    ex.add_argument("--out", required=True, help="output directory")
 
     pr = sub.add_parser("prepare", help="tokenize text files into a token file for data.corpus")
     pr.add_argument("--input", required=True, action="append", help="a .txt file (repeat for several)")
@@ -149,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench_io(args)
         if args.cmd == "prepare":
             return _cmd_prepare(args)
+        if args.cmd == "export":
+            return _cmd_export(args)
         parser.print_help()
         return 2
     except ConfigError as exc:

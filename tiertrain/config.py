@@ -25,6 +25,7 @@ __all__ = [
     "MemoryConfig",
     "TrainConfig",
     "UpdateConfig",
+    "CheckpointConfig",
     "load_config",
     "config_reference",
 ]
@@ -100,6 +101,7 @@ class ModelConfig(Section):
     kind: str = opt("gpt", "'gpt' (built-in), 'llama' (transformers LlamaForCausalLM) or 'gpt2'.")
     hf_dir: str | None = opt(None, "Local Hugging Face model directory (config.json + safetensors); never downloads.")
     from_scratch: bool = opt(False, "With hf_dir: use its config.json but start from random weights.")
+    init_from: str | None = opt(None, "Initial weights from safetensors (a file, or a directory written by `tiertrain export`).")
     n_layers: int = opt(4, "Transformer blocks (from-scratch models).")
     d_model: int = opt(256, "Hidden size (from-scratch models).")
     n_heads: int = opt(4, "Attention heads (from-scratch models).")
@@ -120,6 +122,8 @@ class ModelConfig(Section):
             self._fail("n_kv_heads", f"must divide model.n_heads ({self.n_heads})")
         if self.d_ff is not None:
             self._at_least("d_ff", 1)
+        if self.init_from is not None and not os.path.exists(self.init_from):
+            self._fail("init_from", "no such file or directory; give a .safetensors file or an exported directory")
         if self.hf_dir is not None and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
             self._fail("hf_dir", "no config.json there; point it at a local Hugging Face model directory")
         self._in_range("init_std", 0.0, 1.0)
@@ -206,6 +210,22 @@ class UpdateConfig(Section):
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig(Section):
+    """Checkpoints of the whole run state: complete or absent, checked on load."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+    every: int = opt(0, "Save every N steps (0: only at the end and on Ctrl-C).")
+    keep: int = opt(2, "Keep the last K checkpoints; older ones are deleted after a successful save.")
+    dir: str | None = opt(None, "Where checkpoints go (None: <train.run_dir>/checkpoints).")
+    at_end: bool = opt(True, "Save when the last step is done.")
+    on_interrupt: bool = opt(True, "On Ctrl-C, finish the current step, save, then stop.")
+
+    def __post_init__(self) -> None:
+        self._at_least("every", 0)
+        self._at_least("keep", 1)
+
+
+@dataclass(kw_only=True)
 class TrainConfig(Section):
     """The run."""
 
@@ -235,6 +255,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from .activations.stash import HiddenStash
+from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete
 from .config import Config, ConfigError
 from .data import Corpus
 from .io import Storage, aligned_empty
 from .metrics import MetricsLog, StepRecord, peak_flops
 from .models import WeightSource, build_model
 from .schedule.executor import LayerMajorExecutor
+from .scratch import ScratchLock, clean_stale
 from .state.device import Device, host_peak_rss, resolve_device, resolve_dtype
 from .state.grads import GradStore
 from .state.layout import FlatLayout
@@ -64,9 +69,17 @@ class Trainer:
         self.source = weights or source
         self.layout = FlatLayout(self.model)
         self._parts: list = []
+        self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
         self.storage = Storage.from_config(cfg.io)
         try:
+            for info in self.lock.unclean:
+                log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
+                            info["path"], info.get("pid"), info.get("started"))
             self.plan = self._plan()
+            for path, size in clean_stale(self.storage.paths, keep=[n for n, s in self.plan.files if s]):
+                log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
+            for path in clean_incomplete(self.checkpoint_root):
+                log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             self.storage.check_space(self.plan.files)  # a full disk is reported here, before any work
@@ -130,6 +143,10 @@ class Trainer:
             )
         )
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev)
+        regions = {"params.bin": self.params.backing, "exp_avg.bin": self.optim.m, "exp_avg_sq.bin": self.optim.v}
+        if self.optim.master is not None:
+            regions["master.bin"] = self.optim.master
+        self.ckpt = self._part(CheckpointIO(self.layout, regions, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
 
     def _part(self, obj):
@@ -145,6 +162,7 @@ class Trainer:
             "update buffers + host states": self.optim.pool_bytes,
             "stash": self.stash.pool_bytes,
             "io bounce": self.storage.pool_bytes,
+            "checkpoint buffers": self.ckpt.pool_bytes,
         }
 
     # -- weights ------------------------------------------------------------------------------------
@@ -170,6 +188,8 @@ class Trainer:
             futs.append(self.params.write(unit.index, low[: unit.numel]))
             for f in futs:
                 f.get()
+        # dropout draws from the global generators, which PyTorch seeds at random per process
+        torch.manual_seed(self.cfg.train.seed)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights by name, fp32 (master weights where kept). Loads the whole model:
@@ -186,6 +206,26 @@ class Trainer:
             for rec in unit.params:
                 out[rec.name] = src[rec.offset : rec.offset + rec.numel].view(rec.shape).clone()
         return out
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> str:
+        return self.cfg.checkpoint.dir or os.path.join(self.cfg.train.run_dir, "checkpoints")
+
+    def save_checkpoint(self) -> SaveResult:
+        """A complete checkpoint of the current step (after the last finished step)."""
+        res = self.ckpt.save(self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep)
+        log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps)
+        return res
+
+    def restore(self, path: str) -> Manifest:
+        """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
+        t0 = time.perf_counter()
+        man = self.ckpt.restore(path)
+        self.params.invalidate()
+        self.step = self.optim.step_count = man.step
+        log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
+        return man
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -232,41 +272,87 @@ class Trainer:
             extra={"losses": out.losses},
         )
 
-    def run(self, *, progress: bool | None = None) -> list[StepRecord]:
-        """Initialise, then train ``train.steps`` steps, printing the per-step line."""
+    def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
+        """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
+        printing the per-step line and saving checkpoints as configured. Ctrl-C stops after
+        the current step (saving first when ``checkpoint.on_interrupt``); a second Ctrl-C
+        stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
         from tqdm import tqdm
 
-        cfg = self.cfg
+        cfg, ck = self.cfg, self.cfg.checkpoint
         progress = cfg.train.progress if progress is None else progress
-        metrics = MetricsLog(cfg.train.run_dir)
+        metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
+        with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        stop = _StopFlag()
         try:
-            self.initialize(progress=progress)
+            if resume is not None:
+                self.restore(resume)
+            else:
+                self.initialize(progress=progress)
             log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step")
-            while self.step < cfg.train.steps:
-                rec = self.train_step()
-                metrics.add(rec)
-                bar.update()
-                bar.set_postfix(loss=f"{rec.loss:.3f}")
-                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
-                    log.info(rec.line(cfg.train.steps))
+            with stop:
+                while self.step < cfg.train.steps and not stop.set:
+                    rec = self.train_step()
+                    metrics.add(rec)
+                    bar.update()
+                    bar.set_postfix(loss=f"{rec.loss:.3f}")
+                    if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
+                        log.info(rec.line(cfg.train.steps))
+                    if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
+                        self.save_checkpoint()
             bar.close()
+            if stop.set:
+                log.warning("interrupted after step %d", self.step)
+                if ck.on_interrupt:
+                    self.save_checkpoint()
+                raise KeyboardInterrupt(f"interrupted after step {self.step}")
+            if ck.at_end and (resume is None or self.step > Manifest.read(resume).step):
+                self.save_checkpoint()
             log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
             return metrics.records
         finally:
             metrics.close()
 
     def close(self) -> None:
-        for part in reversed(self._parts):
-            part.close()
-        self._parts = []
-        self.storage.close()
+        try:
+            for part in reversed(self._parts):
+                part.close()
+            self._parts = []
+            self.storage.close()
+        finally:
+            self.lock.release()
 
     def __enter__(self) -> "Trainer":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StopFlag:
+    """Ctrl-C sets ``set`` (the loop stops at the next step boundary); a second Ctrl-C
+    interrupts at once. Only installed in the main thread."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+        log.warning("Ctrl-C: stopping after this step (press again to stop at once)")
+
+    def __enter__(self) -> "_StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def _vocab(cfg: Config) -> int:

@@ -114,6 +114,8 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
     else:
         model = _build_hf(cfg)
     materialize_placeholders(model, param_dtype)
+    if cfg.init_from is not None:
+        return model, safetensors_source(model, cfg.init_from)
     if cfg.hf_dir is not None and not cfg.from_scratch:
         return model, safetensors_source(model, cfg.hf_dir)
     return model, random_source(model, seed)
@@ -142,11 +144,12 @@ def random_source(model: LayeredModel, seed: int) -> WeightSource:
 
 
 def safetensors_source(model: LayeredModel, directory: str) -> WeightSource:
-    """Read each unit's tensors from the safetensors files of a local HF directory."""
+    """Read each unit's tensors from safetensors: a file, or a directory (an HF model
+    directory, or one written by ``tiertrain export``), keyed by our names or HF names."""
     from safetensors import safe_open
 
     index = os.path.join(directory, "model.safetensors.index.json")
-    single = os.path.join(directory, "model.safetensors")
+    single = directory if os.path.isfile(directory) else os.path.join(directory, "model.safetensors")
     if os.path.exists(index):
         with open(index) as f:
             where = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
@@ -156,11 +159,13 @@ def safetensors_source(model: LayeredModel, directory: str) -> WeightSource:
     else:
         raise ConfigError(f"model.hf_dir = {directory!r}: no model.safetensors(.index.json) there; "
                           "convert the weights to safetensors or set model.from_scratch = true")
-    hf_names = _hf_names(model)
+    hf_names = _hf_names(model) if model.hf_model is not None else {}
     prefix = getattr(model.hf_model, "base_model_prefix", "")
 
     def find(name: str) -> str:
-        hf = hf_names[name]
+        if name in where:
+            return name
+        hf = hf_names.get(name, name)
         for cand in (hf, hf.removeprefix(prefix + "."), f"{prefix}.{hf}"):
             if cand in where:
                 return cand

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import faults
 from ..activations.stash import HiddenStash
 from ..models.base import LayeredModel
 from ..state.device import Device
@@ -100,6 +101,7 @@ class LayerMajorExecutor:
             nxt = []
             for m in range(M):
                 self.stash.put(b * M + m, cur[m])
+                faults.point("forward")
                 rng[u, m] = _Rng(self.dev.cuda)
                 with torch.enable_grad():
                     nxt.append(self.model.blocks[b](cur[m]).detach())
@@ -132,6 +134,7 @@ class LayerMajorExecutor:
                 if b > 0:
                     self.stash.prefetch((b - 1) * M + m)
                 x = self.stash.get(b * M + m).detach().requires_grad_()
+                faults.point("backward")
                 rng[u, m].restore()
                 out = self.model.blocks[b](x)
                 torch.autograd.backward(out, dh[m])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import faults
 from ..config import OptimConfig
 from ..io import IOFuture, Storage, aligned_empty
 from ..state.grads import GradStore
@@ -125,6 +126,7 @@ class StreamedAdamW:
             st.wait_s += _wait(reads.pop(i))  # sync point: chunk i's states are in memory
             t0 = time.perf_counter()
             bs = self.sets[i % len(self.sets)]
+            faults.point("update")
             self._compute(bs, u, a, b, lr, coef)
             st.compute_s += time.perf_counter() - t0
             writes[i % len(self.sets)] = self._write(bs, u, a, b)

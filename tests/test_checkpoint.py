@@ -1,0 +1,275 @@
+"""Checkpoints, resume, faults and scratch hygiene."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from reference import small_config
+from tiertrain.checkpoint import CheckpointError, Manifest, latest_checkpoint, list_checkpoints
+from tiertrain.scratch import ScratchInUseError
+from tiertrain.train import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """2N steps straight vs N steps, checkpoint, a new trainer resumes, N more steps."""
+    cfg = small_config(tmp_path / "a", micro_batches=2, steps=6)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().extra["losses"] for _ in range(6)]
+        want = tr.weights()
+    cfg = small_config(tmp_path / "b", micro_batches=2, steps=6)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        first = [tr.train_step().extra["losses"] for _ in range(3)]
+        saved = tr.save_checkpoint()
+    with Trainer(cfg) as tr:  # a fresh trainer: nothing carried over but the checkpoint
+        man = tr.restore(saved.path)
+        assert man.step == 3 and tr.step == 3 and tr.optim.step_count == 3
+        rest = [tr.train_step().extra["losses"] for _ in range(3)]
+        got = tr.weights()
+    assert first + rest == straight
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_checkpoint_contents_and_keep(tmp_path):
+    cfg = small_config(tmp_path, steps=4)
+    cfg.checkpoint.keep = 2
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        for _ in range(4):
+            tr.train_step()
+            res = tr.save_checkpoint()
+        root = tr.checkpoint_root
+    found = list_checkpoints(root)
+    assert [os.path.basename(p) for p in found] == ["step-00000003", "step-00000004"]
+    man = Manifest.read(res.path)
+    assert man.step == 4 and {f.name for f in man.files} == {"params.bin", "exp_avg.bin", "exp_avg_sq.bin", "rng.safetensors"}
+    for f in man.files:
+        assert os.path.getsize(os.path.join(res.path, f.name)) == f.size
+    assert man.config["model"]["n_layers"] == 3
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
+
+
+def damage(path, how):
+    if how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+    else:
+        os.truncate(path, os.path.getsize(path) - 4096)
+
+
+@pytest.mark.parametrize("name,how,match", [
+    ("exp_avg.bin", "flip", r"exp_avg\.bin is corrupt: crc32c 0x[0-9a-f]+, the manifest says 0x[0-9a-f]+"),
+    ("params.bin", "truncate", r"params\.bin is truncated or damaged: \d+ bytes, the manifest says \d+"),
+    ("rng.safetensors", "flip", r"rng\.safetensors is corrupt"),
+    ("manifest.json", "truncate", r"manifest\.json is corrupt"),
+])
+def test_damaged_checkpoints_are_named_never_loaded(tmp_path, name, how, match):
+    cfg = small_config(tmp_path, steps=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        res = tr.save_checkpoint()
+        if name == "manifest.json":
+            with open(os.path.join(res.path, name), "w") as f:
+                f.write('{"step": 1, "fil')
+        else:
+            damage(os.path.join(res.path, name), how)
+        with pytest.raises(CheckpointError, match=match):
+            tr.restore(res.path)
+
+
+def test_incomplete_and_foreign_checkpoints_are_refused(tmp_path):
+    cfg = small_config(tmp_path, steps=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        res = tr.save_checkpoint()
+        os.remove(os.path.join(res.path, "manifest.json"))
+        with pytest.raises(CheckpointError, match="is not a complete checkpoint: it has no manifest.json"):
+            tr.restore(res.path)
+        assert latest_checkpoint(tr.checkpoint_root) is None
+        res = tr.save_checkpoint()
+    other = small_config(tmp_path / "o", layers=2, steps=2)
+    with Trainer(other) as tr:
+        with pytest.raises(CheckpointError, match="written for another model or precision"):
+            tr.restore(res.path)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    def make(size_kib):
+        mnt = tmp_path / "small"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    mounted = []
+    yield make
+    for m in mounted:
+        subprocess.run(["umount", str(m)])
+
+
+def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):
+    cfg = small_config(tmp_path, steps=3)
+    with Trainer(cfg) as tr:
+        size = sum(tr.ckpt.file_size(r) for r in tr.ckpt.regions.values())
+        mnt = small_fs(int(size * 1.5) // 1024)  # room for one checkpoint, not two
+        cfg.checkpoint.dir = str(mnt)
+        cfg.checkpoint.keep = 1
+        tr.initialize(progress=False)
+        tr.train_step()
+        first = tr.save_checkpoint()
+        tr.train_step()
+        with pytest.raises(CheckpointError, match=rf"not enough space for the checkpoint of step 2 in {mnt}: "
+                           r"it needs [\d.]+ GiB, [\d.]+ GiB are free \([\d.]+ GiB missing\); "
+                           rf"the previous checkpoint {first.path} is intact"):
+            tr.save_checkpoint()
+        assert list_checkpoints(str(mnt)) == [first.path]
+        assert [n for n in os.listdir(mnt) if n.startswith(".tmp")] == []
+        assert tr.restore(first.path).step == 1
+
+
+def test_two_runs_on_one_scratch_directory(tmp_path):
+    cfg = small_config(tmp_path, steps=1)
+    with Trainer(cfg):
+        with pytest.raises(ScratchInUseError, match=rf"scratch directory .*ssd0 is in use by another tiertrain run "
+                           rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run other --io.paths"):
+            Trainer(cfg)
+    with Trainer(cfg):  # released on close
+        pass
+
+
+def test_stale_files_of_a_dead_run_are_reported_and_cleaned(tmp_path, caplog):
+    cfg = small_config(tmp_path, steps=1)
+    scratch = tmp_path / "ssd0"
+    scratch.mkdir()
+    (scratch / ".tiertrain.lock").write_text(json.dumps({"pid": 999999, "started": "yesterday", "state": "running"}))
+    (scratch / "master.bin").write_bytes(b"x" * 10000)  # a bf16 run's file; this run is fp32
+    (scratch / "params.bin.crc.tmp123").write_bytes(b"x")
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        with Trainer(cfg):
+            pass
+    text = caplog.text
+    assert "was left by a run that did not finish (pid 999999, started yesterday)" in text
+    assert "removed a stale file of an earlier run" in text and "master.bin" in text
+    assert not (scratch / "master.bin").exists() and not (scratch / "params.bin.crc.tmp123").exists()
+
+
+# -- faults in a real process -------------------------------------------------------------------
+
+def cli(tmp_path, *extra, env=None, **kw):
+    args = [sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
+            f"--train.run_dir={tmp_path / 'run'}", "--model.n_layers=3", "--model.d_model=64",
+            "--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=2", "--train.progress=false",
+            "--train.steps=4", "--checkpoint.every=2", "--io.chunk_kib=256", "--io.checksum_block_kib=64",
+            "--io.stripe_kib=64", "--memory.update_buffer_kib=64", "--memory.grad_host_mib=0", "--memory.stash_host_mib=0",
+            *extra]
+    e = dict(os.environ)
+    e.pop("TIERTRAIN_KILL_AT", None)
+    e.update(env or {})
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=e, cwd=ROOT, **kw)
+
+
+def final_state(tmp_path):
+    man = Manifest.read(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))
+    return man.step, {f.name: f.crc32c for f in man.files}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    r = cli(tmp)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return final_state(tmp)
+
+
+# Per step: 3 blocks x 2 micro-batches = 6 forward and 6 backward points, ~19 update chunks;
+# one save is ~18 checkpoint chunks (3 files x 6). Steps 1-2, save, steps 3-4, save.
+@pytest.mark.parametrize("point", ["forward:15", "backward:15", "update:45", "checkpoint:5", "checkpoint:25"])
+def test_sigkill_anywhere_then_resume_loses_nothing(tmp_path, uninterrupted, point):
+    """Killed mid-forward, mid-backward, mid-update (all in step 3, after the step-2
+    checkpoint), inside the first checkpoint write, or inside the last: resuming gives
+    exactly the state of a run that was never interrupted (same bytes in every file)."""
+    r = cli(tmp_path, env={"TIERTRAIN_KILL_AT": point})
+    assert r.returncode == -signal.SIGKILL, (point, r.stderr[-2000:])
+    resumed = cli(tmp_path, f"--resume={tmp_path / 'run'}") if list_checkpoints(str(tmp_path / "run" / "checkpoints")) \
+        else cli(tmp_path)  # killed before the first checkpoint completed: start again
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert final_state(tmp_path) == uninterrupted
+    assert [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.startswith(".tmp")] == []
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
+                             f"--train.run_dir={tmp_path / 'run'}", "--model.n_layers=2", "--model.d_model=64",
+                             "--data.seq_len=32", "--train.steps=10000", "--train.progress=false"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or metrics.stat().st_size == 0):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-2000:]
+    steps = len(metrics.read_text().splitlines())
+    assert "Ctrl-C: stopping after this step" in err and f"interrupted after step {steps}" in err
+    ck = latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert ck is not None and Manifest.read(ck).step == steps
+
+
+def test_export_to_hf_directory_and_import(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.models import _hf_names
+
+    cfg = small_config(tmp_path / "l", kind="llama", steps=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        res = tr.save_checkpoint()
+        want = tr.weights()
+        names = _hf_names(tr.model)
+    out = export_checkpoint(res.path, str(tmp_path / "export"))
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    sd = hf.state_dict()
+    assert all(torch.equal(want[k], sd[names[k]]) for k in want)
+    cfg2 = small_config(tmp_path / "l2", kind="llama", steps=2)
+    cfg2.model.hf_dir = out  # an exported HF directory is a starting point
+    with Trainer(cfg2) as tr:
+        tr.initialize(progress=False)
+        assert all(torch.equal(tr.weights()[k], want[k]) for k in want)
+
+
+def test_export_builtin_then_init_from(tmp_path):
+    from tiertrain.cli import main
+
+    cfg = small_config(tmp_path / "g", steps=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        res = tr.save_checkpoint()
+        want = tr.weights()
+    assert main(["export", "--checkpoint", res.path, "--out", str(tmp_path / "x")]) == 0
+    assert (tmp_path / "x" / "model.safetensors.index.json").exists()
+    cfg2 = small_config(tmp_path / "g2", steps=2)
+    cfg2.model.init_from = str(tmp_path / "x")
+    with Trainer(cfg2) as tr:
+        tr.initialize(progress=False)
+        got = tr.weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)

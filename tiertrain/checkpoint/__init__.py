@@ -1,0 +1,14 @@
+"""Checkpoints: complete-or-absent directories of the whole run state, checked on load."""
+
+from .manifest import CheckpointError, Manifest, clean_incomplete, latest_checkpoint, list_checkpoints
+from .saver import CheckpointIO, SaveResult
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointIO",
+    "Manifest",
+    "SaveResult",
+    "clean_incomplete",
+    "latest_checkpoint",
+    "list_checkpoints",
+]

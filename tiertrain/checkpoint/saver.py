@@ -1,0 +1,231 @@
+"""Saving and restoring checkpoints by streaming states through two fixed buffers.
+
+A checkpoint file holds one kind of state for every unit, in layout order at the units'
+layout offsets (``params.bin``, ``exp_avg.bin``, ``exp_avg_sq.bin``, ``master.bin``), plus
+``rng.pt`` and the manifest. Saving reads each state from wherever it lives (RAM or the
+storage tier) chunk by chunk into one of two aligned buffers while the other is written
+out, so its memory does not depend on the model's size. Every byte is covered by the
+file's CRC32C, computed on the way and checked on the way back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .. import faults
+from ..io import BufferPool, FileHandle, IOFuture, IOWorkers, OutOfSpaceError, check_space, free_bytes
+from ..io.checksum import crc32c
+from ..state.layout import FlatLayout
+from ..state.regions import TieredRegions
+from .manifest import CheckpointError, FileEntry, Manifest, latest_checkpoint, list_checkpoints
+
+__all__ = ["CheckpointIO", "SaveResult"]
+
+log = logging.getLogger("tiertrain")
+RNG = "rng.safetensors"  # safetensors: the same state always gives the same bytes
+
+
+class SaveResult:
+    def __init__(self, path: str, nbytes: int, seconds: float) -> None:
+        self.path, self.nbytes, self.seconds = path, nbytes, seconds
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class CheckpointIO:
+    """Moves ``regions`` (name -> TieredRegions) to and from checkpoint directories."""
+
+    def __init__(self, layout: FlatLayout, regions: dict[str, TieredRegions], *, chunk_bytes: int = 16 << 20,
+                 threads: int = 4) -> None:
+        self.layout, self.regions = layout, regions
+        self.chunk_bytes = chunk_bytes
+        self.workers = IOWorkers("checkpoint", threads=threads, chunk_bytes=chunk_bytes)
+        self.buffers = BufferPool(2, chunk_bytes, name="checkpoint")
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.buffers.size_bytes + self.workers.pool_bytes
+
+    def file_size(self, region: TieredRegions) -> int:
+        return self.layout.total_numel * region.esize
+
+    # -- streaming ------------------------------------------------------------------------------
+    def _chunks(self, region: TieredRegions) -> list[tuple[int, int, int]]:
+        step = self.chunk_bytes // region.esize
+        return [(u.index, a, min(a + step, u.numel)) for u in self.layout.units for a in range(0, u.numel, step)]
+
+    def _copy(self, region: TieredRegions, read: Callable, write: Callable) -> int:
+        """Chunk by chunk: read into a buffer (the next one is read while this is written);
+        return the CRC32C of the bytes in file order."""
+        crc, chunks = 0, self._chunks(region)
+        bufs = [self.buffers.acquire(), self.buffers.acquire()]
+        writes: list[IOFuture | None] = [None, None]
+        try:
+            pending = read(*chunks[0], bufs[0].tensor.view(region.dtype)) if chunks else None
+            for i, (u, a, b) in enumerate(chunks):
+                cur = bufs[i % 2].tensor.view(region.dtype)
+                pending.get()  # sync point: chunk i is in memory
+                if i + 1 < len(chunks):
+                    nxt = (i + 1) % 2
+                    if writes[nxt] is not None:
+                        writes[nxt].get()
+                        writes[nxt] = None
+                    pending = read(*chunks[i + 1], bufs[nxt].tensor.view(region.dtype))
+                faults.point("checkpoint")
+                crc = crc32c(cur[: b - a].view(torch.uint8).numpy(), crc)
+                writes[i % 2] = write(u, a, b, cur)
+            for w in writes:
+                if w is not None:
+                    w.get()
+        finally:
+            for b in bufs:
+                b.release()
+        return crc
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, root: str, step: int, config: dict, *, keep: int) -> SaveResult:
+        """Write a complete checkpoint of step ``step`` under ``root``; keep the last ``keep``."""
+        t0 = time.perf_counter()
+        os.makedirs(root, exist_ok=True)
+        final = os.path.join(root, f"step-{step:08d}")
+        tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
+        sizes = {name: self.file_size(r) for name, r in self.regions.items() if r is not None}
+        total = sum(sizes.values())
+        previous = latest_checkpoint(root)
+        try:
+            check_space([(os.path.join(tmp, name), n) for name, n in sizes.items()])
+            os.makedirs(tmp)
+            entries = [self._save_region(tmp, name, self.regions[name], sizes[name]) for name in sizes]
+            entries.append(_save_rng(tmp))
+            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(self.regions["params.bin"].dtype)).write(tmp)
+            _fsync_dir(tmp)
+            _replace_dir(tmp, final)
+        except OutOfSpaceError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = free_bytes(root)
+            raise CheckpointError(
+                f"not enough space for the checkpoint of step {step} in {root}: it needs {total / 2**30:.2f} GiB, "
+                f"{free / 2**30:.2f} GiB are free ({max(0, total - free) / 2**30:.2f} GiB missing); "
+                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+            ) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return SaveResult(final, total, time.perf_counter() - t0)
+
+    def _save_region(self, directory: str, name: str, region: TieredRegions, size: int) -> FileEntry:
+        esize = region.esize
+        with FileHandle(os.path.join(directory, name), "w", size=size, workers=self.workers) as f:
+            crc = self._copy(
+                region,
+                read=lambda u, a, b, buf: region.read(u, buf, a, b),
+                write=lambda u, a, b, buf: f.pwrite(buf, (b - a) * esize, (self.layout.units[u].offset + a) * esize),
+            )
+            f.flush()
+        return FileEntry(name, size, crc)
+
+    # -- restore -----------------------------------------------------------------------------------
+    def restore(self, path: str) -> Manifest:
+        """Load checkpoint ``path`` into the regions, checking every file's size and CRC32C."""
+        man = Manifest.read(path)
+        units = [u.numel for u in self.layout.units]
+        if man.units != units or man.param_dtype != str(self.regions["params.bin"].dtype):
+            raise CheckpointError(
+                f"checkpoint {path} was written for another model or precision ({len(man.units)} units, "
+                f"{man.param_dtype}) than this run ({len(units)} units, {self.regions['params.bin'].dtype}); "
+                "resume with the config it was made with"
+            )
+        for name, region in self.regions.items():
+            if region is None:
+                continue
+            entry = man.entry(name)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {path} has no {name}, which this run needs")
+            self._restore_region(path, entry, region)
+        _restore_rng(path, man.entry(RNG))
+        return man
+
+    def _restore_region(self, directory: str, entry: FileEntry, region: TieredRegions) -> None:
+        path = os.path.join(directory, entry.name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        actual = os.path.getsize(path)
+        if actual != entry.size:
+            raise CheckpointError(f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}")
+        esize = region.esize
+        with FileHandle(path, "r", workers=self.workers) as f:
+            crc = self._copy(
+                region,
+                read=lambda u, a, b, buf: f.pread(buf, (b - a) * esize, (self.layout.units[u].offset + a) * esize),
+                write=lambda u, a, b, buf: region.write(u, buf, a, b),
+            )
+        if crc != entry.crc32c:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt: crc32c {crc:#010x}, the manifest says {entry.crc32c:#010x}; "
+                "use an earlier checkpoint"
+            )
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+
+def _save_rng(directory: str) -> FileEntry:
+    from safetensors.torch import save
+
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    data = save(state)
+    path = os.path.join(directory, RNG)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return FileEntry(RNG, len(data), crc32c(np.frombuffer(data, dtype=np.uint8)))
+
+
+def _restore_rng(directory: str, entry: FileEntry | None) -> None:
+    path = os.path.join(directory, RNG)
+    if entry is None or not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {directory} has no {RNG}")
+    data = open(path, "rb").read()
+    if len(data) != entry.size or crc32c(np.frombuffer(data, dtype=np.uint8)) != entry.crc32c:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (size or crc32c differ from the manifest)")
+    from safetensors.torch import load
+
+    state = load(data)
+    torch.set_rng_state(state["cpu"])
+    cuda = [state[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in state]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """Rename ``tmp`` to ``final`` (replacing an older ``final`` only once ``tmp`` is in place)."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

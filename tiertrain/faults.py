@@ -1,0 +1,34 @@
+"""Fault injection for tests: kill this process at a chosen point of its work.
+
+``TIERTRAIN_KILL_AT=point:n`` sends SIGKILL to this process the ``n``-th time ``point`` is
+reached. Points: ``forward`` and ``backward`` (each unit and micro-batch), ``update``
+(each optimizer chunk), ``checkpoint`` (each chunk saved or restored). Unset, a point
+costs one comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = ["point"]
+
+
+def _parse(spec: str | None) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    name, _, n = spec.partition(":")
+    return name, int(n or 1)
+
+
+_target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))
+_count = 0
+
+
+def point(name: str) -> None:
+    global _count
+    if _target is None or name != _target[0]:
+        return
+    _count += 1
+    if _count == _target[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
