@@ -32,6 +32,7 @@ with Trainer(cfg) as tr:
         tr.train_step()
         stages[f"step{i + 1}"] = host_peak_rss()
     out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()), stages=stages,
+               unit=tr.layout.max_unit_numel * 4,
                state=sum(n for _, n in tr.plan.files), params=tr.layout.n_params,
                files={name: n for name, n in tr.plan.files})
 print(json.dumps(out))
@@ -40,8 +41,11 @@ print(json.dumps(out))
 
 def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
     """A model whose states (params, grads, moments: ~16 B/param) are far larger than the
-    host budgets: the process's peak RSS grows by at most the fixed pools plus 96 MiB of
-    overhead (activations of one micro-batch, autograd temporaries, allocator slack)."""
+    host budgets: the process's peak RSS grows by at most the fixed pools, plus 4 times the
+    largest unit (initialisation holds one unit's tensors and a flat copy; autograd holds one
+    unit's gradients and temporaries), plus 96 MiB (activations of a micro-batch, allocator
+    slack, I/O thread arenas). Measured here: growth 119-171 MiB, allowance ~210 MiB, states
+    393 MiB."""
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), here], capture_output=True, text=True,
                        timeout=600)
@@ -54,7 +58,8 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
         assert os.path.getsize(tmp_path / "ssd0" / name) == out["files"][name]
     growth = out["peak"] - out["base"]
     stages = {k: round((v - out["base"]) / MIB) for k, v in out["stages"].items()}
-    assert growth <= out["pools"] + 96 * MIB, (growth / MIB, out["pools"] / MIB, stages)
+    allowance = out["pools"] + 4 * out["unit"] + 96 * MIB
+    assert growth <= allowance, (growth / MIB, allowance / MIB, stages)
     assert growth < state_bytes / 2  # ... and most of it never was in memory at once
 
 

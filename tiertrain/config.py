@@ -203,10 +203,16 @@ class UpdateConfig(Section):
     """Where the optimizer step runs."""
 
     SECTION: ClassVar[str] = "update"
-    mode: str = opt("baseline", "'baseline': the trainer streams states through its own buffers after the backward.")
+    mode: str = opt("baseline", "'baseline': the trainer streams states through its own buffers after the backward; "
+                    "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.")
+    engines: int = opt(0, "Number of update engines (0: one per io.paths entry).")
+    eager: bool = opt(False, "Engines update each unit as its gradients arrive (needs optim.grad_clip = 0).")
+    engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
 
     def __post_init__(self) -> None:
-        self._one_of("mode", ("baseline",))
+        self._one_of("mode", ("baseline", "engines"))
+        self._in_range("engines", 0, 256)
+        self._in_range("engine_timeout_s", 1.0, 86400.0)
 
 
 @dataclass(kw_only=True)
@@ -259,6 +265,12 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        if self.update.eager and (self.update.mode != "engines" or self.optim.grad_clip > 0):
+            raise ConfigError(
+                f"update.eager = true needs update.mode = 'engines' and optim.grad_clip = 0 (got mode "
+                f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
+                "after the whole backward"
+            )
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "

@@ -59,6 +59,12 @@ class StepRecord:
             f"w {self.ssd_write_bytes / 1e9:.2f} GB {self.ssd_write_gbps:.2f} GB/s | "
             f"peak host {self.peak_host_bytes / 2**20:,.0f} MiB dev {self.peak_device_bytes / 2**20:,.0f} MiB | "
             f"io wait {self.io_wait_s:.2f} s | {self.step_s:.2f} s"
+            + (
+                f" | engines: sent {self.extra['engine_sent_bytes'] / 1e9:.2f} GB, "
+                f"r {self.extra['engine_read_bytes'] / 1e9:.2f} GB w {self.extra['engine_write_bytes'] / 1e9:.2f} GB"
+                if "engine_sent_bytes" in self.extra
+                else ""
+            )
         )
 
 

@@ -92,7 +92,8 @@ def clean_stale(paths: Iterable[str], keep: Iterable[str]) -> list[tuple[str, in
             continue
         for name in os.listdir(p):
             base = name[:-4] if name.endswith(".crc") else name
-            stale = (base in STATE_FILES and base not in keep) or ".tmp" in name
+            ours = base in STATE_FILES or (base.startswith("engine") and base.endswith(".bin"))
+            stale = (ours and base not in keep) or ".tmp" in name
             if stale:
                 full = os.path.join(p, name)
                 removed.append((full, os.path.getsize(full)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete
 from .config import Config, ConfigError
 from .data import Corpus
-from .io import Storage, aligned_empty
+from .io import Storage, aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, peak_flops
 from .models import WeightSource, build_model
 from .schedule.executor import LayerMajorExecutor
@@ -26,8 +27,9 @@ from .state.grads import GradStore
 from .state.layout import FlatLayout
 from .state.regions import TieredRegions
 from .state.store import ParamStore
+from .update.engines import EngineGroup, GradHome, ParamBacking
 from .update.schedule import lr_at
-from .update.streamed import StreamedAdamW
+from .update.streamed import StreamedAdamW, UpdateStats
 
 __all__ = ["Trainer", "SpacePlan"]
 
@@ -37,14 +39,16 @@ MIB = 1 << 20
 
 @dataclass
 class SpacePlan:
-    files: list[tuple[str, int]]
+    files: list[tuple[str, int]]  # striped over every path
+    placed: list[tuple[str, int]] | None = None  # (full path, bytes) of files on one path (engines)
 
     @property
     def total(self) -> int:
-        return sum(n for _, n in self.files)
+        return sum(n for _, n in self.files) + sum(n for _, n in self.placed or [])
 
     def describe(self) -> str:
-        parts = ", ".join(f"{name} {n / 2**20:,.1f} MiB" for name, n in self.files if n)
+        files = self.files + [(os.path.basename(p), n) for p, n in self.placed or []]
+        parts = ", ".join(f"{name} {n / 2**20:,.1f} MiB" for name, n in files if n)
         return f"{self.total / 2**30:.2f} GiB ({parts})"
 
 
@@ -76,13 +80,15 @@ class Trainer:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
             self.plan = self._plan()
-            for path, size in clean_stale(self.storage.paths, keep=[n for n, s in self.plan.files if s]):
+            keep = [n for n, s in self.plan.files if s] + [os.path.basename(p) for p, s in self.plan.placed or [] if s]
+            for path, size in clean_stale(self.storage.paths, keep=keep):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
             for path in clean_incomplete(self.checkpoint_root):
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             self.storage.check_space(self.plan.files)  # a full disk is reported here, before any work
+            check_space(self.plan.placed or [])
             self._build()
         except BaseException:
             self.close()
@@ -104,6 +110,9 @@ class Trainer:
         file_bytes = lambda dtype, host: TieredRegions.plan_file_bytes(lay, dtype, host, align)  # noqa: E731
         entries = len(self.model.blocks) * self.cfg.data.micro_batches
         entry, _, spilled = HiddenStash.plan(self._stash_shape(), pdt, entries, m.stash_host_mib * MIB)
+        stash = [("stash.bin", spilled * entry)]
+        if self.cfg.update.mode == "engines":
+            return SpacePlan(stash, self._engine_plan())
         files = [
             ("params.bin", file_bytes(pdt, m.host_param_mib * MIB)),
             ("grads.bin", file_bytes(pdt, m.grad_host_mib * MIB)),
@@ -112,26 +121,56 @@ class Trainer:
         ]
         if has_master:
             files.append(("master.bin", file_bytes(f32, share)))
-        files.append(("stash.bin", spilled * entry))
-        return SpacePlan(files)
+        return SpacePlan(files + stash)
+
+    def _engine_plan(self) -> list[tuple[str, int]]:
+        """The files each update engine makes on its path (as ``EngineGroup`` will place them)."""
+        from .update.engine import engine_file
+        from .update.slices import SliceLayout, partition, unit_records
+
+        st, cfg, pdt = self.storage, self.cfg, self.dtype
+        n = cfg.update.engines or len(st.paths)
+        align = max(2048, st.record_align // min(pdt.itemsize, 4))
+        views = [SliceLayout(unit_records(self.layout), s) for s in partition(self.layout, n, align)]
+        out = []
+        for i, v in enumerate(views):
+            path = st.paths[i % len(st.paths)]
+            kinds = [("params", pdt, 0), ("grads", pdt, cfg.memory.grad_host_mib * MIB // n),
+                     ("exp_avg", torch.float32, 0), ("exp_avg_sq", torch.float32, 0)]
+            if pdt != torch.float32:
+                kinds.append(("master", torch.float32, 0))
+            for kind, dtype, host in kinds:
+                out.append((os.path.join(path, engine_file(i, kind)), TieredRegions.plan_file_bytes(v, dtype, host, st.record_align)))
+        return out
 
     def _build(self) -> None:
         m = self.cfg.memory
-        self.params = self._part(
-            ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots, host_bytes=m.host_param_mib * MIB)
-        )
-        self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, host_bytes=m.grad_host_mib * MIB))
-        self.optim = self._part(
-            StreamedAdamW(
-                self.layout,
-                self.storage,
-                self.params,
-                self.grads,
-                self.cfg.optim,
-                buffer_bytes=m.update_buffer_kib << 10,
-                state_host_bytes=m.optim_host_mib * MIB,
+        self.engines = None
+        if self.cfg.update.mode == "engines":
+            self.engines = self._part(EngineGroup(self.layout, self.storage, self.cfg, self.dtype))
+            self.params = self._part(
+                ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots,
+                           backing=ParamBacking(self.engines), gate=self.engines)
             )
-        )
+            self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, home=GradHome(self.engines)))
+            self.optim = None
+        else:
+            self.params = self._part(
+                ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots,
+                           host_bytes=m.host_param_mib * MIB)
+            )
+            self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, host_bytes=m.grad_host_mib * MIB))
+            self.optim = self._part(
+                StreamedAdamW(
+                    self.layout,
+                    self.storage,
+                    self.params,
+                    self.grads,
+                    self.cfg.optim,
+                    buffer_bytes=m.update_buffer_kib << 10,
+                    state_host_bytes=m.optim_host_mib * MIB,
+                )
+            )
         self.stash = self._part(
             HiddenStash(
                 self.storage,
@@ -143,11 +182,28 @@ class Trainer:
             )
         )
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev)
+        self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
+        self.step = 0
+        self._engine_seen = (0, 0)  # (bytes sent, stepped reports) already put in a record
+
+    @contextlib.contextmanager
+    def state_regions(self):
+        """Every kind of checkpointed state, by checkpoint file name, readable and writable
+        per unit (the engines are paused meanwhile)."""
+        if self.engines is not None:
+            with self.engines.handover() as r:
+                names = {"params": "params.bin", "exp_avg": "exp_avg.bin", "exp_avg_sq": "exp_avg_sq.bin", "master": "master.bin"}
+                yield {names[k]: v for k, v in r.items()}
+            return
         regions = {"params.bin": self.params.backing, "exp_avg.bin": self.optim.m, "exp_avg_sq.bin": self.optim.v}
         if self.optim.master is not None:
             regions["master.bin"] = self.optim.master
-        self.ckpt = self._part(CheckpointIO(self.layout, regions, chunk_bytes=self.cfg.io.chunk_kib << 10))
-        self.step = 0
+        yield regions
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        per_elem = self.dtype.itemsize + 8 + (4 if self.dtype != torch.float32 else 0)
+        return self.layout.total_numel * per_elem
 
     def _part(self, obj):
         self._parts.append(obj)
@@ -159,7 +215,8 @@ class Trainer:
         return {
             "param slots + host params": self.params.pool_bytes,
             "grad buffers + host grads": self.grads.pool_bytes,
-            "update buffers + host states": self.optim.pool_bytes,
+            "update buffers + host states" if self.optim else "engine slots (shared memory)":
+                (self.optim or self.engines).pool_bytes,
             "stash": self.stash.pool_bytes,
             "io bounce": self.storage.pool_bytes,
             "checkpoint buffers": self.ckpt.pool_bytes,
@@ -182,12 +239,17 @@ class Trainer:
                 if tuple(t.shape) != tuple(rec.shape):
                     raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}")
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
+            if self.engines is not None:  # the engines write their slices of weights and master
+                self.engines.init_unit(unit.index, view)
+                continue
             futs = self.optim.init_unit(unit.index, view)
             if low is not flat:
                 low[: unit.numel].copy_(view)
             futs.append(self.params.write(unit.index, low[: unit.numel]))
             for f in futs:
                 f.get()
+        if self.engines is not None:
+            self.engines.wait_all("initialising weights")
         # dropout draws from the global generators, which PyTorch seeds at random per process
         torch.manual_seed(self.cfg.train.seed)
 
@@ -195,16 +257,13 @@ class Trainer:
         """Current weights by name, fp32 (master weights where kept). Loads the whole model:
         for tests and small exports."""
         out = {}
-        buf = aligned_empty(self.layout.max_unit_numel * 4).view(torch.float32)
-        for unit in self.layout.units:
-            if self.optim.master is not None:
-                self.optim.master.read(unit.index, buf).get()
-                src = buf
-            else:
-                self.params.read(unit.index, buf).get()
-                src = buf
-            for rec in unit.params:
-                out[rec.name] = src[rec.offset : rec.offset + rec.numel].view(rec.shape).clone()
+        with self.state_regions() as regions:
+            src = regions.get("master.bin", regions["params.bin"])
+            buf = aligned_empty(self.layout.max_unit_numel * src.dtype.itemsize).view(src.dtype)
+            for unit in self.layout.units:
+                src.read(unit.index, buf).get()
+                for rec in unit.params:
+                    out[rec.name] = buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()
         return out
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -214,16 +273,20 @@ class Trainer:
 
     def save_checkpoint(self) -> SaveResult:
         """A complete checkpoint of the current step (after the last finished step)."""
-        res = self.ckpt.save(self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep)
+        with self.state_regions() as regions:
+            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep)
         log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps)
         return res
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
         t0 = time.perf_counter()
-        man = self.ckpt.restore(path)
+        with self.state_regions() as regions:
+            man = self.ckpt.restore(regions, path)
         self.params.invalidate()
-        self.step = self.optim.step_count = man.step
+        self.step = man.step
+        if self.optim is not None:
+            self.optim.step_count = man.step
         log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
         return man
 
@@ -232,6 +295,9 @@ class Trainer:
         cfg = self.cfg
         s0, io0 = time.perf_counter(), self.storage.stats()
         waits0 = self.params.stats.wait_s + self.stash.wait_s
+        lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
+        if self.engines is not None:
+            self.engines.begin_step(self.step + 1, lr)
         out = self.executor.step(self.corpus.batches(self.step))
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
@@ -239,8 +305,12 @@ class Trainer:
         coef = None
         if cfg.optim.grad_clip > 0:
             coef = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
-        lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
-        upd = self.optim.step(lr, coef)
+        if self.engines is not None:
+            self.engines.step(lr, coef)  # returns at once: the engines update under the next forward
+            self.params.invalidate()  # slot copies are stale; reloads wait per unit for the engines
+            upd = UpdateStats()
+        else:
+            upd = self.optim.step(lr, coef)
         update_s = time.perf_counter() - t0
         self.step += 1
         step_s = time.perf_counter() - s0
@@ -269,8 +339,24 @@ class Trainer:
             peak_host_bytes=host_peak_rss(),
             peak_device_bytes=self.dev.peak_bytes(),
             mfu=mfu,
-            extra={"losses": out.losses},
+            extra={"losses": out.losses, **self._engine_figures()},
         )
+
+    def _engine_figures(self) -> dict:
+        """Bytes handed to the engines, and what they moved on their storage, since the last
+        record (an engine's update of step s is reported while step s + 1 runs)."""
+        if self.engines is None:
+            return {}
+        g = self.engines
+        sent0, n0 = self._engine_seen
+        reports = g.stepped[n0:]
+        self._engine_seen = (g.sent_bytes, len(g.stepped))
+        return {
+            "engine_sent_bytes": g.sent_bytes - sent0,
+            "engine_read_bytes": sum(r["read"] for r in reports),
+            "engine_write_bytes": sum(r["written"] for r in reports),
+            "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
+        }
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,

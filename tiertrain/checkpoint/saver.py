@@ -42,11 +42,11 @@ class SaveResult:
 
 
 class CheckpointIO:
-    """Moves ``regions`` (name -> TieredRegions) to and from checkpoint directories."""
+    """Moves state regions (file name -> object with ``read``/``write`` per unit, like
+    ``TieredRegions``) to and from checkpoint directories."""
 
-    def __init__(self, layout: FlatLayout, regions: dict[str, TieredRegions], *, chunk_bytes: int = 16 << 20,
-                 threads: int = 4) -> None:
-        self.layout, self.regions = layout, regions
+    def __init__(self, layout: FlatLayout, *, chunk_bytes: int = 16 << 20, threads: int = 4) -> None:
+        self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.workers = IOWorkers("checkpoint", threads=threads, chunk_bytes=chunk_bytes)
         self.buffers = BufferPool(2, chunk_bytes, name="checkpoint")
@@ -92,21 +92,21 @@ class CheckpointIO:
         return crc
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, root: str, step: int, config: dict, *, keep: int) -> SaveResult:
+    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; keep the last ``keep``."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
         tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
-        sizes = {name: self.file_size(r) for name, r in self.regions.items() if r is not None}
+        sizes = {name: self.file_size(r) for name, r in regions.items()}
         total = sum(sizes.values())
         previous = latest_checkpoint(root)
         try:
             check_space([(os.path.join(tmp, name), n) for name, n in sizes.items()])
             os.makedirs(tmp)
-            entries = [self._save_region(tmp, name, self.regions[name], sizes[name]) for name in sizes]
+            entries = [self._save_region(tmp, name, regions[name], sizes[name]) for name in sizes]
             entries.append(_save_rng(tmp))
-            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(self.regions["params.bin"].dtype)).write(tmp)
+            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(regions["params.bin"].dtype)).write(tmp)
             _fsync_dir(tmp)
             _replace_dir(tmp, final)
         except OutOfSpaceError as exc:
@@ -124,7 +124,7 @@ class CheckpointIO:
             shutil.rmtree(old, ignore_errors=True)
         return SaveResult(final, total, time.perf_counter() - t0)
 
-    def _save_region(self, directory: str, name: str, region: TieredRegions, size: int) -> FileEntry:
+    def _save_region(self, directory: str, name: str, region, size: int) -> FileEntry:
         esize = region.esize
         with FileHandle(os.path.join(directory, name), "w", size=size, workers=self.workers) as f:
             crc = self._copy(
@@ -136,19 +136,17 @@ class CheckpointIO:
         return FileEntry(name, size, crc)
 
     # -- restore -----------------------------------------------------------------------------------
-    def restore(self, path: str) -> Manifest:
-        """Load checkpoint ``path`` into the regions, checking every file's size and CRC32C."""
+    def restore(self, regions: dict, path: str) -> Manifest:
+        """Load checkpoint ``path`` into ``regions``, checking every file's size and CRC32C."""
         man = Manifest.read(path)
         units = [u.numel for u in self.layout.units]
-        if man.units != units or man.param_dtype != str(self.regions["params.bin"].dtype):
+        if man.units != units or man.param_dtype != str(regions["params.bin"].dtype):
             raise CheckpointError(
                 f"checkpoint {path} was written for another model or precision ({len(man.units)} units, "
-                f"{man.param_dtype}) than this run ({len(units)} units, {self.regions['params.bin'].dtype}); "
+                f"{man.param_dtype}) than this run ({len(units)} units, {regions['params.bin'].dtype}); "
                 "resume with the config it was made with"
             )
-        for name, region in self.regions.items():
-            if region is None:
-                continue
+        for name, region in regions.items():
             entry = man.entry(name)
             if entry is None:
                 raise CheckpointError(f"checkpoint {path} has no {name}, which this run needs")
@@ -156,7 +154,7 @@ class CheckpointIO:
         _restore_rng(path, man.entry(RNG))
         return man
 
-    def _restore_region(self, directory: str, entry: FileEntry, region: TieredRegions) -> None:
+    def _restore_region(self, directory: str, entry: FileEntry, region) -> None:
         path = os.path.join(directory, entry.name)
         if not os.path.exists(path):
             raise CheckpointError(f"checkpoint file {path} is missing")

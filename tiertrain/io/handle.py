@@ -182,6 +182,18 @@ class FileHandle:
         """Write several uint8 arrays, one after another, starting at ``file_offset``."""
         return IOFuture(self._submit("w", file_offset, list(segments)))
 
+    def checksums(self, offset: int, length: int) -> tuple[int, list[int]]:
+        """(first block, CRC32C of every block) covering ``[offset, offset + length)``: what a
+        reader of this file in another process needs after this process wrote there."""
+        t = self._table
+        first, last = offset // t.block, -(-(offset + length) // t.block)
+        return first, [int(c) for c in t.crcs[first:last]]
+
+    def set_checksums(self, first: int, values: list[int]) -> None:
+        """Take block checksums computed by the writer of this file in another process."""
+        with self._lock:
+            self._table.crcs[first : first + len(values)] = values
+
     def verify(self) -> int:
         """Read the whole file and check every checksum block. Returns bytes checked."""
         if self._table is None:

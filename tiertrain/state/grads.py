@@ -41,9 +41,11 @@ class GradStore:
         *,
         host_bytes: int = 0,
         buffers: int = 2,
+        home=None,
     ) -> None:
         self.layout, self.dev, self.dtype = layout, dev, dtype
-        self.home = TieredRegions(layout, storage, "grads.bin", dtype, host_bytes=host_bytes, pin=dev.cuda)
+        # Where gradients go after the backward: our own regions, or (update engines) the engines.
+        self.home = home or TieredRegions(layout, storage, "grads.bin", dtype, host_bytes=host_bytes, pin=dev.cuda)
         owners = {o for unit in layout.units for o in unit.borrows}
         self._count = buffers + len(owners)
         self._free = [dev.empty(layout.max_unit_numel, dtype) for _ in range(self._count)]
@@ -91,7 +93,7 @@ class GradStore:
         self.poll()
 
     def _send(self, u: int, buf: torch.Tensor, base: torch.Tensor) -> _Handoff:
-        if not self.dev.cuda:
+        if not self.dev.cuda or getattr(self.home, "direct", False):  # the home copies synchronously
             return _Handoff(base, write=self.home.write(u, buf))
         ready = self.dev.event()  # the backward that filled buf has been enqueued before this
         if self.home.on_host(u):

@@ -40,6 +40,7 @@ class TieredRegions:
         self._file_off = {u: off for u, off in placement.items() if off is not None}
         self.host_bytes = sum(t.numel() * self.esize for t in self._host.values())
         self.file_bytes = self.plan_file_bytes(layout, dtype, host_bytes, self.align)
+        self.storage = storage
         self.file = storage.create(name, self.file_bytes) if self.file_bytes else None
 
     @staticmethod
@@ -93,6 +94,16 @@ class TieredRegions:
             return IOFuture.completed((end - start) * self.esize)
         off, n = self.region(u, start, end)
         return self.file.pwrite(src, n, off)
+
+    def release(self) -> None:
+        """Close the file (saving its checksums) so another process may use it."""
+        if self.file is not None:
+            self.file.close()
+
+    def reopen(self) -> None:
+        """Open the file again after ``release``, taking in what others wrote (and their checksums)."""
+        if self.file_bytes:
+            self.file = self.storage.open(self.name, "r+")
 
     def close(self) -> None:
         if self.file is not None:

@@ -64,6 +64,8 @@ class ParamStore:
         *,
         slots: int,
         host_bytes: int = 0,
+        backing=None,
+        gate=None,
     ) -> None:
         if slots < 2:
             raise ValueError(f"need at least 2 device slots (one computing, one loading), got {slots}")
@@ -71,7 +73,10 @@ class ParamStore:
         self.esize = dtype.itemsize
         self.stats = StoreStats()
         self._clock = 0
-        self.backing = TieredRegions(layout, storage, FILE, dtype, host_bytes=host_bytes, pin=dev.cuda)
+        # The backing copy: our own regions, or (update engines) the engines' files. ``gate``
+        # (``ready(u)``, ``wait_ready(u)``) holds loads of units the engines are still updating.
+        self.backing = backing or TieredRegions(layout, storage, FILE, dtype, host_bytes=host_bytes, pin=dev.cuda)
+        self.gate = gate
         self.slots = [_Slot(i, dev.empty(layout.max_unit_numel, dtype)) for i in range(slots)]
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
@@ -168,6 +173,8 @@ class ParamStore:
                 continue
             if self._find(u) is not None:
                 continue
+            if self.gate is not None and not self.gate.ready(u):
+                return  # still being updated: prefetch later units only after this one
             free = [s for s in self.slots if s.state == "free"]
             idle = [s for s in self.slots if s.state == "resident" and s.unit not in units]
             if free:
@@ -188,6 +195,10 @@ class ParamStore:
             return flat
         slot = self._find(u)
         if slot is None:
+            if self.gate is not None:
+                t0 = time.perf_counter()
+                self.gate.wait_ready(u)  # sync point: the engines have written unit u
+                self.stats.wait_s += time.perf_counter() - t0
             slot = self._claim(may_wait=True)
             if slot is None:
                 raise RuntimeError(f"no device slot free for unit {u}: all {len(self.slots)} are bound")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,7 @@ class StreamedAdamW:
         *,
         buffer_bytes: int,
         state_host_bytes: int = 0,
+        prefix: str = "",
     ) -> None:
         if cfg.name != "adamw":
             raise ValueError(f"optim.name = {cfg.name!r} is not supported by the baseline update path yet")
@@ -77,11 +79,13 @@ class StreamedAdamW:
         # parameter for the fused kernel's exactness.
         step = max(UNIT_ALIGN, storage.record_align // min(pdtype.itemsize, 4))
         chunk = max(step, (buffer_bytes // per_elem) // step * step)
-        self.chunk = min(chunk, -(-layout.max_unit_numel // step) * step)
+        self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
         share = state_host_bytes // (3 if self.has_master else 2)
-        self.m = TieredRegions(layout, storage, "exp_avg.bin", F32, host_bytes=share)
-        self.v = TieredRegions(layout, storage, "exp_avg_sq.bin", F32, host_bytes=share)
-        self.master = TieredRegions(layout, storage, "master.bin", F32, host_bytes=share) if self.has_master else None
+        self.m = TieredRegions(layout, storage, f"{prefix}exp_avg.bin", F32, host_bytes=share)
+        self.v = TieredRegions(layout, storage, f"{prefix}exp_avg_sq.bin", F32, host_bytes=share)
+        self.master = (
+            TieredRegions(layout, storage, f"{prefix}master.bin", F32, host_bytes=share) if self.has_master else None
+        )
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master) for _ in range(3)]
         self.step_count = 0
         self.stats = UpdateStats()
@@ -100,16 +104,38 @@ class StreamedAdamW:
         state files are zero-filled when created."""
         return [self.master.write(u, flat32)] if self.master is not None else []
 
-    def _chunks(self) -> list[tuple[int, int, int]]:
-        return [(unit.index, a, min(a + self.chunk, unit.numel)) for unit in self.layout.units for a in range(0, unit.numel, self.chunk)]
+    def _chunks(self, units: list[int] | None = None) -> list[tuple[int, int, int]]:
+        todo = self.layout.units if units is None else [self.layout.units[u] for u in units]
+        return [(unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)]
 
-    def step(self, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
-        """Apply one optimizer step to every unit. Gradients must be home (``grads.flush()``)."""
-        self.step_count += 1
+    def step(
+        self,
+        lr: float,
+        clip_coef: torch.Tensor | None,
+        *,
+        step: int | None = None,
+        units: list[int] | None = None,
+        on_unit_done: Callable[[int], None] | None = None,
+    ) -> UpdateStats:
+        """Apply optimizer step ``step`` (default: the next) to ``units`` (default: all, in
+        order). Gradients must be home. ``on_unit_done(u)`` is called once every write of
+        unit ``u`` has completed."""
+        self.step_count = self.step_count + 1 if step is None else step
         st = UpdateStats()
         t_start = time.perf_counter()
         coef = clip_coef.to("cpu") if clip_coef is not None else None  # sync point on CUDA: one scalar
-        chunks = self._chunks()
+        chunks = self._chunks(units)
+        unit_writes: list[IOFuture] = []
+        order = [u.index for u in self.layout.units] if units is None else list(units)
+        announced = 0  # units of `order` reported done (empty ones included: an engine may own nothing of a unit)
+
+        def report_until(u: int | None) -> None:
+            nonlocal announced
+            while announced < len(order) and order[announced] != u:
+                if on_unit_done is not None:
+                    on_unit_done(order[announced])
+                announced += 1
+
         writes: list[list[IOFuture]] = [[] for _ in self.sets]
         reads: dict[int, list[IOFuture]] = {}
 
@@ -119,7 +145,8 @@ class StreamedAdamW:
             writes[s] = []
             reads[i] = self._read(self.sets[s], *chunks[i])
 
-        issue(0)
+        if chunks:
+            issue(0)
         for i, (u, a, b) in enumerate(chunks):
             if i + 1 < len(chunks):
                 issue(i + 1)
@@ -130,8 +157,16 @@ class StreamedAdamW:
             self._compute(bs, u, a, b, lr, coef)
             st.compute_s += time.perf_counter() - t0
             writes[i % len(self.sets)] = self._write(bs, u, a, b)
+            unit_writes += writes[i % len(self.sets)]
+            if on_unit_done is not None and (i + 1 == len(chunks) or chunks[i + 1][0] != u):
+                st.wait_s += _wait(unit_writes)  # the unit is complete on storage
+                unit_writes = []
+                report_until(u)  # earlier empty units, then this one
+                on_unit_done(u)
+                announced += 1
         for w in writes:
             st.wait_s += _wait(w)
+        report_until(None)
         self.params.invalidate()
         st.seconds, st.chunks = time.perf_counter() - t_start, len(chunks)
         self.stats = st

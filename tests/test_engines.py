@@ -1,0 +1,107 @@
+"""Update engines: exact math, overlap, faults, checkpoints."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from reference import reference_model, reference_train, small_config, weights_of
+from test_parity import assert_same_weights, run_tiertrain
+from tiertrain.train import Trainer
+from tiertrain.update.engines import EngineError
+
+
+def engine_config(tmp_path, **kw):
+    cfg = small_config(tmp_path, **kw)
+    cfg.update.mode = "engines"
+    return cfg
+
+
+@pytest.mark.parametrize("paths,kind,micro_batches", [(1, "gpt", 1), (1, "llama", 4), (3, "gpt", 4), (3, "llama", 2)])
+def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro_batches):
+    cfg = engine_config(tmp_path, kind=kind, paths=paths, micro_batches=micro_batches)
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert tr.engines is not None and tr.engines.n == paths
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+
+
+def test_more_engines_than_paths_and_baseline_agree(tmp_path):
+    cfg = engine_config(tmp_path / "e", micro_batches=2, steps=3)
+    cfg.update.engines = 2  # two engines share the one path
+    base = small_config(tmp_path / "b", micro_batches=2, steps=3)
+    ref = weights_of(reference_model(base))
+    l_e, w_e, _ = run_tiertrain(cfg, ref)
+    l_b, w_b, _ = run_tiertrain(base, ref)
+    assert l_e == l_b and all(torch.equal(w_e[k], w_b[k]) for k in w_b)
+
+
+def test_eager_engines_without_clipping(tmp_path):
+    """With clipping off, engines update each unit as its gradient arrives: still exact."""
+    cfg = engine_config(tmp_path, micro_batches=2, clip=0.0, steps=3)
+    cfg.update.eager = True
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+
+
+def test_bf16_engines_match_the_baseline_path_exactly(tmp_path):
+    base = small_config(tmp_path / "b", micro_batches=2, steps=3, dtype="bfloat16")
+    eng = engine_config(tmp_path / "e", micro_batches=2, steps=3, dtype="bfloat16", paths=2)
+    ref = weights_of(reference_model(base))
+    l_b, w_b, _ = run_tiertrain(base, ref)
+    l_e, w_e, tr = run_tiertrain(eng, ref)
+    assert l_e == l_b and all(torch.equal(w_e[k], w_b[k]) for k in w_b)
+
+
+def test_eager_needs_clipping_off():
+    from tiertrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'engines' and optim.grad_clip = 0"):
+        load_config(None, ["--update.mode=engines", "--update.eager=true"])
+
+
+def test_a_killed_engine_is_named_within_seconds_then_resume_works(tmp_path):
+    cfg = engine_config(tmp_path, paths=2, steps=4, micro_batches=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        saved = tr.save_checkpoint()
+        tr.train_step()  # its update now runs in the engines, under nothing
+        victim = tr.engines.procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(EngineError, match=rf"update engine 1 \({tmp_path}/ssd1\) died \(exit code -9\) while .*"
+                           "resume from the last checkpoint"):
+            tr.train_step()
+        assert time.time() - t0 < 10
+    with Trainer(cfg) as tr:  # new engines; the checkpoint brings the state back
+        assert tr.restore(saved.path).step == 1
+        tr.train_step()
+        assert tr.step == 2
+
+
+def test_checkpoint_resume_with_engines_is_bit_identical(tmp_path):
+    cfg = engine_config(tmp_path / "a", paths=2, steps=4, micro_batches=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().loss for _ in range(4)]
+        want = tr.weights()
+    cfg = engine_config(tmp_path / "b", paths=2, steps=4, micro_batches=2)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        first = [tr.train_step().loss for _ in range(2)]
+        saved = tr.save_checkpoint()
+    base = small_config(tmp_path / "b", paths=2, steps=4, micro_batches=2)  # and across update paths
+    with Trainer(base) as tr:
+        tr.restore(saved.path)
+        rest = [tr.train_step().loss for _ in range(2)]
+        got = tr.weights()
+    assert first + rest == straight
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -1,0 +1,201 @@
+"""An update engine: a worker process next to one storage path (Smart-Infinity's idea).
+
+It owns an equal slice of every unit: the fp32 master (when parameters are lower
+precision), both moments and the parameters of that slice live in its files on its path.
+Gradients arrive through fixed shared-memory slots; the engine applies the optimizer with
+the same streamed, fused code as the baseline path and writes the new parameters itself,
+so the trainer only sends gradients and only reads parameters.
+
+Protocol (trainer -> engine, over a pipe; no tensors are pickled):
+    ("init", unit, slot)            fp32 weights of this engine's slice in ``slot``
+    ("grad", unit, slot)            gradient slice in ``slot`` (param dtype)
+    ("step", step, lr, coef)        update every unit in order (coef None: no clipping)
+    ("release",) / ("reopen",)      hand the state files to the trainer (checkpoints) and back
+    ("stop",)
+engine -> trainer:
+    ("ready",), ("free", slot), ("done", unit, first_block, crcs), ("stepped", stats),
+    ("released",), ("reopened",), ("alive", progress), ("error", text)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+import torch
+
+from ..config import IOConfig, OptimConfig
+from ..io import IOFuture, Storage
+from ..state.regions import TieredRegions
+from .slices import Slice, SliceLayout
+from .streamed import StreamedAdamW
+
+__all__ = ["run_engine", "engine_file"]
+
+HEARTBEAT_S = 0.5
+
+
+def engine_file(index: int, kind: str) -> str:
+    """Name of engine ``index``'s file of one kind of state (engines may share a path)."""
+    return f"engine{index}.{kind}.bin"
+
+
+class _Params:
+    """The engine's parameter file as the streamed optimizer sees a parameter store."""
+
+    def __init__(self, regions: TieredRegions) -> None:
+        self.backing, self.dtype = regions, regions.dtype
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def read(self, u, out, a, b) -> IOFuture:
+        return self.backing.read(u, out, a, b)
+
+    def write(self, u, src, a, b) -> IOFuture:
+        return self.backing.write(u, src, a, b)
+
+    def invalidate(self, u: int | None = None) -> None:
+        pass
+
+
+class _SlotGrads:
+    """Gradients read straight from a shared-memory slot (updates as gradients arrive)."""
+
+    def __init__(self) -> None:
+        self.view: torch.Tensor | None = None
+
+    def read(self, u, out, a, b) -> IOFuture:
+        out[: b - a].copy_(self.view[a:b])
+        return IOFuture.completed((b - a) * out.element_size())
+
+
+class Engine:
+    def __init__(self, index: int, path: str, conn: Connection, spec: dict) -> None:
+        torch.set_num_threads(spec["threads"])
+        self.index, self.conn = index, conn
+        self._send_lock = threading.Lock()
+        self.progress = 0
+        self.layout = SliceLayout(spec["records"], [Slice(*s) for s in spec["slices"]])
+        self.pdtype = getattr(torch, spec["param_dtype"])
+        io = IOConfig(**spec["io"])
+        self.storage = Storage.from_config(io, paths=[path])
+        self.shm = SharedMemory(name=spec["shm"])
+        self.slot_bytes = spec["slot_bytes"]
+        self.eager = spec["eager"]
+        name = lambda kind: engine_file(index, kind)  # noqa: E731
+        self.params = TieredRegions(self.layout, self.storage, name("params"), self.pdtype)
+        self.grads = TieredRegions(self.layout, self.storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
+        self.slot_grads = _SlotGrads()
+        cfg = OptimConfig(**spec["optim"])
+        self.optim = StreamedAdamW(
+            self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
+            buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
+        )
+        self.files = [self.params, self.grads, *self.optim.state_files]
+
+    # -- messaging ---------------------------------------------------------------------------------
+    def send(self, *msg) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(HEARTBEAT_S):
+            self.send("alive", self.progress)
+
+    def slot(self, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.slot_bytes, offset=k * self.slot_bytes)
+        return torch.from_numpy(buf).view(dtype)[:numel]
+
+    def done(self, u: int) -> None:
+        self.progress += 1
+        f = self.params.file
+        if f is None or self.layout.units[u].numel == 0:
+            self.send("done", u, 0, [])
+            return
+        off, n = self.params.region(u)
+        first, crcs = f.handles[0].checksums(off, n) if f.handles[0].checksummed else (0, [])
+        self.send("done", u, first, crcs)
+
+    # -- commands ------------------------------------------------------------------------------------
+    def init(self, u: int, k: int) -> None:
+        n = self.layout.units[u].numel
+        flat32 = self.slot(k, torch.float32, n)
+        futs = self.optim.init_unit(u, flat32)
+        if self.pdtype == torch.float32:
+            futs.append(self.params.write(u, flat32))
+        else:
+            low = flat32.to(self.pdtype)
+            futs.append(self.params.write(u, low))
+        for f in futs:
+            f.get()
+        self.send("free", k)
+        self.done(u)
+
+    def grad(self, u: int, k: int, step: int, lr: float, coef) -> None:
+        g = self.slot(k, self.pdtype, self.layout.units[u].numel)
+        if self.eager:  # no clipping: update this unit now, from the slot
+            self.slot_grads.view = g
+            self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done)
+        else:
+            self.grads.write(u, g).get()
+        self.progress += 1
+        self.send("free", k)
+
+    def step(self, step: int, lr: float, coef) -> None:
+        t0 = time.perf_counter()
+        before = self.storage.total()
+        c = torch.tensor(coef, dtype=torch.float32) if coef is not None else None
+        self.optim.step(lr, c, step=step, on_unit_done=self.done)
+        io = self.storage.total() - before
+        self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes))
+
+    def run(self) -> None:
+        stop = threading.Event()
+        threading.Thread(target=self.heartbeat, args=(stop,), daemon=True).start()
+        for f in self.files:  # checksums on disk, so the trainer's readers can open them
+            if f.file is not None:
+                f.file.flush()
+        self.send("ready")
+        try:
+            while True:
+                msg = self.conn.recv()
+                op = msg[0]
+                if op == "init":
+                    self.init(msg[1], msg[2])
+                elif op == "grad":
+                    self.grad(*msg[1:])
+                elif op == "step":
+                    self.step(*msg[1:])
+                elif op == "release":
+                    for f in self.files:
+                        f.release()
+                    self.send("released")
+                elif op == "reopen":
+                    for f in self.files:
+                        f.reopen()
+                    self.send("reopened")
+                elif op == "stop":
+                    break
+        finally:
+            stop.set()
+            for f in self.files:
+                f.close()
+            self.storage.close()
+            self.shm.close()
+
+
+def run_engine(index: int, path: str, conn: Connection, spec: dict) -> None:
+    """Entry point of an engine process."""
+    try:
+        Engine(index, path, conn, spec).run()
+    except BaseException:  # report, then exit: the trainer names this engine and its path
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        raise

@@ -1,0 +1,380 @@
+"""The trainer's side of the update engines (``update.mode = "engines"``).
+
+Starts one engine process per storage path (or ``update.engines``), hands them gradient
+slices through fixed shared-memory slots (two per engine: back-pressure, nothing grows),
+tells them to step, and lets the next forward load unit ``u`` as soon as every engine has
+written it: the update runs under the next forward. Parameters are read straight from the
+engines' files; each engine's "done" message carries the checksums of the blocks it wrote,
+so reads are verified as on any other file. A dead engine is noticed at once (process
+sentinel), a silent one after ``update.engine_timeout_s``; either stops the trainer with an
+error naming the engine and its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import wait as mp_wait
+from multiprocessing.shared_memory import SharedMemory
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..io import FileHandle, IOFuture, Storage, round_up
+from ..state.layout import UNIT_ALIGN, FlatLayout
+from ..state.regions import TieredRegions
+from .engine import engine_file, run_engine
+from .slices import SliceLayout, partition, unit_records
+
+__all__ = ["EngineGroup", "EngineError"]
+
+MIB = 1 << 20
+SLOTS = 2
+
+
+class EngineError(RuntimeError):
+    """An update engine died, hung or failed."""
+
+
+class EngineGroup:
+    def __init__(self, layout: FlatLayout, storage: Storage, cfg: Config, param_dtype: torch.dtype) -> None:
+        self.layout, self.storage, self.cfg, self.pdtype = layout, storage, cfg, param_dtype
+        self.n = cfg.update.engines or len(storage.paths)
+        self.path_of = [i % len(storage.paths) for i in range(self.n)]
+        self.paths = [storage.paths[j] for j in self.path_of]
+        align = max(UNIT_ALIGN, storage.record_align // min(param_dtype.itemsize, 4))
+        self.slices = partition(layout, self.n, align)
+        records = unit_records(layout)
+        self.views = [SliceLayout(records, s) for s in self.slices]
+        self.slot_bytes = max(4096, round_up(max(v.max_unit_numel for v in self.views) * 4, 4096))
+        self.timeout = cfg.update.engine_timeout_s
+        self.eager = cfg.update.eager
+        self.procs: list = []
+        self.conns: list = []
+        self.shms: list[SharedMemory] = []
+        self._free = [list(range(SLOTS)) for _ in range(self.n)]
+        self._done: dict[int, set[int]] = {u.index: set(range(self.n)) for u in layout.units}
+        self._seen = [time.time()] * self.n
+        self._progress = [0] * self.n
+        self._moved = time.time()  # last time any engine made progress
+        self._state = [""] * self.n
+        self._readers: list[FileHandle] = []
+        self._place = [TieredRegions.place(v, param_dtype, 0, storage.record_align) for v in self.views]
+        self.sent_bytes = 0  # gradient bytes handed to engines (trainer -> engine)
+        self.stepped: list[dict] = []
+        self._step, self._lr = 0, 0.0
+        try:
+            self._start(cfg)
+            self._open_readers()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _start(self, cfg: Config) -> None:
+        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads and locks
+        m = cfg.memory
+        for i in range(self.n):
+            shm = SharedMemory(create=True, size=SLOTS * self.slot_bytes)
+            self.shms.append(shm)
+            spec = dict(
+                records=unit_records(self.layout),
+                slices=[(s.unit, s.start, s.end) for s in self.slices[i]],
+                param_dtype=str(self.pdtype).removeprefix("torch."),
+                io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
+                optim=dataclasses.asdict(cfg.optim),
+                shm=shm.name,
+                slot_bytes=self.slot_bytes,
+                threads=1,
+                eager=self.eager,
+                grad_host_bytes=m.grad_host_mib * MIB // self.n,
+                optim_host_bytes=0,  # engines keep optimizer state in their files (checkpoints read them there)
+                buffer_bytes=m.update_buffer_kib << 10,
+            )
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=run_engine, args=(i, self.paths[i], child, spec), name=f"tiertrain-engine{i}", daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._pump(lambda: all(s == "ready" for s in self._state), "starting", timeout=max(120.0, self.timeout))
+
+    def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
+        """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
+        st = self.storage
+        if not TieredRegions.plan_file_bytes(self.views[i], dtype, 0, st.record_align):
+            return None
+        return FileHandle(os.path.join(self.paths[i], engine_file(i, kind)), mode, direct=st.direct,
+                          checksum=st.checksum, checksum_block=st.checksum_block, workers=st.workers[self.path_of[i]])
+
+    def _open_readers(self) -> None:
+        self._readers = [self._open(i, "params", "r", self.pdtype) for i in range(self.n)]
+
+    def _send(self, i: int, *msg) -> None:
+        try:
+            self.conns[i].send(msg)
+        except (BrokenPipeError, OSError):
+            self._check(i, "receiving a command")
+            raise
+
+    def _handle(self, i: int, msg: tuple) -> None:
+        now = self._seen[i] = time.time()
+        op = msg[0]
+        if op != "alive" or msg[1] != self._progress[i]:
+            self._moved = now
+        if op == "alive":
+            self._progress[i] = msg[1]
+        elif op == "free":
+            self._free[i].append(msg[1])
+        elif op == "done":
+            u, first, crcs = msg[1:]
+            if crcs and self._readers and self._readers[i] is not None:
+                self._readers[i].set_checksums(first, crcs)
+            self._done[u].add(i)
+        elif op == "stepped":
+            self.stepped.append(msg[1])
+        elif op == "error":
+            raise EngineError(f"update engine {i} ({self.paths[i]}) failed:\n{msg[1]}")
+        elif op in ("ready", "released", "reopened"):
+            self._state[i] = op
+
+    def _drain(self) -> None:
+        for i, c in enumerate(self.conns):
+            try:
+                while c.poll():
+                    self._handle(i, c.recv())
+            except (EOFError, OSError):
+                self._check(i, "sending")
+
+    def _check(self, i: int, what: str) -> None:
+        p = self.procs[i]
+        if not p.is_alive():
+            raise EngineError(
+                f"update engine {i} ({self.paths[i]}) died (exit code {p.exitcode}) while {what}; "
+                "resume from the last checkpoint"
+            )
+        if time.time() - self._seen[i] > self.timeout:
+            raise EngineError(
+                f"update engine {i} ({self.paths[i]}) has not answered for {self.timeout:.0f} s while {what}; "
+                "it may be hung (see update.engine_timeout_s)"
+            )
+
+    def _pump(self, until: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Handle engine messages until ``until()``; raise if an engine dies or goes silent."""
+        t_end = None if timeout is None else time.time() + timeout
+        self._moved = max(self._moved, time.time() - 1.0)
+        while True:
+            self._drain()
+            if until():
+                return
+            for i in range(self.n):
+                self._check(i, what)
+            if timeout is None and time.time() - self._moved > self.timeout:
+                raise EngineError(
+                    f"waited {self.timeout:.0f} s for the update engines while {what} and none made progress "
+                    f"(engines at {self._progress}); an engine may be hung (see update.engine_timeout_s)"
+                )
+            if t_end is not None and time.time() > t_end:
+                raise EngineError(f"update engines did not finish {what} within {timeout:.0f} s")
+            mp_wait(self.conns + [p.sentinel for p in self.procs], timeout=0.2)
+
+    # -- shared-memory slots ---------------------------------------------------------------------------
+    def _slot(self, i: int, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = np.frombuffer(self.shms[i].buf, dtype=np.uint8, count=self.slot_bytes, offset=k * self.slot_bytes)
+        return torch.from_numpy(buf).view(dtype)[:numel]
+
+    def _take(self, i: int, what: str) -> int:
+        self._pump(lambda: bool(self._free[i]), what)  # back-pressure: wait for a free slot
+        return self._free[i].pop()
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
+        """Give each engine its slice of unit ``u``'s initial fp32 weights."""
+        self._done[u] = set()
+        for i in range(self.n):
+            s = self.slices[i][u]
+            k = self._take(i, "initialising weights")
+            self._slot(i, k, torch.float32, s.numel).copy_(flat32[s.start : s.end])
+            self._send(i, "init", u, k)
+        return []
+
+    def wait_all(self, what: str = "updating") -> None:
+        self._pump(lambda: all(len(d) == self.n for d in self._done.values()), what)
+
+    # -- the parameter store's gate and backing ------------------------------------------------------------
+    def ready(self, u: int) -> bool:
+        self._drain()
+        return len(self._done[u]) == self.n
+
+    def wait_ready(self, u: int) -> None:
+        self._pump(lambda: len(self._done[u]) == self.n, f"updating unit {u}")
+
+    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        end = self.layout.units[u].numel if end is None else end
+        parts = []
+        for i in range(self.n):
+            s = self.slices[i][u]
+            a, b = max(start, s.start), min(end, s.end)
+            if a < b:
+                off = (self._place[i][u] + a - s.start) * self.pdtype.itemsize
+                parts.append(self._readers[i].pread(out[a - start : b - start], (b - a) * self.pdtype.itemsize, off))
+        return IOFuture([p for f in parts for p in f._parts]) if parts else IOFuture.completed(0)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def begin_step(self, step: int, lr: float) -> None:
+        """Before the backward of optimizer step ``step``: engines that update as gradients
+        arrive need the step and learning rate with the first gradient."""
+        self._step, self._lr = step, lr
+
+    def send_grads(self, u: int, g: torch.Tensor) -> IOFuture:
+        """Hand unit ``u``'s complete gradient to the engines (copied into their slots)."""
+        if self.eager:
+            self._done[u] = set()  # updated as soon as it arrives: the next forward waits for it
+        for i in range(self.n):
+            s = self.slices[i][u]
+            k = self._take(i, f"receiving gradients of unit {u}")
+            self._slot(i, k, self.pdtype, s.numel).copy_(g[s.start : s.end])  # sync point on CUDA
+            self.sent_bytes += s.numel * self.pdtype.itemsize
+            self._send(i, "grad", u, k, self._step, self._lr, None)
+        return IOFuture.completed(g.numel() * g.element_size())
+
+    def step(self, lr: float, coef: torch.Tensor | None) -> None:
+        """Start optimizer step ``self._step`` on every engine; returns at once. The next
+        forward waits per unit (``wait_ready``)."""
+        if self.eager:
+            return  # already applied as gradients arrived
+        for u in self._done:
+            self._done[u] = set()
+        c = None if coef is None else float(coef.to("cpu"))  # exact: a float32 widened to double
+        for i in range(self.n):
+            self._send(i, "step", self._step, lr, c)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def handover(self) -> Iterator[dict[str, "_EngineRegion"]]:
+        """Pause the engines and open their state files here (for saving or restoring)."""
+        self.wait_all("finishing the update before a checkpoint")
+        for i in range(self.n):
+            self._send(i, "release")
+        self._pump(lambda: all(s == "released" for s in self._state), "releasing files")
+        for r in self._readers:
+            if r is not None:
+                r.close()
+        kinds = ["params", "exp_avg", "exp_avg_sq"] + (["master"] if self.pdtype != torch.float32 else [])
+        regions = {}
+        try:
+            for kind in kinds:
+                dtype = self.pdtype if kind == "params" else torch.float32
+                regions[kind] = _EngineRegion(self, kind, dtype)
+            yield regions
+        finally:
+            for r in regions.values():
+                r.close()
+            for i in range(self.n):
+                self._send(i, "reopen")
+            self._pump(lambda: all(s == "reopened" for s in self._state), "reopening files")
+            self._open_readers()
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.size for s in self.shms)
+
+    def close(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.is_alive():
+                try:
+                    self.conns[i].send(("stop",))
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for r in self._readers:
+            if r is not None:
+                r.close()
+        for shm in self.shms:
+            shm.close()
+            shm.unlink()
+        self.procs, self.shms, self._readers = [], [], []
+
+
+class ParamBacking:
+    """The engines' parameter files, as the parameter store's backing copy."""
+
+    host_bytes = 0
+
+    def __init__(self, group: EngineGroup) -> None:
+        self.g = group
+        self.file = True  # on the storage tier (for CUDA staging decisions)
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self.g.read_params(u, out, start, end)
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        raise RuntimeError("with update engines, parameters are written by the engines (init_unit, step)")
+
+    def close(self) -> None:
+        pass
+
+
+class GradHome:
+    """The engines, as where gradients go after the backward."""
+
+    host_bytes = 0
+    file = None
+    direct = True  # takes device tensors; copies into shared memory itself
+
+    def __init__(self, group: EngineGroup) -> None:
+        self.g = group
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self.g.send_grads(u, src)
+
+    def close(self) -> None:
+        pass
+
+
+class _EngineRegion:
+    """One kind of state across all engines' files, read and written by the trainer while
+    the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
+
+    def __init__(self, group: EngineGroup, kind: str, dtype: torch.dtype) -> None:
+        self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
+        st = group.storage
+        self.place = [TieredRegions.place(v, dtype, 0, st.record_align) for v in group.views]
+        self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
+
+    def _io(self, op: str, u: int, buf: torch.Tensor, a0: int, b0: int) -> IOFuture:
+        parts = []
+        for i in range(self.g.n):
+            s = self.g.slices[i][u]
+            a, b = max(a0, s.start), min(b0, s.end)
+            if a < b:
+                off = (self.place[i][u] + a - s.start) * self.esize
+                f = self.files[i].pread if op == "r" else self.files[i].pwrite
+                parts.append(f(buf[a - a0 : b - a0], (b - a) * self.esize, off))
+        return IOFuture([p for f in parts for p in f._parts]) if parts else IOFuture.completed(0)
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self._io("r", u, out, start, self.g.layout.units[u].numel if end is None else end)
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self._io("w", u, src, start, self.g.layout.units[u].numel if end is None else end)
+
+    def close(self) -> None:
+        for f in self.files:
+            if f is not None:
+                f.close()
