@@ -77,8 +77,11 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False):
         opt_params = [nn.Parameter(w) for w in master]
     else:
         opt_params = list(model.parameters())
-    opt = torch.optim.AdamW(opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, fused=True)
+    if o.name == "sgd":
+        opt = torch.optim.SGD(opt_params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=True)
+    else:
+        opt = torch.optim.AdamW(opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                weight_decay=o.weight_decay, fused=True)
     losses = []
     for step in range(cfg.train.steps):
         step_losses = []

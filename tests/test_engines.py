@@ -105,3 +105,13 @@ def test_checkpoint_resume_with_engines_is_bit_identical(tmp_path):
         got = tr.weights()
     assert first + rest == straight
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sgd_engines_bit_identical(tmp_path):
+    cfg = engine_config(tmp_path, paths=2, micro_batches=2, steps=3, lr=0.05)
+    cfg.optim.name = "sgd"
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)

@@ -108,3 +108,15 @@ def test_bf16_params_with_fp32_master_within_tolerance(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=2e-3, rtol=0)
     assert_same_weights(tr, weights, ref_weights, exact=False, atol=2e-3)
     assert tr.optim.master is not None and tr.params.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_sgd_with_momentum_bit_identical(tmp_path, micro_batches):
+    cfg = small_config(tmp_path, micro_batches=micro_batches, steps=4, lr=0.05)
+    cfg.optim.name = "sgd"
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+    assert "momentum.bin" in dict(tr.plan.files) and "exp_avg.bin" not in dict(tr.plan.files)

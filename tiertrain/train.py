@@ -29,7 +29,7 @@ from .state.regions import TieredRegions
 from .state.store import ParamStore
 from .update.engines import EngineGroup, GradHome, ParamBacking
 from .update.schedule import lr_at
-from .update.streamed import StreamedAdamW, UpdateStats
+from .update.streamed import StreamedOptimizer, UpdateStats
 
 __all__ = ["Trainer", "SpacePlan"]
 
@@ -104,7 +104,6 @@ class Trainer:
         m, lay = self.cfg.memory, self.layout
         pdt, f32 = self.dtype, torch.float32
         has_master = pdt != f32
-        share = (m.optim_host_mib * MIB) // (3 if has_master else 2)
 
         align = self.storage.record_align
         file_bytes = lambda dtype, host: TieredRegions.plan_file_bytes(lay, dtype, host, align)  # noqa: E731
@@ -113,14 +112,10 @@ class Trainer:
         stash = [("stash.bin", spilled * entry)]
         if self.cfg.update.mode == "engines":
             return SpacePlan(stash, self._engine_plan())
-        files = [
-            ("params.bin", file_bytes(pdt, m.host_param_mib * MIB)),
-            ("grads.bin", file_bytes(pdt, m.grad_host_mib * MIB)),
-            ("exp_avg.bin", file_bytes(f32, share)),
-            ("exp_avg_sq.bin", file_bytes(f32, share)),
-        ]
-        if has_master:
-            files.append(("master.bin", file_bytes(f32, share)))
+        kinds = StreamedOptimizer.state_kinds(self.cfg.optim, has_master)
+        share = (m.optim_host_mib * MIB) // len(kinds)
+        files = [("params.bin", file_bytes(pdt, m.host_param_mib * MIB)), ("grads.bin", file_bytes(pdt, m.grad_host_mib * MIB))]
+        files += [(f"{k}.bin", file_bytes(f32, share)) for k in kinds]
         return SpacePlan(files + stash)
 
     def _engine_plan(self) -> list[tuple[str, int]]:
@@ -135,10 +130,8 @@ class Trainer:
         out = []
         for i, v in enumerate(views):
             path = st.paths[i % len(st.paths)]
-            kinds = [("params", pdt, 0), ("grads", pdt, cfg.memory.grad_host_mib * MIB // n),
-                     ("exp_avg", torch.float32, 0), ("exp_avg_sq", torch.float32, 0)]
-            if pdt != torch.float32:
-                kinds.append(("master", torch.float32, 0))
+            kinds = [("params", pdt, 0), ("grads", pdt, cfg.memory.grad_host_mib * MIB // n)]
+            kinds += [(k, torch.float32, 0) for k in StreamedOptimizer.state_kinds(cfg.optim, pdt != torch.float32)]
             for kind, dtype, host in kinds:
                 out.append((os.path.join(path, engine_file(i, kind)), TieredRegions.plan_file_bytes(v, dtype, host, st.record_align)))
         return out
@@ -161,7 +154,7 @@ class Trainer:
             )
             self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, host_bytes=m.grad_host_mib * MIB))
             self.optim = self._part(
-                StreamedAdamW(
+                StreamedOptimizer(
                     self.layout,
                     self.storage,
                     self.params,
@@ -192,17 +185,14 @@ class Trainer:
         per unit (the engines are paused meanwhile)."""
         if self.engines is not None:
             with self.engines.handover() as r:
-                names = {"params": "params.bin", "exp_avg": "exp_avg.bin", "exp_avg_sq": "exp_avg_sq.bin", "master": "master.bin"}
-                yield {names[k]: v for k, v in r.items()}
+                yield {f"{k}.bin": v for k, v in r.items()}
             return
-        regions = {"params.bin": self.params.backing, "exp_avg.bin": self.optim.m, "exp_avg_sq.bin": self.optim.v}
-        if self.optim.master is not None:
-            regions["master.bin"] = self.optim.master
-        yield regions
+        yield {"params.bin": self.params.backing, **self.optim.regions()}
 
     @property
     def checkpoint_bytes(self) -> int:
-        per_elem = self.dtype.itemsize + 8 + (4 if self.dtype != torch.float32 else 0)
+        moments = 8 if self.cfg.optim.name == "adamw" else 4
+        per_elem = self.dtype.itemsize + moments + (4 if self.dtype != torch.float32 else 0)
         return self.layout.total_numel * per_elem
 
     def _part(self, obj):

@@ -32,7 +32,7 @@ from ..config import IOConfig, OptimConfig
 from ..io import IOFuture, Storage
 from ..state.regions import TieredRegions
 from .slices import Slice, SliceLayout
-from .streamed import StreamedAdamW
+from .streamed import StreamedOptimizer
 
 __all__ = ["run_engine", "engine_file"]
 
@@ -85,6 +85,11 @@ class Engine:
         io = IOConfig(**spec["io"])
         self.storage = Storage.from_config(io, paths=[path])
         self.shm = SharedMemory(name=spec["shm"])
+        # Python < 3.13 registers attached segments with this process's resource tracker,
+        # which would unlink the trainer's segment when the engine exits.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(self.shm._name, "shared_memory")
         self.slot_bytes = spec["slot_bytes"]
         self.eager = spec["eager"]
         name = lambda kind: engine_file(index, kind)  # noqa: E731
@@ -92,7 +97,7 @@ class Engine:
         self.grads = TieredRegions(self.layout, self.storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
         self.slot_grads = _SlotGrads()
         cfg = OptimConfig(**spec["optim"])
-        self.optim = StreamedAdamW(
+        self.optim = StreamedOptimizer(
             self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
             buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
         )
@@ -190,7 +195,7 @@ class Engine:
 
 
 def run_engine(index: int, path: str, conn: Connection, spec: dict) -> None:
-    """Entry point of an engine process."""
+    """Run engine ``index`` on ``conn`` until told to stop."""
     try:
         Engine(index, path, conn, spec).run()
     except BaseException:  # report, then exit: the trainer names this engine and its path
@@ -199,3 +204,21 @@ def run_engine(index: int, path: str, conn: Connection, spec: dict) -> None:
         except Exception:
             pass
         raise
+
+
+def main() -> None:
+    """``python -m tiertrain.update.engine ADDRESS INDEX``: connect to the trainer, get the
+    spec, run. Started as a fresh interpreter, so nothing of the trainer's script runs here."""
+    import os
+    import sys
+    from multiprocessing.connection import Client
+
+    address, index = sys.argv[1], int(sys.argv[2])
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ["TIERTRAIN_ENGINE_KEY"]))
+    conn.send(("hello", index))
+    path, spec = conn.recv()
+    run_engine(index, path, conn, spec)
+
+
+if __name__ == "__main__":
+    main()

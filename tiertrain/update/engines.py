@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as mp_wait
 from multiprocessing.shared_memory import SharedMemory
 from typing import Callable, Iterator
@@ -28,7 +33,7 @@ from ..config import Config
 from ..io import FileHandle, IOFuture, Storage, round_up
 from ..state.layout import UNIT_ALIGN, FlatLayout
 from ..state.regions import TieredRegions
-from .engine import engine_file, run_engine
+from .engine import engine_file
 from .slices import SliceLayout, partition, unit_records
 
 __all__ = ["EngineGroup", "EngineError"]
@@ -77,8 +82,16 @@ class EngineGroup:
 
     # -- processes ----------------------------------------------------------------------------------
     def _start(self, cfg: Config) -> None:
-        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads and locks
+        # Fresh interpreters (`python -m tiertrain.update.engine`), connected back over an
+        # authenticated Unix socket: unlike multiprocessing's spawn, nothing of the trainer's
+        # own script is re-run in them, and unlike fork, no thread or lock is copied.
+        key = secrets.token_bytes(16)
+        self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-")
+        address = os.path.join(self._sockdir, "socket")
+        listener = Listener(address, family="AF_UNIX", authkey=key)
+        env = dict(os.environ, TIERTRAIN_ENGINE_KEY=key.hex())
         m = cfg.memory
+        specs = []
         for i in range(self.n):
             shm = SharedMemory(create=True, size=SLOTS * self.slot_bytes)
             self.shms.append(shm)
@@ -96,12 +109,29 @@ class EngineGroup:
                 optim_host_bytes=0,  # engines keep optimizer state in their files (checkpoints read them there)
                 buffer_bytes=m.update_buffer_kib << 10,
             )
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=run_engine, args=(i, self.paths[i], child, spec), name=f"tiertrain-engine{i}", daemon=True)
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+            specs.append(spec)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engine", address, str(i)], env=env))
+        self.conns = [None] * self.n
+        accepted: list = []
+
+        def accept_all() -> None:
+            for _ in range(self.n):
+                accepted.append(listener.accept())
+
+        t = threading.Thread(target=accept_all, daemon=True, name="tiertrain-engine-accept")
+        t.start()
+        deadline = time.time() + max(120.0, self.timeout)
+        while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in self.procs):
+            t.join(0.2)  # a start that never connects must not hang us
+        if t.is_alive():
+            listener.close()
+            dead = {i: p.returncode for i, p in enumerate(self.procs) if p.poll() is not None}
+            raise EngineError(f"update engines did not start: {len(accepted)} of {self.n} connected; exit codes {dead}")
+        listener.close()
+        for conn in accepted:
+            _, i = conn.recv()
+            conn.send((self.paths[i], specs[i]))
+            self.conns[i] = conn
         self._pump(lambda: all(s == "ready" for s in self._state), "starting", timeout=max(120.0, self.timeout))
 
     def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
@@ -153,9 +183,9 @@ class EngineGroup:
 
     def _check(self, i: int, what: str) -> None:
         p = self.procs[i]
-        if not p.is_alive():
+        if p.poll() is not None:
             raise EngineError(
-                f"update engine {i} ({self.paths[i]}) died (exit code {p.exitcode}) while {what}; "
+                f"update engine {i} ({self.paths[i]}) died (exit code {p.returncode}) while {what}; "
                 "resume from the last checkpoint"
             )
         if time.time() - self._seen[i] > self.timeout:
@@ -181,7 +211,7 @@ class EngineGroup:
                 )
             if t_end is not None and time.time() > t_end:
                 raise EngineError(f"update engines did not finish {what} within {timeout:.0f} s")
-            mp_wait(self.conns + [p.sentinel for p in self.procs], timeout=0.2)
+            mp_wait(self.conns, timeout=0.2)  # a dead engine's connection becomes readable (EOF)
 
     # -- shared-memory slots ---------------------------------------------------------------------------
     def _slot(self, i: int, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -265,7 +295,9 @@ class EngineGroup:
         for r in self._readers:
             if r is not None:
                 r.close()
-        kinds = ["params", "exp_avg", "exp_avg_sq"] + (["master"] if self.pdtype != torch.float32 else [])
+        from .streamed import StreamedOptimizer
+
+        kinds = ["params"] + StreamedOptimizer.state_kinds(self.cfg.optim, self.pdtype != torch.float32)
         regions = {}
         try:
             for kind in kinds:
@@ -286,22 +318,28 @@ class EngineGroup:
 
     def close(self) -> None:
         for i, p in enumerate(self.procs):
-            if p.is_alive():
+            if p.poll() is None and i < len(self.conns) and self.conns[i] is not None:
                 try:
                     self.conns[i].send(("stop",))
                 except OSError:
                     pass
         for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join()
+                p.wait()
+        if getattr(self, "_sockdir", None):
+            import shutil
+
+            shutil.rmtree(self._sockdir, ignore_errors=True)
         for r in self._readers:
             if r is not None:
                 r.close()
         for shm in self.shms:
             shm.close()
-            shm.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
         self.procs, self.shms, self._readers = [], [], []
 
 

@@ -13,7 +13,7 @@ from torch.optim.adamw import adamw as _adamw
 
 from ..config import OptimConfig
 
-__all__ = ["adamw_segments"]
+__all__ = ["adamw_segments", "sgd_segments"]
 
 
 def adamw_segments(
@@ -53,4 +53,34 @@ def adamw_segments(
         weight_decay=cfg.weight_decay,
         eps=cfg.eps,
         maximize=False,
+    )
+
+
+def sgd_segments(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    cfg: OptimConfig,
+) -> None:
+    """One SGD step with momentum on matching segments, in place: the kernel that
+    ``torch.optim.SGD(fused=True)`` runs. On step 1 the buffers are set from the gradient
+    (torch's first-step rule), so they may hold anything before."""
+    if not params:
+        return
+    torch._fused_sgd_(
+        params,
+        grads,
+        momentum_buffers if cfg.momentum else [],
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
+        lr=lr,
+        dampening=0.0,
+        nesterov=False,
+        maximize=False,
+        is_first_step=step == 1 and cfg.momentum != 0,
+        grad_scale=None,
+        found_inf=None,
     )

@@ -1,4 +1,4 @@
-"""The baseline update path: AdamW in the trainer, streamed through fixed buffers.
+"""The baseline update path: AdamW (or SGD) in the trainer, streamed through fixed buffers.
 
 Optimizer state (first and second moments, and fp32 master weights when parameters are
 kept in a lower precision) lives on the storage tier, laid out like the parameters.
@@ -23,9 +23,9 @@ from ..state.grads import GradStore
 from ..state.layout import UNIT_ALIGN, FlatLayout
 from ..state.regions import TieredRegions
 from ..state.store import ParamStore
-from .kernels import adamw_segments
+from .kernels import adamw_segments, sgd_segments
 
-__all__ = ["StreamedAdamW", "UpdateStats"]
+__all__ = ["StreamedOptimizer", "StreamedAdamW", "UpdateStats"]
 
 F32 = torch.float32
 
@@ -41,8 +41,8 @@ class UpdateStats:
 class _BufferSet:
     """Aligned buffers for one chunk: params, grads (and an fp32 copy), moments, master."""
 
-    def __init__(self, chunk: int, pdtype: torch.dtype, master: bool) -> None:
-        parts = [("p", pdtype), ("g", pdtype), ("m", F32), ("v", F32)]
+    def __init__(self, chunk: int, pdtype: torch.dtype, master: bool, moments: int = 2) -> None:
+        parts = [("p", pdtype), ("g", pdtype), ("m", F32)] + ([("v", F32)] if moments == 2 else [])
         if pdtype != F32:
             parts += [("g32", F32), ("w", F32)]
         total = sum(chunk * d.itemsize for _, d in parts)
@@ -55,7 +55,9 @@ class _BufferSet:
         self.nbytes = total
 
 
-class StreamedAdamW:
+class StreamedOptimizer:
+    """AdamW (``exp_avg.bin``, ``exp_avg_sq.bin``) or SGD with momentum (``momentum.bin``)."""
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -68,25 +70,26 @@ class StreamedAdamW:
         state_host_bytes: int = 0,
         prefix: str = "",
     ) -> None:
-        if cfg.name != "adamw":
-            raise ValueError(f"optim.name = {cfg.name!r} is not supported by the baseline update path yet")
         self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
         pdtype = params.dtype
         self.has_master = pdtype != F32
-        per_elem = 2 * pdtype.itemsize + 8 + (8 if self.has_master else 0)
+        self.adamw = cfg.name == "adamw"
+        moments = 2 if self.adamw else 1
+        per_elem = 2 * pdtype.itemsize + 4 * moments + (8 if self.has_master else 0)
         # Chunks start at multiples of `step` elements: whole checksum blocks in every state
         # file (units start on block boundaries there), and multiples of 64 elements per
         # parameter for the fused kernel's exactness.
         step = max(UNIT_ALIGN, storage.record_align // min(pdtype.itemsize, 4))
         chunk = max(step, (buffer_bytes // per_elem) // step * step)
         self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
-        share = state_host_bytes // (3 if self.has_master else 2)
-        self.m = TieredRegions(layout, storage, f"{prefix}exp_avg.bin", F32, host_bytes=share)
-        self.v = TieredRegions(layout, storage, f"{prefix}exp_avg_sq.bin", F32, host_bytes=share)
+        share = state_host_bytes // (moments + (1 if self.has_master else 0))
+        first = "exp_avg.bin" if self.adamw else "momentum.bin"
+        self.m = TieredRegions(layout, storage, f"{prefix}{first}", F32, host_bytes=share)
+        self.v = TieredRegions(layout, storage, f"{prefix}exp_avg_sq.bin", F32, host_bytes=share) if self.adamw else None
         self.master = (
             TieredRegions(layout, storage, f"{prefix}master.bin", F32, host_bytes=share) if self.has_master else None
         )
-        self.sets = [_BufferSet(self.chunk, pdtype, self.has_master) for _ in range(3)]
+        self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
         self.step_count = 0
         self.stats = UpdateStats()
 
@@ -98,6 +101,17 @@ class StreamedAdamW:
     @property
     def state_files(self) -> list[TieredRegions]:
         return [r for r in (self.m, self.v, self.master) if r is not None]
+
+    @staticmethod
+    def state_kinds(cfg: OptimConfig, has_master: bool) -> list[str]:
+        """Names (without ``.bin``) of the optimizer's state files."""
+        kinds = ["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"]
+        return kinds + (["master"] if has_master else [])
+
+    def regions(self) -> dict[str, TieredRegions]:
+        """The optimizer's state by checkpoint file name."""
+        names = self.state_kinds(self.cfg, self.has_master)
+        return {f"{n}.bin": r for n, r in zip(names, self.state_files)}
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
         """Initial state of unit ``u`` from its fp32 weights. Moments start at zero: fresh
@@ -179,7 +193,9 @@ class StreamedAdamW:
         return bs.p[: b - a]
 
     def _read(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
-        futs = [self.grads.read(u, bs.g, a, b), self.m.read(u, bs.m, a, b), self.v.read(u, bs.v, a, b)]
+        futs = [self.grads.read(u, bs.g, a, b), self.m.read(u, bs.m, a, b)]
+        if self.v is not None:
+            futs.append(self.v.read(u, bs.v, a, b))
         if not self.params.on_host(u) and not self.has_master:
             futs.append(self.params.read(u, bs.p, a, b))
         if self.master is not None:
@@ -198,12 +214,17 @@ class StreamedAdamW:
             w = self._pview(bs, u, a, b)
         segs = self.layout.segments(u, a, b)
         cut = lambda t: [t[x - a : y - a] for _, x, y in segs]  # noqa: E731
-        adamw_segments(cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
+        if self.adamw:
+            adamw_segments(cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
+        else:
+            sgd_segments(cut(w), cut(g), cut(bs.m[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
         if self.has_master:
             self._pview(bs, u, a, b).copy_(w)  # new low-precision parameters from the master
 
     def _write(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
-        futs = [self.m.write(u, bs.m, a, b), self.v.write(u, bs.v, a, b)]
+        futs = [self.m.write(u, bs.m, a, b)]
+        if self.v is not None:
+            futs.append(self.v.write(u, bs.v, a, b))
         if self.master is not None:
             futs.append(self.master.write(u, bs.w, a, b))
         if not self.params.on_host(u):
@@ -220,3 +241,6 @@ def _wait(futs: list[IOFuture]) -> float:
     for f in futs:
         f.get()
     return time.perf_counter() - t0
+
+
+StreamedAdamW = StreamedOptimizer  # the name the baseline path had when it was AdamW only
