@@ -189,11 +189,12 @@ class MemoryConfig(Section):
     grad_host_mib: int = opt(256, "Host memory where gradients wait for the update, MiB; the rest go to SSD.")
     optim_host_mib: int = opt(0, "Host memory for optimizer states (moments, master weights), MiB (0: all on SSD).")
     stash_host_mib: int = opt(256, "Host memory for hidden states between layers, MiB; the rest spills to SSD.")
+    residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)
-        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib"):
+        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib"):
             self._at_least(name, 0)
         self._in_range("update_buffer_kib", 64, 4 << 20)
 
@@ -208,11 +209,16 @@ class UpdateConfig(Section):
     engines: int = opt(0, "Number of update engines (0: one per io.paths entry).")
     eager: bool = opt(False, "Engines update each unit as its gradients arrive (needs optim.grad_clip = 0).")
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
+    topk: float = opt(0.0, "Top-k gradient compression: fraction of each gradient kept and sent to the engines "
+                      "(0: off; up to 0.5). Changes the math: see the README.")
+    error_feedback: bool = opt(False, "With topk: add what was dropped to the next step's gradient "
+                               "(a fp32 residual per parameter, in RAM within memory.residual_host_mib, else on SSD).")
 
     def __post_init__(self) -> None:
         self._one_of("mode", ("baseline", "engines"))
         self._in_range("engines", 0, 256)
         self._in_range("engine_timeout_s", 1.0, 86400.0)
+        self._in_range("topk", 0.0, 0.5)
 
 
 @dataclass(kw_only=True)
@@ -271,6 +277,13 @@ class Config:
                 f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
                 "after the whole backward"
             )
+        if (self.update.topk > 0 or self.update.error_feedback) and self.update.mode != "engines":
+            raise ConfigError(
+                f"update.topk = {self.update.topk} / update.error_feedback = {self.update.error_feedback} compress what "
+                "is sent to the update engines: set update.mode = 'engines'"
+            )
+        if self.update.error_feedback and self.update.topk == 0:
+            raise ConfigError("update.error_feedback = true needs update.topk > 0")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "

@@ -13,7 +13,7 @@ __all__ = ["ScratchLock", "ScratchInUseError", "clean_stale", "STATE_FILES"]
 
 log = logging.getLogger("tiertrain")
 LOCK = ".tiertrain.lock"
-STATE_FILES = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin", "stash.bin")
+STATE_FILES = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin", "stash.bin", "residual.bin")
 
 
 class ScratchInUseError(RuntimeError):

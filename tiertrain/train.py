@@ -111,6 +111,8 @@ class Trainer:
         entry, _, spilled = HiddenStash.plan(self._stash_shape(), pdt, entries, m.stash_host_mib * MIB)
         stash = [("stash.bin", spilled * entry)]
         if self.cfg.update.mode == "engines":
+            if self.cfg.update.error_feedback:
+                stash.append(("residual.bin", file_bytes(f32, m.residual_host_mib * MIB)))
             return SpacePlan(stash, self._engine_plan())
         kinds = StreamedOptimizer.state_kinds(self.cfg.optim, has_master)
         share = (m.optim_host_mib * MIB) // len(kinds)
@@ -177,7 +179,7 @@ class Trainer:
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
-        self._engine_seen = (0, 0)  # (bytes sent, stepped reports) already put in a record
+        self._engine_seen = (0, 0, 0)  # (bytes sent, dense bytes, stepped reports) already put in a record
 
     @contextlib.contextmanager
     def state_regions(self):
@@ -338,11 +340,12 @@ class Trainer:
         if self.engines is None:
             return {}
         g = self.engines
-        sent0, n0 = self._engine_seen
+        sent0, dense0, n0 = self._engine_seen
         reports = g.stepped[n0:]
-        self._engine_seen = (g.sent_bytes, len(g.stepped))
+        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped))
         return {
             "engine_sent_bytes": g.sent_bytes - sent0,
+            "engine_dense_bytes": g.dense_bytes - dense0,
             "engine_read_bytes": sum(r["read"] for r in reports),
             "engine_write_bytes": sum(r["written"] for r in reports),
             "engine_update_s": max((r["seconds"] for r in reports), default=0.0),

@@ -30,6 +30,7 @@ import torch
 
 from ..config import IOConfig, OptimConfig
 from ..io import IOFuture, Storage
+from ..compress.topk import topk_decode, unpack
 from ..state.regions import TieredRegions
 from .slices import Slice, SliceLayout
 from .streamed import StreamedOptimizer
@@ -96,6 +97,7 @@ class Engine:
         self.params = TieredRegions(self.layout, self.storage, name("params"), self.pdtype)
         self.grads = TieredRegions(self.layout, self.storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
         self.slot_grads = _SlotGrads()
+        self.dense = torch.empty(max(1, self.layout.max_unit_numel), dtype=self.pdtype)  # decoded top-k gradients
         cfg = OptimConfig(**spec["optim"])
         self.optim = StreamedOptimizer(
             self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
@@ -141,8 +143,13 @@ class Engine:
         self.send("free", k)
         self.done(u)
 
-    def grad(self, u: int, k: int, step: int, lr: float, coef) -> None:
-        g = self.slot(k, self.pdtype, self.layout.units[u].numel)
+    def grad(self, u: int, k: int, step: int, lr: float, coef, nnz: int = -1) -> None:
+        n = self.layout.units[u].numel
+        if nnz >= 0:  # top-k: decode indices and values into a dense gradient
+            idx, vals = unpack(self.slot(k, torch.uint8, self.slot_bytes), nnz, self.pdtype)
+            g = topk_decode(idx, vals, self.dense[:n])
+        else:
+            g = self.slot(k, self.pdtype, n)
         if self.eager:  # no clipping: update this unit now, from the slot
             self.slot_grads.view = g
             self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done)

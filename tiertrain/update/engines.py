@@ -71,6 +71,14 @@ class EngineGroup:
         self._readers: list[FileHandle] = []
         self._place = [TieredRegions.place(v, param_dtype, 0, storage.record_align) for v in self.views]
         self.sent_bytes = 0  # gradient bytes handed to engines (trainer -> engine)
+        self.dense_bytes = 0  # what they would have been uncompressed
+        self.topk = cfg.update.topk
+        self.residual = (
+            TieredRegions(layout, storage, "residual.bin", torch.float32, host_bytes=cfg.memory.residual_host_mib * MIB)
+            if cfg.update.error_feedback
+            else None
+        )
+        self._rbuf = torch.empty(layout.max_unit_numel, dtype=torch.float32) if self.residual is not None else None
         self.stepped: list[dict] = []
         self._step, self._lr = 0, 0.0
         try:
@@ -265,13 +273,42 @@ class EngineGroup:
         """Hand unit ``u``'s complete gradient to the engines (copied into their slots)."""
         if self.eager:
             self._done[u] = set()  # updated as soon as it arrives: the next forward waits for it
+        if self.topk:
+            return self._send_topk(u, g)
         for i in range(self.n):
             s = self.slices[i][u]
             k = self._take(i, f"receiving gradients of unit {u}")
             self._slot(i, k, self.pdtype, s.numel).copy_(g[s.start : s.end])  # sync point on CUDA
             self.sent_bytes += s.numel * self.pdtype.itemsize
+            self.dense_bytes += s.numel * self.pdtype.itemsize
             self._send(i, "grad", u, k, self._step, self._lr, None)
         return IOFuture.completed(g.numel() * g.element_size())
+
+    def _send_topk(self, u: int, g: torch.Tensor) -> IOFuture:
+        """Top-k per engine slice; with error feedback, the residual is added before and
+        what was dropped is kept for the next step."""
+        from ..compress.topk import pack, topk_encode
+
+        n = g.numel()
+        src = g
+        if self.residual is not None:
+            r = self._rbuf[:n]
+            self.residual.read(u, r).get()
+            src = g.float() + r.to(g.device)
+        for i in range(self.n):
+            s = self.slices[i][u]
+            k = self._take(i, f"receiving gradients of unit {u}")
+            idx, vals = topk_encode(src[s.start : s.end], self.topk)
+            raw = self._slot(i, k, torch.uint8, self.slot_bytes)
+            self.sent_bytes += pack(idx, vals.to(self.pdtype), raw)  # sync point on CUDA
+            self.dense_bytes += s.numel * self.pdtype.itemsize
+            self._send(i, "grad", u, k, self._step, self._lr, None, idx.numel())
+            if self.residual is not None:
+                src[s.start : s.end][idx.long()] = 0  # sent: what is left is the residual
+        if self.residual is not None:
+            self._rbuf[:n].copy_(src)
+            self.residual.write(u, self._rbuf[:n]).get()
+        return IOFuture.completed(n * g.element_size())
 
     def step(self, lr: float, coef: torch.Tensor | None) -> None:
         """Start optimizer step ``self._step`` on every engine; returns at once. The next
@@ -314,7 +351,8 @@ class EngineGroup:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(s.size for s in self.shms)
+        extra = (self._rbuf.numel() * 4 + self.residual.host_bytes) if self.residual is not None else 0
+        return sum(s.size for s in self.shms) + extra
 
     def close(self) -> None:
         for i, p in enumerate(self.procs):
@@ -336,6 +374,8 @@ class EngineGroup:
         for r in self._readers:
             if r is not None:
                 r.close()
+        if getattr(self, "residual", None) is not None:
+            self.residual.close()
         for shm in self.shms:
             shm.close()
             with contextlib.suppress(FileNotFoundError):
