@@ -1,12 +1,13 @@
 """Training benchmark: a ~134M-parameter Llama-shaped model, fp32, states on SSD.
 
-For M = 1 and M = 4 micro-batches it measures, in one run:
+For each update path (--modes: baseline, engines, topk = engines + top-k 0.05) and each
+number of micro-batches (--micro-batches, default 1 and 4) it measures, in one run:
 - plain PyTorch with everything in RAM (same model, data, fused AdamW): the compute floor;
 - the disk's sequential read and write bandwidth (tiertrain's storage tier, 1 GiB);
 - tiertrain's step time, bytes read and written per step against the formula, and the
   step's floor: max(compute, bytes read / read bandwidth + bytes written / write bandwidth).
 
-Usage: python bench/train.py [--steps 4] [--scratch DIR] [--out bench/results/train-baseline.md]
+Usage: python bench/train.py [--steps 4] [--modes baseline,engines,topk] [--micro-batches 1,4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from reference import reference_model, weights_of  # noqa: E402
 
 from tiertrain.bench.io import run_io_bench  # noqa: E402
-from tiertrain.config import Config, DataConfig, IOConfig, ModelConfig, TrainConfig  # noqa: E402
+from tiertrain.config import (  # noqa: E402
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    IOConfig,
+    ModelConfig,
+    TrainConfig,
+    UpdateConfig,
+)
 from tiertrain.data import Corpus  # noqa: E402
 from tiertrain.models import build_model, tensor_source  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
@@ -34,13 +43,21 @@ from tiertrain.train import Trainer  # noqa: E402
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 
 
-def config(scratch: str, micro_batches: int, steps: int, **over) -> Config:
+MODES = {
+    "baseline": UpdateConfig(),
+    "engines": UpdateConfig(mode="engines"),
+    "topk": UpdateConfig(mode="engines", topk=0.05),
+}
+
+
+def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline") -> Config:
     return Config(
         io=IOConfig(paths=[scratch]),
         model=ModelConfig(**MODEL),
         data=DataConfig(seq_len=64, micro_batch_size=1, micro_batches=micro_batches),
+        update=MODES[mode],
+        checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device="cpu"),
-        **over,
     )
 
 
@@ -72,9 +89,10 @@ def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer]:
 
 def formula_bytes(tr: Trainer) -> tuple[int, int]:
     """Bytes per step by SYSTEM.md's table for this placement (fp32 on CPU: 4 B rows), before
-    slot hits: params fetched twice, then the update reads params, grads and both moments
-    from the files and writes them back."""
+    slot hits: params fetched twice, then the update reads params, grads (the part on disk)
+    and both moments and writes them back, in the trainer or in the engines."""
     f = dict(tr.plan.files)
+    f.update({os.path.basename(p).split(".", 1)[1]: n for p, n in tr.plan.placed or []})
     p, g, m, v = f["params.bin"], f["grads.bin"], f["exp_avg.bin"], f["exp_avg_sq.bin"]
     read = 2 * p + p + g + m + v
     write = g + p + m + v
@@ -86,7 +104,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is warm-up)")
     ap.add_argument("--scratch", default="./tiertrain-scratch/bench-train")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--modes", default="baseline")
+    ap.add_argument("--micro-batches", default="1,4")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    mbs = [int(x) for x in args.micro_batches.split(",")]
     torch.manual_seed(0)
     base_cfg = config(args.scratch, 4, args.steps)
     ref = reference_model(base_cfg)
@@ -96,26 +118,12 @@ def main() -> int:
     io = run_io_bench([args.scratch], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read") * 1e9, io.median("ours", "write") * 1e9
     rows = []
-    for M in (1, 4):
-        cfg = config(args.scratch, M, args.steps)
-        plain = statistics.median(plain_steps(cfg, ref)[1:])
-        recs, tr = tiertrain_steps(cfg, init)
-        steady = recs[1:]
-        step = statistics.median(r.step_s for r in steady)
-        rb = statistics.median(r.ssd_read_bytes for r in steady)
-        wb = statistics.median(r.ssd_write_bytes for r in steady)
-        fr, fw = formula_bytes(tr)
-        io_floor = rb / rbw + wb / wbw
-        floor = max(plain, io_floor)
-        parts = {k: statistics.median(getattr(r, k) for r in steady) for k in ("forward_s", "backward_s", "update_s", "io_wait_s")}
-        tokens = steady[0].tokens
-        tr.close()
-        rows.append((M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts))
-        shutil.rmtree(args.scratch, ignore_errors=True)
-        os.makedirs(args.scratch, exist_ok=True)
-        print(f"M={M}: tiertrain {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
+    for M in mbs:
+        plain = statistics.median(plain_steps(config(args.scratch, M, args.steps), ref)[1:])
+        for mode in modes:
+            rows.append(measure(args, mode, M, plain, init, rbw, wbw))
     shutil.rmtree(args.scratch, ignore_errors=True)
-    report = render(rows, rbw, wbw, tr.layout.n_params, args.steps)
+    report = render(rows, rbw, wbw, n_params(init), args.steps)
     print(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -123,10 +131,36 @@ def main() -> int:
     return 0
 
 
+def n_params(init: dict) -> int:
+    return sum(t.numel() for t in init.values())
+
+
+def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: float):
+    """One configuration: median step figures after a warm-up step."""
+    cfg = config(args.scratch, M, args.steps, mode)
+    recs, tr = tiertrain_steps(cfg, init)
+    steady = recs[1:]
+    step = statistics.median(r.step_s for r in steady)
+    eng = lambda r, k: r.extra.get(k, 0)  # noqa: E731
+    rb = statistics.median(r.ssd_read_bytes + eng(r, "engine_read_bytes") for r in steady)
+    wb = statistics.median(r.ssd_write_bytes + eng(r, "engine_write_bytes") for r in steady)
+    sent = statistics.median(eng(r, "engine_sent_bytes") for r in steady)
+    fr, fw = formula_bytes(tr)
+    io_floor = rb / rbw + wb / wbw
+    floor = max(plain, io_floor)
+    parts = {k: statistics.median(getattr(r, k) for r in steady) for k in ("forward_s", "backward_s", "update_s", "io_wait_s")}
+    tokens = steady[0].tokens
+    tr.close()
+    shutil.rmtree(args.scratch, ignore_errors=True)
+    os.makedirs(args.scratch, exist_ok=True)
+    print(f"{mode} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
+    return (mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent)
+
+
 def render(rows, rbw, wbw, n_params, steps) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     lines = [
-        f"# Training benchmark: baseline update path, {time.strftime('%Y-%m-%d')}",
+        f"# Training benchmark: update paths, {time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, no GPU;"
         f" torch {torch.__version__}",
@@ -136,14 +170,17 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         f"- disk measured in the same run: read {rbw / 1e9:.2f} GB/s, write {wbw / 1e9:.2f} GB/s (1 GiB, O_DIRECT)",
         f"- {steps} steps per configuration, the first discarded; medians",
         "",
-        "| M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | read GB/step (formula) |"
-        " write GB/step (formula) | I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
+        " read GB/step (formula) | write GB/step (formula) | GB to engines | I/O floor s | floor s |"
+        " tiertrain / floor | fwd / bwd / update / io-wait s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p in rows:
+    base = {M: step for mode, M, _, _, step, *_ in rows if mode == "baseline"}
+    for mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent in rows:
+        speed = f"{base[M] / step:.2f}x" if M in base else "-"
         lines.append(
-            f"| {M} | {tokens} | {plain:.2f} | {step:.2f} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) | {wb / 1e9:.2f} ({fw / 1e9:.2f}) |"
-            f" {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
+            f"| {mode} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
+            f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
         )
     lines += [

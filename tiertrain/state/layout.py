@@ -23,10 +23,27 @@ import torch.nn as nn
 
 from ..models.base import LayeredModel, unit_param_names
 
-__all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout"]
+__all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout", "segments"]
 
 PARAM_ALIGN = 64
 UNIT_ALIGN = 2048
+
+
+def segments(params, start: int, end: int) -> list:
+    """Pieces ``(record, a, b)`` of the parameters (anything with ``offset`` and ``numel``)
+    inside elements ``[start, end)``.
+
+    ``start`` must be a multiple of ``PARAM_ALIGN`` so that every cut falls at a multiple of
+    64 elements from the start of the parameter it cuts (parameters start on such multiples).
+    """
+    if start % PARAM_ALIGN:
+        raise ValueError(f"chunk start {start} is not a multiple of {PARAM_ALIGN}")
+    out = []
+    for rec in params:
+        a, b = max(start, rec.offset), min(end, rec.offset + rec.numel)
+        if a < b:
+            out.append((rec, a, b))
+    return out
 
 
 def _up(n: int, a: int) -> int:
@@ -96,19 +113,7 @@ class FlatLayout:
             rec.param.grad = None if flat is None else rec.view(flat)
 
     def segments(self, u: int, start: int, end: int) -> list[tuple[ParamRecord, int, int]]:
-        """Pieces ``(record, a, b)`` of parameters inside unit-local elements ``[start, end)``.
-
-        ``start`` must be a multiple of ``PARAM_ALIGN`` so that every cut falls at a
-        multiple of 64 elements from the start of the parameter it cuts.
-        """
-        if start % PARAM_ALIGN:
-            raise ValueError(f"chunk start {start} is not a multiple of {PARAM_ALIGN}")
-        out = []
-        for rec in self.units[u].params:
-            a, b = max(start, rec.offset), min(end, rec.offset + rec.numel)
-            if a < b:
-                out.append((rec, a, b))
-        return out
+        return segments(self.units[u].params, start, end)
 
     def describe(self) -> str:
         return (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..state.layout import FlatLayout
+from ..state.layout import FlatLayout, segments
 
 __all__ = ["Slice", "Piece", "partition", "unit_records", "SliceLayout"]
 
@@ -82,11 +82,4 @@ class SliceLayout:
         return len(self.units)
 
     def segments(self, u: int, start: int, end: int) -> list[tuple[Piece, int, int]]:
-        if start % 64:
-            raise ValueError(f"chunk start {start} is not a multiple of 64")
-        out = []
-        for rec in self.units[u].params:
-            a, b = max(start, rec.offset), min(end, rec.offset + rec.numel)
-            if a < b:
-                out.append((rec, a, b))
-        return out
+        return segments(self.units[u].params, start, end)
