@@ -168,3 +168,15 @@ def test_enospc_during_preallocation_names_the_path(small_fs):
         FileHandle(small_fs / "f", "w", size=8 * MIB)
     with FileHandle(small_fs / "ok", "w", size=MIB) as f:  # what fits still works
         f.write(rand_bytes(MIB))
+
+
+def test_bench_io_command_reports_both_directions(tmp_path, capsys):
+    from tiertrain.cli import main
+
+    out = tmp_path / "report.md"
+    assert main(["bench", "io", "--path", str(tmp_path / "a"), "--size-gib", "0.01", "--repeats", "1",
+                 "--no-fio", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| write |" in text and "| read |" in text and "read + crc32c verify" in text
+    assert "fio: skipped (--no-fio)" in text
+    assert not list((tmp_path / "a").iterdir())  # the bench file is removed afterwards

@@ -35,6 +35,7 @@ class IOBenchResult:
     ours: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": [], "read_crc": []})
     fio: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": []})
     fio_version: str | None = None
+    fio_note: str = "not installed (apt-get install fio)"
     dropped_cache: bool = False
 
     def median(self, who: str, kind: str) -> float | None:
@@ -104,6 +105,8 @@ def run_io_bench(
 
     res = IOBenchResult(list(paths), size_bytes, threads, chunk_bytes, repeats)
     fio_ok = use_fio and shutil.which("fio") is not None
+    if not use_fio:
+        res.fio_note = "skipped (--no-fio)"
     if fio_ok:
         res.fio_version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
     name = "tiertrain-bench-io.dat"
@@ -169,7 +172,7 @@ def format_io_bench(res: IOBenchResult) -> str:
         f"- paths: {', '.join(res.paths)}",
         f"- file: {res.size_bytes / 2**30:.2f} GiB per pass, {res.threads} threads, {res.chunk_bytes >> 20} MiB chunks,"
         f" {res.repeats} alternating repeats; page cache dropped before reads: {res.dropped_cache}",
-        f"- fio: {res.fio_version or 'not installed (apt-get install fio)'}"
+        f"- fio: {res.fio_version or res.fio_note}"
         + (
             f" (O_DIRECT, bs={res.chunk_bytes >> 20} MiB, iodepth={res.threads}; each run the better of"
             f" {' and '.join(FIO_ENGINES)})"

@@ -18,7 +18,7 @@ passed the event recorded when the slot was released.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,6 @@ class StoreStats:
     fetch_bytes: int = 0
     wait_s: float = 0.0
     hits: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class ParamStore:
