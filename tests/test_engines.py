@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reference import reference_model, reference_train, small_config, weights_of
-from test_parity import assert_same_weights, run_tiertrain
+from test_parity import assert_parity, assert_same_weights, run_tiertrain
 from tiertrain.train import Trainer
 from tiertrain.update.engines import EngineError
 
@@ -44,11 +44,7 @@ def test_eager_engines_without_clipping(tmp_path):
     """With clipping off, engines update each unit as its gradient arrives: still exact."""
     cfg = engine_config(tmp_path, micro_batches=2, clip=0.0, steps=3)
     cfg.update.eager = True
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    tr, losses = assert_parity(cfg)
 
 
 def test_bf16_engines_match_the_baseline_path_exactly(tmp_path):
@@ -110,8 +106,4 @@ def test_checkpoint_resume_with_engines_is_bit_identical(tmp_path):
 def test_sgd_engines_bit_identical(tmp_path):
     cfg = engine_config(tmp_path, paths=2, micro_batches=2, steps=3, lr=0.05)
     cfg.optim.name = "sgd"
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    tr, losses = assert_parity(cfg)

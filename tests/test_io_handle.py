@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 
-import numpy as np
 import pytest
 import torch
 

@@ -24,6 +24,17 @@ def run_tiertrain(cfg, init):
         return losses, tr.weights(), tr
 
 
+def assert_parity(cfg):
+    """Train ``cfg`` with tiertrain and plainly from the same weights; require bit-identical
+    losses and final weights. Returns the (closed) trainer and the losses."""
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+    return tr, losses
+
+
 def ref_name_map(tr, ours):
     """tiertrain name -> the reference's name for the same tensor."""
     from tiertrain.models import _hf_names
@@ -60,22 +71,14 @@ def test_fp32_bit_identical(tmp_path, kind, micro_batches):
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_fp32_bit_identical_with_and_without_clipping(tmp_path, clip):
     cfg = small_config(tmp_path, micro_batches=2, clip=clip, steps=3)
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    tr, losses = assert_parity(cfg)
 
 
 def test_fp32_bit_identical_with_states_partly_in_host_memory(tmp_path):
     """Placement must not change the math: some units' params, grads and stash in RAM."""
     cfg = small_config(tmp_path, micro_batches=3, host_param_mib=1, grad_host_mib=1, stash_host_mib=1, paths=3,
                        update_kib=256, slots=2)
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    tr, losses = assert_parity(cfg)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "gpt2"])
@@ -114,9 +117,5 @@ def test_bf16_params_with_fp32_master_within_tolerance(tmp_path):
 def test_sgd_with_momentum_bit_identical(tmp_path, micro_batches):
     cfg = small_config(tmp_path, micro_batches=micro_batches, steps=4, lr=0.05)
     cfg.optim.name = "sgd"
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    tr, losses = assert_parity(cfg)
     assert "momentum.bin" in dict(tr.plan.files) and "exp_avg.bin" not in dict(tr.plan.files)

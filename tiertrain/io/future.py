@@ -31,6 +31,13 @@ class IOFuture:
         f.set_result(nbytes)
         return cls([f])
 
+    @classmethod
+    def gather(cls, futures: Sequence["IOFuture"]) -> "IOFuture":
+        """One future for several requests: ``get()`` returns their bytes added up."""
+        if not futures:
+            return cls.completed(0)
+        return cls([p for f in futures for p in f._parts])
+
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
 

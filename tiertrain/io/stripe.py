@@ -139,10 +139,11 @@ class StripedFile:
             raise ValueError(f"file offset must be >= 0, got {off}")
         if kind == "r":  # stop at the logical end, as FileHandle does
             size = max(0, min(size, self.size - off))
-        parts = []
+        futs = []
         for i, (local_off, segs) in self._runs(arr[buf_off : buf_off + size], off).items():
-            parts.extend(self.handles[i]._submit(kind, local_off, segs))
-        return IOFuture(parts)
+            h = self.handles[i]
+            futs.append(h.preadv(segs, local_off) if kind == "r" else h.pwritev(segs, local_off))
+        return IOFuture.gather(futs)
 
     def _runs(self, arr: np.ndarray, off: int) -> dict[int, tuple[int, list[np.ndarray]]]:
         """Per path: (local offset, buffer pieces) of the logical range ``[off, off + len(arr))``."""

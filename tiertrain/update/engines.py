@@ -252,16 +252,23 @@ class EngineGroup:
     def wait_ready(self, u: int) -> None:
         self._pump(lambda: len(self._done[u]) == self.n, f"updating unit {u}")
 
-    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+    def slice_io(self, files: list, place: list[dict], esize: int, write: bool, u: int, buf: torch.Tensor,
+                 start: int, end: int | None) -> IOFuture:
+        """Elements ``[start, end)`` of unit ``u``, split by owner: each engine's part read from
+        (or written to) its file ``files[i]`` at the unit's place there."""
         end = self.layout.units[u].numel if end is None else end
-        parts = []
+        futs = []
         for i in range(self.n):
             s = self.slices[i][u]
             a, b = max(start, s.start), min(end, s.end)
             if a < b:
-                off = (self._place[i][u] + a - s.start) * self.pdtype.itemsize
-                parts.append(self._readers[i].pread(out[a - start : b - start], (b - a) * self.pdtype.itemsize, off))
-        return IOFuture([p for f in parts for p in f._parts]) if parts else IOFuture.completed(0)
+                off = (place[i][u] + a - s.start) * esize
+                op = files[i].pwrite if write else files[i].pread
+                futs.append(op(buf[a - start : b - start], (b - a) * esize, off))
+        return IOFuture.gather(futs)
+
+    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end)
 
     # -- gradients -----------------------------------------------------------------------------------------
     def begin_step(self, step: int, lr: float) -> None:
@@ -435,22 +442,11 @@ class _EngineRegion:
         self.place = [TieredRegions.place(v, dtype, 0, st.record_align) for v in group.views]
         self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
 
-    def _io(self, op: str, u: int, buf: torch.Tensor, a0: int, b0: int) -> IOFuture:
-        parts = []
-        for i in range(self.g.n):
-            s = self.g.slices[i][u]
-            a, b = max(a0, s.start), min(b0, s.end)
-            if a < b:
-                off = (self.place[i][u] + a - s.start) * self.esize
-                f = self.files[i].pread if op == "r" else self.files[i].pwrite
-                parts.append(f(buf[a - a0 : b - a0], (b - a) * self.esize, off))
-        return IOFuture([p for f in parts for p in f._parts]) if parts else IOFuture.completed(0)
-
     def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self._io("r", u, out, start, self.g.layout.units[u].numel if end is None else end)
+        return self.g.slice_io(self.files, self.place, self.esize, False, u, out, start, end)
 
     def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self._io("w", u, src, start, self.g.layout.units[u].numel if end is None else end)
+        return self.g.slice_io(self.files, self.place, self.esize, True, u, src, start, end)
 
     def close(self) -> None:
         for f in self.files:
