@@ -7,7 +7,8 @@ number of micro-batches (--micro-batches, default 1 and 4) it measures, in one r
 - tiertrain's step time, bytes read and written per step against the formula, and the
   step's floor: max(compute, bytes read / read bandwidth + bytes written / write bandwidth).
 
-Usage: python bench/train.py [--steps 4] [--modes baseline,engines,topk] [--micro-batches 1,4] [--out FILE]
+Usage: python bench/train.py [--steps 4] [--modes baseline,engines,topk] [--micro-batches 1,4]
+                             [--checksums on,off] [--out FILE]
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ MODES = {
 }
 
 
-def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline") -> Config:
+def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True) -> Config:
     return Config(
-        io=IOConfig(paths=[scratch]),
+        io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),
         data=DataConfig(seq_len=64, micro_batch_size=1, micro_batches=micro_batches),
         update=MODES[mode],
@@ -106,7 +107,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--modes", default="baseline")
     ap.add_argument("--micro-batches", default="1,4")
+    ap.add_argument("--checksums", default="on", help="'on', 'off' or 'on,off' (CRC32C of every block on disk)")
     args = ap.parse_args()
+    checksums = [{"on": True, "off": False}[x] for x in args.checksums.split(",")]
     modes = args.modes.split(",")
     mbs = [int(x) for x in args.micro_batches.split(",")]
     torch.manual_seed(0)
@@ -120,8 +123,9 @@ def main() -> int:
     rows = []
     for M in mbs:
         plain = statistics.median(plain_steps(config(args.scratch, M, args.steps), ref)[1:])
-        for mode in modes:
-            rows.append(measure(args, mode, M, plain, init, rbw, wbw))
+        for ck in checksums:
+            for mode in modes:
+                rows.append(measure(args, mode, M, plain, init, rbw, wbw, ck))
     shutil.rmtree(args.scratch, ignore_errors=True)
     report = render(rows, rbw, wbw, n_params(init), args.steps)
     print(report)
@@ -135,9 +139,9 @@ def n_params(init: dict) -> int:
     return sum(t.numel() for t in init.values())
 
 
-def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: float):
+def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: float, checksum: bool = True):
     """One configuration: median step figures after a warm-up step."""
-    cfg = config(args.scratch, M, args.steps, mode)
+    cfg = config(args.scratch, M, args.steps, mode, checksum)
     recs, tr = tiertrain_steps(cfg, init)
     steady = recs[1:]
     step = statistics.median(r.step_s for r in steady)
@@ -153,6 +157,7 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     tr.close()
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
+    mode = mode if checksum else f"{mode}, no checksums"
     print(f"{mode} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
     return (mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent)
 
@@ -165,7 +170,8 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, no GPU;"
         f" torch {torch.__version__}",
         f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d 768, 12 layers, vocab 32000), fp32;"
-        " seq 64, micro-batch 1; states on the local disk (checksums on); memory defaults"
+        " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
+        " memory defaults"
         " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk)",
         f"- disk measured in the same run: read {rbw / 1e9:.2f} GB/s, write {wbw / 1e9:.2f} GB/s (1 GiB, O_DIRECT)",
         f"- {steps} steps per configuration, the first discarded; medians",
@@ -175,9 +181,10 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         " tiertrain / floor | fwd / bwd / update / io-wait s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {M: step for mode, M, _, _, step, *_ in rows if mode == "baseline"}
+    base = {(M, "no checksums" in mode): step for mode, M, _, _, step, *_ in rows if mode.startswith("baseline")}
     for mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent in rows:
-        speed = f"{base[M] / step:.2f}x" if M in base else "-"
+        key = (M, "no checksums" in mode)
+        speed = f"{base[key] / step:.2f}x" if key in base else "-"
         lines.append(
             f"| {mode} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"

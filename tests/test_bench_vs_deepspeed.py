@@ -1,0 +1,103 @@
+"""The parts of bench/vs_deepspeed.py that run without DeepSpeed: the /proc meter both
+systems are measured with, DeepSpeed's config, the report and the goal's verdict."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
+sys.path.insert(0, BENCH)
+import deepspeed_worker  # noqa: E402
+import vs_deepspeed  # noqa: E402
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    path, mib = sys.argv[1], int(sys.argv[2])
+    with open(path, "wb") as f:
+        f.write(os.urandom(mib << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    hold = bytearray(mib << 20)          # touched: resident
+    for i in range(0, len(hold), 4096):
+        hold[i] = 1
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_meter_counts_children_disk_bytes_and_peak_rss(tmp_path):
+    scratch = os.path.join(os.path.dirname(__file__), "..", "tiertrain-scratch", "meter-test")
+    os.makedirs(scratch, exist_ok=True)  # on the disk: /tmp may be tmpfs, which /proc/<pid>/io does not count
+    meter = deepspeed_worker.ProcMeter()
+    r0, w0 = meter.io()
+    base_peak = meter.peak_rss()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, os.path.join(scratch, "f.bin"), "64"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in meter.pids()
+        r1, w1 = meter.io()
+        assert w1 - w0 >= 64 << 20  # the child's write, seen from the parent
+        assert meter.peak_rss() >= base_peak + (60 << 20)
+    finally:
+        child.communicate("\n")
+    assert child.pid not in meter.pids()
+
+
+def test_ds_config_uses_nvme_only_with_the_same_optimizer():
+    spec = dict(micro_batch_size=1, micro_batches=4, optim=vs_deepspeed.OPTIM,
+                aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1))
+    cfg = deepspeed_worker.ds_config(spec, "/scratch/ds", 24_576_000)
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["stage3_prefetch_bucket_size"] == 0
+    assert z["offload_param"]["device"] == z["offload_optimizer"]["device"] == "nvme"
+    assert z["offload_param"]["max_in_cpu"] == 0 and z["offload_param"]["buffer_size"] == 24_576_000
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == vs_deepspeed.OPTIM["grad_clip"]
+    p = cfg["optimizer"]["params"]
+    assert cfg["optimizer"]["type"] == "AdamW" and p["lr"] == vs_deepspeed.OPTIM["lr"]
+    assert p["betas"] == [vs_deepspeed.OPTIM["beta1"], vs_deepspeed.OPTIM["beta2"]]
+    assert cfg["aio"]["block_size"] == 1 << 20 and cfg["aio"]["queue_depth"] == 32
+
+
+def _run(times, losses, rss, read=1e9, write=5e8):
+    events = [dict(event="ready")]
+    events += [dict(event="step", step=i + 1, step_s=t, loss=l, read_bytes=read, write_bytes=write, peak_rss=rss)
+               for i, (t, l) in enumerate(zip(times, losses))]
+    return events
+
+
+def test_report_and_verdict_are_computed_from_the_runs():
+    spec = dict(seq_len=64, micro_batch_size=1, micro_batches=4, steps=3)
+    env = dict(cores=2, ram_gib=24, os="Linux", torch="2.13", deepspeed="0.19.8", date="2026-11-21")
+    losses = [10.0, 9.0, 8.0]
+    runs = {
+        "deepspeed": [_run([30, 16, 18], losses, 7 << 30), _run([30, 17, 15], losses, 7 << 30)],
+        "baseline": [_run([9, 6, 7], losses, 3 << 30), _run([9, 7, 6], losses, 3 << 30)],
+        "topk": [_run([9, 2, 2], [10.0, 9.5, 8.5], 1 << 30)] * 2,
+    }
+    text = vs_deepspeed.render(runs, spec, env)
+    # medians over the steady steps (the first of each run is warm-up): 16.5 vs 6.5
+    assert "| 16.50 (15.00..18.00) |" in text and "| 6.50 (6.00..7.00) |" in text
+    assert f"| {16.5 / 6.5:.2f}x |" in text
+    assert "is 2.54x as fast at 0.43x the RSS: met." in text  # top-k is fastest but not exact math
+    slow = dict(runs, baseline=[_run([9, 9, 9], losses, 3 << 30)] * 2)
+    assert "NOT met" in vs_deepspeed.render(slow, spec, env)
+    fat = dict(runs, baseline=[_run([9, 6, 6], losses, 4 << 30)] * 2)
+    assert "at 0.57x the RSS: NOT met" in vs_deepspeed.render(fat, spec, env)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="DeepSpeed is installed here")
+def test_missing_deepspeed_names_the_fix():
+    class Args:
+        ds_python = None
+
+    with pytest.raises(SystemExit, match=r"pip install -e \.\[bench\].*--ds-python"):
+        vs_deepspeed.ds_python(Args())
