@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--systems", default="deepspeed,baseline,engines,topk")
     ap.add_argument("--scratch", default="./tiertrain-scratch/vs-deepspeed")
     ap.add_argument("--ds-python", default=None, help="interpreter with DeepSpeed (default: this one)")
-    ap.add_argument("--out", default=None, help="markdown report; a PNG plot is written next to it")
+    ap.add_argument("--out", default=None, help="markdown report; a PNG plot and the raw events (JSON) go next to it")
     ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -194,6 +194,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             f.write(report)
         plot(runs, os.path.splitext(args.out)[0] + ".png")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # every event, to re-plot or re-check
+            json.dump(dict(spec=spec, runs=runs), f)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -304,11 +306,13 @@ def plot(runs: dict, path: str) -> None:
         times = [e["step_s"] for r in rs for e in steady(r)]
         a.scatter([i] * len(times), times, s=14)
         a.hlines(statistics.median(times), i - 0.3, i + 0.3)
-        b.plot([e["loss"] for e in rs[0] if e.get("event") == "step"], marker="o", label=SYSTEMS[s][0])
+        first = [e for e in rs[0] if e.get("event") == "step"]
+        b.plot([e["step"] for e in first], [e["loss"] for e in first], marker="o", label=SYSTEMS[s][0])
     a.set_xticks(range(len(runs)), list(runs), rotation=15)
     a.set_ylabel("s / step (steady steps, all rounds; line = median)")
     a.set_ylim(bottom=0)
     b.set_xlabel("step")
+    b.xaxis.get_major_locator().set_params(integer=True)
     b.set_ylabel("loss")
     b.legend(fontsize=7)
     fig.tight_layout()
