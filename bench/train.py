@@ -157,9 +157,9 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     tr.close()
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
-    mode = mode if checksum else f"{mode}, no checksums"
-    print(f"{mode} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
-    return (mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent)
+    label = mode if checksum else f"{mode}, no checksums"
+    print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
+    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent)
 
 
 def render(rows, rbw, wbw, n_params, steps) -> str:
@@ -181,12 +181,12 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         " tiertrain / floor | fwd / bwd / update / io-wait s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {(M, "no checksums" in mode): step for mode, M, _, _, step, *_ in rows if mode.startswith("baseline")}
-    for mode, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent in rows:
-        key = (M, "no checksums" in mode)
-        speed = f"{base[key] / step:.2f}x" if key in base else "-"
+    base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
+    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent in rows:
+        speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
+        label = mode if ck else f"{mode}, no checksums"
         lines.append(
-            f"| {mode} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
+            f"| {label} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
         )

@@ -83,7 +83,7 @@ def tiertrain_worker(work: str, spec: dict, update: dict) -> None:
 def prepare(work: str, args) -> dict:
     """Initial weights as a local HF directory (both systems load it) and the batches."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from tiertrain.config import DataConfig, ModelConfig
@@ -101,6 +101,7 @@ def prepare(work: str, args) -> dict:
         for m, (x, y) in enumerate(corpus.batches(step)):
             tensors[f"x{step}_{m}"], tensors[f"y{step}_{m}"] = x.clone(), y.clone()
     save_file(tensors, spec["batches"])
+    spec["n_params"] = sum(t.numel() for t in load_file(os.path.join(init_dir, "model.safetensors")).values())
     return spec
 
 
@@ -241,7 +242,8 @@ def render(runs: dict, spec: dict, env: dict) -> str:
         "",
         f"- machine: {env['cores']} cores, {env['ram_gib']:.0f} GiB RAM, one virtual disk, no GPU; {env['os']}",
         f"- versions: torch {env['torch']}" + (f", deepspeed {env['deepspeed']}" if "deepspeed" in env else ""),
-        f"- work: Llama-shaped, 134 M parameters (d 768, 12 layers, ff 2048, vocab 32000), fp32 on CPU;"
+        f"- work: Llama-shaped, {spec['n_params'] / 1e6:.0f} M parameters (d {MODEL['d_model']},"
+        f" {MODEL['n_layers']} layers, ff {MODEL['d_ff']}, vocab {MODEL['vocab_size']}), fp32 on CPU;"
         f" seq {spec['seq_len']}, micro-batch {spec['micro_batch_size']}, {spec['micro_batches']} micro-batches"
         f" ({tokens} tokens) per step; AdamW lr {OPTIM['lr']} betas ({OPTIM['beta1']}, {OPTIM['beta2']})"
         f" eps {OPTIM['eps']} wd {OPTIM['weight_decay']}, constant lr, clip {OPTIM['grad_clip']};"

@@ -75,7 +75,7 @@ def _run(times, losses, rss, read=1e9, write=5e8):
 
 
 def test_report_and_verdict_are_computed_from_the_runs():
-    spec = dict(seq_len=64, micro_batch_size=1, micro_batches=4, steps=3)
+    spec = dict(seq_len=64, micro_batch_size=1, micro_batches=4, steps=3, n_params=134_105_856)
     env = dict(cores=2, ram_gib=24, os="Linux", torch="2.13", deepspeed="0.19.8", date="2026-11-21")
     losses = [10.0, 9.0, 8.0]
     runs = {
@@ -87,6 +87,7 @@ def test_report_and_verdict_are_computed_from_the_runs():
     # medians over the steady steps (the first of each run is warm-up): 16.5 vs 6.5
     assert "| 16.50 (15.00..18.00) |" in text and "| 6.50 (6.00..7.00) |" in text
     assert f"| {16.5 / 6.5:.2f}x |" in text
+    assert "134 M parameters (d 768, 12 layers" in text  # from the spec and MODEL, not fixed text
     assert "is 2.54x as fast at 0.43x the RSS: met." in text  # top-k is fastest but not exact math
     slow = dict(runs, baseline=[_run([9, 9, 9], losses, 3 << 30)] * 2)
     assert "NOT met" in vs_deepspeed.render(slow, spec, env)
