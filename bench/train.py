@@ -149,6 +149,7 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     rb = statistics.median(r.ssd_read_bytes + eng(r, "engine_read_bytes") for r in steady)
     wb = statistics.median(r.ssd_write_bytes + eng(r, "engine_write_bytes") for r in steady)
     sent = statistics.median(eng(r, "engine_sent_bytes") for r in steady)
+    handed = statistics.median(eng(r, "engine_handoff_bytes") for r in steady)
     fr, fw = formula_bytes(tr)
     io_floor = rb / rbw + wb / wbw
     floor = max(plain, io_floor)
@@ -159,7 +160,7 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     os.makedirs(args.scratch, exist_ok=True)
     label = mode if checksum else f"{mode}, no checksums"
     print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
-    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent)
+    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed)
 
 
 def render(rows, rbw, wbw, n_params, steps) -> str:
@@ -177,25 +178,29 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         f"- {steps} steps per configuration, the first discarded; medians",
         "",
         "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
-        " read GB/step (formula) | write GB/step (formula) | GB to engines | I/O floor s | floor s |"
-        " tiertrain / floor | fwd / bwd / update / io-wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " read GB/step (formula) | write GB/step (formula) | GB to engines | GB from engines in memory |"
+        " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
-    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent in rows:
+    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed in rows:
         speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
         label = mode if ck else f"{mode}, no checksums"
         lines.append(
             f"| {label} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
-            f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
+            f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {handed / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
         )
     lines += [
         "",
         "Formula (SYSTEM.md, fp32 on CPU): parameters are read twice (forward, backward), then the",
         "update reads parameters, gradients (the part not kept in RAM) and both moments and writes them",
-        "back. Measured reads are a little lower: units still resident in a slot from the end of the",
-        "forward are not fetched again for the backward. The floor is max(plain in-RAM compute,",
+        "back. Measured reads are lower: units still resident in a slot from the end of the forward are",
+        "not fetched again for the backward, and with engines the forward gets the units the engines",
+        "were still updating straight from them, in shared memory (GB from engines in memory), instead",
+        "of from their files. Engines' bytes include the gradients they spill to disk and read back.",
+        "Blocks' autograd graphs are kept from the forward within memory.keep_act_mib (default 512 MiB),",
+        "so the backward recomputes none here. The floor is max(plain in-RAM compute,",
         "bytes read / read bandwidth + bytes written / write bandwidth).",
         "",
     ]

@@ -107,3 +107,17 @@ def test_sgd_engines_bit_identical(tmp_path):
     cfg = engine_config(tmp_path, paths=2, micro_batches=2, steps=3, lr=0.05)
     cfg.optim.name = "sgd"
     tr, losses = assert_parity(cfg)
+
+
+def test_new_parameters_handed_straight_to_the_forward_with_read_ahead(tmp_path, monkeypatch):
+    """Engines slower than the forward (a sleep per update chunk, in the engines only): the
+    forward asks for units still being updated and the engines write them into its shared
+    slots; the first chunks' state was read ahead during the backward; kept graphs (no
+    recompute). Still bit-identical to plain PyTorch."""
+    monkeypatch.setenv("TIERTRAIN_SLOW_AT", "update:0.01")  # read by the engine processes at start
+    cfg = engine_config(tmp_path, kind="llama", micro_batches=2, steps=3, keep_act_mib=64, paths=2)
+    cfg.memory.engine_read_ahead_mib = 1
+    tr, _ = assert_parity(cfg)
+    assert tr.engines.handoff_bytes > 0
+    assert all(r["ahead"] > 0 for r in tr.engines.stepped)
+    assert tr.executor.recomputed == 0

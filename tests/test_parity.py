@@ -119,3 +119,48 @@ def test_sgd_with_momentum_bit_identical(tmp_path, micro_batches):
     cfg.optim.name = "sgd"
     tr, losses = assert_parity(cfg)
     assert "momentum.bin" in dict(tr.plan.files) and "exp_avg.bin" not in dict(tr.plan.files)
+
+
+# -- kept graphs (no recompute) -------------------------------------------------------------------
+@pytest.mark.parametrize("kind,micro_batches,slots", [("gpt", 1, 3), ("llama", 4, 3), ("llama", 4, 2), ("gpt2", 1, 2)])
+def test_kept_graphs_bit_identical(tmp_path, kind, micro_batches, slots):
+    """Every block's graph kept from the forward (parameters re-bound from wherever their
+    unit sits in the backward, with 2 slots always elsewhere): same losses and weights.
+    (A tied embedding is bit-identical only at M = 1: see the module docstring.)"""
+    cfg = small_config(tmp_path, kind=kind, micro_batches=micro_batches, slots=slots, keep_act_mib=64,
+                       tie=kind == "gpt2")
+    tr, losses = assert_parity(cfg)
+    assert tr.executor.recomputed == 0
+    assert tr.executor.kept.peak_bytes > 0 and tr.executor.kept.kept_bytes == 0
+
+
+def test_kept_graphs_within_budget_rest_recomputed(tmp_path):
+    """A budget for about half the graphs: those kept never exceed it, the rest are
+    recomputed, and the result is still bit-identical."""
+    cfg = small_config(tmp_path / "all", kind="llama", micro_batches=4, keep_act_mib=64)
+    full = assert_parity(cfg)[0].executor.kept.peak_bytes  # every graph of a step
+    cfg = small_config(tmp_path / "half", kind="llama", micro_batches=4, keep_act_mib=64)
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    with Trainer(cfg, weights=tensor_source(skeleton, weights_of(ref_model))) as tr:
+        tr.executor.kept.budget = full // 2
+        tr.initialize(progress=False)
+        losses = [tr.train_step().extra["losses"] for _ in range(cfg.train.steps)]
+        weights = tr.weights()
+        entries = cfg.model.n_layers * cfg.data.micro_batches
+        assert 0 < tr.executor.recomputed < entries
+        assert 0 < tr.executor.kept.peak_bytes <= full // 2
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+
+
+def test_kept_graphs_bf16_same_as_recompute(tmp_path):
+    """bf16: keeping the graph gives exactly what recomputing it gives (same kernels)."""
+    runs = {}
+    for keep in (0, 64):
+        cfg = small_config(tmp_path / str(keep), kind="llama", micro_batches=2, dtype="bfloat16", keep_act_mib=keep)
+        runs[keep] = run_tiertrain(cfg, weights_of(reference_model(cfg)))
+    assert runs[0][0] == runs[64][0]
+    for name, t in runs[0][1].items():
+        assert torch.equal(t, runs[64][1][name]), name

@@ -170,3 +170,54 @@ def test_checksummed_reads_never_see_half_written_blocks(tmp_path):
         f.read(out)
         assert torch.equal(out, data)
         assert f.verify() == size
+
+
+def test_kept_graph_takes_parameters_from_where_the_unit_is_bound_now():
+    """A kept graph does not hold on to the slot its weights were in during the forward:
+    the slot is overwritten, the unit bound elsewhere, and the backward still gives the
+    gradients of the weights it ran with."""
+    from tiertrain.activations.keep import KeptGraphs
+
+    torch.manual_seed(0)
+    w0 = torch.randn(8, 16)
+    b0 = torch.randn(8)
+    slot_a, slot_b = torch.empty(200), torch.empty(200)
+    where = {"slot": slot_a}
+    w = torch.nn.Parameter(torch.empty(8, 16))
+    b = torch.nn.Parameter(torch.empty(8))
+
+    def bind(flat):
+        w.data, b.data = flat[:128].view(8, 16), flat[128:136]
+
+    def block(x):
+        return torch.tanh(torch.nn.functional.linear(x, w, b)) * b
+
+    slot_a[:128], slot_a[128:136] = w0.reshape(-1), b0
+    bind(slot_a)
+    kept = KeptGraphs(1 << 20, lambda u: where["slot"])
+    x = torch.randn(4, 16)
+    out, ok = kept.forward((0, 0), (7,), block, x)
+    assert ok and kept.kept_bytes > 0
+    slot_a.fill_(float("nan"))  # another unit loaded into the forward's slot
+    slot_b[:128], slot_b[128:136] = w0.reshape(-1), b0
+    where["slot"] = slot_b
+    bind(slot_b)
+    w.grad, b.grad = torch.zeros(8, 16), torch.zeros(8)
+    dx = kept.backward((0, 0), torch.ones(4, 8))
+
+    rw, rb, rx = w0.clone().requires_grad_(), b0.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = torch.tanh(torch.nn.functional.linear(rx, rw, rb)) * rb
+    ref.backward(torch.ones(4, 8))
+    assert torch.equal(out, ref.detach())
+    assert torch.equal(dx, rx.grad) and torch.equal(w.grad, rw.grad) and torch.equal(b.grad, rb.grad)
+    assert kept.kept_bytes == 0 and kept.peak_bytes > 0
+
+
+def test_kept_graph_over_budget_is_dropped():
+    from tiertrain.activations.keep import KeptGraphs
+
+    kept = KeptGraphs(64, lambda u: torch.empty(0))
+    x = torch.randn(32, 32)
+    out, ok = kept.forward((0, 0), (), lambda t: torch.tanh(t) * 2, x)
+    assert not ok and (0, 0) not in kept and kept.kept_bytes == 0
+    assert torch.equal(out, torch.tanh(x) * 2)

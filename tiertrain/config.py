@@ -189,12 +189,23 @@ class MemoryConfig(Section):
     grad_host_mib: int = opt(256, "Host memory where gradients wait for the update, MiB; the rest go to SSD.")
     optim_host_mib: int = opt(0, "Host memory for optimizer states (moments, master weights), MiB (0: all on SSD).")
     stash_host_mib: int = opt(256, "Host memory for hidden states between layers, MiB; the rest spills to SSD.")
+    keep_act_mib: int = opt(
+        512,
+        "Memory on the compute device for autograd activations kept from the forward for the backward, MiB:"
+        " blocks kept there are not recomputed; the others are recomputed from their stashed input (0: recompute all).",
+    )
     residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
+    engine_read_ahead_mib: int = opt(
+        0,
+        "Host memory in which the update engines (together) read the optimizer state of the first chunks of"
+        " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none).",
+    )
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)
-        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib"):
+        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib", "keep_act_mib",
+                     "engine_read_ahead_mib"):
             self._at_least(name, 0)
         self._in_range("update_buffer_kib", 64, 4 << 20)
 

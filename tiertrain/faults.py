@@ -1,15 +1,17 @@
-"""Fault injection for tests: kill this process at a chosen point of its work.
+"""Fault injection for tests: kill or slow this process at a chosen point of its work.
 
 ``TIERTRAIN_KILL_AT=point:n`` sends SIGKILL to this process the ``n``-th time ``point`` is
-reached. Points: ``forward`` and ``backward`` (each unit and micro-batch), ``update``
-(each optimizer chunk), ``checkpoint`` (each chunk saved or restored). Unset, a point
-costs one comparison.
+reached; ``TIERTRAIN_SLOW_AT=point:seconds`` sleeps that long each time (to make one
+side of an overlap the slow one). Points: ``forward`` and ``backward`` (each unit and
+micro-batch), ``update`` (each optimizer chunk), ``checkpoint`` (each chunk saved or
+restored). Both are read when the process starts. Unset, a point costs one comparison.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 __all__ = ["point"]
 
@@ -22,11 +24,14 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
 
 
 _target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))
+_slow = os.environ.get("TIERTRAIN_SLOW_AT", "").partition(":")
 _count = 0
 
 
 def point(name: str) -> None:
     global _count
+    if _slow[0] == name:
+        time.sleep(float(_slow[2]))
     if _target is None or name != _target[0]:
         return
     _count += 1

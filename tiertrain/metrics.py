@@ -61,7 +61,8 @@ class StepRecord:
             f"io wait {self.io_wait_s:.2f} s | {self.step_s:.2f} s"
             + (
                 f" | engines: sent {self.extra['engine_sent_bytes'] / 1e9:.2f} GB, "
-                f"r {self.extra['engine_read_bytes'] / 1e9:.2f} GB w {self.extra['engine_write_bytes'] / 1e9:.2f} GB"
+                f"r {self.extra['engine_read_bytes'] / 1e9:.2f} GB w {self.extra['engine_write_bytes'] / 1e9:.2f} GB, "
+                f"params handed over {self.extra.get('engine_handoff_bytes', 0) / 1e9:.2f} GB"
                 if "engine_sent_bytes" in self.extra
                 else ""
             )

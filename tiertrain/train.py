@@ -143,9 +143,11 @@ class Trainer:
         self.engines = None
         if self.cfg.update.mode == "engines":
             self.engines = self._part(EngineGroup(self.layout, self.storage, self.cfg, self.dtype))
+            # CPU: slots in shared memory, so the engines hand new parameters straight over
+            shared = None if self.dev.cuda else self.engines.share_slots(m.device_slots, self.layout.max_unit_numel)
             self.params = self._part(
                 ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots,
-                           backing=ParamBacking(self.engines), gate=self.engines)
+                           backing=ParamBacking(self.engines), gate=self.engines, slot_tensors=shared)
             )
             self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, home=GradHome(self.engines)))
             self.optim = None
@@ -176,10 +178,11 @@ class Trainer:
                 host_bytes=m.stash_host_mib * MIB,
             )
         )
-        self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev)
+        self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
+                                           keep_bytes=m.keep_act_mib * MIB)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
-        self._engine_seen = (0, 0, 0)  # (bytes sent, dense bytes, stepped reports) already put in a record
+        self._engine_seen = (0, 0, 0, 0)  # (bytes sent, dense bytes, stepped reports, handed over) already in a record
 
     @contextlib.contextmanager
     def state_regions(self):
@@ -340,15 +343,18 @@ class Trainer:
         if self.engines is None:
             return {}
         g = self.engines
-        sent0, dense0, n0 = self._engine_seen
+        sent0, dense0, n0, handoff0 = self._engine_seen
         reports = g.stepped[n0:]
-        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped))
+        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped), g.handoff_bytes)
         return {
             "engine_sent_bytes": g.sent_bytes - sent0,
             "engine_dense_bytes": g.dense_bytes - dense0,
             "engine_read_bytes": sum(r["read"] for r in reports),
             "engine_write_bytes": sum(r["written"] for r in reports),
+            "engine_handoff_bytes": g.handoff_bytes - handoff0,
             "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
+            "engine_wait_s": max((r.get("wait_s", 0.0) for r in reports), default=0.0),
+            "engine_compute_s": max((r.get("compute_s", 0.0) for r in reports), default=0.0),
         }
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:

@@ -5,9 +5,11 @@ micro-batches go through it; each block's input is stashed for the backward. The
 runs forward and backward per micro-batch right away (its loss is divided by ``M``, as
 gradient accumulation in plain PyTorch does), producing ``dh`` for every micro-batch.
 Backward: for each unit in reverse, its parameters are fetched once more; each
-``(unit, micro-batch)`` is recomputed from its stashed input, with the RNG state of its
-forward restored, and back-propagated; parameter gradients accumulate in the unit's
-gradient buffer in micro-batch order. ``M = 1`` is ordinary training.
+``(unit, micro-batch)`` whose autograd graph was kept from the forward (within
+``memory.keep_act_mib``, see ``activations/keep.py``) is back-propagated through it; the
+others are recomputed from their stashed input, with the RNG state of their forward
+restored. Parameter gradients accumulate in the unit's gradient buffer in micro-batch
+order. ``M = 1`` is ordinary training.
 
 Every ``(unit, micro-batch)`` is its own small autograd graph: input detached with
 ``requires_grad``, output gradient fed in by the executor. The forward runs with grad
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import faults
+from ..activations.keep import KeptGraphs
 from ..activations.stash import HiddenStash
 from ..models.base import LayeredModel
 from ..state.device import Device
@@ -62,20 +65,25 @@ class LayerMajorExecutor:
         grads: GradStore,
         stash: HiddenStash,
         dev: Device,
+        keep_bytes: int = 0,
     ) -> None:
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
         self.n = model.n_units
         self.lookahead = len(params.slots) - 1
+        self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
+        self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
+        self.recomputed = 0  # (block, micro-batch) pairs recomputed in the last step
 
     # -- parameter residency ------------------------------------------------------------------------
     def _acquire(self, u: int, upcoming: list[int]) -> None:
         for x in (*self.params.layout.units[u].borrows, u):
-            self.params.acquire(x)
+            self._flats[x] = self.params.acquire(x)
         self.params.prefetch(upcoming[: self.lookahead])
 
     def _release(self, u: int) -> None:
         for x in (u, *self.params.layout.units[u].borrows):
             self.params.release(x)
+            self._flats.pop(x, None)
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
@@ -84,6 +92,7 @@ class LayerMajorExecutor:
         ids = [x.to(self.dev.device, non_blocking=True) for x, _ in batches]
         tgt = [y.to(self.dev.device, non_blocking=True) for _, y in batches]
         rng: dict[tuple[int, int], _Rng] = {}
+        self.kept.clear()  # nothing survives a step that failed half-way
         t0 = time.perf_counter()
         order = list(range(self.n))
 
@@ -99,12 +108,18 @@ class LayerMajorExecutor:
             u = b + 1
             self._acquire(u, order[u + 1 :])
             nxt = []
+            units = (*self.params.layout.units[u].borrows, u)
             for m in range(M):
-                self.stash.put(b * M + m, cur[m])
                 faults.point("forward")
                 rng[u, m] = _Rng(self.dev.cuda)
-                with torch.enable_grad():
-                    nxt.append(self.model.blocks[b](cur[m]).detach())
+                if self.kept.budget > 0:
+                    out, kept = self.kept.forward((b, m), units, self.model.blocks[b], cur[m])
+                else:
+                    with torch.enable_grad():
+                        out, kept = self.model.blocks[b](cur[m]).detach(), False
+                if not kept:  # recomputed in the backward from its stashed input
+                    self.stash.put(b * M + m, cur[m])
+                nxt.append(out)
             self._release(u)
             cur = nxt
 
@@ -126,15 +141,20 @@ class LayerMajorExecutor:
         t1 = time.perf_counter()
 
         # backward: blocks in reverse, then the embedding, each fetched once more
+        self.recomputed = 0
         for b in range(L - 1, -1, -1):
             u = b + 1
             self._acquire(u, list(range(u - 1, -1, -1)))
             self.grads.begin(u)
             for m in range(M):
-                if b > 0:
+                if b > 0 and (b - 1, m) not in self.kept:
                     self.stash.prefetch((b - 1) * M + m)
-                x = self.stash.get(b * M + m).detach().requires_grad_()
                 faults.point("backward")
+                if (b, m) in self.kept:
+                    dh[m] = self.kept.backward((b, m), dh[m])
+                    continue
+                self.recomputed += 1
+                x = self.stash.get(b * M + m).detach().requires_grad_()
                 rng[u, m].restore()
                 out = self.model.blocks[b](x)
                 torch.autograd.backward(out, dh[m])

@@ -65,6 +65,7 @@ class ParamStore:
         host_bytes: int = 0,
         backing=None,
         gate=None,
+        slot_tensors: list[torch.Tensor] | None = None,
     ) -> None:
         if slots < 2:
             raise ValueError(f"need at least 2 device slots (one computing, one loading), got {slots}")
@@ -74,9 +75,17 @@ class ParamStore:
         self._clock = 0
         # The backing copy: our own regions, or (update engines) the engines' files. ``gate``
         # (``ready(u)``, ``wait_ready(u)``) holds loads of units the engines are still updating.
+        # With ``slot_tensors`` (slots the engines can write, CPU), a unit still being updated
+        # is loaded by the engines themselves (``gate.handoff``) instead of waited for.
         self.backing = backing or TieredRegions(layout, storage, FILE, dtype, host_bytes=host_bytes, pin=dev.cuda)
         self.gate = gate
-        self.slots = [_Slot(i, dev.empty(layout.max_unit_numel, dtype)) for i in range(slots)]
+        if slot_tensors is not None and len(slot_tensors) != slots:
+            raise ValueError(f"got {len(slot_tensors)} slot tensors for {slots} slots")
+        self._handoff = gate is not None and slot_tensors is not None
+        self.slots = [
+            _Slot(i, slot_tensors[i] if slot_tensors is not None else dev.empty(layout.max_unit_numel, dtype))
+            for i in range(slots)
+        ]
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
             BufferPool(slots, layout.max_unit_numel * self.esize, pin=True, name="param-staging")
@@ -135,6 +144,10 @@ class ParamStore:
                 slot.tensor[:n].copy_(self.backing.host_view(u), non_blocking=True)
             slot.loaded = self.dev.copy_event()
             return
+        if self._handoff:  # the engines write it as they update it (None: already updated)
+            slot.read = self.gate.handoff(u, slot.index, slot.tensor)
+            if slot.read is not None:
+                return
         if self._staging is None:  # CPU: read straight into the slot
             slot.read = self.backing.read(u, slot.tensor)
         else:
@@ -172,7 +185,7 @@ class ParamStore:
                 continue
             if self._find(u) is not None:
                 continue
-            if self.gate is not None and not self.gate.ready(u):
+            if self.gate is not None and not self._handoff and not self.gate.ready(u):
                 return  # still being updated: prefetch later units only after this one
             free = [s for s in self.slots if s.state == "free"]
             idle = [s for s in self.slots if s.state == "resident" and s.unit not in units]
@@ -194,7 +207,7 @@ class ParamStore:
             return flat
         slot = self._find(u)
         if slot is None:
-            if self.gate is not None:
+            if self.gate is not None and not self._handoff:
                 t0 = time.perf_counter()
                 self.gate.wait_ready(u)  # sync point: the engines have written unit u
                 self.stats.wait_s += time.perf_counter() - t0

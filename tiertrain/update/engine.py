@@ -10,10 +10,11 @@ Protocol (trainer -> engine, over a pipe; no tensors are pickled):
     ("init", unit, slot)            fp32 weights of this engine's slice in ``slot``
     ("grad", unit, slot)            gradient slice in ``slot`` (param dtype)
     ("step", step, lr, coef)        update every unit in order (coef None: no clipping)
+    ("slots", name, stride, count, want_at)   the trainer's parameter slots in shared memory (CPU)
     ("release",) / ("reopen",)      hand the state files to the trainer (checkpoints) and back
     ("stop",)
 engine -> trainer:
-    ("ready",), ("free", slot), ("done", unit, first_block, crcs), ("stepped", stats),
+    ("ready",), ("free", slot), ("done", unit, first_block, crcs, served_slot), ("stepped", stats),
     ("released",), ("reopened",), ("alive", progress), ("error", text)
 """
 
@@ -102,8 +103,13 @@ class Engine:
         self.optim = StreamedOptimizer(
             self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
             buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
+            ahead_bytes=0 if self.eager else spec["ahead_bytes"],
         )
+        self._io_mark = self.storage.total()  # storage bytes are reported from one step's end to the next
         self.files = [self.params, self.grads, *self.optim.state_files]
+        self.slotmem: list[torch.Tensor] = []  # the trainer's parameter slots (CPU), once shared
+        self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
+        self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, *msg) -> None:
@@ -120,13 +126,34 @@ class Engine:
 
     def done(self, u: int) -> None:
         self.progress += 1
+        served = self.serving.pop(u, -1)
         f = self.params.file
         if f is None or self.layout.units[u].numel == 0:
-            self.send("done", u, 0, [])
+            self.send("done", u, 0, [], served)
             return
         off, n = self.params.region(u)
         first, crcs = f.handles[0].checksums(off, n) if f.handles[0].checksummed else (0, [])
-        self.send("done", u, first, crcs)
+        self.send("done", u, first, crcs, served)
+
+    # -- handing new parameters straight to the trainer ------------------------------------------------
+    def attach_slots(self, name: str, stride: int, count: int, want_at: int) -> None:
+        """Map the trainer's parameter slots (``/dev/shm/name``): ``count`` slots of ``stride``
+        bytes, then one int32 per unit at ``want_at``."""
+        n = len(self.layout.units)
+        mem = torch.from_file(f"/dev/shm/{name}", shared=True, size=want_at + 4 * n, dtype=torch.uint8)
+        self.slotmem = [mem[k * stride : (k + 1) * stride].view(self.pdtype) for k in range(count)]
+        self.want = mem[want_at : want_at + 4 * n].view(torch.int32)
+
+    def serve(self, u: int, a: int, b: int, p: torch.Tensor) -> None:
+        """New parameters ``[a, b)`` of this engine's slice of ``u``: also into the trainer's
+        slot when the trainer asked for ``u`` before the unit's first chunk (decided once per
+        unit; "done" says whether it was, so the trainer reads the rest from the file)."""
+        if a == 0:
+            self.serving[u] = int(self.want[u]) - 1 if self.want is not None else -1
+        k = self.serving.get(u, -1)
+        if k >= 0:
+            s = self.layout.slices[u]
+            self.slotmem[k][s.start + a : s.start + b].copy_(p)
 
     # -- commands ------------------------------------------------------------------------------------
     def init(self, u: int, k: int) -> None:
@@ -150,9 +177,11 @@ class Engine:
             g = topk_decode(idx, vals, self.dense[:n])
         else:
             g = self.slot(k, self.pdtype, n)
+        if not self.eager:  # the backward has begun: read the update's first state while the disk is idle
+            self.optim.read_ahead()
         if self.eager:  # no clipping: update this unit now, from the slot
             self.slot_grads.view = g
-            self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done)
+            self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
         else:
             self.grads.write(u, g).get()
         self.progress += 1
@@ -160,11 +189,12 @@ class Engine:
 
     def step(self, step: int, lr: float, coef) -> None:
         t0 = time.perf_counter()
-        before = self.storage.total()
         c = torch.tensor(coef, dtype=torch.float32) if coef is not None else None
-        self.optim.step(lr, c, step=step, on_unit_done=self.done)
-        io = self.storage.total() - before
-        self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes))
+        st = self.optim.step(lr, c, step=step, on_unit_done=self.done, on_chunk=self.serve)
+        now = self.storage.total()
+        io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
+        self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes,
+                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead))
 
     def run(self) -> None:
         stop = threading.Event()
@@ -183,7 +213,10 @@ class Engine:
                     self.grad(*msg[1:])
                 elif op == "step":
                     self.step(*msg[1:])
+                elif op == "slots":
+                    self.attach_slots(*msg[1:])
                 elif op == "release":
+                    self.optim.drop_ahead()
                     for f in self.files:
                         f.release()
                     self.send("released")

@@ -64,6 +64,10 @@ class EngineGroup:
         self.shms: list[SharedMemory] = []
         self._free = [list(range(SLOTS)) for _ in range(self.n)]
         self._done: dict[int, set[int]] = {u.index: set(range(self.n)) for u in layout.units}
+        self._served: dict[int, list[int]] = {u.index: [-1] * self.n for u in layout.units}
+        self._slot_shm: SharedMemory | None = None  # the parameter slots, when shared (CPU)
+        self._want: torch.Tensor | None = None
+        self.handoff_bytes = 0  # new parameters the engines wrote straight into the trainer's slots
         self._seen = [time.time()] * self.n
         self._progress = [0] * self.n
         self._moved = time.time()  # last time any engine made progress
@@ -116,6 +120,7 @@ class EngineGroup:
                 grad_host_bytes=m.grad_host_mib * MIB // self.n,
                 optim_host_bytes=0,  # engines keep optimizer state in their files (checkpoints read them there)
                 buffer_bytes=m.update_buffer_kib << 10,
+                ahead_bytes=m.engine_read_ahead_mib * MIB // self.n,
             )
             specs.append(spec)
             self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engine", address, str(i)], env=env))
@@ -170,9 +175,10 @@ class EngineGroup:
         elif op == "free":
             self._free[i].append(msg[1])
         elif op == "done":
-            u, first, crcs = msg[1:]
+            u, first, crcs, served = msg[1:]
             if crcs and self._readers and self._readers[i] is not None:
                 self._readers[i].set_checksums(first, crcs)
+            self._served[u][i] = served
             self._done[u].add(i)
         elif op == "stepped":
             self.stepped.append(msg[1])
@@ -253,12 +259,13 @@ class EngineGroup:
         self._pump(lambda: len(self._done[u]) == self.n, f"updating unit {u}")
 
     def slice_io(self, files: list, place: list[dict], esize: int, write: bool, u: int, buf: torch.Tensor,
-                 start: int, end: int | None) -> IOFuture:
-        """Elements ``[start, end)`` of unit ``u``, split by owner: each engine's part read from
-        (or written to) its file ``files[i]`` at the unit's place there."""
+                 start: int, end: int | None, engines: list[int] | None = None) -> IOFuture:
+        """Elements ``[start, end)`` of unit ``u``, split by owner: each engine's part (of
+        ``engines``, default all) read from (or written to) its file ``files[i]`` at the
+        unit's place there."""
         end = self.layout.units[u].numel if end is None else end
         futs = []
-        for i in range(self.n):
+        for i in range(self.n) if engines is None else engines:
             s = self.slices[i][u]
             a, b = max(start, s.start), min(end, s.end)
             if a < b:
@@ -269,6 +276,33 @@ class EngineGroup:
 
     def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
         return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end)
+
+    # -- new parameters straight into the trainer's slots (CPU) ------------------------------------------
+    def share_slots(self, count: int, numel: int) -> list[torch.Tensor]:
+        """``count`` parameter slots of ``numel`` elements in shared memory, mapped by every
+        engine too: a unit the trainer is waiting for gets its new parameters copied into
+        its slot by the engines as they update it, instead of read back from their files.
+        Same memory as private slots; the mapping is torch's own (no buffer exports)."""
+        stride = round_up(numel * self.pdtype.itemsize, 4096)
+        nu = len(self.layout.units)
+        want_at = count * stride
+        self._slot_shm = SharedMemory(create=True, size=want_at + round_up(4 * nu, 4096))
+        name = self._slot_shm.name
+        mem = torch.from_file(f"/dev/shm/{name}", shared=True, size=want_at + 4 * nu, dtype=torch.uint8)
+        self._want = mem[want_at : want_at + 4 * nu].view(torch.int32)
+        self._want.zero_()
+        for i in range(self.n):
+            self._send(i, "slots", name, stride, count, want_at)
+        return [mem[k * stride : k * stride + numel * self.pdtype.itemsize].view(self.pdtype) for k in range(count)]
+
+    def handoff(self, u: int, slot: int, out: torch.Tensor) -> "_Handoff | None":
+        """Ask the engines to write unit ``u``'s new parameters into shared slot ``slot``
+        (``out``, its view) as they update it. None when ``u`` is already updated (read it
+        from the files) or the slots are not shared."""
+        if self._want is None or self.ready(u):
+            return None
+        self._want[u] = slot + 1  # seen by an engine when it starts the unit, or not at all
+        return _Handoff(self, u, slot, out)
 
     # -- gradients -----------------------------------------------------------------------------------------
     def begin_step(self, step: int, lr: float) -> None:
@@ -324,6 +358,8 @@ class EngineGroup:
             return  # already applied as gradients arrived
         for u in self._done:
             self._done[u] = set()
+        if self._want is not None:
+            self._want.zero_()  # no engine reads it until it gets "step"
         c = None if coef is None else float(coef.to("cpu"))  # exact: a float32 widened to double
         for i in range(self.n):
             self._send(i, "step", self._step, lr, c)
@@ -383,11 +419,37 @@ class EngineGroup:
                 r.close()
         if getattr(self, "residual", None) is not None:
             self.residual.close()
-        for shm in self.shms:
+        for shm in self.shms + ([self._slot_shm] if getattr(self, "_slot_shm", None) else []):
             shm.close()
             with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
+                shm.unlink()  # the mappings (ours and torch's) stay valid until unmapped
         self.procs, self.shms, self._readers = [], [], []
+
+
+class _Handoff:
+    """A unit's load into a shared slot: ``get`` waits until every engine has updated it,
+    then reads from the files the slices of the engines that did not write the slot (they
+    had started the unit before the request). Used as the slot's read future."""
+
+    def __init__(self, group: EngineGroup, u: int, slot: int, out: torch.Tensor) -> None:
+        self.g, self.u, self.slot, self.out = group, u, slot, out
+        self._result: int | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or self.g.ready(self.u)
+
+    def get(self) -> int:
+        if self._result is not None:
+            return self._result
+        g, u = self.g, self.u
+        g.wait_ready(u)  # sync point: every engine has finished unit u
+        g._want[u] = 0
+        late = [i for i in range(g.n) if g._served[u][i] != self.slot]
+        served = sum(g.slices[i][u].numel for i in range(g.n) if i not in late) * g.pdtype.itemsize
+        g.handoff_bytes += served
+        read = g.slice_io(g._readers, g._place, g.pdtype.itemsize, False, u, self.out, 0, None, late) if late else None
+        self._result = served + (read.get() if read is not None else 0)
+        return self._result
 
 
 class ParamBacking:

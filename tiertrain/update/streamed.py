@@ -4,8 +4,10 @@ Optimizer state (first and second moments, and fp32 master weights when paramete
 kept in a lower precision) lives on the storage tier, laid out like the parameters.
 ``step`` walks every chunk of every unit, layer 0 first, with three buffer sets in
 flight: chunk i+1 is being read while chunk i is updated (torch's fused AdamW on its
-per-parameter segments) and chunk i-1 is being written. Memory: 3 sets of
-``chunk`` elements, fixed at start.
+per-parameter segments) and chunk i-1 is being written. Optionally (update engines) the
+state of the first chunks is read ahead into extra sets while the trainer is still in its
+backward (``read_ahead``), so the step starts with those reads done. Memory: 3 (+ read-
+ahead) sets of ``chunk`` elements, fixed at start.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class UpdateStats:
     wait_s: float = 0.0  # blocked on reads or writes
     compute_s: float = 0.0
     chunks: int = 0
+    ahead: int = 0  # chunks whose state was read ahead
 
 
 class _BufferSet:
@@ -69,6 +72,7 @@ class StreamedOptimizer:
         buffer_bytes: int,
         state_host_bytes: int = 0,
         prefix: str = "",
+        ahead_bytes: int = 0,
     ) -> None:
         self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
         pdtype = params.dtype
@@ -90,13 +94,18 @@ class StreamedOptimizer:
             TieredRegions(layout, storage, f"{prefix}master.bin", F32, host_bytes=share) if self.has_master else None
         )
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
+        # Read-ahead sets: the first chunks' state (not gradients), read before the step
+        # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
+        n_ahead = ahead_bytes // self.sets[0].nbytes
+        self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(n_ahead)]
+        self._ahead: dict[int, list[IOFuture]] = {}  # chunk index -> its state reads in flight
         self.step_count = 0
         self.stats = UpdateStats()
 
     @property
     def pool_bytes(self) -> int:
         regions = [self.m, self.v] + ([self.master] if self.master else [])
-        return sum(s.nbytes for s in self.sets) + sum(r.host_bytes for r in regions)
+        return sum(s.nbytes for s in self.sets + self.ahead_sets) + sum(r.host_bytes for r in regions)
 
     @property
     def state_files(self) -> list[TieredRegions]:
@@ -122,6 +131,24 @@ class StreamedOptimizer:
         todo = self.layout.units if units is None else [self.layout.units[u] for u in units]
         return [(unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)]
 
+    def read_ahead(self) -> int:
+        """Start reading the state (moments, parameters or master) of the first chunks of
+        the next full step into the read-ahead sets; returns how many. Call only between
+        steps (the state must not change before the step that uses it)."""
+        if not self.ahead_sets or self._ahead:
+            return len(self._ahead)  # none, or already under way
+        chunks = self._chunks()
+        for i in range(min(len(self.ahead_sets), len(chunks))):
+            if i not in self._ahead:
+                self._ahead[i] = self._read_state(self.ahead_sets[i], *chunks[i])
+        return len(self._ahead)
+
+    def drop_ahead(self) -> None:
+        """Forget what was read ahead (the state files are about to change hands)."""
+        for futs in self._ahead.values():
+            _wait(futs)
+        self._ahead = {}
+
     def step(
         self,
         lr: float,
@@ -130,10 +157,13 @@ class StreamedOptimizer:
         step: int | None = None,
         units: list[int] | None = None,
         on_unit_done: Callable[[int], None] | None = None,
+        on_chunk: Callable[[int, int, int, torch.Tensor], None] | None = None,
     ) -> UpdateStats:
         """Apply optimizer step ``step`` (default: the next) to ``units`` (default: all, in
         order). Gradients must be home. ``on_unit_done(u)`` is called once every write of
-        unit ``u`` has completed."""
+        unit ``u`` has completed; ``on_chunk(u, a, b, p)`` right after elements ``[a, b)``
+        of unit ``u`` are updated, with ``p`` their new parameters (in the parameter dtype),
+        before they are written."""
         self.step_count = self.step_count + 1 if step is None else step
         st = UpdateStats()
         t_start = time.perf_counter()
@@ -150,14 +180,21 @@ class StreamedOptimizer:
                     on_unit_done(order[announced])
                 announced += 1
 
-        writes: list[list[IOFuture]] = [[] for _ in self.sets]
+        # Chunks 0..K-1 use the read-ahead sets (their state already read or on its way),
+        # the rest rotate through the 3 sets: read i+1 while i is updated and i-1 written.
+        ahead, self._ahead = (self._ahead, {}) if units is None else ({}, self._ahead)
+        K = st.ahead = len(ahead)
+        writes: list[list[IOFuture]] = [[] for _ in self.sets + self.ahead_sets[:K]]
         reads: dict[int, list[IOFuture]] = {}
+        slot = lambda i: len(self.sets) + i if i < K else (i - K) % len(self.sets)  # noqa: E731
+        bufs = self.sets + self.ahead_sets[:K]
 
         def issue(i: int) -> None:
-            s = i % len(self.sets)
+            s = slot(i)
             st.wait_s += _wait(writes[s])
             writes[s] = []
-            reads[i] = self._read(self.sets[s], *chunks[i])
+            state = ahead.pop(i) if i < K else self._read_state(bufs[s], *chunks[i])
+            reads[i] = state + [self.grads.read(chunks[i][0], bufs[s].g, *chunks[i][1:])]
 
         if chunks:
             issue(0)
@@ -166,12 +203,14 @@ class StreamedOptimizer:
                 issue(i + 1)
             st.wait_s += _wait(reads.pop(i))  # sync point: chunk i's states are in memory
             t0 = time.perf_counter()
-            bs = self.sets[i % len(self.sets)]
+            bs = bufs[slot(i)]
             faults.point("update")
             self._compute(bs, u, a, b, lr, coef)
+            if on_chunk is not None:
+                on_chunk(u, a, b, self._pview(bs, u, a, b))
             st.compute_s += time.perf_counter() - t0
-            writes[i % len(self.sets)] = self._write(bs, u, a, b)
-            unit_writes += writes[i % len(self.sets)]
+            writes[slot(i)] = self._write(bs, u, a, b)
+            unit_writes += writes[slot(i)]
             if on_unit_done is not None and (i + 1 == len(chunks) or chunks[i + 1][0] != u):
                 st.wait_s += _wait(unit_writes)  # the unit is complete on storage
                 unit_writes = []
@@ -192,8 +231,8 @@ class StreamedOptimizer:
             return self.params.backing.host_view(u)[a:b]
         return bs.p[: b - a]
 
-    def _read(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
-        futs = [self.grads.read(u, bs.g, a, b), self.m.read(u, bs.m, a, b)]
+    def _read_state(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
+        futs = [self.m.read(u, bs.m, a, b)]
         if self.v is not None:
             futs.append(self.v.read(u, bs.v, a, b))
         if not self.params.on_host(u) and not self.has_master:

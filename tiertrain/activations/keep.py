@@ -1,0 +1,109 @@
+"""Autograd graphs kept from the forward for the backward ("keep" policy, as in TBA).
+
+By default the backward recomputes every ``(block, micro-batch)`` from its stashed input.
+Within ``memory.keep_act_mib`` the executor instead keeps the graph the forward built,
+so the backward runs it directly: no recompute, the same tensors plain PyTorch saves.
+
+Parameters are the one thing not kept. The unit's parameters live in a device slot that
+is reused for other units between the forward and the backward (and refetched for the
+backward, unchanged within the step), so a saved tensor lying in a bound unit's flat
+buffer (a weight, or a view of it such as ``weight.t()``) is packed as a reference
+``(unit, element offset, size, stride)``; unpacking takes the same view of wherever the
+unit is bound when the backward runs. Everything else stays as autograd saved it.
+
+Memory: the bytes of the distinct storages a graph saves, counted as it is built; a
+graph that would take the total past the budget is dropped at once (its block is then
+recomputed), so the kept total never exceeds ``keep_act_mib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["KeptGraphs"]
+
+
+@dataclass(frozen=True)
+class _ParamRef:
+    unit: int
+    offset: int  # elements from the unit's flat buffer start
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _Graph:
+    x: torch.Tensor  # the block input, requires grad
+    out: torch.Tensor  # the block output, with its graph
+    nbytes: int
+
+
+class KeptGraphs:
+    def __init__(self, budget_bytes: int, bound: Callable[[int], torch.Tensor]) -> None:
+        """``bound(u)``: unit ``u``'s flat parameter buffer where it is bound right now."""
+        self.budget = budget_bytes
+        self.bound = bound
+        self.kept_bytes = 0
+        self.peak_bytes = 0
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._units: tuple[int, ...] = ()
+        self._seen: set[int] = set()
+        self._counted = 0
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._graphs
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        p = t.data_ptr()
+        for u in self._units:
+            flat = self.bound(u)
+            base = flat.data_ptr()
+            if t.device == flat.device and t.dtype == flat.dtype and base <= p < base + flat.numel() * flat.element_size():
+                return _ParamRef(u, (p - base) // flat.element_size(), tuple(t.size()), tuple(t.stride()))
+        st = t.untyped_storage()
+        if st.data_ptr() not in self._seen:  # views of one storage count once
+            self._seen.add(st.data_ptr())
+            self._counted += st.nbytes()
+        return t
+
+    def _unpack(self, obj):
+        if isinstance(obj, _ParamRef):
+            flat = self.bound(obj.unit)
+            return flat.as_strided(obj.size, obj.stride, flat.storage_offset() + obj.offset)
+        return obj
+
+    # -- forward / backward ---------------------------------------------------------------------------
+    def forward(self, key: tuple[int, int], units: tuple[int, ...], fn: Callable, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Run ``fn(x)`` keeping its graph under ``key``; returns the output (detached) and
+        whether the graph was kept (False: it did not fit the budget and was dropped, the
+        caller recomputes it later). ``units``: those whose parameters ``fn`` uses (bound now)."""
+        x = x.detach().requires_grad_()
+        self._units, self._seen, self._counted = units, set(), 0
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = fn(x)
+        finally:
+            self._units, self._seen = (), set()
+        nbytes = self._counted
+        if self.kept_bytes + nbytes > self.budget:
+            return out.detach(), False  # the graph is freed with ``out``
+        self._graphs[key] = _Graph(x, out, nbytes)
+        self.kept_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.kept_bytes)
+        return out.detach(), True
+
+    def backward(self, key: tuple[int, int], grad_out: torch.Tensor) -> torch.Tensor:
+        """Back-propagate ``grad_out`` through the kept graph ``key`` (its units bound now,
+        gradients bound); returns the gradient of its input and frees the graph."""
+        g = self._graphs.pop(key)
+        torch.autograd.backward(g.out, grad_out)
+        self.kept_bytes -= g.nbytes
+        return g.x.grad
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self.kept_bytes = 0
