@@ -19,7 +19,7 @@ sys.path.insert(0, sys.argv[2])
 from reference import small_config
 import pathlib
 cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=512, heads=8, micro_batches=2, steps=2,
-                   update_kib=1024, slots=3)
+                   update_kib=1024, slots=3, keep_act_mib=int(sys.argv[3]))
 from tiertrain.train import Trainer
 base = host_rss()
 if not reset_peak_rss():  # imports may have peaked higher than base; measure from here
@@ -36,20 +36,22 @@ with Trainer(cfg) as tr:
     out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()), stages=stages,
                unit=tr.layout.max_unit_numel * 4,
                state=sum(n for _, n in tr.plan.files), params=tr.layout.n_params,
-               files={name: n for name, n in tr.plan.files})
+               files={name: n for name, n in tr.plan.files}, kept_peak=tr.executor.kept.peak_bytes)
 print(json.dumps(out))
 """
 
 
-def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
+@pytest.mark.parametrize("keep_mib", [0, 16])
+def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     """A model whose states (params, grads, moments: ~16 B/param) are far larger than the
     host budgets: the process's peak RSS grows by at most the fixed pools, plus 4 times the
     largest unit (initialisation holds one unit's tensors and a flat copy; autograd holds one
     unit's gradients and temporaries), plus 96 MiB (activations of a micro-batch, allocator
     slack, I/O thread arenas). Measured here: growth 119-171 MiB, allowance ~210 MiB, states
-    393 MiB."""
+    393 MiB. With kept graphs the allowance grows by their budget, and what they held stays
+    within it."""
     here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), here], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), here, str(keep_mib)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -62,8 +64,9 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path):
         assert os.path.getsize(tmp_path / "ssd0" / name) == out["files"][name]
     growth = out["peak"] - out["base"]
     stages = {k: round((v - out["base"]) / MIB) for k, v in out["stages"].items()}
-    allowance = out["pools"] + 4 * out["unit"] + 96 * MIB
+    allowance = out["pools"] + 4 * out["unit"] + 96 * MIB + keep_mib * MIB
     assert growth <= allowance, (growth / MIB, allowance / MIB, stages)
+    assert out["kept_peak"] <= keep_mib * MIB and (out["kept_peak"] > 0) == (keep_mib > 0)
     assert growth < state_bytes / 2  # ... and most of it never was in memory at once
 
 
