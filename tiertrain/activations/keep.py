@@ -49,7 +49,7 @@ class KeptGraphs:
         self.kept_bytes = 0
         self.peak_bytes = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._units: tuple[int, ...] = ()
+        self._ranges: list[tuple[int, int, int, torch.Tensor]] = []  # bound units: (u, first, end byte address, flat)
         self._seen: set[int] = set()
         self._counted = 0
 
@@ -59,10 +59,8 @@ class KeptGraphs:
     # -- hooks ------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         p = t.data_ptr()
-        for u in self._units:
-            flat = self.bound(u)
-            base = flat.data_ptr()
-            if t.device == flat.device and t.dtype == flat.dtype and base <= p < base + flat.numel() * flat.element_size():
+        for u, base, end, flat in self._ranges:
+            if base <= p < end and t.device == flat.device and t.dtype == flat.dtype:
                 return _ParamRef(u, (p - base) // flat.element_size(), tuple(t.size()), tuple(t.stride()))
         st = t.untyped_storage()
         if st.data_ptr() not in self._seen:  # views of one storage count once
@@ -82,12 +80,14 @@ class KeptGraphs:
         whether the graph was kept (False: it did not fit the budget and was dropped, the
         caller recomputes it later). ``units``: those whose parameters ``fn`` uses (bound now)."""
         x = x.detach().requires_grad_()
-        self._units, self._seen, self._counted = units, set(), 0
+        flats = [(u, self.bound(u)) for u in units]  # looked up once per graph, not per saved tensor
+        self._ranges = [(u, f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f) for u, f in flats]
+        self._seen, self._counted = set(), 0
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = fn(x)
         finally:
-            self._units, self._seen = (), set()
+            self._ranges, self._seen = [], set()
         nbytes = self._counted
         if self.kept_bytes + nbytes > self.budget:
             return out.detach(), False  # the graph is freed with ``out``
