@@ -107,3 +107,43 @@ def test_host_budgets_move_states_off_disk(tmp_path):
         names = [n for n, size in tr.plan.files if size]
         assert "params.bin" not in names and "grads.bin" not in names
         assert not os.path.exists(tmp_path / "ssd0" / "params.bin")
+
+
+@pytest.mark.parametrize("ahead_mib", [0, 4096])
+def test_engine_memory_is_its_pools(tmp_path, ahead_mib):
+    """An engine's RSS grows (from before its pools were made to its peak) by at most its
+    pools (3 buffer sets, read-ahead sets, host gradients, bounce buffers) plus the shared
+    slots it maps, plus 64 MiB (allocator and I/O thread arenas). A read-ahead budget larger
+    than the engine's state makes one set per chunk of the step, not sets for the whole
+    budget, and the whole state is then read ahead."""
+    cfg = small_config(tmp_path, layers=4, d=512, heads=8, micro_batches=2, steps=3, update_kib=4096, grad_host_mib=8)
+    cfg.update.mode = "engines"
+    cfg.memory.engine_read_ahead_mib = ahead_mib
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        for _ in range(cfg.train.steps):
+            tr.train_step()
+        tr.engines.wait_all()
+        shared = tr.engines.pool_bytes + tr.params.slot_bytes  # gradient slots, the trainer's parameter slots
+        reports = list(tr.engines.stepped)
+        state = 16 * tr.layout.n_params  # parameters, gradients, two moments (fp32)
+    assert len(reports) == cfg.train.steps
+    set_bytes = 4096 * 1024  # p, g, m, v (fp32) of one chunk fill the update buffer
+    bounce = 2 * (cfg.io.chunk_kib * 1024 + 2 * 4096)  # per kind of bounce buffer, made on first use
+    for r in reports:
+        assert r["ahead"] == (r["chunks"] if ahead_mib else 0) and r["chunks"] > 3
+        sets = (3 + r["ahead"]) * set_bytes
+        assert sets <= r["pool"] <= sets + 8 * MIB + 2 * bounce
+        if ahead_mib:  # one set per chunk: about the state's size, far below the budget
+            assert r["pool"] < 1.5 * state < ahead_mib * MIB
+        growth = r["peak_host"] - r["base_host"]
+        assert 0 < growth <= r["pool"] + shared + 64 * MIB, (growth / MIB, r["pool"] / MIB, shared / MIB)
+
+
+def test_sgd_pools_follow_the_config_formulas(tmp_path):
+    """SGD keeps one moment: its buffer sets hold p, g, m (12 B per element in fp32)."""
+    cfg = small_config(tmp_path, layers=2, d=128, update_kib=256)
+    cfg.optim.name = "sgd"
+    with Trainer(cfg) as tr:
+        assert tr.optim.state_files == [tr.optim.m] and tr.optim.v is None
+        assert tr.pool_bytes["update buffers + host states"] == 3 * tr.optim.chunk * 12

@@ -62,7 +62,8 @@ class StepRecord:
             + (
                 f" | engines: sent {self.extra['engine_sent_bytes'] / 1e9:.2f} GB, "
                 f"r {self.extra['engine_read_bytes'] / 1e9:.2f} GB w {self.extra['engine_write_bytes'] / 1e9:.2f} GB, "
-                f"params handed over {self.extra.get('engine_handoff_bytes', 0) / 1e9:.2f} GB"
+                f"params handed over {self.extra.get('engine_handoff_bytes', 0) / 1e9:.2f} GB, "
+                f"peak host {self.extra.get('engine_peak_host_bytes', 0) / 2**20:,.0f} MiB"
                 if "engine_sent_bytes" in self.extra
                 else ""
             )
@@ -98,6 +99,7 @@ class MetricsLog:
             f"{len(recs)} steps: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}; median step {med:.2f} s, "
             f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
             f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
+            + (f" (+ engines {eng / 2**20:,.0f} MiB)" if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)) else "")
         )
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ import torch
 from ..config import IOConfig, OptimConfig
 from ..io import IOFuture, Storage
 from ..compress.topk import topk_decode, unpack
+from ..state.device import host_peak_rss, host_rss, reset_peak_rss
 from ..state.regions import TieredRegions
 from .slices import Slice, SliceLayout
 from .streamed import StreamedOptimizer
@@ -79,6 +80,10 @@ class _SlotGrads:
 class Engine:
     def __init__(self, index: int, path: str, conn: Connection, spec: dict) -> None:
         torch.set_num_threads(spec["threads"])
+        # The engine's memory is reported as its peak RSS, and as growth over what the
+        # interpreter and torch held before any pool was made (what the pools must explain).
+        self.base_rss = host_rss()
+        reset_peak_rss()
         self.index, self.conn = index, conn
         self._send_lock = threading.Lock()
         self.progress = 0
@@ -98,7 +103,8 @@ class Engine:
         self.params = TieredRegions(self.layout, self.storage, name("params"), self.pdtype)
         self.grads = TieredRegions(self.layout, self.storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
         self.slot_grads = _SlotGrads()
-        self.dense = torch.empty(max(1, self.layout.max_unit_numel), dtype=self.pdtype)  # decoded top-k gradients
+        n_dense = max(1, self.layout.max_unit_numel) if spec["topk"] else 0
+        self.dense = torch.empty(n_dense, dtype=self.pdtype)  # decoded top-k gradients
         cfg = OptimConfig(**spec["optim"])
         self.optim = StreamedOptimizer(
             self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
@@ -110,6 +116,13 @@ class Engine:
         self.slotmem: list[torch.Tensor] = []  # the trainer's parameter slots (CPU), once shared
         self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
         self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
+
+    @property
+    def pool_bytes(self) -> int:
+        """Memory the engine holds by design: the update's buffer sets and read-ahead, host-
+        resident gradients, the top-k decode buffer and the I/O bounce buffers (made on first use)."""
+        dense = self.dense.numel() * self.dense.element_size()
+        return self.optim.pool_bytes + self.grads.host_bytes + self.params.host_bytes + dense + self.storage.pool_bytes
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, *msg) -> None:
@@ -194,7 +207,8 @@ class Engine:
         now = self.storage.total()
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
         self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes,
-                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead))
+                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks,
+                                  peak_host=host_peak_rss(), base_host=self.base_rss, pool=self.pool_bytes))
 
     def run(self) -> None:
         stop = threading.Event()

@@ -84,6 +84,8 @@ class EngineGroup:
         )
         self._rbuf = torch.empty(layout.max_unit_numel, dtype=torch.float32) if self.residual is not None else None
         self.stepped: list[dict] = []
+        self._steps_sent = 0  # "step" messages sent to every engine (each answers with one report)
+        self.peak_host = [0] * self.n  # each engine's peak RSS, as of its last step report
         self._step, self._lr = 0, 0.0
         try:
             self._start(cfg)
@@ -117,6 +119,7 @@ class EngineGroup:
                 slot_bytes=self.slot_bytes,
                 threads=1,
                 eager=self.eager,
+                topk=cfg.update.topk > 0,
                 grad_host_bytes=m.grad_host_mib * MIB // self.n,
                 optim_host_bytes=0,  # engines keep optimizer state in their files (checkpoints read them there)
                 buffer_bytes=m.update_buffer_kib << 10,
@@ -181,7 +184,8 @@ class EngineGroup:
             self._served[u][i] = served
             self._done[u].add(i)
         elif op == "stepped":
-            self.stepped.append(msg[1])
+            self.stepped.append(dict(msg[1], engine=i))
+            self.peak_host[i] = max(self.peak_host[i], msg[1].get("peak_host", 0))
         elif op == "error":
             raise EngineError(f"update engine {i} ({self.paths[i]}) failed:\n{msg[1]}")
         elif op in ("ready", "released", "reopened"):
@@ -248,7 +252,9 @@ class EngineGroup:
         return []
 
     def wait_all(self, what: str = "updating") -> None:
-        self._pump(lambda: all(len(d) == self.n for d in self._done.values()), what)
+        """Until every engine has finished every unit and reported its last step."""
+        self._pump(lambda: all(len(d) == self.n for d in self._done.values())
+                   and len(self.stepped) == self._steps_sent * self.n, what)
 
     # -- the parameter store's gate and backing ------------------------------------------------------------
     def ready(self, u: int) -> bool:
@@ -363,6 +369,7 @@ class EngineGroup:
         c = None if coef is None else float(coef.to("cpu"))  # exact: a float32 widened to double
         for i in range(self.n):
             self._send(i, "step", self._step, lr, c)
+        self._steps_sent += 1
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -96,7 +96,8 @@ class StreamedOptimizer:
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
-        n_ahead = ahead_bytes // self.sets[0].nbytes
+        # Never more sets than the step has chunks: a budget larger than the state holds all of it.
+        n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._chunks()))
         self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(n_ahead)]
         self._ahead: dict[int, list[IOFuture]] = {}  # chunk index -> its state reads in flight
         self.step_count = 0
@@ -104,8 +105,7 @@ class StreamedOptimizer:
 
     @property
     def pool_bytes(self) -> int:
-        regions = [self.m, self.v] + ([self.master] if self.master else [])
-        return sum(s.nbytes for s in self.sets + self.ahead_sets) + sum(r.host_bytes for r in regions)
+        return sum(s.nbytes for s in self.sets + self.ahead_sets) + sum(r.host_bytes for r in self.state_files)
 
     @property
     def state_files(self) -> list[TieredRegions]:
