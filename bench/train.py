@@ -1,6 +1,7 @@
 """Training benchmark: a ~134M-parameter Llama-shaped model, fp32, states on SSD.
 
-For each update path (--modes: baseline, engines, topk = engines + top-k 0.05) and each
+For each update path (--modes: baseline, engines, engines-noahead, engines-ahead2g, topk =
+engines + top-k 0.05; see MODES) and each
 number of micro-batches (--micro-batches, default 1 and 4) it measures, in one run:
 - plain PyTorch with everything in RAM (same model, data, fused AdamW): the compute floor;
 - the disk's sequential read and write bandwidth (tiertrain's storage tier, 1 GiB);
@@ -33,6 +34,7 @@ from tiertrain.config import (  # noqa: E402
     Config,
     DataConfig,
     IOConfig,
+    MemoryConfig,
     ModelConfig,
     TrainConfig,
     UpdateConfig,
@@ -44,19 +46,23 @@ from tiertrain.train import Trainer  # noqa: E402
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 
 
-MODES = {
-    "baseline": UpdateConfig(),
-    "engines": UpdateConfig(mode="engines"),
-    "topk": UpdateConfig(mode="engines", topk=0.05),
+MODES = {  # name: (label, update section, memory fields other than the defaults)
+    "baseline": ("baseline", UpdateConfig(), {}),
+    "engines": ("engines", UpdateConfig(mode="engines"), {}),  # default read-ahead: 1 GiB
+    "engines-noahead": ("engines, no read-ahead", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 0}),
+    "engines-ahead2g": ("engines, read-ahead 2 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 2048}),
+    "topk": ("engines + top-k 0.05", UpdateConfig(mode="engines", topk=0.05), {}),
 }
 
 
 def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True) -> Config:
+    _, update, memory = MODES[mode]
     return Config(
         io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),
         data=DataConfig(seq_len=64, micro_batch_size=1, micro_batches=micro_batches),
-        update=MODES[mode],
+        update=update,
+        memory=MemoryConfig(**memory),
         checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device="cpu"),
     )
@@ -105,12 +111,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is warm-up)")
     ap.add_argument("--scratch", default="./tiertrain-scratch/bench-train")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--modes", default="baseline")
+    ap.add_argument("--modes", default="baseline", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--checksums", default="on", help="'on', 'off' or 'on,off' (CRC32C of every block on disk)")
     args = ap.parse_args()
     checksums = [{"on": True, "off": False}[x] for x in args.checksums.split(",")]
     modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     mbs = [int(x) for x in args.micro_batches.split(",")]
     torch.manual_seed(0)
     base_cfg = config(args.scratch, 4, args.steps)
@@ -155,12 +163,14 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     floor = max(plain, io_floor)
     parts = {k: statistics.median(getattr(r, k) for r in steady) for k in ("forward_s", "backward_s", "update_s", "io_wait_s")}
     tokens = steady[0].tokens
+    pools = sum(tr.pool_bytes.values())
+    engines_rss = max(eng(r, "engine_peak_host_bytes") for r in recs)
     tr.close()
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
-    label = mode if checksum else f"{mode}, no checksums"
+    label = MODES[mode][0] + ("" if checksum else ", no checksums")
     print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
-    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed)
+    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss)
 
 
 def render(rows, rbw, wbw, n_params, steps) -> str:
@@ -173,23 +183,29 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d 768, 12 layers, vocab 32000), fp32;"
         " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
         " memory defaults"
-        " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk)",
+        " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk,"
+        " 512 MiB of kept autograd graphs, 1 GiB of engine read-ahead) unless the row says otherwise",
         f"- disk measured in the same run: read {rbw / 1e9:.2f} GB/s, write {wbw / 1e9:.2f} GB/s (1 GiB, O_DIRECT)",
         f"- {steps} steps per configuration, the first discarded; medians",
         "",
         "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
         " read GB/step (formula) | write GB/step (formula) | GB to engines | GB from engines in memory |"
-        " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |"
+        " trainer pools GiB | engines' peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
-    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed in rows:
-        speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
-        label = mode if ck else f"{mode}, no checksums"
+    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers in rows:
+        if mode == "baseline":
+            speed = f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden)"
+        else:
+            speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
+        label = MODES[mode][0] + ("" if ck else ", no checksums")
         lines.append(
             f"| {label} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {handed / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
+            f" {pools / 2**30:.2f} | {ers / 2**30:.2f} |"
         )
     lines += [
         "",
@@ -202,6 +218,14 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "Blocks' autograd graphs are kept from the forward within memory.keep_act_mib (default 512 MiB),",
         "so the backward recomputes none here. The floor is max(plain in-RAM compute,",
         "bytes read / read bandwidth + bytes written / write bandwidth).",
+        "",
+        "The baseline row's bound: its step over its step without the update phase, the speed-up an",
+        "update path would reach if its update cost nothing at all (no CPU, no disk time taken from",
+        "the forward and backward). Engines run on the same 2 cores and the same disk here, so they",
+        "stay below it. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
+        "update sets, bounce and checkpoint buffers); the engines' peak RSS is whole processes",
+        "(interpreter and torch included), summed over the engines; their read-ahead is",
+        "memory.engine_read_ahead_mib (default 1 GiB, never more than their state).",
         "",
     ]
     return "\n".join(lines)

@@ -104,3 +104,10 @@ def test_io_config_validation_standalone():
     with pytest.raises(ConfigError, match="paths must be distinct"):
         IOConfig(paths=["/a", "/a/"])
     assert parse_overrides(["--a.b=[1, 2]"]) == {"a": {"b": [1, 2]}}
+
+
+def test_readme_reference_is_the_config_reference():
+    """The README's configuration reference is `tiertrain config --reference`, to the letter
+    (it ends the README): a changed default or doc string must be copied there."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert readme.endswith(config_reference().rstrip() + "\n"), "README reference out of date: paste `tiertrain config --reference`"

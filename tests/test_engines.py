@@ -19,13 +19,18 @@ def engine_config(tmp_path, **kw):
     return cfg
 
 
-@pytest.mark.parametrize("paths,kind,micro_batches", [(1, "gpt", 1), (1, "llama", 4), (3, "gpt", 4), (3, "llama", 2)])
-def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro_batches):
+@pytest.mark.parametrize("paths,kind,micro_batches,ahead_mib",
+                         [(1, "gpt", 1, 1024), (1, "llama", 4, 0), (3, "gpt", 4, 1024), (3, "llama", 2, 0)])
+def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro_batches, ahead_mib):
+    """With the whole state read ahead during the backward (the default budget holds these
+    models' state) and with no read-ahead."""
     cfg = engine_config(tmp_path, kind=kind, paths=paths, micro_batches=micro_batches)
+    cfg.memory.engine_read_ahead_mib = ahead_mib
     ref_model = reference_model(cfg)
     ref_losses, ref_weights = reference_train(cfg, ref_model)
     losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
     assert tr.engines is not None and tr.engines.n == paths
+    assert tr.engines.stepped and all(r["ahead"] == (r["chunks"] if ahead_mib else 0) for r in tr.engines.stepped)
     assert losses == ref_losses
     assert_same_weights(tr, weights, ref_weights)
 

@@ -196,9 +196,10 @@ class MemoryConfig(Section):
     )
     residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
     engine_read_ahead_mib: int = opt(
-        0,
+        1024,
         "Host memory in which the update engines (together) read the optimizer state of the first chunks of"
-        " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none).",
+        " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none;"
+        " never more than the engines' state).",
     )
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
 
