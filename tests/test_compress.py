@@ -36,6 +36,42 @@ def test_codec_keeps_exactly_the_largest_entries_per_chunk(n, fraction, chunk, d
     assert torch.equal(dense, expect)
 
 
+def _periodic(n, period):
+    """Large entries exactly where a strided sample of the chunk looks (its threshold is
+    then too high: fewer than k candidates, so the whole chunk must be searched)."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    g[::period] = 10.0 + torch.arange(len(g[::period]), dtype=g.dtype)
+    return g
+
+
+@pytest.mark.parametrize(
+    "name,make,searched_whole",
+    [
+        ("gaussian", lambda n: torch.randn(n, generator=torch.Generator().manual_seed(0)), False),
+        ("mostly zero (an embedding's gradient)", lambda n: torch.where(torch.arange(n) % 10 == 0, torch.randn(n), torch.zeros(n)), True),
+        ("ties", lambda n: torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(2)).float(), False),
+        ("periodic at the sample's stride", lambda n: _periodic(n, n // 4096), True),
+    ],
+)
+def test_cpu_candidate_threshold_finds_the_same_largest_entries(monkeypatch, name, make, searched_whole):
+    """On CPU the k largest of a big chunk are searched among entries above a sampled
+    threshold: the magnitudes kept are those of a full torch.topk on every input, whether
+    the threshold was good (gaussian) or the whole chunk had to be searched."""
+    n, fraction = 1 << 20, 0.05
+    g = make(n)
+    k = math.ceil(fraction * n)
+    full = torch.topk(g.abs(), k).values
+    sizes = []
+    real = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda t, kk, **kw: (sizes.append(t.numel()), real(t, kk, **kw))[1])
+    idx, vals = topk_encode(g, fraction)
+    monkeypatch.undo()
+    assert idx.numel() == k and torch.equal(vals, g[idx.long()])
+    assert torch.equal(vals.abs().sort(descending=True).values, full)
+    assert (n in sizes) == searched_whole, sizes  # which way it went
+    assert min(sizes) <= 4096  # the sample is always looked at first
+
+
 def test_topk_needs_engines():
     with pytest.raises(ConfigError, match="update.topk = 0.05 .* set update.mode = 'engines'"):
         load_config(None, ["--update.topk=0.05"])

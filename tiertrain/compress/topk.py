@@ -27,13 +27,35 @@ def kept(n: int, fraction: float, chunk: int = CHUNK) -> int:
     return full * math.ceil(fraction * chunk) + (math.ceil(fraction * rest) if rest else 0)
 
 
+SAMPLE = 4096  # entries of a chunk sampled for the candidate threshold (CPU)
+
+
+def _largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries of ``mag`` (unordered).
+
+    On CPU ``torch.topk`` over a whole 1 Mi-entry chunk costs ~13 ms; instead a threshold is
+    taken a little below the k-th largest of a strided sample, and ``torch.topk`` runs on the
+    entries at or above it (~1.3 k of them): 3-6x faster. Exact: when at least k entries reach
+    the threshold, the k largest are all among them (else the whole chunk is searched). On
+    CUDA ``torch.topk`` is fast and the candidate count would be a sync point: not used."""
+    n = mag.numel()
+    if mag.device.type == "cpu" and n >= 16 * SAMPLE and 4 * k < n:
+        sample = mag[:: n // SAMPLE]
+        m = min(sample.numel(), math.ceil(sample.numel() * k / n * 1.25) + 16)
+        threshold = torch.topk(sample, m, sorted=False).values.min()
+        cand = torch.nonzero(mag >= threshold).squeeze(1)
+        if cand.numel() >= k:
+            return cand[torch.topk(mag[cand], k, sorted=False).indices]
+    return torch.topk(mag, k, sorted=False).indices
+
+
 def topk_encode(g: torch.Tensor, fraction: float, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 indices, values) of the largest-magnitude entries of the 1-D ``g``, per chunk."""
     idx, vals = [], []
     for a in range(0, g.numel(), chunk):
         c = g[a : a + chunk]
         k = math.ceil(fraction * c.numel())
-        _, i = torch.topk(c.abs(), k, sorted=False)
+        i = _largest(c.abs(), k)
         idx.append(i.to(torch.int32) + a)
         vals.append(c[i])
     if not idx:
