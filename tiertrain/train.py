@@ -182,7 +182,7 @@ class Trainer:
                                            keep_bytes=m.keep_act_mib * MIB)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
-        self._engine_seen = (0, 0, 0, 0)  # (bytes sent, dense bytes, stepped reports, handed over) already in a record
+        self._engine_seen = (0, 0, 0, 0, 0.0)  # (bytes sent, dense bytes, stepped reports, handed over, slot wait) already in a record
 
     @contextlib.contextmanager
     def state_regions(self):
@@ -343,9 +343,9 @@ class Trainer:
         if self.engines is None:
             return {}
         g = self.engines
-        sent0, dense0, n0, handoff0 = self._engine_seen
+        sent0, dense0, n0, handoff0, slot0 = self._engine_seen
         reports = g.stepped[n0:]
-        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped), g.handoff_bytes)
+        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped), g.handoff_bytes, g.slot_wait_s)
         return {
             "engine_sent_bytes": g.sent_bytes - sent0,
             "engine_dense_bytes": g.dense_bytes - dense0,
@@ -355,6 +355,7 @@ class Trainer:
             "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
             "engine_wait_s": max((r.get("wait_s", 0.0) for r in reports), default=0.0),
             "engine_compute_s": max((r.get("compute_s", 0.0) for r in reports), default=0.0),
+            "engine_slot_wait_s": g.slot_wait_s - slot0,  # the backward blocked on engines taking gradients
             "engine_peak_host_bytes": sum(g.peak_host),  # the engines run side by side: their peaks add up
         }
 

@@ -20,6 +20,7 @@ engine -> trainer:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import traceback
@@ -40,6 +41,7 @@ from .streamed import StreamedOptimizer
 __all__ = ["run_engine", "engine_file"]
 
 HEARTBEAT_S = 0.5
+GRAD_THREADS = 2  # I/O threads of the gradient queue (one slot's write at a time, and the update's read)
 
 
 def engine_file(index: int, kind: str) -> str:
@@ -91,6 +93,9 @@ class Engine:
         self.pdtype = getattr(torch, spec["param_dtype"])
         io = IOConfig(**spec["io"])
         self.storage = Storage.from_config(io, paths=[path])
+        # Gradients get their own I/O queue: a slot goes back to the trainer only once its
+        # gradient is written, and queued behind the read-ahead that write held up the backward.
+        self.grad_storage = Storage.from_config(dataclasses.replace(io, threads=GRAD_THREADS), paths=[path])
         self.shm = SharedMemory(name=spec["shm"])
         # Python < 3.13 registers attached segments with this process's resource tracker,
         # which would unlink the trainer's segment when the engine exits.
@@ -101,7 +106,7 @@ class Engine:
         self.eager = spec["eager"]
         name = lambda kind: engine_file(index, kind)  # noqa: E731
         self.params = TieredRegions(self.layout, self.storage, name("params"), self.pdtype)
-        self.grads = TieredRegions(self.layout, self.storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
+        self.grads = TieredRegions(self.layout, self.grad_storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
         self.slot_grads = _SlotGrads()
         n_dense = max(1, self.layout.max_unit_numel) if spec["topk"] else 0
         self.dense = torch.empty(n_dense, dtype=self.pdtype)  # decoded top-k gradients
@@ -111,7 +116,7 @@ class Engine:
             buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
             ahead_bytes=0 if self.eager else spec["ahead_bytes"],
         )
-        self._io_mark = self.storage.total()  # storage bytes are reported from one step's end to the next
+        self._io_mark = self.io_total()  # storage bytes are reported from one step's end to the next
         self.files = [self.params, self.grads, *self.optim.state_files]
         self.slotmem: list[torch.Tensor] = []  # the trainer's parameter slots (CPU), once shared
         self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
@@ -122,7 +127,12 @@ class Engine:
         """Memory the engine holds by design: the update's buffer sets and read-ahead, host-
         resident gradients, the top-k decode buffer and the I/O bounce buffers (made on first use)."""
         dense = self.dense.numel() * self.dense.element_size()
-        return self.optim.pool_bytes + self.grads.host_bytes + self.params.host_bytes + dense + self.storage.pool_bytes
+        return (self.optim.pool_bytes + self.grads.host_bytes + self.params.host_bytes + dense
+                + self.storage.pool_bytes + self.grad_storage.pool_bytes)
+
+    def io_total(self):
+        """Bytes this engine has moved on its storage, both queues."""
+        return self.storage.total() + self.grad_storage.total()
 
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, *msg) -> None:
@@ -204,7 +214,7 @@ class Engine:
         t0 = time.perf_counter()
         c = torch.tensor(coef, dtype=torch.float32) if coef is not None else None
         st = self.optim.step(lr, c, step=step, on_unit_done=self.done, on_chunk=self.serve)
-        now = self.storage.total()
+        now = self.io_total()
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
         self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes,
                                   wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks,
@@ -245,6 +255,7 @@ class Engine:
             for f in self.files:
                 f.close()
             self.storage.close()
+            self.grad_storage.close()
             self.shm.close()
 
 

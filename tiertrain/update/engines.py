@@ -84,6 +84,7 @@ class EngineGroup:
         )
         self._rbuf = torch.empty(layout.max_unit_numel, dtype=torch.float32) if self.residual is not None else None
         self.stepped: list[dict] = []
+        self.slot_wait_s = 0.0  # time the trainer waited for a free gradient slot (back-pressure)
         self._steps_sent = 0  # "step" messages sent to every engine (each answers with one report)
         self.peak_host = [0] * self.n  # each engine's peak RSS, as of its last step report
         self._step, self._lr = 0, 0.0
@@ -237,7 +238,9 @@ class EngineGroup:
         return torch.from_numpy(buf).view(dtype)[:numel]
 
     def _take(self, i: int, what: str) -> int:
+        t0 = time.perf_counter()
         self._pump(lambda: bool(self._free[i]), what)  # back-pressure: wait for a free slot
+        self.slot_wait_s += time.perf_counter() - t0
         return self._free[i].pop()
 
     # -- weights ---------------------------------------------------------------------------------------
