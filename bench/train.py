@@ -1,6 +1,6 @@
 """Training benchmark: a ~134M-parameter Llama-shaped model, fp32, states on SSD.
 
-For each update path (--modes: baseline, engines, engines-noahead, engines-ahead2g, topk =
+For each update path (--modes: baseline, engines, engines-ahead1g, engines-ahead2g, topk =
 engines + top-k 0.05; see MODES) and each
 number of micro-batches (--micro-batches, default 1 and 4) it measures, in one run:
 - plain PyTorch with everything in RAM (same model, data, fused AdamW): the compute floor;
@@ -48,8 +48,8 @@ MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, voca
 
 MODES = {  # name: (label, update section, memory fields other than the defaults)
     "baseline": ("baseline", UpdateConfig(), {}),
-    "engines": ("engines", UpdateConfig(mode="engines"), {}),  # default read-ahead: 1 GiB
-    "engines-noahead": ("engines, no read-ahead", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 0}),
+    "engines": ("engines", UpdateConfig(mode="engines"), {}),  # no read-ahead (the default)
+    "engines-ahead1g": ("engines, read-ahead 1 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 1024}),
     "engines-ahead2g": ("engines, read-ahead 2 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 2048}),
     "topk": ("engines + top-k 0.05", UpdateConfig(mode="engines", topk=0.05), {}),
 }
@@ -184,7 +184,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
         " memory defaults"
         " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk,"
-        " 512 MiB of kept autograd graphs, 1 GiB of engine read-ahead) unless the row says otherwise",
+        " 512 MiB of kept autograd graphs, no engine read-ahead) unless the row says otherwise",
         f"- disk measured in the same run: read {rbw / 1e9:.2f} GB/s, write {wbw / 1e9:.2f} GB/s (1 GiB, O_DIRECT)",
         f"- {steps} steps per configuration, the first discarded; medians",
         "",
@@ -225,7 +225,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "stay below it. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
         "update sets, bounce and checkpoint buffers); the engines' peak RSS is whole processes",
         "(interpreter and torch included), summed over the engines; their read-ahead is",
-        "memory.engine_read_ahead_mib (default 1 GiB, never more than their state).",
+        "memory.engine_read_ahead_mib (default 0, never more than their state).",
         "",
     ]
     return "\n".join(lines)

@@ -196,7 +196,7 @@ class MemoryConfig(Section):
     )
     residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
     engine_read_ahead_mib: int = opt(
-        1024,
+        0,
         "Host memory in which the update engines (together) read the optimizer state of the first chunks of"
         " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none;"
         " never more than the engines' state).",
