@@ -197,7 +197,8 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
     for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers in rows:
         if mode == "baseline":
-            speed = f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden)"
+            speed = (f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden;"
+                     f" 1.5x needs {step / 1.5:.2f} s, {step / 1.5 / floor:.2f}x the floor)")
         else:
             speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
         label = MODES[mode][0] + ("" if ck else ", no checksums")
@@ -222,7 +223,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "The baseline row's bound: its step over its step without the update phase, the speed-up an",
         "update path would reach if its update cost nothing at all (no CPU, no disk time taken from",
         "the forward and backward). Engines run on the same 2 cores and the same disk here, so they",
-        "stay below it. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
+        "stay below it unless they also shorten the forward or backward. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
         "update sets, bounce and checkpoint buffers); the engines' peak RSS is whole processes",
         "(interpreter and torch included), summed over the engines; their read-ahead is",
         "memory.engine_read_ahead_mib (default 0, never more than their state).",
