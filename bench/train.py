@@ -165,12 +165,13 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     tokens = steady[0].tokens
     pools = sum(tr.pool_bytes.values())
     engines_rss = max(eng(r, "engine_peak_host_bytes") for r in recs)
+    engines_cpu = statistics.median(eng(r, "engine_cpu_s") for r in steady)
     tr.close()
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
     label = MODES[mode][0] + ("" if checksum else ", no checksums")
     print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
-    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss)
+    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss, engines_cpu)
 
 
 def render(rows, rbw, wbw, n_params, steps) -> str:
@@ -191,11 +192,11 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
         " read GB/step (formula) | write GB/step (formula) | GB to engines | GB from engines in memory |"
         " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |"
-        " trainer pools GiB | engines' peak RSS GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " trainer pools GiB | engines' peak RSS GiB | engines' CPU s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
-    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers in rows:
+    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers, ecpu in rows:
         if mode == "baseline":
             speed = (f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden;"
                      f" 1.5x needs {step / 1.5:.2f} s, {step / 1.5 / floor:.2f}x the floor)")
@@ -206,7 +207,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
             f"| {label} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {handed / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
-            f" {pools / 2**30:.2f} | {ers / 2**30:.2f} |"
+            f" {pools / 2**30:.2f} | {ers / 2**30:.2f} | {ecpu:.2f} |"
         )
     lines += [
         "",
@@ -226,7 +227,9 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "stay below it unless they also shorten the forward or backward. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
         "update sets, bounce and checkpoint buffers); the engines' peak RSS is whole processes",
         "(interpreter and torch included), summed over the engines; their read-ahead is",
-        "memory.engine_read_ahead_mib (default 0, never more than their state).",
+        "memory.engine_read_ahead_mib (default 0, never more than their state). Engines' CPU: CPU",
+        "seconds of the engine processes (all threads) per step, taken from the two cores the",
+        "trainer computes on.",
         "",
     ]
     return "\n".join(lines)

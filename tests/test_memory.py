@@ -136,6 +136,7 @@ def test_engine_memory_is_its_pools(tmp_path, ahead_mib):
         assert sets <= r["pool"] <= sets + 8 * MIB + 2 * bounce
         if ahead_mib:  # one set per chunk: about the state's size, far below the budget
             assert r["pool"] < 1.5 * state < ahead_mib * MIB
+        assert 0 < r["cpu_s"] < 60  # the engine's CPU seconds since its last report
         growth = r["peak_host"] - r["base_host"]
         assert 0 < growth <= r["pool"] + shared + 64 * MIB, (growth / MIB, r["pool"] / MIB, shared / MIB)
 

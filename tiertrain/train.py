@@ -355,6 +355,7 @@ class Trainer:
             "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
             "engine_wait_s": max((r.get("wait_s", 0.0) for r in reports), default=0.0),
             "engine_compute_s": max((r.get("compute_s", 0.0) for r in reports), default=0.0),
+            "engine_cpu_s": sum(r.get("cpu_s", 0.0) for r in reports),  # all engines, since their last report
             "engine_slot_wait_s": g.slot_wait_s - slot0,  # the backward blocked on engines taking gradients
             "engine_peak_host_bytes": sum(g.peak_host),  # the engines run side by side: their peaks add up
         }

@@ -116,6 +116,7 @@ class Engine:
             buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
             ahead_bytes=0 if self.eager else spec["ahead_bytes"],
         )
+        self._cpu_mark = time.process_time()  # CPU seconds of all the engine's threads, reported per step
         self._io_mark = self.io_total()  # storage bytes are reported from one step's end to the next
         self.files = [self.params, self.grads, *self.optim.state_files]
         self.slotmem: list[torch.Tensor] = []  # the trainer's parameter slots (CPU), once shared
@@ -216,8 +217,10 @@ class Engine:
         st = self.optim.step(lr, c, step=step, on_unit_done=self.done, on_chunk=self.serve)
         now = self.io_total()
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
+        cpu_now = time.process_time()
+        cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
         self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes,
-                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks,
+                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks, cpu_s=cpu,
                                   peak_host=host_peak_rss(), base_host=self.base_rss, pool=self.pool_bytes))
 
     def run(self) -> None:
