@@ -23,15 +23,25 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
     return name, int(n or 1)
 
 
+def _parse_slow(spec: str | None) -> tuple[str, float]:
+    if not spec:
+        return "", 0.0
+    name, _, seconds = spec.partition(":")
+    try:
+        return name, float(seconds)
+    except ValueError:
+        raise ValueError(f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds, e.g. update:0.01") from None
+
+
 _target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))
-_slow = os.environ.get("TIERTRAIN_SLOW_AT", "").partition(":")
+_slow = _parse_slow(os.environ.get("TIERTRAIN_SLOW_AT"))
 _count = 0
 
 
 def point(name: str) -> None:
     global _count
     if _slow[0] == name:
-        time.sleep(float(_slow[2]))
+        time.sleep(_slow[1])
     if _target is None or name != _target[0]:
         return
     _count += 1

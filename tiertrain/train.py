@@ -182,7 +182,7 @@ class Trainer:
                                            keep_bytes=m.keep_act_mib * MIB)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
-        self._engine_seen = (0, 0, 0, 0, 0.0)  # (bytes sent, dense bytes, stepped reports, handed over, slot wait) already in a record
+        self._engine_seen: dict[str, float] = {}  # the engines' running counters when the last record was made
 
     @contextlib.contextmanager
     def state_regions(self):
@@ -343,20 +343,24 @@ class Trainer:
         if self.engines is None:
             return {}
         g = self.engines
-        sent0, dense0, n0, handoff0, slot0 = self._engine_seen
-        reports = g.stepped[n0:]
-        self._engine_seen = (g.sent_bytes, g.dense_bytes, len(g.stepped), g.handoff_bytes, g.slot_wait_s)
+        counters = {
+            "engine_sent_bytes": g.sent_bytes,
+            "engine_dense_bytes": g.dense_bytes,
+            "engine_handoff_bytes": g.handoff_bytes,
+            "engine_slot_wait_s": g.slot_wait_s,  # the backward blocked on engines taking gradients
+            "reports": len(g.stepped),
+        }
+        seen, self._engine_seen = self._engine_seen, counters
+        since = {k: v - seen.get(k, 0) for k, v in counters.items()}
+        reports = g.stepped[len(g.stepped) - since.pop("reports"):]
         return {
-            "engine_sent_bytes": g.sent_bytes - sent0,
-            "engine_dense_bytes": g.dense_bytes - dense0,
+            **since,
             "engine_read_bytes": sum(r["read"] for r in reports),
             "engine_write_bytes": sum(r["written"] for r in reports),
-            "engine_handoff_bytes": g.handoff_bytes - handoff0,
             "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
-            "engine_wait_s": max((r.get("wait_s", 0.0) for r in reports), default=0.0),
-            "engine_compute_s": max((r.get("compute_s", 0.0) for r in reports), default=0.0),
-            "engine_cpu_s": sum(r.get("cpu_s", 0.0) for r in reports),  # all engines, since their last report
-            "engine_slot_wait_s": g.slot_wait_s - slot0,  # the backward blocked on engines taking gradients
+            "engine_wait_s": max((r["wait_s"] for r in reports), default=0.0),
+            "engine_compute_s": max((r["compute_s"] for r in reports), default=0.0),
+            "engine_cpu_s": sum(r["cpu_s"] for r in reports),  # all engines, since their last report
             "engine_peak_host_bytes": sum(g.peak_host),  # the engines run side by side: their peaks add up
         }
 

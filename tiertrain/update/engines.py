@@ -186,7 +186,7 @@ class EngineGroup:
             self._done[u].add(i)
         elif op == "stepped":
             self.stepped.append(dict(msg[1], engine=i))
-            self.peak_host[i] = max(self.peak_host[i], msg[1].get("peak_host", 0))
+            self.peak_host[i] = msg[1]["peak_host"]  # the engine's VmHWM: already its peak so far
         elif op == "error":
             raise EngineError(f"update engine {i} ({self.paths[i]}) failed:\n{msg[1]}")
         elif op in ("ready", "released", "reopened"):

@@ -97,7 +97,8 @@ class StreamedOptimizer:
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
         # Never more sets than the step has chunks: a budget larger than the state holds all of it.
-        n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._chunks()))
+        self._all_chunks = self._chunks()  # a full step's chunks, in order (the layout is fixed)
+        n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._all_chunks))
         self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(n_ahead)]
         self._ahead: dict[int, list[IOFuture]] = {}  # chunk index -> its state reads in flight
         self.step_count = 0
@@ -137,10 +138,8 @@ class StreamedOptimizer:
         steps (the state must not change before the step that uses it)."""
         if not self.ahead_sets or self._ahead:
             return len(self._ahead)  # none, or already under way
-        chunks = self._chunks()
-        for i in range(min(len(self.ahead_sets), len(chunks))):
-            if i not in self._ahead:
-                self._ahead[i] = self._read_state(self.ahead_sets[i], *chunks[i])
+        for i, chunk in enumerate(self._all_chunks[: len(self.ahead_sets)]):
+            self._ahead[i] = self._read_state(self.ahead_sets[i], *chunk)
         return len(self._ahead)
 
     def drop_ahead(self) -> None:
@@ -168,7 +167,7 @@ class StreamedOptimizer:
         st = UpdateStats()
         t_start = time.perf_counter()
         coef = clip_coef.to("cpu") if clip_coef is not None else None  # sync point on CUDA: one scalar
-        chunks = self._chunks(units)
+        chunks = self._all_chunks if units is None else self._chunks(units)
         unit_writes: list[IOFuture] = []
         order = [u.index for u in self.layout.units] if units is None else list(units)
         announced = 0  # units of `order` reported done (empty ones included: an engine may own nothing of a unit)
