@@ -66,7 +66,10 @@ class KeptGraphs:
         if st.data_ptr() not in self._seen:  # views of one storage count once
             self._seen.add(st.data_ptr())
             self._counted += st.nbytes()
-        return t
+        # Never the tensor itself: when it is the op's own output, the output would hold its
+        # grad_fn, which would hold the output, a cycle that no graph dropped over the budget
+        # (never run backward) frees. A detached alias shares storage and version counter.
+        return t.detach()
 
     def _unpack(self, obj):
         if isinstance(obj, _ParamRef):
