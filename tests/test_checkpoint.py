@@ -129,8 +129,8 @@ def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):
     with Trainer(cfg) as tr:
         size = tr.checkpoint_bytes
         mnt = small_fs(int(size * 1.5) // 1024)  # room for one checkpoint, not two
-        cfg.checkpoint.dir = str(mnt)
-        cfg.checkpoint.keep = 1
+        tr.cfg.checkpoint.dir = str(mnt)  # the trainer's own copy of the config
+        tr.cfg.checkpoint.keep = 1
         tr.initialize(progress=False)
         tr.train_step()
         first = tr.save_checkpoint()
@@ -208,7 +208,7 @@ def test_sigkill_anywhere_then_resume_loses_nothing(tmp_path, uninterrupted, poi
     r = cli(tmp_path, env={"TIERTRAIN_KILL_AT": point})
     assert r.returncode == -signal.SIGKILL, (point, r.stderr[-2000:])
     resumed = cli(tmp_path, f"--resume={tmp_path / 'run'}") if list_checkpoints(str(tmp_path / "run" / "checkpoints")) \
-        else cli(tmp_path)  # killed before the first checkpoint completed: start again
+        else cli(tmp_path, "--train.overwrite=true")  # killed before the first checkpoint completed: start again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert final_state(tmp_path) == uninterrupted
     assert [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.startswith(".tmp")] == []

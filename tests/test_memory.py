@@ -13,7 +13,7 @@ from tiertrain.train import Trainer
 MIB = 1 << 20
 
 _CHILD = r"""
-import json, sys, gc
+import json, os, sys, gc
 from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
@@ -36,7 +36,8 @@ with Trainer(cfg) as tr:
     out = dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()), stages=stages,
                unit=tr.layout.max_unit_numel * 4,
                state=sum(n for _, n in tr.plan.files), params=tr.layout.n_params,
-               files={name: n for name, n in tr.plan.files}, kept_peak=tr.executor.kept.peak_bytes)
+               files={name: n for name, n in tr.plan.files}, kept_peak=tr.executor.kept.peak_bytes,
+               on_disk={name: os.path.getsize(os.path.join(sys.argv[1], "ssd0", name)) for name, n in tr.plan.files if n})
 print(json.dumps(out))
 """
 
@@ -61,7 +62,7 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     assert out["state"] >= state_bytes  # every state is a file on the storage tier ...
     for name in ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin"):
         assert out["files"][name] >= 4 * out["params"]
-        assert os.path.getsize(tmp_path / "ssd0" / name) == out["files"][name]
+        assert out["on_disk"][name] == out["files"][name]  # while the run holds them
     growth = out["peak"] - out["base"]
     stages = {k: round((v - out["base"]) / MIB) for k, v in out["stages"].items()}
     allowance = out["pools"] + 4 * out["unit"] + 96 * MIB + keep_mib * MIB

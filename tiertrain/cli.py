@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from .config import ConfigError, config_reference, load_config
+from .errors import TiertrainError, UsageError, one_line
 
 __all__ = ["main"]
 
@@ -25,6 +26,12 @@ class _TqdmHandler(logging.StreamHandler):
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:
             self.handleError(record)
+
+
+_OVERRIDES = """\
+Every config field can be set as --section.field=value (or --section.field value), on top of
+--config FILE; `tiertrain config --reference` lists them all. Examples:
+  --train.steps=200 --optim.lr=1e-3 --io.paths=/nvme0/tt,/nvme1/tt --update.mode=engines"""
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -59,40 +66,52 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .checkpoint import CheckpointError
-    from .scratch import ScratchInUseError
     from .train import Trainer
 
+    if getattr(args, "resume", None):
+        path, cfg = _resume_target(args.resume, args.config, overrides)
+    else:
+        path, cfg = None, load_config(args.config, overrides)
     try:
-        if getattr(args, "resume", None):
-            path, cfg = _resume_target(args.resume, args.config, overrides)
-        else:
-            path, cfg = None, load_config(args.config, overrides)
         with Trainer(cfg) as trainer:
             trainer.run(resume=path)
-    except KeyboardInterrupt:
-        return 130
-    except (CheckpointError, ScratchInUseError) as exc:
-        print(f"tiertrain: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        from .checkpoint import latest_checkpoint
+
+        from .scratch import DirInUseError
+
+        if not _user_facing(exc):
+            raise
+        if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
+            raise
+        root = cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints")
+        last = latest_checkpoint(os.path.abspath(root))
+        hint = f" (the last checkpoint is {last}: `tiertrain train --resume {os.path.abspath(cfg.train.run_dir)}`)" if last else ""
+        raise _Reported(f"{one_line(exc)}{hint}") from None
     return 0
+
+
+class _Reported(TiertrainError):
+    """An error already phrased for the user."""
+
+
+def _user_facing(exc: BaseException) -> bool:
+    """Errors a user can act on (printed as one line); the rest are bugs (tracebacks)."""
+    from .io.errors import StorageError
+
+    return isinstance(exc, (TiertrainError, StorageError))
 
 
 def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
     """The checkpoint to resume (a checkpoint dir, a run dir, or 'latest') and the run's
     config: the checkpoint's own, with the given file and flags applied on top."""
-    from .checkpoint import CheckpointError, Manifest, latest_checkpoint
+    from .checkpoint import Manifest, find_checkpoint
     from .config import Config, parse_overrides
 
     if where == "latest":
         base = load_config(config, overrides)
-        root = base.checkpoint.dir or os.path.join(base.train.run_dir, "checkpoints")
-        where = root
-    path = where
-    if not os.path.exists(os.path.join(where, "manifest.json")):
-        path = latest_checkpoint(os.path.join(where, "checkpoints")) or latest_checkpoint(where)
-        if path is None:
-            raise CheckpointError(f"no complete checkpoint in {where}")
+        where = base.checkpoint.dir or os.path.join(base.train.run_dir, "checkpoints")
+    path = find_checkpoint(where, "--resume")
     man = Manifest.read(path)
     tree = man.config
     if config is not None:  # only what the file sets overrides the checkpoint's config
@@ -109,7 +128,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
     log.info("exported %s to %s", args.checkpoint, out)
     return 0
 
@@ -152,20 +171,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd")
 
-    t = sub.add_parser("train", help="train (no arguments: the default main job)")
+    t = sub.add_parser("train", help="train (no arguments: the default main job)", epilog=_OVERRIDES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
 
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
-    ex.add_argument("--checkpoint", required=True)
-    ex.add_argument("--out", required=True, help="output directory")
+    ex.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)")
+    ex.add_argument("--out", required=True, help="output directory (new or empty)")
+    ex.add_argument("--overwrite", action="store_true", help="replace what --out holds")
 
     pr = sub.add_parser("prepare", help="tokenize text files into a token file for data.corpus")
     pr.add_argument("--input", required=True, action="append", help="a .txt file (repeat for several)")
     pr.add_argument("--output", required=True, help="the token file to write")
     pr.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (default: byte-level)")
 
-    c = sub.add_parser("config", help="print the resolved config (or --reference: every field)")
+    c = sub.add_parser("config", help="print the resolved config (or --reference: every field)", epilog=_OVERRIDES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--config", help="TOML file")
     c.add_argument("--reference", action="store_true", help="print the documentation of every field")
 
@@ -206,8 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     except ConfigError as exc:
-        print(f"tiertrain: config error: {exc}", file=sys.stderr)
+        print(f"tiertrain: config error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not _user_facing(exc):
+            raise
+        print(f"tiertrain: {one_line(exc)}", file=sys.stderr)
+        log.debug("details", exc_info=True)
+        return 1
+    except KeyboardInterrupt:
+        print("tiertrain: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

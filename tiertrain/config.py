@@ -6,18 +6,24 @@ the field, the value and what would be accepted.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
+import json
 import os
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
+
+from .errors import TiertrainError
 
 __all__ = [
     "Config",
     "ConfigError",
+    "without_environment_checks",
     "IOConfig",
     "ModelConfig",
     "DataConfig",
@@ -31,8 +37,27 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(TiertrainError, ValueError):
     """A configuration value is not acceptable. The message names field, value and fix."""
+
+
+# Checks that look at the machine (files named by the config exist) run when a section is
+# made, except inside ``without_environment_checks()``: exporting a checkpoint, say, must
+# not fail because the corpus it was trained on has moved since.
+_ENV_CHECKS = contextvars.ContextVar("tiertrain_config_env_checks", default=True)
+
+
+@contextlib.contextmanager
+def without_environment_checks() -> Iterator[None]:
+    token = _ENV_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _ENV_CHECKS.reset(token)
+
+
+def _env() -> bool:
+    return _ENV_CHECKS.get()
 
 
 def opt(default: Any, doc: str, *, factory: Any = None) -> Any:
@@ -98,7 +123,8 @@ class ModelConfig(Section):
     """Which model to train. Sizes apply to a model built from scratch (random weights)."""
 
     SECTION: ClassVar[str] = "model"
-    kind: str = opt("gpt", "'gpt' (built-in), 'llama' (transformers LlamaForCausalLM) or 'gpt2'.")
+    kind: str = opt("auto", "'auto' (read from hf_dir's config.json, else 'gpt'), 'gpt' (built-in), 'llama' "
+                    "(transformers LlamaForCausalLM) or 'gpt2'.")
     hf_dir: str | None = opt(None, "Local Hugging Face model directory (config.json + safetensors); never downloads.")
     from_scratch: bool = opt(False, "With hf_dir: use its config.json but start from random weights.")
     init_from: str | None = opt(None, "Initial weights from safetensors (a file, or a directory written by `tiertrain export`).")
@@ -113,7 +139,7 @@ class ModelConfig(Section):
     init_std: float = opt(0.02, "Standard deviation of the random initial weights.")
 
     def __post_init__(self) -> None:
-        self._one_of("kind", ("gpt", "llama", "gpt2"))
+        self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
             self._at_least(name, 1)
         if self.d_model % self.n_heads:
@@ -122,11 +148,53 @@ class ModelConfig(Section):
             self._fail("n_kv_heads", f"must divide model.n_heads ({self.n_heads})")
         if self.d_ff is not None:
             self._at_least("d_ff", 1)
+        self._in_range("init_std", 0.0, 1.0)
+        if self.hf_dir is None:
+            if self.kind == "auto":
+                self.kind = "gpt"
+        elif self.kind == "gpt":
+            self._fail("kind", f"the built-in model does not read model.hf_dir ({self.hf_dir}); leave model.kind at "
+                       "'auto' (the kind is read from config.json) or set 'llama' or 'gpt2'")
+        if not _env():
+            return
         if self.init_from is not None and not os.path.exists(self.init_from):
             self._fail("init_from", "no such file or directory; give a .safetensors file or an exported directory")
-        if self.hf_dir is not None and not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+        if self.hf_dir is not None:
+            self._check_hf_dir()
+
+    def hf_json(self) -> dict:
+        """``hf_dir``'s config.json, parsed."""
+        path = os.path.join(self.hf_dir, "config.json")
+        if not os.path.isfile(path):
             self._fail("hf_dir", "no config.json there; point it at a local Hugging Face model directory")
-        self._in_range("init_std", 0.0, 1.0)
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._fail("hf_dir", f"{path} is not valid JSON ({exc}); restore it from the model's source")
+        if not isinstance(d, dict) or not isinstance(d.get("model_type"), str):
+            self._fail("hf_dir", f"{path} has no model_type; it is not a Hugging Face model config")
+        return d
+
+    def _check_hf_dir(self) -> None:
+        """The kind is what config.json says (``auto`` takes it; a contradiction is refused)."""
+        model_type = self.hf_json()["model_type"]
+        detected = "gpt2" if model_type == "gpt2" else "llama"  # the Llama family; its layout is checked when built
+        if self.kind == "auto":
+            self.kind = detected
+        elif self.kind != detected:
+            self._fail("kind", f"model.hf_dir = {self.hf_dir!r} holds a {model_type!r} model (config.json), which is "
+                       f"kind {detected!r}; leave model.kind at 'auto' or set it to {detected!r}")
+
+    def position_limit(self) -> tuple[int, str] | None:
+        """The longest sequence ``hf_dir``'s model supports, and the config.json key that says so."""
+        if self.hf_dir is None:
+            return None
+        d = self.hf_json()
+        for key in ("n_positions", "max_position_embeddings"):
+            if isinstance(d.get(key), int):
+                return d[key], key
+        return None
 
 
 @dataclass(kw_only=True)
@@ -144,8 +212,11 @@ class DataConfig(Section):
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "micro_batches"):
             self._at_least(name, 1)
-        if self.corpus != "bundled" and not os.path.exists(self.corpus):
-            self._fail("corpus", "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
+        if self.corpus != "bundled" and _env():
+            if not os.path.exists(self.corpus):
+                self._fail("corpus", "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
+            if os.path.isdir(self.corpus):
+                self._fail("corpus", "is a directory; give a .txt file or a token file from `tiertrain prepare`")
 
 
 @dataclass(kw_only=True)
@@ -260,7 +331,9 @@ class TrainConfig(Section):
     param_dtype: str = opt("auto", "'auto' (float32 on cpu, bfloat16 on cuda), 'float32' or 'bfloat16'.")
     run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
     log_every: int = opt(1, "Print the per-step line every N steps.")
-    progress: bool = opt(True, "Show a progress bar.")
+    progress: bool = opt(True, "Show a progress bar (only when stderr is a terminal).")
+    overwrite: bool = opt(False, "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
+                          "deleting them (without it such a run is refused; --resume continues one).")
 
     def __post_init__(self) -> None:
         self._at_least("steps", 1)
@@ -296,17 +369,54 @@ class Config:
             )
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
-        if self.data.seq_len > self.model.max_seq_len:
+        if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
                 "lower one or raise the other"
             )
+        limit = self.model.position_limit() if self.model.hf_dir is not None and _env() else None
+        if limit is not None and self.data.seq_len > limit[0]:
+            raise ConfigError(
+                f"data.seq_len = {self.data.seq_len} is longer than the model in {self.model.hf_dir} supports "
+                f"({limit[1]} = {limit[0]} in its config.json); lower data.seq_len to at most {limit[0]}"
+            )
+
+    def check_writable(self) -> None:
+        """Every directory the run writes is one (or can be made one) and is writable. Made
+        before any work, so a bad path is one line, not a traceback half-way through."""
+        from .paths import check_writable_dir
+
+        for p in self.io.paths:
+            check_writable_dir("io.paths", p)
+        check_writable_dir("train.run_dir", self.train.run_dir)
+        if self.checkpoint.dir is not None:
+            check_writable_dir("checkpoint.dir", self.checkpoint.dir)
+
+    def absolute(self) -> "Config":
+        """A copy with every path absolute, as stored in checkpoints: a run resumed or exported
+        from another working directory finds the same files and the same run directory."""
+        ab = os.path.abspath
+        out = Config.from_dict(self.to_dict(), environment=False)
+        out.io.paths = [ab(p) for p in out.io.paths]
+        out.train.run_dir = ab(out.train.run_dir)
+        for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):
+            value = getattr(getattr(out, sec), name)
+            if value is not None:
+                setattr(getattr(out, sec), name, ab(value))
+        if out.data.corpus != "bundled":
+            out.data.corpus = ab(out.data.corpus)
+        return out
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, tree: dict[str, Any]) -> "Config":
+    def from_dict(cls, tree: dict[str, Any], *, environment: bool = True) -> "Config":
+        """The config of ``tree`` (sections of fields). ``environment=False`` skips the checks
+        that look at files (for a stored config whose files may have moved)."""
+        if not environment:
+            with without_environment_checks():
+                return cls.from_dict(tree)
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}
         for name, values in tree.items():
@@ -428,8 +538,8 @@ def config_reference() -> str:
     for f in dataclasses.fields(Config):
         cls = _section_class(f.name)
         lines += [f"### [{f.name}]", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
-        default = cls()
         for sf in dataclasses.fields(cls):
-            lines.append(f"| `{sf.name}` | `{getattr(default, sf.name)!r}` | {sf.metadata.get('doc', '')} |")
+            default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()
+            lines.append(f"| `{sf.name}` | `{default!r}` | {sf.metadata.get('doc', '')} |")
         lines.append("")
     return "\n".join(lines)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -14,13 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from .activations.stash import HiddenStash
-from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete
+from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
 from .config import Config, ConfigError
 from .data import Corpus
+from .errors import one_line
 from .io import Storage, aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, peak_flops
 from .models import WeightSource, build_model
 from .schedule.executor import LayerMajorExecutor
+from .rundir import RunDir
 from .scratch import ScratchLock, clean_stale
 from .state.device import Device, host_peak_rss, resolve_device, resolve_dtype
 from .state.grads import GradStore
@@ -35,6 +37,10 @@ __all__ = ["Trainer", "SpacePlan"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
+# Every state file name a run of any configuration makes on the scratch tier (engines' files
+# are recognised by their prefix): what another configuration left is stale for this one.
+ALL_STATE_FILES = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin",
+                   "stash.bin", "residual.bin")
 
 
 @dataclass
@@ -60,7 +66,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, weights: WeightSource | None = None) -> None:
+        cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
+        cfg.check_writable()
         self.cfg = cfg
+        self._parts: list = []
+        self.lock = self.rundir = None
+        self.plan = None
         self.dev = Device(resolve_device(cfg.train.device))
         self.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.corpus = Corpus(cfg.data)
@@ -72,16 +83,15 @@ class Trainer:
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
         self.source = weights or source
         self.layout = FlatLayout(self.model)
-        self._parts: list = []
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
-        self.storage = Storage.from_config(cfg.io)
         try:
+            self.rundir = RunDir(cfg.train.run_dir, self.checkpoint_root)  # and per run directory
+            self.storage = Storage.from_config(cfg.io)
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
             self.plan = self._plan()
-            keep = [n for n, s in self.plan.files if s] + [os.path.basename(p) for p, s in self.plan.placed or [] if s]
-            for path, size in clean_stale(self.storage.paths, keep=keep):
+            for path, size in clean_stale(self.storage.paths, ALL_STATE_FILES, keep=self._state_file_names()):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
             for path in clean_incomplete(self.checkpoint_root):
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
@@ -95,6 +105,10 @@ class Trainer:
             raise
 
     # -- construction -------------------------------------------------------------------------------
+    def _state_file_names(self) -> list[str]:
+        plan = self.plan
+        return [n for n, s in plan.files if s] + [os.path.basename(p) for p, s in plan.placed or [] if s]
+
     def _stash_shape(self) -> tuple[int, ...]:
         d = self.cfg.data
         return (d.micro_batch_size, d.seq_len, _hidden(self.cfg, self.model))
@@ -182,6 +196,7 @@ class Trainer:
                                            keep_bytes=m.keep_act_mib * MIB)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
         self.step = 0
+        self._superseded: list[str] = []  # checkpoints of a later course of a resumed run, replaced at its first save
         self._engine_seen: dict[str, float] = {}  # the engines' running counters when the last record was made
 
     @contextlib.contextmanager
@@ -269,7 +284,9 @@ class Trainer:
     def save_checkpoint(self) -> SaveResult:
         """A complete checkpoint of the current step (after the last finished step)."""
         with self.state_regions() as regions:
-            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep)
+            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep,
+                                 drop=self._superseded)
+        self._superseded = []
         log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps)
         return res
 
@@ -284,6 +301,10 @@ class Trainer:
             self.optim.step_count = man.step
         log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
         return man
+
+    @property
+    def resume_command(self) -> str:
+        return f"tiertrain train --resume {self.cfg.train.run_dir}"
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -366,55 +387,83 @@ class Trainer:
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
-        printing the per-step line and saving checkpoints as configured. Ctrl-C stops after
-        the current step (saving first when ``checkpoint.on_interrupt``); a second Ctrl-C
-        stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
+        printing the per-step line and saving checkpoints as configured. Ctrl-C or SIGTERM
+        stops after the current step (saving first when ``checkpoint.on_interrupt``); a second
+        one stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
         from tqdm import tqdm
 
         cfg, ck = self.cfg, self.cfg.checkpoint
-        progress = cfg.train.progress if progress is None else progress
-        metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
-        with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=1)
+        if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
+            progress = cfg.train.progress and sys.stderr.isatty()
+        if resume is None:
+            self.rundir.start_fresh(cfg.train.overwrite)
         stop = _StopFlag()
-        try:
+        with stop:
             if resume is not None:
                 self.restore(resume)
+                self.rundir.continue_metrics(self.step)
+                self._superseded = [p for p in list_checkpoints(self.checkpoint_root) if _step_of(p) > self.step]
+                if self._superseded:
+                    log.warning("%s hold(s) a later course of this run than step %d; replaced by this run's first "
+                                "checkpoint", ", ".join(map(os.path.basename, self._superseded)), self.step)
             else:
                 self.initialize(progress=progress)
-            log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
-            bar = tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step")
-            with stop:
-                while self.step < cfg.train.steps and not stop.set:
-                    rec = self.train_step()
-                    metrics.add(rec)
-                    bar.update()
-                    bar.set_postfix(loss=f"{rec.loss:.3f}")
-                    if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
-                        log.info(rec.line(cfg.train.steps))
-                    if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
+            first = self.step
+            if first >= cfg.train.steps:
+                log.warning("the run is already at step %d of train.steps = %d: nothing to train; to train further, "
+                            "raise it: %s --train.steps=%d", first, cfg.train.steps, self.resume_command,
+                            cfg.train.steps + first)
+                return []
+            self.rundir.write_config(cfg.to_dict())
+            metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
+            try:
+                log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
+                with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
+                    while self.step < cfg.train.steps and not stop.set:
+                        rec = self.train_step()
+                        metrics.add(rec)
+                        bar.update()
+                        bar.set_postfix(loss=f"{rec.loss:.3f}")
+                        if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
+                            log.info(rec.line(cfg.train.steps))
+                        if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
+                            self.save_checkpoint()
+                if stop.set:
+                    log.warning("interrupted after step %d (%s)", self.step, stop.set)
+                    if ck.on_interrupt and self.step > first:
                         self.save_checkpoint()
-            bar.close()
-            if stop.set:
-                log.warning("interrupted after step %d", self.step)
-                if ck.on_interrupt:
+                    if self.step > first or first > 0:
+                        log.warning("resume with: %s", self.resume_command)
+                    raise KeyboardInterrupt(f"interrupted after step {self.step}")
+                if ck.at_end:
                     self.save_checkpoint()
-                raise KeyboardInterrupt(f"interrupted after step {self.step}")
-            if ck.at_end and (resume is None or self.step > Manifest.read(resume).step):
-                self.save_checkpoint()
-            log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
-            return metrics.records
-        finally:
-            metrics.close()
+                log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
+                return metrics.records
+            finally:
+                metrics.close()
 
     def close(self) -> None:
-        try:
-            for part in reversed(self._parts):
+        """Stop every part, remove this run's scratch files (checkpoints hold what is worth
+        keeping) and release the directories. Never raises: a part that fails to close (a dead
+        engine, a damaged file) is logged and the others are still closed."""
+        for part in [*reversed(self._parts), getattr(self, "storage", None)]:
+            if part is None:
+                continue
+            try:
                 part.close()
-            self._parts = []
-            self.storage.close()
-        finally:
-            self.lock.release()
+            except Exception as exc:  # noqa: BLE001 - the rest must still be closed
+                log.warning("while closing %s: %s", type(part).__name__, one_line(exc))
+        self._parts = []
+        self.storage = None
+        if self.lock is not None:
+            if self.plan is not None:
+                with contextlib.suppress(OSError):
+                    clean_stale(self.cfg.io.paths, self._state_file_names())
+            self.lock.release(remove=True)
+            self.lock = None
+        if self.rundir is not None:
+            self.rundir.release(remove_if_empty=True)
+            self.rundir = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -424,27 +473,35 @@ class Trainer:
 
 
 class _StopFlag:
-    """Ctrl-C sets ``set`` (the loop stops at the next step boundary); a second Ctrl-C
-    interrupts at once. Only installed in the main thread."""
+    """Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) sets ``set`` to the signal's
+    name: the loop stops at the next step boundary. A second one interrupts at once. Only
+    installed in the main thread."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.set = False
-        self._old = None
+        self.set: str = ""
+        self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
         if self.set:
             raise KeyboardInterrupt
-        self.set = True
-        log.warning("Ctrl-C: stopping after this step (press again to stop at once)")
+        self.set = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.warning("%s: stopping after this step (again to stop at once)", self.set)
 
     def __enter__(self) -> "_StopFlag":
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+
+def _step_of(checkpoint: str) -> int:
+    return int(os.path.basename(checkpoint).removeprefix("step-"))
 
 
 def _vocab(cfg: Config) -> int:

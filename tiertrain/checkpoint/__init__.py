@@ -1,6 +1,6 @@
 """Checkpoints: complete-or-absent directories of the whole run state, checked on load."""
 
-from .manifest import CheckpointError, Manifest, clean_incomplete, latest_checkpoint, list_checkpoints
+from .manifest import CheckpointError, Manifest, clean_incomplete, find_checkpoint, latest_checkpoint, list_checkpoints
 from .saver import CheckpointIO, SaveResult
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "Manifest",
     "SaveResult",
     "clean_incomplete",
+    "find_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
 ]

@@ -1,16 +1,22 @@
 """``tiertrain export``: a checkpoint's weights as sharded safetensors, one unit per shard.
 
 For Hugging Face models the output is a model directory (``config.json``, shards with the
-model's own names, ``model.safetensors.index.json``) that ``from_pretrained`` and
-``model.hf_dir`` load; for the built-in GPT, shards with tiertrain's names that
-``model.init_from`` loads. Memory: one unit at a time. fp32 master weights are exported
-where the run kept them, else the parameters in their own precision.
+model's own names, ``model.safetensors.index.json``, and the tokenizer files of the
+directory the model came from) that ``from_pretrained`` and ``model.hf_dir`` load; for the
+built-in GPT, shards with tiertrain's names that ``model.init_from`` loads. Memory: one
+unit at a time. fp32 master weights are exported where the run kept them, else the
+parameters in their own precision.
+
+Complete or absent: everything is written into a hidden directory beside ``out`` and
+renamed into place once every shard is written and the checkpoint's checksum has matched;
+a failure leaves ``out`` as it was. ``out`` must be new or empty unless ``overwrite``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -18,24 +24,50 @@ from ..config import Config
 from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
+from ..paths import check_writable_dir
 from ..state.layout import FlatLayout
-from .manifest import CheckpointError, Manifest
+from .manifest import CheckpointError, Manifest, find_checkpoint
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "TOKENIZER_FILES"]
+
+# What a Hugging Face tokenizer directory may hold; copied beside exported weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
-def export_checkpoint(path: str, out: str) -> str:
+def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
+    """Export checkpoint ``path`` (or a run directory's latest) into directory ``out``."""
+    path = find_checkpoint(path, "export --checkpoint")
+    out = os.path.abspath(out)
+    check_writable_dir("export --out", out, CheckpointError)
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise CheckpointError(f"export --out {out} is not empty; give a new directory, or --overwrite to replace "
+                              "what it holds")
     man = Manifest.read(path)
-    cfg = Config.from_dict(man.config)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _write(path, man, tmp)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(path: str, man: Manifest, out: str) -> None:
+    cfg = Config.from_dict(man.config, environment=False)
     model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
     layout = FlatLayout(model)
     if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
     name = "master.bin" if man.entry("master.bin") else "params.bin"
     entry = man.entry(name)
+    if entry is None:
+        raise CheckpointError(f"checkpoint {path} has no params.bin; it is damaged: use an earlier checkpoint")
     dtype = torch.float32 if name == "master.bin" else getattr(torch, man.param_dtype.removeprefix("torch."))
     names = _hf_names(model) if model.hf_model is not None else {}
-    os.makedirs(out, exist_ok=True)
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
     weight_map, total, crc = {}, 0, 0
@@ -43,7 +75,10 @@ def export_checkpoint(path: str, out: str) -> str:
     buf = torch.empty(layout.max_unit_numel, dtype=dtype)
     from safetensors.torch import save_file
 
-    with FileHandle(os.path.join(path, name), "r") as f:
+    file = os.path.join(path, name)
+    if not os.path.exists(file):
+        raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
+    with FileHandle(file, "r") as f:
         if f.size != entry.size:
             raise CheckpointError(f"checkpoint file {f.path} is truncated: {f.size} bytes, the manifest says {entry.size}")
         for unit in layout.units:
@@ -57,10 +92,33 @@ def export_checkpoint(path: str, out: str) -> str:
                 weight_map[key] = shard
                 total += t.numel() * t.element_size()
     if crc != entry.crc32c:
-        raise CheckpointError(f"checkpoint file {os.path.join(path, name)} is corrupt: crc32c {crc:#010x}, "
-                              f"the manifest says {entry.crc32c:#010x}")
+        raise CheckpointError(f"checkpoint file {file} is corrupt: crc32c {crc:#010x}, "
+                              f"the manifest says {entry.crc32c:#010x}; use an earlier checkpoint")
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out, "tiertrain.json"), "w") as f:
         json.dump({"step": man.step, "config": man.config}, f, indent=1)
-    return out
+    _copy_tokenizer(cfg, out)
+
+
+def _copy_tokenizer(cfg: Config, out: str) -> None:
+    """The tokenizer files of the model's directory (else of data.tokenizer), so that the
+    export loads with its tokenizer."""
+    for src in (cfg.model.hf_dir, cfg.data.tokenizer):
+        if src and os.path.isdir(src):
+            found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+            for n in found:
+                shutil.copy2(os.path.join(src, n), os.path.join(out, n))
+            if found:
+                return
+
+
+def _replace(tmp: str, out: str) -> None:
+    """Put ``tmp`` where ``out`` is (``out`` absent or empty, or replaced as a whole)."""
+    old = None
+    if os.path.exists(out):
+        old = f"{out}.old-export-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

@@ -3,24 +3,41 @@
 A checkpoint is a directory ``step-NNNNNNNN`` that is either complete or absent: it is
 written as ``.tmp-step-...``, every file fsynced, the manifest written last, then renamed.
 A directory without a readable manifest is not a checkpoint.
+
+The manifest carries a CRC32C of its own content (``checksum``: over the canonical JSON of
+every other field), checked before any value in it is used: an edit or a flipped bit that
+leaves valid JSON (``"step": 30`` -> ``20``) is refused, not trusted.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["Manifest", "FileEntry", "CheckpointError", "list_checkpoints", "latest_checkpoint", "clean_incomplete", "MANIFEST"]
+import numpy as np
 
+from ..errors import TiertrainError
+from ..io.checksum import crc32c
+
+__all__ = ["Manifest", "FileEntry", "CheckpointError", "list_checkpoints", "latest_checkpoint", "find_checkpoint",
+           "clean_incomplete", "MANIFEST"]
+
+log = logging.getLogger("tiertrain")
 MANIFEST = "manifest.json"
-VERSION = 1
+VERSION = 2  # 2: the manifest has a checksum of its own; 1 (read, with a warning): it has none
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
+def _canonical_crc(body: dict) -> int:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return crc32c(np.frombuffer(text.encode(), dtype=np.uint8))
+
+
+class CheckpointError(TiertrainError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit this run."""
 
 
@@ -46,8 +63,11 @@ class Manifest:
 
     def write(self, directory: str) -> None:
         path = os.path.join(directory, MANIFEST)
+        body = asdict(self)
+        body["version"] = VERSION
+        body["checksum"] = _canonical_crc(body)
         with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+            json.dump(body, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
 
@@ -63,13 +83,34 @@ class Manifest:
             raise CheckpointError(f"{directory} is not a complete checkpoint: it has no {MANIFEST}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is corrupt ({exc}); use an earlier checkpoint") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path} is corrupt (not a JSON object); use an earlier checkpoint")
+        version = d.get("version")
+        if version == VERSION:
+            stored = d.pop("checksum", None)
+            if not isinstance(stored, int) or stored != _canonical_crc(d):
+                raise CheckpointError(f"{path} is corrupt (its content does not match its checksum); "
+                                      "use an earlier checkpoint")
+        elif version == 1:
+            log.warning("%s was written by an older tiertrain and has no checksum of its own: its values are trusted", path)
+        else:
+            raise CheckpointError(f"{path}: checkpoint format version {version!r}, this tiertrain reads {VERSION} and 1")
         try:
-            if d["version"] != VERSION:
-                raise CheckpointError(f"{path}: checkpoint format version {d['version']}, this tiertrain reads {VERSION}")
+            names = {f.name for f in fields(cls)}
+            if set(d) - names:
+                raise KeyError(", ".join(sorted(set(d) - names)))
+            d["version"] = VERSION
             d["files"] = [FileEntry(**e) for e in d["files"]]
-            return cls(**d)
+            man = cls(**d)
         except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{path} is corrupt (missing or bad field {exc}); use an earlier checkpoint") from None
+        if not isinstance(man.step, int) or man.step < 0:
+            raise CheckpointError(f"{path} is corrupt (step {man.step!r}); use an earlier checkpoint")
+        m = _NAME.match(os.path.basename(os.path.normpath(directory)))
+        if m and int(m.group(1)) != man.step:
+            raise CheckpointError(f"{path} says step {man.step} but its directory is step {int(m.group(1))}; "
+                                  "the checkpoint was renamed or edited: use an earlier checkpoint")
+        return man
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -99,3 +140,17 @@ def clean_incomplete(root: str) -> list[str]:
 def latest_checkpoint(root: str) -> str | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def find_checkpoint(where: str, what: str = "checkpoint") -> str:
+    """The checkpoint ``where`` names: a checkpoint directory, or a run directory or a
+    checkpoints directory (their latest complete checkpoint)."""
+    if os.path.exists(os.path.join(where, MANIFEST)):
+        return where
+    if not os.path.isdir(where):
+        raise CheckpointError(f"{what} {where}: no such directory; give a checkpoint or run directory")
+    found = latest_checkpoint(os.path.join(where, "checkpoints")) or latest_checkpoint(where)
+    if found is None:
+        raise CheckpointError(f"{what} {where}: no complete checkpoint there (a checkpoint directory has a {MANIFEST}; "
+                              "a run directory has them under checkpoints/)")
+    return found

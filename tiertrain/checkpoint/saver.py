@@ -92,8 +92,9 @@ class CheckpointIO:
         return crc
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int) -> SaveResult:
-        """Write a complete checkpoint of step ``step`` under ``root``; keep the last ``keep``."""
+    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = ()) -> SaveResult:
+        """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
+        (checkpoints this one supersedes) and keep the last ``keep``."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -120,6 +121,9 @@ class CheckpointIO:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        for old in drop:
+            if os.path.abspath(old) != os.path.abspath(final):  # a superseded step-N is replaced, not dropped
+                shutil.rmtree(old, ignore_errors=True)
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         return SaveResult(final, total, time.perf_counter() - t0)

@@ -8,6 +8,7 @@ position to save beyond the step number.
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib import resources
 from typing import Any
@@ -19,6 +20,9 @@ from ..config import ConfigError, DataConfig
 from .tokens import read_tokens
 
 __all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "bundled_corpus_path"]
+
+log = logging.getLogger("tiertrain")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class ByteTokenizer:
@@ -47,13 +51,21 @@ class _HFTokenizer:
         return self.tok.decode(ids)
 
 
-def load_tokenizer(directory: str | None) -> Any:
-    """The byte-level tokenizer, or a Hugging Face tokenizer from a local directory."""
+def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
+    """The byte-level tokenizer, or a Hugging Face tokenizer from a local directory
+    (``what`` names the setting in errors)."""
     if directory is None:
         return ByteTokenizer()
     if not os.path.isdir(directory):
-        raise ConfigError(f"data.tokenizer = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
-    return _HFTokenizer(directory)
+        raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
+    if not any(os.path.isfile(os.path.join(directory, n)) for n in _TOKENIZER_FILES):
+        raise ConfigError(f"{what} = {directory!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); give the "
+                          "directory that holds them (a model directory usually does)")
+    try:
+        return _HFTokenizer(directory)
+    except Exception as exc:  # transformers raises several kinds for a broken directory
+        raise ConfigError(f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def bundled_corpus_path() -> str:
@@ -68,11 +80,19 @@ class Corpus:
         path = bundled_corpus_path() if cfg.corpus == "bundled" else cfg.corpus
         if path.endswith(".txt"):
             tok = load_tokenizer(cfg.tokenizer)
-            with open(path, encoding="utf-8") as f:
-                ids = tok.encode(f.read())
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"data.corpus = {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                  "convert it to UTF-8, or give a token file from `tiertrain prepare`") from None
+            ids = tok.encode(text)
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
             self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
         else:
+            if cfg.tokenizer is not None:
+                log.warning("data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was "
+                            "prepared", cfg.tokenizer, path)
             self.tokens, self.vocab_size = read_tokens(path)
         self.path = path
         need = cfg.seq_len + 1

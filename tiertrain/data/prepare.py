@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from ..errors import UsageError
+from ..paths import check_input_file
 from .loader import load_tokenizer
 from .tokens import write_tokens
 
@@ -16,15 +19,20 @@ _BLOCK = 4 << 20  # characters per tokenizer call
 
 
 def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None) -> int:
-    """Tokenize ``inputs`` (text files, in order) into the token file ``output``."""
-    tok = load_tokenizer(tokenizer)
+    """Tokenize ``inputs`` (UTF-8 text files, in order) into the token file ``output``."""
+    _check(inputs, output)
+    tok = load_tokenizer(tokenizer, what="prepare --tokenizer")
 
     def chunks() -> Iterator[np.ndarray]:
         for path in inputs:
             with open(path, encoding="utf-8") as f, tqdm(desc=f"tokenize {path}", unit="char", unit_scale=True) as bar:
                 carry = ""
                 while True:
-                    text = f.read(_BLOCK)
+                    try:
+                        text = f.read(_BLOCK)
+                    except UnicodeDecodeError as exc:
+                        raise UsageError(f"prepare --input {path} is not UTF-8 text ({exc.reason} near byte "
+                                         f"{exc.start} of a block); convert it to UTF-8 or give a text file") from None
                     if not text:
                         break
                     text, carry = _split_at_whitespace(carry + text)
@@ -34,6 +42,21 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None)
                     yield np.asarray(tok.encode(carry), dtype=np.int64)
 
     return write_tokens(output, chunks(), tok.vocab_size)
+
+
+def _check(inputs: Sequence[str], output: str) -> None:
+    for path in inputs:
+        check_input_file("prepare --input", path, UsageError)
+        if os.path.exists(output) and os.path.samefile(path, output):
+            raise UsageError(f"prepare --output {output} is also an --input; it would overwrite the text: give another "
+                             "output file")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output):
+        raise UsageError(f"prepare --output {output} is a directory; give a file name, e.g. {os.path.join(output, 'corpus.tokens')}")
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"prepare --output {output}: directory {out_dir} does not exist; create it first")
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError(f"prepare --output {output}: directory {out_dir} is not writable")
 
 
 def _split_at_whitespace(text: str) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..errors import TiertrainError
 from ..io.checksum import crc32c
 
 __all__ = ["write_tokens", "read_tokens", "TokenFileError", "HEADER_BYTES"]
@@ -21,7 +22,7 @@ _HEAD = struct.Struct("<8sIIQQI")
 HEADER_BYTES = 64
 
 
-class TokenFileError(ValueError):
+class TokenFileError(TiertrainError, ValueError):
     """A token file is missing, malformed or corrupt."""
 
 
@@ -30,21 +31,26 @@ def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> in
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
     tmp = f"{path}.tmp{os.getpid()}"
     count, crc = 0, 0
-    with open(tmp, "wb") as f:
-        f.write(bytes(HEADER_BYTES))
-        for chunk in chunks:
-            arr = np.asarray(chunk)
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-                raise TokenFileError(f"token ids must be in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
-            data = arr.astype(dtype).tobytes()
-            crc = crc32c(np.frombuffer(data, dtype=np.uint8), crc)
-            f.write(data)
-            count += arr.size
-        f.seek(0)
-        f.write(_HEAD.pack(_MAGIC, 1, dtype.itemsize, count, vocab_size, crc))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(bytes(HEADER_BYTES))
+            for chunk in chunks:
+                arr = np.asarray(chunk)
+                if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                    raise TokenFileError(f"token ids must be in [0, {vocab_size}), got {arr.min()}..{arr.max()}")
+                data = arr.astype(dtype).tobytes()
+                crc = crc32c(np.frombuffer(data, dtype=np.uint8), crc)
+                f.write(data)
+                count += arr.size
+            f.seek(0)
+            f.write(_HEAD.pack(_MAGIC, 1, dtype.itemsize, count, vocab_size, crc))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a failed or interrupted write leaves nothing behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     return count
 
 
@@ -55,15 +61,26 @@ def read_tokens(path: str, *, verify: bool = False) -> tuple[np.ndarray, int]:
             head = f.read(HEADER_BYTES)
     except FileNotFoundError:
         raise TokenFileError(f"token file {path} does not exist; make one with `tiertrain prepare`") from None
-    if len(head) < _HEAD.size or head[:8] != _MAGIC:
-        raise TokenFileError(f"{path} is not a tiertrain token file (made by `tiertrain prepare`)")
+    except IsADirectoryError:
+        raise TokenFileError(f"{path} is a directory, not a token file; make one with `tiertrain prepare`") from None
+    if len(head) < HEADER_BYTES or head[:8] != _MAGIC:
+        raise TokenFileError(f"{path} is not a tiertrain token file (no TTTOKENS header): give a .txt file or make a "
+                             "token file with `tiertrain prepare`")
     _, version, itemsize, count, vocab, crc = _HEAD.unpack_from(head)
     dtype = {2: "<u2", 4: "<u4"}.get(itemsize)
     if version != 1 or dtype is None:
-        raise TokenFileError(f"{path}: unsupported token file version {version} / item size {itemsize}")
+        raise TokenFileError(f"{path}: unsupported token file version {version} / item size {itemsize}; "
+                             "make it again with `tiertrain prepare`")
     expected = HEADER_BYTES + count * itemsize
-    if os.path.getsize(path) < expected:
-        raise TokenFileError(f"{path} is truncated: expected {expected} bytes, found {os.path.getsize(path)}")
+    actual = os.path.getsize(path)
+    if actual < expected:
+        raise TokenFileError(f"{path} is truncated: expected {expected} bytes, found {actual}; make it again with "
+                             "`tiertrain prepare`")
+    if actual > expected:
+        raise TokenFileError(f"{path} has {actual - expected} bytes after its {count} tokens (it was appended to or "
+                             "damaged); make it again with `tiertrain prepare`")
+    if count == 0:
+        raise TokenFileError(f"{path} holds no tokens; prepare it from a non-empty text")
     arr = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
     if verify and crc32c(np.frombuffer(arr, dtype=np.uint8)) != crc:
         raise TokenFileError(f"{path}: token data does not match its checksum; the file is corrupt")

@@ -35,7 +35,11 @@ def hf_config_from(cfg: ModelConfig) -> Any:
     from transformers import AutoConfig, GPT2Config, LlamaConfig
 
     if cfg.hf_dir is not None:
-        hf_cfg = AutoConfig.from_pretrained(cfg.hf_dir, local_files_only=True)
+        try:
+            hf_cfg = AutoConfig.from_pretrained(cfg.hf_dir, local_files_only=True)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for a bad config.json
+            raise ConfigError(f"model.hf_dir = {cfg.hf_dir!r}: its config.json does not load ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]})") from None
     elif cfg.kind == "llama":
         hf_cfg = LlamaConfig(
             vocab_size=cfg.vocab_size,
@@ -95,6 +99,8 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
     """The skeleton of the configured model and where its initial weights come from."""
     from accelerate import init_empty_weights
 
+    if cfg.kind == "auto":
+        raise ConfigError("model.kind = 'auto' was not resolved: the config was made without its environment checks")
     if cfg.kind == "gpt":
         if cfg.hf_dir is not None:
             raise ConfigError("model.hf_dir is set but model.kind = 'gpt' (built-in); use kind 'llama' or 'gpt2'")
@@ -115,7 +121,7 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
         model = _build_hf(cfg)
     materialize_placeholders(model, param_dtype)
     if cfg.init_from is not None:
-        return model, safetensors_source(model, cfg.init_from)
+        return model, safetensors_source(model, cfg.init_from, what="model.init_from")
     if cfg.hf_dir is not None and not cfg.from_scratch:
         return model, safetensors_source(model, cfg.hf_dir)
     return model, random_source(model, seed)
@@ -143,22 +149,40 @@ def random_source(model: LayeredModel, seed: int) -> WeightSource:
     return WeightSource(f"random init (seed {seed})", load)
 
 
-def safetensors_source(model: LayeredModel, directory: str) -> WeightSource:
+def safetensors_source(model: LayeredModel, directory: str, *, what: str = "model.hf_dir") -> WeightSource:
     """Read each unit's tensors from safetensors: a file, or a directory (an HF model
-    directory, or one written by ``tiertrain export``), keyed by our names or HF names."""
-    from safetensors import safe_open
+    directory, or one written by ``tiertrain export``), keyed by our names or HF names.
+
+    Checked before any work (``what`` names the setting in errors): every file the index
+    names exists and has a readable safetensors header, and every weight the model needs is
+    in them with the right shape."""
+    from safetensors import SafetensorError, safe_open
 
     index = os.path.join(directory, "model.safetensors.index.json")
     single = directory if os.path.isfile(directory) else os.path.join(directory, "model.safetensors")
     if os.path.exists(index):
-        with open(index) as f:
-            where = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                where = {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{what} = {directory!r}: {index} is not a valid safetensors index ({exc})") from None
     elif os.path.exists(single):
-        with safe_open(single, "pt") as f:
-            where = {k: single for k in f.keys()}
+        where = {}
     else:
-        raise ConfigError(f"model.hf_dir = {directory!r}: no model.safetensors(.index.json) there; "
+        raise ConfigError(f"{what} = {directory!r}: no model.safetensors(.index.json) there; "
                           "convert the weights to safetensors or set model.from_scratch = true")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(where.values()) or {single}):
+        if not os.path.isfile(file):
+            raise ConfigError(f"{what} = {directory!r}: {os.path.basename(file)}, named in its index, is missing")
+        try:
+            with safe_open(file, "pt") as f:
+                for k in f.keys():
+                    where.setdefault(k, file)
+                    shapes[k] = tuple(f.get_slice(k).get_shape())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ConfigError(f"{what} = {directory!r}: {file} is not a readable safetensors file ({exc}); "
+                              "it is truncated or damaged: copy it again") from None
     hf_names = _hf_names(model) if model.hf_model is not None else {}
     prefix = getattr(model.hf_model, "base_model_prefix", "")
 
@@ -169,14 +193,25 @@ def safetensors_source(model: LayeredModel, directory: str) -> WeightSource:
         for cand in (hf, hf.removeprefix(prefix + "."), f"{prefix}.{hf}"):
             if cand in where:
                 return cand
-        raise ConfigError(f"model.hf_dir = {directory!r}: weight {hf!r} is missing from the safetensors files")
+        raise ConfigError(f"{what} = {directory!r}: weight {hf!r} is missing from the safetensors files")
+
+    for own in unit_param_names(model):  # every weight is there, with its shape, before any work
+        for name, p in own:
+            key = find(name)
+            if shapes.get(key) is not None and tuple(shapes[key]) != tuple(p.shape):
+                raise ConfigError(f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
+                                  f"{tuple(p.shape)}; the weights are of another model")
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
             key = find(name)
-            with safe_open(where[key], "pt") as f:
-                out[name] = f.get_tensor(key)
+            try:
+                with safe_open(where[key], "pt") as f:
+                    out[name] = f.get_tensor(key)
+            except (SafetensorError, OSError) as exc:
+                raise ConfigError(f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
+                                  "the file is damaged: copy it again") from None
         return out
 
     return WeightSource(f"safetensors from {directory}", load)

@@ -15,19 +15,18 @@ Protocol (trainer -> engine, over a pipe; no tensors are pickled):
     ("stop",)
 engine -> trainer:
     ("ready",), ("free", slot), ("done", unit, first_block, crcs, served_slot), ("stepped", stats),
-    ("released",), ("reopened",), ("alive", progress), ("error", text)
+    ("attached",), ("released",), ("reopened",), ("alive", progress), ("error", line, traceback)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
 
-import numpy as np
 import torch
 
 from ..config import IOConfig, OptimConfig
@@ -35,8 +34,10 @@ from ..io import IOFuture, Storage
 from ..compress.topk import topk_decode, unpack
 from ..state.device import host_peak_rss, host_rss, reset_peak_rss
 from ..state.regions import TieredRegions
+from ..errors import one_line
+from .shm import attach
 from .slices import Slice, SliceLayout
-from .streamed import StreamedOptimizer
+from .streamed import StreamedOptimizer, UpdateStats
 
 __all__ = ["run_engine", "engine_file"]
 
@@ -96,12 +97,7 @@ class Engine:
         # Gradients get their own I/O queue: a slot goes back to the trainer only once its
         # gradient is written, and queued behind the read-ahead that write held up the backward.
         self.grad_storage = Storage.from_config(dataclasses.replace(io, threads=GRAD_THREADS), paths=[path])
-        self.shm = SharedMemory(name=spec["shm"])
-        # Python < 3.13 registers attached segments with this process's resource tracker,
-        # which would unlink the trainer's segment when the engine exits.
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.shm = attach(spec["shm"], spec["shm_bytes"])
         self.slot_bytes = spec["slot_bytes"]
         self.eager = spec["eager"]
         name = lambda kind: engine_file(index, kind)  # noqa: E731
@@ -122,6 +118,7 @@ class Engine:
         self.slotmem: list[torch.Tensor] = []  # the trainer's parameter slots (CPU), once shared
         self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
         self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
+        self._eager: list[tuple[float, UpdateStats]] = []  # eager mode: the units of the step updated so far
 
     @property
     def pool_bytes(self) -> int:
@@ -138,15 +135,26 @@ class Engine:
     # -- messaging ---------------------------------------------------------------------------------
     def send(self, *msg) -> None:
         with self._send_lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError) as exc:  # the trainer is gone
+                raise TrainerGone from exc
+
+    def recv(self) -> tuple:
+        try:
+            return self.conn.recv()
+        except (OSError, EOFError) as exc:
+            raise TrainerGone from exc
 
     def heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
-            self.send("alive", self.progress)
+            try:
+                self.send("alive", self.progress)
+            except TrainerGone:
+                return
 
     def slot(self, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = np.frombuffer(self.shm.buf, dtype=np.uint8, count=self.slot_bytes, offset=k * self.slot_bytes)
-        return torch.from_numpy(buf).view(dtype)[:numel]
+        return self.shm[k * self.slot_bytes : (k + 1) * self.slot_bytes].view(dtype)[:numel]
 
     def done(self, u: int) -> None:
         self.progress += 1
@@ -164,7 +172,7 @@ class Engine:
         """Map the trainer's parameter slots (``/dev/shm/name``): ``count`` slots of ``stride``
         bytes, then one int32 per unit at ``want_at``."""
         n = len(self.layout.units)
-        mem = torch.from_file(f"/dev/shm/{name}", shared=True, size=want_at + 4 * n, dtype=torch.uint8)
+        mem = attach(name, want_at + 4 * n)
         self.slotmem = [mem[k * stride : (k + 1) * stride].view(self.pdtype) for k in range(count)]
         self.want = mem[want_at : want_at + 4 * n].view(torch.int32)
 
@@ -205,21 +213,33 @@ class Engine:
             self.optim.read_ahead()
         if self.eager:  # no clipping: update this unit now, from the slot
             self.slot_grads.view = g
-            self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
+            t0 = time.perf_counter()
+            st = self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
+            self.slot_grads.view = None
+            self._eager.append((time.perf_counter() - t0, st))
         else:
             self.grads.write(u, g).get()
         self.progress += 1
         self.send("free", k)
+        if self.eager and len(self._eager) == len(self.layout.units):  # every unit of the step is updated
+            parts, self._eager = self._eager, []
+            self.report(sum(t for t, _ in parts), UpdateStats(wait_s=sum(st.wait_s for _, st in parts),
+                                                              compute_s=sum(st.compute_s for _, st in parts),
+                                                              chunks=sum(st.chunks for _, st in parts)))
 
     def step(self, step: int, lr: float, coef) -> None:
         t0 = time.perf_counter()
         c = torch.tensor(coef, dtype=torch.float32) if coef is not None else None
         st = self.optim.step(lr, c, step=step, on_unit_done=self.done, on_chunk=self.serve)
+        self.report(time.perf_counter() - t0, st)
+
+    def report(self, seconds: float, st: UpdateStats) -> None:
+        """The step's report: time, bytes moved on storage since the last one, CPU, memory."""
         now = self.io_total()
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
         cpu_now = time.process_time()
         cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
-        self.send("stepped", dict(seconds=time.perf_counter() - t0, read=io.read_bytes, written=io.write_bytes,
+        self.send("stepped", dict(seconds=seconds, read=io.read_bytes, written=io.write_bytes,
                                   wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks, cpu_s=cpu,
                                   peak_host=host_peak_rss(), base_host=self.base_rss, pool=self.pool_bytes))
 
@@ -232,7 +252,7 @@ class Engine:
         self.send("ready")
         try:
             while True:
-                msg = self.conn.recv()
+                msg = self.recv()
                 op = msg[0]
                 if op == "init":
                     self.init(msg[1], msg[2])
@@ -242,6 +262,7 @@ class Engine:
                     self.step(*msg[1:])
                 elif op == "slots":
                     self.attach_slots(*msg[1:])
+                    self.send("attached")
                 elif op == "release":
                     self.optim.drop_ahead()
                     for f in self.files:
@@ -259,19 +280,25 @@ class Engine:
                 f.close()
             self.storage.close()
             self.grad_storage.close()
-            self.shm.close()
 
 
-def run_engine(index: int, path: str, conn: Connection, spec: dict) -> None:
-    """Run engine ``index`` on ``conn`` until told to stop."""
+class TrainerGone(Exception):
+    """The connection to the trainer is closed: it stopped or was killed."""
+
+
+def run_engine(index: int, path: str, conn: Connection, spec: dict) -> int:
+    """Run engine ``index`` on ``conn`` until told to stop; the process's exit code."""
     try:
         Engine(index, path, conn, spec).run()
-    except BaseException:  # report, then exit: the trainer names this engine and its path
+    except TrainerGone:
+        return 3  # orphaned: exit quietly, the trainer (if alive) names what happened
+    except BaseException as exc:  # report, then exit: the trainer names this engine and its path
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc()))
         except Exception:
             pass
-        raise
+        return 1
+    return 0
 
 
 def main() -> None:
@@ -281,11 +308,15 @@ def main() -> None:
     import sys
     from multiprocessing.connection import Client
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when its engines stop
     address, index = sys.argv[1], int(sys.argv[2])
-    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ["TIERTRAIN_ENGINE_KEY"]))
-    conn.send(("hello", index))
-    path, spec = conn.recv()
-    run_engine(index, path, conn, spec)
+    try:
+        conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ["TIERTRAIN_ENGINE_KEY"]))
+        conn.send(("hello", index))
+        path, spec = conn.recv()
+    except (OSError, EOFError):
+        sys.exit(3)  # the trainer went away during start-up
+    sys.exit(run_engine(index, path, conn, spec))
 
 
 if __name__ == "__main__":

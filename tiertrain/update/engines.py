@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import subprocess
@@ -23,26 +24,27 @@ import threading
 import time
 from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as mp_wait
-from multiprocessing.shared_memory import SharedMemory
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from ..config import Config
 from ..io import FileHandle, IOFuture, Storage, round_up
 from ..state.layout import UNIT_ALIGN, FlatLayout
 from ..state.regions import TieredRegions
+from ..errors import TiertrainError
 from .engine import engine_file
+from .shm import SharedSegment
 from .slices import SliceLayout, partition, unit_records
 
 __all__ = ["EngineGroup", "EngineError"]
 
+log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 SLOTS = 2
 
 
-class EngineError(RuntimeError):
+class EngineError(TiertrainError, RuntimeError):
     """An update engine died, hung or failed."""
 
 
@@ -61,11 +63,11 @@ class EngineGroup:
         self.eager = cfg.update.eager
         self.procs: list = []
         self.conns: list = []
-        self.shms: list[SharedMemory] = []
+        self.shms: list[SharedSegment] = []
         self._free = [list(range(SLOTS)) for _ in range(self.n)]
         self._done: dict[int, set[int]] = {u.index: set(range(self.n)) for u in layout.units}
         self._served: dict[int, list[int]] = {u.index: [-1] * self.n for u in layout.units}
-        self._slot_shm: SharedMemory | None = None  # the parameter slots, when shared (CPU)
+        self._slot_shm: SharedSegment | None = None  # the parameter slots, when shared (CPU)
         self._want: torch.Tensor | None = None
         self.handoff_bytes = 0  # new parameters the engines wrote straight into the trainer's slots
         self._seen = [time.time()] * self.n
@@ -108,7 +110,7 @@ class EngineGroup:
         m = cfg.memory
         specs = []
         for i in range(self.n):
-            shm = SharedMemory(create=True, size=SLOTS * self.slot_bytes)
+            shm = SharedSegment(SLOTS * self.slot_bytes)
             self.shms.append(shm)
             spec = dict(
                 records=unit_records(self.layout),
@@ -117,6 +119,7 @@ class EngineGroup:
                 io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
                 optim=dataclasses.asdict(cfg.optim),
                 shm=shm.name,
+                shm_bytes=shm.size,
                 slot_bytes=self.slot_bytes,
                 threads=1,
                 eager=self.eager,
@@ -127,7 +130,10 @@ class EngineGroup:
                 ahead_bytes=m.engine_read_ahead_mib * MIB // self.n,
             )
             specs.append(spec)
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engine", address, str(i)], env=env))
+            # A session of its own: Ctrl-C at the terminal reaches the trainer only, which stops
+            # at a step boundary and then stops the engines itself.
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engine", address, str(i)], env=env,
+                                               start_new_session=True))
         self.conns = [None] * self.n
         accepted: list = []
 
@@ -140,16 +146,20 @@ class EngineGroup:
         deadline = time.time() + max(120.0, self.timeout)
         while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in self.procs):
             t.join(0.2)  # a start that never connects must not hang us
+        listener.close()
+        import shutil
+
+        shutil.rmtree(self._sockdir, ignore_errors=True)  # connected (or failed): nothing left in the temp dir
         if t.is_alive():
-            listener.close()
             dead = {i: p.returncode for i, p in enumerate(self.procs) if p.poll() is not None}
             raise EngineError(f"update engines did not start: {len(accepted)} of {self.n} connected; exit codes {dead}")
-        listener.close()
         for conn in accepted:
             _, i = conn.recv()
             conn.send((self.paths[i], specs[i]))
             self.conns[i] = conn
         self._pump(lambda: all(s == "ready" for s in self._state), "starting", timeout=max(120.0, self.timeout))
+        for shm in self.shms:  # every engine has mapped its slots
+            shm.unlink()
 
     def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
         """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
@@ -188,8 +198,9 @@ class EngineGroup:
             self.stepped.append(dict(msg[1], engine=i))
             self.peak_host[i] = msg[1]["peak_host"]  # the engine's VmHWM: already its peak so far
         elif op == "error":
-            raise EngineError(f"update engine {i} ({self.paths[i]}) failed:\n{msg[1]}")
-        elif op in ("ready", "released", "reopened"):
+            log.debug("update engine %d failed:\n%s", i, msg[2] if len(msg) > 2 else "")
+            raise EngineError(f"update engine {i} ({self.paths[i]}) failed: {msg[1]}; resume from the last checkpoint")
+        elif op in ("ready", "released", "reopened", "attached"):
             self._state[i] = op
 
     def _drain(self) -> None:
@@ -234,8 +245,7 @@ class EngineGroup:
 
     # -- shared-memory slots ---------------------------------------------------------------------------
     def _slot(self, i: int, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = np.frombuffer(self.shms[i].buf, dtype=np.uint8, count=self.slot_bytes, offset=k * self.slot_bytes)
-        return torch.from_numpy(buf).view(dtype)[:numel]
+        return self.shms[i].tensor[k * self.slot_bytes : (k + 1) * self.slot_bytes].view(dtype)[:numel]
 
     def _take(self, i: int, what: str) -> int:
         t0 = time.perf_counter()
@@ -295,13 +305,15 @@ class EngineGroup:
         stride = round_up(numel * self.pdtype.itemsize, 4096)
         nu = len(self.layout.units)
         want_at = count * stride
-        self._slot_shm = SharedMemory(create=True, size=want_at + round_up(4 * nu, 4096))
+        self._slot_shm = SharedSegment(want_at + round_up(4 * nu, 4096))
         name = self._slot_shm.name
-        mem = torch.from_file(f"/dev/shm/{name}", shared=True, size=want_at + 4 * nu, dtype=torch.uint8)
+        mem = self._slot_shm.tensor
         self._want = mem[want_at : want_at + 4 * nu].view(torch.int32)
         self._want.zero_()
         for i in range(self.n):
             self._send(i, "slots", name, stride, count, want_at)
+        self._pump(lambda: all(s == "attached" for s in self._state), "mapping the parameter slots")
+        self._slot_shm.unlink()
         return [mem[k * stride : k * stride + numel * self.pdtype.itemsize].view(self.pdtype) for k in range(count)]
 
     def handoff(self, u: int, slot: int, out: torch.Tensor) -> "_Handoff | None":
@@ -364,7 +376,8 @@ class EngineGroup:
         """Start optimizer step ``self._step`` on every engine; returns at once. The next
         forward waits per unit (``wait_ready``)."""
         if self.eager:
-            return  # already applied as gradients arrived
+            self._steps_sent += 1  # already applied as gradients arrived; each engine reports the step
+            return
         for u in self._done:
             self._done[u] = set()
         if self._want is not None:
@@ -408,32 +421,36 @@ class EngineGroup:
         return sum(s.size for s in self.shms) + extra
 
     def close(self) -> None:
+        """Stop the engines (killed after 10 s) and free everything, whatever state they are
+        in: a dead or failed engine does not keep the others or the files from closing."""
         for i, p in enumerate(self.procs):
             if p.poll() is None and i < len(self.conns) and self.conns[i] is not None:
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     self.conns[i].send(("stop",))
-                except OSError:
-                    pass
         for p in self.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for c in self.conns:
+            if c is not None:
+                with contextlib.suppress(OSError):
+                    c.close()
         if getattr(self, "_sockdir", None):
             import shutil
 
             shutil.rmtree(self._sockdir, ignore_errors=True)
         for r in self._readers:
             if r is not None:
-                r.close()
+                with contextlib.suppress(Exception):
+                    r.close()
         if getattr(self, "residual", None) is not None:
-            self.residual.close()
+            with contextlib.suppress(Exception):
+                self.residual.close()
         for shm in self.shms + ([self._slot_shm] if getattr(self, "_slot_shm", None) else []):
-            shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()  # the mappings (ours and torch's) stay valid until unmapped
-        self.procs, self.shms, self._readers = [], [], []
+            shm.unlink()
+        self.procs, self.shms, self._readers, self.conns = [], [], [], []
 
 
 class _Handoff:

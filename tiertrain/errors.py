@@ -1,0 +1,23 @@
+"""The base of every error a user can cause and fix (a bad value, a missing file, a full
+disk, a damaged checkpoint, a run directory in use). The command line prints such an error
+as one line, ``tiertrain: <message>``, and exits non-zero; anything else is a bug and keeps
+its traceback. Messages name the value, what is wrong with it and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TiertrainError", "UsageError", "one_line"]
+
+
+class TiertrainError(Exception):
+    """An error the user can act on; its message says how."""
+
+
+class UsageError(TiertrainError, ValueError):
+    """A command-line argument or an input file is not acceptable."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (details after the first line are dropped)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

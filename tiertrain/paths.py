@@ -1,0 +1,77 @@
+"""Checks of the directories and files a run will write, made before any work.
+
+Side-effect free: nothing is created here. Each check raises ``ConfigError`` (or the
+given error class) naming the setting, the path, what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+__all__ = ["check_writable_dir", "check_new_file", "check_input_file"]
+
+
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def check_writable_dir(what: str, path: str, error: type[Exception] | None = None) -> None:
+    """``path`` is a directory we can write, or can be made as one (``what`` names the
+    setting, e.g. ``io.paths``)."""
+    from .config import ConfigError
+
+    err = error or ConfigError
+    p = os.path.abspath(path)
+    if p.startswith(("/proc/", "/sys/")) or p in ("/proc", "/sys"):
+        raise err(f"{what} = {path!r} is inside /{p.split('/')[1]}, a kernel filesystem; give a directory on a disk")
+    if os.path.lexists(p) and not os.path.isdir(p):
+        raise err(f"{what} = {path!r} is a file, not a directory; give a directory (it is made if missing)")
+    base = _nearest_existing(p)
+    if not os.path.isdir(base):
+        raise err(f"{what} = {path!r} cannot be made: {base} is a file; give a directory elsewhere")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise err(f"{what} = {path!r}: {base} is not writable by this user; choose a writable directory "
+                  "or change its permissions")
+    if base != p:
+        return
+    probe = os.path.join(p, f".tiertrain-probe-{os.getpid()}")
+    try:  # a read-only mount passes os.access for root
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        why = "is on a read-only filesystem" if exc.errno == errno.EROFS else f"cannot be written ({exc.strerror})"
+        raise err(f"{what} = {path!r} {why}; choose a writable directory") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_new_file(what: str, path: str, error: type[Exception] | None = None) -> None:
+    """``path`` can be written as a file: its directory exists (or can be made) and is
+    writable, and it is not a directory."""
+    from .config import ConfigError
+
+    err = error or ConfigError
+    if os.path.isdir(path):
+        raise err(f"{what} = {path!r} is a directory; give a file name")
+    check_writable_dir(f"the directory of {what}", os.path.dirname(os.path.abspath(path)), err)
+
+
+def check_input_file(what: str, path: str, error: type[Exception] | None = None) -> None:
+    """``path`` is an existing, readable regular file."""
+    from .config import ConfigError
+
+    err = error or ConfigError
+    if not os.path.exists(path):
+        raise err(f"{what} = {path!r}: no such file")
+    if os.path.isdir(path):
+        raise err(f"{what} = {path!r} is a directory; give a file")
+    if not os.access(path, os.R_OK):
+        raise err(f"{what} = {path!r} is not readable by this user")
