@@ -10,10 +10,19 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup train test bench-io clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The torch spec the venv was set up with: rewritten (and the venv brought up to date) only
+# when TORCH_SPEC changes, so `make train TORCH_SPEC=...` on an existing .venv takes effect.
+TORCH_STAMP := $(VENV)/.torch-spec
+
+.PHONY: FORCE
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@[ "$$(cat $@ 2>/dev/null)" = '$(TORCH_SPEC)' ] || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 

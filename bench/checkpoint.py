@@ -16,6 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from train import config  # noqa: E402
 
+from tiertrain.bench.output import checked_out  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
 
 
@@ -25,6 +26,8 @@ def main() -> int:
     ap.add_argument("--scratch", default="./tiertrain-scratch/bench-ckpt")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.out:  # before the work, not after
+        args.out = checked_out(args.out)
     shutil.rmtree(args.scratch, ignore_errors=True)
     cfg = config(args.scratch, 4, 1)
     saves, loads = [], []

@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tiertrain.bench.output import checked_out  # noqa: E402
 from tiertrain.config import load_config  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
 
@@ -35,6 +36,7 @@ def main() -> int:
     ap.add_argument("--scratch", default="./tiertrain-scratch/bench-topk")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
+    checked_out(os.path.join(args.out_dir, "topk-loss-curves.md"))  # before the work, not after
     curves = {}
     for label, flags in RUNS:
         shutil.rmtree(args.scratch, ignore_errors=True)

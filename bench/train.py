@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from reference import reference_model, weights_of  # noqa: E402
 
 from tiertrain.bench.io import run_io_bench  # noqa: E402
+from tiertrain.bench.output import checked_out  # noqa: E402
 from tiertrain.config import (  # noqa: E402
     CheckpointConfig,
     Config,
@@ -95,7 +96,7 @@ def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer]:
 
 
 def formula_bytes(tr: Trainer) -> tuple[int, int]:
-    """Bytes per step by SYSTEM.md's table for this placement (fp32 on CPU: 4 B rows), before
+    """Bytes per step by the table in docs/DESIGN.md for this placement (fp32 on CPU: 4 B rows), before
     slot hits: params fetched twice, then the update reads params, grads (the part on disk)
     and both moments and writes them back, in the trainer or in the engines."""
     f = dict(tr.plan.files)
@@ -120,6 +121,8 @@ def main() -> int:
     if unknown := [m for m in modes if m not in MODES]:
         ap.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     mbs = [int(x) for x in args.micro_batches.split(",")]
+    if args.out:  # before the work, not after
+        args.out = checked_out(args.out)
     torch.manual_seed(0)
     base_cfg = config(args.scratch, 4, args.steps)
     ref = reference_model(base_cfg)
@@ -211,7 +214,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         )
     lines += [
         "",
-        "Formula (SYSTEM.md, fp32 on CPU): parameters are read twice (forward, backward), then the",
+        "Formula (docs/DESIGN.md, fp32 on CPU): parameters are read twice (forward, backward), then the",
         "update reads parameters, gradients (the part not kept in RAM) and both moments and writes them",
         "back. Measured reads are lower: units still resident in a slot from the end of the forward are",
         "not fetched again for the backward, and with engines the forward gets the units the engines",

@@ -32,6 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from deepspeed_worker import ProcMeter  # noqa: E402
 
+from tiertrain.bench.output import checked_out  # noqa: E402
+
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 OPTIM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
 SYSTEMS = {  # label, tiertrain update settings (None: DeepSpeed), exact math?
@@ -169,6 +171,8 @@ def main() -> int:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2 (the first step is warm-up)")
+    if args.out:  # before the 20 minutes of work, not after
+        args.out = checked_out(args.out)
     work = os.path.abspath(args.scratch)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)

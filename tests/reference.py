@@ -110,3 +110,12 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False):
         names = [n for n, _ in inner.named_parameters()]
         return losses, {n: w.detach() for n, w in zip(names, opt_params)}
     return losses, {k: v.detach().float() for k, v in inner.state_dict().items()}
+
+
+def tiny_flags(tmp_path, *extra: str, steps: int = 2, layers: int = 2) -> list[str]:
+    """``tiertrain train`` flags of a run that takes about a second: scratch and run directory
+    under ``tmp_path``, small chunks so that checksums and chunking are exercised."""
+    return [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", f"--model.n_layers={layers}",
+            "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=2",
+            f"--train.steps={steps}", "--train.progress=false", "--io.chunk_kib=256", "--io.checksum_block_kib=64",
+            "--io.stripe_kib=64", "--memory.update_buffer_kib=64", *extra]

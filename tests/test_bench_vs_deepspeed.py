@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -33,9 +34,28 @@ CHILD = textwrap.dedent(
 )
 
 
+def _on_disk(tmp_path):
+    """A directory for the meter's file on a disk filesystem: ``tmp_path`` unless it is tmpfs,
+    then one under the repository that the test removes."""
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    if fs != "tmpfs":
+        return str(tmp_path)
+    scratch = os.path.join(os.path.dirname(__file__), "..", f".meter-test-{os.getpid()}")
+    os.makedirs(scratch, exist_ok=True)
+    tmp_path.joinpath("cleanup").write_text(scratch)
+    return scratch
+
+
+@pytest.fixture(autouse=True)
+def _remove_meter_dir(tmp_path):
+    yield
+    marker = tmp_path / "cleanup"
+    if marker.exists():
+        shutil.rmtree(marker.read_text(), ignore_errors=True)
+
+
 def test_meter_counts_children_disk_bytes_and_peak_rss(tmp_path):
-    scratch = os.path.join(os.path.dirname(__file__), "..", "tiertrain-scratch", "meter-test")
-    os.makedirs(scratch, exist_ok=True)  # on the disk: /tmp may be tmpfs, which /proc/<pid>/io does not count
+    scratch = _on_disk(tmp_path)  # /proc/<pid>/io does not count tmpfs
     meter = deepspeed_worker.ProcMeter()
     r0, w0 = meter.io()
     base_peak = meter.peak_rss()

@@ -112,3 +112,20 @@ def test_readme_reference_is_the_config_reference():
     (it ends the README): a changed default or doc string must be copied there."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert readme.endswith(config_reference().rstrip() + "\n"), "README reference out of date: paste `tiertrain config --reference`"
+
+
+def test_readme_links_resolve_and_docs_are_the_projects_own():
+    """Every relative link in the README and docs/ points at a file of the repository, and no
+    file points at the team's notes outside it (users do not have them)."""
+    import re
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for doc in ["README.md", *[os.path.join("docs", n) for n in os.listdir(os.path.join(root, "docs"))]]:
+        text = open(os.path.join(root, doc)).read()
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if "://" not in target:
+                assert os.path.exists(os.path.join(root, os.path.dirname(doc), target)), (doc, target)
+    r = subprocess.run(["git", "grep", "-n", "-I", "-E", r"\.\./shared|SYSTEM\.md", "--", ".", ":!tests/test_config_cli.py"],
+                       cwd=root, capture_output=True, text=True)
+    assert r.stdout == "", r.stdout

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 from .config import ConfigError, config_reference, load_config
 from .errors import TiertrainError, UsageError, one_line
@@ -205,11 +208,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (schedulers, ``docker stop``) interrupts like Ctrl-C, so what a run made is
+    cleaned up; once training runs, both stop it at a step boundary instead."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     _setup_logging(args.verbose)
+    with _sigterm_interrupts():
+        return _run(parser, args, rest)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
     try:
         if args.cmd == "config":
             return _cmd_config(args, rest)
@@ -236,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tiertrain: {one_line(exc)}", file=sys.stderr)
         log.debug("details", exc_info=True)
         return 1
-    except KeyboardInterrupt:
-        print("tiertrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
         return 130
 
 

@@ -393,10 +393,11 @@ class Config:
             check_writable_dir("checkpoint.dir", self.checkpoint.dir)
 
     def absolute(self) -> "Config":
-        """A copy with every path absolute, as stored in checkpoints: a run resumed or exported
-        from another working directory finds the same files and the same run directory."""
+        """A copy, validated again (fields may have been set after it was made), with every
+        path absolute, as stored in checkpoints: a run resumed or exported from another
+        working directory finds the same files and the same run directory."""
         ab = os.path.abspath
-        out = Config.from_dict(self.to_dict(), environment=False)
+        out = Config.from_dict(self.to_dict())
         out.io.paths = [ab(p) for p in out.io.paths]
         out.train.run_dir = ab(out.train.run_dir)
         for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):

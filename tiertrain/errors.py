@@ -18,6 +18,8 @@ class UsageError(TiertrainError, ValueError):
 
 
 def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (details after the first line are dropped)."""
-    text = str(exc).strip() or type(exc).__name__
+    """``exc``'s message on one line (details after the first line are dropped; an OSError's
+    ``[Errno N]`` prefix too: the message says what happened)."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    text = text.strip() or type(exc).__name__
     return text.splitlines()[0]

@@ -4,7 +4,7 @@
 reached; ``TIERTRAIN_SLOW_AT=point:seconds`` sleeps that long each time (to make one
 side of an overlap the slow one). Points: ``forward`` and ``backward`` (each unit and
 micro-batch), ``update`` (each optimizer chunk), ``checkpoint`` (each chunk saved or
-restored). Both are read when the process starts. Unset, a point costs one comparison.
+restored), ``start`` (once, while the trainer is being built). Both are read when the process starts. Unset, a point costs one comparison.
 """
 
 from __future__ import annotations

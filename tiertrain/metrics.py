@@ -96,7 +96,7 @@ class MetricsLog:
         rd = statistics.median(r.ssd_read_bytes for r in steady)
         wr = statistics.median(r.ssd_write_bytes for r in steady)
         return (
-            f"{len(recs)} steps: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}; median step {med:.2f} s, "
+            f"{len(recs)} step{'s' if len(recs) != 1 else ''}: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}; median step {med:.2f} s, "
             f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
             f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
             + (f" (+ engines {eng / 2**20:,.0f} MiB)" if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)) else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 
-__all__ = ["check_writable_dir", "check_new_file", "check_input_file"]
+__all__ = ["check_writable_dir", "check_new_file", "check_input_file", "prepare_output_file"]
 
 
 def _nearest_existing(path: str) -> str:
@@ -75,3 +75,18 @@ def check_input_file(what: str, path: str, error: type[Exception] | None = None)
         raise err(f"{what} = {path!r} is a directory; give a file")
     if not os.access(path, os.R_OK):
         raise err(f"{what} = {path!r} is not readable by this user")
+
+
+def prepare_output_file(what: str, path: str) -> str:
+    """Make the directory of output file ``path`` now (before any long work) and check that
+    it can be written there; return the absolute path. Raises ``UsageError`` naming ``what``."""
+    from .errors import UsageError
+
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise UsageError(f"{what} = {path!r} is a directory; give a file name")
+    directory = os.path.dirname(path)
+    check_writable_dir(f"the directory of {what}", directory, UsageError)
+    os.makedirs(directory, exist_ok=True)
+    check_writable_dir(f"the directory of {what}", directory, UsageError)
+    return path

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import faults
 from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
 from .config import Config, ConfigError
@@ -100,6 +101,7 @@ class Trainer:
             self.storage.check_space(self.plan.files)  # a full disk is reported here, before any work
             check_space(self.plan.placed or [])
             self._build()
+            faults.point("start")
         except BaseException:
             self.close()
             raise

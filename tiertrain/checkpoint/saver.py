@@ -146,9 +146,9 @@ class CheckpointIO:
         units = [u.numel for u in self.layout.units]
         if man.units != units or man.param_dtype != str(regions["params.bin"].dtype):
             raise CheckpointError(
-                f"checkpoint {path} was written for another model or precision ({len(man.units)} units, "
-                f"{man.param_dtype}) than this run ({len(units)} units, {regions['params.bin'].dtype}); "
-                "resume with the config it was made with"
+                f"checkpoint {path} was written for another model or precision ({_describe(man.units, man.param_dtype)}) "
+                f"than this run ({_describe(units, str(regions['params.bin'].dtype))}); resume with the config it was "
+                "made with"
             )
         for name, region in regions.items():
             entry = man.entry(name)
@@ -180,6 +180,12 @@ class CheckpointIO:
 
     def close(self) -> None:
         self.workers.shutdown()
+
+
+def _describe(units: list[int], dtype: str) -> str:
+    """A layout in words, detailed enough that two different ones read differently."""
+    return f"{len(units)} units of {', '.join(f'{n:,}' for n in units[:3])}{', ...' if len(units) > 3 else ''} elements, " \
+        f"{sum(units):,} in all, {dtype.removeprefix('torch.')}"
 
 
 def _save_rng(directory: str) -> FileEntry:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import errno as _errno
 import os
 
-__all__ = ["StorageError", "ChecksumError", "TruncatedFileError", "OutOfSpaceError"]
+__all__ = ["StorageError", "ChecksumError", "TruncatedFileError", "OutOfSpaceError", "human_bytes"]
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units with three significant figures (``2.65 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 class StorageError(OSError):
@@ -65,8 +74,7 @@ class OutOfSpaceError(StorageError):
         super().__init__(
             _errno.ENOSPC,
             path,
-            f"not enough space on the filesystem of {path}: need {needed} bytes "
-            f"({needed / 2**30:.2f} GiB), {free} bytes free ({free / 2**30:.2f} GiB); "
-            f"free {(needed - free) / 2**30:.2f} GiB or choose another path",
+            f"not enough space on the filesystem of {path}: need {needed} bytes ({human_bytes(needed)}), "
+            f"{free} bytes free ({human_bytes(free)}); free {human_bytes(needed - free)} more or choose another path",
         )
         self.needed, self.free = needed, free

@@ -144,12 +144,13 @@ class EngineGroup:
         t = threading.Thread(target=accept_all, daemon=True, name="tiertrain-engine-accept")
         t.start()
         deadline = time.time() + max(120.0, self.timeout)
-        while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in self.procs):
-            t.join(0.2)  # a start that never connects must not hang us
-        listener.close()
-        import shutil
-
-        shutil.rmtree(self._sockdir, ignore_errors=True)  # connected (or failed): nothing left in the temp dir
+        try:
+            while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in self.procs):
+                t.join(0.2)  # a start that never connects must not hang us
+        finally:  # connected, failed or interrupted: nothing left in the temp dir
+            listener.close()  # unlinks the socket
+            os.rmdir(self._sockdir)
+            self._sockdir = None
         if t.is_alive():
             dead = {i: p.returncode for i, p in enumerate(self.procs) if p.poll() is not None}
             raise EngineError(f"update engines did not start: {len(accepted)} of {self.n} connected; exit codes {dead}")

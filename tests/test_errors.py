@@ -1,0 +1,270 @@
+"""Every bad input is one clear line: the value, what is wrong, what to do; a non-zero exit
+code; and nothing left behind."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from reference import tiny_flags
+from tiertrain.cli import main
+
+
+def one_line_error(capsys, argv, code=None):
+    """Run the CLI; return its error line after checking it is the only one and no traceback."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("tiertrain:")]
+    assert len(lines) == 1, err
+    assert rc != 0 and (code is None or rc == code), (rc, err)
+    return lines[0]
+
+
+def nothing_left(tmp_path, *keep):
+    left = sorted(set(os.listdir(tmp_path)) - set(keep))
+    assert left == [], left
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny GPT-2 model directory (config.json and model.safetensors)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(d)
+    return d
+
+
+def copy_hf(src, dst):
+    dst.mkdir()
+    for n in os.listdir(src):
+        (dst / n).write_bytes((src / n).read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("garbage", r"model\.safetensors is not a readable safetensors file \(.*\); it is truncated or damaged"),
+    ("truncated", r"model\.safetensors is not a readable safetensors file"),
+    ("header-only", r"model\.safetensors is not a readable safetensors file"),
+])
+def test_damaged_safetensors(tmp_path, capsys, hf_dir, damage, match):
+    d = copy_hf(hf_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"garbage": os.urandom(len(data)), "truncated": data[: len(data) // 2],
+                   "header-only": data[: 8 + int.from_bytes(data[:8], "little")]}[damage])
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}")], 2)
+    assert f"model.hf_dir = '{d}'" in line
+    import re
+    assert re.search(match, line), line
+    nothing_left(tmp_path, "m")
+
+
+def test_invalid_config_json_and_a_missing_shard(tmp_path, capsys, hf_dir):
+    d = copy_hf(hf_dir, tmp_path / "m")
+    (d / "config.json").write_text('{"model_type": "gpt2", ')
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}")], 2)
+    assert f"model.hf_dir = '{d}': {d}/config.json is not valid JSON" in line
+    d2 = copy_hf(hf_dir, tmp_path / "sharded")
+    (d2 / "model.safetensors").rename(d2 / "model-00001-of-00002.safetensors")
+    keys = json.load(open(d2 / "config.json"))  # any names: the index points at a shard that is not there
+    (d2 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "transformer.wte.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert keys
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d2}")], 2)
+    assert "model-00002-of-00002.safetensors, named in its index, is missing" in line
+    nothing_left(tmp_path, "m", "sharded")
+
+
+def test_kind_is_read_from_config_json_and_a_contradiction_is_refused(tmp_path, capsys, hf_dir):
+    from tiertrain.config import load_config
+
+    assert load_config(None, [f"--model.hf_dir={hf_dir}", "--data.seq_len=32"]).model.kind == "gpt2"
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={hf_dir}", "--model.kind=llama")], 2)
+    assert f"model.kind = 'llama': model.hf_dir = '{hf_dir}' holds a 'gpt2' model (config.json), which is kind 'gpt2'; " \
+           "leave model.kind at 'auto' or set it to 'gpt2'" in line
+
+
+@pytest.mark.parametrize("key", ["n_positions", "max_position_embeddings"])
+def test_seq_len_beyond_the_models_position_limit(tmp_path, capsys, hf_dir, key):
+    d = copy_hf(hf_dir, tmp_path / "m")
+    cfg = json.load(open(d / "config.json"))
+    if key == "max_position_embeddings":  # a Llama
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, max_position_embeddings=16).to_dict()
+    else:
+        cfg["n_positions"] = 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}")], 2)
+    assert f"data.seq_len = 32 is longer than the model in {d} supports ({key} = 16 in its config.json)" in line
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"", "is not a tiertrain token file"),
+    (b"garbage" * 100, "is not a tiertrain token file"),
+    ("truncate", "is truncated: expected"),
+    ("trailing", "bytes after its"),
+])
+def test_bad_token_files(tmp_path, capsys, content, match):
+    from tiertrain.data import write_tokens
+
+    f = tmp_path / "c.tokens"
+    if isinstance(content, str):
+        import numpy as np
+
+        write_tokens(str(f), [np.arange(1000) % 256], 256)
+        data = f.read_bytes()
+        f.write_bytes(data[:-10] if content == "truncate" else data + b"\0\0")
+    else:
+        f.write_bytes(content)
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--data.corpus={f}")], 1)
+    assert match in line and str(f) in line
+    nothing_left(tmp_path, "c.tokens")
+
+
+def test_text_corpus_not_utf8_and_a_directory_as_corpus(tmp_path, capsys):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"some text \xff\xfe more" * 100)
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--data.corpus={f}")], 2)
+    assert f"data.corpus = '{f}' is not UTF-8 text" in line
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--data.corpus={tmp_path}")], 2)
+    assert f"data.corpus = '{tmp_path}': is a directory" in line
+    nothing_left(tmp_path, "c.txt")
+
+
+def test_device_cuda_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, "--train.device=cuda")], 2)
+    assert "train.device = 'cuda' but" in line and "use --train.device=cpu" in line
+    nothing_left(tmp_path)
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}")
+    yield d
+    subprocess.run(["umount", str(d)])
+
+
+@pytest.mark.parametrize("field", ["io.paths", "train.run_dir"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc", "read-only"])
+def test_unusable_directories(tmp_path, capsys, field, where, request):
+    f = tmp_path / "f"
+    f.write_text("x")
+    path = {"a file": f, "under a file": f / "sub", "/proc": "/proc/tiertrain-test", "read-only": None}[where]
+    if where == "read-only":
+        path = request.getfixturevalue("readonly_dir") / "sub"
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--{field}={path}"], 2)
+    assert line.startswith(f"tiertrain: config error: {field} = '{path}'"), line
+    assert {"a file": "is a file, not a directory", "under a file": f"cannot be made: {f} is a file",
+            "/proc": "is inside /proc, a kernel filesystem", "read-only": "is on a read-only filesystem"}[where] in line \
+        or (where == "read-only" and "not writable" in line), line
+    nothing_left(tmp_path, "f", "ro")
+
+
+def test_out_of_space_at_start(tmp_path, capsys):
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(d)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--io.paths={d}"], 1)
+        assert f"tiertrain: not enough space on the filesystem of {d}" in line and "more or choose another path" in line
+        assert os.listdir(d) == []
+    finally:
+        subprocess.run(["umount", str(d)])
+    nothing_left(tmp_path, "small")
+
+
+def test_checksum_mismatch_on_resume_and_export_failures(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    ck = run / "checkpoints" / "step-00000002"
+    f = ck / "exp_avg.bin"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+    line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=3"], 1)
+    assert f"checkpoint file {f} is corrupt: crc32c" in line and "use an earlier checkpoint" in line
+    line = one_line_error(capsys, ["export", f"--checkpoint={tmp_path / 'nope'}", f"--out={tmp_path / 'e'}"], 1)
+    assert f"export --checkpoint {tmp_path / 'nope'}: no such directory" in line
+    line = one_line_error(capsys, ["export", f"--checkpoint={tmp_path}", f"--out={tmp_path / 'e'}"], 1)
+    assert f"export --checkpoint {tmp_path}: no complete checkpoint there" in line
+    p = ck / "params.bin"
+    data = bytearray(p.read_bytes())
+    data[100] ^= 1
+    p.write_bytes(bytes(data))
+    line = one_line_error(capsys, ["export", f"--checkpoint={ck}", f"--out={tmp_path / 'e'}"], 1)
+    assert f"checkpoint file {p} is corrupt" in line
+    assert not (tmp_path / "e").exists() and not [n for n in os.listdir(tmp_path) if "tmp-export" in n]
+
+
+def test_prepare_errors(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 100)
+    line = one_line_error(capsys, ["prepare", f"--input={text}", f"--output={text}"], 1)
+    assert "is also an --input; it would overwrite the text" in line
+    assert text.read_text() == "hello world " * 100
+    binary = tmp_path / "b.txt"
+    binary.write_bytes(bytes(range(256)) * 100)
+    line = one_line_error(capsys, ["prepare", f"--input={binary}", f"--output={tmp_path / 'o.tokens'}"], 1)
+    assert f"prepare --input {binary} is not UTF-8 text" in line
+    assert sorted(os.listdir(tmp_path)) == ["b.txt", "t.txt"]  # no output, no temporary file
+    line = one_line_error(capsys, ["prepare", f"--input={tmp_path / 'none.txt'}", f"--output={tmp_path / 'o'}"], 1)
+    assert f"prepare --input = '{tmp_path / 'none.txt'}': no such file" in line
+    line = one_line_error(capsys, ["prepare", f"--input={text}", f"--output={tmp_path / 'no' / 'o.tokens'}"], 1)
+    assert f"directory {tmp_path / 'no'} does not exist; create it first" in line
+    (tmp_path / "tok").mkdir()
+    line = one_line_error(capsys, ["prepare", f"--input={text}", f"--output={tmp_path / 'o'}",
+                                   f"--tokenizer={tmp_path / 'tok'}"], 2)
+    assert f"prepare --tokenizer = '{tmp_path / 'tok'}' has no tokenizer files" in line
+
+
+def test_tokenizer_for_a_token_file_and_bf16_on_a_slow_cpu_are_said(tmp_path, caplog, monkeypatch):
+    import logging
+
+    import numpy as np
+
+    from tiertrain.config import DataConfig
+    from tiertrain.data import Corpus, write_tokens
+    from tiertrain.state import device
+
+    f = tmp_path / "c.tokens"
+    write_tokens(str(f), [np.arange(1000) % 256], 256)
+    (tmp_path / "tok").mkdir()
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        Corpus(DataConfig(corpus=str(f), tokenizer=str(tmp_path / "tok")))
+        monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
+        assert device.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert f"data.tokenizer = {tmp_path / 'tok'} is not used: data.corpus {f} is a token file" in caplog.text
+    assert "train.param_dtype = 'bfloat16' on a CPU without bf16 instructions" in caplog.text
+
+
+def test_messages_that_used_to_mislead(tmp_path, capsys):
+    """A checkpoint of another d_model names two different layouts; an init_from mismatch
+    names model.init_from; one step is "1 step"; train --help explains the override flags."""
+    from safetensors.torch import save_file
+
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    assert "done: 1 step:" in capsys.readouterr().err
+    line = one_line_error(capsys, ["train", f"--resume={tmp_path / 'run'}", "--model.d_model=128", "--train.steps=2"], 1)
+    a, b = line.split("(")[1].split(")")[0], line.split("(")[2].split(")")[0]
+    assert "written for another model or precision" in line and a != b, line
+    save_file({"embed.wte.weight": torch.zeros(3, 3)}, str(tmp_path / "w.safetensors"))
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path / "x", f"--model.init_from={tmp_path / 'w.safetensors'}")], 2)
+    assert f"model.init_from = '{tmp_path / 'w.safetensors'}': weight 'embed.wte.weight' has shape (3, 3)" in line
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--section.field=value" in capsys.readouterr().out

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# A new user's walk through the README on a clean clone: set-up and the default job, resume
+# past checkpoint rotation, Ctrl-C and SIGTERM with and without update engines, export into a
+# used directory, two runs started into one run directory. Every step checks its exit code
+# and the files it should (and should not) leave. Prints one line per check and a summary;
+# exits non-zero if any check failed.
+#
+#   tests/walk_readme.sh [CLONE_DIR]      (default: a fresh clone of this repository in /tmp)
+#
+# Takes about 5 minutes on 2 cores (most of it `make train` building the virtual environment).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:-/tmp/tiertrain-walk-$$}
+fails=0
+say() { printf '%s\n' "$*"; }
+check() {  # check "what" command...
+  local what=$1; shift
+  if "$@"; then say "ok    $what"; else say "FAIL  $what"; fails=$((fails + 1)); fi
+}
+rc_is() { [ "$1" -eq "$2" ]; }
+has_ck() { [ -d "$1/checkpoints/$2" ] && [ -f "$1/checkpoints/$2/manifest.json" ]; }
+cks() { ls "$1/checkpoints" 2>/dev/null | tr '\n' ' ' | sed 's/ $//'; }
+lines() { wc -l < "$1" | tr -d ' '; }
+no_dup_steps() { python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])]; sys.exit(s != list(range(1, len(s) + 1)))" "$1"; }
+no_engines_left() { ! pgrep -f "tiertrain.update.engine" > /dev/null && ! ls "${TMPDIR:-/tmp}" 2>/dev/null | grep -q '^tiertrain-engines'; }
+# Run a command, send it SIGNAL after its first step is logged, return its exit code.
+stop_after_first_step() {  # stop_after_first_step SIGNAL GROUP(0/1) LOG command...
+  local sig=$1 group=$2 log=$3; shift 3
+  setsid "$@" > "$log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1200); do grep -q "step *[0-9]*/" "$log" 2>/dev/null && break; sleep 0.1; done
+  if [ "$group" = 1 ]; then kill -s "$sig" -- "-$pid"; else kill -s "$sig" "$pid"; fi
+  wait "$pid"
+}
+
+say "== clone into $dir"
+rm -rf "$dir"
+git clone -q "$repo" "$dir" && cd "$dir" || exit 2
+
+say "== the README's two commands (the test command is run by CI; here the first one)"
+make train > walk-train.log 2>&1
+check "make train exits 0" rc_is $? 0
+check "the default job logged 40 steps and its summary" grep -q "done: 40 steps" walk-train.log
+check "the default run has its final checkpoint" has_ck runs/default step-00000040
+check "the scratch directory is cleaned up after the run" test ! -e tiertrain-scratch
+tt=.venv/bin/tiertrain
+
+say "== resume past rotation"
+$tt train --resume runs/default --train.steps=46 --checkpoint.every=3 > walk-resume.log 2>&1
+check "resume with rotation exits 0" rc_is $? 0
+check "checkpoints rotated to the last two" test "$(cks runs/default)" = "step-00000045 step-00000046"
+check "metrics hold steps 1..46 once each" no_dup_steps runs/default/metrics.jsonl
+$tt train --resume runs/default > walk-finished.log 2>&1
+check "resuming a finished run exits 0 and says how to go on" grep -q "raise it: tiertrain train --resume" walk-finished.log
+
+say "== two runs into one run directory"
+$tt train > walk-used.log 2>&1
+rc=$?
+check "a fresh run into a used run directory is refused (exit 1)" rc_is $rc 1
+check "... naming --resume and --train.overwrite" grep -q "already holds a run.*--train.overwrite=true" walk-used.log
+check "... and the old run is untouched" test "$(cks runs/default)" = "step-00000045 step-00000046"
+setsid $tt train --train.run_dir=runs/two --io.paths=./scratch-a --train.steps=100000 > walk-two-a.log 2>&1 &
+a=$!
+for _ in $(seq 600); do grep -q "step *1/" walk-two-a.log 2>/dev/null && break; sleep 0.1; done
+$tt train --train.run_dir=runs/two --io.paths=./scratch-b --train.steps=2 > walk-two-b.log 2>&1
+check "a second run into a run directory in use is refused (exit 1)" rc_is $? 1
+check "... naming the holder" grep -q "is in use by another tiertrain run (pid $a" walk-two-b.log
+kill -TERM "$a"; wait "$a"
+check "the first run, stopped by SIGTERM, exits 130" rc_is $? 130
+check "... with its metrics intact (one JSON record per line)" no_dup_steps runs/two/metrics.jsonl
+
+say "== Ctrl-C and SIGTERM, with and without engines"
+for mode in baseline engines; do
+  for sig in INT TERM; do
+    run=runs/sig-$mode-$sig
+    group=$([ "$sig" = INT ] && echo 1 || echo 0)  # Ctrl-C reaches the whole process group
+    stop_after_first_step "$sig" "$group" walk-$mode-$sig.log $tt train --train.run_dir=$run --update.mode=$mode --train.steps=100000 --io.paths=./scratch-$mode-$sig
+    rc=$?
+    check "$mode, SIG$sig: exit 130" rc_is $rc 130
+    steps=$(lines $run/metrics.jsonl)
+    check "$mode, SIG$sig: saved the checkpoint of its last step ($steps)" has_ck $run "$(printf 'step-%08d' "$steps")"
+    check "$mode, SIG$sig: says how to resume" grep -q "resume with: tiertrain train --resume" walk-$mode-$sig.log
+    check "$mode, SIG$sig: no traceback" bash -c "! grep -q Traceback walk-$mode-$sig.log"
+    check "$mode, SIG$sig: scratch, lock and engines cleaned up" bash -c "test ! -e ./scratch-$mode-$sig && $(declare -f no_engines_left); no_engines_left"
+    $tt train --resume $run --train.steps=$((steps + 2)) > walk-$mode-$sig-resume.log 2>&1
+    check "$mode, SIG$sig: resumes to step $((steps + 2))" has_ck $run "$(printf 'step-%08d' $((steps + 2)))"
+  done
+done
+
+say "== export"
+mkdir -p exported && echo old > exported/model.safetensors
+$tt export --checkpoint runs/default --out exported > walk-export-used.log 2>&1
+check "export into a used directory is refused (exit 1)" rc_is $? 1
+check "... and leaves it as it was" test "$(cat exported/model.safetensors)" = old
+$tt export --checkpoint runs/default --out exported --overwrite > walk-export.log 2>&1
+check "export --overwrite exits 0" rc_is $? 0
+check "... and replaces the directory whole (no stale model.safetensors)" test ! -e exported/model.safetensors
+check "... with the index and the shards" test -f exported/model.safetensors.index.json
+$tt train --model.init_from=exported --train.run_dir=runs/from-export --train.steps=2 > walk-init.log 2>&1
+check "the export starts a new run (model.init_from)" rc_is $? 0
+
+say "== summary: $fails failed"
+[ "$fails" -eq 0 ]
