@@ -20,9 +20,12 @@ check() {  # check "what" command...
 rc_is() { [ "$1" -eq "$2" ]; }
 has_ck() { [ -d "$1/checkpoints/$2" ] && [ -f "$1/checkpoints/$2/manifest.json" ]; }
 cks() { ls "$1/checkpoints" 2>/dev/null | tr '\n' ' ' | sed 's/ $//'; }
+no_match() { ! grep -q "$1" "$2"; }
 lines() { wc -l < "$1" | tr -d ' '; }
 no_dup_steps() { python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])]; sys.exit(s != list(range(1, len(s) + 1)))" "$1"; }
-no_engines_left() { ! pgrep -f "tiertrain.update.engine" > /dev/null && ! ls "${TMPDIR:-/tmp}" 2>/dev/null | grep -q '^tiertrain-engines'; }
+# [e]: the pattern does not match the command line of whoever runs pgrep
+no_engines_left() { ! pgrep -f "tiertrain[.]update[.]engine" > /dev/null && ! ls "${TMPDIR:-/tmp}" 2>/dev/null | grep -q '^tiertrain-engines'; }
+cleaned() { test ! -e "$1" && no_engines_left; }
 # Run a command, send it SIGNAL after its first step is logged, return its exit code.
 stop_after_first_step() {  # stop_after_first_step SIGNAL GROUP(0/1) LOG command...
   local sig=$1 group=$2 log=$3; shift 3
@@ -80,8 +83,8 @@ for mode in baseline engines; do
     steps=$(lines $run/metrics.jsonl)
     check "$mode, SIG$sig: saved the checkpoint of its last step ($steps)" has_ck $run "$(printf 'step-%08d' "$steps")"
     check "$mode, SIG$sig: says how to resume" grep -q "resume with: tiertrain train --resume" walk-$mode-$sig.log
-    check "$mode, SIG$sig: no traceback" bash -c "! grep -q Traceback walk-$mode-$sig.log"
-    check "$mode, SIG$sig: scratch, lock and engines cleaned up" bash -c "test ! -e ./scratch-$mode-$sig && $(declare -f no_engines_left); no_engines_left"
+    check "$mode, SIG$sig: no traceback" no_match Traceback walk-$mode-$sig.log
+    check "$mode, SIG$sig: scratch, lock and engines cleaned up" cleaned ./scratch-$mode-$sig
     $tt train --resume $run --train.steps=$((steps + 2)) > walk-$mode-$sig-resume.log 2>&1
     check "$mode, SIG$sig: resumes to step $((steps + 2))" has_ck $run "$(printf 'step-%08d' $((steps + 2)))"
   done
