@@ -122,3 +122,24 @@ def test_missing_deepspeed_names_the_fix():
 
     with pytest.raises(SystemExit, match=r"pip install -e \.\[bench\].*--ds-python"):
         vs_deepspeed.ds_python(Args())
+
+
+@pytest.mark.parametrize("script,args", [("vs_deepspeed.py", ["--systems", "baseline"]), ("train.py", []),
+                                         ("checkpoint.py", [])])
+def test_a_bad_out_fails_before_any_work(tmp_path, script, args):
+    """`--out` is checked (and its directory made) first: a bad one costs a second, not the
+    benchmark's minutes and its results."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    scratch = tmp_path / "scratch"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, "--scratch", str(scratch),
+                        "--out", str(f / "report.md")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"the directory of --out = '{f}' is a file" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not scratch.exists()
+
+
+def test_checked_out_makes_the_directory(tmp_path):
+    from tiertrain.bench.output import checked_out
+
+    out = checked_out(str(tmp_path / "new" / "dir" / "report.md"))
+    assert out == str(tmp_path / "new" / "dir" / "report.md") and (tmp_path / "new" / "dir").is_dir()

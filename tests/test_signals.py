@@ -132,3 +132,18 @@ def test_eager_engines_report_their_work_and_shut_down_quietly(tmp_path):
     assert "BufferError" not in err and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     recs = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(r["extra"]["engine_read_bytes"] > 0 and r["extra"]["engine_update_s"] > 0 for r in recs[1:]), recs
+
+
+def test_a_dead_engine_is_one_line_naming_it_and_the_checkpoint(tmp_path):
+    proc = start(tmp_path, "--update.mode=engines", "--train.steps=100000", "--checkpoint.every=1")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    pid = engine_pids(tmp_path)[0]
+    os.kill(pid, signal.SIGKILL)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "\r" not in err, err[-3000:]  # no traceback; no progress bar in a pipe
+    last = err.splitlines()[-1]
+    assert last.startswith("tiertrain: update engine 0 (") and "died (exit code -9)" in last, last
+    assert f"(the last checkpoint is {tmp_path / 'run' / 'checkpoints'}/step-" in last
+    assert f"`tiertrain train --resume {tmp_path / 'run'}`" in last
