@@ -25,12 +25,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from reference import reference_model, weights_of  # noqa: E402
-
-from tiertrain.bench.io import run_io_bench  # noqa: E402
-from tiertrain.bench.output import checked_out  # noqa: E402
-from tiertrain.config import (  # noqa: E402
+from tiertrain.bench.io import run_io_bench
+from tiertrain.reference import reference_model, weights_of
+from tiertrain.bench.output import checked_out
+from tiertrain.config import (
     CheckpointConfig,
     Config,
     DataConfig,
@@ -40,9 +38,9 @@ from tiertrain.config import (  # noqa: E402
     TrainConfig,
     UpdateConfig,
 )
-from tiertrain.data import Corpus  # noqa: E402
-from tiertrain.models import build_model, tensor_source  # noqa: E402
-from tiertrain.train import Trainer  # noqa: E402
+from tiertrain.data import Corpus
+from tiertrain.models import build_model, tensor_source
+from tiertrain.train import Trainer
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 

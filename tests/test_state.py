@@ -10,7 +10,9 @@ from tiertrain.models import build_model
 from tiertrain.state.device import Device
 from tiertrain.state.grads import GradStore
 from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
+from tiertrain.state.regions import TieredRegions
 from tiertrain.state.store import ParamStore
+from tiertrain.update.baseline import RegionGrads, RegionParams
 
 KIB = 1 << 10
 
@@ -35,6 +37,16 @@ def test_layout_alignment(setup):
         layout.segments(1, 10, 100)
 
 
+def region(layout, st, name, dtype=torch.float32, host_bytes=0):
+    decl = TieredRegions.declare(layout, f"{name}.bin", dtype, host_bytes, st.record_align, name=name, owner="test",
+                                 checkpointed=False)
+    return TieredRegions(layout, st, decl)
+
+
+def param_store(layout, st, slots):
+    return ParamStore(layout, RegionParams(region(layout, st, "params")), Device(torch.device("cpu")), slots=slots)
+
+
 def fill(store, layout):
     for unit in layout.units:
         store.write(unit.index, torch.full((unit.numel,), float(unit.index))).get()
@@ -42,7 +54,7 @@ def fill(store, layout):
 
 def test_slots_prefetch_evict_and_invalidate(setup):
     _, layout, st = setup
-    store = ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=2)
+    store = param_store(layout, st, 2)
     fill(store, layout)
     flat = store.acquire(0)
     assert float(flat[0]) == 0.0
@@ -70,13 +82,13 @@ def test_slots_prefetch_evict_and_invalidate(setup):
 
 def test_slots_refuse_when_all_bound(setup):
     _, layout, st = setup
-    store = ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=2)
+    store = param_store(layout, st, 2)
     fill(store, layout)
     store.acquire(0), store.acquire(1)
     with pytest.raises(RuntimeError, match="no device slot free for unit 2: all 2 are bound"):
         store.acquire(2)
     with pytest.raises(ValueError, match="at least 2 device slots"):
-        ParamStore(layout, st, Device(torch.device("cpu")), torch.float32, slots=1)
+        param_store(layout, st, 1)
     store.close()
 
 
@@ -102,7 +114,8 @@ def test_stash_spills_and_returns_every_entry(tmp_path, host_entries):
 
 def test_grad_store_hands_off_and_reuses_buffers(setup):
     _, layout, st = setup
-    grads = GradStore(layout, st, Device(torch.device("cpu")), torch.float32, host_bytes=0)
+    home = region(layout, st, "grads")
+    grads = GradStore(layout, RegionGrads(home), Device(torch.device("cpu")))
     for u in reversed(range(len(layout))):
         grads.begin(u)
         for rec in layout.units[u].params:
@@ -112,7 +125,7 @@ def test_grad_store_hands_off_and_reuses_buffers(setup):
     grads.flush()
     out = torch.zeros(layout.max_unit_numel)
     for unit in layout.units:
-        grads.read(unit.index, out, 0, unit.numel).get()
+        home.read(unit.index, out, 0, unit.numel).get()
         rec = unit.params[0]
         assert torch.all(out[rec.offset : rec.offset + rec.numel] == unit.index + 1.0)
     norms = [n for u in range(len(layout)) for n in grads.norms[u]]
@@ -196,7 +209,7 @@ def test_kept_graph_takes_parameters_from_where_the_unit_is_bound_now():
     bind(slot_a)
     kept = KeptGraphs(1 << 20, lambda u: where["slot"])
     x = torch.randn(4, 16)
-    out, ok = kept.forward((0, 0), (7,), block, x)
+    out, ok = kept.forward((0, 0), (7,), block, x, lambda nbytes, kept_bytes: True)
     assert ok and kept.kept_bytes > 0
     slot_a.fill_(float("nan"))  # another unit loaded into the forward's slot
     slot_b[:128], slot_b[128:136] = w0.reshape(-1), b0
@@ -218,6 +231,6 @@ def test_kept_graph_over_budget_is_dropped():
 
     kept = KeptGraphs(64, lambda u: torch.empty(0))
     x = torch.randn(32, 32)
-    out, ok = kept.forward((0, 0), (), lambda t: torch.tanh(t) * 2, x)
+    out, ok = kept.forward((0, 0), (), lambda t: torch.tanh(t) * 2, x, lambda nbytes, kept_bytes: True)
     assert not ok and (0, 0) not in kept and kept.kept_bytes == 0
     assert torch.equal(out, torch.tanh(x) * 2)

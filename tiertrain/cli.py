@@ -12,7 +12,7 @@ import threading
 from typing import Iterator, Sequence
 
 from .config import ConfigError, config_reference, load_config
-from .errors import TiertrainError, UsageError, one_line
+from .errors import TiertrainError, one_line
 
 __all__ = ["main"]
 

@@ -265,6 +265,11 @@ class MemoryConfig(Section):
         "Memory on the compute device for autograd activations kept from the forward for the backward, MiB:"
         " blocks kept there are not recomputed; the others are recomputed from their stashed input (0: recompute all).",
     )
+    activations: str = opt(
+        "keep",
+        "Which blocks keep their autograd graph within keep_act_mib: 'keep' (those the backward reaches first),"
+        " 'keep-first' (the first ones, while the budget lasts) or 'recompute' (none).",
+    )
     residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
     engine_read_ahead_mib: int = opt(
         0,
@@ -280,6 +285,7 @@ class MemoryConfig(Section):
                      "engine_read_ahead_mib"):
             self._at_least(name, 0)
         self._in_range("update_buffer_kib", 64, 4 << 20)
+        self._one_of("activations", ("keep", "keep-first", "recompute"))
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ directory's lock is in ``rundir.py``.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import logging
 import os
@@ -18,10 +19,14 @@ from typing import Iterable
 
 from .errors import TiertrainError
 
-__all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "is_state_file"]
+__all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale"]
 
 log = logging.getLogger("tiertrain")
 LOCK = ".tiertrain.lock"
+# Lock records name the files their run made (``ScratchLock.record_files``); records written
+# before they did are read with the names those versions used.
+_UNRECORDED = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin", "stash.bin",
+               "residual.bin", "engine*.bin")
 
 
 class DirInUseError(TiertrainError, RuntimeError):
@@ -55,8 +60,15 @@ class DirLock:
             raise busy(self.path, who) from None
         self.previous = _read(fd)  # the record the last holder left
         self.unclean = self.previous.get("state") == "running"
-        _write(fd, {"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "running"})
+        self.record = {"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "running"}
+        _write(fd, self.record)
         self._fd: int | None = fd
+
+    def note(self, **info) -> None:
+        """Add ``info`` to this run's record (kept after it finishes)."""
+        self.record.update(info)
+        if self._fd is not None:
+            _write(self._fd, self.record)
 
     def release(self, *, remove: bool = False) -> None:
         """Give the lock up; ``remove``: delete the lock file (and the directory if this lock
@@ -70,7 +82,7 @@ class DirLock:
                 if self.created and not os.listdir(self.path):
                     os.rmdir(self.path)
             else:
-                _write(fd, {"pid": os.getpid(), "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "finished"})
+                _write(fd, {**self.record, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "finished"})
             fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError:
             pass  # the lock goes with the descriptor anyway
@@ -102,6 +114,19 @@ class ScratchLock:
         """Records of earlier runs that did not finish, with their path."""
         return [{**lk.previous, "path": lk.path} for lk in self.locks if lk.unclean]
 
+    def previous_files(self) -> set[str]:
+        """Names of the files the last runs on these paths made (what may be stale now)."""
+        out: set[str] = set()
+        for lk in self.locks:
+            out.update(lk.previous.get("files", _UNRECORDED))
+        return out
+
+    def record_files(self, names: list[str]) -> None:
+        """Name the files this run makes, before it makes them: a later run removes them if
+        this one dies and leaves them."""
+        for lk in self.locks:
+            lk.note(files=sorted(set(names)))
+
     def release(self, *, remove: bool = False) -> None:
         for lk in self.locks:
             lk.release(remove=remove)
@@ -123,25 +148,26 @@ def _write(fd: int, info: dict) -> None:
     os.pwrite(fd, data, 0)
 
 
-def is_state_file(name: str, known: Iterable[str]) -> bool:
-    """A file tiertrain makes on the scratch tier: a known state file, an engine's file, or
-    their checksum sidecars and temporary files."""
-    base = name[:-4] if name.endswith(".crc") else name
-    return base in set(known) or (base.startswith("engine") and base.endswith(".bin")) or ".tmp" in name
-
-
 def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] = ()) -> list[tuple[str, int]]:
-    """Remove tiertrain state files (``known`` names, engines' files, their checksums and
-    temporary files) that this run will not use; return what was removed. Files it will use
-    (``keep``) are recreated anyway."""
+    """Remove the files ``known`` (a previous run's, and their checksum sidecars), and
+    temporary files, that this run will not use (``keep``); return what was removed. Files
+    it will use are recreated anyway. Nothing else in a scratch directory is touched."""
     keep, known = set(keep), set(known)
+
+    def matches(name: str, pats: set[str]) -> bool:  # ``known`` may hold patterns (engine*.bin)
+        return any(fnmatch.fnmatchcase(name, pat) for pat in pats)
+
     removed = []
     for p in paths:
         if not os.path.isdir(p):
             continue
         for name in os.listdir(p):
-            base = name[:-4] if name.endswith(".crc") else name
-            if is_state_file(name, known) and (base not in keep or ".tmp" in name):
+            if ".tmp" in name:  # a temporary file of one of ours: always stale
+                stale = matches(name.split(".tmp")[0].removesuffix(".crc"), known | keep)
+            else:
+                base = name.removesuffix(".crc")
+                stale = matches(base, known) and base not in keep
+            if stale:
                 full = os.path.join(p, name)
                 removed.append((full, os.path.getsize(full)))
                 os.remove(full)

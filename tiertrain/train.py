@@ -1,4 +1,12 @@
-"""The trainer: builds every part from the config and runs the steps."""
+"""The trainer: the training driver. Builds the runtime, one update path, the gradient
+store, the hidden-state stash and the layer-major executor from the config, and runs steps.
+
+What it owns and may call: the ``Runtime`` (device, model, layout, storage, parameter
+store), an ``Update`` (never asking which kind), ``GradStore``, ``HiddenStash``, the
+executor, ``CheckpointIO`` and the run directory. Every part's states are declared before
+any file exists (``SpacePlan``): the scratch space is claimed, stale files removed and
+checkpoints made from those declarations.
+"""
 
 from __future__ import annotations
 
@@ -9,54 +17,43 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from . import faults
+from .activations.policy import POLICIES
 from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
 from .config import Config, ConfigError
 from .data import Corpus
 from .errors import one_line
-from .io import Storage, aligned_empty, check_space
+from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, peak_flops
-from .models import WeightSource, build_model
-from .schedule.executor import LayerMajorExecutor
+from .models import WeightSource
 from .rundir import RunDir
+from .runtime import Runtime
+from .schedule.executor import LayerMajorExecutor
 from .scratch import ScratchLock, clean_stale
-from .state.device import Device, host_peak_rss, resolve_device, resolve_dtype
+from .state.decl import SpacePlan, StateDecl, checkpointed
+from .state.device import host_peak_rss
 from .state.grads import GradStore
-from .state.layout import FlatLayout
-from .state.regions import TieredRegions
-from .state.store import ParamStore
-from .update.engines import EngineGroup, GradHome, ParamBacking
+from .update import UPDATES, Update
 from .update.schedule import lr_at
-from .update.streamed import StreamedOptimizer, UpdateStats
 
-__all__ = ["Trainer", "SpacePlan"]
+__all__ = ["Trainer", "SpacePlan", "declare_states"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
-# Every state file name a run of any configuration makes on the scratch tier (engines' files
-# are recognised by their prefix): what another configuration left is stale for this one.
-ALL_STATE_FILES = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin",
-                   "stash.bin", "residual.bin")
 
 
-@dataclass
-class SpacePlan:
-    files: list[tuple[str, int]]  # striped over every path
-    placed: list[tuple[str, int]] | None = None  # (full path, bytes) of files on one path (engines)
-
-    @property
-    def total(self) -> int:
-        return sum(n for _, n in self.files) + sum(n for _, n in self.placed or [])
-
-    def describe(self) -> str:
-        files = self.files + [(os.path.basename(p), n) for p, n in self.placed or []]
-        parts = ", ".join(f"{name} {n / 2**20:,.1f} MiB" for name, n in files if n)
-        return f"{self.total / 2**30:.2f} GiB ({parts})"
+def declare_states(cfg: Config, rt: Runtime) -> list[StateDecl]:
+    """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
+    path's (parameters, gradients, optimizer state, residual) and the stash's."""
+    update = UPDATES[cfg.update.mode].declare(cfg, rt.layout, rt.dtype, rt.align, cfg.io.paths)
+    d = cfg.data
+    stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
+                                len(rt.model.blocks) * d.micro_batches, cfg.memory.stash_host_mib * MIB)
+    return [*update, stash]
 
 
 class Trainer:
@@ -71,35 +68,33 @@ class Trainer:
         cfg.check_writable()
         self.cfg = cfg
         self._parts: list = []
-        self.lock = self.rundir = None
-        self.plan = None
-        self.dev = Device(resolve_device(cfg.train.device))
-        self.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
+        self.lock = self.rundir = self.plan = None
+        self.rt = Runtime(cfg, weights=weights)
+        self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
+        self.source = self.rt.weights
         self.corpus = Corpus(cfg.data)
-        if self.corpus.vocab_size > _vocab(cfg):
+        if self.corpus.vocab_size > _vocab(self.model, cfg):
             raise ConfigError(
-                f"model.vocab_size = {_vocab(cfg)} is smaller than the corpus vocabulary ({self.corpus.vocab_size}); "
-                f"raise it to at least {self.corpus.vocab_size}"
+                f"model.vocab_size = {_vocab(self.model, cfg)} is smaller than the corpus vocabulary "
+                f"({self.corpus.vocab_size}); raise it to at least {self.corpus.vocab_size}"
             )
-        self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
-        self.source = weights or source
-        self.layout = FlatLayout(self.model)
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
         try:
             self.rundir = RunDir(cfg.train.run_dir, self.checkpoint_root)  # and per run directory
-            self.storage = Storage.from_config(cfg.io)
+            self.storage = self.rt.open_storage()
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
-            self.plan = self._plan()
-            for path, size in clean_stale(self.storage.paths, ALL_STATE_FILES, keep=self._state_file_names()):
+            self.plan = SpacePlan(declare_states(cfg, self.rt))
+            for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
             for path in clean_incomplete(self.checkpoint_root):
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             self.storage.check_space(self.plan.files)  # a full disk is reported here, before any work
-            check_space(self.plan.placed or [])
+            check_space(self.plan.placed)
+            self.lock.record_files(self.plan.names)
             self._build()
             faults.point("start")
         except BaseException:
@@ -107,119 +102,44 @@ class Trainer:
             raise
 
     # -- construction -------------------------------------------------------------------------------
-    def _state_file_names(self) -> list[str]:
-        plan = self.plan
-        return [n for n, s in plan.files if s] + [os.path.basename(p) for p, s in plan.placed or [] if s]
-
-    def _stash_shape(self) -> tuple[int, ...]:
-        d = self.cfg.data
-        return (d.micro_batch_size, d.seq_len, _hidden(self.cfg, self.model))
-
-    def _plan(self) -> SpacePlan:
-        """Bytes of every file the run will create on the storage tier (made before any exists)."""
-        m, lay = self.cfg.memory, self.layout
-        pdt, f32 = self.dtype, torch.float32
-        has_master = pdt != f32
-
-        align = self.storage.record_align
-        file_bytes = lambda dtype, host: TieredRegions.plan_file_bytes(lay, dtype, host, align)  # noqa: E731
-        entries = len(self.model.blocks) * self.cfg.data.micro_batches
-        entry, _, spilled = HiddenStash.plan(self._stash_shape(), pdt, entries, m.stash_host_mib * MIB)
-        stash = [("stash.bin", spilled * entry)]
-        if self.cfg.update.mode == "engines":
-            if self.cfg.update.error_feedback:
-                stash.append(("residual.bin", file_bytes(f32, m.residual_host_mib * MIB)))
-            return SpacePlan(stash, self._engine_plan())
-        kinds = StreamedOptimizer.state_kinds(self.cfg.optim, has_master)
-        share = (m.optim_host_mib * MIB) // len(kinds)
-        files = [("params.bin", file_bytes(pdt, m.host_param_mib * MIB)), ("grads.bin", file_bytes(pdt, m.grad_host_mib * MIB))]
-        files += [(f"{k}.bin", file_bytes(f32, share)) for k in kinds]
-        return SpacePlan(files + stash)
-
-    def _engine_plan(self) -> list[tuple[str, int]]:
-        """The files each update engine makes on its path (as ``EngineGroup`` will place them)."""
-        from .update.engine import engine_file
-        from .update.slices import SliceLayout, partition, unit_records
-
-        st, cfg, pdt = self.storage, self.cfg, self.dtype
-        n = cfg.update.engines or len(st.paths)
-        align = max(2048, st.record_align // min(pdt.itemsize, 4))
-        views = [SliceLayout(unit_records(self.layout), s) for s in partition(self.layout, n, align)]
-        out = []
-        for i, v in enumerate(views):
-            path = st.paths[i % len(st.paths)]
-            kinds = [("params", pdt, 0), ("grads", pdt, cfg.memory.grad_host_mib * MIB // n)]
-            kinds += [(k, torch.float32, 0) for k in StreamedOptimizer.state_kinds(cfg.optim, pdt != torch.float32)]
-            for kind, dtype, host in kinds:
-                out.append((os.path.join(path, engine_file(i, kind)), TieredRegions.plan_file_bytes(v, dtype, host, st.record_align)))
-        return out
-
     def _build(self) -> None:
-        m = self.cfg.memory
-        self.engines = None
-        if self.cfg.update.mode == "engines":
-            self.engines = self._part(EngineGroup(self.layout, self.storage, self.cfg, self.dtype))
-            # CPU: slots in shared memory, so the engines hand new parameters straight over
-            shared = None if self.dev.cuda else self.engines.share_slots(m.device_slots, self.layout.max_unit_numel)
-            self.params = self._part(
-                ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots,
-                           backing=ParamBacking(self.engines), gate=self.engines, slot_tensors=shared)
-            )
-            self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, home=GradHome(self.engines)))
-            self.optim = None
-        else:
-            self.params = self._part(
-                ParamStore(self.layout, self.storage, self.dev, self.dtype, slots=m.device_slots,
-                           host_bytes=m.host_param_mib * MIB)
-            )
-            self.grads = self._part(GradStore(self.layout, self.storage, self.dev, self.dtype, host_bytes=m.grad_host_mib * MIB))
-            self.optim = self._part(
-                StreamedOptimizer(
-                    self.layout,
-                    self.storage,
-                    self.params,
-                    self.grads,
-                    self.cfg.optim,
-                    buffer_bytes=m.update_buffer_kib << 10,
-                    state_host_bytes=m.optim_host_mib * MIB,
-                )
-            )
-        self.stash = self._part(
-            HiddenStash(
-                self.storage,
-                self.dev,
-                shape=self._stash_shape(),
-                dtype=self.dtype,
-                entries=len(self.model.blocks) * self.cfg.data.micro_batches,
-                host_bytes=m.stash_host_mib * MIB,
-            )
-        )
+        cfg, m, rt = self.cfg, self.cfg.memory, self.rt
+        self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
+                                                                  pin=self.dev.cuda))
+        if self.update.states != self.plan.states[: len(self.update.states)]:
+            raise RuntimeError(f"update path {self.update.name} built other states than it declared")
+        shared = None if self.dev.cuda else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
+        self.params = rt.bind_params(self.update.params, slot_tensors=shared)
+        self.grads = self._part(GradStore(self.layout, self.update.grads, self.dev))
+        d = cfg.data
+        self.stash = self._part(HiddenStash(
+            self.storage, self.dev, shape=(d.micro_batch_size, d.seq_len, rt.hidden_size), dtype=self.dtype,
+            entries=len(self.model.blocks) * d.micro_batches, host_bytes=m.stash_host_mib * MIB,
+            micro_batches=d.micro_batches))
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
-                                           keep_bytes=m.keep_act_mib * MIB)
-        self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=self.cfg.io.chunk_kib << 10))
+                                           keep_bytes=m.keep_act_mib * MIB, policy=POLICIES[m.activations]())
+        self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self.step = 0
         self._superseded: list[str] = []  # checkpoints of a later course of a resumed run, replaced at its first save
-        self._engine_seen: dict[str, float] = {}  # the engines' running counters when the last record was made
-
-    @contextlib.contextmanager
-    def state_regions(self):
-        """Every kind of checkpointed state, by checkpoint file name, readable and writable
-        per unit (the engines are paused meanwhile)."""
-        if self.engines is not None:
-            with self.engines.handover() as r:
-                yield {f"{k}.bin": v for k, v in r.items()}
-            return
-        yield {"params.bin": self.params.backing, **self.optim.regions()}
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        moments = 8 if self.cfg.optim.name == "adamw" else 4
-        per_elem = self.dtype.itemsize + moments + (4 if self.dtype != torch.float32 else 0)
-        return self.layout.total_numel * per_elem
 
     def _part(self, obj):
         self._parts.append(obj)
         return obj
+
+    # -- introspection (tests, benchmarks) --------------------------------------------------------------
+    @property
+    def optim(self):
+        """The streamed optimizer when the update runs in this process, else None."""
+        return getattr(self.update, "optim", None)
+
+    @property
+    def engines(self):
+        """The update engines when the update runs in them, else None."""
+        return getattr(self.update, "engines", None)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(self.layout.total_numel * d.dtype.itemsize for d in checkpointed(self.plan.states))
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -227,12 +147,21 @@ class Trainer:
         return {
             "param slots + host params": self.params.pool_bytes,
             "grad buffers + host grads": self.grads.pool_bytes,
-            "update buffers + host states" if self.optim else "engine slots (shared memory)":
-                (self.optim or self.engines).pool_bytes,
+            **self.update.pools(),
             "stash": self.stash.pool_bytes,
             "io bounce": self.storage.pool_bytes,
             "checkpoint buffers": self.ckpt.pool_bytes,
         }
+
+    @contextlib.contextmanager
+    def state_regions(self):
+        """Every checkpointed state, by checkpoint file name, readable and writable per unit
+        (the update is paused meanwhile): exactly the declared checkpointed states."""
+        with self.update.regions() as regions:
+            want = {d.name for d in checkpointed(self.plan.states)}
+            if set(regions) != want:
+                raise RuntimeError(f"checkpointed states declared {sorted(want)} but the update gives {sorted(regions)}")
+            yield {f"{name}.bin": r for name, r in regions.items()}
 
     # -- weights ------------------------------------------------------------------------------------
     def initialize(self, progress: bool = True) -> None:
@@ -240,10 +169,8 @@ class Trainer:
         from tqdm import tqdm
 
         flat = aligned_empty(self.layout.max_unit_numel * 4).view(torch.float32)
-        low = aligned_empty(self.layout.max_unit_numel * self.dtype.itemsize).view(self.dtype) if self.dtype != torch.float32 else flat
         for unit in tqdm(self.layout.units, desc="init weights", disable=not progress, unit="unit"):
-            names = [r.name for r in unit.params]
-            values = self.source.load(unit.index, names)
+            values = self.source.load(unit.index, [r.name for r in unit.params])
             view = flat[: unit.numel]
             view.zero_()
             for rec in unit.params:
@@ -251,26 +178,19 @@ class Trainer:
                 if tuple(t.shape) != tuple(rec.shape):
                     raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}")
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
-            if self.engines is not None:  # the engines write their slices of weights and master
-                self.engines.init_unit(unit.index, view)
-                continue
-            futs = self.optim.init_unit(unit.index, view)
-            if low is not flat:
-                low[: unit.numel].copy_(view)
-            futs.append(self.params.write(unit.index, low[: unit.numel]))
-            for f in futs:
-                f.get()
-        if self.engines is not None:
-            self.engines.wait_all("initialising weights")
+            self.update.init_unit(unit.index, view)
+        self.update.finish_init()
+        self.params.invalidate()
         # dropout draws from the global generators, which PyTorch seeds at random per process
         torch.manual_seed(self.cfg.train.seed)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Current weights by name, fp32 (master weights where kept). Loads the whole model:
-        for tests and small exports."""
+        """Current weights by name, fp32 (the declared weights state: master weights where
+        kept). Loads the whole model: for tests and small exports."""
         out = {}
         with self.state_regions() as regions:
-            src = regions.get("master.bin", regions["params.bin"])
+            state = next(d for d in self.plan.states if d.weights)
+            src = regions[f"{state.name}.bin"]
             buf = aligned_empty(self.layout.max_unit_numel * src.dtype.itemsize).view(src.dtype)
             for unit in self.layout.units:
                 src.read(unit.index, buf).get()
@@ -295,12 +215,12 @@ class Trainer:
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
         t0 = time.perf_counter()
+        zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         with self.state_regions() as regions:
-            man = self.ckpt.restore(regions, path)
+            man = self.ckpt.restore(regions, path, zero_if_absent=zero)
         self.params.invalidate()
         self.step = man.step
-        if self.optim is not None:
-            self.optim.step_count = man.step
+        self.update.restored(man.step)
         log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
         return man
 
@@ -314,8 +234,7 @@ class Trainer:
         s0, io0 = time.perf_counter(), self.storage.stats()
         waits0 = self.params.stats.wait_s + self.stash.wait_s
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
-        if self.engines is not None:
-            self.engines.begin_step(self.step + 1, lr)
+        self.update.begin_step(self.step + 1, lr)
         out = self.executor.step(self.corpus.batches(self.step))
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
@@ -323,12 +242,8 @@ class Trainer:
         coef = None
         if cfg.optim.grad_clip > 0:
             coef = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
-        if self.engines is not None:
-            self.engines.step(lr, coef)  # returns at once: the engines update under the next forward
-            self.params.invalidate()  # slot copies are stale; reloads wait per unit for the engines
-            upd = UpdateStats()
-        else:
-            upd = self.optim.step(lr, coef)
+        upd = self.update.step(self.step + 1, lr, coef)
+        self.params.invalidate()  # slot copies are stale: the update rewrote (or is rewriting) every unit
         update_s = time.perf_counter() - t0
         self.step += 1
         step_s = time.perf_counter() - s0
@@ -357,35 +272,8 @@ class Trainer:
             peak_host_bytes=host_peak_rss(),
             peak_device_bytes=self.dev.peak_bytes(),
             mfu=mfu,
-            extra={"losses": out.losses, **self._engine_figures()},
+            extra={"losses": out.losses, **self.update.record()},
         )
-
-    def _engine_figures(self) -> dict:
-        """Bytes handed to the engines, and what they moved on their storage, since the last
-        record (an engine's update of step s is reported while step s + 1 runs)."""
-        if self.engines is None:
-            return {}
-        g = self.engines
-        counters = {
-            "engine_sent_bytes": g.sent_bytes,
-            "engine_dense_bytes": g.dense_bytes,
-            "engine_handoff_bytes": g.handoff_bytes,
-            "engine_slot_wait_s": g.slot_wait_s,  # the backward blocked on engines taking gradients
-            "reports": len(g.stepped),
-        }
-        seen, self._engine_seen = self._engine_seen, counters
-        since = {k: v - seen.get(k, 0) for k, v in counters.items()}
-        reports = g.stepped[len(g.stepped) - since.pop("reports"):]
-        return {
-            **since,
-            "engine_read_bytes": sum(r["read"] for r in reports),
-            "engine_write_bytes": sum(r["written"] for r in reports),
-            "engine_update_s": max((r["seconds"] for r in reports), default=0.0),
-            "engine_wait_s": max((r["wait_s"] for r in reports), default=0.0),
-            "engine_compute_s": max((r["compute_s"] for r in reports), default=0.0),
-            "engine_cpu_s": sum(r["cpu_s"] for r in reports),  # all engines, since their last report
-            "engine_peak_host_bytes": sum(g.peak_host),  # the engines run side by side: their peaks add up
-        }
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
@@ -448,9 +336,7 @@ class Trainer:
         """Stop every part, remove this run's scratch files (checkpoints hold what is worth
         keeping) and release the directories. Never raises: a part that fails to close (a dead
         engine, a damaged file) is logged and the others are still closed."""
-        for part in [*reversed(self._parts), getattr(self, "storage", None)]:
-            if part is None:
-                continue
+        for part in [*reversed(self._parts), self.rt]:
             try:
                 part.close()
             except Exception as exc:  # noqa: BLE001 - the rest must still be closed
@@ -460,7 +346,7 @@ class Trainer:
         if self.lock is not None:
             if self.plan is not None:
                 with contextlib.suppress(OSError):
-                    clean_stale(self.cfg.io.paths, self._state_file_names())
+                    clean_stale(self.cfg.io.paths, self.plan.names)
             self.lock.release(remove=True)
             self.lock = None
         if self.rundir is not None:
@@ -506,13 +392,5 @@ def _step_of(checkpoint: str) -> int:
     return int(os.path.basename(checkpoint).removeprefix("step-"))
 
 
-def _vocab(cfg: Config) -> int:
-    if cfg.model.hf_dir is not None:
-        from .models import hf_config_from
-
-        return hf_config_from(cfg.model).vocab_size
-    return cfg.model.vocab_size
-
-
-def _hidden(cfg: Config, model) -> int:
-    return model.hf_config.hidden_size if model.hf_config is not None else cfg.model.d_model
+def _vocab(model, cfg: Config) -> int:
+    return model.hf_config.vocab_size if model.hf_config is not None else cfg.model.vocab_size

@@ -11,9 +11,10 @@ buffer (a weight, or a view of it such as ``weight.t()``) is packed as a referen
 ``(unit, element offset, size, stride)``; unpacking takes the same view of wherever the
 unit is bound when the backward runs. Everything else stays as autograd saved it.
 
-Memory: the bytes of the distinct storages a graph saves, counted as it is built; a
-graph that would take the total past the budget is dropped at once (its block is then
-recomputed), so the kept total never exceeds ``keep_act_mib``.
+Memory: the bytes of the distinct storages a graph saves, counted as it is built. Whether
+a graph is kept is the activation policy's choice (``policy.py``), asked with those bytes
+once the graph exists; a graph that is not kept is dropped at once (its block is then
+recomputed). Policies never take the kept total past ``keep_act_mib``.
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ class KeptGraphs:
         return obj
 
     # -- forward / backward ---------------------------------------------------------------------------
-    def forward(self, key: tuple[int, int], units: tuple[int, ...], fn: Callable, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def forward(self, key: tuple[int, int], units: tuple[int, ...], fn: Callable, x: torch.Tensor,
+                keep: Callable[[int, int], bool]) -> tuple[torch.Tensor, bool]:
         """Run ``fn(x)`` keeping its graph under ``key``; returns the output (detached) and
-        whether the graph was kept (False: it did not fit the budget and was dropped, the
-        caller recomputes it later). ``units``: those whose parameters ``fn`` uses (bound now)."""
+        whether the graph was kept. ``keep(nbytes, kept_bytes)`` decides once the graph is
+        built (False: it is dropped, the caller recomputes it later). ``units``: those whose
+        parameters ``fn`` uses (bound now)."""
         x = x.detach().requires_grad_()
         flats = [(u, self.bound(u)) for u in units]  # looked up once per graph, not per saved tensor
         self._ranges = [(u, f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f) for u, f in flats]
@@ -92,7 +95,7 @@ class KeptGraphs:
         finally:
             self._ranges, self._seen = [], set()
         nbytes = self._counted
-        if self.kept_bytes + nbytes > self.budget:
+        if self.kept_bytes + nbytes > self.budget or not keep(nbytes, self.kept_bytes):
             return out.detach(), False  # the graph is freed with ``out``
         self._graphs[key] = _Graph(x, out, nbytes)
         self.kept_bytes += nbytes

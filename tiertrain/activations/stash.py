@@ -1,8 +1,9 @@
 """The hidden-state stash: block inputs kept from the forward for the backward.
 
-With ``L`` blocks and ``M`` micro-batches there are ``L * M`` entries, all of one shape.
-They are placed once, at start: entries produced last in the forward (consumed first in
-the backward) get host slots while ``host_bytes`` lasts; the earlier ones spill to
+With ``L`` blocks and ``M`` micro-batches there are ``L * M`` entries, all of one shape,
+named by ``(block, micro-batch)`` (an int is the entry's place in forward order). They are
+placed once, at start: entries produced last in the forward (consumed first in the
+backward) get host slots while ``host_bytes`` lasts; the earlier ones spill to
 ``stash.bin`` on the storage tier and are prefetched back as the backward approaches
 them. Host slots, spill buffers and the file are sized from the config and never grow.
 
@@ -18,11 +19,13 @@ import time
 import torch
 
 from ..io import ALIGN, BufferPool, IOFuture, PoolBuffer, Storage, aligned_empty, round_up
+from ..state.decl import FileDecl, StateDecl
 from ..state.device import Device
 
 __all__ = ["HiddenStash"]
 
 FILE = "stash.bin"
+OWNER = "hidden-state stash"
 
 
 class HiddenStash:
@@ -36,8 +39,10 @@ class HiddenStash:
         entries: int,
         host_bytes: int,
         spill_buffers: int = 3,
+        micro_batches: int = 1,
     ) -> None:
         self.dev, self.shape, self.dtype, self.entries = dev, tuple(shape), dtype, entries
+        self.micro_batches = micro_batches
         self.numel = math.prod(shape)
         self.entry_bytes, self.host_slots, self.spilled = self.plan(shape, dtype, entries, host_bytes)
         self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.cuda)
@@ -51,6 +56,20 @@ class HiddenStash:
         self._held: dict[int, PoolBuffer] = {}
         self._ready: dict[int, "torch.cuda.Event | None"] = {}
         self.wait_s = 0.0
+
+    @classmethod
+    def declare(cls, shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> StateDecl:
+        """The stash's state: host slots and the spill file (not checkpointed: rebuilt every step)."""
+        entry, host, spilled = cls.plan(shape, dtype, entries, host_bytes)
+        files = (FileDecl(FILE, spilled * entry),) if spilled else ()
+        return StateDecl("stash", dtype, OWNER, checkpointed=False, host_bytes=host * entry, files=files)
+
+    def _index(self, key) -> int:
+        """An entry's place in forward order, from its ``(block, micro-batch)``."""
+        if isinstance(key, int):
+            return key
+        block, m = key
+        return block * self.micro_batches + m
 
     @staticmethod
     def plan(shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> tuple[int, int, int]:
@@ -74,8 +93,9 @@ class HiddenStash:
     def _buf_view(buf: PoolBuffer, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return buf.tensor[: numel * dtype.itemsize].view(dtype).view(shape)
 
-    def put(self, i: int, h: torch.Tensor) -> None:
-        """Keep entry ``i`` (a device tensor) until ``get``."""
+    def put(self, key, h: torch.Tensor) -> None:
+        """Keep entry ``key`` (a device tensor) until ``get``."""
+        i = self._index(key)
         if tuple(h.shape) != self.shape:
             raise ValueError(f"stash entries are {self.shape}, got {tuple(h.shape)}")
         ready = self.dev.event()
@@ -121,8 +141,9 @@ class HiddenStash:
                 still.append((fut, buf))
         self._writes = still
 
-    def prefetch(self, i: int) -> None:
-        """Start bringing spilled entry ``i`` back (no-op for host entries or when busy)."""
+    def prefetch(self, key) -> None:
+        """Start bringing spilled entry ``key`` back (no-op for host entries or when busy)."""
+        i = self._index(key)
         if i < 0 or i >= self.spilled or i in self._reads or i in self._held:
             return
         self._reap(block=False)
@@ -136,8 +157,9 @@ class HiddenStash:
         while self._writes:
             self._reap(block=True)
 
-    def get(self, i: int) -> torch.Tensor:
-        """Entry ``i`` on the device. Spilled entries stay held until ``free(i)``."""
+    def get(self, key) -> torch.Tensor:
+        """Entry ``key`` on the device. Spilled entries stay held until ``free(key)``."""
+        i = self._index(key)
         if i >= self.spilled:
             if self.dev.cuda:
                 Device.sync(self._ready.pop(i, None))
@@ -155,9 +177,9 @@ class HiddenStash:
         h = self._buf_view(buf, self.numel, self.dtype, self.shape)
         return h.to(self.dev.device, non_blocking=True) if self.dev.cuda else h
 
-    def free(self, i: int) -> None:
-        """The backward is done with entry ``i``."""
-        buf = self._held.pop(i, None)
+    def free(self, key) -> None:
+        """The backward is done with entry ``key``."""
+        buf = self._held.pop(self._index(key), None)
         if buf is not None:
             if self.dev.cuda:
                 Device.sync(self.dev.event())  # the H2D copy out of this buffer has run

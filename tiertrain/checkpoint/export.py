@@ -4,8 +4,8 @@ For Hugging Face models the output is a model directory (``config.json``, shards
 model's own names, ``model.safetensors.index.json``, and the tokenizer files of the
 directory the model came from) that ``from_pretrained`` and ``model.hf_dir`` load; for the
 built-in GPT, shards with tiertrain's names that ``model.init_from`` loads. Memory: one
-unit at a time. fp32 master weights are exported where the run kept them, else the
-parameters in their own precision.
+unit at a time. What is exported is the weights state the run declared (``StateDecl.weights``):
+fp32 master weights where the run kept them, else the parameters in their own precision.
 
 Complete or absent: everything is written into a hidden directory beside ``out`` and
 renamed into place once every shard is written and the checkpoint's checksum has matched;
@@ -26,6 +26,7 @@ from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..paths import check_writable_dir
 from ..state.layout import FlatLayout
+from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
 
 __all__ = ["export_checkpoint", "TOKENIZER_FILES"]
@@ -57,16 +58,19 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
 
 
 def _write(path: str, man: Manifest, out: str) -> None:
+    from ..train import declare_states
+
     cfg = Config.from_dict(man.config, environment=False)
-    model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
-    layout = FlatLayout(model)
+    rt = _Skeleton(cfg, getattr(torch, man.param_dtype.removeprefix("torch.")))
+    model, layout = rt.model, rt.layout
     if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
-    name = "master.bin" if man.entry("master.bin") else "params.bin"
+    state = weights_state((f.name.removesuffix(".bin") for f in man.files), declare_states(cfg, rt))
+    if state is None:
+        raise CheckpointError(f"checkpoint {path} holds no weights its config declares; it is damaged: use an "
+                              "earlier checkpoint")
+    name, dtype = f"{state.name}.bin", state.dtype
     entry = man.entry(name)
-    if entry is None:
-        raise CheckpointError(f"checkpoint {path} has no params.bin; it is damaged: use an earlier checkpoint")
-    dtype = torch.float32 if name == "master.bin" else getattr(torch, man.param_dtype.removeprefix("torch."))
     names = _hf_names(model) if model.hf_model is not None else {}
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
@@ -99,6 +103,19 @@ def _write(path: str, man: Manifest, out: str) -> None:
     with open(os.path.join(out, "tiertrain.json"), "w") as f:
         json.dump({"step": man.step, "config": man.config}, f, indent=1)
     _copy_tokenizer(cfg, out)
+
+
+class _Skeleton:
+    """What ``declare_states`` needs of a runtime, for a stored config (no device, no storage)."""
+
+    def __init__(self, cfg: Config, dtype: torch.dtype) -> None:
+        from ..io.storage import record_align
+
+        self.cfg, self.dtype = cfg, dtype
+        self.model, _ = build_model(cfg.model, param_dtype=dtype, seed=0)
+        self.layout = FlatLayout(self.model)
+        self.align = record_align(cfg.io.checksum, cfg.io.checksum_block_kib << 10)
+        self.hidden_size = self.model.hf_config.hidden_size if self.model.hf_config is not None else cfg.model.d_model
 
 
 def _copy_tokenizer(cfg: Config, out: str) -> None:

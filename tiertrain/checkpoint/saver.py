@@ -1,8 +1,8 @@
 """Saving and restoring checkpoints by streaming states through two fixed buffers.
 
-A checkpoint file holds one kind of state for every unit, in layout order at the units'
-layout offsets (``params.bin``, ``exp_avg.bin``, ``exp_avg_sq.bin``, ``master.bin``), plus
-``rng.pt`` and the manifest. Saving reads each state from wherever it lives (RAM or the
+A checkpoint file holds one checkpointed state (as its owner declared it) for every unit, in
+layout order at the units' layout offsets (``params.bin``, ``exp_avg.bin``, ``exp_avg_sq.bin``,
+``master.bin``, ``residual.bin`` ...), plus ``rng.safetensors`` and the manifest. Saving reads each state from wherever it lives (RAM or the
 storage tier) chunk by chunk into one of two aligned buffers while the other is written
 out, so its memory does not depend on the model's size. Every byte is covered by the
 file's CRC32C, computed on the way and checked on the way back.
@@ -140,8 +140,9 @@ class CheckpointIO:
         return FileEntry(name, size, crc)
 
     # -- restore -----------------------------------------------------------------------------------
-    def restore(self, regions: dict, path: str) -> Manifest:
-        """Load checkpoint ``path`` into ``regions``, checking every file's size and CRC32C."""
+    def restore(self, regions: dict, path: str, *, zero_if_absent: set[str] = frozenset()) -> Manifest:
+        """Load checkpoint ``path`` into ``regions``, checking every file's size and CRC32C.
+        A region named in ``zero_if_absent`` that the checkpoint lacks is zeroed (with a warning)."""
         man = Manifest.read(path)
         units = [u.numel for u in self.layout.units]
         if man.units != units or man.param_dtype != str(regions["params.bin"].dtype):
@@ -152,6 +153,10 @@ class CheckpointIO:
             )
         for name, region in regions.items():
             entry = man.entry(name)
+            if entry is None and name in zero_if_absent:
+                log.warning("checkpoint %s has no %s: it starts at zero", path, name)
+                self._zero_region(region)
+                continue
             if entry is None:
                 raise CheckpointError(f"checkpoint {path} has no {name}, which this run needs")
             self._restore_region(path, entry, region)
@@ -177,6 +182,16 @@ class CheckpointIO:
                 f"checkpoint file {path} is corrupt: crc32c {crc:#010x}, the manifest says {entry.crc32c:#010x}; "
                 "use an earlier checkpoint"
             )
+
+    def _zero_region(self, region) -> None:
+        buf = self.buffers.acquire()
+        try:
+            zeros = buf.tensor.view(region.dtype)
+            zeros.zero_()
+            for u, a, b in self._chunks(region):
+                region.write(u, zeros, a, b).get()
+        finally:
+            buf.release()
 
     def close(self) -> None:
         self.workers.shutdown()

@@ -10,7 +10,12 @@ from .stats import StatsSnapshot
 from .stripe import StripedFile, local_size
 from .workers import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, IOWorkers
 
-__all__ = ["Storage"]
+__all__ = ["Storage", "record_align"]
+
+
+def record_align(checksum: bool, checksum_block: int) -> int:
+    """``Storage.record_align`` of a storage with these settings (known before it exists)."""
+    return checksum_block if checksum else 4096
 
 
 class Storage:
@@ -70,7 +75,7 @@ class Storage:
     def record_align(self) -> int:
         """Alignment, in bytes, that keeps records of a file on whole checksum blocks (and
         O_DIRECT blocks): requests on such records never need a read-modify-write."""
-        return self.checksum_block if self.checksum else 4096
+        return record_align(self.checksum, self.checksum_block)
 
     def block_for(self, record_bytes: int) -> int:
         """A checksum block for files of ``record_bytes``-sized records (a multiple of 4 KiB):

@@ -6,23 +6,50 @@ parameters to views of a device slot just before the unit runs (``Parameter.data
 reassigned; the ``Parameter`` objects, their names and ties never change).
 
 Contract of the three unit kinds:
-- ``embed(input_ids) -> hidden``
-- ``block(hidden) -> hidden`` (positions, masks and rotary tables made inside)
-- ``head(hidden, targets) -> loss``: mean cross-entropy over the micro-batch's tokens
+- ``embed(input_ids, positions=None) -> hidden``
+- ``block(hidden, positions=None, cache=None) -> hidden``: ``positions`` are the tokens'
+  positions (``[T]``; None: ``0 .. T-1``), from which masks and rotary tables are made
+  inside; ``cache`` is the block's key/value cache (generation; None in training, and
+  refused until generation exists)
+- ``head.logits(hidden) -> logits``, ``head.loss(logits, targets) -> loss`` (mean
+  cross-entropy over the micro-batch's tokens); ``head(hidden, targets)`` is both
 
-Composing them (``LayeredModel.forward``) is the plain PyTorch model that parity is
-measured against.
+``LayeredModel.plan`` lists the units in execution order with their role (``UnitRef``):
+executors walk it instead of doing index arithmetic. Composing the units
+(``LayeredModel.forward``) is the plain PyTorch model that parity is measured against.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-__all__ = ["LayeredModel", "WeightSource", "materialize_placeholders", "unit_param_names"]
+__all__ = ["LayeredModel", "WeightSource", "UnitRef", "materialize_placeholders", "unit_param_names",
+           "default_positions", "no_cache"]
+
+
+def default_positions(x: torch.Tensor) -> torch.Tensor:
+    """Positions ``0 .. T-1`` of a ``[B, T, ...]`` batch."""
+    return torch.arange(x.shape[1], device=x.device)
+
+
+def no_cache(cache: Any) -> None:
+    if cache is not None:
+        raise NotImplementedError("a block's key/value cache is for generation, which tiertrain does not run yet")
+
+
+@dataclass(frozen=True)
+class UnitRef:
+    """A unit in execution order: ``index`` in the layout, ``role`` ('embed', 'block',
+    'head'), ``block`` its block number (blocks only) and ``module``."""
+
+    index: int
+    role: str
+    module: nn.Module = field(compare=False, repr=False)
+    block: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,20 @@ class LayeredModel(nn.Module):
     def n_units(self) -> int:
         return len(self.blocks) + 2
 
+    @property
+    def plan(self) -> list[UnitRef]:
+        """The units in execution order, with their roles."""
+        blocks = {id(b): i for i, b in enumerate(self.blocks)}
+        out = []
+        for u, module in enumerate(self.units):
+            if module is self.embed:
+                out.append(UnitRef(u, "embed", module))
+            elif module is self.head:
+                out.append(UnitRef(u, "head", module))
+            else:
+                out.append(UnitRef(u, "block", module, blocks[id(module)]))
+        return out
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         for block in self.blocks:
@@ -74,7 +115,7 @@ def unit_param_names(model: LayeredModel) -> list[list[tuple[str, nn.Parameter]]
     """Per unit, ``(full name, parameter)`` of the parameters that unit owns.
 
     A parameter shared by two units (tied embeddings) is owned by the first unit in
-    execution order; ``foreign_params`` lists where the later ones borrow it.
+    execution order; the layout lists the units that borrow it (``UnitLayout.borrows``).
     """
     seen: set[int] = set()
     out = []

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import LayeredModel
+from .base import LayeredModel, default_positions, no_cache
 
 __all__ = ["GPTEmbed", "GPTBlock", "GPTHead", "build_gpt"]
 
@@ -25,8 +25,8 @@ class GPTEmbed(nn.Module):
         self.wpe = nn.Embedding(max_len, d)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        pos = default_positions(idx) if positions is None else positions
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 
@@ -42,7 +42,8 @@ class GPTBlock(nn.Module):
         self.out = nn.Linear(d_ff, d)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        no_cache(cache)
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
@@ -59,9 +60,14 @@ class GPTHead(nn.Module):
         if tied is not None:
             self.lm_head.weight = tied.weight
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.ln_f(h))
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.logits(h), targets)
 
 
 def _init_unit(n_layers: int, std: float):

@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 from transformers.masking_utils import create_causal_mask
 
-from .base import LayeredModel
+from .base import LayeredModel, default_positions, no_cache
 
 __all__ = ["layer_llama", "layer_gpt2"]
 
 
-def _positions(h: torch.Tensor) -> torch.Tensor:
-    return torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+def _positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """``[1, T]`` position ids (HF layout) of the hidden states ``h``."""
+    return (default_positions(h) if positions is None else positions).view(1, -1)
 
 
 class LlamaEmbed(nn.Module):
@@ -28,7 +29,7 @@ class LlamaEmbed(nn.Module):
         super().__init__()
         self.embed_tokens = hf.model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
 
@@ -41,8 +42,9 @@ class LlamaBlock(nn.Module):
         object.__setattr__(self, "_rotary", hf.model.rotary_emb)
         object.__setattr__(self, "_config", hf.config)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        pos = _positions(h)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        no_cache(cache)
+        pos = _positions(h, positions)
         mask = create_causal_mask(
             config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
         )
@@ -60,9 +62,14 @@ class CausalLMHead(nn.Module):
         object.__setattr__(self, "_loss", hf.loss_function)
         self.vocab_size = hf.config.vocab_size
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(h))
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.logits(h), targets)
 
 
 class GPT2Embed(nn.Module):
@@ -71,9 +78,9 @@ class GPT2Embed(nn.Module):
         t = hf.transformer
         self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         inputs_embeds = self.wte(input_ids)
-        h = inputs_embeds + self.wpe(_positions(inputs_embeds)).to(inputs_embeds.device)
+        h = inputs_embeds + self.wpe(_positions(inputs_embeds, positions)).to(inputs_embeds.device)
         return self.drop(h)
 
 
@@ -83,8 +90,9 @@ class GPT2Block(nn.Module):
         self.block = hf.transformer.h[index]
         object.__setattr__(self, "_config", hf.config)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        pos = _positions(h)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        no_cache(cache)
+        pos = _positions(h, positions)
         mask = create_causal_mask(
             config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
         )

@@ -1,20 +1,23 @@
-"""The layer-major executor (SpeedLoader's schedule): one training step.
+"""The layer-major executor (SpeedLoader's schedule): one training step, as unit steps.
 
-Forward: for each unit in order, its parameters are fetched once and all ``M``
-micro-batches go through it; each block's input is stashed for the backward. The head
-runs forward and backward per micro-batch right away (its loss is divided by ``M``, as
-gradient accumulation in plain PyTorch does), producing ``dh`` for every micro-batch.
-Backward: for each unit in reverse, its parameters are fetched once more; each
-``(unit, micro-batch)`` whose autograd graph was kept from the forward (within
-``memory.keep_act_mib``, see ``activations/keep.py``) is back-propagated through it; the
-others are recomputed from their stashed input, with the RNG state of their forward
-restored. Parameter gradients accumulate in the unit's gradient buffer in micro-batch
-order. ``M = 1`` is ordinary training.
+``step`` walks the model's units (``LayeredModel.plan``, execution order) and runs one unit
+step at a time, each over all ``M`` micro-batches while the unit's parameters are resident:
 
-Every ``(unit, micro-batch)`` is its own small autograd graph: input detached with
-``requires_grad``, output gradient fed in by the executor. The forward runs with grad
-enabled (and drops the graph) so that it takes exactly the kernels that the recompute,
-and plain PyTorch, take.
+- ``embed_forward``: token embeddings of every micro-batch;
+- ``block_forward``: one block; its graph is kept for the backward or dropped (the
+  activation policy's choice, ``activations/policy.py``), and the block's input is stashed
+  when the graph is dropped;
+- ``head_step``: the head's forward and backward per micro-batch (its loss is divided by
+  ``M``, as gradient accumulation in plain PyTorch does), producing ``dh`` per micro-batch;
+- ``block_backward``: one block in reverse order, through the kept graph or a recompute
+  from the stashed input with the RNG state of its forward restored;
+- ``embed_backward``.
+
+Parameter gradients accumulate in the unit's gradient buffer in micro-batch order. ``M = 1``
+is ordinary training. Every ``(unit, micro-batch)`` is its own small autograd graph: input
+detached with ``requires_grad``, output gradient fed in by the executor. The forward runs
+with grad enabled (and drops the graph) so that it takes exactly the kernels that the
+recompute, and plain PyTorch, take.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import torch
 
 from .. import faults
 from ..activations.keep import KeptGraphs
+from ..activations.policy import ActivationPolicy, KeepLast
 from ..activations.stash import HiddenStash
-from ..models.base import LayeredModel
+from ..models.base import LayeredModel, UnitRef
 from ..state.device import Device
 from ..state.grads import GradStore
 from ..state.store import ParamStore
 
-__all__ = ["LayerMajorExecutor", "StepOutput"]
+__all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch"]
 
 
 @dataclass
@@ -42,6 +46,13 @@ class StepOutput:
     tokens: int
     forward_s: float
     backward_s: float
+
+
+@dataclass
+class MicroBatch:
+    ids: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
 
 
 class _Rng:
@@ -66,113 +77,147 @@ class LayerMajorExecutor:
         stash: HiddenStash,
         dev: Device,
         keep_bytes: int = 0,
+        policy: ActivationPolicy | None = None,
     ) -> None:
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
-        self.n = model.n_units
+        self.plan = model.plan
+        self.embed = next(r for r in self.plan if r.role == "embed")
+        self.head = next(r for r in self.plan if r.role == "head")
+        self.blocks = [r for r in self.plan if r.role == "block"]
         self.lookahead = len(params.slots) - 1
         self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
         self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
+        self.policy = policy or KeepLast()
         self.recomputed = 0  # (block, micro-batch) pairs recomputed in the last step
+        self._rng: dict[tuple[int, int], _Rng] = {}
 
     # -- parameter residency ------------------------------------------------------------------------
-    def _acquire(self, u: int, upcoming: list[int]) -> None:
-        for x in (*self.params.layout.units[u].borrows, u):
-            self._flats[x] = self.params.acquire(x)
-        self.params.prefetch(upcoming[: self.lookahead])
+    def _units(self, ref: UnitRef) -> tuple[int, ...]:
+        """The units whose parameters ``ref`` uses: those it borrows (tied), then its own."""
+        return (*self.params.layout.units[ref.index].borrows, ref.index)
 
-    def _release(self, u: int) -> None:
-        for x in (u, *self.params.layout.units[u].borrows):
+    def _acquire(self, ref: UnitRef, upcoming: list[UnitRef]) -> None:
+        for x in self._units(ref):
+            self._flats[x] = self.params.acquire(x)
+        self.params.prefetch([r.index for r in upcoming[: self.lookahead]])
+
+    def _release(self, ref: UnitRef) -> None:
+        for x in reversed(self._units(ref)):
             self.params.release(x)
             self._flats.pop(x, None)
 
-    # -- one step --------------------------------------------------------------------------------------
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
-        M, L = len(batches), self.n - 2
-        self.model.train()
-        ids = [x.to(self.dev.device, non_blocking=True) for x, _ in batches]
-        tgt = [y.to(self.dev.device, non_blocking=True) for _, y in batches]
-        rng: dict[tuple[int, int], _Rng] = {}
-        self.kept.clear()  # nothing survives a step that failed half-way
-        t0 = time.perf_counter()
-        order = list(range(self.n))
-
-        # forward: embed, then blocks, each fetched once for all micro-batches
-        self._acquire(0, order[1:])
-        cur = []
-        for m in range(M):
-            rng[0, m] = _Rng(self.dev.cuda)
+    # -- unit steps ------------------------------------------------------------------------------------
+    def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        ref = self.embed
+        self._acquire(ref, self.plan[1:])
+        out = []
+        for m, mb in enumerate(mbs):
+            self._rng[ref.index, m] = _Rng(self.dev.cuda)
             with torch.enable_grad():
-                cur.append(self.model.embed(ids[m]).detach())
-        self._release(0)
-        for b in range(L):
-            u = b + 1
-            self._acquire(u, order[u + 1 :])
-            nxt = []
-            units = (*self.params.layout.units[u].borrows, u)
-            for m in range(M):
-                faults.point("forward")
-                rng[u, m] = _Rng(self.dev.cuda)
-                if self.kept.budget > 0:
-                    out, kept = self.kept.forward((b, m), units, self.model.blocks[b], cur[m])
-                else:
-                    with torch.enable_grad():
-                        out, kept = self.model.blocks[b](cur[m]).detach(), False
-                if not kept:  # recomputed in the backward from its stashed input
-                    self.stash.put(b * M + m, cur[m])
-                nxt.append(out)
-            self._release(u)
-            cur = nxt
+                out.append(self.model.embed(mb.ids, mb.positions).detach())
+        self._release(ref)
+        return out
 
-        # head: forward and backward per micro-batch
-        head = self.n - 1
-        self._acquire(head, list(range(L, -1, -1)))
-        self.grads.begin(head)
+    def block_forward(self, ref: UnitRef, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        self._acquire(ref, self.plan[ref.index + 1 :])
+        units, block = self._units(ref), ref.module
+        out = []
+        for m, (x, mb) in enumerate(zip(h, mbs)):
+            faults.point("forward")
+            self._rng[ref.index, m] = _Rng(self.dev.cuda)
+            fn = lambda t, mb=mb: block(t, mb.positions)  # noqa: E731
+            if self.policy.wants_graphs:
+                keep = lambda nbytes, kept, b=ref.block, m=m: self.policy.keep(b, m, nbytes, kept)  # noqa: E731
+                y, kept = self.kept.forward((ref.block, m), units, fn, x, keep)
+            else:
+                with torch.enable_grad():
+                    y, kept = fn(x).detach(), False
+            if not kept:  # recomputed in the backward from its stashed input
+                self.stash.put((ref.block, m), x)
+            out.append(y)
+        self._release(ref)
+        return out
+
+    def head_step(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of the head per micro-batch: (dh, losses)."""
+        ref, M = self.head, len(mbs)
+        self._acquire(ref, [*reversed(self.blocks), self.embed])
+        self.grads.begin(ref.index)
         dh, losses = [], []
-        for m in range(M):
-            x = cur[m].requires_grad_()
-            loss = self.model.head(x, tgt[m])
+        for x, mb in zip(h, mbs):
+            x = x.requires_grad_()
+            head = self.model.head
+            loss = head.loss(head.logits(x), mb.targets)
             (loss / M).backward()
             dh.append(x.grad)
             losses.append(loss.detach())
-        cur = None
-        self.grads.end(head)
-        self._release(head)
+        self.grads.end(ref.index)
+        self._release(ref)
+        return dh, losses
+
+    def block_backward(self, ref: UnitRef, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        i = self.blocks.index(ref)
+        self._acquire(ref, [*reversed(self.blocks[:i]), self.embed])
+        self.grads.begin(ref.index)
+        b = ref.block
+        for m, mb in enumerate(mbs):
+            if i > 0 and (self.blocks[i - 1].block, m) not in self.kept:
+                self.stash.prefetch((self.blocks[i - 1].block, m))
+            faults.point("backward")
+            if (b, m) in self.kept:
+                dh[m] = self.kept.backward((b, m), dh[m])
+                continue
+            self.recomputed += 1
+            x = self.stash.get((b, m)).detach().requires_grad_()
+            self._rng[ref.index, m].restore()
+            out = ref.module(x, mb.positions)
+            torch.autograd.backward(out, dh[m])
+            dh[m] = x.grad
+            self.stash.free((b, m))
+        self.grads.end(ref.index)
+        self._release(ref)
+        return dh
+
+    def embed_backward(self, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+        ref = self.embed
+        self._acquire(ref, [])
+        self.grads.begin(ref.index)
+        for m, mb in enumerate(mbs):
+            self._rng[ref.index, m].restore()
+            out = self.model.embed(mb.ids, mb.positions)
+            torch.autograd.backward(out, dh[m])
+        self.grads.end(ref.index)
+        self._release(ref)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
+        M = len(batches)
+        self.model.train()
+        mbs = []
+        for x, y in batches:
+            ids = x.to(self.dev.device, non_blocking=True)
+            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
+                                  torch.arange(ids.shape[1], device=self.dev.device)))
+        self._rng = {}
+        self.kept.clear()  # nothing survives a step that failed half-way
+        self.policy.begin_step(len(self.blocks), M, self.kept.budget)
+        t0 = time.perf_counter()
+
+        h = self.embed_forward(mbs)
+        for ref in self.blocks:
+            h = self.block_forward(ref, h, mbs)
+        dh, losses = self.head_step(h, mbs)
+        h = None
         after_forward = _Rng(self.dev.cuda)
         t1 = time.perf_counter()
 
-        # backward: blocks in reverse, then the embedding, each fetched once more
         self.recomputed = 0
-        for b in range(L - 1, -1, -1):
-            u = b + 1
-            self._acquire(u, list(range(u - 1, -1, -1)))
-            self.grads.begin(u)
-            for m in range(M):
-                if b > 0 and (b - 1, m) not in self.kept:
-                    self.stash.prefetch((b - 1) * M + m)
-                faults.point("backward")
-                if (b, m) in self.kept:
-                    dh[m] = self.kept.backward((b, m), dh[m])
-                    continue
-                self.recomputed += 1
-                x = self.stash.get(b * M + m).detach().requires_grad_()
-                rng[u, m].restore()
-                out = self.model.blocks[b](x)
-                torch.autograd.backward(out, dh[m])
-                dh[m] = x.grad
-                self.stash.free(b * M + m)
-            self.grads.end(u)
-            self._release(u)
-        self._acquire(0, [])
-        self.grads.begin(0)
-        for m in range(M):
-            rng[0, m].restore()
-            out = self.model.embed(ids[m])
-            torch.autograd.backward(out, dh[m])
-        self.grads.end(0)
-        self._release(0)
+        for ref in reversed(self.blocks):
+            dh = self.block_backward(ref, dh, mbs)
+        self.embed_backward(dh, mbs)
         after_forward.restore()  # the replays rewound the RNG; plain training only draws in the forward
         t2 = time.perf_counter()
 
         values = [float(v) for v in losses]  # sync point: losses to the host
-        tokens = sum(int(x.numel()) for x in ids)
+        tokens = sum(int(mb.ids.numel()) for mb in mbs)
         return StepOutput(sum(values) / M, values, tokens, t1 - t0, t2 - t1)

@@ -3,9 +3,9 @@
 During the backward, unit ``u``'s gradients accumulate, in micro-batch order, in a device
 buffer bound as its parameters' ``.grad`` (autograd adds in place into the views). When
 the unit is done (``end``), the norm of each parameter's gradient is taken on the device
-and the buffer is handed off to the gradients' home: host memory for the units that fit
-``host_bytes``, else ``grads.bin`` on the storage tier. The buffer is reused once the
-hand-off is complete; a fixed number of buffers exists.
+and the buffer is handed off to the gradients' home, a ``GradSink`` of the update path
+(host memory or a file for the baseline path; the engines' shared-memory slots). The
+buffer is reused once the hand-off is complete; a fixed number of buffers exists.
 
 A unit whose parameters are borrowed by a later unit (an embedding tied to the head)
 keeps its buffer from the borrower's backward to its own: the head's gradient for the
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..io import BufferPool, IOFuture, Storage
+from ..io import BufferPool, IOFuture
 from .device import Device
 from .layout import FlatLayout
-from .regions import TieredRegions
 
 __all__ = ["GradStore"]
 
@@ -32,27 +31,17 @@ class _Handoff:
 
 
 class GradStore:
-    def __init__(
-        self,
-        layout: FlatLayout,
-        storage: Storage,
-        dev: Device,
-        dtype: torch.dtype,
-        *,
-        host_bytes: int = 0,
-        buffers: int = 2,
-        home=None,
-    ) -> None:
-        self.layout, self.dev, self.dtype = layout, dev, dtype
-        # Where gradients go after the backward: our own regions, or (update engines) the engines.
-        self.home = home or TieredRegions(layout, storage, "grads.bin", dtype, host_bytes=host_bytes, pin=dev.cuda)
+    def __init__(self, layout: FlatLayout, sink, dev: Device, *, buffers: int = 2) -> None:
+        self.layout, self.dev, self.dtype = layout, dev, sink.dtype
+        dtype = self.dtype
+        self.home = sink  # where gradients go after the backward (the update path's GradSink)
         owners = {o for unit in layout.units for o in unit.borrows}
         self._count = buffers + len(owners)
         self._free = [dev.empty(layout.max_unit_numel, dtype) for _ in range(self._count)]
         self.buffer_bytes = self._count * layout.max_unit_numel * dtype.itemsize
         self._staging = (
             BufferPool(buffers, layout.max_unit_numel * dtype.itemsize, pin=True, name="grad-staging")
-            if dev.cuda and self.home.file is not None
+            if dev.cuda and sink.file_backed and not sink.takes_device_tensors
             else None
         )
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
@@ -93,7 +82,7 @@ class GradStore:
         self.poll()
 
     def _send(self, u: int, buf: torch.Tensor, base: torch.Tensor) -> _Handoff:
-        if not self.dev.cuda or getattr(self.home, "direct", False):  # the home copies synchronously
+        if not self.dev.cuda or self.home.takes_device_tensors:  # the home copies synchronously
             return _Handoff(base, write=self.home.write(u, buf))
         ready = self.dev.event()  # the backward that filled buf has been enqueued before this
         if self.home.on_host(u):
@@ -156,9 +145,5 @@ class GradStore:
         norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
         return torch.linalg.vector_norm(torch.stack(norms), 2)
 
-    def read(self, u: int, out: torch.Tensor, start: int, end: int) -> IOFuture:
-        return self.home.read(u, out, start, end)
-
     def close(self) -> None:
         self.flush()
-        self.home.close()

@@ -23,10 +23,18 @@ import torch.nn as nn
 
 from ..models.base import LayeredModel, unit_param_names
 
-__all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout", "segments"]
+__all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout", "segments", "chunk_align"]
 
 PARAM_ALIGN = 64
 UNIT_ALIGN = 2048
+
+
+def chunk_align(record_align: int, dtype: torch.dtype) -> int:
+    """Elements at which an optimizer chunk or an engine's slice may start, in a unit whose
+    parameters are ``dtype``: a multiple of ``UNIT_ALIGN`` (so of 64 elements from every
+    parameter's start: the fused kernel stays exact) that also starts a whole checksum block
+    (``record_align`` bytes) in the files of every state (2- or 4-byte elements)."""
+    return max(UNIT_ALIGN, record_align // min(dtype.itemsize, 4))
 
 
 def segments(params, start: int, end: int) -> list:

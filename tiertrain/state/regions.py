@@ -6,6 +6,9 @@ file every unit starts on a multiple of ``align`` bytes (the storage's checksum 
 reads and writes of a unit, or of chunks of whole blocks of it, never straddle a block
 that another request is also writing. The same element offsets inside a unit are used by
 every kind of state.
+
+``declare`` says what a region will hold (a ``StateDecl`` with its one file), without
+touching a disk; ``TieredRegions(layout, storage, decl)`` builds exactly that.
 """
 
 from __future__ import annotations
@@ -13,58 +16,65 @@ from __future__ import annotations
 import torch
 
 from ..io import IOFuture, Storage, aligned_empty
-from .layout import FlatLayout
+from .decl import FileDecl, StateDecl
 
-__all__ = ["TieredRegions"]
+__all__ = ["TieredRegions", "place"]
+
+
+def place(layout, dtype: torch.dtype, host_bytes: int, align: int) -> dict[int, int | None]:
+    """Per unit: None (host memory) or its element offset in the file."""
+    out: dict[int, int | None] = {}
+    budget, pos = host_bytes, 0
+    step = max(1, align // dtype.itemsize)
+    for unit in layout.units:
+        nbytes = unit.numel * dtype.itemsize
+        if nbytes <= budget:
+            budget -= nbytes
+            out[unit.index] = None
+        else:
+            out[unit.index] = pos
+            pos += -(-unit.numel // step) * step
+    return out
 
 
 class TieredRegions:
-    def __init__(
-        self,
-        layout: FlatLayout,
-        storage: Storage,
-        name: str,
-        dtype: torch.dtype,
-        *,
-        host_bytes: int = 0,
-        pin: bool = False,
-    ) -> None:
-        self.layout, self.name, self.dtype, self.esize = layout, name, dtype, dtype.itemsize
+    """One state of every unit of ``layout``: in host memory (the first units that fit the
+    declared budget) or in the declared file. ``layout``: a ``FlatLayout`` or an engine's
+    ``SliceLayout``; ``pin`` pins the host part (CUDA)."""
+
+    def __init__(self, layout, storage: Storage, decl: StateDecl, *, pin: bool = False) -> None:
+        if len(decl.files) > 1:
+            raise ValueError(f"state {decl.name} is declared over {len(decl.files)} files; a region holds one")
+        self.layout, self.decl, self.name = layout, decl, decl.name
+        self.dtype, self.esize = decl.dtype, decl.dtype.itemsize
         self.align = storage.record_align
-        placement = self.place(layout, dtype, host_bytes, self.align)
+        budget = decl.host_bytes
+        placement = place(layout, self.dtype, budget, self.align)
         self._host = {
-            u: aligned_empty(layout.units[u].numel * self.esize, pin=pin).view(dtype)
+            u: aligned_empty(layout.units[u].numel * self.esize, pin=pin).view(self.dtype)
             for u, off in placement.items()
             if off is None
         }
         self._file_off = {u: off for u, off in placement.items() if off is not None}
         self.host_bytes = sum(t.numel() * self.esize for t in self._host.values())
-        self.file_bytes = self.plan_file_bytes(layout, dtype, host_bytes, self.align)
+        self.file_name = decl.files[0].name if decl.files else None
+        self.file_bytes = decl.files[0].size if decl.files else 0
         self.storage = storage
-        self.file = storage.create(name, self.file_bytes) if self.file_bytes else None
+        self.file = storage.create(self.file_name, self.file_bytes) if self.file_bytes else None
 
     @staticmethod
-    def place(layout: FlatLayout, dtype: torch.dtype, host_bytes: int, align: int) -> dict[int, int | None]:
-        """Per unit: None (host memory) or its element offset in the file."""
-        out: dict[int, int | None] = {}
-        budget, pos = host_bytes, 0
-        step = max(1, align // dtype.itemsize)
-        for unit in layout.units:
-            nbytes = unit.numel * dtype.itemsize
-            if nbytes <= budget:
-                budget -= nbytes
-                out[unit.index] = None
-            else:
-                out[unit.index] = pos
-                pos += -(-unit.numel // step) * step
-        return out
-
-    @classmethod
-    def plan_file_bytes(cls, layout: FlatLayout, dtype: torch.dtype, host_bytes: int, align: int) -> int:
-        """Bytes of the file that ``TieredRegions(layout, ..., dtype, host_bytes=...)`` creates."""
-        offs = cls.place(layout, dtype, host_bytes, align)
-        last = [(off, layout.units[u].numel) for u, off in offs.items() if off is not None]
-        return max((off + n for off, n in last), default=0) * dtype.itemsize
+    def declare(layout, file: str, dtype: torch.dtype, host_bytes: int, align: int, *, name: str, owner: str,
+                checkpointed: bool, path: str | None = None, weights: bool = False,
+                zero_if_absent: bool = False) -> StateDecl:
+        """The state a ``TieredRegions`` of these arguments holds: the host memory its units
+        take within ``host_bytes`` and its file (``file`` on every path, or on ``path``)."""
+        offs = place(layout, dtype, host_bytes, align)
+        end = max((off + layout.units[u].numel for u, off in offs.items() if off is not None), default=0)
+        held = sum(layout.units[u].numel * dtype.itemsize for u, off in offs.items() if off is None)
+        size = end * dtype.itemsize
+        return StateDecl(name, dtype, owner, checkpointed, host_bytes=held if held else 0,
+                         files=(FileDecl(file, size, path),) if size else (), weights=weights,
+                         zero_if_absent=zero_if_absent)
 
     def on_host(self, u: int) -> bool:
         return u in self._host
@@ -103,7 +113,7 @@ class TieredRegions:
     def reopen(self) -> None:
         """Open the file again after ``release``, taking in what others wrote (and their checksums)."""
         if self.file_bytes:
-            self.file = self.storage.open(self.name, "r+")
+            self.file = self.storage.open(self.file_name, "r+")
 
     def close(self) -> None:
         if self.file is not None:

@@ -1,35 +1,48 @@
-"""The parameter store: where each unit's flat parameters live, and the device slots
-they are fetched into.
+"""The parameter store: the device slots units' parameters are fetched into, from a
+``ParamSource`` (the update path's backing copy of the parameters).
 
-Backing copy of a unit: a region of ``params.bin`` on the storage tier, or host memory
-for the first units that fit in ``host_bytes``. Device copies: a fixed number of slots,
-each the size of the largest unit. The life of a unit in the slots:
+Slots are a fixed number of device buffers, each the size of the largest unit. The life of
+a slot (``SlotState``; any other move raises ``IllegalTransition`` naming both states):
 
-    STORED --prefetch/acquire--> LOADING --I/O (and, on CUDA, H2D copy) done--> RESIDENT
-    RESIDENT --acquire--> BOUND --release--> RESIDENT --evicted, least recently used--> STORED
-    any slot copy --invalidate (an update rewrote the unit)--> STORED
+    FREE --load--> LOADING --read (and, on CUDA, H2D copy) done--> RESIDENT
+    RESIDENT --acquire--> BOUND --release--> RESIDENT
+    LOADING | RESIDENT --evicted (least recently used) or invalidated--> FREE
 
-Only BOUND units are pinned in their slot. On CPU a host-resident unit needs no slot:
-its backing memory is what the modules see. On CUDA, loads go through pinned staging
-buffers and a copy stream; a slot is only overwritten after the compute stream has
-passed the event recorded when the slot was released.
+Only BOUND slots are pinned: a unit in use is never evicted or invalidated. On CPU a unit
+whose backing copy is in host memory needs no slot: its backing memory is what the modules
+see. On CUDA, loads go through pinned staging buffers and a copy stream; a slot is only
+overwritten after the compute stream has passed the event recorded when it was released.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..io import BufferPool, IOFuture, PoolBuffer, Storage
+from ..io import BufferPool, IOFuture, PoolBuffer
 from .device import Device
 from .layout import FlatLayout
-from .regions import TieredRegions
+from .machine import IllegalTransition, Machine
 
-__all__ = ["ParamStore"]
+__all__ = ["ParamStore", "SlotState", "StoreStats"]
 
-FILE = "params.bin"
+
+class SlotState(str, enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    RESIDENT = "resident"
+    BOUND = "bound"
+
+
+_SLOT = Machine("parameter slot", {
+    SlotState.FREE: {SlotState.LOADING},
+    SlotState.LOADING: {SlotState.RESIDENT, SlotState.FREE},
+    SlotState.RESIDENT: {SlotState.BOUND, SlotState.FREE},
+    SlotState.BOUND: {SlotState.RESIDENT},
+})
 
 
 @dataclass
@@ -37,12 +50,15 @@ class _Slot:
     index: int
     tensor: torch.Tensor
     unit: int | None = None
-    state: str = "free"  # free | loading | resident | bound
+    state: SlotState = SlotState.FREE
     read: IOFuture | None = None
     staging: PoolBuffer | None = None
     loaded: "torch.cuda.Event | None" = None
     released: "torch.cuda.Event | None" = None
     last_use: int = 0
+
+    def to(self, new: SlotState) -> None:
+        self.state = _SLOT.move(self.state, new, f"{self.index} (unit {self.unit})")
 
 
 @dataclass
@@ -54,75 +70,72 @@ class StoreStats:
 
 
 class ParamStore:
+    """``slots`` device buffers of the largest unit's size, loaded from ``source``.
+
+    ``slot_tensors``: the slots' memory when the update path provides it (shared memory that
+    update engines write new parameters into, CPU)."""
+
     def __init__(
         self,
         layout: FlatLayout,
-        storage: Storage,
+        source,
         dev: Device,
-        dtype: torch.dtype,
         *,
         slots: int,
-        host_bytes: int = 0,
-        backing=None,
-        gate=None,
         slot_tensors: list[torch.Tensor] | None = None,
     ) -> None:
         if slots < 2:
             raise ValueError(f"need at least 2 device slots (one computing, one loading), got {slots}")
-        self.layout, self.storage, self.dev, self.dtype = layout, storage, dev, dtype
-        self.esize = dtype.itemsize
+        self.layout, self.source, self.dev = layout, source, dev
+        self.dtype = source.dtype
+        self.esize = self.dtype.itemsize
         self.stats = StoreStats()
         self._clock = 0
-        # The backing copy: our own regions, or (update engines) the engines' files. ``gate``
-        # (``ready(u)``, ``wait_ready(u)``) holds loads of units the engines are still updating.
-        # With ``slot_tensors`` (slots the engines can write, CPU), a unit still being updated
-        # is loaded by the engines themselves (``gate.handoff``) instead of waited for.
-        self.backing = backing or TieredRegions(layout, storage, FILE, dtype, host_bytes=host_bytes, pin=dev.cuda)
-        self.gate = gate
         if slot_tensors is not None and len(slot_tensors) != slots:
             raise ValueError(f"got {len(slot_tensors)} slot tensors for {slots} slots")
-        self._handoff = gate is not None and slot_tensors is not None
+        self._shared = slot_tensors is not None
         self.slots = [
-            _Slot(i, slot_tensors[i] if slot_tensors is not None else dev.empty(layout.max_unit_numel, dtype))
+            _Slot(i, slot_tensors[i] if slot_tensors is not None else dev.empty(layout.max_unit_numel, self.dtype))
             for i in range(slots)
         ]
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
             BufferPool(slots, layout.max_unit_numel * self.esize, pin=True, name="param-staging")
-            if dev.cuda and self.backing.file is not None
+            if dev.cuda and source.file_backed
             else None
         )
 
-    # -- backing copy ------------------------------------------------------------------------
+    @property
+    def backing(self):
+        """The source of the parameters (the update path's backing copy)."""
+        return self.source
+
     def on_host(self, u: int) -> bool:
-        return self.backing.on_host(u)
+        return self.source.on_host(u)
+
+    def write(self, u: int, flat: torch.Tensor) -> IOFuture:
+        """Replace unit ``u``'s parameters in the source (where it can be written), dropping
+        stale slot copies first."""
+        self.invalidate(u)
+        return self.source.write(u, flat)
 
     @property
     def pool_bytes(self) -> int:
         """Fixed memory of the store: device slots + host-resident units + staging."""
-        return self.slot_bytes + self.backing.host_bytes + (self._staging.size_bytes if self._staging else 0)
-
-    def write(self, u: int, flat: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        """Replace elements ``[start, end)`` of unit ``u``'s backing copy from the CPU tensor ``flat``."""
-        self.invalidate(u)
-        return self.backing.write(u, flat, start, end)
-
-    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        """Copy elements ``[start, end)`` of unit ``u``'s backing copy into the CPU tensor ``out``."""
-        return self.backing.read(u, out, start, end)
+        return self.slot_bytes + self.source.host_bytes + (self._staging.size_bytes if self._staging else 0)
 
     # -- device slots --------------------------------------------------------------------------
     def _find(self, u: int) -> _Slot | None:
-        return next((s for s in self.slots if s.unit == u and s.state != "free"), None)
+        return next((s for s in self.slots if s.unit == u and s.state != SlotState.FREE), None)
 
     def _claim(self, may_wait: bool) -> _Slot | None:
         """A slot to load into: a free one, else the least recently used unbound one."""
-        free = [s for s in self.slots if s.state == "free"]
+        free = [s for s in self.slots if s.state == SlotState.FREE]
         if free:
             return free[0]
-        idle = sorted((s for s in self.slots if s.state == "resident"), key=lambda s: s.last_use)
+        idle = sorted((s for s in self.slots if s.state == SlotState.RESIDENT), key=lambda s: s.last_use)
         if not idle and may_wait:
-            idle = sorted((s for s in self.slots if s.state == "loading"), key=lambda s: s.last_use)
+            idle = sorted((s for s in self.slots if s.state == SlotState.LOADING), key=lambda s: s.last_use)
         if not idle:
             return None
         slot = idle[0]
@@ -130,29 +143,27 @@ class ParamStore:
         return slot
 
     def _drop(self, slot: _Slot) -> None:
-        if slot.state == "loading":
+        if slot.state == SlotState.LOADING:
             self._finish_read(slot)
-        slot.unit, slot.state = None, "free"
+        slot.to(SlotState.FREE)
+        slot.unit = None
 
     def _load(self, u: int, slot: _Slot) -> None:
-        slot.unit, slot.state, slot.last_use = u, "loading", self._tick()
+        slot.unit, slot.last_use = u, self._tick()
+        slot.to(SlotState.LOADING)
         self.stats.fetches += 1
         n = self.layout.units[u].numel
         self.stats.fetch_bytes += n * self.esize
-        if self.backing.on_host(u):  # CUDA only: host-resident unit, one H2D copy
+        if self.source.on_host(u):  # CUDA only: host-resident unit, one H2D copy
             with self.dev.on_copy_stream(after=slot.released):
-                slot.tensor[:n].copy_(self.backing.host_view(u), non_blocking=True)
+                slot.tensor[:n].copy_(self.source.host_view(u), non_blocking=True)
             slot.loaded = self.dev.copy_event()
             return
-        if self._handoff:  # the engines write it as they update it (None: already updated)
-            slot.read = self.gate.handoff(u, slot.index, slot.tensor)
-            if slot.read is not None:
-                return
-        if self._staging is None:  # CPU: read straight into the slot
-            slot.read = self.backing.read(u, slot.tensor)
+        if self._staging is None:  # CPU: straight into the slot
+            slot.read = self.source.load(u, slot.tensor[:n], slot.index if self._shared else None)
         else:
             slot.staging = self._staging.acquire()
-            slot.read = self.backing.read(u, slot.staging.tensor.view(self.dtype))
+            slot.read = self.source.load(u, slot.staging.tensor.view(self.dtype)[:n])
 
     def _finish_read(self, slot: _Slot) -> None:
         """Wait for the slot's read; on CUDA start its H2D copy. A sync point on the I/O."""
@@ -181,14 +192,14 @@ class ParamStore:
         """Start loading ``units`` (in order) into free or idle slots; never blocks, never
         evicts a bound unit or one of ``units`` itself."""
         for u in units:
-            if self.backing.on_host(u) and not self.dev.cuda:
+            if self.source.on_host(u) and not self.dev.cuda:
                 continue
             if self._find(u) is not None:
                 continue
-            if self.gate is not None and not self._handoff and not self.gate.ready(u):
+            if not self.source.can_prefetch(u):
                 return  # still being updated: prefetch later units only after this one
-            free = [s for s in self.slots if s.state == "free"]
-            idle = [s for s in self.slots if s.state == "resident" and s.unit not in units]
+            free = [s for s in self.slots if s.state == SlotState.FREE]
+            idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units]
             if free:
                 slot = free[0]
             elif idle:
@@ -199,28 +210,27 @@ class ParamStore:
             self._load(u, slot)
 
     def acquire(self, u: int) -> torch.Tensor:
-        """Unit ``u``'s parameters on the device, bound to its modules. May block on I/O."""
-        if self.backing.on_host(u) and not self.dev.cuda:
+        """Unit ``u``'s parameters on the device, bound to its modules. May block on I/O
+        (and on the update of ``u``)."""
+        if self.source.on_host(u) and not self.dev.cuda:
             self.stats.hits += 1
-            flat = self.backing.host_view(u)
+            flat = self.source.host_view(u)
             self.layout.bind(u, flat)
             return flat
         slot = self._find(u)
         if slot is None:
-            if self.gate is not None and not self._handoff:
-                t0 = time.perf_counter()
-                self.gate.wait_ready(u)  # sync point: the engines have written unit u
-                self.stats.wait_s += time.perf_counter() - t0
             slot = self._claim(may_wait=True)
             if slot is None:
                 raise RuntimeError(f"no device slot free for unit {u}: all {len(self.slots)} are bound")
             self._load(u, slot)
         else:
-            self.stats.hits += slot.state == "resident"
-        if slot.state == "loading":
+            self.stats.hits += slot.state == SlotState.RESIDENT
+        if slot.state == SlotState.LOADING:
             self._finish_read(slot)
+            slot.to(SlotState.RESIDENT)
         self.dev.wait(slot.loaded)
-        slot.state, slot.last_use = "bound", self._tick()
+        slot.to(SlotState.BOUND)
+        slot.last_use = self._tick()
         flat = slot.tensor[: self.layout.units[u].numel]
         self.layout.bind(u, flat)
         return flat
@@ -228,20 +238,20 @@ class ParamStore:
     def release(self, u: int) -> None:
         """Compute is done with unit ``u`` for now; its slot may be reused later."""
         slot = self._find(u)
-        if slot is not None and slot.state == "bound":
-            slot.state = "resident"
+        if slot is not None and slot.state == SlotState.BOUND:
+            slot.to(SlotState.RESIDENT)
             slot.released = self.dev.event()
 
     def invalidate(self, u: int | None = None) -> None:
         """Forget slot copies of ``u`` (all units if None): their backing copy changed."""
         for s in self.slots:
-            if s.state != "free" and (u is None or s.unit == u):
-                if s.state == "bound":
-                    raise RuntimeError(f"unit {s.unit} is still bound; release it before rewriting it")
+            if s.state != SlotState.FREE and (u is None or s.unit == u):
+                if s.state == SlotState.BOUND:
+                    raise IllegalTransition(f"unit {s.unit} is still bound; release it before rewriting it "
+                                            f"(parameter slot {s.index}: BOUND -> FREE is not allowed)")
                 self._drop(s)
 
     def close(self) -> None:
         for s in self.slots:
-            if s.state == "loading":
+            if s.state == SlotState.LOADING:
                 self._finish_read(s)
-        self.backing.close()

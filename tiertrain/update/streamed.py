@@ -1,4 +1,5 @@
-"""The baseline update path: AdamW (or SGD) in the trainer, streamed through fixed buffers.
+"""The streamed optimizer: AdamW (or SGD) over per-unit state, through fixed buffers. The
+baseline update path runs it in the trainer; each update engine runs it on its slices.
 
 Optimizer state (first and second moments, and fp32 master weights when parameters are
 kept in a lower precision) lives on the storage tier, laid out like the parameters.
@@ -13,7 +14,6 @@ ahead) sets of ``chunk`` elements, fixed at start.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,24 +21,15 @@ import torch
 from .. import faults
 from ..config import OptimConfig
 from ..io import IOFuture, Storage, aligned_empty
-from ..state.grads import GradStore
-from ..state.layout import UNIT_ALIGN, FlatLayout
+from ..state.decl import StateDecl
+from ..state.layout import FlatLayout, chunk_align
 from ..state.regions import TieredRegions
-from ..state.store import ParamStore
+from .base import UpdateStats
 from .kernels import adamw_segments, sgd_segments
 
-__all__ = ["StreamedOptimizer", "StreamedAdamW", "UpdateStats"]
+__all__ = ["StreamedOptimizer", "optimizer_states"]
 
 F32 = torch.float32
-
-
-@dataclass
-class UpdateStats:
-    seconds: float = 0.0
-    wait_s: float = 0.0  # blocked on reads or writes
-    compute_s: float = 0.0
-    chunks: int = 0
-    ahead: int = 0  # chunks whose state was read ahead
 
 
 class _BufferSet:
@@ -58,20 +49,34 @@ class _BufferSet:
         self.nbytes = total
 
 
+def optimizer_states(cfg: OptimConfig, layout, pdtype: torch.dtype, align: int, host_bytes: int, *,
+                     owner: str, file=lambda name: f"{name}.bin", path: str | None = None) -> list[StateDecl]:
+    """The optimizer's states: fp32 master weights (when parameters are lower precision),
+    then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; SGD: ``momentum``), each within an
+    equal share of ``host_bytes``. ``file(name)``: the file a state lives in on ``path``."""
+    names = (["master"] if pdtype != F32 else []) + (["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"])
+    share = host_bytes // len(names)
+    return [TieredRegions.declare(layout, file(n), F32, share, align, name=n, owner=owner, checkpointed=True,
+                                  path=path, weights=n == "master") for n in names]
+
+
 class StreamedOptimizer:
-    """AdamW (``exp_avg.bin``, ``exp_avg_sq.bin``) or SGD with momentum (``momentum.bin``)."""
+    """AdamW or SGD with momentum over the states ``optimizer_states`` declares.
+
+    ``params`` and ``grads``: regions (``TieredRegions``-like: ``read``, ``write``,
+    ``on_host``, ``host_view``) holding the parameters (read when there is no master copy,
+    written with the new values) and the gradients (read)."""
 
     def __init__(
         self,
         layout: FlatLayout,
         storage: Storage,
-        params: ParamStore,
-        grads: GradStore,
+        params: TieredRegions,
+        grads: TieredRegions,
         cfg: OptimConfig,
+        states: list[StateDecl],
         *,
         buffer_bytes: int,
-        state_host_bytes: int = 0,
-        prefix: str = "",
         ahead_bytes: int = 0,
     ) -> None:
         self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
@@ -81,18 +86,14 @@ class StreamedOptimizer:
         moments = 2 if self.adamw else 1
         per_elem = 2 * pdtype.itemsize + 4 * moments + (8 if self.has_master else 0)
         # Chunks start at multiples of `step` elements: whole checksum blocks in every state
-        # file (units start on block boundaries there), and multiples of 64 elements per
-        # parameter for the fused kernel's exactness.
-        step = max(UNIT_ALIGN, storage.record_align // min(pdtype.itemsize, 4))
+        # file and multiples of 64 elements per parameter (the fused kernel's exactness).
+        step = chunk_align(storage.record_align, pdtype)
         chunk = max(step, (buffer_bytes // per_elem) // step * step)
         self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
-        share = state_host_bytes // (moments + (1 if self.has_master else 0))
-        first = "exp_avg.bin" if self.adamw else "momentum.bin"
-        self.m = TieredRegions(layout, storage, f"{prefix}{first}", F32, host_bytes=share)
-        self.v = TieredRegions(layout, storage, f"{prefix}exp_avg_sq.bin", F32, host_bytes=share) if self.adamw else None
-        self.master = (
-            TieredRegions(layout, storage, f"{prefix}master.bin", F32, host_bytes=share) if self.has_master else None
-        )
+        regions = {d.name: TieredRegions(layout, storage, d) for d in states}
+        self.m = regions["exp_avg" if self.adamw else "momentum"]
+        self.v = regions.get("exp_avg_sq")
+        self.master = regions.get("master")
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
@@ -110,18 +111,11 @@ class StreamedOptimizer:
 
     @property
     def state_files(self) -> list[TieredRegions]:
-        return [r for r in (self.m, self.v, self.master) if r is not None]
-
-    @staticmethod
-    def state_kinds(cfg: OptimConfig, has_master: bool) -> list[str]:
-        """Names (without ``.bin``) of the optimizer's state files."""
-        kinds = ["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"]
-        return kinds + (["master"] if has_master else [])
+        return [r for r in (self.master, self.m, self.v) if r is not None]
 
     def regions(self) -> dict[str, TieredRegions]:
-        """The optimizer's state by checkpoint file name."""
-        names = self.state_kinds(self.cfg, self.has_master)
-        return {f"{n}.bin": r for n, r in zip(names, self.state_files)}
+        """The optimizer's states by name."""
+        return {r.name: r for r in self.state_files}
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
         """Initial state of unit ``u`` from its fp32 weights. Moments start at zero: fresh
@@ -219,7 +213,6 @@ class StreamedOptimizer:
         for w in writes:
             st.wait_s += _wait(w)
         report_until(None)
-        self.params.invalidate()
         st.seconds, st.chunks = time.perf_counter() - t_start, len(chunks)
         self.stats = st
         return st
@@ -227,7 +220,7 @@ class StreamedOptimizer:
     # -- one chunk --------------------------------------------------------------------------------
     def _pview(self, bs: _BufferSet, u: int, a: int, b: int) -> torch.Tensor:
         if self.params.on_host(u):  # host-resident parameters are updated in place
-            return self.params.backing.host_view(u)[a:b]
+            return self.params.host_view(u)[a:b]
         return bs.p[: b - a]
 
     def _read_state(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
@@ -280,5 +273,3 @@ def _wait(futs: list[IOFuture]) -> float:
         f.get()
     return time.perf_counter() - t0
 
-
-StreamedAdamW = StreamedOptimizer  # the name the baseline path had when it was AdamW only

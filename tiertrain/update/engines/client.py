@@ -1,13 +1,16 @@
-"""The trainer's side of the update engines (``update.mode = "engines"``).
+"""The trainer's side of the update engines (``update.mode = "engines"``): ``EngineUpdate``.
 
-Starts one engine process per storage path (or ``update.engines``), hands them gradient
-slices through fixed shared-memory slots (two per engine: back-pressure, nothing grows),
-tells them to step, and lets the next forward load unit ``u`` as soon as every engine has
-written it: the update runs under the next forward. Parameters are read straight from the
-engines' files; each engine's "done" message carries the checksums of the blocks it wrote,
-so reads are verified as on any other file. A dead engine is noticed at once (process
-sentinel), a silent one after ``update.engine_timeout_s``; either stops the trainer with an
-error naming the engine and its path.
+Starts one engine process (``worker.py``) per storage path (or ``update.engines``), hands
+them gradient slices through fixed shared-memory slots (two per engine: back-pressure,
+nothing grows), tells them to step, and lets the next forward load unit ``u`` as soon as
+every engine has written it: the update runs under the next forward. Parameters are read
+straight from the engines' files; each engine's ``Done`` carries the checksums of the blocks
+it wrote, so reads are verified as on any other file. On CPU the parameter slots are shared
+too: a unit the forward waits for gets its new parameters from the engines directly.
+
+A dead engine is noticed at once (its connection closes), a silent one after
+``update.engine_timeout_s``; either stops the trainer with an ``EngineError`` naming the
+engine and its path.
 """
 
 from __future__ import annotations
@@ -28,68 +31,122 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import Config
-from ..io import FileHandle, IOFuture, Storage, round_up
-from ..state.layout import UNIT_ALIGN, FlatLayout
-from ..state.regions import TieredRegions
-from ..errors import TiertrainError
-from .engine import engine_file
-from .shm import SharedSegment
-from .slices import SliceLayout, partition, unit_records
+from ...compress.feedback import ErrorFeedback
+from ...config import Config
+from ...errors import TiertrainError
+from ...io import FileHandle, IOFuture, Storage, round_up
+from ...state.decl import FileDecl, Region, StateDecl
+from ...state.layout import FlatLayout, chunk_align
+from ...state.regions import TieredRegions, place
+from ..base import GradSink, ParamSource, Update, UpdateStats
+from ..shm import SharedSegment
+from ..slices import SliceLayout, partition, unit_records
+from ..streamed import optimizer_states
+from . import protocol as P
+from .protocol import ENGINE, EngineState
 
-__all__ = ["EngineGroup", "EngineError"]
+__all__ = ["EngineUpdate", "EngineError", "engine_file"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 SLOTS = 2
+OWNER = "update engines"
 
 
 class EngineError(TiertrainError, RuntimeError):
     """An update engine died, hung or failed."""
 
 
-class EngineGroup:
-    def __init__(self, layout: FlatLayout, storage: Storage, cfg: Config, param_dtype: torch.dtype) -> None:
-        self.layout, self.storage, self.cfg, self.pdtype = layout, storage, cfg, param_dtype
+def engine_file(index: int, kind: str) -> str:
+    """Name of engine ``index``'s file of one kind of state (engines may share a path)."""
+    return f"engine{index}.{kind}.bin"
+
+
+def _views(layout: FlatLayout, n: int, align: int) -> tuple[list, list[SliceLayout]]:
+    slices = partition(layout, n, align)
+    records = unit_records(layout)
+    return slices, [SliceLayout(records, s) for s in slices]
+
+
+class EngineUpdate(Update):
+    name = "engines"
+
+    # -- declarations ----------------------------------------------------------------------------------
+    @staticmethod
+    def engine_states(cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
+                      paths: list[str]) -> list[list[StateDecl]]:
+        """Per engine, the states it keeps in its files on its path (built by the worker)."""
+        n = cfg.update.engines or len(paths)
+        _, views = _views(layout, n, chunk_align(align, pdtype))
+        out = []
+        for i, v in enumerate(views):
+            path = paths[i % len(paths)]
+            own = lambda name, i=i: engine_file(i, name)  # noqa: E731
+            out.append([
+                *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path),
+                TieredRegions.declare(v, own("params"), pdtype, 0, align, name="params", owner=OWNER,
+                                      checkpointed=True, path=path, weights=pdtype == torch.float32),
+                TieredRegions.declare(v, own("grads"), pdtype, cfg.memory.grad_host_mib * MIB // n, align,
+                                      name="grads", owner=OWNER, checkpointed=False, path=path),
+            ])
+        return out
+
+    @classmethod
+    def declare(cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
+                paths: list[str]) -> list[StateDecl]:
+        """Every state, over all engines' files, and (error feedback) the top-k residual."""
+        per = cls.engine_states(cfg, layout, pdtype, align, paths)
+        merged = []
+        for j, first in enumerate(per[0]):
+            parts = [states[j] for states in per]
+            files: tuple[FileDecl, ...] = tuple(f for d in parts for f in d.files)
+            merged.append(dataclasses.replace(first, host_bytes=sum(d.host_bytes for d in parts), files=files))
+        if cfg.update.error_feedback:
+            merged.append(ErrorFeedback.declare(layout, align, cfg.memory.residual_host_mib * MIB))
+        return merged
+
+    # -- construction ------------------------------------------------------------------------------------
+    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
+        self.layout, self.storage, self.cfg, self.pdtype = layout, storage, cfg, pdtype
         self.n = cfg.update.engines or len(storage.paths)
         self.path_of = [i % len(storage.paths) for i in range(self.n)]
         self.paths = [storage.paths[j] for j in self.path_of]
-        align = max(UNIT_ALIGN, storage.record_align // min(param_dtype.itemsize, 4))
-        self.slices = partition(layout, self.n, align)
-        records = unit_records(layout)
-        self.views = [SliceLayout(records, s) for s in self.slices]
+        self.align = storage.record_align
+        self.slices, self.views = _views(layout, self.n, chunk_align(self.align, pdtype))
+        self.states = self.declare(cfg, layout, pdtype, self.align, storage.paths)
+        self._engine_states = self.engine_states(cfg, layout, pdtype, self.align, storage.paths)
         self.slot_bytes = max(4096, round_up(max(v.max_unit_numel for v in self.views) * 4, 4096))
         self.timeout = cfg.update.engine_timeout_s
         self.eager = cfg.update.eager
         self.procs: list = []
         self.conns: list = []
         self.shms: list[SharedSegment] = []
+        self.state = [EngineState.STARTING] * self.n
+        self._acks: list[type] = [type(None)] * self.n  # the last acknowledgement of each engine
         self._free = [list(range(SLOTS)) for _ in range(self.n)]
         self._done: dict[int, set[int]] = {u.index: set(range(self.n)) for u in layout.units}
         self._served: dict[int, list[int]] = {u.index: [-1] * self.n for u in layout.units}
         self._slot_shm: SharedSegment | None = None  # the parameter slots, when shared (CPU)
         self._want: torch.Tensor | None = None
+        self._sockdir: str | None = None
         self.handoff_bytes = 0  # new parameters the engines wrote straight into the trainer's slots
         self._seen = [time.time()] * self.n
         self._progress = [0] * self.n
         self._moved = time.time()  # last time any engine made progress
-        self._state = [""] * self.n
-        self._readers: list[FileHandle] = []
-        self._place = [TieredRegions.place(v, param_dtype, 0, storage.record_align) for v in self.views]
+        self._readers: list[FileHandle | None] = []
+        self._place = [place(v, pdtype, 0, self.align) for v in self.views]
         self.sent_bytes = 0  # gradient bytes handed to engines (trainer -> engine)
         self.dense_bytes = 0  # what they would have been uncompressed
         self.topk = cfg.update.topk
-        self.residual = (
-            TieredRegions(layout, storage, "residual.bin", torch.float32, host_bytes=cfg.memory.residual_host_mib * MIB)
-            if cfg.update.error_feedback
-            else None
-        )
-        self._rbuf = torch.empty(layout.max_unit_numel, dtype=torch.float32) if self.residual is not None else None
-        self.stepped: list[dict] = []
+        residual = next((d for d in self.states if d.name == "residual"), None)
+        self.feedback = ErrorFeedback(layout, storage, residual) if residual is not None else None
+        self.stepped: list[P.StepReport] = []
         self.slot_wait_s = 0.0  # time the trainer waited for a free gradient slot (back-pressure)
-        self._steps_sent = 0  # "step" messages sent to every engine (each answers with one report)
+        self._steps_sent = 0  # steps each engine reports on (one report each)
         self.peak_host = [0] * self.n  # each engine's peak RSS, as of its last step report
         self._step, self._lr = 0, 0.0
+        self._seen_counters: dict[str, float] = {}
+        self.params, self.grads = _EngineParams(self), _EngineGrads(self)
         try:
             self._start(cfg)
             self._open_readers()
@@ -97,43 +154,47 @@ class EngineGroup:
             self.close()
             raise
 
+    @property
+    def engines(self) -> "EngineUpdate":  # the trainer's ``engines`` (tests and benchmarks look here)
+        return self
+
+    def _move(self, i: int, new: EngineState) -> None:
+        self.state[i] = ENGINE.move(self.state[i], new, f"{i} ({self.paths[i]})")
+
     # -- processes ----------------------------------------------------------------------------------
     def _start(self, cfg: Config) -> None:
-        # Fresh interpreters (`python -m tiertrain.update.engine`), connected back over an
-        # authenticated Unix socket: unlike multiprocessing's spawn, nothing of the trainer's
-        # own script is re-run in them, and unlike fork, no thread or lock is copied.
+        # Fresh interpreters, connected back over an authenticated Unix socket: unlike
+        # multiprocessing's spawn, nothing of the trainer's own script is re-run in them, and
+        # unlike fork, no thread or lock is copied.
         key = secrets.token_bytes(16)
         self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-")
         address = os.path.join(self._sockdir, "socket")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, TIERTRAIN_ENGINE_KEY=key.hex())
-        m = cfg.memory
         specs = []
         for i in range(self.n):
             shm = SharedSegment(SLOTS * self.slot_bytes)
             self.shms.append(shm)
-            spec = dict(
+            specs.append(dict(
                 records=unit_records(self.layout),
                 slices=[(s.unit, s.start, s.end) for s in self.slices[i]],
                 param_dtype=str(self.pdtype).removeprefix("torch."),
                 io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
                 optim=dataclasses.asdict(cfg.optim),
+                states=self._engine_states[i],
                 shm=shm.name,
                 shm_bytes=shm.size,
                 slot_bytes=self.slot_bytes,
                 threads=1,
                 eager=self.eager,
                 topk=cfg.update.topk > 0,
-                grad_host_bytes=m.grad_host_mib * MIB // self.n,
-                optim_host_bytes=0,  # engines keep optimizer state in their files (checkpoints read them there)
-                buffer_bytes=m.update_buffer_kib << 10,
-                ahead_bytes=m.engine_read_ahead_mib * MIB // self.n,
-            )
-            specs.append(spec)
+                buffer_bytes=cfg.memory.update_buffer_kib << 10,
+                ahead_bytes=cfg.memory.engine_read_ahead_mib * MIB // self.n,
+            ))
             # A session of its own: Ctrl-C at the terminal reaches the trainer only, which stops
             # at a step boundary and then stops the engines itself.
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engine", address, str(i)], env=env,
-                                               start_new_session=True))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engines.worker", address, str(i)],
+                                               env=env, start_new_session=True))
         self.conns = [None] * self.n
         accepted: list = []
 
@@ -158,14 +219,14 @@ class EngineGroup:
             _, i = conn.recv()
             conn.send((self.paths[i], specs[i]))
             self.conns[i] = conn
-        self._pump(lambda: all(s == "ready" for s in self._state), "starting", timeout=max(120.0, self.timeout))
+        self._pump(lambda: all(s == EngineState.READY for s in self.state), "starting", timeout=max(120.0, self.timeout))
         for shm in self.shms:  # every engine has mapped its slots
             shm.unlink()
 
     def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
         """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
         st = self.storage
-        if not TieredRegions.plan_file_bytes(self.views[i], dtype, 0, st.record_align):
+        if not next(d for d in self._engine_states[i] if d.name == kind).files:
             return None
         return FileHandle(os.path.join(self.paths[i], engine_file(i, kind)), mode, direct=st.direct,
                           checksum=st.checksum, checksum_block=st.checksum_block, workers=st.workers[self.path_of[i]])
@@ -173,36 +234,40 @@ class EngineGroup:
     def _open_readers(self) -> None:
         self._readers = [self._open(i, "params", "r", self.pdtype) for i in range(self.n)]
 
-    def _send(self, i: int, *msg) -> None:
+    def _send(self, i: int, msg) -> None:
         try:
             self.conns[i].send(msg)
         except (BrokenPipeError, OSError):
             self._check(i, "receiving a command")
             raise
 
-    def _handle(self, i: int, msg: tuple) -> None:
+    def _handle(self, i: int, msg) -> None:
         now = self._seen[i] = time.time()
-        op = msg[0]
-        if op != "alive" or msg[1] != self._progress[i]:
+        if not isinstance(msg, P.Alive) or msg.progress != self._progress[i]:
             self._moved = now
-        if op == "alive":
-            self._progress[i] = msg[1]
-        elif op == "free":
-            self._free[i].append(msg[1])
-        elif op == "done":
-            u, first, crcs, served = msg[1:]
-            if crcs and self._readers and self._readers[i] is not None:
-                self._readers[i].set_checksums(first, crcs)
-            self._served[u][i] = served
-            self._done[u].add(i)
-        elif op == "stepped":
-            self.stepped.append(dict(msg[1], engine=i))
-            self.peak_host[i] = msg[1]["peak_host"]  # the engine's VmHWM: already its peak so far
-        elif op == "error":
-            log.debug("update engine %d failed:\n%s", i, msg[2] if len(msg) > 2 else "")
-            raise EngineError(f"update engine {i} ({self.paths[i]}) failed: {msg[1]}; resume from the last checkpoint")
-        elif op in ("ready", "released", "reopened", "attached"):
-            self._state[i] = op
+        if isinstance(msg, P.Alive):
+            self._progress[i] = msg.progress
+        elif isinstance(msg, P.Free):
+            self._free[i].append(msg.slot)
+        elif isinstance(msg, P.Done):
+            if msg.crcs and self._readers and self._readers[i] is not None:
+                self._readers[i].set_checksums(msg.first_block, list(msg.crcs))
+            self._served[msg.unit][i] = msg.served_slot
+            self._done[msg.unit].add(i)
+        elif isinstance(msg, P.Stepped):
+            self.stepped.append(dataclasses.replace(msg.report, engine=i))
+            self.peak_host[i] = msg.report.peak_host  # the engine's VmHWM: already its peak so far
+        elif isinstance(msg, P.Failed):
+            log.debug("update engine %d failed:\n%s", i, msg.traceback)
+            raise EngineError(f"update engine {i} ({self.paths[i]}) failed: {msg.line}; resume from the last checkpoint")
+        elif isinstance(msg, P.Ready):
+            self._move(i, EngineState.READY)
+        elif isinstance(msg, P.Released):
+            self._move(i, EngineState.RELEASED)
+        elif isinstance(msg, P.Reopened):
+            self._move(i, EngineState.READY)
+        else:
+            self._acks[i] = type(msg)
 
     def _drain(self) -> None:
         for i, c in enumerate(self.conns):
@@ -254,23 +319,27 @@ class EngineGroup:
         self.slot_wait_s += time.perf_counter() - t0
         return self._free[i].pop()
 
-    # -- weights ---------------------------------------------------------------------------------------
-    def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
+    # -- the update interface --------------------------------------------------------------------------
+    def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         """Give each engine its slice of unit ``u``'s initial fp32 weights."""
         self._done[u] = set()
         for i in range(self.n):
             s = self.slices[i][u]
             k = self._take(i, "initialising weights")
             self._slot(i, k, torch.float32, s.numel).copy_(flat32[s.start : s.end])
-            self._send(i, "init", u, k)
-        return []
+            self._send(i, P.Init(u, k))
+
+    def finish_init(self) -> None:
+        self.wait_all("initialising weights")
+
+    def wait(self) -> None:
+        self.wait_all()
 
     def wait_all(self, what: str = "updating") -> None:
         """Until every engine has finished every unit and reported its last step."""
         self._pump(lambda: all(len(d) == self.n for d in self._done.values())
                    and len(self.stepped) == self._steps_sent * self.n, what)
 
-    # -- the parameter store's gate and backing ------------------------------------------------------------
     def ready(self, u: int) -> bool:
         self._drain()
         return len(self._done[u]) == self.n
@@ -278,7 +347,7 @@ class EngineGroup:
     def wait_ready(self, u: int) -> None:
         self._pump(lambda: len(self._done[u]) == self.n, f"updating unit {u}")
 
-    def slice_io(self, files: list, place: list[dict], esize: int, write: bool, u: int, buf: torch.Tensor,
+    def slice_io(self, files: list, place_: list[dict], esize: int, write: bool, u: int, buf: torch.Tensor,
                  start: int, end: int | None, engines: list[int] | None = None) -> IOFuture:
         """Elements ``[start, end)`` of unit ``u``, split by owner: each engine's part (of
         ``engines``, default all) read from (or written to) its file ``files[i]`` at the
@@ -289,31 +358,31 @@ class EngineGroup:
             s = self.slices[i][u]
             a, b = max(start, s.start), min(end, s.end)
             if a < b:
-                off = (place[i][u] + a - s.start) * esize
+                off = (place_[i][u] + a - s.start) * esize
                 op = files[i].pwrite if write else files[i].pread
                 futs.append(op(buf[a - start : b - start], (b - a) * esize, off))
         return IOFuture.gather(futs)
 
-    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end)
+    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None,
+                    engines: list[int] | None = None) -> IOFuture:
+        return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end, engines)
 
-    # -- new parameters straight into the trainer's slots (CPU) ------------------------------------------
-    def share_slots(self, count: int, numel: int) -> list[torch.Tensor]:
-        """``count`` parameter slots of ``numel`` elements in shared memory, mapped by every
-        engine too: a unit the trainer is waiting for gets its new parameters copied into
-        its slot by the engines as they update it, instead of read back from their files.
-        Same memory as private slots; the mapping is torch's own (no buffer exports)."""
+    def share_slots(self, count: int, numel: int) -> list[torch.Tensor] | None:
+        """On CPU: ``count`` parameter slots of ``numel`` elements in shared memory, mapped by
+        every engine too: a unit the trainer is waiting for gets its new parameters copied into
+        its slot by the engines as they update it, instead of read back from their files. Same
+        memory as private slots; the mapping is torch's own (no buffer exports)."""
         stride = round_up(numel * self.pdtype.itemsize, 4096)
         nu = len(self.layout.units)
         want_at = count * stride
         self._slot_shm = SharedSegment(want_at + round_up(4 * nu, 4096))
-        name = self._slot_shm.name
         mem = self._slot_shm.tensor
         self._want = mem[want_at : want_at + 4 * nu].view(torch.int32)
         self._want.zero_()
+        self._acks = [type(None)] * self.n
         for i in range(self.n):
-            self._send(i, "slots", name, stride, count, want_at)
-        self._pump(lambda: all(s == "attached" for s in self._state), "mapping the parameter slots")
+            self._send(i, P.Slots(self._slot_shm.name, stride, count, want_at))
+        self._pump(lambda: all(a is P.Attached for a in self._acks), "mapping the parameter slots")
         self._slot_shm.unlink()
         return [mem[k * stride : k * stride + numel * self.pdtype.itemsize].view(self.pdtype) for k in range(count)]
 
@@ -326,10 +395,9 @@ class EngineGroup:
         self._want[u] = slot + 1  # seen by an engine when it starts the unit, or not at all
         return _Handoff(self, u, slot, out)
 
-    # -- gradients -----------------------------------------------------------------------------------------
     def begin_step(self, step: int, lr: float) -> None:
-        """Before the backward of optimizer step ``step``: engines that update as gradients
-        arrive need the step and learning rate with the first gradient."""
+        """Engines that update as gradients arrive need the step and learning rate with the
+        first gradient."""
         self._step, self._lr = step, lr
 
     def send_grads(self, u: int, g: torch.Tensor) -> IOFuture:
@@ -344,20 +412,15 @@ class EngineGroup:
             self._slot(i, k, self.pdtype, s.numel).copy_(g[s.start : s.end])  # sync point on CUDA
             self.sent_bytes += s.numel * self.pdtype.itemsize
             self.dense_bytes += s.numel * self.pdtype.itemsize
-            self._send(i, "grad", u, k, self._step, self._lr, None)
+            self._send(i, P.Grad(u, k, self._step, self._lr))
         return IOFuture.completed(g.numel() * g.element_size())
 
     def _send_topk(self, u: int, g: torch.Tensor) -> IOFuture:
         """Top-k per engine slice; with error feedback, the residual is added before and
         what was dropped is kept for the next step."""
-        from ..compress.topk import pack, topk_encode
+        from ...compress.topk import pack, topk_encode
 
-        n = g.numel()
-        src = g
-        if self.residual is not None:
-            r = self._rbuf[:n]
-            self.residual.read(u, r).get()
-            src = g.float() + r.to(g.device)
+        src = self.feedback.add(u, g) if self.feedback is not None else g
         for i in range(self.n):
             s = self.slices[i][u]
             k = self._take(i, f"receiving gradients of unit {u}")
@@ -365,61 +428,86 @@ class EngineGroup:
             raw = self._slot(i, k, torch.uint8, self.slot_bytes)
             self.sent_bytes += pack(idx, vals.to(self.pdtype), raw)  # sync point on CUDA
             self.dense_bytes += s.numel * self.pdtype.itemsize
-            self._send(i, "grad", u, k, self._step, self._lr, None, idx.numel())
-            if self.residual is not None:
+            self._send(i, P.Grad(u, k, self._step, self._lr, idx.numel()))
+            if self.feedback is not None:
                 src[s.start : s.end][idx.long()] = 0  # sent: what is left is the residual
-        if self.residual is not None:
-            self._rbuf[:n].copy_(src)
-            self.residual.write(u, self._rbuf[:n]).get()
-        return IOFuture.completed(n * g.element_size())
+        if self.feedback is not None:
+            self.feedback.keep(u, src)
+        return IOFuture.completed(g.numel() * g.element_size())
 
-    def step(self, lr: float, coef: torch.Tensor | None) -> None:
-        """Start optimizer step ``self._step`` on every engine; returns at once. The next
-        forward waits per unit (``wait_ready``)."""
+    def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
+        """Start optimizer step ``step`` on every engine; returns at once. The next forward
+        waits per unit (``ParamSource.load``)."""
+        self._steps_sent += 1  # each engine reports every step (eager ones as their last unit is done)
         if self.eager:
-            self._steps_sent += 1  # already applied as gradients arrived; each engine reports the step
-            return
+            return UpdateStats()  # already applied as gradients arrived
         for u in self._done:
             self._done[u] = set()
         if self._want is not None:
-            self._want.zero_()  # no engine reads it until it gets "step"
-        c = None if coef is None else float(coef.to("cpu"))  # exact: a float32 widened to double
+            self._want.zero_()  # no engine reads it until it gets Step
+        c = None if clip_coef is None else float(clip_coef.to("cpu"))  # exact: a float32 widened to double
         for i in range(self.n):
-            self._send(i, "step", self._step, lr, c)
-        self._steps_sent += 1
+            self._send(i, P.Step(step, lr, c))
+        return UpdateStats()
 
-    # -- checkpoints -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def handover(self) -> Iterator[dict[str, "_EngineRegion"]]:
+    def regions(self) -> Iterator[dict[str, Region]]:
         """Pause the engines and open their state files here (for saving or restoring)."""
         self.wait_all("finishing the update before a checkpoint")
         for i in range(self.n):
-            self._send(i, "release")
-        self._pump(lambda: all(s == "released" for s in self._state), "releasing files")
+            self._send(i, P.Release())
+        self._pump(lambda: all(s == EngineState.RELEASED for s in self.state), "releasing files")
         for r in self._readers:
             if r is not None:
                 r.close()
-        from .streamed import StreamedOptimizer
-
-        kinds = ["params"] + StreamedOptimizer.state_kinds(self.cfg.optim, self.pdtype != torch.float32)
-        regions = {}
+        regions: dict = {}
         try:
-            for kind in kinds:
-                dtype = self.pdtype if kind == "params" else torch.float32
-                regions[kind] = _EngineRegion(self, kind, dtype)
+            for d in self.states:
+                if d.name == "residual":
+                    regions[d.name] = self.feedback.region
+                elif d.checkpointed:
+                    regions[d.name] = _EngineRegion(self, d.name, d.dtype)
             yield regions
         finally:
             for r in regions.values():
-                r.close()
+                if isinstance(r, _EngineRegion):
+                    r.close()
             for i in range(self.n):
-                self._send(i, "reopen")
-            self._pump(lambda: all(s == "reopened" for s in self._state), "reopening files")
+                self._send(i, P.Reopen())
+            self._pump(lambda: all(s == EngineState.READY for s in self.state), "reopening files")
             self._open_readers()
+
+    def pools(self) -> dict[str, int]:
+        extra = self.feedback.pool_bytes if self.feedback is not None else 0
+        return {"engine slots (shared memory)": sum(s.size for s in self.shms) + extra}
 
     @property
     def pool_bytes(self) -> int:
-        extra = (self._rbuf.numel() * 4 + self.residual.host_bytes) if self.residual is not None else 0
-        return sum(s.size for s in self.shms) + extra
+        return sum(self.pools().values())
+
+    def record(self) -> dict:
+        """Bytes handed to the engines, and what they moved on their storage, since the last
+        record (an engine's update of step s is reported while step s + 1 runs)."""
+        counters = {
+            "engine_sent_bytes": self.sent_bytes,
+            "engine_dense_bytes": self.dense_bytes,
+            "engine_handoff_bytes": self.handoff_bytes,
+            "engine_slot_wait_s": self.slot_wait_s,  # the backward blocked on engines taking gradients
+            "reports": len(self.stepped),
+        }
+        seen, self._seen_counters = self._seen_counters, counters
+        since = {k: v - seen.get(k, 0) for k, v in counters.items()}
+        reports = self.stepped[len(self.stepped) - since.pop("reports"):]
+        return {
+            **since,
+            "engine_read_bytes": sum(r.read for r in reports),
+            "engine_write_bytes": sum(r.written for r in reports),
+            "engine_update_s": max((r.seconds for r in reports), default=0.0),
+            "engine_wait_s": max((r.wait_s for r in reports), default=0.0),
+            "engine_compute_s": max((r.compute_s for r in reports), default=0.0),
+            "engine_cpu_s": sum(r.cpu_s for r in reports),  # all engines, since their last report
+            "engine_peak_host_bytes": sum(self.peak_host),  # the engines run side by side: their peaks add up
+        }
 
     def close(self) -> None:
         """Stop the engines (killed after 10 s) and free everything, whatever state they are
@@ -427,18 +515,19 @@ class EngineGroup:
         for i, p in enumerate(self.procs):
             if p.poll() is None and i < len(self.conns) and self.conns[i] is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    self.conns[i].send(("stop",))
+                    self.conns[i].send(P.Stop())
         for p in self.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.state = [EngineState.STOPPED] * self.n
         for c in self.conns:
             if c is not None:
                 with contextlib.suppress(OSError):
                     c.close()
-        if getattr(self, "_sockdir", None):
+        if self._sockdir is not None:
             import shutil
 
             shutil.rmtree(self._sockdir, ignore_errors=True)
@@ -446,10 +535,10 @@ class EngineGroup:
             if r is not None:
                 with contextlib.suppress(Exception):
                     r.close()
-        if getattr(self, "residual", None) is not None:
+        if self.feedback is not None:
             with contextlib.suppress(Exception):
-                self.residual.close()
-        for shm in self.shms + ([self._slot_shm] if getattr(self, "_slot_shm", None) else []):
+                self.feedback.close()
+        for shm in self.shms + ([self._slot_shm] if self._slot_shm is not None else []):
             shm.unlink()
         self.procs, self.shms, self._readers, self.conns = [], [], [], []
 
@@ -459,7 +548,7 @@ class _Handoff:
     then reads from the files the slices of the engines that did not write the slot (they
     had started the unit before the request). Used as the slot's read future."""
 
-    def __init__(self, group: EngineGroup, u: int, slot: int, out: torch.Tensor) -> None:
+    def __init__(self, group: EngineUpdate, u: int, slot: int, out: torch.Tensor) -> None:
         self.g, self.u, self.slot, self.out = group, u, slot, out
         self._result: int | None = None
 
@@ -475,61 +564,88 @@ class _Handoff:
         late = [i for i in range(g.n) if g._served[u][i] != self.slot]
         served = sum(g.slices[i][u].numel for i in range(g.n) if i not in late) * g.pdtype.itemsize
         g.handoff_bytes += served
-        read = g.slice_io(g._readers, g._place, g.pdtype.itemsize, False, u, self.out, 0, None, late) if late else None
+        read = g.read_params(u, self.out, engines=late) if late else None
         self._result = served + (read.get() if read is not None else 0)
         return self._result
 
 
-class ParamBacking:
-    """The engines' parameter files, as the parameter store's backing copy."""
+class _Deferred:
+    """A unit's load from the engines' files once they have written it (slots not shared):
+    the read starts when the unit is ready (``get`` waits for that)."""
 
-    host_bytes = 0
+    def __init__(self, group: EngineUpdate, u: int, out: torch.Tensor) -> None:
+        self.g, self.u, self.out = group, u, out
+        self._read: IOFuture | None = None
 
-    def __init__(self, group: EngineGroup) -> None:
-        self.g = group
-        self.file = True  # on the storage tier (for CUDA staging decisions)
+    def _start(self) -> None:
+        if self._read is None and self.g.ready(self.u):
+            self._read = self.g.read_params(self.u, self.out)
+
+    def done(self) -> bool:
+        self._start()
+        return self._read is not None and self._read.done()
+
+    def get(self) -> int:
+        if self._read is None:
+            self.g.wait_ready(self.u)  # sync point: every engine has written unit u
+            self._start()
+        return self._read.get()
+
+
+class _EngineParams(ParamSource):
+    """The engines' parameter files as the parameter store's source."""
+
+    def __init__(self, group: EngineUpdate) -> None:
+        self.g, self.dtype = group, group.pdtype
+        self.file = True  # on the storage tier
 
     def on_host(self, u: int) -> bool:
         return False
 
-    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.read_params(u, out, start, end)
+    def host_view(self, u: int) -> torch.Tensor:
+        raise KeyError(u)
 
-    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        raise RuntimeError("with update engines, parameters are written by the engines (init_unit, step)")
+    def can_prefetch(self, u: int) -> bool:
+        return self.g._want is not None or self.g.ready(u)
 
-    def close(self) -> None:
-        pass
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None):
+        g = self.g
+        if slot is not None:  # shared slots: the engines write it themselves if still updating it
+            h = g.handoff(u, slot, out)
+            if h is not None:
+                return h
+        if g.ready(u):
+            return g.read_params(u, out)
+        return _Deferred(g, u, out)
 
 
-class GradHome:
+class _EngineGrads(GradSink):
     """The engines, as where gradients go after the backward."""
 
-    host_bytes = 0
-    file = None
-    direct = True  # takes device tensors; copies into shared memory itself
+    file_backed = False
+    takes_device_tensors = True  # copies into shared memory itself
 
-    def __init__(self, group: EngineGroup) -> None:
-        self.g = group
+    def __init__(self, group: EngineUpdate) -> None:
+        self.g, self.dtype = group, group.pdtype
+        self.file = None
 
     def on_host(self, u: int) -> bool:
         return False
 
-    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.send_grads(u, src)
+    def host_view(self, u: int) -> torch.Tensor:
+        raise KeyError(u)
 
-    def close(self) -> None:
-        pass
+    def write(self, u: int, src: torch.Tensor) -> IOFuture:
+        return self.g.send_grads(u, src)
 
 
 class _EngineRegion:
     """One kind of state across all engines' files, read and written by the trainer while
     the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
 
-    def __init__(self, group: EngineGroup, kind: str, dtype: torch.dtype) -> None:
+    def __init__(self, group: EngineUpdate, kind: str, dtype: torch.dtype) -> None:
         self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
-        st = group.storage
-        self.place = [TieredRegions.place(v, dtype, 0, st.record_align) for v in group.views]
+        self.place = [place(v, dtype, 0, group.align) for v in group.views]
         self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
 
     def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:

@@ -1,21 +1,15 @@
 """An update engine: a worker process next to one storage path (Smart-Infinity's idea).
 
 It owns an equal slice of every unit: the fp32 master (when parameters are lower
-precision), both moments and the parameters of that slice live in its files on its path.
-Gradients arrive through fixed shared-memory slots; the engine applies the optimizer with
-the same streamed, fused code as the baseline path and writes the new parameters itself,
-so the trainer only sends gradients and only reads parameters.
+precision), the moments and the parameters of that slice live in its files on its path,
+as declared by the trainer's side (``client.py``) and sent here. Gradients arrive through
+fixed shared-memory slots; the engine applies the optimizer with the same streamed, fused
+code as the baseline path and writes the new parameters itself, so the trainer only sends
+gradients and only reads parameters. Messages: ``protocol.py``.
 
-Protocol (trainer -> engine, over a pipe; no tensors are pickled):
-    ("init", unit, slot)            fp32 weights of this engine's slice in ``slot``
-    ("grad", unit, slot)            gradient slice in ``slot`` (param dtype)
-    ("step", step, lr, coef)        update every unit in order (coef None: no clipping)
-    ("slots", name, stride, count, want_at)   the trainer's parameter slots in shared memory (CPU)
-    ("release",) / ("reopen",)      hand the state files to the trainer (checkpoints) and back
-    ("stop",)
-engine -> trainer:
-    ("ready",), ("free", slot), ("done", unit, first_block, crcs, served_slot), ("stepped", stats),
-    ("attached",), ("released",), ("reopened",), ("alive", progress), ("error", line, traceback)
+Started as a fresh interpreter (``python -m tiertrain.update.engines.worker ADDRESS
+INDEX``), in a session of its own: the trainer decides when it stops. If the trainer goes
+away (killed), the engine exits quietly at its next message.
 """
 
 from __future__ import annotations
@@ -29,44 +23,26 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from ..config import IOConfig, OptimConfig
-from ..io import IOFuture, Storage
-from ..compress.topk import topk_decode, unpack
-from ..state.device import host_peak_rss, host_rss, reset_peak_rss
-from ..state.regions import TieredRegions
-from ..errors import one_line
-from .shm import attach
-from .slices import Slice, SliceLayout
-from .streamed import StreamedOptimizer, UpdateStats
+from ...compress.topk import topk_decode, unpack
+from ...config import IOConfig, OptimConfig
+from ...errors import one_line
+from ...io import IOFuture, Storage
+from ...state.device import host_peak_rss, host_rss, reset_peak_rss
+from ...state.regions import TieredRegions
+from ..base import UpdateStats
+from ..shm import attach
+from ..slices import Slice, SliceLayout
+from ..streamed import StreamedOptimizer
+from . import protocol as P
 
-__all__ = ["run_engine", "engine_file"]
+__all__ = ["Engine", "run_engine", "TrainerGone"]
 
 HEARTBEAT_S = 0.5
 GRAD_THREADS = 2  # I/O threads of the gradient queue (one slot's write at a time, and the update's read)
 
 
-def engine_file(index: int, kind: str) -> str:
-    """Name of engine ``index``'s file of one kind of state (engines may share a path)."""
-    return f"engine{index}.{kind}.bin"
-
-
-class _Params:
-    """The engine's parameter file as the streamed optimizer sees a parameter store."""
-
-    def __init__(self, regions: TieredRegions) -> None:
-        self.backing, self.dtype = regions, regions.dtype
-
-    def on_host(self, u: int) -> bool:
-        return False
-
-    def read(self, u, out, a, b) -> IOFuture:
-        return self.backing.read(u, out, a, b)
-
-    def write(self, u, src, a, b) -> IOFuture:
-        return self.backing.write(u, src, a, b)
-
-    def invalidate(self, u: int | None = None) -> None:
-        pass
+class TrainerGone(Exception):
+    """The connection to the trainer is closed: it stopped or was killed."""
 
 
 class _SlotGrads:
@@ -100,17 +76,16 @@ class Engine:
         self.shm = attach(spec["shm"], spec["shm_bytes"])
         self.slot_bytes = spec["slot_bytes"]
         self.eager = spec["eager"]
-        name = lambda kind: engine_file(index, kind)  # noqa: E731
-        self.params = TieredRegions(self.layout, self.storage, name("params"), self.pdtype)
-        self.grads = TieredRegions(self.layout, self.grad_storage, name("grads"), self.pdtype, host_bytes=spec["grad_host_bytes"])
+        states = {d.name: d for d in spec["states"]}  # declared by the trainer's side, built here
+        self.params = TieredRegions(self.layout, self.storage, states.pop("params"))
+        self.grads = TieredRegions(self.layout, self.grad_storage, states.pop("grads"))
         self.slot_grads = _SlotGrads()
         n_dense = max(1, self.layout.max_unit_numel) if spec["topk"] else 0
         self.dense = torch.empty(n_dense, dtype=self.pdtype)  # decoded top-k gradients
-        cfg = OptimConfig(**spec["optim"])
         self.optim = StreamedOptimizer(
-            self.layout, self.storage, _Params(self.params), self.slot_grads if self.eager else self.grads, cfg,
-            buffer_bytes=spec["buffer_bytes"], state_host_bytes=spec["optim_host_bytes"], prefix=f"engine{index}.",
-            ahead_bytes=0 if self.eager else spec["ahead_bytes"],
+            self.layout, self.storage, self.params, self.slot_grads if self.eager else self.grads,
+            OptimConfig(**spec["optim"]), list(states.values()),
+            buffer_bytes=spec["buffer_bytes"], ahead_bytes=0 if self.eager else spec["ahead_bytes"],
         )
         self._cpu_mark = time.process_time()  # CPU seconds of all the engine's threads, reported per step
         self._io_mark = self.io_total()  # storage bytes are reported from one step's end to the next
@@ -119,6 +94,10 @@ class Engine:
         self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
         self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
         self._eager: list[tuple[float, UpdateStats]] = []  # eager mode: the units of the step updated so far
+        self._handlers = {
+            P.Init: self.init, P.Grad: self.grad, P.Step: self.step, P.Slots: self.attach_slots,
+            P.Release: self.release, P.Reopen: self.reopen,
+        }
 
     @property
     def pool_bytes(self) -> int:
@@ -133,14 +112,14 @@ class Engine:
         return self.storage.total() + self.grad_storage.total()
 
     # -- messaging ---------------------------------------------------------------------------------
-    def send(self, *msg) -> None:
+    def send(self, msg) -> None:
         with self._send_lock:
             try:
                 self.conn.send(msg)
             except (OSError, EOFError) as exc:  # the trainer is gone
                 raise TrainerGone from exc
 
-    def recv(self) -> tuple:
+    def recv(self):
         try:
             return self.conn.recv()
         except (OSError, EOFError) as exc:
@@ -149,7 +128,7 @@ class Engine:
     def heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
             try:
-                self.send("alive", self.progress)
+                self.send(P.Alive(self.progress))
             except TrainerGone:
                 return
 
@@ -161,25 +140,26 @@ class Engine:
         served = self.serving.pop(u, -1)
         f = self.params.file
         if f is None or self.layout.units[u].numel == 0:
-            self.send("done", u, 0, [], served)
+            self.send(P.Done(u, 0, (), served))
             return
         off, n = self.params.region(u)
         first, crcs = f.handles[0].checksums(off, n) if f.handles[0].checksummed else (0, [])
-        self.send("done", u, first, crcs, served)
+        self.send(P.Done(u, first, tuple(crcs), served))
 
     # -- handing new parameters straight to the trainer ------------------------------------------------
-    def attach_slots(self, name: str, stride: int, count: int, want_at: int) -> None:
+    def attach_slots(self, msg: P.Slots) -> None:
         """Map the trainer's parameter slots (``/dev/shm/name``): ``count`` slots of ``stride``
         bytes, then one int32 per unit at ``want_at``."""
         n = len(self.layout.units)
-        mem = attach(name, want_at + 4 * n)
-        self.slotmem = [mem[k * stride : (k + 1) * stride].view(self.pdtype) for k in range(count)]
-        self.want = mem[want_at : want_at + 4 * n].view(torch.int32)
+        mem = attach(msg.name, msg.want_at + 4 * n)
+        self.slotmem = [mem[k * msg.stride : (k + 1) * msg.stride].view(self.pdtype) for k in range(msg.count)]
+        self.want = mem[msg.want_at : msg.want_at + 4 * n].view(torch.int32)
+        self.send(P.Attached())
 
     def serve(self, u: int, a: int, b: int, p: torch.Tensor) -> None:
         """New parameters ``[a, b)`` of this engine's slice of ``u``: also into the trainer's
         slot when the trainer asked for ``u`` before the unit's first chunk (decided once per
-        unit; "done" says whether it was, so the trainer reads the rest from the file)."""
+        unit; ``Done`` says whether it was, so the trainer reads the rest from the file)."""
         if a == 0:
             self.serving[u] = int(self.want[u]) - 1 if self.want is not None else -1
         k = self.serving.get(u, -1)
@@ -188,49 +168,46 @@ class Engine:
             self.slotmem[k][s.start + a : s.start + b].copy_(p)
 
     # -- commands ------------------------------------------------------------------------------------
-    def init(self, u: int, k: int) -> None:
+    def init(self, msg: P.Init) -> None:
+        u, k = msg.unit, msg.slot
         n = self.layout.units[u].numel
         flat32 = self.slot(k, torch.float32, n)
-        futs = self.optim.init_unit(u, flat32)
-        if self.pdtype == torch.float32:
-            futs.append(self.params.write(u, flat32))
-        else:
-            low = flat32.to(self.pdtype)
-            futs.append(self.params.write(u, low))
+        futs = [self.optim.master.write(u, flat32)] if self.optim.master is not None else []
+        futs.append(self.params.write(u, flat32 if self.pdtype == torch.float32 else flat32.to(self.pdtype)))
         for f in futs:
             f.get()
-        self.send("free", k)
+        self.send(P.Free(k))
         self.done(u)
 
-    def grad(self, u: int, k: int, step: int, lr: float, coef, nnz: int = -1) -> None:
+    def grad(self, msg: P.Grad) -> None:
+        u, k = msg.unit, msg.slot
         n = self.layout.units[u].numel
-        if nnz >= 0:  # top-k: decode indices and values into a dense gradient
-            idx, vals = unpack(self.slot(k, torch.uint8, self.slot_bytes), nnz, self.pdtype)
+        if msg.nnz >= 0:  # top-k: decode indices and values into a dense gradient
+            idx, vals = unpack(self.slot(k, torch.uint8, self.slot_bytes), msg.nnz, self.pdtype)
             g = topk_decode(idx, vals, self.dense[:n])
         else:
             g = self.slot(k, self.pdtype, n)
-        if not self.eager:  # the backward has begun: read the update's first state while the disk is idle
-            self.optim.read_ahead()
         if self.eager:  # no clipping: update this unit now, from the slot
             self.slot_grads.view = g
             t0 = time.perf_counter()
-            st = self.optim.step(lr, None, step=step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
+            st = self.optim.step(msg.lr, None, step=msg.step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
             self.slot_grads.view = None
             self._eager.append((time.perf_counter() - t0, st))
         else:
+            self.optim.read_ahead()  # the backward has begun: read the update's first state while the disk is idle
             self.grads.write(u, g).get()
         self.progress += 1
-        self.send("free", k)
+        self.send(P.Free(k))
         if self.eager and len(self._eager) == len(self.layout.units):  # every unit of the step is updated
             parts, self._eager = self._eager, []
             self.report(sum(t for t, _ in parts), UpdateStats(wait_s=sum(st.wait_s for _, st in parts),
                                                               compute_s=sum(st.compute_s for _, st in parts),
                                                               chunks=sum(st.chunks for _, st in parts)))
 
-    def step(self, step: int, lr: float, coef) -> None:
+    def step(self, msg: P.Step) -> None:
         t0 = time.perf_counter()
-        c = torch.tensor(coef, dtype=torch.float32) if coef is not None else None
-        st = self.optim.step(lr, c, step=step, on_unit_done=self.done, on_chunk=self.serve)
+        c = torch.tensor(msg.coef, dtype=torch.float32) if msg.coef is not None else None
+        st = self.optim.step(msg.lr, c, step=msg.step, on_unit_done=self.done, on_chunk=self.serve)
         self.report(time.perf_counter() - t0, st)
 
     def report(self, seconds: float, st: UpdateStats) -> None:
@@ -239,9 +216,21 @@ class Engine:
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
         cpu_now = time.process_time()
         cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
-        self.send("stepped", dict(seconds=seconds, read=io.read_bytes, written=io.write_bytes,
-                                  wait_s=st.wait_s, compute_s=st.compute_s, ahead=st.ahead, chunks=st.chunks, cpu_s=cpu,
-                                  peak_host=host_peak_rss(), base_host=self.base_rss, pool=self.pool_bytes))
+        self.send(P.Stepped(P.StepReport(
+            seconds=seconds, read=io.read_bytes, written=io.write_bytes, wait_s=st.wait_s, compute_s=st.compute_s,
+            ahead=st.ahead, chunks=st.chunks, cpu_s=cpu, peak_host=host_peak_rss(), base_host=self.base_rss,
+            pool=self.pool_bytes)))
+
+    def release(self, msg: P.Release) -> None:
+        self.optim.drop_ahead()
+        for f in self.files:
+            f.release()
+        self.send(P.Released())
+
+    def reopen(self, msg: P.Reopen) -> None:
+        for f in self.files:
+            f.reopen()
+        self.send(P.Reopened())
 
     def run(self) -> None:
         stop = threading.Event()
@@ -249,41 +238,19 @@ class Engine:
         for f in self.files:  # checksums on disk, so the trainer's readers can open them
             if f.file is not None:
                 f.file.flush()
-        self.send("ready")
+        self.send(P.Ready())
         try:
             while True:
                 msg = self.recv()
-                op = msg[0]
-                if op == "init":
-                    self.init(msg[1], msg[2])
-                elif op == "grad":
-                    self.grad(*msg[1:])
-                elif op == "step":
-                    self.step(*msg[1:])
-                elif op == "slots":
-                    self.attach_slots(*msg[1:])
-                    self.send("attached")
-                elif op == "release":
-                    self.optim.drop_ahead()
-                    for f in self.files:
-                        f.release()
-                    self.send("released")
-                elif op == "reopen":
-                    for f in self.files:
-                        f.reopen()
-                    self.send("reopened")
-                elif op == "stop":
+                if isinstance(msg, P.Stop):
                     break
+                self._handlers[type(msg)](msg)
         finally:
             stop.set()
             for f in self.files:
                 f.close()
             self.storage.close()
             self.grad_storage.close()
-
-
-class TrainerGone(Exception):
-    """The connection to the trainer is closed: it stopped or was killed."""
 
 
 def run_engine(index: int, path: str, conn: Connection, spec: dict) -> int:
@@ -294,7 +261,7 @@ def run_engine(index: int, path: str, conn: Connection, spec: dict) -> int:
         return 3  # orphaned: exit quietly, the trainer (if alive) names what happened
     except BaseException as exc:  # report, then exit: the trainer names this engine and its path
         try:
-            conn.send(("error", f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc()))
+            conn.send(P.Failed(f"{type(exc).__name__}: {one_line(exc)}", traceback.format_exc()))
         except Exception:
             pass
         return 1
@@ -302,8 +269,8 @@ def run_engine(index: int, path: str, conn: Connection, spec: dict) -> int:
 
 
 def main() -> None:
-    """``python -m tiertrain.update.engine ADDRESS INDEX``: connect to the trainer, get the
-    spec, run. Started as a fresh interpreter, so nothing of the trainer's script runs here."""
+    """``python -m tiertrain.update.engines.worker ADDRESS INDEX``: connect to the trainer, get
+    the spec, run. A fresh interpreter, so nothing of the trainer's script runs here."""
     import os
     import sys
     from multiprocessing.connection import Client

@@ -1,0 +1,65 @@
+"""The runtime: what every driver (training today, generation next) builds on.
+
+It owns the compute device and the parameters' dtype, the model skeleton (no weight
+memory) with the source of its initial weights, the flat layout of its units, and the
+storage tier (directories and I/O threads; files are made by the parts that declare them).
+Given a ``ParamSource`` (the update path's backing copy of the parameters in training), it
+makes the parameter store that units are fetched through.
+
+What it may call: ``models`` (build the skeleton), ``state`` (layout, device, parameter
+store), ``io`` (storage). It knows nothing of gradients, optimizers or checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+from .io import Storage
+from .io.storage import record_align
+from .models import WeightSource, build_model
+from .state.device import Device, resolve_device, resolve_dtype
+from .state.layout import FlatLayout
+from .state.store import ParamStore
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    def __init__(self, cfg: Config, *, weights: WeightSource | None = None) -> None:
+        self.cfg = cfg
+        self.dev = Device(resolve_device(cfg.train.device))
+        self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
+        self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
+        self.weights = weights or source
+        self.layout = FlatLayout(self.model)
+        self.storage: Storage | None = None
+        self.params: ParamStore | None = None
+
+    @property
+    def align(self) -> int:
+        """Bytes every unit's record starts on in state files (known before any file exists)."""
+        return record_align(self.cfg.io.checksum, self.cfg.io.checksum_block_kib << 10)
+
+    @property
+    def hidden_size(self) -> int:
+        m = self.model
+        return m.hf_config.hidden_size if m.hf_config is not None else self.cfg.model.d_model
+
+    def open_storage(self) -> Storage:
+        self.storage = Storage.from_config(self.cfg.io)
+        return self.storage
+
+    def bind_params(self, source, *, slot_tensors: list[torch.Tensor] | None = None) -> ParamStore:
+        """The parameter store over ``source`` (a ``ParamSource``) with the configured slots."""
+        self.params = ParamStore(self.layout, source, self.dev, slots=self.cfg.memory.device_slots,
+                                 slot_tensors=slot_tensors)
+        return self.params
+
+    def close(self) -> None:
+        if self.params is not None:
+            self.params.close()
+            self.params = None
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
