@@ -51,11 +51,17 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
     "engines-ahead1g": ("engines, read-ahead 1 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 1024}),
     "engines-ahead2g": ("engines, read-ahead 2 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 2048}),
     "topk": ("engines + top-k 0.05", UpdateConfig(mode="engines", topk=0.05), {}),
+    # activation policies within memory.keep_act_mib (see --keep-mib): the default keeps the blocks
+    # the backward reaches first; these keep the first blocks, or none
+    "baseline-keep-first": ("baseline, keep first blocks", UpdateConfig(), {"activations": "keep-first"}),
+    "baseline-recompute": ("baseline, recompute all", UpdateConfig(), {"activations": "recompute"}),
 }
 
 
-def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True) -> Config:
+def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True,
+           keep_mib: int | None = None) -> Config:
     _, update, memory = MODES[mode]
+    memory = {**memory, **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
     return Config(
         io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),
@@ -113,6 +119,7 @@ def main() -> int:
     ap.add_argument("--modes", default="baseline", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--checksums", default="on", help="'on', 'off' or 'on,off' (CRC32C of every block on disk)")
+    ap.add_argument("--keep-mib", type=int, default=None, help="memory.keep_act_mib for every row (default: the config's)")
     args = ap.parse_args()
     checksums = [{"on": True, "off": False}[x] for x in args.checksums.split(",")]
     modes = args.modes.split(",")
@@ -150,8 +157,9 @@ def n_params(init: dict) -> int:
 
 def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: float, checksum: bool = True):
     """One configuration: median step figures after a warm-up step."""
-    cfg = config(args.scratch, M, args.steps, mode, checksum)
+    cfg = config(args.scratch, M, args.steps, mode, checksum, args.keep_mib)
     recs, tr = tiertrain_steps(cfg, init)
+    recomputed = tr.executor.recomputed
     steady = recs[1:]
     step = statistics.median(r.step_s for r in steady)
     eng = lambda r, k: r.extra.get(k, 0)  # noqa: E731
@@ -171,8 +179,10 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
     label = MODES[mode][0] + ("" if checksum else ", no checksums")
-    print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x)", flush=True)
-    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss, engines_cpu)
+    print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x),"
+          f" {recomputed} block recomputes", flush=True)
+    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss,
+            engines_cpu, recomputed)
 
 
 def render(rows, rbw, wbw, n_params, steps) -> str:
@@ -193,11 +203,11 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
         " read GB/step (formula) | write GB/step (formula) | GB to engines | GB from engines in memory |"
         " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |"
-        " trainer pools GiB | engines' peak RSS GiB | engines' CPU s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " trainer pools GiB | engines' peak RSS GiB | engines' CPU s/step | block recomputes/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
-    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers, ecpu in rows:
+    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers, ecpu, rec in rows:
         if mode == "baseline":
             speed = (f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden;"
                      f" 1.5x needs {step / 1.5:.2f} s, {step / 1.5 / floor:.2f}x the floor)")
@@ -208,7 +218,7 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
             f"| {label} | {M} | {tokens} | {plain:.2f} | {step:.2f} | {speed} | {rb / 1e9:.2f} ({fr / 1e9:.2f}) |"
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {handed / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
-            f" {pools / 2**30:.2f} | {ers / 2**30:.2f} | {ecpu:.2f} |"
+            f" {pools / 2**30:.2f} | {ers / 2**30:.2f} | {ecpu:.2f} | {rec} |"
         )
     lines += [
         "",
@@ -218,8 +228,9 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         "not fetched again for the backward, and with engines the forward gets the units the engines",
         "were still updating straight from them, in shared memory (GB from engines in memory), instead",
         "of from their files. Engines' bytes include the gradients they spill to disk and read back.",
-        "Blocks' autograd graphs are kept from the forward within memory.keep_act_mib (default 512 MiB),",
-        "so the backward recomputes none here. The floor is max(plain in-RAM compute,",
+        "Blocks' autograd graphs are kept from the forward within memory.keep_act_mib (default 512 MiB,",
+        "or --keep-mib), chosen by memory.activations; the others are recomputed in the backward",
+        "(block recomputes/step). The floor is max(plain in-RAM compute,",
         "bytes read / read bandwidth + bytes written / write bandwidth).",
         "",
         "The baseline row's bound: its step over its step without the update phase, the speed-up an",
