@@ -58,6 +58,9 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
 }
 
 
+DEVICE = {"device": "cpu", "dtype": "float32"}  # --device / --dtype
+
+
 def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True,
            keep_mib: int | None = None) -> Config:
     _, update, memory = MODES[mode]
@@ -69,13 +72,15 @@ def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline",
         update=update,
         memory=MemoryConfig(**memory),
         checkpoint=CheckpointConfig(at_end=False),
-        train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device="cpu"),
+        train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device=DEVICE["device"],
+                          param_dtype=DEVICE["dtype"]),
     )
 
 
 def plain_steps(cfg: Config, model: torch.nn.Module) -> list[float]:
-    """Step times of plain in-RAM PyTorch on the same work."""
-    m = copy.deepcopy(model)
+    """Step times of plain PyTorch with everything in (device) memory, on the same work."""
+    dev = torch.device("cuda" if DEVICE["device"] == "cuda" else "cpu")
+    m = copy.deepcopy(model).to(dev, getattr(torch, DEVICE["dtype"]))
     o = cfg.optim
     opt = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, fused=True)
@@ -83,10 +88,12 @@ def plain_steps(cfg: Config, model: torch.nn.Module) -> list[float]:
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
         for x, y in corpus.batches(step):
-            (m(x, y) / M).backward()
+            (m(x.to(dev), y.to(dev)) / M).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -120,7 +127,10 @@ def main() -> int:
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--checksums", default="on", help="'on', 'off' or 'on,off' (CRC32C of every block on disk)")
     ap.add_argument("--keep-mib", type=int, default=None, help="memory.keep_act_mib for every row (default: the config's)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters' dtype")
     args = ap.parse_args()
+    DEVICE.update(device=args.device, dtype=args.dtype)
     checksums = [{"on": True, "off": False}[x] for x in args.checksums.split(",")]
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
@@ -190,9 +200,11 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
     lines = [
         f"# Training benchmark: update paths, {time.strftime('%Y-%m-%d')}",
         "",
-        f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, no GPU;"
+        f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()},"
+        f" {torch.cuda.get_device_name(0) if DEVICE['device'] == 'cuda' else 'no GPU'};"
         f" torch {torch.__version__}",
-        f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d 768, 12 layers, vocab 32000), fp32;"
+        f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d 768, 12 layers, vocab 32000),"
+        f" {DEVICE['dtype']} on {DEVICE['device']};"
         " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
         " memory defaults"
         " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk,"

@@ -16,20 +16,20 @@ from tiertrain.models import build_model, tensor_source
 from tiertrain.train import Trainer
 
 
-def run_tiertrain(cfg, init):
+def run_tiertrain(cfg, init, device=None):
     skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)  # names are structural
-    with Trainer(cfg, weights=tensor_source(skeleton, init)) as tr:
+    with Trainer(cfg, weights=tensor_source(skeleton, init), device=device) as tr:
         tr.initialize(progress=False)
         losses = [tr.train_step().extra["losses"] for _ in range(cfg.train.steps)]
         return losses, tr.weights(), tr
 
 
-def assert_parity(cfg):
+def assert_parity(cfg, device=None):
     """Train ``cfg`` with tiertrain and plainly from the same weights; require bit-identical
     losses and final weights. Returns the (closed) trainer and the losses."""
     ref_model = reference_model(cfg)
     ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model), device)
     assert losses == ref_losses
     assert_same_weights(tr, weights, ref_weights)
     return tr, losses

@@ -8,21 +8,32 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["StepRecord", "MetricsLog", "peak_flops", "log"]
+__all__ = ["StepRecord", "MetricsLog", "peak_flops", "flops_per_token", "log"]
 
 log = logging.getLogger("tiertrain")
 
-# Dense bf16 peak FLOP/s of devices whose MFU we can state (per device).
-_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+# Dense bf16 peak FLOP/s of devices whose MFU we can state (per device), most specific
+# name first: an H100 PCIe is not an H100 SXM.
+_PEAKS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
+          ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12))
 
 
 def peak_flops(device_name: str | None) -> float | None:
     if not device_name:
         return None
-    for key, value in _PEAKS.items():
+    for key, value in _PEAKS:
         if key in device_name:
             return value
     return None
+
+
+def flops_per_token(model, seq_len: int, hidden: int) -> float:
+    """Training FLOPs per token (forward and backward): 6 per weight a token multiplies
+    through (blocks and head, a tied embedding counted once with the head; the input
+    embedding lookup is not a product) plus attention's 12 x layers x hidden x sequence
+    (PaLM's accounting, without halving for the causal mask)."""
+    used = {id(p): p for unit in model.units[1:] for p in unit.parameters()}
+    return 6 * sum(p.numel() for p in used.values()) + 12 * len(model.blocks) * hidden * seq_len
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .config import Config
 from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
-from .state.device import Device, resolve_device, resolve_dtype
+from .state.device import Device, make_device, resolve_dtype
 from .state.layout import FlatLayout
 from .state.store import ParamStore
 
@@ -26,13 +26,15 @@ __all__ = ["Runtime"]
 
 
 class Runtime:
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None) -> None:
+    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device: Device | None = None) -> None:
         self.cfg = cfg
-        self.dev = Device(resolve_device(cfg.train.device))
+        self.dev = device if device is not None else make_device(cfg.train.device)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
         self.weights = weights or source
         self.layout = FlatLayout(self.model)
+        if self.dev.separate:
+            _buffers_to(self.model, self.dev.device)
         self.storage: Storage | None = None
         self.params: ParamStore | None = None
 
@@ -57,9 +59,23 @@ class Runtime:
         return self.params
 
     def close(self) -> None:
-        if self.params is not None:
-            self.params.close()
+        try:
+            if self.params is not None:
+                self.params.close()
+        finally:
             self.params = None
-        if self.storage is not None:
-            self.storage.close()
-            self.storage = None
+            if self.storage is not None:
+                self.storage.close()
+                self.storage = None
+            self.dev.close()
+
+
+def _buffers_to(model, device: torch.device) -> None:
+    """The skeleton's buffers (rotary tables' ``inv_freq``: real tensors, not parameters) on
+    the compute device once, instead of an upload at every call."""
+    roots = [model] + ([model.hf_model] if model.hf_model is not None else [])
+    for root in roots:
+        for module in root.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.device != device:
+                    module._buffers[name] = b.to(device)

@@ -28,7 +28,7 @@ from .config import Config, ConfigError
 from .data import Corpus
 from .errors import one_line
 from .io import aligned_empty, check_space
-from .metrics import MetricsLog, StepRecord, peak_flops
+from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
 from .models import WeightSource
 from .rundir import RunDir
 from .runtime import Runtime
@@ -60,16 +60,17 @@ class Trainer:
     """Everything a run needs, sized from the config once.
 
     ``weights`` overrides where the initial weights come from (tests load a plain
-    PyTorch model's state this way).
+    PyTorch model's state this way); ``device`` the compute device (tests run on
+    ``AsyncCpuDevice``).
     """
 
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None) -> None:
+    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None) -> None:
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         cfg.check_writable()
         self.cfg = cfg
         self._parts: list = []
         self.lock = self.rundir = self.plan = None
-        self.rt = Runtime(cfg, weights=weights)
+        self.rt = Runtime(cfg, weights=weights, device=device)
         self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
         self.source = self.rt.weights
         self.corpus = Corpus(cfg.data)
@@ -104,12 +105,18 @@ class Trainer:
     # -- construction -------------------------------------------------------------------------------
     def _build(self) -> None:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
+        unit = self.layout.max_unit_numel * self.dtype.itemsize
+        tied = len({o for u in self.layout.units for o in u.borrows})
+        self.dev.check_capacity({"parameter slots (memory.device_slots)": m.device_slots * unit,
+                                 "gradient buffers": (2 + tied) * unit, "kept activations (memory.keep_act_mib)":
+                                 m.keep_act_mib * MIB})
         self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
-                                                                  pin=self.dev.cuda))
+                                                                  pin=self.dev.pin))
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")
-        shared = None if self.dev.cuda else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
-        self.params = rt.bind_params(self.update.params, slot_tensors=shared)
+        # slots the update can write into: only where device memory is host memory
+        shared = None if self.dev.separate else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
+        self.params = self._part(rt.bind_params(self.update.params, slot_tensors=shared))  # closed before the update
         self.grads = self._part(GradStore(self.layout, self.update.grads, self.dev))
         d = cfg.data
         self.stash = self._part(HiddenStash(
@@ -119,6 +126,7 @@ class Trainer:
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
                                            keep_bytes=m.keep_act_mib * MIB, policy=POLICIES[m.activations]())
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
+        self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
         self.step = 0
         self._superseded: list[str] = []  # checkpoints of a later course of a resumed run, replaced at its first save
 
@@ -233,6 +241,7 @@ class Trainer:
         cfg = self.cfg
         s0, io0 = time.perf_counter(), self.storage.stats()
         waits0 = self.params.stats.wait_s + self.stash.wait_s
+        self.dev.reset_peak()  # the record's device peak is this step's
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
         out = self.executor.step(self.corpus.batches(self.step))
@@ -253,7 +262,7 @@ class Trainer:
         rbusy = max((io1[k].read_busy_s - io0[k].read_busy_s for k in io1), default=0.0)
         wbusy = max((io1[k].write_busy_s - io0[k].write_busy_s for k in io1), default=0.0)
         peak = peak_flops(torch.cuda.get_device_name(self.dev.device) if self.dev.cuda else None)
-        mfu = 6 * self.layout.n_params * out.tokens / step_s / peak if peak else None
+        mfu = self._flops_per_token * out.tokens / step_s / peak if peak else None
         return StepRecord(
             step=self.step,
             loss=out.loss,

@@ -7,20 +7,23 @@ backward) get host slots while ``host_bytes`` lasts; the earlier ones spill to
 ``stash.bin`` on the storage tier and are prefetched back as the backward approaches
 them. Host slots, spill buffers and the file are sized from the config and never grow.
 
-On CPU a host slot is handed to the block as is; on CUDA entries cross to and from
-pinned host slots on the copy stream.
+On CPU a host slot is handed to the block as is. Where device memory is separate (CUDA)
+entries go down to pinned host slots or spill buffers on the download stream (the device
+keeps the source alive until the copy ran) and come back up on the upload stream, which
+the compute stream waits for without blocking the host; a spilled entry's file write starts
+once its download is seen done, and a spill buffer is given back once its upload has run.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..io import ALIGN, BufferPool, IOFuture, PoolBuffer, Storage, aligned_empty, round_up
 from ..state.decl import FileDecl, StateDecl
-from ..state.device import Device
 
 __all__ = ["HiddenStash"]
 
@@ -28,11 +31,21 @@ FILE = "stash.bin"
 OWNER = "hidden-state stash"
 
 
+@dataclass
+class _Spill:
+    """A spilled entry on its way to the file: its download, then its write."""
+
+    index: int
+    buf: PoolBuffer
+    copied: object
+    write: IOFuture | None = None
+
+
 class HiddenStash:
     def __init__(
         self,
         storage: Storage,
-        dev: Device,
+        dev,
         *,
         shape: tuple[int, ...],
         dtype: torch.dtype,
@@ -45,16 +58,18 @@ class HiddenStash:
         self.micro_batches = micro_batches
         self.numel = math.prod(shape)
         self.entry_bytes, self.host_slots, self.spilled = self.plan(shape, dtype, entries, host_bytes)
-        self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.cuda)
+        self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.pin)
         block = storage.block_for(self.entry_bytes)  # entries sit on whole checksum blocks
         self._file = storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
         self._spill = (
-            BufferPool(spill_buffers, self.entry_bytes, pin=dev.cuda, name="stash-spill") if self.spilled else None
+            BufferPool(spill_buffers, self.entry_bytes, pin=dev.pin, name="stash-spill") if self.spilled else None
         )
-        self._writes: list[tuple[IOFuture, PoolBuffer]] = []
+        self._writes: list[_Spill] = []  # spilled entries on their way to the file
         self._reads: dict[int, tuple[IOFuture, PoolBuffer]] = {}
-        self._held: dict[int, PoolBuffer] = {}
-        self._ready: dict[int, "torch.cuda.Event | None"] = {}
+        self._held: dict[int, tuple[PoolBuffer, object]] = {}  # spilled entries given out: buffer, upload event
+        self._uploading: list[tuple[PoolBuffer, object]] = []  # freed entries whose upload may still run
+        self._down: dict[int, object] = {}  # host entry -> its download event
+        self._up: dict[int, object] = {}  # host entry -> its last upload event
         self.wait_s = 0.0
 
     @classmethod
@@ -98,18 +113,13 @@ class HiddenStash:
         i = self._index(key)
         if tuple(h.shape) != self.shape:
             raise ValueError(f"stash entries are {self.shape}, got {tuple(h.shape)}")
-        ready = self.dev.event()
-        if i >= self.spilled:
-            with self.dev.on_copy_stream(after=ready):
-                self._host_view(i).copy_(h, non_blocking=True)
-            self._ready[i] = self.dev.copy_event()
+        if i >= self.spilled:  # after the compute that made h, and after the last upload out of the slot
+            self._down[i] = self.dev.download(self._host_view(i), h, after=[self.dev.event(), self._up.pop(i, None)])
             return
         buf = self._acquire_spill()
         host = self._buf_view(buf, self.numel, self.dtype, self.shape)
-        with self.dev.on_copy_stream(after=ready):
-            host.copy_(h, non_blocking=True)
-        Device.sync(self.dev.copy_event())  # the bytes must be in host memory before the write
-        self._writes.append((self._file.pwrite(buf.tensor, self.entry_bytes, i * self.entry_bytes), buf))
+        self._writes.append(_Spill(i, buf, self.dev.download(host, h)))
+        self._reap(block=False)
 
     def _acquire_spill(self) -> PoolBuffer:
         while True:
@@ -117,7 +127,9 @@ class HiddenStash:
             buf = self._spill.try_acquire()
             if buf is not None:
                 return buf
-            if self._writes:
+            if self._uploading:
+                self._free_uploaded(block=True)
+            elif self._writes:
                 self._reap(block=True)
             elif self._reads:  # every buffer holds a prefetch: drop the furthest one, re-read later
                 fut, victim = self._reads.pop(max(self._reads))
@@ -130,16 +142,38 @@ class HiddenStash:
                 )
 
     def _reap(self, block: bool) -> None:
+        """Writes of spilled entries: start those whose download ran, finish those that are
+        done (``block``: at least the oldest)."""
         still = []
-        for k, (fut, buf) in enumerate(self._writes):
-            if fut.done() or (block and k == 0):
+        for k, sp in enumerate(self._writes):
+            first = block and k == 0
+            if sp.write is None:
+                if not (first or self.dev.done(sp.copied)):
+                    still.append(sp)
+                    continue
+                self.dev.sync(sp.copied)  # done, or the one we must wait for
+                sp.write = self._file.pwrite(sp.buf.tensor, self.entry_bytes, sp.index * self.entry_bytes)
+            if sp.write.done() or first:
                 t0 = time.perf_counter()
-                fut.get()
+                sp.write.get()
                 self.wait_s += time.perf_counter() - t0
+                self.dev.release(sp.buf.tensor)
+                sp.buf.release()
+            else:
+                still.append(sp)
+        self._writes = still
+
+    def _free_uploaded(self, block: bool) -> None:
+        """Give back spill buffers whose upload has run (``block``: wait for the oldest)."""
+        still = []
+        for k, (buf, ev) in enumerate(self._uploading):
+            if self.dev.done(ev) or (block and k == 0):
+                self.dev.sync(ev)
+                self.dev.release(buf.tensor)
                 buf.release()
             else:
-                still.append((fut, buf))
-        self._writes = still
+                still.append((buf, ev))
+        self._uploading = still
 
     def prefetch(self, key) -> None:
         """Start bringing spilled entry ``key`` back (no-op for host entries or when busy)."""
@@ -147,6 +181,7 @@ class HiddenStash:
         if i < 0 or i >= self.spilled or i in self._reads or i in self._held:
             return
         self._reap(block=False)
+        self._free_uploaded(block=False)
         buf = self._spill.try_acquire()
         if buf is None:
             return
@@ -157,14 +192,22 @@ class HiddenStash:
         while self._writes:
             self._reap(block=True)
 
+    def _to_device(self, host: torch.Tensor, after=None) -> tuple[torch.Tensor, object]:
+        """``host`` as the compute device sees it: itself (CPU), else an upload the compute
+        stream waits for (no host block)."""
+        if not self.dev.separate:
+            return host, None
+        d = self.dev.empty_like(host)
+        ev = self.dev.upload(d, host, after=after)
+        self.dev.wait(ev)
+        return d, ev
+
     def get(self, key) -> torch.Tensor:
         """Entry ``key`` on the device. Spilled entries stay held until ``free(key)``."""
         i = self._index(key)
         if i >= self.spilled:
-            if self.dev.cuda:
-                Device.sync(self._ready.pop(i, None))
-                return self._host_view(i).to(self.dev.device, non_blocking=True)
-            return self._host_view(i)
+            h, self._up[i] = self._to_device(self._host_view(i), after=self._down.pop(i, None))
+            return h
         if i not in self._reads:
             self._wait_writes()
             buf = self._acquire_spill()
@@ -173,20 +216,21 @@ class HiddenStash:
         t0 = time.perf_counter()
         fut.get()  # sync point: the entry is back from the storage tier
         self.wait_s += time.perf_counter() - t0
-        self._held[i] = buf
-        h = self._buf_view(buf, self.numel, self.dtype, self.shape)
-        return h.to(self.dev.device, non_blocking=True) if self.dev.cuda else h
+        h, ev = self._to_device(self._buf_view(buf, self.numel, self.dtype, self.shape))
+        self._held[i] = (buf, ev)
+        return h
 
     def free(self, key) -> None:
         """The backward is done with entry ``key``."""
-        buf = self._held.pop(self._index(key), None)
-        if buf is not None:
-            if self.dev.cuda:
-                Device.sync(self.dev.event())  # the H2D copy out of this buffer has run
-            buf.release()
+        held = self._held.pop(self._index(key), None)
+        if held is not None:
+            self._uploading.append(held)  # given back once its upload has run, found by query
+            self._free_uploaded(block=False)
 
     def close(self) -> None:
         self._wait_writes()
+        while self._uploading:
+            self._free_uploaded(block=True)
         for fut, buf in self._reads.values():
             fut.get()
             buf.release()

@@ -34,12 +34,41 @@ def is_aligned(n: int, align: int = ALIGN) -> bool:
     return n % align == 0
 
 
+class _PinnedMap(mmap.mmap):
+    """An anonymous mapping page-locked with ``cudaHostRegister``; unregistered when the
+    last tensor over it is gone, before it is unmapped."""
+
+    _ptr = 0
+
+    def register(self, ptr: int, size: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)}); lower the host budgets "
+                               "(memory.*_mib) or raise the locked-memory limit (ulimit -l)")
+        self._ptr = ptr
+
+    def __del__(self) -> None:
+        if self._ptr:
+            torch.cuda.cudart().cudaHostUnregister(self._ptr)
+            self._ptr = 0
+
+
+def pin_in_place(t: torch.Tensor):
+    """Page-lock ``t``'s memory with CUDA (``cudaHostRegister``, e.g. shared memory mapped by
+    another process too); return the function that unlocks it (call it before ``t`` goes)."""
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)})")
+    return lambda: torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 def aligned_empty(nbytes: int, *, pin: bool = False, touch: bool = True) -> torch.Tensor:
     """A 1-D uint8 CPU tensor of ``nbytes`` whose address is 4 KiB aligned.
 
-    ``pin=True`` allocates page-locked memory through CUDA (page aligned by construction).
-    Otherwise the memory comes from an anonymous mmap, which is page aligned and, unlike
-    over-allocating and slicing, wastes nothing. ``touch=True`` writes every page once now:
+    The memory comes from an anonymous mmap, which is page aligned and, unlike
+    over-allocating and slicing, wastes nothing; ``pin=True`` page-locks it in place for
+    asynchronous copies to a CUDA device (exactly ``nbytes`` rounded up to 4 KiB). ``touch=True`` writes every page once now:
     first touch of fresh memory is slow on virtual machines, and a pool is meant to pay
     that cost at start, not in the middle of a step.
     """
@@ -47,9 +76,11 @@ def aligned_empty(nbytes: int, *, pin: bool = False, touch: bool = True) -> torc
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     size = max(round_up(nbytes), ALIGN)
     if pin:
-        t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        if t.data_ptr() % ALIGN:  # cudaHostAlloc is page aligned; guard the assumption
-            raise RuntimeError("pinned allocation is not 4 KiB aligned")
+        # Registered with CUDA in place (cudaHostRegister), not through torch's pinned caching
+        # allocator, which rounds every request up to a power of two: a pool pins what it says.
+        m = _PinnedMap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        t = torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        m.register(t.data_ptr(), size)
     else:
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         t = torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mmap alive

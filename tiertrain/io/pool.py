@@ -39,17 +39,16 @@ class BufferPool:
     """``count`` aligned buffers of ``nbytes`` each, carved from one allocation.
 
     Each buffer starts on a 4 KiB boundary (the stride is ``nbytes`` rounded up to 4 KiB),
-    so any of them can be the target of an O_DIRECT request. ``pin=None`` pins when CUDA
-    is available, so host-to-device copies from the pool can be asynchronous.
+    so any of them can be the target of an O_DIRECT request. ``pin`` page-locks them (for a
+    CUDA compute device: asynchronous copies); the caller decides, so a CPU run on a machine
+    with a GPU never creates a CUDA context.
     """
 
-    def __init__(self, count: int, nbytes: int, *, pin: bool | None = None, name: str = "pool") -> None:
+    def __init__(self, count: int, nbytes: int, *, pin: bool = False, name: str = "pool") -> None:
         if count < 1:
             raise ValueError(f"{name}: buffer count must be >= 1, got {count}")
         if nbytes < 1:
             raise ValueError(f"{name}: buffer size must be >= 1 byte, got {nbytes}")
-        if pin is None:
-            pin = torch.cuda.is_available()
         self.name, self.count, self.nbytes, self.pinned = name, count, nbytes, pin
         self.stride = round_up(nbytes, ALIGN)
         self._slab = aligned_empty(self.stride * count, pin=pin)

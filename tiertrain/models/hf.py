@@ -19,6 +19,11 @@ from .base import LayeredModel, default_positions, no_cache
 __all__ = ["layer_llama", "layer_gpt2"]
 
 
+# The causal masks are made without position ids: given them, transformers looks for packed
+# sequences in them, a device-to-host sync per block and micro-batch; our sequences are never
+# packed, and the mask of 0 .. T-1 is the plain causal one either way.
+
+
 def _positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """``[1, T]`` position ids (HF layout) of the hidden states ``h``."""
     return (default_positions(h) if positions is None else positions).view(1, -1)
@@ -46,7 +51,7 @@ class LlamaBlock(nn.Module):
         no_cache(cache)
         pos = _positions(h, positions)
         mask = create_causal_mask(
-            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
+            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=None
         )
         rope = self._rotary(h, position_ids=pos)
         return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
@@ -94,7 +99,7 @@ class GPT2Block(nn.Module):
         no_cache(cache)
         pos = _positions(h, positions)
         mask = create_causal_mask(
-            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos
+            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=None
         )
         return self.block(h, None, mask, None, use_cache=False, position_ids=pos)
 

@@ -56,16 +56,18 @@ class MicroBatch:
 
 
 class _Rng:
-    """The RNG state(s) before a unit's forward, to replay dropout in the recompute."""
+    """The RNG state(s) before a unit's forward, to replay dropout in the recompute (the
+    compute device's own generator on CUDA, whichever index it has)."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, dev: Device) -> None:
+        self.device = dev.device if dev.cuda else None
         self.cpu = torch.get_rng_state()
-        self.gpu = torch.cuda.get_rng_state() if cuda else None
+        self.gpu = torch.cuda.get_rng_state(self.device) if self.device is not None else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.gpu is not None:
-            torch.cuda.set_rng_state(self.gpu)
+            torch.cuda.set_rng_state(self.gpu, self.device)
 
 
 class LayerMajorExecutor:
@@ -81,6 +83,7 @@ class LayerMajorExecutor:
     ) -> None:
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
         self.plan = model.plan
+        self._after = {r.index: self.plan[i + 1 :] for i, r in enumerate(self.plan)}  # units after each, in order
         self.embed = next(r for r in self.plan if r.role == "embed")
         self.head = next(r for r in self.plan if r.role == "head")
         self.blocks = [r for r in self.plan if r.role == "block"]
@@ -109,22 +112,22 @@ class LayerMajorExecutor:
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         ref = self.embed
-        self._acquire(ref, self.plan[1:])
+        self._acquire(ref, self._after[ref.index])
         out = []
         for m, mb in enumerate(mbs):
-            self._rng[ref.index, m] = _Rng(self.dev.cuda)
+            self._rng[ref.index, m] = _Rng(self.dev)
             with torch.enable_grad():
                 out.append(self.model.embed(mb.ids, mb.positions).detach())
         self._release(ref)
         return out
 
     def block_forward(self, ref: UnitRef, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        self._acquire(ref, self.plan[ref.index + 1 :])
+        self._acquire(ref, self._after[ref.index])
         units, block = self._units(ref), ref.module
         out = []
         for m, (x, mb) in enumerate(zip(h, mbs)):
             faults.point("forward")
-            self._rng[ref.index, m] = _Rng(self.dev.cuda)
+            self._rng[ref.index, m] = _Rng(self.dev)
             fn = lambda t, mb=mb: block(t, mb.positions)  # noqa: E731
             if self.policy.wants_graphs:
                 keep = lambda nbytes, kept, b=ref.block, m=m: self.policy.keep(b, m, nbytes, kept)  # noqa: E731
@@ -208,7 +211,7 @@ class LayerMajorExecutor:
             h = self.block_forward(ref, h, mbs)
         dh, losses = self.head_step(h, mbs)
         h = None
-        after_forward = _Rng(self.dev.cuda)
+        after_forward = _Rng(self.dev)
         t1 = time.perf_counter()
 
         self.recomputed = 0

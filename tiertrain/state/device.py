@@ -1,17 +1,37 @@
-"""Small helpers for the device side: streams, events and memory figures, CPU or CUDA."""
+"""The compute device: memory, the streams data crosses on, events, and memory figures.
+
+One interface, three implementations, so that callers are written once:
+
+- ``Device`` (CPU): device memory is host memory; copies are plain and complete at once.
+- ``CudaDevice``: device memory is separate (``separate``); host buffers that cross are
+  page-locked (``pin``); uploads (host -> device) and downloads (device -> host) run on two
+  dedicated high-priority streams, ordered after compute by events; a download keeps its
+  source alive (``record_stream``) until it has run, so the caching allocator cannot hand
+  the memory to the compute stream before the copy reads it.
+- ``AsyncCpuDevice`` (tests): CPU memory treated as separate, with copies that complete
+  later on a worker thread per stream (after a delay), real events, and memory that is
+  given back poisoned (NaN, 0xFF). A missing wait, a missing keep-alive or a buffer reused
+  too early then shows as a wrong number on CPU, as it would on a GPU only sometimes.
+
+``wait`` orders the compute stream after an event without blocking the host; ``sync``
+blocks the host (a sync point; counted in ``syncs``); ``done`` asks without blocking. An
+``after`` argument is an event, None (nothing to wait for) or a list of them.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import queue
 import resource
-from typing import Iterator
+import threading
+import time
+from typing import Any, Callable
 
 import psutil
 import torch
 
-__all__ = ["Device", "resolve_device", "resolve_dtype", "cpu_has_fast_bf16", "host_rss", "host_peak_rss",
-           "reset_peak_rss"]
+__all__ = ["Device", "CudaDevice", "AsyncCpuDevice", "make_device", "resolve_device", "resolve_dtype",
+           "cpu_has_fast_bf16", "host_rss", "host_peak_rss", "reset_peak_rss"]
 
 log = logging.getLogger("tiertrain")
 
@@ -76,61 +96,260 @@ def reset_peak_rss() -> bool:
 
 
 class Device:
-    """The compute device and, on CUDA, a side stream for copies.
+    """The CPU: device memory is host memory, every copy completes when it is issued."""
 
-    On CPU every method is a no-op or a plain copy, so callers are written once.
-    Events order work between streams without blocking the host; ``sync`` marks the
-    places that do block.
-    """
+    cuda = False  # a CUDA device (RNG of the device, FLOP/s figures)
+    separate = False  # device memory is not host memory: data crosses by copies on streams
+    pin = False  # host buffers that cross to the device are page-locked
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device if device is not None else torch.device("cpu")
+        self.syncs = 0  # host synchronisations so far (``sync`` calls that had to wait)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        from ..io import aligned_empty
+
+        return aligned_empty(numel * dtype.itemsize).view(dtype)
+
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        """A device tensor of ``host``'s shape and dtype (for an upload of it)."""
+        return torch.empty_like(host, device=self.device)
+
+    def event(self) -> Any:
+        """An event at the compute stream's current position (None: already reached)."""
+        return None
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        """Copy host ``src`` into device ``dst`` on the upload stream, after ``after``; the
+        event of its completion. ``src`` must stay as it is until then."""
+        dst.copy_(src)
+        return None
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        """Copy device ``src`` into host ``dst`` on the download stream, after ``after``
+        (default: after everything the compute stream has issued); its completion event.
+        ``src`` is kept alive until the copy has run."""
+        dst.copy_(src)
+        return None
+
+    def wait(self, ev: Any) -> None:
+        """Order the compute stream after ``ev`` (no host block on CUDA)."""
+
+    def sync(self, ev: Any) -> None:
+        """Block the host until ``ev`` has happened. A sync point."""
+
+    def done(self, ev: Any) -> bool:
+        return True
+
+    def release(self, t: torch.Tensor, *, after: Any = None) -> None:
+        """``t``'s contents are no longer needed (a buffer given back, a slot dropped), once
+        ``after`` has happened. The test device poisons it."""
+
+    def peak_bytes(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def check_capacity(self, needs: dict[str, int]) -> None:
+        """Raise ``ConfigError`` at start when the device cannot hold ``needs`` (bytes by
+        what they are for). Host memory is the CPU's: its budgets are the config's."""
+
+    def close(self) -> None:
+        pass
+
+
+class CudaDevice(Device):
+    cuda = separate = pin = True
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        super().__init__(device)
+        _, high = torch.cuda.Stream.priority_range()  # a lower number is a higher priority
+        self.up = torch.cuda.Stream(device, priority=high)
+        self.down = torch.cuda.Stream(device, priority=high)
 
-    def event(self) -> "torch.cuda.Event | None":
-        """An event recorded now on the compute stream (None on CPU)."""
-        if not self.cuda:
-            return None
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def event(self) -> Any:
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    @contextlib.contextmanager
-    def on_copy_stream(self, after: "torch.cuda.Event | None" = None) -> Iterator[None]:
-        """Run the body on the copy stream, after ``after`` (an event of the compute stream)."""
-        if not self.cuda:
-            yield
-            return
-        if after is not None:
-            self.copy_stream.wait_event(after)
-        with torch.cuda.stream(self.copy_stream):
-            yield
-
-    def copy_event(self) -> "torch.cuda.Event | None":
-        if not self.cuda:
-            return None
+    def _on(self, stream, after: Any, copy: Callable[[], None]) -> Any:
+        for ev in _events(after):
+            stream.wait_event(ev)
+        with torch.cuda.stream(stream):
+            copy()
         ev = torch.cuda.Event()
-        ev.record(self.copy_stream)
+        ev.record(stream)
         return ev
 
-    def wait(self, ev: "torch.cuda.Event | None") -> None:
-        """Make the compute stream wait for ``ev`` (no host block)."""
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        dst.record_stream(self.up)  # dst may be a fresh allocation of the compute stream
+        return self._on(self.up, after, lambda: dst.copy_(src, non_blocking=True))
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        after = [self.event(), *_events(after)]
+        src.record_stream(self.down)  # keep-alive: not reused by the allocator before this copy ran
+        return self._on(self.down, after, lambda: dst.copy_(src, non_blocking=True))
+
+    def wait(self, ev: Any) -> None:
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
 
-    @staticmethod
-    def sync(ev: "torch.cuda.Event | None") -> None:
-        """Block the host until ``ev`` has happened. A sync point."""
-        if ev is not None:
+    def sync(self, ev: Any) -> None:
+        if ev is not None and not ev.query():
+            self.syncs += 1
             ev.synchronize()
 
+    def done(self, ev: Any) -> bool:
+        return ev is None or ev.query()
+
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def check_capacity(self, needs: dict[str, int]) -> None:
+        from ..config import ConfigError
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        need = sum(needs.values())
+        if need > 0.9 * free:  # the rest: one micro-batch's activations, the allocator's slack
+            parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in needs.items())
+            raise ConfigError(
+                f"the GPU ({torch.cuda.get_device_name(self.device)}) has {free / 2**30:.2f} GiB free of "
+                f"{total / 2**30:.2f} GiB; this run needs {need / 2**30:.2f} GiB there before activations ({parts}): "
+                "lower memory.device_slots or memory.keep_act_mib"
+            )
+
+
+def _events(after: Any) -> list:
+    """The events of an ``after`` argument (None, one event, or a list with Nones)."""
+    if after is None:
+        return []
+    if isinstance(after, (list, tuple)):
+        return [e for e in after if e is not None]
+    return [after]
+
+
+class _Event:
+    """An event of the test device: set by a stream's worker when its copy has run."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_set(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Stream:
+    """A worker thread running submitted copies in order, each after its ``after`` event
+    and a delay."""
+
+    def __init__(self, name: str, delay: float) -> None:
+        self.delay = delay
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._run, name=f"tiertrain-test-{name}", daemon=True)
+        self._t.start()
+
+    def submit(self, fn: Callable[[], None], after: Any) -> _Event:
+        ev = _Event()
+        self._q.put((fn, after, ev))
+        return ev
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, after, ev = item
+            try:
+                for a in _events(after):
+                    a.wait()
+                if self.delay:
+                    time.sleep(self.delay)
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                ev.error = exc
+            ev._done.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join()
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill ``t`` with values no computation produces by accident (NaN; 0xFF bytes)."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.view(torch.uint8).fill_(0xFF) if t.is_contiguous() else t.fill_(-1)
+
+
+class AsyncCpuDevice(Device):
+    """A CPU device for tests that behaves like a GPU where it matters (see the module
+    docstring). ``delay``: seconds each copy waits on its stream before it runs."""
+
+    separate = True
+
+    def __init__(self, delay: float = 0.002) -> None:
+        super().__init__(torch.device("cpu"))
+        self.delay = delay
+        self.up, self.down = _Stream("upload", delay), _Stream("download", delay)
+        self.waits = 0  # compute-stream waits on an event not yet done (no host sync on a GPU)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.cuda:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        from ..io import aligned_empty
+        t = super().empty(numel, dtype)
+        poison(t)  # fresh device memory holds garbage
+        return t
 
-        return aligned_empty(numel * dtype.itemsize).view(dtype)
+    def empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        t = torch.empty_like(host)
+        poison(t)
+        return t
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        return self.up.submit(lambda: dst.copy_(src), after)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        return self.down.submit(lambda: dst.copy_(src), after)  # the closure keeps src alive
+
+    def wait(self, ev: Any) -> None:
+        if ev is not None:  # compute runs on the calling thread: waiting is blocking it
+            if not ev.is_set():
+                self.waits += 1
+            ev.wait()
+
+    def sync(self, ev: Any) -> None:
+        if ev is not None:
+            if not ev.is_set():
+                self.syncs += 1
+            ev.wait()
+
+    def done(self, ev: Any) -> bool:
+        return ev is None or ev.is_set()
+
+    def release(self, t: torch.Tensor, *, after: Any = None) -> None:
+        if after is None:
+            poison(t)
+        else:  # ordered after the copy that last used it
+            self.up.submit(lambda: poison(t), after)
+
+    def close(self) -> None:
+        self.up.close()
+        self.down.close()
+
+
+def make_device(name: str) -> Device:
+    """The device ``train.device`` names (after ``resolve_device``)."""
+    dev = resolve_device(name)
+    return CudaDevice(dev) if dev.type == "cuda" else Device(dev)

@@ -17,21 +17,21 @@ from __future__ import annotations
 import torch
 
 from ..io import BufferPool, IOFuture
-from .device import Device
 from .layout import FlatLayout
 
 __all__ = ["GradStore"]
 
 
 class _Handoff:
-    """A buffer on its way home: (CUDA) copy to host, then (file) write, then free."""
+    """A buffer on its way home: (separate device memory) download to host, then (file)
+    write, then the buffer is free again."""
 
     def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None) -> None:
         self.base, self.copied, self.write, self.staging = base, copied, write, staging
 
 
 class GradStore:
-    def __init__(self, layout: FlatLayout, sink, dev: Device, *, buffers: int = 2) -> None:
+    def __init__(self, layout: FlatLayout, sink, dev, *, buffers: int = 2) -> None:
         self.layout, self.dev, self.dtype = layout, dev, sink.dtype
         dtype = self.dtype
         self.home = sink  # where gradients go after the backward (the update path's GradSink)
@@ -39,9 +39,11 @@ class GradStore:
         self._count = buffers + len(owners)
         self._free = [dev.empty(layout.max_unit_numel, dtype) for _ in range(self._count)]
         self.buffer_bytes = self._count * layout.max_unit_numel * dtype.itemsize
+        # One staging buffer per device buffer: a hand-off never waits for staging that only
+        # this thread could free (with a tied embedding three buffers are in flight).
         self._staging = (
-            BufferPool(buffers, layout.max_unit_numel * dtype.itemsize, pin=True, name="grad-staging")
-            if dev.cuda and sink.file_backed and not sink.takes_device_tensors
+            BufferPool(self._count, layout.max_unit_numel * dtype.itemsize, pin=dev.pin, name="grad-staging")
+            if dev.separate and sink.file_backed and not sink.takes_device_tensors
             else None
         )
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
@@ -59,7 +61,7 @@ class GradStore:
             if x in self._live:
                 continue  # an owner already live since its borrower's backward
             numel = self.layout.units[x].numel
-            if not self.dev.cuda and self.home.on_host(x):
+            if not self.dev.separate and self.home.on_host(x):
                 base = None  # CPU: accumulate right in the gradients' home
                 view = self.home.host_view(x)[:numel]
             else:
@@ -82,31 +84,44 @@ class GradStore:
         self.poll()
 
     def _send(self, u: int, buf: torch.Tensor, base: torch.Tensor) -> _Handoff:
-        if not self.dev.cuda or self.home.takes_device_tensors:  # the home copies synchronously
+        if not self.dev.separate or self.home.takes_device_tensors:  # the home copies it itself
             return _Handoff(base, write=self.home.write(u, buf))
-        ready = self.dev.event()  # the backward that filled buf has been enqueued before this
         if self.home.on_host(u):
-            with self.dev.on_copy_stream(after=ready):
-                self.home.host_view(u).copy_(buf, non_blocking=True)
-            return _Handoff(base, copied=self.dev.copy_event())
-        staging = self._staging.acquire()
+            return _Handoff(base, copied=self.dev.download(self.home.host_view(u), buf))
+        staging = self._staging_buffer()
         host = staging.tensor.view(self.dtype)[: buf.numel()]
-        with self.dev.on_copy_stream(after=ready):
-            host.copy_(buf, non_blocking=True)
-        return _Handoff(base, copied=self.dev.copy_event(), staging=(staging, u, host))
+        return _Handoff(base, copied=self.dev.download(host, buf), staging=(staging, u, host))
+
+    def _staging_buffer(self):
+        """A free staging buffer; while none is, the oldest hand-off completes and gives its back."""
+        while True:
+            buf = self._staging.try_acquire()
+            if buf is not None:
+                return buf
+            if not self._pending:
+                raise RuntimeError("gradient store: every staging buffer is held and no hand-off is in flight")
+            self._reclaim_oldest()
+
+    def _reclaim_oldest(self) -> None:
+        h = self._pending.pop(0)
+        self._advance(h, block=True)
+        self._give_back(h)
+
+    def _give_back(self, h: _Handoff) -> None:
+        self.dev.release(h.base)
+        self._free.append(h.base)
 
     def _take(self) -> torch.Tensor:
         while not self._free:
-            self._advance(self._pending[0], block=True)
-            self.poll()
+            self._reclaim_oldest()
         return self._free.pop()
 
     def _advance(self, h: _Handoff, block: bool) -> bool:
         """Move a hand-off forward; True once its buffer is free again."""
         if h.copied is not None:
-            if not block and not h.copied.query():
+            if not block and not self.dev.done(h.copied):
                 return False
-            Device.sync(h.copied)
+            self.dev.sync(h.copied)
             h.copied = None
             if h.staging is not None:  # now the host copy can go to the file
                 staging, u, host = h.staging
@@ -117,6 +132,7 @@ class GradStore:
             h.write.get()
             h.write = None
         if h.staging is not None:
+            self.dev.release(h.staging[0].tensor)
             h.staging[0].release()
             h.staging = None
         return True
@@ -126,17 +142,15 @@ class GradStore:
         still = []
         for h in self._pending:
             if self._advance(h, block=False):
-                self._free.append(h.base)
+                self._give_back(h)
             else:
                 still.append(h)
         self._pending = still
 
     def flush(self) -> None:
         """Wait until every gradient is home. A sync point before the update."""
-        for h in self._pending:
-            self._advance(h, block=True)
-            self._free.append(h.base)
-        self._pending = []
+        while self._pending:
+            self._reclaim_oldest()
 
     # -- update side ----------------------------------------------------------------------------
     def total_norm(self) -> torch.Tensor:

@@ -10,8 +10,13 @@ a slot (``SlotState``; any other move raises ``IllegalTransition`` naming both s
 
 Only BOUND slots are pinned: a unit in use is never evicted or invalidated. On CPU a unit
 whose backing copy is in host memory needs no slot: its backing memory is what the modules
-see. On CUDA, loads go through pinned staging buffers and a copy stream; a slot is only
-overwritten after the compute stream has passed the event recorded when it was released.
+see. Where device memory is separate (CUDA), a file-backed unit is read into a pinned
+staging buffer (one per slot), and its upload starts on the device's upload stream as soon
+as the read completes (``poll``, at every prefetch and acquire), not when the unit is
+needed; a staging buffer is given back once its upload has run (found by event query, not
+by waiting). A slot is only overwritten after the compute stream has passed the event
+recorded when it was released, and the compute stream waits for a slot's upload without
+blocking the host.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from ..io import BufferPool, IOFuture, PoolBuffer
-from .device import Device
 from .layout import FlatLayout
 from .machine import IllegalTransition, Machine
 
@@ -79,7 +83,7 @@ class ParamStore:
         self,
         layout: FlatLayout,
         source,
-        dev: Device,
+        dev,
         *,
         slots: int,
         slot_tensors: list[torch.Tensor] | None = None,
@@ -100,8 +104,8 @@ class ParamStore:
         ]
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
-            BufferPool(slots, layout.max_unit_numel * self.esize, pin=True, name="param-staging")
-            if dev.cuda and source.file_backed
+            BufferPool(slots, layout.max_unit_numel * self.esize, pin=dev.pin, name="param-staging")
+            if dev.separate and source.file_backed
             else None
         )
 
@@ -144,9 +148,13 @@ class ParamStore:
 
     def _drop(self, slot: _Slot) -> None:
         if slot.state == SlotState.LOADING:
-            self._finish_read(slot)
+            self._finish_read(slot, upload=False)
+        if slot.staging is not None:  # its upload may still read the staging buffer
+            self.dev.sync(slot.loaded)
+            self._give_back(slot)
+        self.dev.release(slot.tensor, after=slot.loaded)
         slot.to(SlotState.FREE)
-        slot.unit = None
+        slot.unit, slot.loaded = None, None
 
     def _load(self, u: int, slot: _Slot) -> None:
         slot.unit, slot.last_use = u, self._tick()
@@ -154,19 +162,35 @@ class ParamStore:
         self.stats.fetches += 1
         n = self.layout.units[u].numel
         self.stats.fetch_bytes += n * self.esize
-        if self.source.on_host(u):  # CUDA only: host-resident unit, one H2D copy
-            with self.dev.on_copy_stream(after=slot.released):
-                slot.tensor[:n].copy_(self.source.host_view(u), non_blocking=True)
-            slot.loaded = self.dev.copy_event()
+        if self.source.on_host(u):  # separate device memory: a host-resident unit is one upload
+            slot.loaded = self.dev.upload(slot.tensor[:n], self.source.host_view(u), after=slot.released)
             return
-        if self._staging is None:  # CPU: straight into the slot
+        if self._staging is None:  # straight into the slot
             slot.read = self.source.load(u, slot.tensor[:n], slot.index if self._shared else None)
         else:
-            slot.staging = self._staging.acquire()
+            slot.staging = self._staging_buffer()
             slot.read = self.source.load(u, slot.staging.tensor.view(self.dtype)[:n])
 
-    def _finish_read(self, slot: _Slot) -> None:
-        """Wait for the slot's read; on CUDA start its H2D copy. A sync point on the I/O."""
+    def _staging_buffer(self) -> PoolBuffer:
+        """A free staging buffer; while none is, the oldest finished upload gives its back."""
+        while True:
+            buf = self._staging.try_acquire()
+            if buf is not None:
+                return buf
+            uploading = sorted((s for s in self.slots if s.staging is not None and s.read is None),
+                               key=lambda s: s.last_use)
+            if not uploading:  # one staging buffer per slot: the slot being loaded holds none
+                raise RuntimeError("parameter store: every staging buffer is held by a read in flight")
+            self.dev.sync(uploading[0].loaded)  # sync point: rare, the slots outnumber the units in flight
+            self._give_back(uploading[0])
+
+    def _give_back(self, slot: _Slot) -> None:
+        self.dev.release(slot.staging.tensor)
+        slot.staging.release()
+        slot.staging = None
+
+    def _finish_read(self, slot: _Slot, upload: bool = True) -> None:
+        """Wait for the slot's read (a sync point on the I/O); then start its upload."""
         if slot.read is None:
             return
         t0 = time.perf_counter()
@@ -175,14 +199,18 @@ class ParamStore:
         finally:
             self.stats.wait_s += time.perf_counter() - t0
             slot.read = None
-        if slot.staging is not None:
+        if slot.staging is not None and upload:
             n = self.layout.units[slot.unit].numel
-            with self.dev.on_copy_stream(after=slot.released):
-                slot.tensor[:n].copy_(slot.staging.tensor.view(self.dtype)[:n], non_blocking=True)
-            slot.loaded = self.dev.copy_event()
-            Device.sync(slot.loaded)  # the staging buffer may be reused once the copy is done
-            slot.staging.release()
-            slot.staging = None
+            slot.loaded = self.dev.upload(slot.tensor[:n], slot.staging.tensor.view(self.dtype)[:n], after=slot.released)
+
+    def poll(self) -> None:
+        """Progress without blocking: uploads of reads that completed start, staging buffers
+        of uploads that ran are given back."""
+        for s in self.slots:
+            if s.state == SlotState.LOADING and s.read is not None and s.read.done():
+                self._finish_read(s)
+            if s.staging is not None and s.read is None and self.dev.done(s.loaded):
+                self._give_back(s)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -191,8 +219,9 @@ class ParamStore:
     def prefetch(self, units: list[int]) -> None:
         """Start loading ``units`` (in order) into free or idle slots; never blocks, never
         evicts a bound unit or one of ``units`` itself."""
+        self.poll()
         for u in units:
-            if self.source.on_host(u) and not self.dev.cuda:
+            if self.source.on_host(u) and not self.dev.separate:
                 continue
             if self._find(u) is not None:
                 continue
@@ -212,7 +241,8 @@ class ParamStore:
     def acquire(self, u: int) -> torch.Tensor:
         """Unit ``u``'s parameters on the device, bound to its modules. May block on I/O
         (and on the update of ``u``)."""
-        if self.source.on_host(u) and not self.dev.cuda:
+        self.poll()
+        if self.source.on_host(u) and not self.dev.separate:
             self.stats.hits += 1
             flat = self.source.host_view(u)
             self.layout.bind(u, flat)
@@ -254,4 +284,7 @@ class ParamStore:
     def close(self) -> None:
         for s in self.slots:
             if s.state == SlotState.LOADING:
-                self._finish_read(s)
+                self._finish_read(s, upload=False)
+            if s.staging is not None:
+                self.dev.sync(s.loaded)
+                self._give_back(s)

@@ -236,13 +236,13 @@ class StreamedOptimizer:
     def _compute(self, bs: _BufferSet, u: int, a: int, b: int, lr: float, coef: torch.Tensor | None) -> None:
         n = b - a
         g = bs.g[:n]
-        if coef is not None:
-            g.mul_(coef)  # as clip_grad_norm_ does, on the gradient in its own dtype
-        if self.has_master:
+        if self.has_master:  # lower-precision gradients: clipped after the upcast, in fp32
             bs.g32[:n].copy_(g)
             g, w = bs.g32[:n], bs.w[:n]
         else:
             w = self._pview(bs, u, a, b)
+        if coef is not None:
+            g.mul_(coef)  # as clip_grad_norm_ does (fp32: on the gradient itself, bit-identical)
         segs = self.layout.segments(u, a, b)
         cut = lambda t: [t[x - a : y - a] for _, x, y in segs]  # noqa: E731
         if self.adamw:

@@ -35,6 +35,7 @@ from ...compress.feedback import ErrorFeedback
 from ...config import Config
 from ...errors import TiertrainError
 from ...io import FileHandle, IOFuture, Storage, round_up
+from ...io.align import pin_in_place
 from ...state.decl import FileDecl, Region, StateDecl
 from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import TieredRegions, place
@@ -147,6 +148,7 @@ class EngineUpdate(Update):
         self._step, self._lr = 0, 0.0
         self._seen_counters: dict[str, float] = {}
         self.params, self.grads = _EngineParams(self), _EngineGrads(self)
+        self._pin, self._pinned = pin, []
         try:
             self._start(cfg)
             self._open_readers()
@@ -222,6 +224,8 @@ class EngineUpdate(Update):
         self._pump(lambda: all(s == EngineState.READY for s in self.state), "starting", timeout=max(120.0, self.timeout))
         for shm in self.shms:  # every engine has mapped its slots
             shm.unlink()
+        if self._pin:  # gradients come from a CUDA device: page-lock the slots for asynchronous copies
+            self._pinned = [pin_in_place(shm.tensor) for shm in self.shms]
 
     def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
         """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
@@ -406,12 +410,17 @@ class EngineUpdate(Update):
             self._done[u] = set()  # updated as soon as it arrives: the next forward waits for it
         if self.topk:
             return self._send_topk(u, g)
-        for i in range(self.n):
+        taken = []
+        for i in range(self.n):  # device -> the engines' page-locked slots, every copy in flight at once
             s = self.slices[i][u]
             k = self._take(i, f"receiving gradients of unit {u}")
-            self._slot(i, k, self.pdtype, s.numel).copy_(g[s.start : s.end])  # sync point on CUDA
-            self.sent_bytes += s.numel * self.pdtype.itemsize
-            self.dense_bytes += s.numel * self.pdtype.itemsize
+            self._slot(i, k, self.pdtype, s.numel).copy_(g[s.start : s.end], non_blocking=g.is_cuda)
+            taken.append((i, k, s.numel))
+        if g.is_cuda:
+            torch.cuda.current_stream(g.device).synchronize()  # sync point: one per unit, not per engine
+        for i, k, n in taken:
+            self.sent_bytes += n * self.pdtype.itemsize
+            self.dense_bytes += n * self.pdtype.itemsize
             self._send(i, P.Grad(u, k, self._step, self._lr))
         return IOFuture.completed(g.numel() * g.element_size())
 
@@ -540,7 +549,9 @@ class EngineUpdate(Update):
                 self.feedback.close()
         for shm in self.shms + ([self._slot_shm] if self._slot_shm is not None else []):
             shm.unlink()
-        self.procs, self.shms, self._readers, self.conns = [], [], [], []
+        for unpin in self._pinned:
+            unpin()
+        self.procs, self.shms, self._readers, self.conns, self._pinned = [], [], [], [], []
 
 
 class _Handoff:
