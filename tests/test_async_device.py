@@ -77,3 +77,60 @@ def test_host_synchronisations_are_bounded_by_units_not_micro_batches(tmp_path):
             counts[M] = dev.syncs - before
             units = len(tr.layout.units)
     assert max(counts.values()) <= units < 4 * 4, counts
+
+
+def test_pinned_host_memory_is_registered_in_place_for_what_the_pool_reports(monkeypatch):
+    """Pinned buffers are page-locked where they are (cudaHostRegister of the 4 KiB-rounded
+    size), not taken from torch's pinned allocator, which rounds a request up to a power of
+    two; they are unregistered when the last tensor over them goes. CUDA is faked here."""
+    import gc
+
+    from tiertrain.io import aligned_empty
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    t = aligned_empty(5 * 2**20 + 5, pin=True)  # a power-of-two allocator would pin 8 MiB
+    assert t.numel() == 5 * 2**20 + 5
+    assert calls == [("register", t.data_ptr(), 5 * 2**20 + 4096)]
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+
+
+def test_pools_do_not_pin_unless_asked():
+    """A CPU run on a machine with a GPU must not create a CUDA context through its pools."""
+    from tiertrain.io import BufferPool
+
+    assert BufferPool(2, 4096).pinned is False
+
+
+def test_mfu_figures_and_the_gpu_capacity_check(monkeypatch):
+    from tiertrain.config import ConfigError, ModelConfig
+    from tiertrain.metrics import flops_per_token, peak_flops
+    from tiertrain.models import build_model
+    from tiertrain.state.device import CudaDevice
+
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA GeForce GTX 1080") is None
+    model, _ = build_model(ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=32),
+                           param_dtype=torch.float32, seed=0)
+    blocks_and_head = sum(p.numel() for u in model.units[1:] for p in u.parameters())
+    assert flops_per_token(model, 32, 64) == 6 * blocks_and_head + 12 * 2 * 64 * 32  # no input embedding
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (2 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
+    fake = type("D", (), {"device": torch.device("cuda", 0)})()
+    CudaDevice.check_capacity(fake, {"slots": 1 << 30})
+    with pytest.raises(ConfigError, match=r"the GPU \(Fake GPU\) has 2.00 GiB free of 80.00 GiB; this run needs "
+                                          r"3.00 GiB there before activations \(slots 3.00 GiB\): lower"):
+        CudaDevice.check_capacity(fake, {"slots": 3 << 30})

@@ -7,7 +7,7 @@ from tiertrain.activations.stash import HiddenStash
 from tiertrain.config import ModelConfig
 from tiertrain.io import FileHandle, Storage
 from tiertrain.models import build_model
-from tiertrain.state.device import Device
+from tiertrain.state.device import AsyncCpuDevice, Device
 from tiertrain.state.grads import GradStore
 from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
 from tiertrain.state.regions import TieredRegions
@@ -92,11 +92,15 @@ def test_slots_refuse_when_all_bound(setup):
     store.close()
 
 
+DEVICES = {"cpu": lambda: Device(torch.device("cpu")), "async": lambda: AsyncCpuDevice(delay=0.001)}
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
 @pytest.mark.parametrize("host_entries", [0, 3, 12])
-def test_stash_spills_and_returns_every_entry(tmp_path, host_entries):
+def test_stash_spills_and_returns_every_entry(tmp_path, host_entries, device):
     st = Storage([str(tmp_path / "s")], chunk_bytes=256 * KIB, checksum_block=64 * KIB)
     shape = (2, 8, 32)
-    stash = HiddenStash(st, Device(torch.device("cpu")), shape=shape, dtype=torch.float32, entries=12,
+    stash = HiddenStash(st, DEVICES[device](), shape=shape, dtype=torch.float32, entries=12,
                         host_bytes=host_entries * 4096)
     assert stash.host_slots == host_entries and stash.spilled == 12 - host_entries and stash.entry_bytes == 4096
     vals = [torch.randn(shape) for _ in range(12)]
@@ -112,10 +116,11 @@ def test_stash_spills_and_returns_every_entry(tmp_path, host_entries):
     st.close()
 
 
-def test_grad_store_hands_off_and_reuses_buffers(setup):
+@pytest.mark.parametrize("device", ["cpu", "async"])
+def test_grad_store_hands_off_and_reuses_buffers(setup, device):
     _, layout, st = setup
     home = region(layout, st, "grads")
-    grads = GradStore(layout, RegionGrads(home), Device(torch.device("cpu")))
+    grads = GradStore(layout, RegionGrads(home), DEVICES[device]())
     for u in reversed(range(len(layout))):
         grads.begin(u)
         for rec in layout.units[u].params:
