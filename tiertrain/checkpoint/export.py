@@ -28,6 +28,7 @@ from ..paths import check_writable_dir
 from ..state.layout import FlatLayout
 from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
+from .saver import _replace_dir
 
 __all__ = ["export_checkpoint", "TOKENIZER_FILES"]
 
@@ -50,7 +51,7 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
     os.makedirs(tmp)
     try:
         _write(path, man, tmp)
-        _replace(tmp, out)
+        _replace_dir(tmp, out)  # as checkpoints are: the old directory goes once the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -128,14 +129,3 @@ def _copy_tokenizer(cfg: Config, out: str) -> None:
                 shutil.copy2(os.path.join(src, n), os.path.join(out, n))
             if found:
                 return
-
-
-def _replace(tmp: str, out: str) -> None:
-    """Put ``tmp`` where ``out`` is (``out`` absent or empty, or replaced as a whole)."""
-    old = None
-    if os.path.exists(out):
-        old = f"{out}.old-export-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)

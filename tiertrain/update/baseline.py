@@ -27,8 +27,8 @@ MIB = 1 << 20
 OWNER = "update (baseline)"
 
 
-class RegionParams(ParamSource):
-    """Parameters in a ``TieredRegions`` (host memory, then a file), as a ``ParamSource``."""
+class _OnRegion:
+    """What the parameters' and gradients' adapters share: a ``TieredRegions`` behind them."""
 
     def __init__(self, region: TieredRegions) -> None:
         self.region, self.dtype = region, region.dtype
@@ -39,37 +39,24 @@ class RegionParams(ParamSource):
 
     def host_view(self, u: int) -> torch.Tensor:
         return self.region.host_view(u)
+
+    def write(self, u: int, src: torch.Tensor) -> IOFuture:
+        return self.region.write(u, src)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.region.host_bytes
+
+
+class RegionParams(_OnRegion, ParamSource):
+    """Parameters in a ``TieredRegions`` (host memory, then a file), as a ``ParamSource``."""
 
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         return self.region.read(u, out)
 
-    def write(self, u: int, src: torch.Tensor) -> IOFuture:
-        return self.region.write(u, src)
 
-    @property
-    def host_bytes(self) -> int:
-        return self.region.host_bytes
-
-
-class RegionGrads(GradSink):
+class RegionGrads(_OnRegion, GradSink):
     """Gradients into a ``TieredRegions`` (host memory, then a file), as a ``GradSink``."""
-
-    def __init__(self, region: TieredRegions) -> None:
-        self.region, self.dtype = region, region.dtype
-        self.file, self.file_backed = region.file, region.file is not None
-
-    def on_host(self, u: int) -> bool:
-        return self.region.on_host(u)
-
-    def host_view(self, u: int) -> torch.Tensor:
-        return self.region.host_view(u)
-
-    def write(self, u: int, src: torch.Tensor) -> IOFuture:
-        return self.region.write(u, src)
-
-    @property
-    def host_bytes(self) -> int:
-        return self.region.host_bytes
 
 
 class BaselineUpdate(Update):

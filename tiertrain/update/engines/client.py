@@ -39,12 +39,13 @@ from ...io.align import pin_in_place
 from ...state.decl import FileDecl, Region, StateDecl
 from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import TieredRegions, place
-from ..base import GradSink, ParamSource, Update, UpdateStats
+from ..base import Update, UpdateStats
 from ..shm import SharedSegment
 from ..slices import SliceLayout, partition, unit_records
 from ..streamed import optimizer_states
 from . import protocol as P
 from .protocol import ENGINE, EngineState
+from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 
@@ -147,7 +148,7 @@ class EngineUpdate(Update):
         self.peak_host = [0] * self.n  # each engine's peak RSS, as of its last step report
         self._step, self._lr = 0, 0.0
         self._seen_counters: dict[str, float] = {}
-        self.params, self.grads = _EngineParams(self), _EngineGrads(self)
+        self.params, self.grads = EngineParams(self), EngineGrads(self)
         self._pin, self._pinned = pin, []
         try:
             self._start(cfg)
@@ -390,14 +391,14 @@ class EngineUpdate(Update):
         self._slot_shm.unlink()
         return [mem[k * stride : k * stride + numel * self.pdtype.itemsize].view(self.pdtype) for k in range(count)]
 
-    def handoff(self, u: int, slot: int, out: torch.Tensor) -> "_Handoff | None":
+    def handoff(self, u: int, slot: int, out: torch.Tensor) -> "Handoff | None":
         """Ask the engines to write unit ``u``'s new parameters into shared slot ``slot``
         (``out``, its view) as they update it. None when ``u`` is already updated (read it
         from the files) or the slots are not shared."""
         if self._want is None or self.ready(u):
             return None
         self._want[u] = slot + 1  # seen by an engine when it starts the unit, or not at all
-        return _Handoff(self, u, slot, out)
+        return Handoff(self, u, slot, out)
 
     def begin_step(self, step: int, lr: float) -> None:
         """Engines that update as gradients arrive need the step and learning rate with the
@@ -475,11 +476,11 @@ class EngineUpdate(Update):
                 if d.name == "residual":
                     regions[d.name] = self.feedback.region
                 elif d.checkpointed:
-                    regions[d.name] = _EngineRegion(self, d.name, d.dtype)
+                    regions[d.name] = EngineRegion(self, d.name, d.dtype)
             yield regions
         finally:
             for r in regions.values():
-                if isinstance(r, _EngineRegion):
+                if isinstance(r, EngineRegion):
                     r.close()
             for i in range(self.n):
                 self._send(i, P.Reopen())
@@ -552,120 +553,3 @@ class EngineUpdate(Update):
         for unpin in self._pinned:
             unpin()
         self.procs, self.shms, self._readers, self.conns, self._pinned = [], [], [], [], []
-
-
-class _Handoff:
-    """A unit's load into a shared slot: ``get`` waits until every engine has updated it,
-    then reads from the files the slices of the engines that did not write the slot (they
-    had started the unit before the request). Used as the slot's read future."""
-
-    def __init__(self, group: EngineUpdate, u: int, slot: int, out: torch.Tensor) -> None:
-        self.g, self.u, self.slot, self.out = group, u, slot, out
-        self._result: int | None = None
-
-    def done(self) -> bool:
-        return self._result is not None or self.g.ready(self.u)
-
-    def get(self) -> int:
-        if self._result is not None:
-            return self._result
-        g, u = self.g, self.u
-        g.wait_ready(u)  # sync point: every engine has finished unit u
-        g._want[u] = 0
-        late = [i for i in range(g.n) if g._served[u][i] != self.slot]
-        served = sum(g.slices[i][u].numel for i in range(g.n) if i not in late) * g.pdtype.itemsize
-        g.handoff_bytes += served
-        read = g.read_params(u, self.out, engines=late) if late else None
-        self._result = served + (read.get() if read is not None else 0)
-        return self._result
-
-
-class _Deferred:
-    """A unit's load from the engines' files once they have written it (slots not shared):
-    the read starts when the unit is ready (``get`` waits for that)."""
-
-    def __init__(self, group: EngineUpdate, u: int, out: torch.Tensor) -> None:
-        self.g, self.u, self.out = group, u, out
-        self._read: IOFuture | None = None
-
-    def _start(self) -> None:
-        if self._read is None and self.g.ready(self.u):
-            self._read = self.g.read_params(self.u, self.out)
-
-    def done(self) -> bool:
-        self._start()
-        return self._read is not None and self._read.done()
-
-    def get(self) -> int:
-        if self._read is None:
-            self.g.wait_ready(self.u)  # sync point: every engine has written unit u
-            self._start()
-        return self._read.get()
-
-
-class _EngineParams(ParamSource):
-    """The engines' parameter files as the parameter store's source."""
-
-    def __init__(self, group: EngineUpdate) -> None:
-        self.g, self.dtype = group, group.pdtype
-        self.file = True  # on the storage tier
-
-    def on_host(self, u: int) -> bool:
-        return False
-
-    def host_view(self, u: int) -> torch.Tensor:
-        raise KeyError(u)
-
-    def can_prefetch(self, u: int) -> bool:
-        return self.g._want is not None or self.g.ready(u)
-
-    def load(self, u: int, out: torch.Tensor, slot: int | None = None):
-        g = self.g
-        if slot is not None:  # shared slots: the engines write it themselves if still updating it
-            h = g.handoff(u, slot, out)
-            if h is not None:
-                return h
-        if g.ready(u):
-            return g.read_params(u, out)
-        return _Deferred(g, u, out)
-
-
-class _EngineGrads(GradSink):
-    """The engines, as where gradients go after the backward."""
-
-    file_backed = False
-    takes_device_tensors = True  # copies into shared memory itself
-
-    def __init__(self, group: EngineUpdate) -> None:
-        self.g, self.dtype = group, group.pdtype
-        self.file = None
-
-    def on_host(self, u: int) -> bool:
-        return False
-
-    def host_view(self, u: int) -> torch.Tensor:
-        raise KeyError(u)
-
-    def write(self, u: int, src: torch.Tensor) -> IOFuture:
-        return self.g.send_grads(u, src)
-
-
-class _EngineRegion:
-    """One kind of state across all engines' files, read and written by the trainer while
-    the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
-
-    def __init__(self, group: EngineUpdate, kind: str, dtype: torch.dtype) -> None:
-        self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
-        self.place = [place(v, dtype, 0, group.align) for v in group.views]
-        self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
-
-    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.slice_io(self.files, self.place, self.esize, False, u, out, start, end)
-
-    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.slice_io(self.files, self.place, self.esize, True, u, src, start, end)
-
-    def close(self) -> None:
-        for f in self.files:
-            if f is not None:
-                f.close()

@@ -1,0 +1,138 @@
+"""How the rest of the trainer reaches the update engines: the parameter store's source
+(``EngineParams``: loads wait for, or are written by, the engines), the gradient store's sink
+(``EngineGrads``), the checkpoints' regions over every engine's files (``EngineRegion``), and
+the futures of loads still being updated (``Handoff``, ``Deferred``). ``client.py`` holds the
+engines themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...io import IOFuture
+from ...state.regions import place
+from ..base import GradSink, ParamSource
+
+if TYPE_CHECKING:
+    from .client import EngineUpdate
+
+__all__ = ["EngineParams", "EngineGrads", "EngineRegion", "Handoff", "Deferred"]
+
+
+class Handoff:
+    """A unit's load into a shared slot: ``get`` waits until every engine has updated it,
+    then reads from the files the slices of the engines that did not write the slot (they
+    had started the unit before the request). Used as the slot's read future."""
+
+    def __init__(self, group: "EngineUpdate", u: int, slot: int, out: torch.Tensor) -> None:
+        self.g, self.u, self.slot, self.out = group, u, slot, out
+        self._result: int | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or self.g.ready(self.u)
+
+    def get(self) -> int:
+        if self._result is not None:
+            return self._result
+        g, u = self.g, self.u
+        g.wait_ready(u)  # sync point: every engine has finished unit u
+        g._want[u] = 0
+        late = [i for i in range(g.n) if g._served[u][i] != self.slot]
+        served = sum(g.slices[i][u].numel for i in range(g.n) if i not in late) * g.pdtype.itemsize
+        g.handoff_bytes += served
+        read = g.read_params(u, self.out, engines=late) if late else None
+        self._result = served + (read.get() if read is not None else 0)
+        return self._result
+
+
+class Deferred:
+    """A unit's load from the engines' files once they have written it (slots not shared):
+    the read starts when the unit is ready (``get`` waits for that)."""
+
+    def __init__(self, group: "EngineUpdate", u: int, out: torch.Tensor) -> None:
+        self.g, self.u, self.out = group, u, out
+        self._read: IOFuture | None = None
+
+    def _start(self) -> None:
+        if self._read is None and self.g.ready(self.u):
+            self._read = self.g.read_params(self.u, self.out)
+
+    def done(self) -> bool:
+        self._start()
+        return self._read is not None and self._read.done()
+
+    def get(self) -> int:
+        if self._read is None:
+            self.g.wait_ready(self.u)  # sync point: every engine has written unit u
+            self._start()
+        return self._read.get()
+
+
+class EngineParams(ParamSource):
+    """The engines' parameter files as the parameter store's source."""
+
+    def __init__(self, group: "EngineUpdate") -> None:
+        self.g, self.dtype = group, group.pdtype
+        self.file = True  # on the storage tier
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise KeyError(u)
+
+    def can_prefetch(self, u: int) -> bool:
+        return self.g._want is not None or self.g.ready(u)
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None):
+        g = self.g
+        if slot is not None:  # shared slots: the engines write it themselves if still updating it
+            h = g.handoff(u, slot, out)
+            if h is not None:
+                return h
+        if g.ready(u):
+            return g.read_params(u, out)
+        return Deferred(g, u, out)
+
+
+class EngineGrads(GradSink):
+    """The engines, as where gradients go after the backward."""
+
+    file_backed = False
+    takes_device_tensors = True  # copies into shared memory itself
+
+    def __init__(self, group: "EngineUpdate") -> None:
+        self.g, self.dtype = group, group.pdtype
+        self.file = None
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise KeyError(u)
+
+    def write(self, u: int, src: torch.Tensor) -> IOFuture:
+        return self.g.send_grads(u, src)
+
+
+class EngineRegion:
+    """One kind of state across all engines' files, read and written by the trainer while
+    the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
+
+    def __init__(self, group: "EngineUpdate", kind: str, dtype: torch.dtype) -> None:
+        self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
+        self.place = [place(v, dtype, 0, group.align) for v in group.views]
+        self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self.g.slice_io(self.files, self.place, self.esize, False, u, out, start, end)
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        return self.g.slice_io(self.files, self.place, self.esize, True, u, src, start, end)
+
+    def close(self) -> None:
+        for f in self.files:
+            if f is not None:
+                f.close()
