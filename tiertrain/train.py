@@ -331,7 +331,7 @@ class Trainer:
                     log.warning("interrupted after step %d (%s)", self.step, stop.set)
                     if ck.on_interrupt and self.step > first:
                         self.save_checkpoint()
-                    if self.step > first or first > 0:
+                    if list_checkpoints(self.checkpoint_root):
                         log.warning("resume with: %s", self.resume_command)
                     raise KeyboardInterrupt(f"interrupted after step {self.step}")
                 if ck.at_end:
