@@ -239,3 +239,34 @@ def test_kept_graph_over_budget_is_dropped():
     out, ok = kept.forward((0, 0), (), lambda t: torch.tanh(t) * 2, x, lambda nbytes, kept_bytes: True)
     assert not ok and (0, 0) not in kept and kept.kept_bytes == 0
     assert torch.equal(out, torch.tanh(x) * 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "async"])
+def test_a_failed_load_leaves_no_stale_slot(setup, device):
+    """A read that fails (a damaged file, a dead engine) is reported, and the slot it was
+    loading holds nothing: a later acquire loads the unit afresh instead of binding what the
+    slot held before."""
+    from tiertrain.io import IOFuture
+
+    _, layout, st = setup
+    source = RegionParams(region(layout, st, "params"))
+    store = ParamStore(layout, source, DEVICES[device](), slots=2)
+    fill(store, layout)
+    real, fail = source.load, {"on": True}
+
+    def flaky(u, out, slot=None):
+        if u == 3 and fail["on"]:  # the read fails: nothing reaches the slot
+            f = IOFuture.completed(0)
+            f._error = OSError(5, "injected read error")
+            return f
+        return real(u, out, slot)
+
+    source.load = flaky
+    assert float(store.acquire(1)[0]) == 1.0
+    store.release(1)
+    with pytest.raises(OSError, match="injected read error"):
+        store.acquire(3)
+    fail["on"] = False
+    assert float(store.acquire(3)[0]) == 3.0  # loaded again, not a leftover
+    store.release(3)
+    store.close()

@@ -345,6 +345,8 @@ class Trainer:
         """Stop every part, remove this run's scratch files (checkpoints hold what is worth
         keeping) and release the directories. Never raises: a part that fails to close (a dead
         engine, a damaged file) is logged and the others are still closed."""
+        with contextlib.suppress(Exception):
+            self.dev.synchronize()  # no copy may still run into or out of memory about to go
         for part in [*reversed(self._parts), self.rt]:
             try:
                 part.close()

@@ -197,8 +197,7 @@ class HiddenStash:
         stream waits for (no host block)."""
         if not self.dev.separate:
             return host, None
-        d = self.dev.empty_like(host)
-        ev = self.dev.upload(d, host, after=after)
+        d, ev = self.dev.upload_new(host, after=after)
         self.dev.wait(ev)
         return d, ev
 
@@ -228,6 +227,9 @@ class HiddenStash:
             self._free_uploaded(block=False)
 
     def close(self) -> None:
+        for ev in [*self._down.values(), *self._up.values()]:  # no copy may still use the host slots
+            self.dev.sync(ev)
+        self._down, self._up = {}, {}
         self._wait_writes()
         while self._uploading:
             self._free_uploaded(block=True)

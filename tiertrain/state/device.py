@@ -125,12 +125,22 @@ class Device:
         dst.copy_(src)
         return None
 
+    def upload_new(self, src: torch.Tensor, *, after: Any = None) -> tuple[torch.Tensor, Any]:
+        """``src`` (host) in new device memory, by an upload after ``after``: (the tensor, the
+        event of its completion). The memory is the upload stream's, so no compute still
+        queued on a block just freed can be overwritten by the copy."""
+        d = self.empty_like(src)
+        return d, self.upload(d, src, after=after)
+
     def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
         """Copy device ``src`` into host ``dst`` on the download stream, after ``after``
         (default: after everything the compute stream has issued); its completion event.
         ``src`` is kept alive until the copy has run."""
         dst.copy_(src)
         return None
+
+    def synchronize(self) -> None:
+        """Until every copy issued so far has run (before pinned memory may go)."""
 
     def wait(self, ev: Any) -> None:
         """Order the compute stream after ``ev`` (no host block on CUDA)."""
@@ -188,6 +198,23 @@ class CudaDevice(Device):
     def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
         dst.record_stream(self.up)  # dst may be a fresh allocation of the compute stream
         return self._on(self.up, after, lambda: dst.copy_(src, non_blocking=True))
+
+    def upload_new(self, src: torch.Tensor, *, after: Any = None) -> tuple[torch.Tensor, Any]:
+        for ev in _events(after):
+            self.up.wait_event(ev)
+        with torch.cuda.stream(self.up):  # allocated by the upload stream: no queued compute owns the block
+            d = torch.empty_like(src, device=self.device)
+            d.copy_(src, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(self.up)
+        d.record_stream(torch.cuda.current_stream(self.device))  # used, then freed, by the compute stream
+        return d, ev
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
         after = [self.event(), *_events(after)]
@@ -343,6 +370,10 @@ class AsyncCpuDevice(Device):
             poison(t)
         else:  # ordered after the copy that last used it
             self.up.submit(lambda: poison(t), after)
+
+    def synchronize(self) -> None:
+        for stream in (self.up, self.down):
+            stream.submit(lambda: None, None).wait()
 
     def close(self) -> None:
         self.up.close()

@@ -165,11 +165,24 @@ class ParamStore:
         if self.source.on_host(u):  # separate device memory: a host-resident unit is one upload
             slot.loaded = self.dev.upload(slot.tensor[:n], self.source.host_view(u), after=slot.released)
             return
-        if self._staging is None:  # straight into the slot
-            slot.read = self.source.load(u, slot.tensor[:n], slot.index if self._shared else None)
-        else:
-            slot.staging = self._staging_buffer()
-            slot.read = self.source.load(u, slot.staging.tensor.view(self.dtype)[:n])
+        try:
+            if self._staging is None:  # straight into the slot
+                slot.read = self.source.load(u, slot.tensor[:n], slot.index if self._shared else None)
+            else:
+                slot.staging = self._staging_buffer()
+                slot.read = self.source.load(u, slot.staging.tensor.view(self.dtype)[:n])
+        except BaseException:
+            self._abandon(slot)
+            raise
+
+    def _abandon(self, slot: _Slot) -> None:
+        """A load that failed: the slot holds nothing (FREE), its staging goes back."""
+        slot.read = None
+        if slot.staging is not None:
+            self.dev.sync(slot.loaded)
+            self._give_back(slot)
+        slot.to(SlotState.FREE)  # the load is void
+        slot.unit, slot.loaded = None, None
 
     def _staging_buffer(self) -> PoolBuffer:
         """A free staging buffer; while none is, the oldest finished upload gives its back."""
@@ -196,6 +209,9 @@ class ParamStore:
         t0 = time.perf_counter()
         try:
             slot.read.get()
+        except BaseException:
+            self._abandon(slot)
+            raise
         finally:
             self.stats.wait_s += time.perf_counter() - t0
             slot.read = None
@@ -228,7 +244,8 @@ class ParamStore:
             if not self.source.can_prefetch(u):
                 return  # still being updated: prefetch later units only after this one
             free = [s for s in self.slots if s.state == SlotState.FREE]
-            idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units]
+            idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units
+                    and self.dev.done(s.loaded)]  # evicting one still uploading would block
             if free:
                 slot = free[0]
             elif idle:

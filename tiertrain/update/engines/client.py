@@ -226,7 +226,8 @@ class EngineUpdate(Update):
         for shm in self.shms:  # every engine has mapped its slots
             shm.unlink()
         if self._pin:  # gradients come from a CUDA device: page-lock the slots for asynchronous copies
-            self._pinned = [pin_in_place(shm.tensor) for shm in self.shms]
+            for shm in self.shms:  # one at a time: close() unpins what was pinned if one fails
+                self._pinned.append(pin_in_place(shm.tensor))
 
     def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
         """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
