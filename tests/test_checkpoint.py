@@ -108,20 +108,8 @@ def test_incomplete_and_foreign_checkpoints_are_refused(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    def make(size_kib):
-        mnt = tmp_path / "small"
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mnt)], capture_output=True)
-        if r.returncode:
-            pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    mounted = []
-    yield make
-    for m in mounted:
-        subprocess.run(["umount", str(m)])
+def small_fs(tmpfs):
+    return lambda size_kib: tmpfs("small", size_kib)
 
 
 def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):

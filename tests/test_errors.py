@@ -3,7 +3,6 @@ code; and nothing left behind."""
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -147,14 +146,8 @@ def test_device_cuda_without_a_gpu(tmp_path, capsys):
 
 
 @pytest.fixture
-def readonly_dir(tmp_path):
-    d = tmp_path / "ro"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}")
-    yield d
-    subprocess.run(["umount", str(d)])
+def readonly_dir(tmpfs):
+    return tmpfs("ro", 1024, readonly=True)
 
 
 @pytest.mark.parametrize("field", ["io.paths", "train.run_dir"])
@@ -173,18 +166,11 @@ def test_unusable_directories(tmp_path, capsys, field, where, request):
     nothing_left(tmp_path, "f", "ro")
 
 
-def test_out_of_space_at_start(tmp_path, capsys):
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(d)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--io.paths={d}"], 1)
-        assert f"tiertrain: not enough space on the filesystem of {d}" in line and "more or choose another path" in line
-        assert os.listdir(d) == []
-    finally:
-        subprocess.run(["umount", str(d)])
+def test_out_of_space_at_start(tmp_path, capsys, tmpfs):
+    d = tmpfs("small", 512)
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--io.paths={d}"], 1)
+    assert f"tiertrain: not enough space on the filesystem of {d}" in line and "more or choose another path" in line
+    assert os.listdir(d) == []
     nothing_left(tmp_path, "small")
 
 

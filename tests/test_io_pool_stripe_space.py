@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 
@@ -152,15 +151,9 @@ def test_create_claims_the_blocks(tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(tmpfs):
     """A 4 MiB tmpfs, when this process may mount one."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)])
+    return tmpfs("small", 4096)
 
 
 def test_enospc_during_preallocation_names_the_path(small_fs):
