@@ -153,7 +153,7 @@ def main() -> int:
             for mode in modes:
                 rows.append(measure(args, mode, M, plain, init, rbw, wbw, ck))
     shutil.rmtree(args.scratch, ignore_errors=True)
-    report = render(rows, rbw, wbw, n_params(init), args.steps)
+    report = render(rows, rbw, wbw, n_params(init), args.steps, args.keep_mib)
     print(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -195,7 +195,7 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
             engines_cpu, recomputed)
 
 
-def render(rows, rbw, wbw, n_params, steps) -> str:
+def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     lines = [
         f"# Training benchmark: update paths, {time.strftime('%Y-%m-%d')}",
@@ -208,7 +208,8 @@ def render(rows, rbw, wbw, n_params, steps) -> str:
         " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
         " memory defaults"
         " (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM, the rest on disk,"
-        " 512 MiB of kept autograd graphs, no engine read-ahead) unless the row says otherwise",
+        f" {keep_mib if keep_mib is not None else 512} MiB of kept autograd graphs, no engine read-ahead)"
+        " unless the row says otherwise",
         f"- disk measured in the same run: read {rbw / 1e9:.2f} GB/s, write {wbw / 1e9:.2f} GB/s (1 GiB, O_DIRECT)",
         f"- {steps} steps per configuration, the first discarded; medians",
         "",

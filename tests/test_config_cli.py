@@ -128,4 +128,6 @@ def test_readme_links_resolve_and_docs_are_the_projects_own():
                 assert os.path.exists(os.path.join(root, os.path.dirname(doc), target)), (doc, target)
     r = subprocess.run(["git", "grep", "-n", "-I", "-E", r"\.\./shared|SYSTEM\.md", "--", ".", ":!tests/test_config_cli.py"],
                        cwd=root, capture_output=True, text=True)
-    assert r.stdout == "", r.stdout
+    if r.returncode == 128:  # not a git checkout (an sdist): nothing to grep
+        pytest.skip(f"git grep unavailable here: {r.stderr.strip()}")
+    assert r.returncode == 1 and r.stdout == "", r.stdout  # 1: no match

@@ -49,10 +49,10 @@ def test_every_declared_checkpointed_state_survives_save_and_restore(tmp_path, n
     cfg = make(tmp_path, **CONFIGS[name])
     with Trainer(cfg) as tr:
         declared = {d.name for d in tr.plan.states if d.checkpointed}
-        for d in tr.plan.states:  # every declared file exists, with its declared size
+        for d in tr.plan.states:  # every declared file exists, with its declared size (striped: over its paths)
             for f in d.files:
-                for p in ([f.path] if f.path else cfg.io.paths):
-                    assert os.path.exists(os.path.join(p, f.name)), (d.name, f.name)
+                on = [os.path.join(p, f.name) for p in ([f.path] if f.path else cfg.io.paths)]
+                assert sum(os.path.getsize(x) for x in on) == f.size, (d.name, f.name)
         made = {n for p in cfg.io.paths for n in os.listdir(p) if not n.endswith(".crc") and not n.startswith(".")}
         assert made <= set(tr.plan.names), made - set(tr.plan.names)  # nothing undeclared
         tr.initialize(progress=False)

@@ -87,8 +87,7 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        root = cfg.checkpoint.dir or os.path.join(cfg.train.run_dir, "checkpoints")
-        last = latest_checkpoint(os.path.abspath(root))
+        last = latest_checkpoint(os.path.abspath(cfg.checkpoint_root))
         hint = f" (the last checkpoint is {last}: `tiertrain train --resume {os.path.abspath(cfg.train.run_dir)}`)" if last else ""
         raise _Reported(f"{one_line(exc)}{hint}") from None
     return 0
@@ -113,7 +112,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 
     if where == "latest":
         base = load_config(config, overrides)
-        where = base.checkpoint.dir or os.path.join(base.train.run_dir, "checkpoints")
+        where = base.checkpoint_root
     path = find_checkpoint(where, "--resume")
     man = Manifest.read(path)
     tree = man.config

@@ -387,6 +387,11 @@ class Config:
                 f"({limit[1]} = {limit[0]} in its config.json); lower data.seq_len to at most {limit[0]}"
             )
 
+    @property
+    def checkpoint_root(self) -> str:
+        """Where checkpoints go: checkpoint.dir, else <train.run_dir>/checkpoints."""
+        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
+
     def check_writable(self) -> None:
         """Every directory the run writes is one (or can be made one) and is writable. Made
         before any work, so a bad path is one line, not a traceback half-way through."""

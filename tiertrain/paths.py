@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 
-__all__ = ["check_writable_dir", "check_new_file", "check_input_file", "prepare_output_file"]
+__all__ = ["check_writable_dir", "check_input_file", "prepare_output_file"]
 
 
 def _nearest_existing(path: str) -> str:
@@ -51,17 +51,6 @@ def check_writable_dir(what: str, path: str, error: type[Exception] | None = Non
         raise err(f"{what} = {path!r} {why}; choose a writable directory") from None
     os.close(fd)
     os.unlink(probe)
-
-
-def check_new_file(what: str, path: str, error: type[Exception] | None = None) -> None:
-    """``path`` can be written as a file: its directory exists (or can be made) and is
-    writable, and it is not a directory."""
-    from .config import ConfigError
-
-    err = error or ConfigError
-    if os.path.isdir(path):
-        raise err(f"{what} = {path!r} is a directory; give a file name")
-    check_writable_dir(f"the directory of {what}", os.path.dirname(os.path.abspath(path)), err)
 
 
 def check_input_file(what: str, path: str, error: type[Exception] | None = None) -> None:

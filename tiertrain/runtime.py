@@ -22,7 +22,16 @@ from .state.device import Device, make_device, resolve_dtype
 from .state.layout import FlatLayout
 from .state.store import ParamStore
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "align_of", "hidden_size_of"]
+
+
+def align_of(cfg: Config) -> int:
+    """Bytes every unit's record starts on in state files (known before any file exists)."""
+    return record_align(cfg.io.checksum, cfg.io.checksum_block_kib << 10)
+
+
+def hidden_size_of(model, cfg: Config) -> int:
+    return model.hf_config.hidden_size if model.hf_config is not None else cfg.model.d_model
 
 
 class Runtime:
@@ -40,13 +49,11 @@ class Runtime:
 
     @property
     def align(self) -> int:
-        """Bytes every unit's record starts on in state files (known before any file exists)."""
-        return record_align(self.cfg.io.checksum, self.cfg.io.checksum_block_kib << 10)
+        return align_of(self.cfg)
 
     @property
     def hidden_size(self) -> int:
-        m = self.model
-        return m.hf_config.hidden_size if m.hf_config is not None else self.cfg.model.d_model
+        return hidden_size_of(self.model, self.cfg)
 
     def open_storage(self) -> Storage:
         self.storage = Storage.from_config(self.cfg.io)

@@ -23,7 +23,7 @@ import torch
 from . import faults
 from .activations.policy import POLICIES
 from .activations.stash import HiddenStash
-from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
+from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
 from .config import Config, ConfigError
 from .data import Corpus
 from .errors import one_line
@@ -106,10 +106,9 @@ class Trainer:
     def _build(self) -> None:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
         unit = self.layout.max_unit_numel * self.dtype.itemsize
-        tied = len({o for u in self.layout.units for o in u.borrows})
         self.dev.check_capacity({"parameter slots (memory.device_slots)": m.device_slots * unit,
-                                 "gradient buffers": (2 + tied) * unit, "kept activations (memory.keep_act_mib)":
-                                 m.keep_act_mib * MIB})
+                                 "gradient buffers": GradStore.buffers_for(self.layout) * unit,
+                                 "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB})
         self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
                                                                   pin=self.dev.pin))
         if self.update.states != self.plan.states[: len(self.update.states)]:
@@ -209,7 +208,7 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
-        return self.cfg.checkpoint.dir or os.path.join(self.cfg.train.run_dir, "checkpoints")
+        return self.cfg.checkpoint_root
 
     def save_checkpoint(self) -> SaveResult:
         """A complete checkpoint of the current step (after the last finished step)."""
@@ -301,7 +300,7 @@ class Trainer:
             if resume is not None:
                 self.restore(resume)
                 self.rundir.continue_metrics(self.step)
-                self._superseded = [p for p in list_checkpoints(self.checkpoint_root) if _step_of(p) > self.step]
+                self._superseded = [p for p in list_checkpoints(self.checkpoint_root) if step_of(p) > self.step]
                 if self._superseded:
                     log.warning("%s hold(s) a later course of this run than step %d; replaced by this run's first "
                                 "checkpoint", ", ".join(map(os.path.basename, self._superseded)), self.step)
@@ -397,10 +396,6 @@ class _StopFlag:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
-
-
-def _step_of(checkpoint: str) -> int:
-    return int(os.path.basename(checkpoint).removeprefix("step-"))
 
 
 def _vocab(model, cfg: Config) -> int:

@@ -13,8 +13,8 @@ unit is bound when the backward runs. Everything else stays as autograd saved it
 
 Memory: the bytes of the distinct storages a graph saves, counted as it is built. Whether
 a graph is kept is the activation policy's choice (``policy.py``), asked with those bytes
-once the graph exists; a graph that is not kept is dropped at once (its block is then
-recomputed). Policies never take the kept total past ``keep_act_mib``.
+once the graph exists and only if it fits: the kept total never exceeds ``keep_act_mib``. A
+graph that is not kept is dropped at once (its block is then recomputed).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 backward (within ``memory.keep_act_mib``) and which are recomputed from their stashed input.
 
 A policy is asked once per pair, in forward order, right after the pair's graph is built,
-with the bytes that graph holds. Replaceable: ``memory.activations`` names one of
+with the bytes that graph holds, only while the budget still holds that graph (``KeptGraphs``
+enforces the budget; a policy chooses among the graphs that fit). Replaceable: ``memory.activations`` names one of
 ``POLICIES`` (an SSD tier for activations is one more policy at the same seam).
 
 - ``KeepLast`` (default): keep the pairs the backward reaches first. The backward walks the
@@ -36,7 +37,7 @@ class ActivationPolicy:
 
 class FirstFit(ActivationPolicy):
     def keep(self, block: int, micro_batch: int, nbytes: int, kept_bytes: int) -> bool:
-        return kept_bytes + nbytes <= self.budget
+        return True  # every graph the budget still holds (KeptGraphs enforces the budget)
 
 
 class KeepLast(ActivationPolicy):
@@ -49,8 +50,7 @@ class KeepLast(ActivationPolicy):
         if self.first_kept is None:
             fit = self.budget // max(nbytes, 1)
             self.first_kept = max(0, pairs - fit)
-        index = block * self.micro_batches + micro_batch
-        return index >= self.first_kept and kept_bytes + nbytes <= self.budget
+        return block * self.micro_batches + micro_batch >= self.first_kept
 
 
 class RecomputeAll(ActivationPolicy):

@@ -1,6 +1,14 @@
 """Checkpoints: complete-or-absent directories of the whole run state, checked on load."""
 
-from .manifest import CheckpointError, Manifest, clean_incomplete, find_checkpoint, latest_checkpoint, list_checkpoints
+from .manifest import (
+    CheckpointError,
+    Manifest,
+    clean_incomplete,
+    find_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    step_of,
+)
 from .saver import CheckpointIO, SaveResult
 
 __all__ = [
@@ -12,4 +20,5 @@ __all__ = [
     "find_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "step_of",
 ]

@@ -21,6 +21,7 @@ import shutil
 import torch
 
 from ..config import Config
+from ..data.loader import TOKENIZER_FILES
 from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
@@ -30,11 +31,8 @@ from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint", "TOKENIZER_FILES"]
+__all__ = ["export_checkpoint"]
 
-# What a Hugging Face tokenizer directory may hold; copied beside exported weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
 def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
@@ -110,13 +108,12 @@ class _Skeleton:
     """What ``declare_states`` needs of a runtime, for a stored config (no device, no storage)."""
 
     def __init__(self, cfg: Config, dtype: torch.dtype) -> None:
-        from ..io.storage import record_align
+        from ..runtime import align_of, hidden_size_of
 
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype = cfg, dtype  # the checkpoint's dtype: a stored "auto" may have meant bf16 on a GPU
         self.model, _ = build_model(cfg.model, param_dtype=dtype, seed=0)
         self.layout = FlatLayout(self.model)
-        self.align = record_align(cfg.io.checksum, cfg.io.checksum_block_kib << 10)
-        self.hidden_size = self.model.hf_config.hidden_size if self.model.hf_config is not None else cfg.model.d_model
+        self.align, self.hidden_size = align_of(cfg), hidden_size_of(self.model, cfg)
 
 
 def _copy_tokenizer(cfg: Config, out: str) -> None:

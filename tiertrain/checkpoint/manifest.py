@@ -24,7 +24,7 @@ from ..errors import TiertrainError
 from ..io.checksum import crc32c
 
 __all__ = ["Manifest", "FileEntry", "CheckpointError", "list_checkpoints", "latest_checkpoint", "find_checkpoint",
-           "clean_incomplete", "MANIFEST"]
+           "step_of", "clean_incomplete", "MANIFEST"]
 
 log = logging.getLogger("tiertrain")
 MANIFEST = "manifest.json"
@@ -135,6 +135,14 @@ def clean_incomplete(root: str) -> list[str]:
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
+
+
+def step_of(checkpoint: str) -> int:
+    """The step a checkpoint directory ``step-NNNNNNNN`` holds, by its name."""
+    m = _NAME.match(os.path.basename(os.path.normpath(checkpoint)))
+    if m is None:
+        raise ValueError(f"{checkpoint} is not named like a checkpoint (step-NNNNNNNN)")
+    return int(m.group(1))
 
 
 def latest_checkpoint(root: str) -> str | None:

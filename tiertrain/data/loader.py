@@ -17,12 +17,15 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig
+from ..errors import one_line
 from .tokens import read_tokens
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "bundled_corpus_path"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "bundled_corpus_path", "TOKENIZER_FILES"]
 
 log = logging.getLogger("tiertrain")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
 class ByteTokenizer:
@@ -58,14 +61,14 @@ def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
         return ByteTokenizer()
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
-    if not any(os.path.isfile(os.path.join(directory, n)) for n in _TOKENIZER_FILES):
-        raise ConfigError(f"{what} = {directory!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); give the "
-                          "directory that holds them (a model directory usually does)")
+    if not any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_FILES[:4]):
+        raise ConfigError(f"{what} = {directory!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); give "
+                          "the directory that holds them (a model directory usually does)")
     try:
         return _HFTokenizer(directory)
     except Exception as exc:  # transformers raises several kinds for a broken directory
         raise ConfigError(f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                          f"{one_line(exc)})") from None
 
 
 def bundled_corpus_path() -> str:

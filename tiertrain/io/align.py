@@ -38,19 +38,15 @@ class _PinnedMap(mmap.mmap):
     """An anonymous mapping page-locked with ``cudaHostRegister``; unregistered when the
     last tensor over it is gone, before it is unmapped."""
 
-    _ptr = 0
+    _unpin = None
 
-    def register(self, ptr: int, size: int) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)}); lower the host budgets "
-                               "(memory.*_mib) or raise the locked-memory limit (ulimit -l)")
-        self._ptr = ptr
+    def register(self, t: torch.Tensor) -> None:
+        self._unpin = pin_in_place(t)
 
     def __del__(self) -> None:
-        if self._ptr:
-            torch.cuda.cudart().cudaHostUnregister(self._ptr)
-            self._ptr = 0
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
 
 
 def pin_in_place(t: torch.Tensor):
@@ -59,7 +55,8 @@ def pin_in_place(t: torch.Tensor):
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)})")
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)}); lower the host budgets "
+                           "(memory.*_mib) or raise the locked-memory limit (ulimit -l)")
     return lambda: torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
@@ -80,7 +77,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False, touch: bool = True) -> torc
         # allocator, which rounds every request up to a power of two: a pool pins what it says.
         m = _PinnedMap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         t = torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mapping alive
-        m.register(t.data_ptr(), size)
+        m.register(t)
     else:
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         t = torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mmap alive

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ModelConfig
+from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, unit_param_names
 from .gpt import build_gpt
 from .hf import layer_gpt2, layer_llama
@@ -39,7 +40,7 @@ def hf_config_from(cfg: ModelConfig) -> Any:
             hf_cfg = AutoConfig.from_pretrained(cfg.hf_dir, local_files_only=True)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for a bad config.json
             raise ConfigError(f"model.hf_dir = {cfg.hf_dir!r}: its config.json does not load ({type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0]})") from None
+                              f"{one_line(exc)})") from None
     elif cfg.kind == "llama":
         hf_cfg = LlamaConfig(
             vocab_size=cfg.vocab_size,

@@ -8,9 +8,10 @@ reassigned; the ``Parameter`` objects, their names and ties never change).
 Contract of the three unit kinds:
 - ``embed(input_ids, positions=None) -> hidden``
 - ``block(hidden, positions=None, cache=None) -> hidden``: ``positions`` are the tokens'
-  positions (``[T]``; None: ``0 .. T-1``), from which masks and rotary tables are made
-  inside; ``cache`` is the block's key/value cache (generation; None in training, and
-  refused until generation exists)
+  positions (``[T]``; None: ``0 .. T-1``), from which position tables (rotary, learned) are
+  made inside; the causal mask is the plain one for unpacked sequences; ``cache`` is the
+  block's key/value cache (the seam for generation: None in training, and refused until
+  generation exists)
 - ``head.logits(hidden) -> logits``, ``head.loss(logits, targets) -> loss`` (mean
   cross-entropy over the micro-batch's tokens); ``head(hidden, targets)`` is both
 

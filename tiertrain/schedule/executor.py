@@ -87,6 +87,8 @@ class LayerMajorExecutor:
         self.embed = next(r for r in self.plan if r.role == "embed")
         self.head = next(r for r in self.plan if r.role == "head")
         self.blocks = [r for r in self.plan if r.role == "block"]
+        self._backward = [*reversed(self.blocks), self.embed]  # the backward's units, in order
+        self._backward_after = {r.index: self._backward[i + 1 :] for i, r in enumerate(self._backward)}
         self.lookahead = len(params.slots) - 1
         self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
         self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
@@ -144,7 +146,7 @@ class LayerMajorExecutor:
     def head_step(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Forward and backward of the head per micro-batch: (dh, losses)."""
         ref, M = self.head, len(mbs)
-        self._acquire(ref, [*reversed(self.blocks), self.embed])
+        self._acquire(ref, self._backward)
         self.grads.begin(ref.index)
         dh, losses = [], []
         for x, mb in zip(h, mbs):
@@ -159,13 +161,13 @@ class LayerMajorExecutor:
         return dh, losses
 
     def block_backward(self, ref: UnitRef, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        i = self.blocks.index(ref)
-        self._acquire(ref, [*reversed(self.blocks[:i]), self.embed])
+        upcoming = self._backward_after[ref.index]
+        self._acquire(ref, upcoming)
         self.grads.begin(ref.index)
-        b = ref.block
+        b, prev = ref.block, upcoming[0]  # the unit the backward reaches next
         for m, mb in enumerate(mbs):
-            if i > 0 and (self.blocks[i - 1].block, m) not in self.kept:
-                self.stash.prefetch((self.blocks[i - 1].block, m))
+            if prev.role == "block" and (prev.block, m) not in self.kept:
+                self.stash.prefetch((prev.block, m))
             faults.point("backward")
             if (b, m) in self.kept:
                 dh[m] = self.kept.backward((b, m), dh[m])

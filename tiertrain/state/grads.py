@@ -35,8 +35,7 @@ class GradStore:
         self.layout, self.dev, self.dtype = layout, dev, sink.dtype
         dtype = self.dtype
         self.home = sink  # where gradients go after the backward (the update path's GradSink)
-        owners = {o for unit in layout.units for o in unit.borrows}
-        self._count = buffers + len(owners)
+        self._count = self.buffers_for(layout, buffers)
         self._free = [dev.empty(layout.max_unit_numel, dtype) for _ in range(self._count)]
         self.buffer_bytes = self._count * layout.max_unit_numel * dtype.itemsize
         # One staging buffer per device buffer: a hand-off never waits for staging that only
@@ -49,6 +48,12 @@ class GradStore:
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
         self._pending: list[_Handoff] = []
         self.norms: dict[int, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def buffers_for(layout: FlatLayout, buffers: int = 2) -> int:
+        """Device gradient buffers: ``buffers`` in flight, plus one per unit whose parameters a
+        later unit borrows (it stays live from the borrower's backward to its own)."""
+        return buffers + len({o for unit in layout.units for o in unit.borrows})
 
     @property
     def pool_bytes(self) -> int:

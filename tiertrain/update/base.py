@@ -7,8 +7,9 @@ optimizer state. The trainer holds one ``Update`` and never asks which kind it i
 - ``params`` (a ``ParamSource``): where the parameter store loads a unit's current
   parameters from, gated by the update (a unit is loaded once it has been updated);
 - ``grads`` (a ``GradSink``): where the gradient store hands a unit's complete gradient;
-- ``init_unit``, ``begin_step``, ``step``, ``wait``: initialise, run (or start) an
-  optimizer step, wait until it is applied everywhere;
+- ``init_unit``, ``finish_init``, ``begin_step``, ``step``: initialise, run (or start) an
+  optimizer step (an update still running is waited for by ``regions()`` and by the
+  parameter source's loads);
 - ``states`` (its ``StateDecl``s, declared before any file exists) and ``regions()`` (the
   checkpointed ones, readable and writable per unit while the update is paused);
 - ``pools()`` and ``record()``: its fixed memory and its counters for the per-step record.
@@ -127,9 +128,6 @@ class Update(abc.ABC):
     def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
         """Apply (or start) optimizer step ``step``: every gradient has been handed to
         ``grads``. What the returned stats count is the time the trainer spent in it."""
-
-    def wait(self) -> None:
-        """Until the last step is applied everywhere (the state may then be read)."""
 
     def restored(self, step: int) -> None:
         """The state was restored from a checkpoint of ``step``."""

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from ..config import Config
-from ..io import IOFuture, Storage, aligned_empty
+from ..io import IOFuture, Storage
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
 from ..state.regions import TieredRegions
@@ -32,7 +32,11 @@ class _OnRegion:
 
     def __init__(self, region: TieredRegions) -> None:
         self.region, self.dtype = region, region.dtype
-        self.file, self.file_backed = region.file, region.file is not None
+        self.file_backed = region.file is not None  # placement is fixed at start
+
+    @property
+    def file(self):
+        return self.region.file  # reopened files are new objects: never a stale copy
 
     def on_host(self, u: int) -> bool:
         return self.region.on_host(u)
@@ -84,17 +88,9 @@ class BaselineUpdate(Update):
         self.optim = StreamedOptimizer(layout, storage, self._params, self._grads, cfg.optim,
                                        [d for d in self.states if d.name not in ("params", "grads")],
                                        buffer_bytes=cfg.memory.update_buffer_kib << 10)
-        self._low = None if pdtype == torch.float32 else aligned_empty(layout.max_unit_numel * pdtype.itemsize).view(pdtype)
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
-        """Master weights from ``flat32`` and the parameters (moments start at zero: fresh
-        state files are zero-filled when created)."""
-        n = flat32.numel()
-        futs = [self.optim.master.write(u, flat32)] if self.optim.master is not None else []
-        low = flat32 if self._low is None else self._low[:n].copy_(flat32)
-        futs.append(self._params.write(u, low))
-        for f in futs:
-            f.get()
+        self.optim.init_unit(u, flat32)
 
     def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
         return self.optim.step(lr, clip_coef, step=step)

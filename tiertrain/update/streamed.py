@@ -117,10 +117,14 @@ class StreamedOptimizer:
         """The optimizer's states by name."""
         return {r.name: r for r in self.state_files}
 
-    def init_unit(self, u: int, flat32: torch.Tensor) -> list[IOFuture]:
-        """Initial state of unit ``u`` from its fp32 weights. Moments start at zero: fresh
-        state files are zero-filled when created."""
-        return [self.master.write(u, flat32)] if self.master is not None else []
+    def init_unit(self, u: int, flat32: torch.Tensor) -> None:
+        """Initial state of unit ``u`` from its fp32 weights: the master copy (when kept) and
+        the parameters in their dtype. Moments start at zero: fresh state files are
+        zero-filled when created."""
+        futs = [self.master.write(u, flat32)] if self.master is not None else []
+        futs.append(self.params.write(u, flat32 if self.params.dtype == F32 else flat32.to(self.params.dtype)))
+        for f in futs:
+            f.get()
 
     def _chunks(self, units: list[int] | None = None) -> list[tuple[int, int, int]]:
         todo = self.layout.units if units is None else [self.layout.units[u] for u in units]

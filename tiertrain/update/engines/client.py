@@ -338,9 +338,6 @@ class EngineUpdate(Update):
     def finish_init(self) -> None:
         self.wait_all("initialising weights")
 
-    def wait(self) -> None:
-        self.wait_all()
-
     def wait_all(self, what: str = "updating") -> None:
         """Until every engine has finished every unit and reported its last step."""
         self._pump(lambda: all(len(d) == self.n for d in self._done.values())

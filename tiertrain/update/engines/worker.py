@@ -170,12 +170,7 @@ class Engine:
     # -- commands ------------------------------------------------------------------------------------
     def init(self, msg: P.Init) -> None:
         u, k = msg.unit, msg.slot
-        n = self.layout.units[u].numel
-        flat32 = self.slot(k, torch.float32, n)
-        futs = [self.optim.master.write(u, flat32)] if self.optim.master is not None else []
-        futs.append(self.params.write(u, flat32 if self.pdtype == torch.float32 else flat32.to(self.pdtype)))
-        for f in futs:
-            f.get()
+        self.optim.init_unit(u, self.slot(k, torch.float32, self.layout.units[u].numel))
         self.send(P.Free(k))
         self.done(u)
 
