@@ -116,6 +116,7 @@ def ds_config(spec: dict, nvme: str, largest: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": o["lr"], "betas": [o["beta1"], o["beta2"]], "eps": o["eps"],
                                                   "weight_decay": o["weight_decay"]}},
         "gradient_clipping": o["grad_clip"],
+        "bf16": {"enabled": spec.get("dtype") == "bfloat16"},  # fp32 master weights and moments, as tiertrain's
         "steps_per_print": 1 << 30,
         "zero_optimization": {
             "stage": 3,
@@ -145,7 +146,10 @@ def train(work: str, spec: dict) -> None:
 
     meter = ProcMeter()
     torch.manual_seed(0)
-    deepspeed.init_distributed(dist_backend="gloo")
+    cuda = spec.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     hf = AutoConfig.from_pretrained(spec["init_dir"])
     h = hf.hidden_size
     largest = max(hf.vocab_size * h, hf.intermediate_size * h, h * h)
@@ -156,7 +160,8 @@ def train(work: str, spec: dict) -> None:
     # With this alive, from_pretrained builds the model inside zero.Init: each parameter is
     # partitioned to NVMe as it is created (in fp32; without a config, zero.Init picks bf16 on CPU).
     keep = HfDeepSpeedConfig(config)
-    model = LlamaForCausalLM.from_pretrained(spec["init_dir"], dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(
+        spec["init_dir"], dtype=torch.bfloat16 if spec.get("dtype") == "bfloat16" else torch.float32)
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.train()
@@ -167,6 +172,8 @@ def train(work: str, spec: dict) -> None:
         io0, s0, losses = meter.io(), time.perf_counter(), []
         for m in range(spec["micro_batches"]):
             x, y = batches[f"x{step}_{m}"], batches[f"y{step}_{m}"]
+            if cuda:
+                x, y = x.cuda(), y.cuda()
             loss = engine(input_ids=x, labels=y, shift_labels=y).loss  # the same loss as tiertrain's head
             engine.backward(loss)
             engine.step()

@@ -10,7 +10,11 @@
 #   5. host synchronisations per step, counted by torch.cuda.set_sync_debug_mode("warn")
 #   6. a Llama step with every state on the NVMe: baseline and engines, bf16, checksums on
 #      and off, against plain PyTorch in device memory (bench/train.py)
-#   7. the storage tier against fio on the NVMe (tiertrain bench io)
+#   7. GPUDirect Storage: the default model with --io.gds=on (parameters read from the NVMe
+#      straight into GPU memory through kvikio, checksums verified on the GPU)
+#   8. tiertrain vs DeepSpeed ZeRO-Infinity on the GPU in bf16 (bench/vs_deepspeed.py; needs
+#      DeepSpeed installed on the machine)
+#   9. the storage tier against fio on the NVMe (tiertrain bench io)
 #
 #   bench/gpu_check.sh [--nvme DIR] [--out FILE] [--dry]
 #
@@ -127,6 +131,12 @@ EOF
 run "Llama step with states on the NVMe, bf16 (bench/train.py)" 1 600 \
   "$PY" bench/train.py --device cuda --dtype bfloat16 --modes baseline,engines --micro-batches 1,4 \
   --checksums on,off --steps 5 --scratch "$nvme/bench" --out "${out%.md}-train.md"
+run "GPUDirect Storage: default model with --io.gds=on, checksums on" 1 240 \
+  "$TT" train --train.device=cuda --train.steps=5 --io.gds=on \
+  --io.paths="$nvme/gds" --train.run_dir="$nvme/gds-run" --train.overwrite=true
+run "tiertrain vs DeepSpeed ZeRO-Infinity, cuda, bf16 (bench/vs_deepspeed.py)" 1 600 \
+  "$PY" bench/vs_deepspeed.py --device cuda --dtype bfloat16 --steps 4 --rounds 1 \
+  --scratch "$nvme/vs-deepspeed" --out "${out%.md}-vs-deepspeed.md"
 if [ "$dry" = 1 ]; then
   run "storage tier, small (dry run)" 0 120 "$TT" bench io --path "$nvme/io" --size-gib 0.25 --repeats 1 --no-fio
   run "default job on CPU, 3 steps (dry run)" 0 180 "$TT" train --train.device=cpu --train.steps=3 \

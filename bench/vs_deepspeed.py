@@ -11,8 +11,13 @@ DeepSpeed is an optional benchmark dependency (``pip install -e .[bench]`` and
 ``apt-get install libaio-dev``); ``--ds-python`` points at another interpreter that has it.
 Its ops compile on first use (minutes; cached in ~/.cache/torch_extensions).
 
+On a GPU (``--device cuda --dtype bfloat16``) both compute there: tiertrain with bf16
+parameters and fp32 master and moments on the storage tier, DeepSpeed with ``bf16`` on and
+NCCL; states stay on the NVMe for both.
+
 Usage: python bench/vs_deepspeed.py [--steps 5] [--rounds 2] [--micro-batches 4]
                                     [--systems deepspeed,baseline,engines,topk] [--out FILE]
+                                    [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ def tiertrain_config(work: str, spec: dict, update: dict):
         optim=OptimConfig(**OPTIM, warmup_steps=0, schedule="constant"),
         update=UpdateConfig(**update),
         checkpoint=CheckpointConfig(at_end=False),
-        train=TrainConfig(steps=spec["steps"], progress=False, run_dir=os.path.join(work, "tt-run"), device="cpu"),
+        train=TrainConfig(steps=spec["steps"], progress=False, run_dir=os.path.join(work, "tt-run"),
+                          device=spec.get("device", "cpu"), param_dtype=spec.get("dtype", "float32")),
     )
 
 
@@ -96,7 +102,8 @@ def prepare(work: str, args) -> dict:
     init_dir = os.path.join(work, "init")
     AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(**MODEL))).save_pretrained(init_dir)
     spec = dict(init_dir=init_dir, seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches,
-                steps=args.steps, optim=OPTIM, batches=os.path.join(work, "batches.safetensors"))
+                steps=args.steps, optim=OPTIM, batches=os.path.join(work, "batches.safetensors"),
+                device=args.device, dtype=args.dtype)
     data = DataConfig(seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches)
     corpus, tensors = Corpus(data), {}
     for step in range(args.steps):
@@ -157,6 +164,9 @@ def main() -> int:
     ap.add_argument("--scratch", default="./tiertrain-scratch/vs-deepspeed")
     ap.add_argument("--ds-python", default=None, help="interpreter with DeepSpeed (default: this one)")
     ap.add_argument("--out", default=None, help="markdown report; a PNG plot and the raw events (JSON) go next to it")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both systems compute")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="parameter dtype of both (bfloat16: fp32 master weights and moments)")
     ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -171,6 +181,11 @@ def main() -> int:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2 (the first step is warm-up)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     if args.out:  # before the 20 minutes of work, not after
         args.out = checked_out(args.out)
     work = os.path.abspath(args.scratch)
@@ -213,7 +228,7 @@ def run_once(work: str, spec: dict, system: str, dspy: str | None) -> list[dict]
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_PORT=str(spec["port"]))
+    env = dict(os.environ, DS_ACCELERATOR=spec.get("device", "cpu"), MASTER_PORT=str(spec["port"]))
     if system == "deepspeed":
         cmd = [dspy, os.path.join(HERE, "deepspeed_worker.py"), "train", work, spec_path]
     else:
@@ -244,10 +259,11 @@ def render(runs: dict, spec: dict, env: dict) -> str:
     lines = [
         f"# tiertrain vs DeepSpeed ZeRO-Infinity, {env['date']}",
         "",
-        f"- machine: {env['cores']} cores, {env['ram_gib']:.0f} GiB RAM, one virtual disk, no GPU; {env['os']}",
+        f"- machine: {env['cores']} cores, {env['ram_gib']:.0f} GiB RAM, {env.get('gpu', 'no GPU')}; {env['os']}",
         f"- versions: torch {env['torch']}" + (f", deepspeed {env['deepspeed']}" if "deepspeed" in env else ""),
         f"- work: Llama-shaped, {spec['n_params'] / 1e6:.0f} M parameters (d {MODEL['d_model']},"
-        f" {MODEL['n_layers']} layers, ff {MODEL['d_ff']}, vocab {MODEL['vocab_size']}), fp32 on CPU;"
+        f" {MODEL['n_layers']} layers, ff {MODEL['d_ff']}, vocab {MODEL['vocab_size']}),"
+        f" {spec.get('dtype', 'float32')} on {spec.get('device', 'cpu')};"
         f" seq {spec['seq_len']}, micro-batch {spec['micro_batch_size']}, {spec['micro_batches']} micro-batches"
         f" ({tokens} tokens) per step; AdamW lr {OPTIM['lr']} betas ({OPTIM['beta1']}, {OPTIM['beta2']})"
         f" eps {OPTIM['eps']} wd {OPTIM['weight_decay']}, constant lr, clip {OPTIM['grad_clip']};"
@@ -331,6 +347,8 @@ def environment(dspy: str | None) -> dict:
     env = dict(cores=os.cpu_count(), ram_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
                os=f"{platform.system()} {platform.release()}", torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"))
+    if torch.cuda.is_available():
+        env["gpu"] = f"GPU {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
     if dspy:
         env["deepspeed"] = subprocess.run([dspy, "-c", "import deepspeed; print(deepspeed.__version__)"],
                                           capture_output=True, text=True).stdout.strip().splitlines()[-1]

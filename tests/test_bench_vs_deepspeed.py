@@ -87,6 +87,26 @@ def test_ds_config_uses_nvme_only_with_the_same_optimizer():
     assert cfg["aio"]["block_size"] == 1 << 20 and cfg["aio"]["queue_depth"] == 32
 
 
+def test_gpu_mode_puts_both_systems_on_cuda_in_bf16(tmp_path):
+    """--device cuda --dtype bfloat16: DeepSpeed with bf16 on (fp32 master and moments, as
+    tiertrain's), tiertrain's config on CUDA in bf16; the report says so."""
+    spec = dict(micro_batch_size=1, micro_batches=4, optim=vs_deepspeed.OPTIM, steps=3, seq_len=64,
+                aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1),
+                device="cuda", dtype="bfloat16", init_dir=str(tmp_path), n_params=1)
+    assert deepspeed_worker.ds_config(spec, "/scratch/ds", 1)["bf16"] == {"enabled": True}
+    assert deepspeed_worker.ds_config(dict(spec, dtype="float32"), "/scratch/ds", 1)["bf16"] == {"enabled": False}
+    from tiertrain.config import ModelConfig
+    from tiertrain.models import hf_config_from
+
+    hf_config_from(ModelConfig(kind="llama", n_layers=1, d_model=64, n_heads=4)).save_pretrained(tmp_path)
+    cfg = vs_deepspeed.tiertrain_config(str(tmp_path), spec, {})
+    assert (cfg.train.device, cfg.train.param_dtype) == ("cuda", "bfloat16")
+    env = dict(cores=16, ram_gib=128, os="Linux", torch="2.11", date="2026-11-23", gpu="GPU NVIDIA H100, CUDA 12.8")
+    spec.pop("aio")  # no DeepSpeed run in this report
+    text = vs_deepspeed.render({"baseline": [_run([9, 6, 7], [1.0] * 3, 1 << 30)]}, spec, env)
+    assert "GPU NVIDIA H100, CUDA 12.8" in text and "bfloat16 on cuda" in text
+
+
 def _run(times, losses, rss, read=1e9, write=5e8):
     events = [dict(event="ready")]
     events += [dict(event="step", step=i + 1, step_s=t, loss=l, read_bytes=read, write_bytes=write, peak_rss=rss)

@@ -18,7 +18,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "(dry run, no GPU)" in text
     lines = text.splitlines()
     for step in ("under the CUDA sanitizer, host-resident", "under the CUDA sanitizer, every block",
-                 "device memory over 20 steps", "host synchronisations per step", "Llama step with states on the NVMe"):
+                 "device memory over 20 steps", "host synchronisations per step", "Llama step with states on the NVMe",
+                 "GPUDirect Storage: default model with --io.gds=on", "tiertrain vs DeepSpeed ZeRO-Infinity, cuda"):
         assert any(step in ln and ln.endswith("**: skipped (dry run: needs CUDA)") for ln in lines), step
     assert "**GPU tests (pytest -m gpu)**: exit 0" in text and "skipped" in text
     assert "**default job on CPU, 3 steps (dry run)**: exit 0" in text

@@ -306,11 +306,15 @@ def test_device_tensors_roundtrip(tmp_path, gds_mode):
     gds.set_mode(gds_mode)
     try:
         t = torch.randn(3 * MIB + 7, device="cuda")
-        # the file's size is given: a write through kvikio does not grow the handle's record of it
-        with FileHandle(tmp_path / "g", "w", size=4096 + t.numel() * 4, chunk_bytes=MIB) as f:
+        with FileHandle(tmp_path / "g", "w", chunk_bytes=MIB) as f:  # a write through kvikio grows the file
             f.write(t, file_offset=4096)
             back = torch.empty_like(t)
             f.read(back, file_offset=4096)
+        assert torch.equal(back, t)
+        with FileHandle(tmp_path / "c", "w", size=t.numel() * 4, checksum=True, checksum_block=MIB) as f:
+            f.write(t)  # checksums computed on the GPU for whole blocks, on the host for the tail
+            back.zero_()
+            f.read(back)
         assert torch.equal(back, t)
     finally:
         gds.set_mode("auto")

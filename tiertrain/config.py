@@ -100,6 +100,9 @@ class IOConfig(Section):
     direct: bool = opt(True, "Use O_DIRECT (falls back to buffered I/O, with a warning, where unsupported).")
     checksum: bool = opt(True, "Keep a CRC32C per block beside every state file and verify it on read.")
     checksum_block_kib: int = opt(1024, "Bytes covered by one checksum, KiB (a multiple of 4 dividing chunk_kib).")
+    gds: str = opt("auto", "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "
+                   "kvikio (checksums verified on the GPU). 'auto' (when kvikio is installed), 'on' (refuse to "
+                   "start without it), 'off' (through pinned host buffers).")
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -109,6 +112,7 @@ class IOConfig(Section):
         if len(set(map(os.path.abspath, self.paths))) != len(self.paths):
             self._fail("paths", "paths must be distinct directories")
         self._in_range("threads", 1, 256)
+        self._one_of("gds", ("auto", "on", "off"))
         for name in ("chunk_kib", "stripe_kib", "checksum_block_kib"):
             if getattr(self, name) < 4 or getattr(self, name) % 4:
                 self._fail(name, "must be a positive multiple of 4 (KiB), the O_DIRECT alignment")
@@ -335,6 +339,9 @@ class TrainConfig(Section):
     seed: int = opt(0, "Seed of the model's initial weights and of dropout.")
     device: str = opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda'.")
     param_dtype: str = opt("auto", "'auto' (float32 on cpu, bfloat16 on cuda), 'float32' or 'bfloat16'.")
+    grad_accum_dtype: str = opt("float32", "What gradients of bfloat16 parameters are summed in over micro-batches: "
+                                "'float32' (one rounding per step, as FSDP2's reduce_dtype; a float32 buffer per "
+                                "gradient buffer on the device) or 'param' (bfloat16, as plain PyTorch does).")
     run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
     log_every: int = opt(1, "Print the per-step line every N steps.")
     progress: bool = opt(True, "Show a progress bar (only when stderr is a terminal).")
@@ -345,6 +352,7 @@ class TrainConfig(Section):
         self._at_least("steps", 1)
         self._one_of("device", ("auto", "cpu", "cuda"))
         self._one_of("param_dtype", ("auto", "float32", "bfloat16"))
+        self._one_of("grad_accum_dtype", ("float32", "param"))
         self._at_least("log_every", 1)
 
 

@@ -48,10 +48,11 @@ def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
-def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False):
+def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum_fp32: bool = False):
     """Train ``model`` plainly: micro-batch-major accumulation, clip_grad_norm_, fused AdamW.
 
-    ``mixed``: bf16 model with fp32 master weights (the reference for bf16 runs).
+    ``mixed``: bf16 model with fp32 master weights (the reference for bf16 runs);
+    ``accum_fp32``: its gradients summed over micro-batches in fp32, rounded once.
     Returns (per-micro-batch losses per step, final fp32 weights by name).
     """
     corpus = Corpus(cfg.data)
@@ -71,11 +72,19 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False):
     losses = []
     for step in range(cfg.train.steps):
         step_losses = []
+        acc = None
         for x, y in corpus.batches(step):
             loss = model(x, y)
             (loss / M).backward()
             step_losses.append(loss.item())
+            if accum_fp32:
+                grads = [p.grad.float() for p in model.parameters()]
+                acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+                model.zero_grad(set_to_none=True)
         losses.append(step_losses)
+        if accum_fp32:
+            for p, a in zip(model.parameters(), acc):
+                p.grad = a.to(p.dtype)
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         if mixed:

@@ -37,7 +37,7 @@ def hidden_size_of(model, cfg: Config) -> int:
 class Runtime:
     def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device: Device | None = None) -> None:
         self.cfg = cfg
-        self.dev = device if device is not None else make_device(cfg.train.device)
+        self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
         self.weights = weights or source

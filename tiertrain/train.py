@@ -103,11 +103,20 @@ class Trainer:
             raise
 
     # -- construction -------------------------------------------------------------------------------
+    def _accum_dtype(self) -> torch.dtype | None:
+        """float32 accumulators for lower-precision gradients summed over micro-batches."""
+        cfg = self.cfg
+        wide = cfg.train.grad_accum_dtype == "float32" and self.dtype != torch.float32
+        return torch.float32 if wide and cfg.data.micro_batches > 1 else None
+
     def _build(self) -> None:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
         unit = self.layout.max_unit_numel * self.dtype.itemsize
+        accum = self._accum_dtype()
         self.dev.check_capacity({"parameter slots (memory.device_slots)": m.device_slots * unit,
                                  "gradient buffers": GradStore.buffers_for(self.layout) * unit,
+                                 "gradient accumulators (train.grad_accum_dtype)": GradStore.buffers_for(self.layout)
+                                 * self.layout.max_unit_numel * (accum.itemsize if accum else 0),
                                  "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB})
         self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
                                                                   pin=self.dev.pin))
@@ -116,7 +125,7 @@ class Trainer:
         # slots the update can write into: only where device memory is host memory
         shared = None if self.dev.separate else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
         self.params = self._part(rt.bind_params(self.update.params, slot_tensors=shared))  # closed before the update
-        self.grads = self._part(GradStore(self.layout, self.update.grads, self.dev))
+        self.grads = self._part(GradStore(self.layout, self.update.grads, self.dev, accum_dtype=accum))
         d = cfg.data
         self.stash = self._part(HiddenStash(
             self.storage, self.dev, shape=(d.micro_batch_size, d.seq_len, rt.hidden_size), dtype=self.dtype,

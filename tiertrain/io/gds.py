@@ -1,26 +1,34 @@
-"""GPUDirect Storage through kvikio, used for CUDA tensors when it is available.
+"""GPUDirect Storage through kvikio: reads and writes between files and device memory.
 
 kvikio is optional: machines without a GPU never import it. ``TIERTRAIN_GDS=off`` (or
-``set_mode("off")``) forces the host path, e.g. to compare the two. Checksummed files
-always use the host path, where the checksum is computed on the data as it passes.
+``set_mode("off")``) forces the host path, e.g. to compare the two; the trainer's own
+switch is ``io.gds`` (whether its stores hand device memory to the files at all).
+
+``FileHandle`` sends a device tensor here when ``enabled()``; checksummed files keep their
+CRC32C, computed on the device (``devcrc``), for requests that cover whole checksum blocks
+(the others go through pinned host staging, where the host computes it).
+
+Ordering rule: the direct path is not stream-ordered. A tensor handed to a write must be
+complete (its producer synchronised); a tensor a read fills must be unused by queued
+kernels until the read's future is done (the caller waits for its last use first).
+
+Tests swap the backend (``set_backend``) for one that emulates kvikio on CPU tensors, so
+the direct path's logic (block checks, striping, ordering) runs without a GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
-from .workers import IOWorkers
-
-if TYPE_CHECKING:
-    from .future import IOFuture
-
-__all__ = ["enabled", "set_mode", "open_file", "submit"]
+__all__ = ["enabled", "set_mode", "set_backend", "is_device", "open_file"]
 
 _mode = os.environ.get("TIERTRAIN_GDS", "auto")
+_backend: Callable[[str, bool], Any] | None = None  # None: kvikio.CuFile
+_device_types: tuple[str, ...] = ("cuda",)
 
 
 def set_mode(mode: str) -> None:
@@ -32,8 +40,20 @@ def set_mode(mode: str) -> None:
     _available.cache_clear()
 
 
+def set_backend(open_fn: Callable[[str, bool], Any] | None, device_types: tuple[str, ...] = ("cuda",)) -> None:
+    """Use ``open_fn(path, writable)`` instead of ``kvikio.CuFile`` for tensors on
+    ``device_types`` (tests); ``None`` restores kvikio. The object it returns must have
+    kvikio's ``pread(buf, size, file_offset)`` / ``pwrite(...)`` (futures with ``get()``)
+    and ``close()``."""
+    global _backend, _device_types
+    _backend, _device_types = open_fn, device_types
+    _available.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _available() -> bool:
+    if _backend is not None:
+        return True
     if not torch.cuda.is_available():
         return False
     try:
@@ -44,6 +64,7 @@ def _available() -> bool:
 
 
 def enabled() -> bool:
+    """Whether device tensors go straight to and from files."""
     if _mode == "off":
         return False
     ok = _available()
@@ -52,27 +73,14 @@ def enabled() -> bool:
     return ok
 
 
+def is_device(buf: Any) -> bool:
+    """Whether ``buf`` is a tensor in device memory (the direct path's kind of buffer)."""
+    return isinstance(buf, torch.Tensor) and buf.device.type in _device_types
+
+
 def open_file(path: str, writable: bool) -> Any:
+    if _backend is not None:
+        return _backend(path, writable)
     import kvikio
 
     return kvikio.CuFile(path, "r+" if writable else "r")
-
-
-def submit(cufile: Any, workers: IOWorkers, kind: str, dev: torch.Tensor, off: int) -> "IOFuture":
-    """Start a kvikio read or write of the uint8 device tensor ``dev`` at ``off``."""
-    from .future import IOFuture
-
-    op = cufile.pread if kind == "r" else cufile.pwrite
-    workers.stats.begin(kind)
-    fut = op(dev, dev.numel(), off)
-
-    def wait() -> int:  # runs on an I/O thread so the caller gets an ordinary future
-        n = 0
-        try:
-            n = fut.get()
-            return n
-        finally:
-            workers.stats.end(kind, n)
-
-    return IOFuture([workers.submit(wait)])
-

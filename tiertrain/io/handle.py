@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import gds
+from . import devcrc, gds
 from .align import ALIGN, as_bytes, round_down, round_up
 from .checksum import ChecksumTable, crc32c, sidecar_path
 from .errors import ChecksumError, StorageError, TruncatedFileError
@@ -244,7 +244,7 @@ class FileHandle:
 
     # -- request splitting ----------------------------------------------------------------
     def _io(self, kind: str, buf: Any, size: int | None, file_offset: int, buf_offset: int) -> IOFuture:
-        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+        if gds.is_device(buf) or (isinstance(buf, torch.Tensor) and buf.device.type == "cuda"):
             return self._device_io(kind, buf, size, file_offset, buf_offset)
         arr = as_bytes(buf, writable=(kind == "r"))
         if size is None:
@@ -479,15 +479,54 @@ class FileHandle:
         if buf_off < 0 or size < 0 or buf_off + size > flat.numel():
             raise ValueError(f"buffer range [{buf_off}, {buf_off + size}) is outside the {flat.numel()}-byte tensor")
         n = self._check(kind, off, size)
-        if self._cufile is None and self._table is None and gds.enabled():
+        direct = gds.enabled()
+        if direct and self._cufile is None:
             self._cufile = gds.open_file(self.path, self.writable)
-        if self._cufile is not None:
-            return gds.submit(self._cufile, self.workers, kind, flat[buf_off : buf_off + n], off)
         futures = []
         for c_off, c_len in _ranges(off, n, self.workers.chunk_bytes):
             dev = flat[buf_off + c_off - off : buf_off + c_off - off + c_len]
-            futures.append(self.workers.submit(self._staged, kind, dev, c_off))
+            task = self._direct if direct and self._whole_blocks(c_off, c_len) else self._staged
+            f = self.workers.submit(task, kind, dev, c_off)
+            with self._lock:
+                self._inflight.add(f)
+            f.add_done_callback(self._done)
+            futures.append(f)
         return IOFuture(futures)
+
+    def _whole_blocks(self, off: int, n: int) -> bool:
+        """Whether ``[off, off + n)`` is whole checksum blocks (always, without checksums):
+        the direct path checks or computes a block's CRC only over the whole block."""
+        if self._table is None:
+            return True
+        b = self._table.block
+        return off % b == 0 and (n % b == 0 or off + n == self._size)
+
+    def _direct(self, kind: str, dev: torch.Tensor, off: int) -> int:
+        """One chunk between the file and device memory through kvikio (on an I/O thread);
+        checksums computed or verified on the device."""
+        self.workers.stats.begin(kind)
+        n = 0
+        try:
+            if kind == "w":
+                crcs = devcrc.block_crcs(dev, self._table.block) if self._table is not None else None
+                n = self._cufile.pwrite(dev, dev.numel(), off).get()
+                if n != dev.numel():
+                    raise StorageError(errno.EIO, self.path, f"short write through kvikio ({n} of {dev.numel()} bytes)")
+                self._commit(off + n, off, crcs)
+                return n
+            n = self._cufile.pread(dev, dev.numel(), off).get()
+            if self._table is not None:
+                if n < dev.numel():
+                    raise TruncatedFileError(self.path, self._size, off + n)
+                first = off // self._table.block
+                for i, actual in enumerate(devcrc.block_crcs(dev, self._table.block)):
+                    if actual != self._table.expected(first + i):
+                        blen = self._table.block_len(first + i)
+                        raise ChecksumError(self.path, (first + i) * self._table.block, blen,
+                                            self._table.expected(first + i), actual)
+            return n
+        finally:
+            self.workers.stats.end(kind, n)
 
     def _staged(self, kind: str, dev: torch.Tensor, off: int) -> int:
         # Runs the chunk in this thread: waiting here on tasks queued behind us could deadlock.

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
+from . import gds
 from .align import ALIGN, as_bytes
 from .future import IOFuture
 from .handle import FileHandle
@@ -129,35 +129,54 @@ class StripedFile:
     def _io(self, kind: str, buf: Any, size: int | None, off: int, buf_off: int) -> IOFuture:
         if self.paths == 1:
             return self.handles[0]._io(kind, buf, size, off, buf_off)
-        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
-            raise ValueError("striped files take host buffers; stage device tensors through a host pool first")
+        if isinstance(buf, torch.Tensor) and buf.device.type != "cpu" or gds.is_device(buf):
+            return self._device_io(kind, buf, size, off, buf_off)
         arr = as_bytes(buf, writable=(kind == "r"))
-        size = len(arr) - buf_off if size is None else size
-        if buf_off < 0 or size < 0 or buf_off + size > len(arr):
-            raise ValueError(f"buffer range [{buf_off}, {buf_off + size}) is outside the {len(arr)}-byte buffer")
-        if off < 0:
-            raise ValueError(f"file offset must be >= 0, got {off}")
-        if kind == "r":  # stop at the logical end, as FileHandle does
-            size = max(0, min(size, self.size - off))
+        size = self._clip(kind, len(arr), size, off, buf_off)
         futs = []
-        for i, (local_off, segs) in self._runs(arr[buf_off : buf_off + size], off).items():
+        for i, (local_off, pieces) in self._runs(off, size).items():
+            segs = [arr[buf_off + s : buf_off + s + n] for s, n in pieces]
             h = self.handles[i]
             futs.append(h.preadv(segs, local_off) if kind == "r" else h.pwritev(segs, local_off))
         return IOFuture.gather(futs)
 
-    def _runs(self, arr: np.ndarray, off: int) -> dict[int, tuple[int, list[np.ndarray]]]:
-        """Per path: (local offset, buffer pieces) of the logical range ``[off, off + len(arr))``."""
-        runs: dict[int, tuple[int, list[np.ndarray]]] = {}
-        pos, end, S, P = off, off + len(arr), self.stripe, self.paths
+    def _device_io(self, kind: str, t: torch.Tensor, size: int | None, off: int, buf_off: int) -> IOFuture:
+        """A device tensor: one request per stripe piece, each a contiguous slice of it (the
+        handles send each straight to the device or through their staging)."""
+        if not t.is_contiguous():
+            raise ValueError("tensor must be contiguous for I/O; call .contiguous() first")
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        size = self._clip(kind, flat.numel(), size, off, buf_off)
+        futs = []
+        for i, (local_off, pieces) in self._runs(off, size).items():
+            for s, n in pieces:  # the pieces of one path follow each other in its local file
+                futs.append(self.handles[i]._io(kind, flat[buf_off + s : buf_off + s + n], None, local_off, 0))
+                local_off += n
+        return IOFuture.gather(futs)
+
+    def _clip(self, kind: str, buf_len: int, size: int | None, off: int, buf_off: int) -> int:
+        size = buf_len - buf_off if size is None else size
+        if buf_off < 0 or size < 0 or buf_off + size > buf_len:
+            raise ValueError(f"buffer range [{buf_off}, {buf_off + size}) is outside the {buf_len}-byte buffer")
+        if off < 0:
+            raise ValueError(f"file offset must be >= 0, got {off}")
+        if kind == "r":  # stop at the logical end, as FileHandle does
+            size = max(0, min(size, self.size - off))
+        return size
+
+    def _runs(self, off: int, size: int) -> dict[int, tuple[int, list[tuple[int, int]]]]:
+        """Per path: (local offset, [(start, length) in the caller's range, ...]) of the
+        logical range ``[off, off + size)``."""
+        runs: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        pos, end, S, P = off, off + size, self.stripe, self.paths
         while pos < end:
             k, within = divmod(pos, S)
             take = min(S - within, end - pos)
             path, local = k % P, (k // P) * S + within
-            piece = arr[pos - off : pos - off + take]
             if path in runs:
-                runs[path][1].append(piece)
+                runs[path][1].append((pos - off, take))
             else:
-                runs[path] = (local, [piece])
+                runs[path] = (local, [(pos - off, take)])
             pos += take
         return runs
 

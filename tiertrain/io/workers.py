@@ -6,6 +6,8 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Callable
 
+import torch
+
 from .align import ALIGN, round_up
 from .pool import BufferPool
 from .stats import PathStats
@@ -65,7 +67,7 @@ class IOWorkers:
 
     def staging(self) -> BufferPool:
         """Pinned host buffers for device tensors that go through the host."""
-        return self._pool("staging", pin=True)
+        return self._pool("staging", pin=torch.cuda.is_available())  # no CUDA context otherwise
 
     @property
     def pool_bytes(self) -> int:

@@ -13,6 +13,10 @@ One interface, three implementations, so that callers are written once:
   given back poisoned (NaN, 0xFF). A missing wait, a missing keep-alive or a buffer reused
   too early then shows as a wrong number on CPU, as it would on a GPU only sometimes.
 
+With ``direct`` (GPUDirect Storage, ``io.gds``), the parameter store reads files straight
+into device memory instead of through pinned staging; such reads are not stream-ordered,
+so a slot's last use is waited for (``sync``) before a read may overwrite it.
+
 ``wait`` orders the compute stream after an event without blocking the host; ``sync``
 blocks the host (a sync point; counted in ``syncs``); ``done`` asks without blocking. An
 ``after`` argument is an event, None (nothing to wait for) or a list of them.
@@ -101,6 +105,7 @@ class Device:
     cuda = False  # a CUDA device (RNG of the device, FLOP/s figures)
     separate = False  # device memory is not host memory: data crosses by copies on streams
     pin = False  # host buffers that cross to the device are page-locked
+    direct = False  # files read straight into device memory (GPUDirect Storage), no host staging
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device if device is not None else torch.device("cpu")
@@ -172,8 +177,9 @@ class Device:
 class CudaDevice(Device):
     cuda = separate = pin = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, direct: bool = False) -> None:
         super().__init__(device)
+        self.direct = direct
         _, high = torch.cuda.Stream.priority_range()  # a lower number is a higher priority
         self.up = torch.cuda.Stream(device, priority=high)
         self.down = torch.cuda.Stream(device, priority=high)
@@ -328,9 +334,9 @@ class AsyncCpuDevice(Device):
 
     separate = True
 
-    def __init__(self, delay: float = 0.002) -> None:
+    def __init__(self, delay: float = 0.002, *, direct: bool = False) -> None:
         super().__init__(torch.device("cpu"))
-        self.delay = delay
+        self.delay, self.direct = delay, direct
         self.up, self.down = _Stream("upload", delay), _Stream("download", delay)
         self.waits = 0  # compute-stream waits on an event not yet done (no host sync on a GPU)
 
@@ -380,7 +386,26 @@ class AsyncCpuDevice(Device):
         self.down.close()
 
 
-def make_device(name: str) -> Device:
-    """The device ``train.device`` names (after ``resolve_device``)."""
+def make_device(name: str, gds: str = "off") -> Device:
+    """The device ``train.device`` names (after ``resolve_device``); on CUDA, reading files
+    straight into its memory as ``io.gds`` says."""
     dev = resolve_device(name)
-    return CudaDevice(dev) if dev.type == "cuda" else Device(dev)
+    if dev.type != "cuda":
+        return Device(dev)
+    return CudaDevice(dev, direct=_gds_usable(gds))
+
+
+def _gds_usable(mode: str) -> bool:
+    from ..config import ConfigError
+    from ..io import gds
+
+    if mode == "off":
+        return False
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        if mode == "on":
+            raise ConfigError("io.gds='on' but kvikio is not installed: pip install 'tiertrain[gds]' "
+                              "(kvikio-cu12), or set --io.gds=auto") from None
+        return False
+    return gds.enabled()

@@ -7,6 +7,11 @@ and the buffer is handed off to the gradients' home, a ``GradSink`` of the updat
 (host memory or a file for the baseline path; the engines' shared-memory slots). The
 buffer is reused once the hand-off is complete; a fixed number of buffers exists.
 
+With ``accum_dtype`` (float32 for bfloat16 parameters, ``train.grad_accum_dtype``), each
+live unit also has a float32 accumulator: after every micro-batch (``fold``) the buffer's
+gradient is added into it and the buffer zeroed, and at ``end`` the sum is rounded once into
+the buffer, as FSDP2's ``reduce_dtype`` does, instead of once per micro-batch.
+
 A unit whose parameters are borrowed by a later unit (an embedding tied to the head)
 keeps its buffer from the borrower's backward to its own: the head's gradient for the
 shared weight is accumulated first, the embedding's own at the end.
@@ -31,7 +36,8 @@ class _Handoff:
 
 
 class GradStore:
-    def __init__(self, layout: FlatLayout, sink, dev, *, buffers: int = 2) -> None:
+    def __init__(self, layout: FlatLayout, sink, dev, *, buffers: int = 2,
+                 accum_dtype: torch.dtype | None = None) -> None:
         self.layout, self.dev, self.dtype = layout, dev, sink.dtype
         dtype = self.dtype
         self.home = sink  # where gradients go after the backward (the update path's GradSink)
@@ -46,6 +52,11 @@ class GradStore:
             else None
         )
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
+        self.accum_dtype = accum_dtype if accum_dtype not in (None, dtype) else None
+        self._acc_free = ([dev.empty(layout.max_unit_numel, self.accum_dtype) for _ in range(self._count)]
+                          if self.accum_dtype is not None else [])
+        self.accum_bytes = len(self._acc_free) * layout.max_unit_numel * (self.accum_dtype or dtype).itemsize
+        self._acc: dict[int, torch.Tensor] = {}  # live unit -> its accumulator
         self._pending: list[_Handoff] = []
         self.norms: dict[int, list[torch.Tensor]] = {}
 
@@ -57,7 +68,8 @@ class GradStore:
 
     @property
     def pool_bytes(self) -> int:
-        return self.buffer_bytes + self.home.host_bytes + (self._staging.size_bytes if self._staging else 0)
+        return (self.buffer_bytes + self.accum_bytes + self.home.host_bytes
+                + (self._staging.size_bytes if self._staging else 0))
 
     # -- backward side --------------------------------------------------------------------------
     def begin(self, u: int) -> None:
@@ -74,11 +86,26 @@ class GradStore:
                 view = base[:numel]
             view.zero_()
             self._live[x] = (view, base)
+            if self.accum_dtype is not None:
+                self._acc[x] = self._acc_free.pop()[:numel].zero_()
             self.layout.bind_grads(x, view)
+
+    def fold(self) -> None:
+        """A micro-batch's backward is done: add the live buffers into their accumulators and
+        zero them (nothing without ``accum_dtype``)."""
+        for x, acc in self._acc.items():
+            view = self._live[x][0]
+            acc.add_(view)
+            view.zero_()
 
     def end(self, u: int) -> None:
         """Unit ``u``'s gradients are complete: take their norms and send them home."""
         buf, base = self._live.pop(u)
+        acc = self._acc.pop(u, None)
+        if acc is not None:
+            acc.add_(buf)  # whatever came after the last fold (none when every micro-batch folds)
+            buf.copy_(acc)  # the one rounding
+            self._acc_free.append(acc._base if acc._base is not None else acc)
         views = [rec.view(buf) for rec in self.layout.units[u].params]
         norm_dtype = None if self.dtype == torch.float32 else torch.float32
         self.norms[u] = list(torch._foreach_norm(views, 2, dtype=norm_dtype)) if views else []

@@ -14,7 +14,8 @@ see. Where device memory is separate (CUDA), a file-backed unit is read into a p
 staging buffer (one per slot), and its upload starts on the device's upload stream as soon
 as the read completes (``poll``, at every prefetch and acquire), not when the unit is
 needed; a staging buffer is given back once its upload has run (found by event query, not
-by waiting). A slot is only overwritten after the compute stream has passed the event
+by waiting). With GPUDirect Storage (``dev.direct``) there is no staging: the read goes
+straight into the slot, once the slot's last use has run. A slot is only overwritten after the compute stream has passed the event
 recorded when it was released, and the compute stream waits for a slot's upload without
 blocking the host.
 """
@@ -105,7 +106,7 @@ class ParamStore:
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
             BufferPool(slots, layout.max_unit_numel * self.esize, pin=dev.pin, name="param-staging")
-            if dev.separate and source.file_backed
+            if dev.separate and source.file_backed and not dev.direct
             else None
         )
 
@@ -167,6 +168,8 @@ class ParamStore:
             return
         try:
             if self._staging is None:  # straight into the slot
+                if self.dev.direct:  # not stream-ordered: the slot's last reader must be done
+                    self.dev.sync(slot.released)  # sync point, rare: LRU slots were released long ago
                 slot.read = self.source.load(u, slot.tensor[:n], slot.index if self._shared else None)
             else:
                 slot.staging = self._staging_buffer()
@@ -245,7 +248,8 @@ class ParamStore:
                 return  # still being updated: prefetch later units only after this one
             free = [s for s in self.slots if s.state == SlotState.FREE]
             idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units
-                    and self.dev.done(s.loaded)]  # evicting one still uploading would block
+                    and self.dev.done(s.loaded)  # evicting one still uploading would block
+                    and (not self.dev.direct or self.dev.done(s.released))]  # as would a direct read
             if free:
                 slot = free[0]
             elif idle:
