@@ -21,7 +21,8 @@ def small_config(tmp_path, *, kind="gpt", layers=3, d=64, heads=4, micro_batches
         optim=OptimConfig(lr=lr, grad_clip=clip, warmup_steps=2, weight_decay=0.1),
         memory=MemoryConfig(device_slots=slots, host_param_mib=host_param_mib, grad_host_mib=grad_host_mib,
                             stash_host_mib=stash_host_mib, update_buffer_kib=update_kib, keep_act_mib=keep_act_mib),
-        train=TrainConfig(steps=steps, param_dtype=dtype, run_dir=str(tmp_path / "run"), progress=False, device="cpu"),
+        train=TrainConfig(steps=steps, param_dtype=dtype, run_dir=str(tmp_path / "run"), progress=False, device="cpu",
+                          predict=False),
     )
 
 
@@ -31,4 +32,4 @@ def tiny_flags(tmp_path, *extra: str, steps: int = 2, layers: int = 2) -> list[s
     return [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", f"--model.n_layers={layers}",
             "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=2",
             f"--train.steps={steps}", "--train.progress=false", "--io.chunk_kib=256", "--io.checksum_block_kib=64",
-            "--io.stripe_kib=64", "--memory.update_buffer_kib=64", *extra]
+            "--io.stripe_kib=64", "--memory.update_buffer_kib=64", "--train.predict=false", *extra]

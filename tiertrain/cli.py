@@ -127,6 +127,21 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
     return path, Config.from_dict(tree)
 
 
+def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .cost import estimate
+    from .cost.report import plan_report
+    from .runtime import Runtime
+    from .train import declare_states
+
+    cfg = load_config(args.config, overrides).absolute()
+    rt = Runtime(cfg)
+    states = declare_states(cfg, rt)
+    log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",
+             args.probe_mib)
+    print(plan_report(cfg, rt, states, estimate(cfg, rt, probe_mib=args.probe_mib)))
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
@@ -177,6 +192,11 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
+
+    pl = sub.add_parser("plan", help="placement, bytes per step and the predicted step time, without training",
+                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
+    pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
 
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
     ex.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)")
@@ -237,6 +257,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
     try:
         if args.cmd == "config":
             return _cmd_config(args, rest)
+        if args.cmd == "plan":
+            return _cmd_plan(args, rest)
         if args.cmd in (None, "train"):
             if args.cmd is None:
                 args.config = None

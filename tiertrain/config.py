@@ -344,6 +344,9 @@ class TrainConfig(Section):
                                 "gradient buffer on the device) or 'param' (bfloat16, as plain PyTorch does).")
     run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
     log_every: int = opt(1, "Print the per-step line every N steps.")
+    predict: bool = opt(True, "At start, probe this machine (a few seconds: 64 MiB through the storage tier, one "
+                        "unit of each kind) and print the predicted step time; after a few steps, predicted "
+                        "against measured (`tiertrain plan` prints the whole prediction).")
     progress: bool = opt(True, "Show a progress bar (only when stderr is a terminal).")
     overwrite: bool = opt(False, "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
                           "deleting them (without it such a run is refused; --resume continues one).")

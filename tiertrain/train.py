@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -323,6 +324,7 @@ class Trainer:
                 return []
             self.rundir.write_config(cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
+            pred = self._predict() if cfg.train.predict else None
             try:
                 log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
                 with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
@@ -333,6 +335,10 @@ class Trainer:
                         bar.set_postfix(loss=f"{rec.loss:.3f}")
                         if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
                             log.info(rec.line(cfg.train.steps))
+                        if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
+                            measured = statistics.median(r.step_s for r in metrics.records[-3:])
+                            log.info("step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; "
+                                     "%.2fx)", pred.step_s, measured, measured / pred.step_s)
                         if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
                             self.save_checkpoint()
                 if stop.set:
@@ -348,6 +354,20 @@ class Trainer:
                 return metrics.records
             finally:
                 metrics.close()
+
+    def _predict(self):
+        """The cost model's prediction of this run's step, logged (None when probing fails:
+        a prediction is never worth stopping a run for)."""
+        from .cost import estimate
+
+        try:
+            pred = estimate(self.cfg, self.rt, probe_mib=64)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("no step-time prediction: %s", one_line(exc))
+            return None
+        parts = ", ".join(f"{p.name} {p.time_s:.2f} s ({p.bound})" for p in pred.phases)
+        log.info("predicted step: %.2f s (%s); `tiertrain plan` shows why", pred.step_s, parts)
+        return pred
 
     def close(self) -> None:
         """Stop every part, remove this run's scratch files (checkpoints hold what is worth

@@ -51,7 +51,7 @@ class HiddenStash:
         dtype: torch.dtype,
         entries: int,
         host_bytes: int,
-        spill_buffers: int = 3,
+        spill_buffers: int | None = None,
         micro_batches: int = 1,
     ) -> None:
         self.dev, self.shape, self.dtype, self.entries = dev, tuple(shape), dtype, entries
@@ -62,7 +62,7 @@ class HiddenStash:
         block = storage.block_for(self.entry_bytes)  # entries sit on whole checksum blocks
         self._file = storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
         self._spill = (
-            BufferPool(spill_buffers, self.entry_bytes, pin=dev.pin, name="stash-spill") if self.spilled else None
+            BufferPool(spill_buffers or self.spill_buffers_for(micro_batches), self.entry_bytes, pin=dev.pin, name="stash-spill") if self.spilled else None
         )
         self._writes: list[_Spill] = []  # spilled entries on their way to the file
         self._reads: dict[int, tuple[IOFuture, PoolBuffer]] = {}
@@ -71,6 +71,12 @@ class HiddenStash:
         self._down: dict[int, object] = {}  # host entry -> its download event
         self._up: dict[int, object] = {}  # host entry -> its last upload event
         self.wait_s = 0.0
+
+    @staticmethod
+    def spill_buffers_for(micro_batches: int) -> int:
+        """Spill buffers: the next block's ``M`` prefetched entries plus the one in use (fewer
+        and a prefetch is dropped to make room, then read again), at least 3."""
+        return max(3, micro_batches + 1)
 
     @classmethod
     def declare(cls, shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> StateDecl:

@@ -1,0 +1,97 @@
+"""The cost model: its bytes per step against the storage tier's own counters, its
+prediction's arithmetic, and `tiertrain plan`. (How close its times come to measured steps
+is a benchmark: bench/cost_model.py.)"""
+
+import subprocess
+import sys
+
+import pytest
+
+from reference import small_config, tiny_flags
+from tiertrain.cost import Rates, kept_pairs, predict, step_traffic
+from tiertrain.cost.traffic import Traffic
+from tiertrain.train import Trainer
+
+
+@pytest.mark.parametrize("case", [
+    dict(layers=6, micro_batches=2, slots=2),
+    dict(layers=6, micro_batches=2, slots=3, tie=True),
+    dict(layers=5, micro_batches=3, slots=4, host_param_mib=1, grad_host_mib=1, optim_host_mib=1),
+    dict(kind="llama", layers=4, micro_batches=4, slots=3, keep_act_mib=1),
+    dict(layers=4, micro_batches=2, dtype="bfloat16", stash_host_mib=1),
+])
+def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
+    """In all and by state, the model's bytes equal the counters of a real step. (Reads used to
+    exceed them at M >= 3: the stash dropped prefetched entries and read them again.)"""
+    optim_host = case.pop("optim_host_mib", 0)
+    cfg = small_config(tmp_path, steps=3, **case)
+    cfg.memory.optim_host_mib = optim_host
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        rec = tr.train_step()
+        kept = len(tr.model.blocks) * cfg.data.micro_batches - tr.executor.recomputed
+        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept)
+    assert t.write == rec.ssd_write_bytes
+    assert t.read == rec.ssd_read_bytes
+    assert t.read == sum(v[0] for v in t.by_state.values()) and t.write == sum(v[1] for v in t.by_state.values())
+
+
+def test_kept_pairs_follow_the_budget_and_the_policy(tmp_path):
+    cfg = small_config(tmp_path, layers=4, micro_batches=3, keep_act_mib=10)
+    assert kept_pairs(cfg, 4, 3 << 20) == 3  # 10 MiB // 3 MiB
+    assert kept_pairs(cfg, 4, 1 << 10) == 12  # all of them
+    cfg.memory.activations = "recompute"
+    assert kept_pairs(cfg, 4, 1 << 10) == 0
+
+
+def _rates(**kw):
+    base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0,
+                embed_bwd_s=0.0, block_fwd_s=0.1, block_bwd_s=0.2, head_s=0.05, act_bytes=1 << 20,
+                update_elem_s=1e-9, cores=2)
+    return Rates(**{**base, **kw})
+
+
+def test_a_phase_is_the_slower_of_compute_and_io(tmp_path):
+    cfg = small_config(tmp_path, layers=4, micro_batches=2)
+    cfg.io.checksum = False
+    t = Traffic(forward_read=int(0.5e9), backward_read=int(3e9), backward_write=int(2e9),
+                update_read=int(4e9), update_write=int(2e9))
+    p = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
+    fwd, bwd, upd = p.phases
+    assert fwd.compute_s == pytest.approx(2 * (4 * 0.1 + 0.05)) and fwd.bound == "compute"
+    assert fwd.time_s == pytest.approx(0.9)
+    assert bwd.io_s == pytest.approx(3.0 + 1.0) and bwd.bound == "I/O" and bwd.time_s == pytest.approx(4.0)
+    assert upd.time_s == pytest.approx(5.0) and p.step_s == pytest.approx(0.9 + 4.0 + 5.0)
+    # recompute adds a forward per pair not kept; checksums take CPU from a CPU device's compute
+    cfg.io.checksum = True
+    p2 = predict(cfg, t, _rates(), blocks=4, kept=0, n_params=10**8, first_read=0, cpu_compute=True)
+    assert p2.phase("backward").compute_s == pytest.approx(2 * 4 * 0.2 + 8 * 0.1)
+    assert p2.phase("forward").time_s == pytest.approx(0.9 + 0.5e9 / 10e9 / 2)
+    # engines: the update hides under the next step's forward and backward, on the same disk
+    cfg.update.mode = "engines"
+    p3 = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
+    disk = (0.5 + 3 + 4) / 1.0 + (2 + 2) / 2.0
+    assert p3.step_s == pytest.approx(disk) and p3.bound == "disk (whole step)"
+
+
+def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
+    flags = [f for f in tiny_flags(tmp_path, layers=3) if not f.startswith("--train.steps")]
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    for want in ("placement:", "| exp_avg | update (baseline) |", "bytes per step on the storage tier: read",
+                 "| forward |", "| backward |", "| update |", "| step |", "micro-batches:", "update path: engines predicts"):
+        assert want in out, want
+    assert not (tmp_path / "run").exists()  # nothing trained, no run directory
+    assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files
+
+
+def test_train_prints_the_prediction_then_predicted_against_measured(tmp_path):
+    flags = [f for f in tiny_flags(tmp_path, steps=5) if f != "--train.predict=false"]
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", *flags], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "predicted step: " in r.stderr and "`tiertrain plan` shows why" in r.stderr
+    assert "step time: predicted " in r.stderr and "(median of the last 3 steps;" in r.stderr

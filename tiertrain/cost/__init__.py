@@ -1,0 +1,42 @@
+"""The cost model: bytes per step per link, measured rates, and the predicted step.
+
+``estimate(cfg, rt)`` probes this machine (storage bandwidth, CRC32C, one unit of each
+kind) and predicts a run of ``cfg`` on the runtime ``rt`` (model, layout, device) before
+its first step; ``tiertrain plan`` prints it, ``tiertrain train`` prints it and, after a
+few steps, predicted against measured.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .model import Phase, Prediction, predict
+from .probe import Rates, probe_compute, probe_crc, probe_disk, probe_update
+from .traffic import Traffic, kept_pairs, step_traffic
+
+__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "kept_pairs",
+           "step_traffic"]
+
+MIB = 1 << 20
+
+
+def measure_rates(cfg, rt, *, probe_mib: int = 256) -> Rates:
+    """Probe this machine for a run of ``cfg`` on ``rt`` (a few seconds)."""
+    read, write, io_cpu = probe_disk(cfg.io, probe_mib)
+    comp = probe_compute(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+    return Rates(read_gbps=read, write_gbps=write, crc_gbps=probe_crc(), io_cpu_s_per_gb=io_cpu,
+                 update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
+                 cores=len(os.sched_getaffinity(0)), **comp)
+
+
+def estimate(cfg, rt, rates: Rates | None = None, *, probe_mib: int = 256) -> Prediction:
+    """The predicted step of ``cfg`` on ``rt`` (rates probed unless given)."""
+    rates = rates or measure_rates(cfg, rt, probe_mib=probe_mib)
+    blocks = len(rt.model.blocks)
+    kept = kept_pairs(cfg, blocks, rates.act_bytes)
+    t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
+                     separate=rt.dev.separate)
+    embed = next(r for r in rt.model.plan if r.role == "embed").index
+    first = rt.layout.units[embed].numel * rt.dtype.itemsize if t.forward_read else 0
+    return predict(cfg, t, rates, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=first,
+                   cpu_compute=not rt.dev.cuda)

@@ -1,0 +1,96 @@
+"""Predicted step time: the bytes per step per link (``traffic``) over measured bandwidths,
+the compute of each phase from measured unit times (``probe``), and the schedule's overlap.
+
+A phase takes ``max(compute + CPU work of its checksums shared over the cores, I/O)``: the
+parameter store and the stash prefetch while the device computes, so a phase is bound by
+the slower of the two (plus the first unit's read of the forward, which nothing hides).
+The baseline update streams states through three buffer sets: bound by its I/O or its
+kernel. With the update engines the update runs during the next forward and backward on
+the same disk: the step is bound by the slower of the trainer's phases and the disk's total
+work of the step. The bound says which term set each phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config
+from .probe import Rates
+from .traffic import Traffic
+
+__all__ = ["Phase", "Prediction", "predict"]
+
+
+@dataclass
+class Phase:
+    name: str
+    compute_s: float
+    io_s: float
+    crc_s: float  # CPU seconds of CRC32C (one core)
+    time_s: float
+    bound: str
+
+
+@dataclass
+class Prediction:
+    phases: list[Phase]
+    step_s: float
+    bound: str
+    traffic: Traffic
+    rates: Rates
+    notes: list[str] = field(default_factory=list)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def table(self) -> str:
+        rows = ["| phase | compute s | I/O s | CRC CPU s | predicted s | bound |", "|---|---|---|---|---|---|"]
+        for p in self.phases:
+            rows.append(f"| {p.name} | {p.compute_s:.2f} | {p.io_s:.2f} | {p.crc_s:.2f} | {p.time_s:.2f} | {p.bound} |")
+        rows.append(f"| step | | | | {self.step_s:.2f} | {self.bound} |")
+        return "\n".join(rows)
+
+
+def _phase(name: str, compute: float, read: int, write: int, r: Rates, checksum: bool, *, cpu_compute: bool,
+           extra_io: float = 0.0) -> Phase:
+    io = read / (r.read_gbps * 1e9) + write / (r.write_gbps * 1e9) + extra_io
+    crc = (read + write) / (r.crc_gbps * 1e9) if checksum else 0.0
+    cpu = crc + (read + write) / 1e9 * r.io_cpu_s_per_gb  # the I/O threads' own CPU time
+    # it runs on the I/O threads: on a CPU device it takes cores from the compute
+    busy = compute + cpu / r.cores if cpu_compute else max(compute, cpu / r.cores)
+    t = max(busy, io)
+    bound = "compute" if busy >= io else "I/O"
+    if bound == "compute" and cpu_compute and cpu / r.cores > 0.25 * busy:
+        bound = "compute + I/O threads' CPU"
+    return Phase(name, compute, io, crc, t, bound)
+
+
+def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: int, n_params: int,
+            first_read: int, cpu_compute: bool, pcie_gbps: float | None = None) -> Prediction:
+    """The predicted step of a run of ``cfg`` (see the module docstring). ``first_read``:
+    bytes of the forward's first unit read from the file (0 when in memory)."""
+    M, r, ck = cfg.data.micro_batches, rates, cfg.io.checksum
+    recomputed = blocks * M - kept
+    # phases as the executor times them: the forward ends with the head's forward and backward
+    fwd_c = M * (r.embed_fwd_s + blocks * r.block_fwd_s + r.head_s)
+    bwd_c = M * (blocks * r.block_bwd_s + r.embed_bwd_s) + recomputed * r.block_fwd_s
+    upd_c = n_params * r.update_elem_s
+    pcie = lambda n: n / (pcie_gbps * 1e9) if pcie_gbps else 0.0  # noqa: E731
+    fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
+    fwd.time_s += first_read / (r.read_gbps * 1e9)
+    bwd = _phase("backward", bwd_c, traffic.backward_read, traffic.backward_write, r, ck, cpu_compute=cpu_compute,
+                 extra_io=pcie(traffic.up + traffic.down) / 2)
+    upd = _phase("update", upd_c, traffic.update_read, traffic.update_write, r, ck, cpu_compute=True)
+    notes = []
+    if cfg.update.mode == "engines":
+        # the update runs in the engines during the next forward and backward, on the same disk
+        disk = traffic.read / (r.read_gbps * 1e9) + traffic.write / (r.write_gbps * 1e9)
+        trainer = fwd.time_s + bwd.time_s
+        step = max(trainer, disk, upd_c)
+        bound = "trainer's forward+backward" if step == trainer else ("disk (whole step)" if step == disk else "update kernel")
+        upd = Phase("update (engines, overlapped)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden")
+        notes.append("engines: the update's bytes move during the next forward and backward")
+    else:
+        step = fwd.time_s + bwd.time_s + upd.time_s
+        bound = max((fwd, bwd, upd), key=lambda p: p.time_s).bound
+    return Prediction([fwd, bwd, upd], step, bound, traffic, rates, notes)

@@ -1,0 +1,189 @@
+"""Quick measurements the cost model starts from: the storage tier's sequential read and
+write bandwidth, CRC32C speed, and the compute time of one unit of each kind.
+
+The disk probe writes and reads one file of ``probe_mib`` through the run's own storage
+settings (paths, threads, chunks, O_DIRECT), checksums off (their CPU cost is measured on
+its own). The compute probe runs the model's embedding, first block and head on a
+micro-batch of the run's shape, with parameters and gradients in temporary buffers, through
+the same kept-graph path the executor uses (which also gives one pair's activation bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ..activations.keep import KeptGraphs
+from ..config import Config, IOConfig
+from ..io import Storage, aligned_empty
+from ..io.checksum import crc32c
+from ..update.kernels import adamw_segments
+
+__all__ = ["Rates", "probe_disk", "probe_compute", "probe_crc"]
+
+
+@dataclass
+class Rates:
+    """What one step's time is predicted from (seconds are per micro-batch per unit)."""
+
+    read_gbps: float
+    write_gbps: float
+    crc_gbps: float  # one thread
+    io_cpu_s_per_gb: float  # CPU the storage tier's threads take per GB moved (system calls, copies)
+    embed_fwd_s: float
+    embed_bwd_s: float
+    block_fwd_s: float
+    block_bwd_s: float
+    head_s: float  # forward and backward
+    act_bytes: int  # one (block, micro-batch) pair's saved activations
+    update_elem_s: float  # the AdamW kernel, per element
+    cores: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timed(fn, repeats: int = 3) -> float:
+    fn()  # warm-up (allocator, kernels)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_disk(io: IOConfig, probe_mib: int = 256) -> tuple[float, float, float]:
+    """(read GB/s, write GB/s, CPU seconds per GB moved) of the storage tier: one file of
+    ``probe_mib`` over every path, written then read once, no checksums."""
+    size = probe_mib << 20
+    st = Storage(io.paths, threads=io.threads, chunk_bytes=io.chunk_kib << 10, stripe_bytes=io.stripe_kib << 10,
+                 direct=io.direct, checksum=False)
+    buf = aligned_empty(size)
+    buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    name = f".tiertrain-probe-{os.getpid()}"
+    try:
+        f = st.create(name, size)
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        f.write(buf)
+        f.flush()  # sync point: the bytes are on the device
+        w = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        f.read(buf)
+        r = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        f.close()
+    finally:
+        for p in io.paths:
+            try:
+                os.remove(os.path.join(p, name))
+            except FileNotFoundError:
+                pass
+        st.close()
+    return size / r / 1e9, size / w / 1e9, cpu / (2 * size / 1e9)
+
+
+def probe_crc(mib: int = 64) -> float:
+    """CRC32C GB/s on one thread."""
+    data = np.random.default_rng(1).integers(0, 255, mib << 20, dtype=np.uint8)
+    return (mib << 20) / _timed(lambda: crc32c(data), repeats=2) / 1e9
+
+
+def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
+    """Seconds per element of one AdamW step on the host (fp32 states)."""
+    n = max(1 << 16, min(numel, 1 << 22))
+    p, g, m, v = (torch.randn(n) * 0.02 for _ in range(4))
+    v.abs_()
+    return _timed(lambda: adamw_segments([p], [g], [m], [v], step=2, lr=1e-4, cfg=cfg.optim), repeats=2) / n
+
+
+def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> dict:
+    """Per micro-batch: seconds of the embedding's forward and backward, one block's forward
+    and backward, the head's forward + backward; and one block's activation bytes."""
+    d = cfg.data
+    plan = model.plan
+    embed = next(r for r in plan if r.role == "embed")
+    block = next(r for r in plan if r.role == "block")
+    head = next(r for r in plan if r.role == "head")
+    units = sorted({embed.index, block.index, head.index, *layout.units[head.index].borrows})
+    flats, grads = {}, {}
+    for u in units:
+        n = layout.units[u].numel
+        flats[u] = (torch.randn(n, device=dev.device) * 0.02).to(dtype)
+        grads[u] = torch.zeros(n, device=dev.device, dtype=dtype)
+        layout.bind(u, flats[u])
+        layout.bind_grads(u, grads[u])
+    vocab = head.module.logits(torch.zeros(1, 1, hidden, device=dev.device, dtype=dtype)).shape[-1]
+    ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len), device=dev.device)
+    pos = torch.arange(d.seq_len, device=dev.device)
+    sync = dev.synchronize
+    kept = KeptGraphs(1 << 62, lambda u: flats[u])
+    block_units = (*layout.units[block.index].borrows, block.index)
+    x = model.embed(ids, pos).detach()
+    dh = torch.randn_like(x) * 1e-3
+    out: dict = {}
+
+    def embed_fwd():
+        with torch.enable_grad():
+            out["e"] = model.embed(ids, pos)
+        sync()
+
+    def embed_bwd():
+        with torch.enable_grad():
+            e = model.embed(ids, pos)
+        torch.autograd.backward(e, dh)
+        sync()
+
+    L = len(model.blocks)
+    fwd = lambda t: block.module(t, pos)  # noqa: E731
+
+    def blocks_pass(keep_n: int) -> tuple[float, float]:
+        """The forward of ``L`` blocks (block 0's parameters each time), the first
+        ``keep_n`` graphs kept as the executor keeps them (memory allocated and freed as in a
+        step), then the backward of the kept ones in reverse: (forward s, backward s) per block."""
+        kept.clear()
+        h = x
+        t0 = time.perf_counter()
+        for i in range(L):
+            h, _ = kept.forward((i, 0), block_units, fwd, h, lambda n, k, i=i: i < keep_n)
+        sync()
+        t1 = time.perf_counter()
+        g = dh
+        for i in reversed(range(keep_n)):
+            g = kept.backward((i, 0), g)
+        sync()
+        t2 = time.perf_counter()
+        return (t1 - t0) / L, (t2 - t1) / max(keep_n, 1)
+
+    def head_fb():
+        h = x.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = head.module.loss(head.module.logits(h), ids)
+        loss.backward()
+        sync()
+
+    was = model.training
+    model.train()  # dropout as in training
+    try:
+        out_s = dict(embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)),
+                     head_s=_timed(head_fb))
+        kept.clear()
+        kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
+        out_s["act_bytes"] = act = kept.kept_bytes
+        keep_n = min(L, (cfg.memory.keep_act_mib << 20) // max(act, 1)) if cfg.memory.activations != "recompute" else 0
+        blocks_pass(max(keep_n, 1))  # warm-up
+        runs = [blocks_pass(max(keep_n, 1)) for _ in range(2)]
+        out_s["block_fwd_s"] = statistics.median(r[0] for r in runs)
+        out_s["block_bwd_s"] = statistics.median(r[1] for r in runs)
+        return out_s
+    finally:
+        model.train(was)
+        kept.clear()
+        for u in units:
+            layout.bind_grads(u, None)

@@ -1,0 +1,89 @@
+"""What ``tiertrain plan`` prints: placement, bytes per step, rates, the predicted step
+per phase with its bound, and what would make the step faster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .model import Prediction, predict
+from .traffic import kept_pairs, step_traffic
+
+__all__ = ["plan_report", "advice"]
+
+GB, MIB = 1e9, 1 << 20
+
+
+def _placement(states) -> list[str]:
+    rows = ["| state | owner | in host memory | on the storage tier |", "|---|---|---|---|"]
+    for d in states:
+        rows.append(f"| {d.name} | {d.owner} | {d.host_bytes / MIB:,.1f} MiB | {d.file_bytes / MIB:,.1f} MiB |")
+    return rows
+
+
+def advice(cfg, rt, pred: Prediction) -> list[str]:
+    """The micro-batches at which the forward and backward hide their I/O, and the faster
+    update path, both predicted with the same rates."""
+    out = []
+    r, blocks = pred.rates, len(rt.model.blocks)
+
+    def at(c) -> Prediction:
+        kept = kept_pairs(c, blocks, r.act_bytes)
+        t = step_traffic(c, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
+                         separate=rt.dev.separate)
+        return predict(c, t, r, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=0,
+                       cpu_compute=not rt.dev.cuda)
+
+    def with_(section: str, **kw):
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
+
+    M = cfg.data.micro_batches
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        p = at(with_("data", micro_batches=m))
+        if all(ph.bound != "I/O" for ph in p.phases[:2]):
+            tok = m * cfg.data.micro_batch_size * cfg.data.seq_len
+            same = " (this run's)" if m == M else ""
+            out.append(f"micro-batches: {m}{same} is the fewest at which the forward and backward hide their "
+                       f"I/O ({tok:,} tokens per step, {p.step_s:.2f} s predicted)")
+            break
+    else:
+        out.append("micro-batches: the forward and backward stay I/O-bound up to 64; more host memory for "
+                   "parameters (memory.host_param_mib) or more storage paths would help")
+    other = "engines" if cfg.update.mode == "baseline" else "baseline"
+    p = at(with_("update", mode=other))
+    faster = other if p.step_s < pred.step_s else cfg.update.mode
+    out.append(f"update path: {other} predicts {p.step_s:.2f} s/step against {pred.step_s:.2f} s for "
+               f"{cfg.update.mode}: {faster} is faster here")
+    return out
+
+
+def plan_report(cfg, rt, states, pred: Prediction) -> str:
+    t, r = pred.traffic, pred.rates
+    lines = [
+        f"model: {cfg.model.kind}, {rt.dtype}, {rt.layout.describe()}",
+        f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
+        f" update path {cfg.update.mode}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
+        "",
+        "placement:",
+        *_placement(states),
+        "",
+        f"bytes per step on the storage tier: read {t.read / GB:.3f} GB (forward {t.forward_read / GB:.3f},"
+        f" backward {t.backward_read / GB:.3f}, update {t.update_read / GB:.3f}), write {t.write / GB:.3f} GB"
+        f" (forward {t.forward_write / GB:.3f}, backward {t.backward_write / GB:.3f}, update {t.update_write / GB:.3f})",
+        "  by state (read / write GB): " + ", ".join(f"{k} {v[0] / GB:.3f}/{v[1] / GB:.3f}" for k, v in t.by_state.items()),
+    ]
+    if rt.dev.separate:
+        lines.append(f"host <-> device per step: up {t.up / GB:.3f} GB, down {t.down / GB:.3f} GB")
+    lines += [
+        "",
+        f"measured here: storage read {r.read_gbps:.2f} GB/s, write {r.write_gbps:.2f} GB/s; CRC32C {r.crc_gbps:.2f}"
+        f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
+        f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
+        f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s",
+        "",
+        "predicted step:",
+        pred.table(),
+        *pred.notes,
+        "",
+        *advice(cfg, rt, pred),
+    ]
+    return "\n".join(lines)

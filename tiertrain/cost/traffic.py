@@ -1,0 +1,147 @@
+"""Bytes per step on each link, from the config and the model's units, before any step.
+
+The same placement rules as the parts that hold the states (``state.regions.place``: units
+in order while they fit in a host budget; the stash's spill rule; the activation policy's
+keep rule), and the same order of unit fetches as the executor. Per step, with the
+baseline update path (docs/DESIGN.md, "Bytes per parameter per step"):
+
+- forward (as the executor times it: embedding, blocks, then the head's forward and
+  backward): every file-resident unit it uses is read; the hidden states of recomputed
+  blocks that do not fit in the stash's host slots are written; the head's gradient too;
+- backward: the blocks in reverse and the embedding are read, except the last blocks of
+  the forward still in a device slot; gradients of file-resident units are written;
+  spilled hidden states are read back;
+- update: per file-resident unit, the optimizer states (and the parameters, when there is
+  no master copy) are read, the states and the parameters written, the gradients read.
+
+Where device memory is separate (CUDA), every unit fetched also crosses PCIe (up), every
+gradient and stashed hidden state comes down, and the kept ones' go back up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..activations.stash import HiddenStash
+from ..config import Config
+from ..state.regions import place
+from ..update.streamed import optimizer_states
+
+__all__ = ["Traffic", "step_traffic", "kept_pairs"]
+
+MIB = 1 << 20
+
+
+@dataclass
+class Traffic:
+    """Bytes per step: storage reads and writes per phase, host<->device per direction."""
+
+    forward_read: int = 0
+    forward_write: int = 0
+    backward_read: int = 0
+    backward_write: int = 0
+    update_read: int = 0
+    update_write: int = 0
+    up: int = 0  # host -> device (CUDA)
+    down: int = 0  # device -> host (CUDA)
+    by_state: dict[str, list[int]] = field(default_factory=dict)  # name -> [read, write]
+
+    @property
+    def read(self) -> int:
+        return self.forward_read + self.backward_read + self.update_read
+
+    @property
+    def write(self) -> int:
+        return self.forward_write + self.backward_write + self.update_write
+
+    def _add(self, state: str, phase: str, kind: str, nbytes: int) -> None:
+        if nbytes:
+            setattr(self, f"{phase}_{kind}", getattr(self, f"{phase}_{kind}") + nbytes)
+            rw = self.by_state.setdefault(state, [0, 0])
+            rw[0 if kind == "read" else 1] += nbytes
+
+
+def kept_pairs(cfg: Config, blocks: int, act_bytes: int, *, device_budget: int | None = None) -> int:
+    """(block, micro-batch) pairs whose autograd graph the activation policy keeps, of
+    ``blocks * M``, when one pair's saved tensors take ``act_bytes``."""
+    m = cfg.memory
+    pairs = blocks * cfg.data.micro_batches
+    if m.activations == "recompute" or act_bytes <= 0:
+        return 0
+    budget = m.keep_act_mib * MIB if device_budget is None else device_budget
+    return min(pairs, budget // act_bytes)
+
+
+def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int) -> set[int]:
+    return {u for u, off in place(layout, dtype, host_bytes, align).items() if off is not None}
+
+
+def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, hidden: int, kept: int,
+                 separate: bool = False) -> Traffic:
+    """Bytes per step of a baseline run of ``cfg`` (the update engines move the update's
+    bytes themselves: the same totals, attributed to them). ``kept``: pairs kept in memory
+    (``kept_pairs``); ``separate``: device memory is not host memory (CUDA)."""
+    m, d, t = cfg.memory, cfg.data, Traffic()
+    M, L = d.micro_batches, len(model.blocks)
+    e = dtype.itemsize
+    nbytes = [u.numel * e for u in layout.units]
+    params_file = _on_file(layout, dtype, m.host_param_mib * MIB, align)
+    grads_file = _on_file(layout, dtype, m.grad_host_mib * MIB, align)
+    plan = model.plan
+    embed = next(r for r in plan if r.role == "embed")
+    head = next(r for r in plan if r.role == "head")
+    blocks = [r for r in plan if r.role == "block"]
+
+    # parameters: forward, then backward minus the blocks still in a slot
+    head_units = (*layout.units[head.index].borrows, head.index)
+    hits = max(0, min(m.device_slots - len(head_units), L))
+    still = {r.index for r in blocks[L - hits:]} if hits else set()
+    # phases as the executor times them: the head's forward and backward end the forward
+    forward = [embed.index, *(r.index for r in blocks), *head_units]
+    backward = [*(r.index for r in reversed(blocks)), embed.index]
+    for phase, units in (("forward", forward), ("backward", backward)):
+        for u in units:
+            if phase == "backward" and u in still:
+                continue
+            if u in params_file:
+                t._add("params", phase, "read", nbytes[u])
+            if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
+                t.up += nbytes[u]
+
+    # gradients: written after the backward of each unit, read by the update
+    for u in range(len(layout.units)):
+        if u in grads_file:
+            t._add("grads", "forward" if u == head.index else "backward", "write", nbytes[u])
+            t._add("grads", "update", "read", nbytes[u])
+        if separate:
+            t.down += nbytes[u]
+
+    # the optimizer's states (and parameters without a master copy), read and written once
+    states = optimizer_states(cfg.optim, layout, dtype, align, m.optim_host_mib * MIB, owner="")
+    share = m.optim_host_mib * MIB // len(states)
+    for st in states:
+        for u in _on_file(layout, st.dtype, share, align):
+            n = layout.units[u].numel * st.dtype.itemsize
+            t._add(st.name, "update", "read", n)
+            t._add(st.name, "update", "write", n)
+    has_master = dtype != torch.float32
+    for u in params_file:
+        if not has_master:
+            t._add("params", "update", "read", nbytes[u])
+        t._add("params", "update", "write", nbytes[u])
+
+    # hidden states of recomputed pairs: forward pairs 0 .. first_kept-1; spilled: the first ones
+    shape = (d.micro_batch_size, d.seq_len, hidden)
+    entry, _, spilled = HiddenStash.plan(shape, dtype, L * M, m.stash_host_mib * MIB)
+    recomputed = L * M - kept
+    spill_rec = min(spilled, recomputed)
+    t._add("stash", "forward", "write", spill_rec * entry)
+    t._add("stash", "backward", "read", spill_rec * entry)
+    if separate:
+        h = math.prod(shape) * e
+        t.down += recomputed * h
+        t.up += recomputed * h
+    return t
