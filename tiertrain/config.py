@@ -256,25 +256,38 @@ class OptimConfig(Section):
 
 @dataclass(kw_only=True)
 class MemoryConfig(Section):
-    """Fixed memory budgets, sized once at start."""
+    """One memory budget, and (for experts) the size of each of its parts, fixed at start."""
 
     SECTION: ClassVar[str] = "memory"
+    host_mib: int | None = opt(None, "Host memory tiertrain may use for its pools and states, MiB (None: half of the "
+                               "memory available at start, printed). The fixed pools come first; parameters, "
+                               "gradients, optimizer state, hidden states (and, on CPU, kept activations) are placed "
+                               "in it by the step time a byte saves; the *_mib fields below that are set are taken as "
+                               "given.")
+    device_mib: int | None = opt(None, "CUDA: device memory for parameter slots, gradient buffers and kept activations, "
+                                 "MiB (None: 90% of what is free at start).")
     device_slots: int = opt(3, "Device buffers for layer parameters (>= 2: one computing, the rest prefetching).")
-    host_param_mib: int = opt(0, "Host memory for keeping layer parameters off SSD, MiB (0: every layer streams from SSD).")
-    grad_host_mib: int = opt(256, "Host memory where gradients wait for the update, MiB; the rest go to SSD.")
-    optim_host_mib: int = opt(0, "Host memory for optimizer states (moments, master weights), MiB (0: all on SSD).")
-    stash_host_mib: int = opt(256, "Host memory for hidden states between layers, MiB; the rest spills to SSD.")
-    keep_act_mib: int = opt(
-        512,
+    host_param_mib: int | None = opt(None, "Host memory for parameters kept off the SSD, MiB (None: planned within "
+                                     "host_mib; 0: every layer streams from SSD).")
+    grad_host_mib: int | None = opt(None, "Host memory where gradients wait for the update, MiB; the rest go to SSD "
+                                    "(None: planned within host_mib).")
+    optim_host_mib: int | None = opt(None, "Host memory for optimizer states (moments, master weights), MiB (None: "
+                                     "planned within host_mib; 0: all on SSD).")
+    stash_host_mib: int | None = opt(None, "Host memory for hidden states between layers, MiB; the rest spills to SSD "
+                                     "(None: planned within host_mib).")
+    keep_act_mib: int | None = opt(
+        None,
         "Memory on the compute device for autograd activations kept from the forward for the backward, MiB:"
-        " blocks kept there are not recomputed; the others are recomputed from their stashed input (0: recompute all).",
+        " blocks kept there are not recomputed; the others are recomputed from their stashed input (0: recompute all;"
+        " None: planned, within host_mib on CPU and device_mib on CUDA).",
     )
     activations: str = opt(
         "keep",
         "Which blocks keep their autograd graph within keep_act_mib: 'keep' (those the backward reaches first),"
         " 'keep-first' (the first ones, while the budget lasts) or 'recompute' (none).",
     )
-    residual_host_mib: int = opt(256, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD.")
+    residual_host_mib: int | None = opt(None, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD "
+                                        "(None: planned within host_mib).")
     engine_read_ahead_mib: int = opt(
         0,
         "Host memory in which the update engines (together) read the optimizer state of the first chunks of"
@@ -287,7 +300,11 @@ class MemoryConfig(Section):
         self._in_range("device_slots", 2, 64)
         for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib", "keep_act_mib",
                      "engine_read_ahead_mib"):
-            self._at_least(name, 0)
+            if getattr(self, name) is not None:
+                self._at_least(name, 0)
+        for name in ("host_mib", "device_mib"):
+            if getattr(self, name) is not None:
+                self._at_least(name, 1)
         self._in_range("update_buffer_kib", 64, 4 << 20)
         self._one_of("activations", ("keep", "keep-first", "recompute"))
 

@@ -68,7 +68,8 @@ class Trainer:
     def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None) -> None:
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         cfg.check_writable()
-        self.cfg = cfg
+        self.user_cfg = self.cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
+        self._rates = None
         self._parts: list = []
         self.lock = self.rundir = self.plan = None
         self.rt = Runtime(cfg, weights=weights, device=device)
@@ -87,6 +88,7 @@ class Trainer:
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
+            cfg = self._plan_memory(cfg)
             self.plan = SpacePlan(declare_states(cfg, self.rt))
             for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
@@ -104,6 +106,29 @@ class Trainer:
             raise
 
     # -- construction -------------------------------------------------------------------------------
+    def _plan_memory(self, cfg: Config) -> Config:
+        """Every unset memory.*_mib field set from the one budget (memory.host_mib); the plan
+        logged. Measures this machine only when not everything fits."""
+        from .cost import measure_rates
+        from .cost.budget import resolve_budget
+        from .cost.probe import probe_act_bytes
+
+        def rates():
+            if self._rates is None:
+                log.info("probing this machine to place the states by benefit per byte")
+                self._rates = measure_rates(cfg, self.rt, probe_mib=64)
+            return self._rates
+
+        def act() -> int:
+            rt = self.rt
+            return probe_act_bytes(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+
+        cfg, self.budget = resolve_budget(cfg, self.rt, rates, act)
+        for line in self.budget.lines():
+            log.info("%s", line)
+        self.cfg = self.rt.cfg = cfg
+        return cfg
+
     def _accum_dtype(self) -> torch.dtype | None:
         """float32 accumulators for lower-precision gradients summed over micro-batches."""
         cfg = self.cfg
@@ -223,7 +248,7 @@ class Trainer:
     def save_checkpoint(self) -> SaveResult:
         """A complete checkpoint of the current step (after the last finished step)."""
         with self.state_regions() as regions:
-            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.cfg.to_dict(), keep=self.cfg.checkpoint.keep,
+            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.user_cfg.to_dict(), keep=self.cfg.checkpoint.keep,
                                  drop=self._superseded)
         self._superseded = []
         log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps)
@@ -322,7 +347,7 @@ class Trainer:
                             "raise it: %s --train.steps=%d", first, cfg.train.steps, self.resume_command,
                             cfg.train.steps + first)
                 return []
-            self.rundir.write_config(cfg.to_dict())
+            self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
             pred = self._predict() if cfg.train.predict else None
             try:
@@ -361,7 +386,8 @@ class Trainer:
         from .cost import estimate
 
         try:
-            pred = estimate(self.cfg, self.rt, probe_mib=64)
+            pred = estimate(self.cfg, self.rt, self._rates, probe_mib=64)
+            self._rates = pred.rates
         except Exception as exc:  # noqa: BLE001
             log.warning("no step-time prediction: %s", one_line(exc))
             return None

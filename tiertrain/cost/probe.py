@@ -24,7 +24,7 @@ from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 
-__all__ = ["Rates", "probe_disk", "probe_compute", "probe_crc"]
+__all__ = ["Rates", "probe_disk", "probe_compute", "probe_act_bytes", "probe_crc"]
 
 
 @dataclass
@@ -103,7 +103,13 @@ def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
     return _timed(lambda: adamw_segments([p], [g], [m], [v], step=2, lr=1e-4, cfg=cfg.optim), repeats=2) / n
 
 
-def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> dict:
+def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> int:
+    """One (block, micro-batch) pair's saved activations: one forward of the first block
+    through the kept-graph path (parameter views not counted, as the executor counts)."""
+    return probe_compute(cfg, model, layout, dev, dtype, hidden, act_only=True)["act_bytes"]
+
+
+def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False) -> dict:
     """Per micro-batch: seconds of the embedding's forward and backward, one block's forward
     and backward, the head's forward + backward; and one block's activation bytes."""
     d = cfg.data
@@ -171,12 +177,17 @@ def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: i
     was = model.training
     model.train()  # dropout as in training
     try:
+        if act_only:
+            kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
+            return {"act_bytes": kept.kept_bytes}
         out_s = dict(embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)),
                      head_s=_timed(head_fb))
         kept.clear()
         kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
         out_s["act_bytes"] = act = kept.kept_bytes
-        keep_n = min(L, (cfg.memory.keep_act_mib << 20) // max(act, 1)) if cfg.memory.activations != "recompute" else 0
+        budget = cfg.memory.keep_act_mib
+        keep_n = (0 if cfg.memory.activations == "recompute" else
+                  L if budget is None else min(L, (budget << 20) // max(act, 1)))  # None: still being planned
         blocks_pass(max(keep_n, 1))  # warm-up
         runs = [blocks_pass(max(keep_n, 1)) for _ in range(2)]
         out_s["block_fwd_s"] = statistics.median(r[0] for r in runs)

@@ -1,0 +1,141 @@
+"""The cost model against measured steps: for each configuration, the prediction made before
+the first step (probes of this machine, in the same process) next to the median of the
+measured steps after warm-up, per phase, with the bytes per step both ways.
+
+Usage: python bench/cost_model.py [--steps 5] [--out FILE] [--only NAME,...]
+
+The configurations are Llama- and GPT-shaped models that the other benchmarks do not use,
+with different micro-batches, activation policies, placements and update paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from tiertrain.bench.output import checked_out  # noqa: E402
+
+CONFIGS = {
+    "llama-d640-L8-M4": ["--model.kind=llama", "--model.n_layers=8", "--model.d_model=640", "--model.n_heads=10",
+                         "--model.vocab_size=6000", "--data.micro_batches=4"],
+    "llama-d768-L6-M1": ["--model.kind=llama", "--model.n_layers=6", "--model.d_model=768", "--model.n_heads=12",
+                         "--model.vocab_size=8192", "--data.micro_batches=1"],
+    "gpt-d512-L6-M2-recompute-spill": ["--model.kind=gpt", "--model.n_layers=6", "--model.d_model=512",
+                                       "--model.n_heads=8", "--data.micro_batches=2",
+                                       "--memory.activations=recompute", "--memory.stash_host_mib=0"],
+    "llama-d512-L10-M2-engines": ["--model.kind=llama", "--model.n_layers=10", "--model.d_model=512",
+                                  "--model.n_heads=8", "--model.vocab_size=4096", "--data.micro_batches=2",
+                                  "--update.mode=engines"],
+    "llama-d768-L6-M2-host-params-no-crc": ["--model.kind=llama", "--model.n_layers=6", "--model.d_model=768",
+                                            "--model.n_heads=12", "--model.vocab_size=8192", "--data.micro_batches=2",
+                                            "--memory.host_param_mib=512", "--io.checksum=false"],
+}
+
+
+def worker(name: str, flags: list[str], scratch: str, steps: int) -> dict:
+    from tiertrain.config import load_config
+    from tiertrain.cost import estimate
+    from tiertrain.train import Trainer
+
+    cfg = load_config(None, [f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--train.progress=false",
+                             f"--train.steps={steps}", "--train.predict=false", *flags])
+    with Trainer(cfg) as tr:
+        t0 = time.perf_counter()
+        pred = estimate(tr.cfg, tr.rt)
+        probe_s = time.perf_counter() - t0
+        tr.initialize(progress=False)
+        recs = [tr.train_step() for _ in range(steps)][1:]
+    med = lambda f: statistics.median(f(r) for r in recs)  # noqa: E731
+    return dict(
+        name=name, flags=flags, probe_s=probe_s, rates=pred.rates.to_dict(), bound=pred.bound,
+        predicted=dict(step=pred.step_s, **{p.name.split()[0]: p.time_s for p in pred.phases}),
+        phase_bounds={p.name.split()[0]: p.bound for p in pred.phases},
+        measured=dict(step=med(lambda r: r.step_s), forward=med(lambda r: r.forward_s),
+                      backward=med(lambda r: r.backward_s), update=med(lambda r: r.update_s)),
+        bytes=dict(pred_read=pred.traffic.read, pred_write=pred.traffic.write,
+                   read=med(lambda r: r.ssd_read_bytes + r.extra.get("engine_read_bytes", 0)),
+                   write=med(lambda r: r.ssd_write_bytes + r.extra.get("engine_write_bytes", 0))),
+        steps=[r.step_s for r in recs],
+    )
+
+
+def render(results: list[dict], machine: str) -> str:
+    lines = [f"# Cost model: predicted vs measured step, {time.strftime('%Y-%m-%d %H:%M')}", "",
+             f"- machine: {machine}",
+             "- predicted before the first step from probes in the same process (storage bandwidth on 256 MiB,"
+             " CRC32C, the units' compute); measured: median of the steps after the first",
+             "",
+             "| configuration | predicted s | measured s | measured / predicted | fwd p/m | bwd p/m | upd p/m |"
+             " bound | GB read p/m | GB written p/m |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p, m, b = r["predicted"], r["measured"], r["bytes"]
+        lines.append(
+            f"| {r['name']} | {p['step']:.2f} | {m['step']:.2f} | {m['step'] / p['step']:.2f}x |"
+            f" {p['forward']:.2f}/{m['forward']:.2f} | {p['backward']:.2f}/{m['backward']:.2f} |"
+            f" {p['update']:.2f}/{m['update']:.2f} | {r['bound']} | {b['pred_read'] / 1e9:.3f}/{b['read'] / 1e9:.3f} |"
+            f" {b['pred_write'] / 1e9:.3f}/{b['write'] / 1e9:.3f} |")
+    within = sum(abs(r["measured"]["step"] / r["predicted"]["step"] - 1) <= 0.15 for r in results)
+    lines += ["", f"{within} of {len(results)} configurations within 15% of the prediction.", "",
+              "Rates probed per configuration (GB/s; seconds per micro-batch):", ""]
+    for r in results:
+        q = r["rates"]
+        lines.append(f"- {r['name']}: read {q['read_gbps']:.2f}, write {q['write_gbps']:.2f}, I/O CPU"
+                     f" {q['io_cpu_s_per_gb']:.3f} s/GB, CRC {q['crc_gbps']:.1f}; block fwd {q['block_fwd_s'] * 1e3:.1f} ms,"
+                     f" bwd {q['block_bwd_s'] * 1e3:.1f} ms, head {q['head_s'] * 1e3:.1f} ms; probes took"
+                     f" {r['probe_s']:.1f} s; steps {', '.join(f'{s:.2f}' for s in r['steps'])}; flags `{' '.join(r['flags'])}`")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", default=None, help="comma-separated configuration names")
+    ap.add_argument("--scratch", default="./tiertrain-scratch/cost-model")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        name, scratch = args.worker
+        print("RESULT " + json.dumps(worker(name, CONFIGS[name], scratch, args.steps)), flush=True)
+        return 0
+    if args.out:
+        args.out = checked_out(args.out)
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    results = []
+    for name in names:  # each in its own process: no allocator or page-cache state carried over
+        scratch = os.path.abspath(os.path.join(args.scratch, name))
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.makedirs(scratch)
+        print(f"{name} ...", flush=True)
+        out = subprocess.run([sys.executable, __file__, "--worker", name, scratch, "--steps", str(args.steps)],
+                             capture_output=True, text=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+        r = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        print(f"  predicted {r['predicted']['step']:.2f} s, measured {r['measured']['step']:.2f} s", flush=True)
+        results.append(r)
+    machine = f"{os.cpu_count()} cores, {platform.system()} {platform.release()}, one virtual disk, no GPU"
+    report = render(results, machine)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""One memory budget: the host memory (``memory.host_mib``) and, on CUDA, the device memory
+(``memory.device_mib``) a run may use, and the placement of every state within them.
+
+The fixed pools come first (parameter slots, gradient buffers, the update's buffers, I/O
+buffers: without them no step runs). What is left goes to the states that can live either in
+memory or on the storage tier, in order of the step time a byte of memory saves (measured
+rates; ``Rates``):
+
+- parameters: read by the forward and the backward, read (without a master copy) and written
+  by the update: ``3-4`` bytes of I/O per byte;
+- gradients, optimizer state, spilled hidden states, the top-k residual: written once and
+  read once: ``2`` bytes of I/O per byte;
+- kept activations: a block's recompute (its forward) and its stashed input's I/O per byte
+  of its autograd graph (host memory on CPU, device memory on CUDA).
+
+A byte of I/O costs ``1/bandwidth`` plus, with checksums, its CRC32C on the CPU. A state gets
+``min(what it needs, what is left)``; the states fill in units, first units first, as the
+parts that hold them place them. A ``*_mib`` field set explicitly is taken as given (and
+counted against the budget). If everything fits, nothing is measured: no ranking is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from ..activations.stash import HiddenStash
+from ..config import Config, ConfigError
+from ..state.grads import GradStore
+
+__all__ = ["PLANNED", "BudgetPlan", "resolve_budget", "default_host_bytes"]
+
+MIB, GIB = 1 << 20, 1 << 30
+# memory.<field>: what it holds (fields left unset are planned)
+PLANNED = {
+    "host_param_mib": "parameters",
+    "grad_host_mib": "gradients",
+    "optim_host_mib": "optimizer state",
+    "stash_host_mib": "hidden states",
+    "keep_act_mib": "kept activations",
+    "residual_host_mib": "top-k residual",
+}
+HOST_FRACTION = 0.5  # of the memory available at start, when memory.host_mib is unset
+
+
+def default_host_bytes() -> tuple[int, str]:
+    avail = psutil.virtual_memory().available
+    return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
+
+
+@dataclass
+class BudgetPlan:
+    """What ``resolve_budget`` decided, to print at start."""
+
+    host_bytes: int
+    host_source: str
+    fixed: dict[str, int]
+    given: dict[str, int] = field(default_factory=dict)  # field -> bytes (explicit or planned)
+    planned: list[str] = field(default_factory=list)  # fields that were planned
+    demand: dict[str, int] = field(default_factory=dict)  # field -> bytes to hold everything
+    value: dict[str, float] = field(default_factory=dict)  # field -> seconds per step saved per GiB
+    device_acts: bool = False  # kept activations are device memory (CUDA), not host memory
+
+    @property
+    def host_used(self) -> int:
+        return sum(self.fixed.values()) + sum(v for k, v in self.given.items()
+                                              if not (self.device_acts and k == "keep_act_mib"))
+
+    def lines(self) -> list[str]:
+        used = self.host_used
+        out = [f"host memory budget {self.host_bytes / GIB:.2f} GiB ({self.host_source}); fixed pools "
+               f"{sum(self.fixed.values()) / GIB:.2f} GiB ("
+               + ", ".join(f"{k} {v / MIB:,.0f} MiB" for k, v in self.fixed.items()) + ")"]
+        for f in sorted(self.given, key=lambda k: -self.value.get(k, 0.0)):
+            need, got = self.demand.get(f, 0), self.given[f]
+            if not need and not got:
+                continue  # nothing of this kind in this run
+            how = "planned" if f in self.planned else "set"
+            why = f", {self.value[f]:.2f} s/step saved per GiB" if f in self.value else ""
+            out.append(f"  {PLANNED[f]}: {got / MIB:,.0f} of {need / MIB:,.0f} MiB in memory (memory.{f}, {how}{why})")
+        out.append(f"  in all {used / GIB:.2f} GiB of {self.host_bytes / GIB:.2f} GiB")
+        return out
+
+
+def _act_bytes_estimate(cfg: Config, rt) -> int:
+    """One (block, micro-batch)'s saved activations before any probe (Korthikanti et al.'s
+    34 s b h + 5 a s^2 b bytes at 2 bytes per value, scaled to the dtype)."""
+    d, h = cfg.data, rt.hidden_size
+    heads = getattr(getattr(rt.model, "hf_config", None), "num_attention_heads", None) or cfg.model.n_heads
+    return int((34 * d.seq_len * d.micro_batch_size * h + 5 * heads * d.seq_len**2 * d.micro_batch_size)
+               * rt.dtype.itemsize / 2)
+
+
+def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
+    """Bytes each planned field needs to hold all it can hold."""
+    layout, e, M, L = rt.layout, rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
+    n = layout.n_params
+    moments = 2 if cfg.optim.name == "adamw" else 1
+    master = 1 if rt.dtype != torch.float32 else 0
+    entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
+    out = {
+        "host_param_mib": n * e,
+        "grad_host_mib": n * e,
+        "optim_host_mib": n * 4 * (moments + master),
+        "stash_host_mib": L * M * entry,
+        "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
+        "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
+    }
+    return {k: -(-v // MIB) * MIB for k, v in out.items()}  # whole MiB
+
+
+def fixed_pools(cfg: Config, rt) -> dict[str, int]:
+    """Pools every step needs whatever the placement, in host memory (on CPU the device's
+    slots and gradient buffers are host memory too)."""
+    m, layout, e = cfg.memory, rt.layout, rt.dtype.itemsize
+    unit = layout.max_unit_numel * e
+    chunk = cfg.io.chunk_kib << 10
+    out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
+    if cfg.update.mode == "baseline":
+        out["update buffers"] = 3 * (m.update_buffer_kib << 10)
+    if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
+        out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * unit
+    else:
+        out["parameter slots"] = m.device_slots * unit
+        out["gradient buffers"] = GradStore.buffers_for(layout) * unit
+    return out
+
+
+def values(cfg: Config, rt, rates) -> dict[str, float]:
+    """Seconds per step saved per byte in memory, per planned field."""
+    r = rates
+    cpu = 1 / (r.crc_gbps * 1e9 * r.cores) if cfg.io.checksum else 0.0
+    rd, wr = 1 / (r.read_gbps * 1e9) + cpu, 1 / (r.write_gbps * 1e9) + cpu
+    reads = 3 if rt.dtype == torch.float32 else 2
+    entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
+    keep = (r.block_fwd_s + entry * (rd + wr)) / max(r.act_bytes, 1)
+    return {"host_param_mib": reads * rd + wr, "grad_host_mib": rd + wr, "optim_host_mib": rd + wr,
+            "stash_host_mib": rd + wr, "keep_act_mib": keep, "residual_host_mib": rd + wr}
+
+
+def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, BudgetPlan]:
+    """``cfg`` with every unset ``memory.*_mib`` field of ``PLANNED`` set from the budget, and
+    the plan. ``rates_fn()``: the measured ``Rates``, called only if the states do not all fit;
+    ``act_fn()``: one pair's activation bytes, when kept activations are planned (default: the
+    rates' figure)."""
+    m = cfg.memory
+    todo = [f for f in PLANNED if getattr(m, f) is None]
+    host, source = (m.host_mib * MIB, "memory.host_mib") if m.host_mib is not None else default_host_bytes()
+    fixed = fixed_pools(cfg, rt)
+    plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=rt.dev.separate)
+    explicit = {f: getattr(m, f) * MIB for f in PLANNED if f not in todo}
+    device_acts = rt.dev.separate  # kept activations live in device memory on CUDA
+    rates = None
+    act = _act_bytes_estimate(cfg, rt)
+    if "keep_act_mib" in todo:
+        act = act_fn() if act_fn is not None else rates_fn().act_bytes
+    need = demands(cfg, rt, act)
+    plan.demand = need
+    host_need = {f: v for f, v in need.items() if not (device_acts and f == "keep_act_mib")}
+    left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
+    if left < 0:
+        raise ConfigError(
+            f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools and the "
+            f"sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
+            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / the *_mib fields set")
+    given = dict(explicit)
+    if todo:
+        host_todo = [f for f in todo if f in host_need]
+        if sum(host_need[f] for f in host_todo) > left:  # not everything fits: rank by benefit per byte
+            rates = rates or rates_fn()
+            val = values(cfg, rt, rates)
+            plan.value = {f: v * GIB for f, v in val.items()}
+            host_todo.sort(key=lambda f: -val[f])
+        for f in host_todo:
+            given[f] = min(host_need[f], max(0, left))
+            left -= given[f]
+        if device_acts and "keep_act_mib" in todo:
+            given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
+    plan.given = given
+    mem = dataclasses.replace(m, **{f: math.ceil(given[f] / MIB) if f in todo else getattr(m, f) for f in PLANNED})
+    return dataclasses.replace(cfg, memory=mem), plan
+
+
+def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
+    """Kept activations on CUDA: what ``memory.device_mib`` (default: 90% of the free device
+    memory) leaves after slots, gradient buffers and one micro-batch's working activations."""
+    m, e = cfg.memory, rt.dtype.itemsize
+    if m.device_mib is not None:
+        budget = m.device_mib * MIB
+    else:
+        free, _ = torch.cuda.mem_get_info(rt.dev.device)
+        budget = int(0.9 * free)
+    unit = rt.layout.max_unit_numel * e
+    fixed = (m.device_slots + 2 * GradStore.buffers_for(rt.layout)) * unit + 2 * act
+    return max(0, min(need, budget - fixed))
