@@ -46,8 +46,11 @@ def worker(name: str, flags: list[str], scratch: str, steps: int) -> dict:
     from tiertrain.cost import estimate
     from tiertrain.train import Trainer
 
+    from tiertrain.cost.budget import STATES_ON_STORAGE
+
+    on_ssd = [f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()]  # states on the storage tier
     cfg = load_config(None, [f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--train.progress=false",
-                             f"--train.steps={steps}", "--train.predict=false", *flags])
+                             f"--train.steps={steps}", "--train.predict=false", *on_ssd, *flags])
     with Trainer(cfg) as tr:
         t0 = time.perf_counter()
         pred = estimate(tr.cfg, tr.rt)

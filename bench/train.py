@@ -38,6 +38,7 @@ from tiertrain.config import (
     TrainConfig,
     UpdateConfig,
 )
+from tiertrain.cost.budget import STATES_ON_STORAGE
 from tiertrain.data import Corpus
 from tiertrain.models import build_model, tensor_source
 from tiertrain.train import Trainer
@@ -64,7 +65,8 @@ DEVICE = {"device": "cpu", "dtype": "float32"}  # --device / --dtype
 def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True,
            keep_mib: int | None = None) -> Config:
     _, update, memory = MODES[mode]
-    memory = {**memory, **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
+    # states on the storage tier, as DeepSpeed's (the budget would place this model in RAM)
+    memory = {**STATES_ON_STORAGE, **memory, **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
     return Config(
         io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),

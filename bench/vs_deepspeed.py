@@ -50,8 +50,9 @@ SYSTEMS = {  # label, tiertrain update settings (None: DeepSpeed), exact math?
 
 
 def tiertrain_config(work: str, spec: dict, update: dict):
-    from tiertrain.config import (CheckpointConfig, Config, DataConfig, IOConfig, ModelConfig, OptimConfig,
-                                  TrainConfig, UpdateConfig)
+    from tiertrain.config import (CheckpointConfig, Config, DataConfig, IOConfig, MemoryConfig, ModelConfig,
+                                  OptimConfig, TrainConfig, UpdateConfig)
+    from tiertrain.cost.budget import STATES_ON_STORAGE
 
     return Config(
         io=IOConfig(paths=[os.path.join(work, "tt-ssd")]),
@@ -60,6 +61,7 @@ def tiertrain_config(work: str, spec: dict, update: dict):
                         micro_batches=spec["micro_batches"]),
         optim=OptimConfig(**OPTIM, warmup_steps=0, schedule="constant"),
         update=UpdateConfig(**update),
+        memory=MemoryConfig(**STATES_ON_STORAGE),  # states on NVMe, as DeepSpeed's
         checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(steps=spec["steps"], progress=False, run_dir=os.path.join(work, "tt-run"),
                           device=spec.get("device", "cpu"), param_dtype=spec.get("dtype", "float32")),

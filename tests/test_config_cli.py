@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tiertrain.cli import main
+from reference import ON_SSD
 from tiertrain.config import Config, ConfigError, IOConfig, config_reference, load_config, parse_overrides
 
 
@@ -84,7 +85,7 @@ def test_cli_trains_and_writes_metrics(tmp_path):
     run = tmp_path / "run"
     args = ["train", f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={run}", "--train.steps=3",
             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batches=2",
-            "--train.progress=false"]
+            "--train.progress=false", *ON_SSD]
     r = subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -128,17 +128,21 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .cost import estimate
+    from .cost import estimate, measure_rates
+    from .cost.budget import resolve_budget
     from .cost.report import plan_report
     from .runtime import Runtime
     from .train import declare_states
 
     cfg = load_config(args.config, overrides).absolute()
     rt = Runtime(cfg)
-    states = declare_states(cfg, rt)
     log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",
              args.probe_mib)
-    print(plan_report(cfg, rt, states, estimate(cfg, rt, probe_mib=args.probe_mib)))
+    rates = measure_rates(cfg, rt, probe_mib=args.probe_mib)
+    cfg, budget = resolve_budget(cfg, rt, lambda: rates, lambda: rates.act_bytes)
+    rt.cfg = cfg
+    states = declare_states(cfg, rt)
+    print(plan_report(cfg, rt, states, estimate(cfg, rt, rates), budget))
     return 0
 
 

@@ -57,6 +57,7 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
 
 
 def _write(path: str, man: Manifest, out: str) -> None:
+    from ..cost.budget import on_storage
     from ..train import declare_states
 
     cfg = Config.from_dict(man.config, environment=False)
@@ -64,7 +65,7 @@ def _write(path: str, man: Manifest, out: str) -> None:
     model, layout = rt.model, rt.layout
     if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
-    state = weights_state((f.name.removesuffix(".bin") for f in man.files), declare_states(cfg, rt))
+    state = weights_state((f.name.removesuffix(".bin") for f in man.files), declare_states(on_storage(cfg), rt))
     if state is None:
         raise CheckpointError(f"checkpoint {path} holds no weights its config declares; it is damaged: use an "
                               "earlier checkpoint")

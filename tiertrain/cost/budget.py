@@ -22,7 +22,6 @@ counted against the budget). If everything fits, nothing is measured: no ranking
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import psutil
@@ -32,7 +31,7 @@ from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..state.grads import GradStore
 
-__all__ = ["PLANNED", "BudgetPlan", "resolve_budget", "default_host_bytes"]
+__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage"]
 
 MIB, GIB = 1 << 20, 1 << 30
 # memory.<field>: what it holds (fields left unset are planned)
@@ -44,7 +43,20 @@ PLANNED = {
     "keep_act_mib": "kept activations",
     "residual_host_mib": "top-k residual",
 }
+# Every state on the storage tier but for small host buffers of gradients, hidden states and
+# residuals, and 512 MiB of kept activations: the fixed settings before the one budget (the
+# benchmarks against DeepSpeed, whose states are all on NVMe, use them).
+STATES_ON_STORAGE = dict(host_param_mib=0, grad_host_mib=256, optim_host_mib=0, stash_host_mib=256, keep_act_mib=512,
+                         residual_host_mib=256)
 HOST_FRACTION = 0.5  # of the memory available at start, when memory.host_mib is unset
+
+
+def on_storage(cfg: Config) -> Config:
+    """``cfg`` with every unset ``*_mib`` field at 0: every state on the storage tier. For what
+    needs only the states' names and files (export reads a checkpoint's declared weights)."""
+    m = cfg.memory
+    return dataclasses.replace(cfg, memory=dataclasses.replace(
+        m, **{f: 0 for f in PLANNED if getattr(m, f) is None}))
 
 
 def default_host_bytes() -> tuple[int, str]:
@@ -113,9 +125,14 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     return {k: -(-v // MIB) * MIB for k, v in out.items()}  # whole MiB
 
 
-def fixed_pools(cfg: Config, rt) -> dict[str, int]:
-    """Pools every step needs whatever the placement, in host memory (on CPU the device's
-    slots and gradient buffers are host memory too)."""
+WORKING_SLACK = 128 * MIB  # allocator arenas of the I/O threads, interpreter, fragmentation
+
+
+def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
+    """Memory every step needs whatever the placement, in host memory (on CPU the device's
+    slots and gradient buffers are host memory too), with the working set that is no pool:
+    initialisation and autograd hold a few units' tensors at once, and a micro-batch's
+    activations live while a block computes."""
     m, layout, e = cfg.memory, rt.layout, rt.dtype.itemsize
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
@@ -127,6 +144,7 @@ def fixed_pools(cfg: Config, rt) -> dict[str, int]:
     else:
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
+    out["working set"] = 4 * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
     return out
 
 
@@ -150,22 +168,22 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
     m = cfg.memory
     todo = [f for f in PLANNED if getattr(m, f) is None]
     host, source = (m.host_mib * MIB, "memory.host_mib") if m.host_mib is not None else default_host_bytes()
-    fixed = fixed_pools(cfg, rt)
-    plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=rt.dev.separate)
     explicit = {f: getattr(m, f) * MIB for f in PLANNED if f not in todo}
     device_acts = rt.dev.separate  # kept activations live in device memory on CUDA
     rates = None
     act = _act_bytes_estimate(cfg, rt)
     if "keep_act_mib" in todo:
         act = act_fn() if act_fn is not None else rates_fn().act_bytes
+    fixed = fixed_pools(cfg, rt, act)
+    plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=device_acts)
     need = demands(cfg, rt, act)
     plan.demand = need
     host_need = {f: v for f, v in need.items() if not (device_acts and f == "keep_act_mib")}
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:
         raise ConfigError(
-            f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools and the "
-            f"sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
+            f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
+            f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
             "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / the *_mib fields set")
     given = dict(explicit)
     if todo:
@@ -181,7 +199,8 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
         if device_acts and "keep_act_mib" in todo:
             given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
     plan.given = given
-    mem = dataclasses.replace(m, **{f: math.ceil(given[f] / MIB) if f in todo else getattr(m, f) for f in PLANNED})
+    # whole MiB, rounded down: never over the budget (demands are whole MiB already)
+    mem = dataclasses.replace(m, **{f: given[f] // MIB if f in todo else getattr(m, f) for f in PLANNED})
     return dataclasses.replace(cfg, memory=mem), plan
 
 

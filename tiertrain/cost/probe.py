@@ -62,20 +62,24 @@ def probe_disk(io: IOConfig, probe_mib: int = 256) -> tuple[float, float, float]
     """(read GB/s, write GB/s, CPU seconds per GB moved) of the storage tier: one file of
     ``probe_mib`` over every path, written then read once, no checksums."""
     size = probe_mib << 20
+    piece = min(size, 16 << 20)  # the buffer: the probe's own memory stays small
+    size = size // piece * piece
     st = Storage(io.paths, threads=io.threads, chunk_bytes=io.chunk_kib << 10, stripe_bytes=io.stripe_kib << 10,
                  direct=io.direct, checksum=False)
-    buf = aligned_empty(size)
-    buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    buf = aligned_empty(piece)
+    buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
     name = f".tiertrain-probe-{os.getpid()}"
     try:
         f = st.create(name, size)
         c0 = time.process_time()
         t0 = time.perf_counter()
-        f.write(buf)
+        for fut in [f.pwrite(buf, file_offset=off) for off in range(0, size, piece)]:
+            fut.get()
         f.flush()  # sync point: the bytes are on the device
         w = time.perf_counter() - t0
         t0 = time.perf_counter()
-        f.read(buf)
+        for off in range(0, size, piece):  # one buffer: reads in turn, each spread over the threads
+            f.read(buf, file_offset=off)
         r = time.perf_counter() - t0
         cpu = time.process_time() - c0
         f.close()
@@ -97,8 +101,9 @@ def probe_crc(mib: int = 64) -> float:
 
 def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
     """Seconds per element of one AdamW step on the host (fp32 states)."""
-    n = max(1 << 16, min(numel, 1 << 22))
-    p, g, m, v = (torch.randn(n) * 0.02 for _ in range(4))
+    n = max(1 << 16, min(numel, 1 << 20))
+    gen = torch.Generator().manual_seed(0)  # not the global one: the run's draws stay its own
+    p, g, m, v = (torch.randn(n, generator=gen) * 0.02 for _ in range(4))
     v.abs_()
     return _timed(lambda: adamw_segments([p], [g], [m], [v], step=2, lr=1e-4, cfg=cfg.optim), repeats=2) / n
 
@@ -110,8 +115,15 @@ def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden:
 
 
 def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False) -> dict:
-    """Per micro-batch: seconds of the embedding's forward and backward, one block's forward
+    """Run in a forked RNG: a probe never changes what the run draws (dropout, resume).
+
+    Per micro-batch: seconds of the embedding's forward and backward, one block's forward
     and backward, the head's forward + backward; and one block's activation bytes."""
+    with torch.random.fork_rng(devices=[dev.device] if dev.cuda else []):
+        return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only)
+
+
+def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool) -> dict:
     d = cfg.data
     plan = model.plan
     embed = next(r for r in plan if r.role == "embed")

@@ -56,12 +56,14 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     return out
 
 
-def plan_report(cfg, rt, states, pred: Prediction) -> str:
+def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     t, r = pred.traffic, pred.rates
     lines = [
         f"model: {cfg.model.kind}, {rt.dtype}, {rt.layout.describe()}",
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
         f" update path {cfg.update.mode}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
+        "",
+        *(budget.lines() if budget is not None else []),
         "",
         "placement:",
         *_placement(states),

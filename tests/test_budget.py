@@ -1,0 +1,147 @@
+"""One memory budget (memory.host_mib): the fixed pools first, then the states by the step
+time a byte saves; explicit *_mib fields as given; never over the budget."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from reference import small_config
+from test_parity import assert_parity
+from tiertrain.config import ConfigError
+from tiertrain.cost import Rates
+from tiertrain.cost.budget import PLANNED, demands, fixed_pools, resolve_budget
+from tiertrain.runtime import Runtime
+
+MIB = 1 << 20
+
+
+def planned_config(tmp_path, host_mib=None, **kw):
+    """small_config with every *_mib field left to the budget."""
+    cfg = small_config(tmp_path, **kw)
+    for f in PLANNED:
+        setattr(cfg.memory, f, None)
+    cfg.memory.host_mib = host_mib
+    return cfg
+
+
+def rates(**kw):
+    base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0, embed_bwd_s=0.0,
+                block_fwd_s=1e-3, block_bwd_s=2e-3, head_s=1e-3, act_bytes=1 << 20, update_elem_s=1e-9, cores=2)
+    return Rates(**{**base, **kw})
+
+
+def _no_probe():
+    raise AssertionError("measured although everything fits")
+
+
+def test_everything_fits_nothing_is_measured(tmp_path):
+    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2)
+    rt = Runtime(cfg)
+    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+    need = demands(cfg, rt, 1 << 20)
+    for f in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "keep_act_mib"):
+        assert getattr(out.memory, f) * MIB == need[f] > 0, f
+    assert out.memory.residual_host_mib == 0  # no error feedback: nothing to hold
+    assert plan.host_used <= plan.host_bytes and "half of the" in plan.host_source
+
+
+def test_a_tight_budget_goes_to_what_saves_most_per_byte(tmp_path):
+    """Parameters save 3 reads + 1 write per byte (fp32), the others 1 + 1: parameters first,
+    the rest to the next in rank; the order follows the measured rates."""
+    cfg = planned_config(tmp_path / "a", layers=6, d=128, micro_batches=2)
+    rt = Runtime(cfg)
+    fixed = sum(fixed_pools(cfg, rt, 1 << 20).values())
+    need = demands(cfg, rt, 1 << 20)
+    cfg.memory.host_mib = (fixed + need["host_param_mib"] + need["grad_host_mib"] // 2) // MIB
+    calls = []
+    slow_recompute = rates(block_fwd_s=1e-9)  # kept activations save next to nothing
+    out, plan = resolve_budget(cfg, rt, lambda: calls.append(1) or slow_recompute, lambda: 1 << 20)
+    assert calls == [1]  # measured once, since not everything fits
+    m = out.memory
+    assert m.host_param_mib * MIB == need["host_param_mib"]
+    assert 0 < m.grad_host_mib * MIB < need["grad_host_mib"]  # tie between equal ranks: in field order
+    assert m.optim_host_mib == m.stash_host_mib == m.keep_act_mib == 0
+    assert plan.host_used <= plan.host_bytes
+    # with a cheap recompute ranked below I/O, but an expensive one above everything
+    out2, _ = resolve_budget(cfg, rt, lambda: rates(block_fwd_s=10.0), lambda: 1 << 20)
+    assert out2.memory.keep_act_mib == min(need["keep_act_mib"], cfg.memory.host_mib * MIB - fixed) // MIB
+    assert out2.memory.host_param_mib == 0
+
+
+def test_explicit_fields_are_taken_as_given_and_counted(tmp_path):
+    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2)
+    cfg.memory.optim_host_mib = 0  # the expert keeps the moments on the SSD
+    rt = Runtime(cfg)
+    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+    assert out.memory.optim_host_mib == 0 and "optim_host_mib" not in plan.planned
+    cfg.memory.host_mib = 1
+    with pytest.raises(ConfigError, match=r"memory.host_mib: the budget \(1 MiB, memory.host_mib\) is less than the "
+                                          r"fixed pools"):
+        resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+
+
+def test_planned_run_is_bit_identical_and_keeps_the_user_config(tmp_path):
+    """Placement changes where states live, never the math; checkpoints keep the config as
+    given, so a resumed run plans its memory again."""
+    cfg = planned_config(tmp_path, kind="llama", layers=3, micro_batches=2, steps=3)
+    cfg.memory.host_mib = 200
+    tr, _ = assert_parity(cfg)
+    assert tr.budget.host_used <= 200 * MIB
+    assert 0 < tr.cfg.memory.host_param_mib and tr.user_cfg.memory.host_param_mib is None
+
+
+_CHILD = r"""
+import json, pathlib, sys
+sys.path.insert(0, sys.argv[2])
+from test_budget import planned_config
+from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.train import Trainer
+cfg = planned_config(pathlib.Path(sys.argv[1]), host_mib=int(sys.argv[3]), layers=8, d=512, heads=8, micro_batches=2,
+                     steps=2, update_kib=1024)
+base = host_rss()
+if not reset_peak_rss():
+    print(json.dumps({"unsupported": "cannot reset the peak RSS"})); sys.exit(0)
+with Trainer(cfg) as tr:
+    tr.initialize(progress=False)
+    for _ in range(2):
+        tr.train_step()
+    print(json.dumps(dict(growth=host_peak_rss() - base, pools=sum(tr.pool_bytes.values()), used=tr.budget.host_used,
+                          unit=tr.layout.max_unit_numel * 4, given={f: getattr(tr.cfg.memory, f) for f in
+                          ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "keep_act_mib")})))
+"""
+
+
+@pytest.mark.parametrize("host_mib", [300, 500])
+def test_the_budget_is_never_exceeded(tmp_path, host_mib):
+    """A 25 M-parameter model (~400 MiB of states) under 300 and 500 MiB: the pools and placed
+    states stay within the budget, and the process (from before the Trainer) grows by at most
+    the budget, whose fixed part reserves the working set (4 units, two micro-batches'
+    activations, 128 MiB of slack)."""
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), os.path.dirname(__file__), str(host_mib)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if "unsupported" in out:
+        pytest.skip(out["unsupported"])
+    assert out["used"] <= host_mib * MIB
+    assert out["pools"] <= host_mib * MIB, (out["pools"] / MIB, out["given"])
+    assert out["growth"] <= host_mib * MIB, (out["growth"] / MIB, out["pools"] / MIB, out["given"])
+    assert sum(out["given"].values()) <= host_mib  # what was placed, in MiB, before the pools
+
+
+def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
+    """No *_mib flag: the budget is half the available memory, the small default model fits,
+    so every state is in memory and the step touches no SSD; the plan is printed."""
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
+                        f"--train.run_dir={run}", "--train.steps=2", "--model.n_layers=2", "--model.d_model=64",
+                        "--data.seq_len=32", "--train.progress=false", "--train.predict=false"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "host memory budget" in r.stderr and "(half of the" in r.stderr
+    assert "parameters: " in r.stderr and "(memory.host_param_mib, planned)" in r.stderr
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(d["ssd_read_bytes"] == 0 and d["ssd_write_bytes"] == 0 for d in lines)
