@@ -48,6 +48,8 @@ MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, voca
 
 MODES = {  # name: (label, update section, memory fields other than the defaults)
     "baseline": ("baseline", UpdateConfig(), {}),
+    # the one budget at its default (half the available memory): this model's states fit in it
+    "budget": ("baseline, default memory budget", UpdateConfig(), {"planned": True}),
     "engines": ("engines", UpdateConfig(mode="engines"), {}),  # no read-ahead (the default)
     "engines-ahead1g": ("engines, read-ahead 1 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 1024}),
     "engines-ahead2g": ("engines, read-ahead 2 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 2048}),
@@ -66,7 +68,10 @@ def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline",
            keep_mib: int | None = None) -> Config:
     _, update, memory = MODES[mode]
     # states on the storage tier, as DeepSpeed's (the budget would place this model in RAM)
-    memory = {**STATES_ON_STORAGE, **memory, **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
+    planned = memory.get("planned", False)
+    memory = {k: v for k, v in memory.items() if k != "planned"}
+    memory = {**({} if planned else STATES_ON_STORAGE), **memory,
+              **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
     return Config(
         io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),
@@ -109,15 +114,13 @@ def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer]:
 
 
 def formula_bytes(tr: Trainer) -> tuple[int, int]:
-    """Bytes per step by the table in docs/DESIGN.md for this placement (fp32 on CPU: 4 B rows), before
-    slot hits: params fetched twice, then the update reads params, grads (the part on disk)
-    and both moments and writes them back, in the trainer or in the engines."""
-    f = dict(tr.plan.files)
-    f.update({os.path.basename(p).split(".", 1)[1]: n for p, n in tr.plan.placed or []})
-    p, g, m, v = f["params.bin"], f["grads.bin"], f["exp_avg.bin"], f["exp_avg_sq.bin"]
-    read = 2 * p + p + g + m + v
-    write = g + p + m + v
-    return read, write
+    """Bytes per step by the cost model (docs/DESIGN.md) for this run's placement, slot hits and
+    kept graphs (tiertrain.cost.step_traffic: in the trainer or in the engines)."""
+    from tiertrain.cost import step_traffic
+
+    kept = len(tr.model.blocks) * tr.cfg.data.micro_batches - tr.executor.recomputed
+    t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept)
+    return t.read, t.write
 
 
 def main() -> int:

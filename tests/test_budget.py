@@ -29,7 +29,8 @@ def planned_config(tmp_path, host_mib=None, **kw):
 
 def rates(**kw):
     base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0, embed_bwd_s=0.0,
-                block_fwd_s=1e-3, block_bwd_s=2e-3, head_s=1e-3, act_bytes=1 << 20, update_elem_s=1e-9, cores=2)
+                block_fwd_s=1e-3, block_bwd_s=2e-3, head_s=1e-3, act_bytes=1 << 20, update_elem_s=1e-9, cores=2,
+                io_slowdown=1.0)
     return Rates(**{**base, **kw})
 
 

@@ -48,7 +48,7 @@ def test_kept_pairs_follow_the_budget_and_the_policy(tmp_path):
 def _rates(**kw):
     base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0,
                 embed_bwd_s=0.0, block_fwd_s=0.1, block_bwd_s=0.2, head_s=0.05, act_bytes=1 << 20,
-                update_elem_s=1e-9, cores=2)
+                update_elem_s=1e-9, cores=2, io_slowdown=1.0)
     return Rates(**{**base, **kw})
 
 

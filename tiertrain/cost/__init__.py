@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from .model import Phase, Prediction, predict
-from .probe import Rates, probe_compute, probe_crc, probe_disk, probe_update
+from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
 from .traffic import Traffic, kept_pairs, step_traffic
 
 __all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "kept_pairs",
@@ -22,9 +22,17 @@ MIB = 1 << 20
 
 def measure_rates(cfg, rt, *, probe_mib: int = 256) -> Rates:
     """Probe this machine for a run of ``cfg`` on ``rt`` (a few seconds)."""
-    read, write, io_cpu = probe_disk(cfg.io, probe_mib)
-    comp = probe_compute(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
-    return Rates(read_gbps=read, write_gbps=write, crc_gbps=probe_crc(), io_cpu_s_per_gb=io_cpu,
+    args = (cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+    with DiskProbe(cfg.io, probe_mib) as d:
+        write = d.write()
+        read = d.read()
+        io_cpu = d.cpu_s / (2 * d.size / 1e9)
+        comp = probe_compute(*args)
+        with d.reading():  # the same blocks while the storage tier reads: what the overlap costs
+            busy = probe_compute(*args, blocks_only=True)
+    quiet = comp["block_fwd_s"] + comp["block_bwd_s"]
+    slow = max(1.0, (busy["block_fwd_s"] + busy["block_bwd_s"]) / quiet) if quiet > 0 else 1.0
+    return Rates(read_gbps=read, write_gbps=write, crc_gbps=probe_crc(), io_cpu_s_per_gb=io_cpu, io_slowdown=slow,
                  update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
                  cores=len(os.sched_getaffinity(0)), **comp)
 

@@ -1,9 +1,11 @@
 """Predicted step time: the bytes per step per link (``traffic``) over measured bandwidths,
 the compute of each phase from measured unit times (``probe``), and the schedule's overlap.
 
-A phase takes ``max(compute + CPU work of its checksums shared over the cores, I/O)``: the
-parameter store and the stash prefetch while the device computes, so a phase is bound by
-the slower of the two (plus the first unit's read of the forward, which nothing hides).
+A phase takes ``max(compute', I/O)``: the parameter store and the stash prefetch while the
+device computes, so a phase is bound by the slower of the two (plus the first unit's read of
+the forward, which nothing hides). On a CPU device ``compute'`` is the compute slowed, for
+the share of the phase the disk is busy, by the factor measured with the disk reading in the
+background (``io_slowdown``), plus the checksums' CPU over the cores.
 The baseline update streams states through three buffer sets: bound by its I/O or its
 kernel. With the update engines the update runs during the next forward and backward on
 the same disk: the step is bound by the slower of the trainer's phases and the disk's total
@@ -52,16 +54,21 @@ class Prediction:
 
 
 def _phase(name: str, compute: float, read: int, write: int, r: Rates, checksum: bool, *, cpu_compute: bool,
-           extra_io: float = 0.0) -> Phase:
+           extra_io: float = 0.0, extra_cpu: float = 0.0) -> Phase:
     io = read / (r.read_gbps * 1e9) + write / (r.write_gbps * 1e9) + extra_io
     crc = (read + write) / (r.crc_gbps * 1e9) if checksum else 0.0
-    cpu = crc + (read + write) / 1e9 * r.io_cpu_s_per_gb  # the I/O threads' own CPU time
-    # it runs on the I/O threads: on a CPU device it takes cores from the compute
-    busy = compute + cpu / r.cores if cpu_compute else max(compute, cpu / r.cores)
+    if cpu_compute:
+        # while the storage tier works, compute runs slower (measured: ``io_slowdown``, the
+        # I/O threads' CPU and what the machine spends on the transfers); for the part of the
+        # phase the disk is busy. Checksums and other processes' CPU (engines) take cores too.
+        busy = compute * (1 + (r.io_slowdown - 1) * min(1.0, io / compute if compute else 1.0))
+        busy += (crc + extra_cpu) / r.cores
+    else:
+        busy = max(compute, (crc + extra_cpu) / r.cores)
     t = max(busy, io)
     bound = "compute" if busy >= io else "I/O"
-    if bound == "compute" and cpu_compute and cpu / r.cores > 0.25 * busy:
-        bound = "compute + I/O threads' CPU"
+    if bound == "compute" and cpu_compute and busy > 1.25 * compute:
+        bound = "compute slowed by I/O"
     return Phase(name, compute, io, crc, t, bound)
 
 
@@ -83,13 +90,24 @@ def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: i
     upd = _phase("update", upd_c, traffic.update_read, traffic.update_write, r, ck, cpu_compute=True)
     notes = []
     if cfg.update.mode == "engines":
-        # the update runs in the engines during the next forward and backward, on the same disk
+        # The update runs in the engines during the next forward and backward, on the same disk
+        # and (on a CPU device) the same cores: their kernel, checksums and I/O threads' CPU.
+        u_bytes = traffic.update_read + traffic.update_write
+        eng_cpu = upd_c + u_bytes / 1e9 * r.io_cpu_s_per_gb + (u_bytes / (r.crc_gbps * 1e9) if ck else 0.0)
+        share = eng_cpu * fwd.compute_s / max(fwd.compute_s + bwd.compute_s, 1e-9)
+        fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute,
+                     extra_cpu=share if cpu_compute else 0.0)
+        fwd.time_s += first_read / (r.read_gbps * 1e9)
+        bwd = _phase("backward", bwd_c, traffic.backward_read, traffic.backward_write, r, ck, cpu_compute=cpu_compute,
+                     extra_io=pcie(traffic.up + traffic.down) / 2, extra_cpu=eng_cpu - share if cpu_compute else 0.0)
         disk = traffic.read / (r.read_gbps * 1e9) + traffic.write / (r.write_gbps * 1e9)
         trainer = fwd.time_s + bwd.time_s
         step = max(trainer, disk, upd_c)
         bound = "trainer's forward+backward" if step == trainer else ("disk (whole step)" if step == disk else "update kernel")
         upd = Phase("update (engines, overlapped)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden")
-        notes.append("engines: the update's bytes move during the next forward and backward")
+        notes.append(f"engines: the update's bytes move during the next forward and backward; their CPU "
+                     f"({eng_cpu:.2f} s a step) shares the cores with the trainer" if cpu_compute else
+                     "engines: the update's bytes move during the next forward and backward")
     else:
         step = fwd.time_s + bwd.time_s + upd.time_s
         bound = max((fwd, bwd, upd), key=lambda p: p.time_s).bound

@@ -10,8 +10,10 @@ the same kept-graph path the executor uses (which also gives one pair's activati
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,7 +26,7 @@ from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 
-__all__ = ["Rates", "probe_disk", "probe_compute", "probe_act_bytes", "probe_crc"]
+__all__ = ["Rates", "DiskProbe", "probe_disk", "probe_compute", "probe_act_bytes", "probe_crc"]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Rates:
     write_gbps: float
     crc_gbps: float  # one thread
     io_cpu_s_per_gb: float  # CPU the storage tier's threads take per GB moved (system calls, copies)
+    io_slowdown: float  # compute time while the storage tier reads flat out / compute time alone
     embed_fwd_s: float
     embed_bwd_s: float
     block_fwd_s: float
@@ -58,39 +61,80 @@ def _timed(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def probe_disk(io: IOConfig, probe_mib: int = 256) -> tuple[float, float, float]:
-    """(read GB/s, write GB/s, CPU seconds per GB moved) of the storage tier: one file of
-    ``probe_mib`` over every path, written then read once, no checksums."""
-    size = probe_mib << 20
-    piece = min(size, 16 << 20)  # the buffer: the probe's own memory stays small
-    size = size // piece * piece
-    st = Storage(io.paths, threads=io.threads, chunk_bytes=io.chunk_kib << 10, stripe_bytes=io.stripe_kib << 10,
-                 direct=io.direct, checksum=False)
-    buf = aligned_empty(piece)
-    buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, piece, dtype=np.uint8)
-    name = f".tiertrain-probe-{os.getpid()}"
-    try:
-        f = st.create(name, size)
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        for fut in [f.pwrite(buf, file_offset=off) for off in range(0, size, piece)]:
+class DiskProbe:
+    """One file of ``probe_mib`` over every path of the storage tier (no checksums), written
+    and read through a 16 MiB buffer; ``reading()`` keeps the disk reading in the background
+    (to measure compute while the storage tier works). A context manager; the file goes at
+    exit."""
+
+    def __init__(self, io: IOConfig, probe_mib: int = 256) -> None:
+        self.piece = min(probe_mib << 20, 16 << 20)  # the buffer: the probe's own memory stays small
+        self.size = (probe_mib << 20) // self.piece * self.piece
+        self.io = io
+        self.st = Storage(io.paths, threads=io.threads, chunk_bytes=io.chunk_kib << 10,
+                          stripe_bytes=io.stripe_kib << 10, direct=io.direct, checksum=False)
+        self.buf = aligned_empty(self.piece)
+        self.buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, self.piece, dtype=np.uint8)
+        self.name = f".tiertrain-probe-{os.getpid()}"
+        self.f = self.st.create(self.name, self.size)
+        self.cpu_s = 0.0
+
+    def write(self) -> float:
+        """GB/s of writing the file (until it is on the device)."""
+        c0, t0 = time.process_time(), time.perf_counter()
+        for fut in [self.f.pwrite(self.buf, file_offset=off) for off in range(0, self.size, self.piece)]:
             fut.get()
-        f.flush()  # sync point: the bytes are on the device
-        w = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for off in range(0, size, piece):  # one buffer: reads in turn, each spread over the threads
-            f.read(buf, file_offset=off)
-        r = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-        f.close()
-    finally:
-        for p in io.paths:
+        self.f.flush()  # sync point: the bytes are on the device
+        self.cpu_s += time.process_time() - c0
+        return self.size / (time.perf_counter() - t0) / 1e9
+
+    def read(self) -> float:
+        """GB/s of reading it (one buffer: pieces in turn, each spread over the threads)."""
+        c0, t0 = time.process_time(), time.perf_counter()
+        for off in range(0, self.size, self.piece):
+            self.f.read(self.buf, file_offset=off)
+        self.cpu_s += time.process_time() - c0
+        return self.size / (time.perf_counter() - t0) / 1e9
+
+    @contextlib.contextmanager
+    def reading(self):
+        stop = threading.Event()
+
+        def loop() -> None:
+            buf = aligned_empty(self.piece)
+            while not stop.is_set():
+                for off in range(0, self.size, self.piece):
+                    if stop.is_set():
+                        break
+                    self.f.read(buf, file_offset=off)
+
+        t = threading.Thread(target=loop, daemon=True, name="tiertrain-probe-reader")
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+
+    def __enter__(self) -> "DiskProbe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+        for p in self.io.paths:
             try:
-                os.remove(os.path.join(p, name))
+                os.remove(os.path.join(p, self.name))
             except FileNotFoundError:
                 pass
-        st.close()
-    return size / r / 1e9, size / w / 1e9, cpu / (2 * size / 1e9)
+        self.st.close()
+
+
+def probe_disk(io: IOConfig, probe_mib: int = 256) -> tuple[float, float, float]:
+    """(read GB/s, write GB/s, CPU seconds per GB moved) of the storage tier."""
+    with DiskProbe(io, probe_mib) as d:
+        w = d.write()
+        r = d.read()
+        return r, w, d.cpu_s / (2 * d.size / 1e9)
 
 
 def probe_crc(mib: int = 64) -> float:
@@ -114,16 +158,18 @@ def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden:
     return probe_compute(cfg, model, layout, dev, dtype, hidden, act_only=True)["act_bytes"]
 
 
-def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False) -> dict:
+def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False,
+                  blocks_only: bool = False) -> dict:
     """Run in a forked RNG: a probe never changes what the run draws (dropout, resume).
 
     Per micro-batch: seconds of the embedding's forward and backward, one block's forward
     and backward, the head's forward + backward; and one block's activation bytes."""
     with torch.random.fork_rng(devices=[dev.device] if dev.cuda else []):
-        return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only)
+        return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only, blocks_only)
 
 
-def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool) -> dict:
+def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool,
+                   blocks_only: bool) -> dict:
     d = cfg.data
     plan = model.plan
     embed = next(r for r in plan if r.role == "embed")
@@ -192,8 +238,9 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         if act_only:
             kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
             return {"act_bytes": kept.kept_bytes}
-        out_s = dict(embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)),
-                     head_s=_timed(head_fb))
+        out_s = {} if blocks_only else dict(
+            embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)),
+            head_s=_timed(head_fb))
         kept.clear()
         kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
         out_s["act_bytes"] = act = kept.kept_bytes
