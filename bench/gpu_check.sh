@@ -138,8 +138,8 @@ run "tiertrain vs DeepSpeed ZeRO-Infinity, cuda, bf16 (bench/vs_deepspeed.py)" 1
   "$PY" bench/vs_deepspeed.py --device cuda --dtype bfloat16 --steps 4 --rounds 1 \
   --scratch "$nvme/vs-deepspeed" --out "${out%.md}-vs-deepspeed.md"
 if [ "$dry" = 1 ]; then
-  run "storage tier, small (dry run)" 0 120 "$TT" bench io --path "$nvme/io" --size-gib 0.25 --repeats 1 --no-fio
-  run "default job on CPU, 3 steps (dry run)" 0 180 "$TT" train --train.device=cpu --train.steps=3 \
+  run "storage tier, small (dry run)" 0 120 "$TT" bench io --path "$nvme/io" --size-gib 0.1 --repeats 1 --no-fio
+  run "default job on CPU, 3 steps (dry run)" 0 180 "$TT" train --train.device=cpu --train.steps=3 --model.n_layers=2 \
     --io.paths="$nvme/cpu" --train.run_dir="$nvme/cpu-run" --train.overwrite=true
 else
   run "storage tier on the NVMe vs fio (tiertrain bench io)" 0 300 "$TT" bench io --path "$nvme/io"

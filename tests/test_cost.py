@@ -95,3 +95,21 @@ def test_train_prints_the_prediction_then_predicted_against_measured(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "predicted step: " in r.stderr and "`tiertrain plan` shows why" in r.stderr
     assert "step time: predicted " in r.stderr and "(median of the last 3 steps;" in r.stderr
+
+
+def test_predictions_for_machines_we_do_not_have():
+    """The stated-input model: Llama shapes by their sizes (7B: 6,738,415,616 parameters, as
+    its checkpoints hold), ZeRO-Infinity's parameter traffic growing with M and tiertrain's not,
+    and more drives never slower."""
+    from tiertrain.cost.machines import MACHINES, SHAPES, predict_on, table
+
+    assert SHAPES["Llama 7B"].params == 6_738_415_616
+    one = MACHINES["H100 SXM, 1 NVMe"]
+    z8, z64 = (predict_on(SHAPES["Llama 7B"], one, micro_batches=m, system="zero-infinity") for m in (8, 64))
+    t8, t64 = (predict_on(SHAPES["Llama 7B"], one, micro_batches=m) for m in (8, 64))
+    assert z64.nvme_s == pytest.approx(8 * z8.nvme_s) and t64.nvme_s == pytest.approx(t8.nvme_s)
+    for shape in SHAPES.values():
+        for system in ("baseline", "engines", "zero-infinity"):
+            steps = [predict_on(shape, MACHINES[f"H100 SXM, {n} NVMe"], system=system).step_s for n in (1, 2, 4)]
+            assert steps == sorted(steps, reverse=True), (shape.name, system, steps)
+    assert table().count("\n") == 2 + len(SHAPES) * len(MACHINES) * 2 - 1
