@@ -9,6 +9,7 @@ import pytest
 
 from reference import small_config, tiny_flags
 from tiertrain.cost import Rates, kept_pairs, predict, step_traffic
+from tiertrain.cost.probe import probe_act_bytes
 from tiertrain.cost.traffic import Traffic
 from tiertrain.train import Trainer
 
@@ -19,18 +20,23 @@ from tiertrain.train import Trainer
     dict(layers=5, micro_batches=3, slots=4, host_param_mib=1, grad_host_mib=1, optim_host_mib=1),
     dict(kind="llama", layers=4, micro_batches=4, slots=3, keep_act_mib=1),
     dict(layers=4, micro_batches=2, dtype="bfloat16", stash_host_mib=1),
+    dict(layers=4, micro_batches=3, keep_act_mib=1, activations="keep-first"),
 ])
 def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
     """In all and by state, the model's bytes equal the counters of a real step. (Reads used to
     exceed them at M >= 3: the stash dropped prefetched entries and read them again.)"""
     optim_host = case.pop("optim_host_mib", 0)
+    policy = case.pop("activations", "keep")
     cfg = small_config(tmp_path, steps=3, **case)
     cfg.memory.optim_host_mib = optim_host
+    cfg.memory.activations = policy
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         tr.train_step()
         rec = tr.train_step()
         kept = len(tr.model.blocks) * cfg.data.micro_batches - tr.executor.recomputed
+        act = probe_act_bytes(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
+        assert kept_pairs(tr.cfg, len(tr.model.blocks), act) == kept  # the policy's count, predicted
         t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept)
     assert t.write == rec.ssd_write_bytes
     assert t.read == rec.ssd_read_bytes
@@ -86,6 +92,10 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
         assert want in out, want
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
     assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files
+    assert not any((tmp_path / "ssd").glob(".tiertrain-probe-*"))  # the probe's file is gone
+    bad = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=0", *flags],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--probe-mib = 0: measure at least 1 MiB" in bad.stderr
 
 
 def test_train_prints_the_prediction_then_predicted_against_measured(tmp_path):

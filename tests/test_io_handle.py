@@ -312,7 +312,7 @@ def test_device_tensors_roundtrip(tmp_path, gds_mode):
             f.read(back, file_offset=4096)
         assert torch.equal(back, t)
         with FileHandle(tmp_path / "c", "w", size=t.numel() * 4, checksum=True, checksum_block=MIB) as f:
-            f.write(t)  # checksums computed on the GPU for whole blocks, on the host for the tail
+            f.write(t)  # checksums computed on the GPU (the last chunk ends at the file's end: whole blocks)
             back.zero_()
             f.read(back)
         assert torch.equal(back, t)

@@ -195,7 +195,7 @@ def test_float32_accumulation_rounds_a_bf16_gradient_once(tmp_path):
             view = g._live[u][0]
             for m in range(9):
                 view.add_(1.0 if m == 0 else 2.0**-9)  # what autograd's in-place accumulation does
-                g.fold()
+                g.fold((u,))
             g.end(u)
             g.flush()
             got[accum] = g.home.host_view(u)[: tr.layout.units[u].numel].float().unique().tolist()

@@ -134,6 +134,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .runtime import Runtime
     from .train import declare_states
 
+    if args.probe_mib < 1:
+        raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
     rt = Runtime(cfg)
     log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",

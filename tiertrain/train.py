@@ -47,6 +47,13 @@ log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 
 
+def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
+    """float32 accumulators for lower-precision gradients summed over micro-batches (None: the
+    gradients' own dtype)."""
+    wide = cfg.train.grad_accum_dtype == "float32" and dtype != torch.float32
+    return torch.float32 if wide and cfg.data.micro_batches > 1 else None
+
+
 def declare_states(cfg: Config, rt: Runtime) -> list[StateDecl]:
     """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
     path's (parameters, gradients, optimizer state, residual) and the stash's."""
@@ -130,10 +137,7 @@ class Trainer:
         return cfg
 
     def _accum_dtype(self) -> torch.dtype | None:
-        """float32 accumulators for lower-precision gradients summed over micro-batches."""
-        cfg = self.cfg
-        wide = cfg.train.grad_accum_dtype == "float32" and self.dtype != torch.float32
-        return torch.float32 if wide and cfg.data.micro_batches > 1 else None
+        return accum_dtype_of(self.cfg, self.dtype)
 
     def _build(self) -> None:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
@@ -141,8 +145,8 @@ class Trainer:
         accum = self._accum_dtype()
         self.dev.check_capacity({"parameter slots (memory.device_slots)": m.device_slots * unit,
                                  "gradient buffers": GradStore.buffers_for(self.layout) * unit,
-                                 "gradient accumulators (train.grad_accum_dtype)": GradStore.buffers_for(self.layout)
-                                 * self.layout.max_unit_numel * (accum.itemsize if accum else 0),
+                                 "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(
+                                     self.layout, accum),
                                  "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB})
         self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
                                                                   pin=self.dev.pin))

@@ -14,7 +14,7 @@ from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
 from .traffic import Traffic, kept_pairs, step_traffic
 
-__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "kept_pairs",
+__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs",
            "step_traffic"]
 
 MIB = 1 << 20
@@ -39,7 +39,11 @@ def measure_rates(cfg, rt, *, probe_mib: int = 256) -> Rates:
 
 def estimate(cfg, rt, rates: Rates | None = None, *, probe_mib: int = 256) -> Prediction:
     """The predicted step of ``cfg`` on ``rt`` (rates probed unless given)."""
-    rates = rates or measure_rates(cfg, rt, probe_mib=probe_mib)
+    return predict_with(cfg, rt, rates or measure_rates(cfg, rt, probe_mib=probe_mib))
+
+
+def predict_with(cfg, rt, rates: Rates) -> Prediction:
+    """The prediction of ``cfg`` on ``rt`` from given rates (no probe)."""
     blocks = len(rt.model.blocks)
     kept = kept_pairs(cfg, blocks, rates.act_bytes)
     t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,

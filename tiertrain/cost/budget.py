@@ -31,6 +31,12 @@ from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..state.grads import GradStore
 
+
+def accum_dtype_of(cfg, dtype):  # the trainer's rule (imported late: train imports this module)
+    from ..train import accum_dtype_of as rule
+
+    return rule(cfg, dtype)
+
 __all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage"]
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -114,10 +120,11 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     moments = 2 if cfg.optim.name == "adamw" else 1
     master = 1 if rt.dtype != torch.float32 else 0
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
+    engines = cfg.update.mode == "engines"  # the engines keep parameters and states in their own files
     out = {
-        "host_param_mib": n * e,
+        "host_param_mib": 0 if engines else n * e,
         "grad_host_mib": n * e,
-        "optim_host_mib": n * 4 * (moments + master),
+        "optim_host_mib": 0 if engines else n * 4 * (moments + master),
         "stash_host_mib": L * M * entry,
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
@@ -144,6 +151,9 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
     else:
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
+        out["gradient accumulators"] = GradStore.accum_bytes_for(layout, accum_dtype_of(cfg, rt.dtype))
+    entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
+    out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     out["working set"] = 4 * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
     return out
 
@@ -196,7 +206,7 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
         for f in host_todo:
             given[f] = min(host_need[f], max(0, left))
             left -= given[f]
-        if device_acts and "keep_act_mib" in todo:
+        if device_acts and rt.dev.cuda and "keep_act_mib" in todo:
             given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
     plan.given = given
     # whole MiB, rounded down: never over the budget (demands are whole MiB already)
@@ -214,5 +224,6 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
         free, _ = torch.cuda.mem_get_info(rt.dev.device)
         budget = int(0.9 * free)
     unit = rt.layout.max_unit_numel * e
-    fixed = (m.device_slots + 2 * GradStore.buffers_for(rt.layout)) * unit + 2 * act
+    fixed = ((m.device_slots + GradStore.buffers_for(rt.layout)) * unit + 2 * act
+             + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype)))
     return max(0, min(need, budget - fixed))

@@ -68,6 +68,8 @@ class DiskProbe:
     exit."""
 
     def __init__(self, io: IOConfig, probe_mib: int = 256) -> None:
+        if probe_mib < 1:
+            raise ValueError(f"probe_mib must be >= 1, got {probe_mib}")
         self.piece = min(probe_mib << 20, 16 << 20)  # the buffer: the probe's own memory stays small
         self.size = (probe_mib << 20) // self.piece * self.piece
         self.io = io
@@ -177,6 +179,7 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     head = next(r for r in plan if r.role == "head")
     units = sorted({embed.index, block.index, head.index, *layout.units[head.index].borrows})
     flats, grads = {}, {}
+    saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}  # put back after
     for u in units:
         n = layout.units[u].numel
         flats[u] = (torch.randn(n, device=dev.device) * 0.02).to(dtype)
@@ -245,8 +248,8 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
         out_s["act_bytes"] = act = kept.kept_bytes
         budget = cfg.memory.keep_act_mib
-        keep_n = (0 if cfg.memory.activations == "recompute" else
-                  L if budget is None else min(L, (budget << 20) // max(act, 1)))  # None: still being planned
+        keep_n = (0 if cfg.memory.activations == "recompute" else  # None: still being planned: a few
+                  min(L, 4) if budget is None else min(L, (budget << 20) // max(act, 1)))
         blocks_pass(max(keep_n, 1))  # warm-up
         runs = [blocks_pass(max(keep_n, 1)) for _ in range(2)]
         out_s["block_fwd_s"] = statistics.median(r[0] for r in runs)
@@ -257,3 +260,5 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         kept.clear()
         for u in units:
             layout.bind_grads(u, None)
+            for rec, data in zip(layout.units[u].params, saved[u]):
+                rec.param.data = data

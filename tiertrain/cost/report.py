@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .model import Prediction, predict
-from .traffic import kept_pairs, step_traffic
+from .model import Prediction
 
 __all__ = ["plan_report", "advice"]
 
@@ -24,14 +23,12 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     """The micro-batches at which the forward and backward hide their I/O, and the faster
     update path, both predicted with the same rates."""
     out = []
-    r, blocks = pred.rates, len(rt.model.blocks)
+    r = pred.rates
 
     def at(c) -> Prediction:
-        kept = kept_pairs(c, blocks, r.act_bytes)
-        t = step_traffic(c, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
-                         separate=rt.dev.separate)
-        return predict(c, t, r, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=0,
-                       cpu_compute=not rt.dev.cuda)
+        from . import predict_with
+
+        return predict_with(c, rt, r)
 
     def with_(section: str, **kw):
         return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})

@@ -137,7 +137,8 @@ def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, 
     shape = (d.micro_batch_size, d.seq_len, hidden)
     entry, _, spilled = HiddenStash.plan(shape, dtype, L * M, m.stash_host_mib * MIB)
     recomputed = L * M - kept
-    spill_rec = min(spilled, recomputed)
+    # spilled entries are the first pairs; KeepLast keeps the last pairs, FirstFit the first ones
+    spill_rec = max(0, spilled - kept) if m.activations == "keep-first" else min(spilled, recomputed)
     t._add("stash", "forward", "write", spill_rec * entry)
     t._add("stash", "backward", "read", spill_rec * entry)
     if separate:

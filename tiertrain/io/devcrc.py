@@ -28,7 +28,7 @@ __all__ = ["block_crcs", "PIECE"]
 
 PIECE = 4096  # bytes per level-1 piece: the level-1 table is PIECE x 256 entries (4 MiB)
 _POLY = 0x82F63B78  # CRC32C, reflected
-_CHUNK = 16 << 20  # bytes per batch of kernels (the level-1 values are 4 bytes per byte)
+_CHUNK = 4 << 20  # bytes per batch of kernels: 12 bytes of temporaries per byte (int64 index, int32 value)
 
 
 @functools.lru_cache(maxsize=1)

@@ -499,6 +499,8 @@ class FileHandle:
         if self._table is None:
             return True
         b = self._table.block
+        if b % devcrc.PIECE:  # the device CRC works on whole 4 KiB pieces
+            return False
         return off % b == 0 and (n % b == 0 or off + n == self._size)
 
     def _direct(self, kind: str, dev: torch.Tensor, off: int) -> int:

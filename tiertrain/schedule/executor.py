@@ -154,7 +154,7 @@ class LayerMajorExecutor:
             head = self.model.head
             loss = head.loss(head.logits(x), mb.targets)
             (loss / M).backward()
-            self.grads.fold()
+            self.grads.fold(self._units(ref))
             dh.append(x.grad)
             losses.append(loss.detach())
         self.grads.end(ref.index)
@@ -172,14 +172,14 @@ class LayerMajorExecutor:
             faults.point("backward")
             if (b, m) in self.kept:
                 dh[m] = self.kept.backward((b, m), dh[m])
-                self.grads.fold()
+                self.grads.fold(self._units(ref))
                 continue
             self.recomputed += 1
             x = self.stash.get((b, m)).detach().requires_grad_()
             self._rng[ref.index, m].restore()
             out = ref.module(x, mb.positions)
             torch.autograd.backward(out, dh[m])
-            self.grads.fold()
+            self.grads.fold(self._units(ref))
             dh[m] = x.grad
             self.stash.free((b, m))
         self.grads.end(ref.index)
@@ -194,7 +194,7 @@ class LayerMajorExecutor:
             self._rng[ref.index, m].restore()
             out = self.model.embed(mb.ids, mb.positions)
             torch.autograd.backward(out, dh[m])
-            self.grads.fold()
+            self.grads.fold(self._units(ref))
         self.grads.end(ref.index)
         self._release(ref)
 

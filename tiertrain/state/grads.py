@@ -66,6 +66,11 @@ class GradStore:
         later unit borrows (it stays live from the borrower's backward to its own)."""
         return buffers + len({o for unit in layout.units for o in unit.borrows})
 
+    @staticmethod
+    def accum_bytes_for(layout: FlatLayout, accum_dtype: torch.dtype | None, buffers: int = 2) -> int:
+        """Bytes of the accumulators (``accum_dtype``; None: none), one per gradient buffer."""
+        return GradStore.buffers_for(layout, buffers) * layout.max_unit_numel * accum_dtype.itemsize if accum_dtype else 0
+
     @property
     def pool_bytes(self) -> int:
         return (self.buffer_bytes + self.accum_bytes + self.home.host_bytes
@@ -90,10 +95,14 @@ class GradStore:
                 self._acc[x] = self._acc_free.pop()[:numel].zero_()
             self.layout.bind_grads(x, view)
 
-    def fold(self) -> None:
-        """A micro-batch's backward is done: add the live buffers into their accumulators and
-        zero them (nothing without ``accum_dtype``)."""
-        for x, acc in self._acc.items():
+    def fold(self, units: tuple[int, ...]) -> None:
+        """A micro-batch's backward through ``units`` is done: add their buffers into their
+        accumulators and zero them (nothing without ``accum_dtype``). Only those units: a tied
+        embedding's buffer, live through the whole backward, is folded when it was added to."""
+        for x in units:
+            acc = self._acc.get(x)
+            if acc is None:
+                continue
             view = self._live[x][0]
             acc.add_(view)
             view.zero_()

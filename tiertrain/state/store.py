@@ -153,6 +153,8 @@ class ParamStore:
         if slot.staging is not None:  # its upload may still read the staging buffer
             self.dev.sync(slot.loaded)
             self._give_back(slot)
+        if self.dev.direct:  # a direct read next is not stream-ordered: no upload may still write the slot
+            self.dev.sync(slot.loaded)
         self.dev.release(slot.tensor, after=slot.loaded)
         slot.to(SlotState.FREE)
         slot.unit, slot.loaded = None, None
