@@ -11,7 +11,7 @@ import torch
 
 from reference import small_config
 from test_parity import assert_parity
-from tiertrain.io import ChecksumError, FileHandle, IOWorkers, TruncatedFileError, gds
+from tiertrain.io import ChecksumError, FileHandle, IOWorkers, StorageError, TruncatedFileError, gds
 from tiertrain.io.devcrc import block_crcs
 from tiertrain.io.stripe import StripedFile
 from tiertrain.state.device import AsyncCpuDevice
@@ -190,3 +190,16 @@ def test_gds_on_without_kvikio_is_refused_at_start(tmp_path):
     with pytest.raises(ConfigError, match=r"io.gds='on' but kvikio is not installed"):
         _gds_usable("on")
     assert _gds_usable("auto") is False and _gds_usable("off") is False
+
+
+def test_a_kvikio_failure_names_the_file(tmp_path, direct):
+    class Broken(FakeCuFile):
+        def pread(self, buf, size, file_offset):
+            raise RuntimeError("cuFileRead failed: CU_FILE_DRIVER_NOT_INITIALIZED")
+
+    gds.set_backend(Broken, device_types=("cpu",))
+    with FileHandle(tmp_path / "f", "w", size=64 * KIB) as f:
+        f.write(torch.zeros(64 * KIB, dtype=torch.uint8))
+        with pytest.raises(StorageError, match=r"GPUDirect Storage pread of 65536 bytes at offset 0 of .*/f failed: "
+                                               r"cuFileRead failed"):
+            f.read(torch.empty(64 * KIB, dtype=torch.uint8))

@@ -92,7 +92,7 @@ class BudgetPlan:
         used = self.host_used
         out = [f"host memory budget {self.host_bytes / GIB:.2f} GiB ({self.host_source}); fixed pools "
                f"{sum(self.fixed.values()) / GIB:.2f} GiB ("
-               + ", ".join(f"{k} {v / MIB:,.0f} MiB" for k, v in self.fixed.items()) + ")"]
+               + ", ".join(f"{k} {v / MIB:,.0f} MiB" for k, v in self.fixed.items() if v) + ")"]
         for f in sorted(self.given, key=lambda k: -self.value.get(k, 0.0)):
             need, got = self.demand.get(f, 0), self.given[f]
             if not need and not got:

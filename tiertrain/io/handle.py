@@ -481,7 +481,9 @@ class FileHandle:
         n = self._check(kind, off, size)
         direct = gds.enabled()
         if direct and self._cufile is None:
-            self._cufile = gds.open_file(self.path, self.writable)
+            with self._lock:  # one kvikio handle per file, whichever thread asks first
+                if self._cufile is None:
+                    self._cufile = gds.open_file(self.path, self.writable)
         futures = []
         for c_off, c_len in _ranges(off, n, self.workers.chunk_bytes):
             dev = flat[buf_off + c_off - off : buf_off + c_off - off + c_len]
@@ -503,6 +505,14 @@ class FileHandle:
             return False
         return off % b == 0 and (n % b == 0 or off + n == self._size)
 
+    def _kvikio(self, op: str, dev: torch.Tensor, off: int) -> int:
+        """kvikio's ``pread``/``pwrite`` of all of ``dev`` at ``off``; its errors name the file."""
+        try:
+            return getattr(self._cufile, op)(dev, dev.numel(), off).get()
+        except Exception as exc:  # noqa: BLE001 - kvikio raises RuntimeError subclasses without the path
+            raise StorageError(errno.EIO, self.path, f"GPUDirect Storage {op} of {dev.numel()} bytes at offset "
+                               f"{off} of {self.path} failed: {exc}") from exc
+
     def _direct(self, kind: str, dev: torch.Tensor, off: int) -> int:
         """One chunk between the file and device memory through kvikio (on an I/O thread);
         checksums computed or verified on the device."""
@@ -511,12 +521,12 @@ class FileHandle:
         try:
             if kind == "w":
                 crcs = devcrc.block_crcs(dev, self._table.block) if self._table is not None else None
-                n = self._cufile.pwrite(dev, dev.numel(), off).get()
+                n = self._kvikio("pwrite", dev, off)
                 if n != dev.numel():
                     raise StorageError(errno.EIO, self.path, f"short write through kvikio ({n} of {dev.numel()} bytes)")
                 self._commit(off + n, off, crcs)
                 return n
-            n = self._cufile.pread(dev, dev.numel(), off).get()
+            n = self._kvikio("pread", dev, off)
             if self._table is not None:
                 if n < dev.numel():
                     raise TruncatedFileError(self.path, self._size, off + n)

@@ -111,6 +111,8 @@ class SpacePlan:
         return [(os.path.join(f.path, f.name), f.size) for f in self.all_files if f.path is not None]
 
     def describe(self) -> str:
+        if not self.all_files:
+            return "none (every state in memory)"
         parts = ", ".join(f"{f.name} {f.size / 2**20:,.1f} MiB" for f in self.all_files)
         return f"{self.total / 2**30:.2f} GiB ({parts})"
 
