@@ -47,9 +47,12 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
                    "parameters (memory.host_param_mib) or more storage paths would help")
     other = "engines" if cfg.update.mode == "baseline" else "baseline"
     p = at(with_("update", mode=other))
-    faster = other if p.step_s < pred.step_s else cfg.update.mode
+    if abs(p.step_s - pred.step_s) <= 0.02 * pred.step_s:
+        verdict = "the same within 2%: the update is not what bounds this step"
+    else:
+        verdict = f"{other if p.step_s < pred.step_s else cfg.update.mode} is faster here"
     out.append(f"update path: {other} predicts {p.step_s:.2f} s/step against {pred.step_s:.2f} s for "
-               f"{cfg.update.mode}: {faster} is faster here")
+               f"{cfg.update.mode}: {verdict}")
     return out
 
 
