@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from tiertrain.bench.output import checked_out  # noqa: E402
+from tiertrain.bench.output import checked_out, publish  # noqa: E402
 
 LINE = re.compile(r"^(?P<label>.+) M=(?P<M>\d+): (?P<s>[\d.]+) s/step")
 
@@ -95,10 +95,7 @@ def main() -> int:
         lines.append(f"| {label} | {mb:.2f} ({min(b):.2f}..{max(b):.2f}) | {mh:.2f} ({min(h):.2f}..{max(h):.2f}) |"
                      f" {mh / mb:.2f} |")
     report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    publish(report, args.out)
     return 0
 
 

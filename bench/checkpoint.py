@@ -16,7 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from train import config  # noqa: E402
 
-from tiertrain.bench.output import checked_out  # noqa: E402
+from tiertrain.bench.output import checked_out, publish  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
 
 
@@ -53,10 +53,7 @@ def main() -> int:
         f"| save | {s:.2f} | {nbytes / s / 1e9:.2f} | {s / (nbytes / 1e9):.2f} |\n"
         f"| restore (with CRC32C check) | {r:.2f} | {nbytes / r / 1e9:.2f} | {r / (nbytes / 1e9):.2f} |\n"
     )
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    publish(report, args.out)
     return 0
 
 

@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from tiertrain.bench.output import checked_out  # noqa: E402
+from tiertrain.bench.output import checked_out, publish  # noqa: E402
 
 CONFIGS = {
     "llama-d640-L8-M4": ["--model.kind=llama", "--model.n_layers=8", "--model.d_model=640", "--model.n_heads=10",
@@ -144,10 +144,7 @@ def main() -> int:
         results.append(r)
     machine = f"{os.cpu_count()} cores, {platform.system()} {platform.release()}, one virtual disk, no GPU"
     report = render(results, machine)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    publish(report, args.out)
     return 0
 
 

@@ -8,7 +8,7 @@ import sys
 from ..errors import UsageError
 from ..paths import prepare_output_file
 
-__all__ = ["checked_out"]
+__all__ = ["checked_out", "publish"]
 
 
 def checked_out(path: str, what: str = "--out") -> str:
@@ -17,3 +17,11 @@ def checked_out(path: str, what: str = "--out") -> str:
         return prepare_output_file(what, path)
     except UsageError as exc:
         raise SystemExit(f"{sys.argv[0]}: {exc}") from None
+
+
+def publish(report: str, out: str | None) -> None:
+    """Print ``report`` and, with ``out`` (already ``checked_out``), write it there."""
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report)
