@@ -37,7 +37,7 @@ from .schedule.executor import LayerMajorExecutor
 from .scratch import ScratchLock, clean_stale
 from .state.decl import SpacePlan, StateDecl, checkpointed
 from .state.device import host_peak_rss
-from .state.grads import GradStore
+from .state.grads import GradStore, accum_dtype_for
 from .update import UPDATES, Update
 from .update.schedule import lr_at
 
@@ -45,13 +45,6 @@ __all__ = ["Trainer", "SpacePlan", "declare_states"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
-
-
-def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
-    """float32 accumulators for lower-precision gradients summed over micro-batches (None: the
-    gradients' own dtype)."""
-    wide = cfg.train.grad_accum_dtype == "float32" and dtype != torch.float32
-    return torch.float32 if wide and cfg.data.micro_batches > 1 else None
 
 
 def declare_states(cfg: Config, rt: Runtime) -> list[StateDecl]:
@@ -137,7 +130,7 @@ class Trainer:
         return cfg
 
     def _accum_dtype(self) -> torch.dtype | None:
-        return accum_dtype_of(self.cfg, self.dtype)
+        return accum_dtype_for(self.cfg.train.grad_accum_dtype, self.cfg.data.micro_batches, self.dtype)
 
     def _build(self) -> None:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt

@@ -29,13 +29,11 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
-from ..state.grads import GradStore
+from ..state.grads import GradStore, accum_dtype_for
 
 
-def accum_dtype_of(cfg, dtype):  # the trainer's rule (imported late: train imports this module)
-    from ..train import accum_dtype_of as rule
-
-    return rule(cfg, dtype)
+def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
+    return accum_dtype_for(cfg.train.grad_accum_dtype, cfg.data.micro_batches, dtype)
 
 __all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage"]
 

@@ -26,7 +26,7 @@ from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 
-__all__ = ["Rates", "DiskProbe", "probe_disk", "probe_compute", "probe_act_bytes", "probe_crc"]
+__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_crc"]
 
 
 @dataclass
@@ -129,14 +129,6 @@ class DiskProbe:
             except FileNotFoundError:
                 pass
         self.st.close()
-
-
-def probe_disk(io: IOConfig, probe_mib: int = 256) -> tuple[float, float, float]:
-    """(read GB/s, write GB/s, CPU seconds per GB moved) of the storage tier."""
-    with DiskProbe(io, probe_mib) as d:
-        w = d.write()
-        r = d.read()
-        return r, w, d.cpu_s / (2 * d.size / 1e9)
 
 
 def probe_crc(mib: int = 64) -> float:

@@ -24,7 +24,14 @@ import torch
 from ..io import BufferPool, IOFuture
 from .layout import FlatLayout
 
-__all__ = ["GradStore"]
+__all__ = ["GradStore", "accum_dtype_for"]
+
+
+def accum_dtype_for(setting: str, micro_batches: int, dtype: torch.dtype) -> torch.dtype | None:
+    """The accumulators' dtype for ``train.grad_accum_dtype`` = ``setting``: float32 for
+    lower-precision gradients summed over several micro-batches, else None (no accumulators)."""
+    wide = setting == "float32" and dtype != torch.float32
+    return torch.float32 if wide and micro_batches > 1 else None
 
 
 class _Handoff:
