@@ -21,13 +21,18 @@ from tiertrain.train import Trainer
     dict(kind="llama", layers=4, micro_batches=4, slots=3, keep_act_mib=1),
     dict(layers=4, micro_batches=2, dtype="bfloat16", stash_host_mib=1),
     dict(layers=4, micro_batches=3, keep_act_mib=1, activations="keep-first"),
+    dict(layers=3, micro_batches=2, slots=3, vocab_pieces=3),
+    dict(kind="llama", layers=3, micro_batches=3, slots=4, vocab_pieces=5, host_param_mib=1),
+    dict(kind="gpt2", layers=2, micro_batches=2, slots=2, vocab_pieces=4, tie=True),
 ])
 def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
     """In all and by state, the model's bytes equal the counters of a real step. (Reads used to
     exceed them at M >= 3: the stash dropped prefetched entries and read them again.)"""
     optim_host = case.pop("optim_host_mib", 0)
     policy = case.pop("activations", "keep")
+    pieces = case.pop("vocab_pieces", None)
     cfg = small_config(tmp_path, steps=3, **case)
+    cfg.model.vocab_pieces = pieces
     cfg.memory.optim_host_mib = optim_host
     cfg.memory.activations = policy
     with Trainer(cfg) as tr:
@@ -37,7 +42,9 @@ def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
         kept = len(tr.model.blocks) * cfg.data.micro_batches - tr.executor.recomputed
         act = probe_act_bytes(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
         assert kept_pairs(tr.cfg, len(tr.model.blocks), act) == kept  # the policy's count, predicted
-        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept)
+        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept,
+                         used_pieces=tr.executor.pieces_used)
+        assert len(tr.executor.head_pieces) == (pieces or 0) if pieces else not tr.executor.head_pieces
     assert t.write == rec.ssd_write_bytes
     assert t.read == rec.ssd_read_bytes
     assert t.read == sum(v[0] for v in t.by_state.values()) and t.write == sum(v[1] for v in t.by_state.values())

@@ -141,9 +141,16 @@ class ModelConfig(Section):
     max_seq_len: int = opt(1024, "Longest sequence the model supports (position table size).")
     tie_embeddings: bool = opt(False, "Share the input embedding with the output head (gpt2 ties by default).")
     init_std: float = opt(0.02, "Standard deviation of the random initial weights.")
+    vocab_pieces: int | None = opt(None, "Pieces (row ranges) the token embedding and the output head are cut "
+                                   "into, each its own unit, so that slots and buffers are sized by a block, not by "
+                                   "a vocabulary-sized matrix. None: the fewest pieces no larger than a block (no cut "
+                                   "when the matrix is no larger); 1: never cut. A cut head's cross-entropy is an "
+                                   "online log-sum-exp over pieces: equal to the whole one up to rounding (docs/DESIGN.md).")
 
     def __post_init__(self) -> None:
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
+        if self.vocab_pieces is not None:
+            self._at_least("vocab_pieces", 1)
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
             self._at_least(name, 1)
         if self.d_model % self.n_heads:

@@ -32,7 +32,7 @@ def flops_per_token(model, seq_len: int, hidden: int) -> float:
     through (blocks and head, a tied embedding counted once with the head; the input
     embedding lookup is not a product) plus attention's 12 x layers x hidden x sequence
     (PaLM's accounting, without halving for the causal mask)."""
-    used = {id(p): p for unit in model.units[1:] for p in unit.parameters()}
+    used = {id(p): p for unit in [*model.blocks, model.head, *model.head_pieces] for p in unit.parameters()}
     return 6 * sum(p.numel() for p in used.values()) + 12 * len(model.blocks) * hidden * seq_len
 
 

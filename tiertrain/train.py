@@ -31,6 +31,7 @@ from .errors import one_line
 from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
 from .models import WeightSource
+from .models.pieces import WholeTensors
 from .rundir import RunDir
 from .runtime import Runtime
 from .schedule.executor import LayerMajorExecutor
@@ -231,10 +232,11 @@ class Trainer:
             state = next(d for d in self.plan.states if d.weights)
             src = regions[f"{state.name}.bin"]
             buf = aligned_empty(self.layout.max_unit_numel * src.dtype.itemsize).view(src.dtype)
+            whole = WholeTensors(self.model.row_pieces)  # vocabulary pieces by their whole matrix's name
             for unit in self.layout.units:
                 src.read(unit.index, buf).get()
                 for rec in unit.params:
-                    out[rec.name] = buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()
+                    out.update(whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()))
         return out
 
     # -- checkpoints --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ..data.loader import TOKENIZER_FILES
 from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
+from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir
 from ..state.layout import FlatLayout
 from ..state.decl import weights_state
@@ -79,6 +80,7 @@ def _write(path: str, man: Manifest, out: str) -> None:
     buf = torch.empty(layout.max_unit_numel, dtype=dtype)
     from safetensors.torch import save_file
 
+    whole = WholeTensors(model.row_pieces)
     file = os.path.join(path, name)
     if not os.path.exists(file):
         raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
@@ -90,7 +92,12 @@ def _write(path: str, man: Manifest, out: str) -> None:
             f.read(view, unit.numel * dtype.itemsize, unit.offset * dtype.itemsize)
             crc = crc32c(view.view(torch.uint8).numpy(), crc)
             shard = f"model-{unit.index + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {names.get(r.name, r.name): view[r.offset : r.offset + r.numel].view(r.shape).clone() for r in unit.params}
+            tensors = {}
+            for r in unit.params:  # a vocabulary piece's rows go into its whole matrix, saved with its last rows
+                for key, t in whole.add(r.name, view[r.offset : r.offset + r.numel].view(r.shape).clone()):
+                    tensors[names.get(key, key)] = t
+            if not tensors:
+                continue
             save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
             for key, t in tensors.items():
                 weight_map[key] = shard

@@ -12,6 +12,7 @@ import os
 
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
+from ..schedule.executor import visits
 from .traffic import Traffic, kept_pairs, step_traffic
 
 __all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs",
@@ -48,7 +49,7 @@ def predict_with(cfg, rt, rates: Rates) -> Prediction:
     kept = kept_pairs(cfg, blocks, rates.act_bytes)
     t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
                      separate=rt.dev.separate)
-    embed = next(r for r in rt.model.plan if r.role == "embed").index
-    first = rt.layout.units[embed].numel * rt.dtype.itemsize if t.forward_read else 0
+    first_unit = visits(rt.model.plan)[0].index  # the read nothing hides
+    first = rt.layout.units[first_unit].numel * rt.dtype.itemsize if t.forward_read else 0
     return predict(cfg, t, rates, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=first,
                    cpu_compute=not rt.dev.cuda)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..activations.keep import KeptGraphs
+from ..schedule.vocab import piece_backward, piece_logsumexp
 from ..config import Config, IOConfig
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
@@ -169,7 +170,9 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     embed = next(r for r in plan if r.role == "embed")
     block = next(r for r in plan if r.role == "block")
     head = next(r for r in plan if r.role == "head")
-    units = sorted({embed.index, block.index, head.index, *layout.units[head.index].borrows})
+    pieces = [r for r in plan if r.role in ("embed_piece", "head_piece") and r.piece == 0]  # one of each: K alike
+    units = sorted({embed.index, block.index, head.index, *layout.units[head.index].borrows,
+                    *(x for r in pieces for x in (*layout.units[r.index].borrows, r.index))})
     flats, grads = {}, {}
     saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}  # put back after
     for u in units:
@@ -178,25 +181,36 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         grads[u] = torch.zeros(n, device=dev.device, dtype=dtype)
         layout.bind(u, flats[u])
         layout.bind_grads(u, grads[u])
-    vocab = head.module.logits(torch.zeros(1, 1, hidden, device=dev.device, dtype=dtype)).shape[-1]
-    ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len), device=dev.device)
+    cut = len(model.head_pieces)
+    vocab = model.embed_pieces[0].num_embeddings if cut else getattr(model.embed, model.embed.TOKENS).num_embeddings
+    ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len), device=dev.device)  # in piece 0 if cut
+
+    def embed_call():
+        if not cut:
+            return model.embed(ids, pos)
+        tok = torch.empty(*ids.shape, hidden, dtype=dtype, device=dev.device)
+        model.embed_pieces[0].gather_into(tok, ids)
+        return model.embed.finish(tok.requires_grad_(), pos)
     pos = torch.arange(d.seq_len, device=dev.device)
     sync = dev.synchronize
     kept = KeptGraphs(1 << 62, lambda u: flats[u])
     block_units = (*layout.units[block.index].borrows, block.index)
-    x = model.embed(ids, pos).detach()
+    x = embed_call().detach()
     dh = torch.randn_like(x) * 1e-3
     out: dict = {}
 
     def embed_fwd():
         with torch.enable_grad():
-            out["e"] = model.embed(ids, pos)
+            out["e"] = embed_call()
         sync()
 
     def embed_bwd():
         with torch.enable_grad():
-            e = model.embed(ids, pos)
+            e = embed_call()
         torch.autograd.backward(e, dh)
+        if cut:
+            p0 = model.embed_pieces[0]
+            p0.add_grad(p0.weight.grad, ids, dh)
         sync()
 
     L = len(model.blocks)
@@ -222,6 +236,19 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
 
     def head_fb():
         h = x.detach().requires_grad_()
+        if cut:  # the norm, then pass 1 and pass 2 of piece 0 for each of the K pieces, the norm's backward
+            with torch.enable_grad():
+                y = head.module.hidden(h)
+            hn, t = y.detach().reshape(-1, hidden), ids.reshape(-1)
+            lse = picked = torch.zeros(t.numel(), device=dev.device)
+            dhn = torch.zeros(hn.shape, device=dev.device)
+            for _ in range(cut):
+                lse, picked = piece_logsumexp(model.head_pieces[0], hn, t, lse, picked)
+            for _ in range(cut):
+                dhn += piece_backward(model.head_pieces[0], hn, t, lse, t.numel())
+            torch.autograd.backward(y, dhn.view(y.shape).to(y.dtype))
+            sync()
+            return
         with torch.enable_grad():
             loss = head.module.loss(head.module.logits(h), ids)
         loss.backward()

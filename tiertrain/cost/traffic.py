@@ -27,10 +27,11 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config
+from ..schedule.executor import visits
 from ..state.regions import place
 from ..update.streamed import optimizer_states
 
-__all__ = ["Traffic", "step_traffic", "kept_pairs"]
+__all__ = ["Traffic", "step_traffic", "kept_pairs", "slot_fetches"]
 
 MIB = 1 << 20
 
@@ -75,15 +76,65 @@ def kept_pairs(cfg: Config, blocks: int, act_bytes: int, *, device_budget: int |
     return min(pairs, budget // act_bytes)
 
 
+def slot_fetches(order: list, layout, slots: int, on_host) -> list[tuple[int, int]]:
+    """``(visit, unit)`` of every unit the parameter store loads in one step whose units are
+    acquired in ``order`` (``executor.visits``), each visit prefetching the next ``slots - 1``:
+    the store's rules (``state/store.py``) replayed, reads taken as instant. Slots start
+    empty (the update changed every unit). ``on_host(u)``: needs no slot."""
+    unit, state, last = [None] * slots, ["free"] * slots, [0] * slots
+    clock, out = 0, []
+
+    def load(i: int, u: int, pos: int) -> None:
+        nonlocal clock
+        clock += 1
+        unit[i], state[i], last[i] = u, "loading", clock
+        out.append((pos, u))
+
+    def find(u: int) -> int | None:
+        return next((i for i in range(slots) if unit[i] == u and state[i] != "free"), None)
+
+    for pos, ref in enumerate(order):
+        units = (*layout.units[ref.index].borrows, ref.index)
+        for u in units:  # acquire
+            if on_host(u):
+                continue
+            i = find(u)
+            if i is None:
+                free = [j for j in range(slots) if state[j] == "free"]
+                idle = sorted((j for j in range(slots) if state[j] == "resident"), key=last.__getitem__)
+                loading = sorted((j for j in range(slots) if state[j] == "loading"), key=last.__getitem__)
+                i = (free or idle or loading or [None])[0]
+                if i is None:
+                    raise RuntimeError(f"no slot free for unit {u}: all {slots} are bound")
+                load(i, u, pos)
+            clock += 1
+            state[i], last[i] = "bound", clock
+        upcoming = [r.index for r in order[pos + 1 : pos + slots]]
+        for u in upcoming:  # prefetch
+            if on_host(u) or find(u) is not None:
+                continue
+            free = [j for j in range(slots) if state[j] == "free"]
+            idle = [j for j in range(slots) if state[j] == "resident" and unit[j] not in upcoming]
+            if not free and not idle:
+                break
+            load(free[0] if free else min(idle, key=last.__getitem__), u, pos)
+        for u in units:  # release
+            i = find(u)
+            if i is not None and state[i] == "bound":
+                state[i] = "resident"
+    return out
+
+
 def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int) -> set[int]:
     return {u for u, off in place(layout, dtype, host_bytes, align).items() if off is not None}
 
 
 def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, hidden: int, kept: int,
-                 separate: bool = False) -> Traffic:
+                 separate: bool = False, used_pieces: list | None = None) -> Traffic:
     """Bytes per step of a baseline run of ``cfg`` (the update engines move the update's
     bytes themselves: the same totals, attributed to them). ``kept``: pairs kept in memory
-    (``kept_pairs``); ``separate``: device memory is not host memory (CUDA)."""
+    (``kept_pairs``); ``separate``: device memory is not host memory (CUDA); ``used_pieces``:
+    the embedding pieces the step's tokens use (None: all of them, the most a step reads)."""
     m, d, t = cfg.memory, cfg.data, Traffic()
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
@@ -91,30 +142,27 @@ def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, 
     params_file = _on_file(layout, dtype, m.host_param_mib * MIB, align)
     grads_file = _on_file(layout, dtype, m.grad_host_mib * MIB, align)
     plan = model.plan
-    embed = next(r for r in plan if r.role == "embed")
     head = next(r for r in plan if r.role == "head")
     blocks = [r for r in plan if r.role == "block"]
 
-    # parameters: forward, then backward minus the blocks still in a slot
-    head_units = (*layout.units[head.index].borrows, head.index)
-    hits = max(0, min(m.device_slots - len(head_units), L))
-    still = {r.index for r in blocks[L - hits:]} if hits else set()
+    # parameters: every fetch of the step's unit visits, replayed against the store's slots;
     # phases as the executor times them: the head's forward and backward end the forward
-    forward = [embed.index, *(r.index for r in blocks), *head_units]
-    backward = [*(r.index for r in reversed(blocks)), embed.index]
-    for phase, units in (("forward", forward), ("backward", backward)):
-        for u in units:
-            if phase == "backward" and u in still:
-                continue
-            if u in params_file:
-                t._add("params", phase, "read", nbytes[u])
-            if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
-                t.up += nbytes[u]
+    order = visits(plan, used_pieces)
+    n_forward = len(order) - len(blocks) - 1  # the backward: the blocks in reverse, the embed unit
+    on_host = (lambda u: False) if separate else (lambda u: u not in params_file)
+    for pos, u in slot_fetches(order, layout, m.device_slots, on_host):
+        phase = "forward" if pos < n_forward else "backward"
+        if u in params_file:
+            t._add("params", phase, "read", nbytes[u])
+        if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
+            t.up += nbytes[u]
 
-    # gradients: written after the backward of each unit, read by the update
+    # gradients: written after the backward of each unit (the head's, and its pieces', in the
+    # forward), read by the update
+    head_side = {head.index, *(r.index for r in plan if r.role == "head_piece")}
     for u in range(len(layout.units)):
         if u in grads_file:
-            t._add("grads", "forward" if u == head.index else "backward", "write", nbytes[u])
+            t._add("grads", "forward" if u in head_side else "backward", "write", nbytes[u])
             t._add("grads", "update", "read", nbytes[u])
         if separate:
             t.down += nbytes[u]

@@ -18,6 +18,7 @@ from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, unit_param_names
 from .gpt import build_gpt
 from .hf import layer_gpt2, layer_llama
+from .pieces import cut_vocab, rows_per_piece
 
 __all__ = [
     "LayeredModel",
@@ -120,12 +121,26 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
             model.head.lm_head.weight = model.embed.wte.weight
     else:
         model = _build_hf(cfg)
+    _cut(model, cfg)
     materialize_placeholders(model, param_dtype)
     if cfg.init_from is not None:
         return model, safetensors_source(model, cfg.init_from, what="model.init_from")
     if cfg.hf_dir is not None and not cfg.from_scratch:
         return model, safetensors_source(model, cfg.hf_dir)
     return model, random_source(model, seed)
+
+
+def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
+    """Cut the vocabulary matrices into pieces as ``model.vocab_pieces`` says."""
+    embed = getattr(model.embed, model.embed.TOKENS)
+    vocab, dim = embed.weight.shape
+    if cfg.vocab_pieces is not None and cfg.vocab_pieces > vocab:
+        raise ConfigError(f"model.vocab_pieces = {cfg.vocab_pieces} is more than the vocabulary's {vocab} rows; "
+                          "use at most that many (or leave it unset)")
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, block)
+    if rows < vocab:
+        cut_vocab(model, rows)
 
 
 def random_source(model: LayeredModel, seed: int) -> WeightSource:
@@ -198,18 +213,20 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
 
     for own in unit_param_names(model):  # every weight is there, with its shape, before any work
         for name, p in own:
-            key = find(name)
-            if shapes.get(key) is not None and tuple(shapes[key]) != tuple(p.shape):
+            rp = model.row_pieces.get(name)
+            key, shape = (find(rp.whole), rp.whole_shape) if rp else (find(name), tuple(p.shape))
+            if shapes.get(key) is not None and tuple(shapes[key]) != shape:
                 raise ConfigError(f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
-                                  f"{tuple(p.shape)}; the weights are of another model")
+                                  f"{shape}; the weights are of another model")
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            key = find(name)
+            rp = model.row_pieces.get(name)
+            key = find(rp.whole if rp else name)
             try:
                 with safe_open(where[key], "pt") as f:
-                    out[name] = f.get_tensor(key)
+                    out[name] = f.get_slice(key)[rp.start : rp.stop] if rp else f.get_tensor(key)
             except (SafetensorError, OSError) as exc:
                 raise ConfigError(f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
                                   "the file is damaged: copy it again") from None
@@ -226,16 +243,22 @@ def tensor_source(model: LayeredModel, state: dict[str, torch.Tensor], describe:
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            key = name if name in state else hf_names.get(name)
+            rp = model.row_pieces.get(name)
+            whole = rp.whole if rp else name
+            key = whole if whole in state else hf_names.get(name)
             if key not in state:
-                raise KeyError(f"no tensor for {name} (HF name {hf_names.get(name)}) among the given weights")
-            out[name] = state[key]
+                raise KeyError(f"no tensor for {whole} (HF name {hf_names.get(name)}) among the given weights")
+            out[name] = state[key][rp.start : rp.stop] if rp else state[key]
         return out
 
     return WeightSource(describe, load)
 
 
 def _hf_names(model: LayeredModel) -> dict[str, str]:
-    """Our full parameter names -> the HF model's names, matched by parameter identity."""
+    """Our full parameter names -> the HF model's names, matched by parameter identity; a
+    vocabulary piece's name -> its whole matrix's HF name."""
     by_id = {id(p): n for n, p in model.hf_model.named_parameters()}
-    return {name: by_id[id(p)] for own in unit_param_names(model) for name, p in own}
+    out = {name: by_id[id(p)] for own in unit_param_names(model) for name, p in own if name not in model.row_pieces}
+    for name, rp in model.row_pieces.items():
+        out[name] = out[rp.whole] = by_id[id(rp.module.weight)]
+    return out

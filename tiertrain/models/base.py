@@ -5,15 +5,22 @@ parameters are zero-memory placeholders; the parameter store binds each unit's
 parameters to views of a device slot just before the unit runs (``Parameter.data`` is
 reassigned; the ``Parameter`` objects, their names and ties never change).
 
-Contract of the three unit kinds:
-- ``embed(input_ids, positions=None) -> hidden``
+Contract of the unit kinds:
+- ``embed(input_ids, positions=None) -> hidden``, which is ``embed.finish(tokens,
+  positions)`` of the token embedding ``tokens = getattr(embed, embed.TOKENS)(input_ids)``;
+  ``finish`` is affine in ``tokens`` (identity for Llama, positions and dropout for GPTs):
+  its gradient does not depend on their values
 - ``block(hidden, positions=None, cache=None) -> hidden``: ``positions`` are the tokens'
   positions (``[T]``; None: ``0 .. T-1``), from which position tables (rotary, learned) are
   made inside; the causal mask is the plain one for unpacked sequences; ``cache`` is the
   block's key/value cache (the seam for generation: None in training, and refused until
   generation exists)
-- ``head.logits(hidden) -> logits``, ``head.loss(logits, targets) -> loss`` (mean
-  cross-entropy over the micro-batch's tokens); ``head(hidden, targets)`` is both
+- ``head.logits(hidden) -> logits``, which is ``getattr(head, head.PROJ)(head.hidden(h))``
+  (final norm, then the output projection, without a bias); ``head.loss(logits, targets)
+  -> loss`` (mean cross-entropy over the micro-batch's tokens); ``head(hidden, targets)``
+  is both
+- with a vocabulary cut into pieces (``pieces.py``): ``embed_pieces`` and ``head_pieces``,
+  units that own rows of the token matrix and of the output projection
 
 ``LayeredModel.plan`` lists the units in execution order with their role (``UnitRef``):
 executors walk it instead of doing index arithmetic. Composing the units
@@ -51,6 +58,7 @@ class UnitRef:
     role: str
     module: nn.Module = field(compare=False, repr=False)
     block: int | None = None
+    piece: int | None = None  # vocabulary pieces ('embed_piece', 'head_piece') only
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,8 @@ class WeightSource:
 
 class LayeredModel(nn.Module):
     """``embed``, ``blocks`` and ``head`` of a causal LM, plus what is needed to load and
-    export it. ``units`` lists them in execution order: ``[embed, *blocks, head]``."""
+    export it. ``units`` lists them in execution order: ``[embed, *blocks, head]``, or,
+    with the vocabulary cut, ``[*embed_pieces, embed, *blocks, head, *head_pieces]``."""
 
     def __init__(self, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, *, kind: str) -> None:
         super().__init__()
@@ -77,27 +86,28 @@ class LayeredModel(nn.Module):
         self.hf_model: Any = None  # the Hugging Face model object whose modules these are, if any
         self.hf_config: Any = None
         self.init_unit: Callable[[int, nn.Module, torch.Generator], None] | None = None
+        self.embed_pieces = nn.ModuleList()  # vocabulary pieces (pieces.cut_vocab), none if uncut
+        self.head_pieces = nn.ModuleList()
+        self.row_pieces: dict = {}  # piece parameter name -> pieces.RowPiece
 
     @property
     def units(self) -> list[nn.Module]:
-        return [self.embed, *self.blocks, self.head]
+        return [*self.embed_pieces, self.embed, *self.blocks, self.head, *self.head_pieces]
 
     @property
     def n_units(self) -> int:
-        return len(self.blocks) + 2
+        return len(self.blocks) + 2 + len(self.embed_pieces) + len(self.head_pieces)
 
     @property
     def plan(self) -> list[UnitRef]:
         """The units in execution order, with their roles."""
-        blocks = {id(b): i for i, b in enumerate(self.blocks)}
-        out = []
-        for u, module in enumerate(self.units):
-            if module is self.embed:
-                out.append(UnitRef(u, "embed", module))
-            elif module is self.head:
-                out.append(UnitRef(u, "head", module))
-            else:
-                out.append(UnitRef(u, "block", module, blocks[id(module)]))
+        out = [UnitRef(k, "embed_piece", m, piece=k) for k, m in enumerate(self.embed_pieces)]
+        u = len(out)
+        out.append(UnitRef(u, "embed", self.embed))
+        out += [UnitRef(u + 1 + i, "block", b, i) for i, b in enumerate(self.blocks)]
+        u += 1 + len(self.blocks)
+        out.append(UnitRef(u, "head", self.head))
+        out += [UnitRef(u + 1 + k, "head_piece", m, piece=k) for k, m in enumerate(self.head_pieces)]
         return out
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -108,7 +118,9 @@ class LayeredModel(nn.Module):
 
     def full_name(self, unit: int, local: str) -> str:
         """The ``state_dict`` name (of the whole ``LayeredModel``) of a unit's parameter."""
-        prefix = "embed" if unit == 0 else "head" if unit == self.n_units - 1 else f"blocks.{unit - 1}"
+        ref = self.plan[unit]
+        prefix = {"embed_piece": f"embed_pieces.{ref.piece}", "head_piece": f"head_pieces.{ref.piece}",
+                  "block": f"blocks.{ref.block}"}.get(ref.role, ref.role)
         return f"{prefix}.{local}"
 
 

@@ -19,6 +19,8 @@ __all__ = ["GPTEmbed", "GPTBlock", "GPTHead", "build_gpt"]
 
 
 class GPTEmbed(nn.Module):
+    TOKENS = "wte"
+
     def __init__(self, vocab: int, d: int, max_len: int, dropout: float) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
@@ -26,8 +28,11 @@ class GPTEmbed(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        pos = default_positions(idx) if positions is None else positions
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return self.finish(self.wte(idx), positions)
+
+    def finish(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        pos = default_positions(tokens) if positions is None else positions
+        return self.drop(tokens + self.wpe(pos))
 
 
 class GPTBlock(nn.Module):
@@ -53,6 +58,8 @@ class GPTBlock(nn.Module):
 
 
 class GPTHead(nn.Module):
+    PROJ = "lm_head"
+
     def __init__(self, d: int, vocab: int, tied: nn.Embedding | None) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(d)
@@ -60,8 +67,11 @@ class GPTHead(nn.Module):
         if tied is not None:
             self.lm_head.weight = tied.weight
 
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(h)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(h))
+        return self.lm_head(self.hidden(h))
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -30,12 +30,17 @@ def _positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
 
 
 class LlamaEmbed(nn.Module):
+    TOKENS = "embed_tokens"
+
     def __init__(self, hf: Any) -> None:
         super().__init__()
         self.embed_tokens = hf.model.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return self.finish(self.embed_tokens(input_ids), positions)
+
+    def finish(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return tokens
 
 
 class LlamaBlock(nn.Module):
@@ -60,6 +65,8 @@ class LlamaBlock(nn.Module):
 class CausalLMHead(nn.Module):
     """Final norm, output projection and the model's own causal-LM loss."""
 
+    PROJ = "lm_head"
+
     def __init__(self, hf: Any, norm: nn.Module) -> None:
         super().__init__()
         self.norm = norm
@@ -67,8 +74,11 @@ class CausalLMHead(nn.Module):
         object.__setattr__(self, "_loss", hf.loss_function)
         self.vocab_size = hf.config.vocab_size
 
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.hidden(h))
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets)
@@ -78,13 +88,17 @@ class CausalLMHead(nn.Module):
 
 
 class GPT2Embed(nn.Module):
+    TOKENS = "wte"
+
     def __init__(self, hf: Any) -> None:
         super().__init__()
         t = hf.transformer
         self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        inputs_embeds = self.wte(input_ids)
+        return self.finish(self.wte(input_ids), positions)
+
+    def finish(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = inputs_embeds + self.wpe(_positions(inputs_embeds, positions)).to(inputs_embeds.device)
         return self.drop(h)
 

@@ -13,6 +13,14 @@ step at a time, each over all ``M`` micro-batches while the unit's parameters ar
   from the stashed input with the RNG state of its forward restored;
 - ``embed_backward``.
 
+With the vocabulary cut into pieces (``models/pieces.py``) the embedding and the head are
+walked piece by piece (``vocab.py``): the pieces the step's tokens use, then the rest of the
+embed unit; the head's norm, its pieces twice (the cross-entropy's log-sum-exp, then the
+gradients, in reverse so the last pieces are still in their slots) and the norm's backward.
+
+``visits`` lists every unit a step acquires, in order: the prefetch follows it, and the cost
+model (``cost/traffic.py``) replays it against the store's slots.
+
 Parameter gradients accumulate in the unit's gradient buffer in micro-batch order. ``M = 1``
 is ordinary training. Every ``(unit, micro-batch)`` is its own small autograd graph: input
 detached with ``requires_grad``, output gradient fed in by the executor. The forward runs
@@ -35,8 +43,24 @@ from ..models.base import LayeredModel, UnitRef
 from ..state.device import Device
 from ..state.grads import GradStore
 from ..state.store import ParamStore
+from .vocab import VocabSteps, used_pieces
 
-__all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch"]
+__all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
+
+
+def visits(plan: list[UnitRef], used: list[UnitRef] | None = None) -> list[UnitRef]:
+    """The units one step acquires, in order; ``used``: the embedding's pieces the step's
+    tokens use (None: all). Embedding pieces are not acquired in the backward (a gather's
+    gradient needs no weights)."""
+    role = {}
+    for r in plan:
+        role.setdefault(r.role, []).append(r)
+    embed, head, blocks = role["embed"][0], role["head"][0], role.get("block", [])
+    pieces = role.get("head_piece", [])
+    if not pieces:
+        return [embed, *blocks, head, *reversed(blocks), embed]
+    used = role.get("embed_piece", []) if used is None else used
+    return [*used, embed, *blocks, head, *pieces, *reversed(pieces), head, *reversed(blocks), embed]
 
 
 @dataclass
@@ -70,7 +94,7 @@ class _Rng:
             torch.cuda.set_rng_state(self.gpu, self.device)
 
 
-class LayerMajorExecutor:
+class LayerMajorExecutor(VocabSteps):
     def __init__(
         self,
         model: LayeredModel,
@@ -83,12 +107,14 @@ class LayerMajorExecutor:
     ) -> None:
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
         self.plan = model.plan
-        self._after = {r.index: self.plan[i + 1 :] for i, r in enumerate(self.plan)}  # units after each, in order
         self.embed = next(r for r in self.plan if r.role == "embed")
         self.head = next(r for r in self.plan if r.role == "head")
         self.blocks = [r for r in self.plan if r.role == "block"]
-        self._backward = [*reversed(self.blocks), self.embed]  # the backward's units, in order
-        self._backward_after = {r.index: self._backward[i + 1 :] for i, r in enumerate(self._backward)}
+        self.embed_pieces = [r for r in self.plan if r.role == "embed_piece"]
+        self.head_pieces = [r for r in self.plan if r.role == "head_piece"]
+        self.pieces_used: list[UnitRef] = []  # the embedding pieces the last step's tokens use
+        self._order: list[UnitRef] = visits(self.plan)  # this step's acquisitions
+        self._pos = 0
         self.lookahead = len(params.slots) - 1
         self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
         self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
@@ -101,10 +127,16 @@ class LayerMajorExecutor:
         """The units whose parameters ``ref`` uses: those it borrows (tied), then its own."""
         return (*self.params.layout.units[ref.index].borrows, ref.index)
 
-    def _acquire(self, ref: UnitRef, upcoming: list[UnitRef]) -> None:
+    def _acquire(self, ref: UnitRef) -> None:
+        """Bind ``ref``'s units (the next visit of the step's order), then prefetch the next ones."""
+        want = self._order[self._pos] if self._pos < len(self._order) else None
+        if want is None or want.index != ref.index:
+            raise RuntimeError(f"executor out of order: acquiring unit {ref.index} ({ref.role}) where visit "
+                               f"{self._pos} is {want}")
+        self._pos += 1
         for x in self._units(ref):
             self._flats[x] = self.params.acquire(x)
-        self.params.prefetch([r.index for r in upcoming[: self.lookahead]])
+        self.params.prefetch([r.index for r in self._order[self._pos : self._pos + self.lookahead]])
 
     def _release(self, ref: UnitRef) -> None:
         for x in reversed(self._units(ref)):
@@ -113,8 +145,10 @@ class LayerMajorExecutor:
 
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        if self.head_pieces:
+            return self._cut_embed_forward(mbs)
         ref = self.embed
-        self._acquire(ref, self._after[ref.index])
+        self._acquire(ref)
         out = []
         for m, mb in enumerate(mbs):
             self._rng[ref.index, m] = _Rng(self.dev)
@@ -124,7 +158,7 @@ class LayerMajorExecutor:
         return out
 
     def block_forward(self, ref: UnitRef, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        self._acquire(ref, self._after[ref.index])
+        self._acquire(ref)
         units, block = self._units(ref), ref.module
         out = []
         for m, (x, mb) in enumerate(zip(h, mbs)):
@@ -145,8 +179,10 @@ class LayerMajorExecutor:
 
     def head_step(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Forward and backward of the head per micro-batch: (dh, losses)."""
+        if self.head_pieces:
+            return self._cut_head_step(h, mbs)
         ref, M = self.head, len(mbs)
-        self._acquire(ref, self._backward)
+        self._acquire(ref)
         self.grads.begin(ref.index)
         dh, losses = [], []
         for x, mb in zip(h, mbs):
@@ -162,10 +198,9 @@ class LayerMajorExecutor:
         return dh, losses
 
     def block_backward(self, ref: UnitRef, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        upcoming = self._backward_after[ref.index]
-        self._acquire(ref, upcoming)
+        self._acquire(ref)
         self.grads.begin(ref.index)
-        b, prev = ref.block, upcoming[0]  # the unit the backward reaches next
+        b, prev = ref.block, self._order[self._pos]  # the unit the backward reaches next
         for m, mb in enumerate(mbs):
             if prev.role == "block" and (prev.block, m) not in self.kept:
                 self.stash.prefetch((prev.block, m))
@@ -187,8 +222,10 @@ class LayerMajorExecutor:
         return dh
 
     def embed_backward(self, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+        if self.head_pieces:
+            return self._cut_embed_backward(dh, mbs)
         ref = self.embed
-        self._acquire(ref, [])
+        self._acquire(ref)
         self.grads.begin(ref.index)
         for m, mb in enumerate(mbs):
             self._rng[ref.index, m].restore()
@@ -208,6 +245,8 @@ class LayerMajorExecutor:
             mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
                                   torch.arange(ids.shape[1], device=self.dev.device)))
         self._rng = {}
+        self.pieces_used = used_pieces(self.embed_pieces, [x for x, _ in batches])
+        self._order, self._pos = visits(self.plan, self.pieces_used), 0
         self.kept.clear()  # nothing survives a step that failed half-way
         self.policy.begin_step(len(self.blocks), M, self.kept.budget)
         t0 = time.perf_counter()

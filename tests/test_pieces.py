@@ -1,0 +1,151 @@
+"""Vocabulary pieces (models/pieces.py): the embedding and the head cut into row ranges so
+that slots and buffers are sized by a block.
+
+Exactness: the embedding's forward and backward and each piece's logits are bit-identical
+to the whole matrices'; the cross-entropy (online log-sum-exp) and the head's input
+gradient (summed over pieces) differ by rounding. Stated tolerances, measured here: with
+SGD (no normalisation of the update) the final weights differ from plain PyTorch's by at
+most 1e-5 of how far they moved (measured 1.6e-7 .. 2.9e-7) and the losses by 1e-6
+relative (measured 0.9e-7 .. 1.8e-7); AdamW divides each gradient by its own magnitude,
+which turns rounding in near-zero gradients into differences of up to a step's size in
+those elements: losses within 1e-5 relative, weights within 2e-4 absolute (lr 2e-3;
+measured 4e-5)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from reference import reference_model, reference_train, small_config, weights_of
+from tiertrain.checkpoint.export import export_checkpoint
+from tiertrain.config import ConfigError
+from tiertrain.cost import step_traffic
+from tiertrain.models import _hf_names, build_model, tensor_source
+from tiertrain.models.pieces import EmbedPiece, rows_per_piece
+from tiertrain.train import Trainer
+
+
+def _train_cut(cfg, init, pieces):
+    cfg.model.vocab_pieces = pieces
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    with Trainer(cfg, weights=tensor_source(skeleton, init)) as tr:
+        tr.initialize(progress=False)
+        losses = [tr.train_step().extra["losses"] for _ in range(cfg.train.steps)]
+        names = _hf_names(tr.model) if tr.model.hf_model is not None else None
+        return losses, tr.weights(), names, tr
+
+
+def _rel(a, b):
+    return max(abs(x - y) / abs(y) for la, lb in zip(a, b) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("kind,tie,micro_batches", [("gpt", False, 3), ("llama", False, 2), ("gpt2", True, 2)])
+def test_cut_model_trains_as_plain_pytorch_within_rounding_sgd(tmp_path, kind, tie, micro_batches):
+    cfg = small_config(tmp_path, kind=kind, tie=tie, micro_batches=micro_batches, lr=0.5)
+    cfg.optim.name, cfg.optim.momentum = "sgd", 0.9
+    ref = reference_model(cfg)
+    init = weights_of(ref)
+    ref_losses, ref_w = reference_train(cfg, ref)
+    losses, w, names, tr = _train_cut(cfg, init, 3)
+    assert len(tr.model.head_pieces) == 3  # units of their own, a third of the matrix each
+    assert all(tr.layout.units[r.index].used == 86 * 64 or tr.layout.units[r.index].used in (84 * 64, 0)
+               for r in tr.model.plan if r.role.endswith("piece"))
+    assert _rel(losses, ref_losses) < 1e-6
+    for n, t in w.items():  # whole matrices, by their names in the uncut model
+        theirs = ref_w[names[n] if names else n]
+        moved = (theirs - init[names[n] if names else n]).norm()
+        assert (t - theirs).norm() <= 1e-5 * moved + 1e-12, n
+
+
+def test_cut_model_adamw_within_stated_tolerance(tmp_path):
+    cfg = small_config(tmp_path, micro_batches=2)
+    ref = reference_model(cfg)
+    ref_losses, ref_w = reference_train(cfg, ref)
+    losses, w, _, _ = _train_cut(cfg, weights_of(ref), 4)
+    assert _rel(losses, ref_losses) < 1e-5
+    for n, t in w.items():
+        torch.testing.assert_close(t, ref_w[n], atol=2e-4, rtol=0, msg=n)
+
+
+def test_embedding_pieces_are_exact_forward_and_backward():
+    torch.manual_seed(0)
+    vocab, d, rows = 1000, 48, 300
+    w = torch.randn(vocab, d, requires_grad=True)
+    ids = torch.randint(0, vocab, (4, 256))
+    ids[:, ::3] = 7  # repeated tokens: their gradients add in token order
+    dout = torch.randn(4, 256, d)
+    whole = F.embedding(ids, w)
+    whole.backward(dout)
+    out, grad = torch.empty(4, 256, d), torch.zeros(vocab, d)
+    for start in range(0, vocab, rows):
+        p = EmbedPiece(start, min(rows, vocab - start), d, None)
+        p.weight = torch.nn.Parameter(w.detach()[start : start + p.num_embeddings])
+        p.gather_into(out, ids)
+        p.add_grad(grad[start : start + p.num_embeddings], ids, dout)
+    assert torch.equal(out, whole.detach()) and torch.equal(grad, w.grad)
+
+
+def test_pieces_are_sized_by_a_block_and_only_used_rows_are_read(tmp_path):
+    cfg = small_config(tmp_path, kind="llama", layers=2, steps=1)
+    cfg.model.vocab_size = 4096  # 4096 x 64 = 262k elements against a block's ~49k
+    with Trainer(cfg) as tr:
+        block = max(u.numel for u in tr.layout.units[len(tr.model.embed_pieces) + 1 :][:2])
+        assert len(tr.model.embed_pieces) == len(tr.model.head_pieces) > 1
+        assert tr.layout.max_unit_numel == block  # no vocabulary-sized unit sets the pools
+        assert rows_per_piece(None, 4096, 64, block // 1) * 64 <= block
+        tr.initialize(progress=False)
+        rec = tr.train_step()
+        used = tr.executor.pieces_used
+        assert 0 < len(used) < len(tr.model.embed_pieces)  # byte text uses the low ids only
+        piece_bytes = tr.layout.units[0].numel * 4
+        traffic = lambda used: step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align,  # noqa: E731
+                                            hidden=tr.rt.hidden_size, kept=0, used_pieces=used)
+        assert rec.ssd_read_bytes == traffic(used).read  # the forward read the used pieces only
+        assert traffic(None).read - traffic(used).read == (len(tr.model.embed_pieces) - len(used)) * piece_bytes
+    cfg.model.vocab_pieces = 1
+    with Trainer(cfg) as tr:
+        assert not tr.model.head_pieces and tr.layout.max_unit_numel >= 4096 * 64
+
+
+def test_bad_vocab_pieces_named(tmp_path):
+    with pytest.raises(ConfigError, match="model.vocab_pieces = 0"):
+        small_config(tmp_path).model.__class__(vocab_pieces=0)
+    cfg = small_config(tmp_path)
+    cfg.model.vocab_pieces = 300
+    with pytest.raises(ConfigError, match="vocab_pieces = 300 is more than the vocabulary's 256 rows"):
+        build_model(cfg.model, param_dtype=torch.float32, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_cut_checkpoint_exports_whole_matrices_that_load_uncut(tmp_path, kind):
+    """An export of a cut run has the uncut model's names and shapes (transformers loads a
+    Llama one); an uncut model starts from it with the same weights, and a differently cut
+    one reads the whole matrices by rows."""
+    cfg = small_config(tmp_path / "a", kind=kind, steps=2)
+    cfg.model.vocab_pieces = 3
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        res = tr.save_checkpoint()
+        want = tr.weights()
+        names = _hf_names(tr.model) if kind != "gpt" else {k: k for k in want}
+    out = export_checkpoint(res.path, str(tmp_path / "export"))
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        keys = set(json.load(f)["weight_map"])
+    assert keys == {names[k] for k in want} and not any("pieces" in k for k in keys)
+    if kind == "llama":
+        from transformers import AutoModelForCausalLM
+
+        sd = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        assert all(torch.equal(want[k], sd[names[k]]) for k in want)
+    for pieces in (1, 2):  # uncut, and cut differently
+        cfg2 = small_config(tmp_path / f"b{pieces}", kind=kind)
+        cfg2.model.vocab_pieces = pieces
+        cfg2.model.init_from = out
+        with Trainer(cfg2) as tr2:
+            tr2.initialize(progress=False)
+            got = tr2.weights()
+            assert len(tr2.model.head_pieces) == (0 if pieces == 1 else 2)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
