@@ -130,6 +130,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .cost import estimate, measure_rates
     from .cost.budget import resolve_budget
+    from .cost.probe import probe_act_bytes
     from .cost.report import plan_report
     from .runtime import Runtime
     from .train import declare_states
@@ -138,10 +139,19 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
     rt = Runtime(cfg)
-    log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",
-             args.probe_mib)
-    rates = measure_rates(cfg, rt, probe_mib=args.probe_mib)
-    cfg, budget = resolve_budget(cfg, rt, lambda: rates, lambda: rates.act_bytes)
+    measured = []
+
+    def rates():
+        if not measured:
+            log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",
+                     args.probe_mib)
+            measured.append(measure_rates(cfg, rt, probe_mib=args.probe_mib))
+        return measured[0]
+
+    # a budget below the fixed pools is refused before the probe's minutes
+    act = lambda: probe_act_bytes(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
+    cfg, budget = resolve_budget(cfg, rt, rates, act)
+    rates = rates()
     rt.cfg = cfg
     states = declare_states(cfg, rt)
     print(plan_report(cfg, rt, states, estimate(cfg, rt, rates), budget))
