@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=SHAPE["d_model"])
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
     ap.add_argument("--probe-mib", type=int, default=1024)
+    ap.add_argument("--slots", type=int, default=3, help="memory.device_slots")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     out = checked_out(args.out) if args.out else None
@@ -64,7 +65,7 @@ def run(args, scratch: str) -> str:
              *[f"--model.{k}={v}" for k, v in s.items()], "--model.max_seq_len=512", "--data.seq_len=512",
              "--data.micro_batch_size=1", "--data.micro_batches=2", f"--train.steps={args.steps}",
              "--train.progress=false", "--train.predict=false", f"--memory.host_mib={args.host_mib}",
-             f"--update.mode={args.mode}"]
+             f"--update.mode={args.mode}", f"--memory.device_slots={args.slots}"]
     cfg = load_config(None, flags)
     with Trainer(cfg) as tr:
         tr.initialize(progress=True)
@@ -95,6 +96,7 @@ def run(args, scratch: str) -> str:
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, "
         f"one virtual disk; fp32 on CPU; M = {M} micro-batches of 1 x 512 tokens; host budget {args.host_mib} MiB; "
+        f"{args.slots} parameter slots; "
         f"fp32 parameters + gradients + AdamW moments = {16 * n_params / 1e9:.1f} GB.",
         "",
         *[f"    {x}" for x in budget_lines],

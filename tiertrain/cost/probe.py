@@ -170,17 +170,33 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     embed = next(r for r in plan if r.role == "embed")
     block = next(r for r in plan if r.role == "block")
     head = next(r for r in plan if r.role == "head")
-    pieces = [r for r in plan if r.role in ("embed_piece", "head_piece") and r.piece == 0]  # one of each: K alike
-    units = sorted({embed.index, block.index, head.index, *layout.units[head.index].borrows,
-                    *(x for r in pieces for x in (*layout.units[r.index].borrows, r.index))})
+    pieces = {r.role: r.index for r in plan if r.role in ("embed_piece", "head_piece") and r.piece == 0}  # K alike
+
+    def with_borrows(*us: int) -> list[int]:
+        return sorted({x for u in us for x in (*layout.units[u].borrows, u)})
+
+    # one group of units in memory at a time: the probe's peak is one kind's, not the model's few largest
+    groups = {"embed": with_borrows(embed.index, *[pieces[k] for k in ("embed_piece",) if k in pieces]),
+              "head": with_borrows(head.index, *[pieces[k] for k in ("head_piece",) if k in pieces]),
+              "block": with_borrows(block.index)}
     flats, grads = {}, {}
-    saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}  # put back after
-    for u in units:
-        n = layout.units[u].numel
-        flats[u] = (torch.randn(n, device=dev.device) * 0.02).to(dtype)
-        grads[u] = torch.zeros(n, device=dev.device, dtype=dtype)
-        layout.bind(u, flats[u])
-        layout.bind_grads(u, grads[u])
+    saved = {u: [rec.param.data for rec in layout.units[u].params] for g in groups.values() for u in g}
+
+    def bind(group: str) -> None:
+        for u in groups[group]:
+            n = layout.units[u].numel
+            flats[u] = (torch.randn(n, device=dev.device) * 0.02).to(dtype)
+            grads[u] = torch.zeros(n, device=dev.device, dtype=dtype)
+            layout.bind(u, flats[u])
+            layout.bind_grads(u, grads[u])
+
+    def unbind() -> None:  # put the placeholders back, free the group's memory
+        for u in list(flats):
+            layout.bind_grads(u, None)
+            for rec, data in zip(layout.units[u].params, saved[u]):
+                rec.param.data = data
+            del flats[u], grads[u]
+
     cut = len(model.head_pieces)
     vocab = model.embed_pieces[0].num_embeddings if cut else getattr(model.embed, model.embed.TOKENS).num_embeddings
     ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len), device=dev.device)  # in piece 0 if cut
@@ -195,6 +211,7 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     sync = dev.synchronize
     kept = KeptGraphs(1 << 62, lambda u: flats[u])
     block_units = (*layout.units[block.index].borrows, block.index)
+    bind("embed")
     x = embed_call().detach()
     dh = torch.randn_like(x) * 1e-3
     out: dict = {}
@@ -257,12 +274,17 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     was = model.training
     model.train()  # dropout as in training
     try:
+        out_s = {}
+        if not (act_only or blocks_only):
+            out_s.update(embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)))
+            unbind()
+            bind("head")
+            out_s["head_s"] = _timed(head_fb)
+        unbind()
+        bind("block")
         if act_only:
             kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
             return {"act_bytes": kept.kept_bytes}
-        out_s = {} if blocks_only else dict(
-            embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)),
-            head_s=_timed(head_fb))
         kept.clear()
         kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
         out_s["act_bytes"] = act = kept.kept_bytes
@@ -277,7 +299,4 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
     finally:
         model.train(was)
         kept.clear()
-        for u in units:
-            layout.bind_grads(u, None)
-            for rec, data in zip(layout.units[u].params, saved[u]):
-                rec.param.data = data
+        unbind()
