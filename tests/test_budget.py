@@ -14,6 +14,7 @@ from tiertrain.config import ConfigError
 from tiertrain.cost import Rates
 from tiertrain.cost.budget import PLANNED, demands, fixed_pools, resolve_budget
 from tiertrain.runtime import Runtime
+from tiertrain.train import Trainer
 
 MIB = 1 << 20
 
@@ -146,3 +147,18 @@ def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
     assert "parameters: " in r.stderr and "(memory.host_param_mib, planned)" in r.stderr
     lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(d["ssd_read_bytes"] == 0 and d["ssd_write_bytes"] == 0 for d in lines)
+
+
+@pytest.mark.parametrize("paths", [1, 3])
+def test_engines_processes_are_counted_in_the_fixed_part(tmp_path, paths):
+    """The engines' shared slots (mapped by the trainer too), their buffers and interpreters
+    are part of the budget: a 2.4 B model's engines run took 1.8 GiB outside it before."""
+    from tiertrain.cost.budget import ENGINE_PROCESS
+
+    cfg = small_config(tmp_path, paths=paths)
+    cfg.update.mode = "engines"
+    with Trainer(cfg) as tr:
+        fixed = fixed_pools(tr.cfg, tr.rt)
+        assert fixed["engine slots (shared)"] == tr.update.pools()["engine slots (shared memory)"]
+        assert fixed["engine interpreters"] == paths * ENGINE_PROCESS and "update buffers" not in fixed
+        assert fixed["engine buffers"] >= paths * 3 * (cfg.memory.update_buffer_kib << 10)

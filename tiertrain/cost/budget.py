@@ -131,6 +131,7 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
 
 
 WORKING_SLACK = 128 * MIB  # allocator arenas of the I/O threads, interpreter, fragmentation
+ENGINE_PROCESS = 320 * MIB  # an engine's interpreter with torch loaded, before its pools (measured: 300-330 MiB)
 
 
 def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
@@ -144,6 +145,14 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
     if cfg.update.mode == "baseline":
         out["update buffers"] = 3 * (m.update_buffer_kib << 10)
+    else:  # the engines' processes: what the trainer shares with them, and their own buffers and interpreters
+        from ..update.engines.client import engine_slot_bytes
+
+        n = cfg.update.engines or len(cfg.io.paths)
+        out["engine slots (shared)"] = engine_slot_bytes(layout, n, rt.align, rt.dtype)
+        out["engine buffers"] = n * (3 * (m.update_buffer_kib << 10) + (m.engine_read_ahead_mib << 20)
+                                     + 2 * 2 * 2 * chunk)  # update sets, read-ahead, two I/O queues
+        out["engine interpreters"] = n * ENGINE_PROCESS
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * unit
     else:

@@ -52,6 +52,16 @@ __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 SLOTS = 2
+
+
+def slot_bytes_of(views) -> int:
+    """Bytes of each engine's gradient slot: the largest slice of a unit, in fp32."""
+    return max(4096, round_up(max(v.max_unit_numel for v in views) * 4, 4096))
+
+
+def engine_slot_bytes(layout: FlatLayout, engines: int, align: int, pdtype: torch.dtype) -> int:
+    """All engines' shared gradient slots (``SLOTS`` each), before any engine exists."""
+    return engines * SLOTS * slot_bytes_of(_views(layout, engines, chunk_align(align, pdtype))[1])
 OWNER = "update engines"
 
 
@@ -117,7 +127,7 @@ class EngineUpdate(Update):
         self.slices, self.views = _views(layout, self.n, chunk_align(self.align, pdtype))
         self.states = self.declare(cfg, layout, pdtype, self.align, storage.paths)
         self._engine_states = self.engine_states(cfg, layout, pdtype, self.align, storage.paths)
-        self.slot_bytes = max(4096, round_up(max(v.max_unit_numel for v in self.views) * 4, 4096))
+        self.slot_bytes = slot_bytes_of(self.views)
         self.timeout = cfg.update.engine_timeout_s
         self.eager = cfg.update.eager
         self.procs: list = []
