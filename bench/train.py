@@ -9,7 +9,7 @@ number of micro-batches (--micro-batches, default 1 and 4) it measures, in one r
   step's floor: max(compute, bytes read / read bandwidth + bytes written / write bandwidth).
 
 Usage: python bench/train.py [--steps 4] [--modes baseline,engines,topk] [--micro-batches 1,4]
-                             [--checksums on,off] [--out FILE]
+                             [--checksums on,off] [--model n_layers=8,d_model=1024,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -134,8 +134,15 @@ def main() -> int:
     ap.add_argument("--keep-mib", type=int, default=None, help="memory.keep_act_mib for every row (default: the config's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters' dtype")
+    ap.add_argument("--model", default="", help="model fields to change, e.g. n_layers=8,d_model=1024,n_heads=16 "
+                    "(figures are to be checked on shapes other than the default)")
     args = ap.parse_args()
     DEVICE.update(device=args.device, dtype=args.dtype)
+    for kv in filter(None, args.model.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in MODEL:
+            ap.error(f"--model: unknown field {k!r}; fields: {', '.join(MODEL)}")
+        MODEL[k] = type(MODEL[k])(v)
     checksums = [{"on": True, "off": False}[x] for x in args.checksums.split(",")]
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
@@ -208,7 +215,7 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         f"- machine: {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()},"
         f" {torch.cuda.get_device_name(0) if DEVICE['device'] == 'cuda' else 'no GPU'};"
         f" torch {torch.__version__}",
-        f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d 768, 12 layers, vocab 32000),"
+        f"- model: Llama-shaped, {n_params / 1e6:.1f} M parameters (d {MODEL['d_model']}, {MODEL['n_layers']} layers, vocab {MODEL['vocab_size']}),"
         f" {DEVICE['dtype']} on {DEVICE['device']};"
         " seq 64, micro-batch 1; states on the local disk (CRC32C checksums on unless the row says no);"
         " memory defaults"
