@@ -19,7 +19,7 @@ from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
 from .state.device import Device, make_device, resolve_dtype
-from .state.layout import FlatLayout
+from .state.layout import FlatLayout, chunk_align
 from .state.store import ParamStore
 
 __all__ = ["Runtime", "align_of", "hidden_size_of"]
@@ -41,7 +41,7 @@ class Runtime:
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
         self.weights = weights or source
-        self.layout = FlatLayout(self.model)
+        self.layout = FlatLayout(self.model, unit_align=chunk_align(align_of(cfg), self.dtype))
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
         self.storage: Storage | None = None

@@ -27,7 +27,7 @@ from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir
-from ..state.layout import FlatLayout
+from ..state.layout import FlatLayout, chunk_align
 from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
 from .saver import _replace_dir
@@ -120,8 +120,8 @@ class _Skeleton:
 
         self.cfg, self.dtype = cfg, dtype  # the checkpoint's dtype: a stored "auto" may have meant bf16 on a GPU
         self.model, _ = build_model(cfg.model, param_dtype=dtype, seed=0)
-        self.layout = FlatLayout(self.model)
         self.align, self.hidden_size = align_of(cfg), hidden_size_of(self.model, cfg)
+        self.layout = FlatLayout(self.model, unit_align=chunk_align(self.align, dtype))
 
 
 def _copy_tokenizer(cfg: Config, out: str) -> None:

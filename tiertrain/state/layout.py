@@ -89,7 +89,13 @@ class UnitLayout:
 class FlatLayout:
     """The flat layout of a ``LayeredModel``: units, their sizes and global offsets."""
 
-    def __init__(self, model: LayeredModel) -> None:
+    def __init__(self, model: LayeredModel, unit_align: int = UNIT_ALIGN) -> None:
+        """``unit_align``: elements every unit is padded to (a multiple of ``UNIT_ALIGN``; the
+        runtime gives ``chunk_align``, so that with checksums a unit's record ends on a whole
+        checksum block: its reads and writes then go straight between the file and the
+        caller's buffer, never through a bounce buffer or a read-modify-write)."""
+        if unit_align % UNIT_ALIGN:
+            raise ValueError(f"unit_align {unit_align} is not a multiple of {UNIT_ALIGN}")
         owned = unit_param_names(model)
         owner = {id(p): u for u, own in enumerate(owned) for _, p in own}
         units, offset = [], 0
@@ -98,7 +104,7 @@ class FlatLayout:
             for name, p in own:
                 recs.append(ParamRecord(name, p, p.shape, pos, p.numel()))
                 pos = _up(pos + p.numel(), PARAM_ALIGN)
-            numel = max(_up(pos, UNIT_ALIGN), UNIT_ALIGN)
+            numel = max(_up(pos, unit_align), unit_align)
             borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))
             units.append(UnitLayout(u, tuple(recs), numel, offset, borrows))
             offset += numel
