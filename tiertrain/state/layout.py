@@ -8,7 +8,8 @@ Every unit's parameters are packed into one flat buffer:
   its start to give bit-identical results to updating the whole tensor at once;
 - each unit starts at a multiple of ``UNIT_ALIGN`` (2048) elements, so in every state
   file (2- or 4-byte elements) a unit begins on a 4 KiB boundary and can be read and
-  written with O_DIRECT straight into aligned buffers.
+  written with O_DIRECT straight into aligned buffers; the runtime pads units further, to
+  whole checksum blocks (``chunk_align``), so that a unit's record also ends on one.
 
 The same element offsets are used for parameters, gradients, master weights and
 optimizer moments; only the element size differs between files.
