@@ -149,3 +149,17 @@ def test_cut_checkpoint_exports_whole_matrices_that_load_uncut(tmp_path, kind):
             got = tr2.weights()
             assert len(tr2.model.head_pieces) == (0 if pieces == 1 else 2)
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_compute_probe_times_a_cut_model_and_puts_its_placeholders_back(tmp_path):
+    """The cost model's probe runs one piece of each kind (K alike) and no whole matrix."""
+    from tiertrain.cost.probe import probe_compute
+
+    cfg = small_config(tmp_path, kind="llama", layers=2)
+    cfg.model.vocab_pieces = 4
+    with Trainer(cfg) as tr:
+        before = [p.data.stride() for p in tr.model.parameters()]
+        out = probe_compute(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
+        assert all(out[k] > 0 for k in ("embed_fwd_s", "head_s", "block_fwd_s", "block_bwd_s", "act_bytes"))
+        assert [p.data.stride() for p in tr.model.parameters()] == before  # zero-memory placeholders again
+        assert all(p.grad is None for p in tr.model.parameters())

@@ -257,7 +257,8 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
             with torch.enable_grad():
                 y = head.module.hidden(h)
             hn, t = y.detach().reshape(-1, hidden), ids.reshape(-1)
-            lse = picked = torch.zeros(t.numel(), device=dev.device)
+            lse = torch.full((t.numel(),), float("-inf"), device=dev.device)
+            picked = torch.zeros(t.numel(), device=dev.device)
             dhn = torch.zeros(hn.shape, device=dev.device)
             for _ in range(cut):
                 lse, picked = piece_logsumexp(model.head_pieces[0], hn, t, lse, picked)

@@ -54,14 +54,18 @@ class EmbedPiece(nn.Embedding):
         super().__init__(rows, dim, padding_idx=pad, device="meta")
         self.start = start
 
+    def holds(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` are rows of this piece."""
+        return (ids >= self.start) & (ids < self.start + self.num_embeddings)
+
     def gather_into(self, out: torch.Tensor, ids: torch.Tensor) -> None:
         """``out[i] = weight[ids[i] - start]`` where token ``ids[i]`` is in this piece."""
-        mask = (ids >= self.start) & (ids < self.start + self.num_embeddings)
+        mask = self.holds(ids)
         out[mask] = F.embedding(ids[mask] - self.start, self.weight).to(out.dtype)
 
     def add_grad(self, grad: torch.Tensor, ids: torch.Tensor, dout: torch.Tensor) -> None:
         """``grad[ids[i] - start] += dout[i]`` in token order, for the tokens in this piece."""
-        mask = (ids >= self.start) & (ids < self.start + self.num_embeddings)
+        mask = self.holds(ids)
         grad.index_add_(0, ids[mask] - self.start, dout[mask].to(grad.dtype))
 
 
@@ -85,7 +89,7 @@ class PiecedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = None
         for p in self.pieces:
-            mask = (ids >= p.start) & (ids < p.start + p.num_embeddings)
+            mask = p.holds(ids)
             rows = F.embedding(ids[mask] - p.start, p.weight)
             if out is None:
                 out = torch.zeros(*ids.shape, self.dim, dtype=rows.dtype, device=ids.device)
@@ -105,8 +109,9 @@ class PiecedLinear(nn.Module):
 
 
 def rows_per_piece(setting: int | None, vocab: int, dim: int, block_numel: int) -> int:
-    """Rows of each piece: ``setting`` pieces (1: no cut), or (None) the fewest pieces of
-    at most a block's elements each."""
+    """Rows of each piece: for at most ``setting`` pieces of equal rows (1: no cut; the
+    last may be shorter, and rounding up the rows can leave fewer pieces), or (None) the
+    fewest pieces of at most a block's elements each."""
     if setting is not None:
         return -(-vocab // setting)
     if vocab * dim <= block_numel:
