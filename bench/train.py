@@ -1,6 +1,6 @@
 """Training benchmark: a ~134M-parameter Llama-shaped model, fp32, states on SSD.
 
-For each update path (--modes: baseline, engines, engines-ahead1g, engines-ahead2g, topk =
+For each update path (--modes: baseline, overlap, engines, engines-ahead1g, engines-ahead2g, topk =
 engines + top-k 0.05; see MODES) and each
 number of micro-batches (--micro-batches, default 1 and 4) it measures, in one run:
 - plain PyTorch with everything in RAM (same model, data, fused AdamW): the compute floor;
@@ -35,6 +35,7 @@ from tiertrain.config import (
     IOConfig,
     MemoryConfig,
     ModelConfig,
+    OptimConfig,
     TrainConfig,
     UpdateConfig,
 )
@@ -50,6 +51,9 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
     "baseline": ("baseline", UpdateConfig(), {}),
     # the one budget at its default (half the available memory): this model's states fit in it
     "budget": ("baseline, default memory budget", UpdateConfig(), {"planned": True}),
+    "overlap": ("overlap (update under the next forward)", UpdateConfig(mode="overlap"), {}),
+    # no clipping: each unit is updated as its gradient arrives, under the backward
+    "overlap-eager": ("overlap, eager (no clipping)", UpdateConfig(mode="overlap", eager=True), {"grad_clip": 0.0}),
     "engines": ("engines", UpdateConfig(mode="engines"), {}),  # no read-ahead (the default)
     "engines-ahead1g": ("engines, read-ahead 1 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 1024}),
     "engines-ahead2g": ("engines, read-ahead 2 GiB", UpdateConfig(mode="engines"), {"engine_read_ahead_mib": 2048}),
@@ -69,7 +73,8 @@ def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline",
     _, update, memory = MODES[mode]
     # states on the storage tier, as DeepSpeed's (the budget would place this model in RAM)
     planned = memory.get("planned", False)
-    memory = {k: v for k, v in memory.items() if k != "planned"}
+    clip = memory.get("grad_clip", OptimConfig().grad_clip)
+    memory = {k: v for k, v in memory.items() if k not in ("planned", "grad_clip")}
     memory = {**({} if planned else STATES_ON_STORAGE), **memory,
               **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
     return Config(
@@ -77,6 +82,7 @@ def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline",
         model=ModelConfig(**MODEL),
         data=DataConfig(seq_len=64, micro_batch_size=1, micro_batches=micro_batches),
         update=update,
+        optim=OptimConfig(grad_clip=clip),
         memory=MemoryConfig(**memory),
         checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device=DEVICE["device"],
@@ -96,7 +102,8 @@ def plain_steps(cfg: Config, model: torch.nn.Module) -> list[float]:
         t0 = time.perf_counter()
         for x, y in corpus.batches(step):
             (m(x.to(dev), y.to(dev)) / M).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), o.grad_clip)
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":

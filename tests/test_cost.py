@@ -88,6 +88,37 @@ def test_a_phase_is_the_slower_of_compute_and_io(tmp_path):
     assert p3.step_s == pytest.approx(disk) and p3.bound == "disk (whole step)"
 
 
+
+def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
+    """update.mode = overlap: the update's own time (I/O here: 4 GB / 1 + 2 GB / 2 = 5 s)
+    moves under the next forward, adding its bytes to that phase's disk time; eager, under
+    the backward. Its CPU goes to the cores of a CPU device; its kernel runs in one thread."""
+    cfg = small_config(tmp_path, layers=4, micro_batches=2)
+    cfg.io.checksum = False
+    t = Traffic(forward_read=int(0.5e9), backward_read=int(3e9), backward_write=int(2e9),
+                update_read=int(4e9), update_write=int(2e9))
+    cfg.update.mode = "overlap"
+    p = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
+    fwd, bwd, upd = p.phases
+    assert fwd.io_s == pytest.approx(0.5 + 5.0) and fwd.time_s == pytest.approx(5.5) and fwd.bound == "I/O"
+    assert bwd.time_s == pytest.approx(4.0) and upd.time_s == 0.0
+    assert p.step_s == pytest.approx(5.5 + 4.0)  # the baseline's 0.9 + 4.0 + 5.0, less the forward's 0.9
+    cfg.optim.grad_clip, cfg.update.eager = 0.0, True
+    e = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
+    assert e.phase("forward").time_s == pytest.approx(0.9)
+    assert e.phase("backward").io_s == pytest.approx(4.0 + 5.0) and e.step_s == pytest.approx(0.9 + 9.0)
+    # the update's CPU (its kernel: 1e8 elements x 1e-9 s on 2 cores, 0.2 s in one thread) bounds it
+    # when its I/O is small; on a CPU device it also takes that CPU from the compute
+    small = Traffic(forward_read=0, update_read=int(1e6), update_write=int(1e6))
+    cfg.update.eager = False
+    cfg.optim.grad_clip = 1.0
+    q = predict(cfg, small, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
+    assert q.phase("forward").time_s == pytest.approx(0.9 + 0.1 / 2)  # compute + the kernel's CPU over 2 cores
+    tiny = predict(cfg, small, _rates(block_fwd_s=0.001, head_s=0.0), blocks=4, kept=8, n_params=10**8,
+                   first_read=0, cpu_compute=True)
+    assert tiny.phase("forward").time_s == pytest.approx(0.2)  # the update thread's own kernel time
+
+
 def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     flags = [f for f in tiny_flags(tmp_path, layers=3) if not f.startswith("--train.steps")]
     r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
@@ -95,7 +126,7 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     for want in ("placement:", "| exp_avg | update (baseline) |", "bytes per step on the storage tier: read",
-                 "| forward |", "| backward |", "| update |", "| step |", "micro-batches:", "update path: engines predicts"):
+                 "| forward |", "| backward |", "| update |", "| step |", "micro-batches:", "update path: baseline ", "overlap ", "engines "):
         assert want in out, want
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
     assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files

@@ -322,9 +322,12 @@ class UpdateConfig(Section):
 
     SECTION: ClassVar[str] = "update"
     mode: str = opt("baseline", "'baseline': the trainer streams states through its own buffers after the backward; "
+                    "'overlap': the same, in a background thread under the next forward (with update.eager, under the "
+                    "backward as gradients arrive): same math, same memory; "
                     "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.")
     engines: int = opt(0, "Number of update engines (0: one per io.paths entry).")
-    eager: bool = opt(False, "Engines update each unit as its gradients arrive (needs optim.grad_clip = 0).")
+    eager: bool = opt(False, "Update each unit as its gradients arrive, under the backward (update.mode = 'engines' or "
+                      "'overlap'; needs optim.grad_clip = 0).")
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
     topk: float = opt(0.0, "Top-k gradient compression: fraction of each gradient kept and sent to the engines "
                       "(0: off; up to 0.5). Changes the math: see the README.")
@@ -332,7 +335,7 @@ class UpdateConfig(Section):
                                "(a fp32 residual per parameter, in RAM within memory.residual_host_mib, else on SSD).")
 
     def __post_init__(self) -> None:
-        self._one_of("mode", ("baseline", "engines"))
+        self._one_of("mode", ("baseline", "overlap", "engines"))
         self._in_range("engines", 0, 256)
         self._in_range("engine_timeout_s", 1.0, 86400.0)
         self._in_range("topk", 0.0, 0.5)
@@ -397,9 +400,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        if self.update.eager and (self.update.mode != "engines" or self.optim.grad_clip > 0):
+        if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
             raise ConfigError(
-                f"update.eager = true needs update.mode = 'engines' and optim.grad_clip = 0 (got mode "
+                f"update.eager = true needs update.mode = 'engines' or 'overlap' and optim.grad_clip = 0 (got mode "
                 f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
                 "after the whole backward"
             )

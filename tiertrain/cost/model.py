@@ -7,7 +7,8 @@ the forward, which nothing hides). On a CPU device ``compute'`` is the compute s
 the share of the phase the disk is busy, by the factor measured with the disk reading in the
 background (``io_slowdown``), plus the checksums' CPU over the cores.
 The baseline update streams states through three buffer sets: bound by its I/O or its
-kernel. With the update engines the update runs during the next forward and backward on
+kernel. The overlapped update (a thread) runs the same under the next forward (eager: under
+the backward), adding its bytes and CPU to that phase. With the update engines the update runs during the next forward and backward on
 the same disk: the step is bound by the slower of the trainer's phases and the disk's total
 work of the step. The bound says which term set each phase.
 """
@@ -89,11 +90,12 @@ def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: i
                  extra_io=pcie(traffic.up + traffic.down) / 2)
     upd = _phase("update", upd_c, traffic.update_read, traffic.update_write, r, ck, cpu_compute=True)
     notes = []
+    u_bytes = traffic.update_read + traffic.update_write
+    # CPU seconds of the update off the trainer's thread: its kernel, checksums, I/O threads
+    eng_cpu = upd_c + u_bytes / 1e9 * r.io_cpu_s_per_gb + (u_bytes / (r.crc_gbps * 1e9) if ck else 0.0)
     if cfg.update.mode == "engines":
         # The update runs in the engines during the next forward and backward, on the same disk
         # and (on a CPU device) the same cores: their kernel, checksums and I/O threads' CPU.
-        u_bytes = traffic.update_read + traffic.update_write
-        eng_cpu = upd_c + u_bytes / 1e9 * r.io_cpu_s_per_gb + (u_bytes / (r.crc_gbps * 1e9) if ck else 0.0)
         share = eng_cpu * fwd.compute_s / max(fwd.compute_s + bwd.compute_s, 1e-9)
         fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute,
                      extra_cpu=share if cpu_compute else 0.0)
@@ -108,7 +110,40 @@ def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: i
         notes.append(f"engines: the update's bytes move during the next forward and backward; their CPU "
                      f"({eng_cpu:.2f} s a step) shares the cores with the trainer" if cpu_compute else
                      "engines: the update's bytes move during the next forward and backward")
+    elif cfg.update.mode == "overlap":
+        fwd, bwd, upd, note = _overlapped(cfg, traffic, r, fwd, bwd, upd, fwd_c, bwd_c, upd_c, eng_cpu, first_read,
+                                          cpu_compute, pcie(traffic.up + traffic.down) / 2)
+        notes.append(note)
+        step = fwd.time_s + bwd.time_s + upd.time_s
+        bound = max((fwd, bwd), key=lambda p: p.time_s).bound
     else:
         step = fwd.time_s + bwd.time_s + upd.time_s
         bound = max((fwd, bwd, upd), key=lambda p: p.time_s).bound
     return Prediction([fwd, bwd, upd], step, bound, traffic, rates, notes)
+
+
+def _overlapped(cfg: Config, t: Traffic, r: Rates, fwd: Phase, bwd: Phase, upd: Phase, fwd_c: float, bwd_c: float,
+                upd_c: float, upd_cpu: float, first_read: int, cpu_compute: bool, pcie_s: float):
+    """``update.mode = "overlap"``: the update thread streams under the next forward (or, eager,
+    under the backward). The phase it runs in takes at least the update's own time (its I/O,
+    or its one thread's CPU on a CPU device), plus its bytes on the same disk and its CPU on
+    the same cores. Upper bound on bytes: units the forward asks for before the update reaches
+    them are handed over instead of read back (fewer reads than counted here)."""
+    ck = cfg.io.checksum
+    one = upd_c * (r.cores if cpu_compute else 1)  # the kernel in one thread (CPU device) or all
+    thread_cpu = upd_cpu - upd_c + one
+    own = max(upd.io_s, thread_cpu)  # the update thread alone: its I/O or its CPU
+    extra_cpu = upd_cpu if cpu_compute else 0.0
+    if cfg.update.eager:  # under the backward, in its order: the embedding's update is left for the next forward
+        b = _phase("backward", bwd_c, t.backward_read, t.backward_write, r, ck, cpu_compute=cpu_compute,
+                   extra_io=pcie_s + upd.io_s, extra_cpu=extra_cpu)
+        b.time_s = max(b.time_s, own)
+        f = fwd
+        note = "overlap (eager): the update streams under the backward as each unit's gradient is home"
+        return f, b, Phase("update (thread, under the backward)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden"), note
+    f = _phase("forward", fwd_c, t.forward_read, t.forward_write, r, ck, cpu_compute=cpu_compute,
+               extra_io=upd.io_s, extra_cpu=extra_cpu)
+    f.time_s = max(f.time_s, own) + first_read / (r.read_gbps * 1e9)
+    note = (f"overlap: the update ({own:.2f} s on its own) streams under the next forward, which waits for "
+            "each unit's new parameters")
+    return f, bwd, Phase("update (thread, under the next forward)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden"), note

@@ -41,6 +41,12 @@ class IOFuture:
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
 
+    def watch(self) -> "IOFuture":
+        """A future over the same chunks for a second waiter (another thread): its ``get``
+        waits for them and raises their errors, without this future's finishing step (which
+        runs once, in the owner's ``get``)."""
+        return IOFuture(self._parts)
+
     def cancel(self) -> bool:
         """Cancel the chunks that have not started. True if none of the request ran."""
         return all([p.cancel() for p in self._parts])

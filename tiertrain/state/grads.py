@@ -38,8 +38,10 @@ class _Handoff:
     """A buffer on its way home: (separate device memory) download to host, then (file)
     write, then the buffer is free again."""
 
-    def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None) -> None:
+    def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None,
+                 in_place: int | None = None) -> None:
         self.base, self.copied, self.write, self.staging = base, copied, write, staging
+        self.in_place = in_place  # the unit whose host-resident home the download fills
 
 
 class GradStore:
@@ -90,6 +92,7 @@ class GradStore:
             if x in self._live:
                 continue  # an owner already live since its borrower's backward
             numel = self.layout.units[x].numel
+            self.home.claim(x)  # sync point where the previous update still reads the old gradient
             if not self.dev.separate and self.home.on_host(x):
                 base = None  # CPU: accumulate right in the gradients' home
                 view = self.home.host_view(x)[:numel]
@@ -127,6 +130,7 @@ class GradStore:
         self.norms[u] = list(torch._foreach_norm(views, 2, dtype=norm_dtype)) if views else []
         self.layout.bind_grads(u, None)
         if base is None:
+            self.home.done_in_place(u)  # accumulated right in its home: complete now
             return
         self._pending.append(self._send(u, buf, base))
         self.poll()
@@ -135,7 +139,7 @@ class GradStore:
         if not self.dev.separate or self.home.takes_device_tensors:  # the home copies it itself
             return _Handoff(base, write=self.home.write(u, buf))
         if self.home.on_host(u):
-            return _Handoff(base, copied=self.dev.download(self.home.host_view(u), buf))
+            return _Handoff(base, copied=self.dev.download(self.home.host_view(u), buf), in_place=u)
         staging = self._staging_buffer()
         host = staging.tensor.view(self.dtype)[: buf.numel()]
         return _Handoff(base, copied=self.dev.download(host, buf), staging=(staging, u, host))
@@ -171,6 +175,8 @@ class GradStore:
                 return False
             self.dev.sync(h.copied)
             h.copied = None
+            if h.in_place is not None:
+                self.home.done_in_place(h.in_place)
             if h.staging is not None:  # now the host copy can go to the file
                 staging, u, host = h.staging
                 h.write = self.home.write(u, host)

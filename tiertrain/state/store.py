@@ -166,6 +166,7 @@ class ParamStore:
         n = self.layout.units[u].numel
         self.stats.fetch_bytes += n * self.esize
         if self.source.on_host(u):  # separate device memory: a host-resident unit is one upload
+            self.stats.wait_s += self.source.settle(u)  # sync point where the update still writes it
             slot.loaded = self.dev.upload(slot.tensor[:n], self.source.host_view(u), after=slot.released)
             return
         try:
@@ -267,6 +268,7 @@ class ParamStore:
         self.poll()
         if self.source.on_host(u) and not self.dev.separate:
             self.stats.hits += 1
+            self.stats.wait_s += self.source.settle(u)  # sync point where the update still writes it
             flat = self.source.host_view(u)
             self.layout.bind(u, flat)
             return flat

@@ -1,13 +1,15 @@
-"""Update paths: the streamed optimizer in the trainer (``baseline``) or next to storage
-(``engines``), behind one interface (``base.Update``)."""
+"""Update paths: the streamed optimizer in the trainer after the backward (``baseline``), in a
+background thread under compute (``overlap``) or next to storage (``engines``), behind one
+interface (``base.Update``)."""
 
 from __future__ import annotations
 
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import BaselineUpdate
 from .engines import EngineError, EngineUpdate
+from .overlap import OverlapUpdate
 
-__all__ = ["Update", "ParamSource", "GradSink", "UpdateStats", "BaselineUpdate", "EngineUpdate", "EngineError", "UPDATES"]
+__all__ = ["Update", "ParamSource", "GradSink", "UpdateStats", "BaselineUpdate", "EngineUpdate", "OverlapUpdate", "EngineError", "UPDATES"]
 
 # update.mode -> its implementation; a new path is one more entry
-UPDATES: dict[str, type[Update]] = {"baseline": BaselineUpdate, "engines": EngineUpdate}
+UPDATES: dict[str, type[Update]] = {"baseline": BaselineUpdate, "overlap": OverlapUpdate, "engines": EngineUpdate}

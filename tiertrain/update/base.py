@@ -65,6 +65,11 @@ class ParamSource(abc.ABC):
         ``slot`` of the store, when the store's slots are shared with the update). Never
         blocks; the future's ``get`` waits for the update of ``u`` where it is still running."""
 
+    def settle(self, u: int) -> float:
+        """Return once unit ``u``'s host-resident parameters (used in place) are current: an
+        update still writing them is waited for. Returns the seconds waited."""
+        return 0.0
+
     def can_prefetch(self, u: int) -> bool:
         """Whether a load started now is worth starting (the update does not hold it back)."""
         return True
@@ -95,6 +100,14 @@ class GradSink(abc.ABC):
     def write(self, u: int, src: torch.Tensor) -> IOFuture:
         """Take unit ``u``'s gradient ``src`` (a CPU tensor, or a device tensor where
         ``takes_device_tensors``); ``src`` may be reused once the future is done."""
+
+    def claim(self, u: int) -> None:
+        """The backward is about to produce unit ``u``'s gradient (host-resident ones in
+        place, in ``host_view``): return once no update still reads the previous one."""
+
+    def done_in_place(self, u: int) -> None:
+        """Unit ``u``'s host-resident gradient, produced in place, is complete (``write`` is
+        not called for it)."""
 
     @property
     def host_bytes(self) -> int:
@@ -128,6 +141,9 @@ class Update(abc.ABC):
     def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
         """Apply (or start) optimizer step ``step``: every gradient has been handed to
         ``grads``. What the returned stats count is the time the trainer spent in it."""
+
+    def wait_all(self) -> None:
+        """Return once every update started has finished (raising an error it hit)."""
 
     def restored(self, step: int) -> None:
         """The state was restored from a checkpoint of ``step``."""

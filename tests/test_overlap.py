@@ -1,0 +1,141 @@
+"""The overlapped update path (``update.mode = "overlap"``): the baseline's streamed
+optimizer in a background thread, under the next forward or (eager) under the backward.
+Same math in the same order as the baseline: bit-identical to plain PyTorch in fp32, and to
+the baseline path in bf16."""
+
+import pytest
+import torch
+
+from reference import reference_model, small_config, weights_of
+from test_parity import assert_parity, run_tiertrain
+from tiertrain.config import ConfigError, load_config
+from tiertrain.train import Trainer
+
+
+def overlap_config(tmp_path, *, eager=False, **kw):
+    cfg = small_config(tmp_path, **kw)
+    cfg.update.mode = "overlap"
+    cfg.update.eager = eager
+    return cfg
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_overlap_is_bit_identical_to_plain_pytorch(tmp_path, kind, micro_batches):
+    tr, losses = assert_parity(overlap_config(tmp_path, kind=kind, micro_batches=micro_batches, steps=4))
+    assert losses[-1] != losses[0]
+
+
+def test_eager_overlap_without_clipping_is_bit_identical(tmp_path):
+    tr, losses = assert_parity(overlap_config(tmp_path, eager=True, clip=0.0, micro_batches=2, steps=4))
+
+
+def test_overlap_with_states_partly_in_host_memory(tmp_path):
+    """Host-resident parameters are updated in place: the forward must wait for them."""
+    for eager in (False, True):
+        cfg = overlap_config(tmp_path / str(eager), eager=eager, clip=0.0 if eager else 1.0, micro_batches=2,
+                             host_param_mib=1, grad_host_mib=1, optim_host_mib=1, stash_host_mib=1, paths=2,
+                             update_kib=256, slots=2)
+        assert_parity(cfg)
+
+
+def test_overlap_with_vocabulary_pieces_the_forward_does_not_read(tmp_path):
+    """With the embedding cut, pieces no token of a step uses are not loaded by its forward:
+    their next gradients must wait for their update instead. Same weights as the baseline."""
+    out = {}
+    for mode in ("baseline", "overlap"):
+        cfg = small_config(tmp_path / mode, kind="llama", micro_batches=2, steps=4)
+        cfg.model.vocab_pieces = 8
+        cfg.update.mode = mode
+        ref = weights_of(reference_model(small_config(tmp_path / "ref", kind="llama")))
+        out[mode] = run_tiertrain(cfg, ref)
+    (lb, wb, _), (lo, wo, tr) = out["baseline"], out["overlap"]
+    assert len(tr.model.embed_pieces) == 8
+    assert lo == lb and all(torch.equal(wo[k], wb[k]) for k in wb)
+
+
+def test_new_parameters_are_handed_to_the_waiting_forward(tmp_path):
+    """Units the next forward asked for before the update reached them get their new
+    parameters copied in by the update, not read back: fewer bytes read per step."""
+    reads = {}
+    for mode in ("baseline", "overlap"):
+        cfg = small_config(tmp_path / mode, layers=4, micro_batches=2, steps=4, slots=6)
+        cfg.update.mode = mode
+        with Trainer(cfg) as tr:
+            tr.initialize(progress=False)
+            recs = [tr.train_step() for _ in range(4)]
+            tr.update.wait_all()  # the last update: its I/O falls after the last step's record
+            reads[mode] = sum(s.read_bytes for s in tr.storage.stats().values())
+            handed = sum(r.extra.get("handoff_bytes", 0) for r in recs) + tr.update.record().get("handoff_bytes", 0)
+    # units asked for before the update reached them (6 slots for 6 units: most of them) are
+    # handed over: exactly those bytes are not read back (units here are whole 4 KiB blocks)
+    assert all(u.numel * 4 % 4096 == 0 for u in tr.layout.units)
+    assert handed >= 2 * tr.layout.total_numel * 4
+    assert reads["baseline"] - reads["overlap"] == handed
+
+
+def test_bf16_overlap_matches_the_baseline_exactly(tmp_path):
+    base = small_config(tmp_path / "b", micro_batches=2, steps=3, dtype="bfloat16")
+    ovl = overlap_config(tmp_path / "o", micro_batches=2, steps=3, dtype="bfloat16")
+    ref = weights_of(reference_model(base))
+    l_b, w_b, _ = run_tiertrain(base, ref)
+    l_o, w_o, _ = run_tiertrain(ovl, ref)
+    assert l_o == l_b and all(torch.equal(w_o[k], w_b[k]) for k in w_b)
+
+
+def test_resume_with_overlap_is_bit_identical(tmp_path):
+    """A checkpoint waits for the update under way; a resumed run goes on exactly."""
+    cfg = overlap_config(tmp_path / "a", micro_batches=2, steps=4)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().extra["losses"] for _ in range(4)]
+        want = tr.weights()
+    cfg = overlap_config(tmp_path / "b", micro_batches=2, steps=4)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        first = [tr.train_step().extra["losses"] for _ in range(2)]
+        saved = tr.save_checkpoint()
+    with Trainer(cfg) as tr:
+        tr.restore(saved.path)
+        rest = [tr.train_step().extra["losses"] for _ in range(2)]
+        got = tr.weights()
+    assert first + rest == straight
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_error_in_the_update_thread_reaches_the_trainer(tmp_path, monkeypatch):
+    """The thread's error is raised, as raised, by the trainer's next wait on the update;
+    nothing hangs."""
+    cfg = overlap_config(tmp_path, micro_batches=2, steps=4)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+
+        def broken(*a, **k):
+            raise OSError(5, "Input/output error (injected)")
+
+        monkeypatch.setattr(tr.update.optim, "_compute", broken)
+        with pytest.raises(OSError, match="injected"):
+            for _ in range(3):
+                tr.train_step()
+
+
+def test_eager_overlap_needs_clipping_off_and_baseline_cannot_be_eager():
+    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'engines' or 'overlap' and "
+                                          r"optim.grad_clip = 0 \(got mode 'overlap', grad_clip 1.0\)"):
+        load_config(None, ["--update.mode=overlap", "--update.eager=true"])
+    with pytest.raises(ConfigError, match=r"got mode 'baseline', grad_clip 0.0"):
+        load_config(None, ["--update.eager=true", "--optim.grad_clip=0"])
+    with pytest.raises(ConfigError, match=r"update.mode = 'overlapped'.*'baseline', 'overlap', 'engines'"):
+        load_config(None, ["--update.mode=overlapped"])
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_overlap_on_a_separate_device(tmp_path, eager):
+    """The CUDA paths (slots filled through staging, host-resident gradients downloaded into
+    their home), ordered as on a GPU by the test device: still exact."""
+    from tiertrain.state.device import AsyncCpuDevice
+
+    cfg = overlap_config(tmp_path, eager=eager, clip=0.0 if eager else 1.0, micro_batches=2, host_param_mib=1,
+                         grad_host_mib=1, paths=2, update_kib=256)
+    assert_parity(cfg, device=AsyncCpuDevice(delay=0.001))

@@ -1,0 +1,264 @@
+"""The overlapped update path (``update.mode = "overlap"``): the baseline's streamed
+optimizer, same states and files, run by a background thread of the trainer's process so
+that its I/O (12-16 bytes read and 12 written per parameter) runs under compute instead of
+after it.
+
+- With clipping (``optim.grad_clip > 0``) the global gradient norm is known only after the
+  whole backward: ``step`` starts the update of every unit (layer 0 first, as the next
+  forward needs them) and returns; the next forward's load of unit ``u`` waits for ``u``.
+- Without (``update.eager = true``, ``grad_clip = 0``) each unit is updated as soon as its
+  gradient is home, during the backward itself (units finish in the backward's order, the
+  head first); the next forward waits only for the last few.
+
+Where each unit's parameters stand (a small state machine, one per unit, guarded by one
+condition variable)::
+
+    CURRENT --its update is queued--> UPDATING --every write of the unit is done--> CURRENT
+
+A load of an UPDATING unit (``ParamSource.load``) returns a future that completes when the
+unit is CURRENT: if it was asked for before the update reached the unit, the new parameters
+are copied into the load's buffer as each chunk is computed (no read back from the file),
+otherwise the read starts when the unit is done. Host-resident parameters are used in place:
+``settle(u)`` waits. A gradient for an UPDATING unit (the previous step's update still reads
+the old one) waits too. The math is the baseline's, in the same order: bit-identical.
+
+An error in the thread (an I/O error, a checksum mismatch) is raised, as it was raised, by
+the next call that waits for the update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import Config
+from ..io import IOFuture, Storage
+from ..state.decl import Region
+from ..state.layout import FlatLayout
+from .base import UpdateStats
+from .baseline import BaselineUpdate, RegionGrads, RegionParams
+
+__all__ = ["OverlapUpdate"]
+
+
+class _Load:
+    """A load of a unit that is still being updated (the parameter store's read future)."""
+
+    def __init__(self, owner: "OverlapUpdate", u: int, out: torch.Tensor, handoff: bool) -> None:
+        self.o, self.u, self.out, self.handoff = owner, u, out, handoff
+        self.read: IOFuture | None = None  # set when the unit is done (no handoff)
+        self.nbytes = out.numel() * out.element_size()
+
+    def done(self) -> bool:
+        return self.o.ready(self.u) and (self.handoff or (self.read is not None and self.read.done()))
+
+    def get(self) -> int:
+        self.o.wait_ready(self.u)  # sync point: the unit's update is complete
+        if self.handoff:
+            return self.nbytes
+        return self.read.get()
+
+
+class _Params(RegionParams):
+    """The parameter region, with loads gated on the unit's update."""
+
+    def __init__(self, owner: "OverlapUpdate", region) -> None:
+        super().__init__(region)
+        self.o = owner
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None):
+        return self.o.load(u, out)
+
+    def settle(self, u: int) -> float:
+        return self.o.wait_ready(u)
+
+
+class _Grads(RegionGrads):
+    """The gradient region: a gradient waits until the previous update of its unit is done
+    with the old one; in eager mode, writing it queues the unit's update."""
+
+    def __init__(self, owner: "OverlapUpdate", region) -> None:
+        super().__init__(region)
+        self.o = owner
+
+    def claim(self, u: int) -> None:
+        self.o.wait_ready(u)  # sync point, rare: only a unit the forward did not load (unused vocabulary)
+
+    def write(self, u: int, src: torch.Tensor) -> IOFuture:
+        self.o.wait_ready(u)  # as claim: the file's copy too is read by the update
+        fut = self.region.write(u, src)
+        if self.o.eager:
+            self.o.queue_unit(u, fut.watch())
+        return fut
+
+    def done_in_place(self, u: int) -> None:
+        if self.o.eager:
+            self.o.queue_unit(u, IOFuture.completed())
+
+
+class OverlapUpdate(BaselineUpdate):
+    name = "overlap"
+
+    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
+        super().__init__(cfg, layout, storage, pdtype, pin=pin)
+        self.eager = cfg.update.eager
+        self.params, self.grads = _Params(self, self._params), _Grads(self, self._grads)
+        n = len(layout.units)
+        self._cv = threading.Condition()
+        self._current = [True] * n
+        self._started = [False] * n  # the update has computed a chunk of the unit (too late to hand off)
+        self._loads: dict[int, list[_Load]] = {}
+        self._error: BaseException | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # jobs queued or running
+        self._step, self._lr = 0, 0.0
+        self._busy = UpdateStats()  # the thread's time since the last record()
+        self.handoff_bytes = 0
+        # On a CPU device the thread's kernels (AdamW, CRC32C) take one core: torch's intra-op
+        # threads are set per thread, and the compute keeps the rest (measured on 2 cores: with
+        # the default, both threads' OpenMP teams fight for them and the forward slows more).
+        self._threads = None if pin else 1
+        self._thread = threading.Thread(target=self._run, name="tiertrain-update", daemon=True)
+        self._thread.start()
+
+    # -- the thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)  # this thread's only
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next wait
+                with self._cv:
+                    self._error = exc
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._cv:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def _stream(self, lr: float, coef: torch.Tensor | None, step: int, units: list[int] | None,
+                wait: IOFuture | None = None) -> None:
+        if wait is not None:
+            wait.get()  # the gradient is home (its checksums too: committed by the write itself)
+        st = self.optim.step(lr, coef, step=step, units=units, on_unit_done=self._unit_done, on_chunk=self._chunk)
+        with self._cv:
+            b = self._busy
+            b.seconds += st.seconds
+            b.wait_s += st.wait_s
+            b.compute_s += st.compute_s
+            b.chunks += st.chunks
+
+    def _chunk(self, u: int, a: int, b: int, p: torch.Tensor) -> None:
+        with self._cv:
+            self._started[u] = True
+            takers = [ld for ld in self._loads.get(u, ()) if ld.handoff]
+        for ld in takers:  # new parameters straight into the slot waiting for them
+            ld.out[a:b].copy_(p)
+
+    def _unit_done(self, u: int) -> None:
+        with self._cv:
+            loads = self._loads.pop(u, [])
+            for ld in loads:
+                if ld.handoff:
+                    self.handoff_bytes += ld.nbytes
+                else:
+                    ld.read = self._params.read(u, ld.out)
+            self._current[u], self._started[u] = True, False
+            self._cv.notify_all()
+
+    def _mark_updating(self, units) -> None:
+        with self._cv:
+            for u in units:
+                self._current[u], self._started[u] = False, False
+
+    # -- what the trainer's parts call ------------------------------------------------------------
+    def ready(self, u: int) -> bool:
+        with self._cv:
+            return self._current[u]
+
+    def wait_ready(self, u: int) -> float:
+        """Wait until unit ``u`` is CURRENT; returns the seconds waited. Raises the thread's error."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while not self._current[u] and self._error is None:
+                self._cv.wait()
+            self._raise()
+        return time.perf_counter() - t0
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def load(self, u: int, out: torch.Tensor):
+        with self._cv:
+            self._raise()
+            if self._current[u]:
+                return self._params.read(u, out)
+            ld = _Load(self, u, out, handoff=not self._started[u])
+            self._loads.setdefault(u, []).append(ld)
+            return ld
+
+    def queue_unit(self, u: int, grad_home: IOFuture) -> None:
+        """Eager mode: update unit ``u`` once ``grad_home`` completes."""
+        self._mark_updating([u])
+        lr, step = self._lr, self._step  # this step's, whenever the job runs
+        self._submit(lambda: self._stream(lr, None, step, [u], grad_home))
+
+    def wait_all(self) -> None:
+        with self._cv:
+            while self._pending and self._error is None:
+                self._cv.wait()
+            self._raise()
+
+    # -- Update -----------------------------------------------------------------------------------
+    def begin_step(self, step: int, lr: float) -> None:
+        self._raise_now()
+        self._step, self._lr = step, lr
+
+    def _raise_now(self) -> None:
+        with self._cv:
+            self._raise()
+
+    def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
+        """Start optimizer step ``step`` (eager: already under way, unit by unit); returns at
+        once. The next forward waits per unit."""
+        self._raise_now()
+        if not self.eager:
+            self.wait_all()  # the previous step's is long done (the forward loaded every unit): no wait
+            self._mark_updating(range(len(self._current)))
+            self._submit(lambda: self._stream(lr, clip_coef, step, None))
+        return UpdateStats()
+
+    @contextlib.contextmanager
+    def regions(self) -> Iterator[dict[str, Region]]:
+        self.wait_all()  # sync point: a checkpoint or export sees the finished step
+        with super().regions() as r:
+            yield r
+
+    def record(self) -> dict:
+        with self._cv:
+            b, self._busy = self._busy, UpdateStats()
+            handed, self.handoff_bytes = self.handoff_bytes, 0
+        return {"update_thread_s": b.seconds, "update_thread_wait_s": b.wait_s, "handoff_bytes": handed}
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(BaseException):
+                self.wait_all()  # an error here was (or will never be) reported by the step that hit it
+            self._jobs.put(None)
+            self._thread.join()
+        super().close()
