@@ -14,7 +14,8 @@ peak), the storage tier's bandwidth and one unit of each kind's compute, for the
 (what plain PyTorch's step would take if it fit: no recompute), and the cost model's
 prediction from the same rates.
 
-Usage: python bench/big_model.py [--steps 3] [--mode engines] [--host-mib 3300] [--out FILE]
+Usage: python bench/big_model.py [--steps 3] [--mode engines|overlap|baseline] [--eager] [--host-mib 3300]
+                                 [--slots 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ SHAPE = dict(d_model=2560, n_layers=28, n_heads=20, vocab_size=32000)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--mode", default="engines", choices=["baseline", "engines"])
+    ap.add_argument("--mode", default="engines", choices=["baseline", "overlap", "engines"])
+    ap.add_argument("--eager", action="store_true", help="update.eager (each unit as its gradient arrives; "
+                    "sets optim.grad_clip = 0, which it needs)")
     ap.add_argument("--host-mib", type=int, default=3300)
     ap.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     ap.add_argument("--d-model", type=int, default=SHAPE["d_model"])
@@ -65,7 +68,8 @@ def run(args, scratch: str) -> str:
              *[f"--model.{k}={v}" for k, v in s.items()], "--model.max_seq_len=512", "--data.seq_len=512",
              "--data.micro_batch_size=1", "--data.micro_batches=2", f"--train.steps={args.steps}",
              "--train.progress=false", "--train.predict=false", f"--memory.host_mib={args.host_mib}",
-             f"--update.mode={args.mode}", f"--memory.device_slots={args.slots}"]
+             f"--update.mode={args.mode}", f"--memory.device_slots={args.slots}",
+             *(["--update.eager=true", "--optim.grad_clip=0"] if args.eager else [])]
     cfg = load_config(None, flags)
     with Trainer(cfg) as tr:
         tr.initialize(progress=True)
@@ -92,7 +96,7 @@ def run(args, scratch: str) -> str:
     peak = trainer_peak + engines_peak
     lines = [
         f"# A model larger than memory: {n_params / 1e9:.2f} B-parameter Llama ({s['d_model']} wide, {L} blocks, "
-        f"vocabulary {s['vocab_size']}), {args.mode}",
+        f"vocabulary {s['vocab_size']}), {args.mode}{', eager (no clipping)' if args.eager else ''}",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, "
         f"one virtual disk; fp32 on CPU; M = {M} micro-batches of 1 x 512 tokens; host budget {args.host_mib} MiB; "

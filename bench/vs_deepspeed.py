@@ -16,7 +16,7 @@ parameters and fp32 master and moments on the storage tier, DeepSpeed with ``bf1
 NCCL; states stay on the NVMe for both.
 
 Usage: python bench/vs_deepspeed.py [--steps 5] [--rounds 2] [--micro-batches 4]
-                                    [--systems deepspeed,baseline,engines,topk] [--out FILE]
+                                    [--systems deepspeed,baseline,overlap,engines,topk] [--out FILE]
                                     [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
@@ -44,6 +44,7 @@ OPTIM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_cl
 SYSTEMS = {  # label, tiertrain update settings (None: DeepSpeed), exact math?
     "deepspeed": ("DeepSpeed ZeRO-Infinity (ZeRO-3, NVMe)", None, True),
     "baseline": ("tiertrain, baseline update path", {}, True),
+    "overlap": ("tiertrain, overlapped update", {"mode": "overlap"}, True),
     "engines": ("tiertrain, update engines", {"mode": "engines"}, True),
     "topk": ("tiertrain, engines + top-k 0.05 (changes the math)", {"mode": "engines", "topk": 0.05}, False),
 }
@@ -80,7 +81,7 @@ def tiertrain_worker(work: str, spec: dict, update: dict) -> None:
     meter.reset_peak()
     for step in range(spec["steps"]):
         io0, s0 = meter.io(), time.perf_counter()
-        # with engines, step k's time holds update k-1 (run under its forward), so every step
+        # with engines or overlap, step k's time holds update k-1 (run under its forward), so every step
         # measured counts one update; the last update, finished after the loop, is not counted
         rec = tr.train_step()
         io1 = meter.io()

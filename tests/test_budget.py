@@ -162,3 +162,17 @@ def test_engines_processes_are_counted_in_the_fixed_part(tmp_path, paths):
         assert fixed["engine slots (shared)"] == tr.update.pools()["engine slots (shared memory)"]
         assert fixed["engine interpreters"] == paths * ENGINE_PROCESS and "update buffers" not in fixed
         assert fixed["engine buffers"] >= paths * 3 * (cfg.memory.update_buffer_kib << 10)
+
+
+def test_the_overlapped_update_needs_the_baselines_fixed_memory(tmp_path):
+    """update.mode = overlap runs the baseline's streamed optimizer in a thread: its three
+    buffer sets, no engine process, nothing more."""
+    cfg = small_config(tmp_path)
+    cfg.update.mode = "overlap"
+    with Trainer(cfg) as tr:
+        fixed = fixed_pools(tr.cfg, tr.rt)
+        assert fixed["update buffers"] == 3 * (cfg.memory.update_buffer_kib << 10)
+        assert fixed["update buffers"] <= tr.update.pools()["update buffers + host states"]
+        assert not any(k.startswith("engine") for k in fixed)
+    base = fixed_pools(small_config(tmp_path / "b"), tr.rt)
+    assert base == fixed

@@ -139,3 +139,16 @@ def test_overlap_on_a_separate_device(tmp_path, eager):
     cfg = overlap_config(tmp_path, eager=eager, clip=0.0 if eager else 1.0, micro_batches=2, host_param_mib=1,
                          grad_host_mib=1, paths=2, update_kib=256)
     assert_parity(cfg, device=AsyncCpuDevice(delay=0.001))
+
+
+def test_the_command_line_runs_it_and_the_step_line_says_so(tmp_path):
+    import subprocess
+    import sys
+
+    from reference import tiny_flags
+
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, steps=3),
+                        "--update.mode=overlap"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [x for x in (r.stdout + r.stderr).splitlines() if " | update thread " in x]
+    assert len(lines) == 3 and "params handed over" in lines[-1]

@@ -78,6 +78,12 @@ class StepRecord:
                 if "engine_sent_bytes" in self.extra
                 else ""
             )
+            + (
+                f" | update thread {self.extra['update_thread_s']:.2f} s, "
+                f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB"
+                if "update_thread_s" in self.extra
+                else ""
+            )
         )
 
 

@@ -143,7 +143,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
-    if cfg.update.mode == "baseline":
+    if cfg.update.mode != "engines":  # the streamed optimizer in the trainer (baseline, overlap)
         out["update buffers"] = 3 * (m.update_buffer_kib << 10)
     else:  # the engines' processes: what the trainer shares with them, and their own buffers and interpreters
         from ..update.engines.client import engine_slot_bytes
