@@ -30,18 +30,25 @@ from tiertrain.bench.output import checked_out, publish  # noqa: E402
 
 CONFIGS = {
     "llama-d640-L8-M4": ["--model.kind=llama", "--model.n_layers=8", "--model.d_model=640", "--model.n_heads=10",
-                         "--model.vocab_size=6000", "--data.micro_batches=4"],
+                         "--model.vocab_size=6000", "--data.micro_batches=4", "--update.mode=baseline"],
     "llama-d768-L6-M1": ["--model.kind=llama", "--model.n_layers=6", "--model.d_model=768", "--model.n_heads=12",
-                         "--model.vocab_size=8192", "--data.micro_batches=1"],
+                         "--model.vocab_size=8192", "--data.micro_batches=1", "--update.mode=baseline"],
     "gpt-d512-L6-M2-recompute-spill": ["--model.kind=gpt", "--model.n_layers=6", "--model.d_model=512",
                                        "--model.n_heads=8", "--data.micro_batches=2",
-                                       "--memory.activations=recompute", "--memory.stash_host_mib=0"],
+                                       "--memory.activations=recompute", "--memory.stash_host_mib=0",
+                                       "--update.mode=baseline"],
     "llama-d512-L10-M2-engines": ["--model.kind=llama", "--model.n_layers=10", "--model.d_model=512",
                                   "--model.n_heads=8", "--model.vocab_size=4096", "--data.micro_batches=2",
                                   "--update.mode=engines"],
     "llama-d768-L6-M2-host-params-no-crc": ["--model.kind=llama", "--model.n_layers=6", "--model.d_model=768",
                                             "--model.n_heads=12", "--model.vocab_size=8192", "--data.micro_batches=2",
-                                            "--memory.host_param_mib=512", "--io.checksum=false"],
+                                            "--memory.host_param_mib=512", "--io.checksum=false",
+                                            "--update.mode=baseline"],
+    "llama-d896-L6-M2-overlap": ["--model.kind=llama", "--model.n_layers=6", "--model.d_model=896", "--model.n_heads=14",
+                                 "--model.vocab_size=8192", "--data.micro_batches=2", "--update.mode=overlap"],
+    "gpt-d576-L8-M4-overlap-eager": ["--model.kind=gpt", "--model.n_layers=8", "--model.d_model=576", "--model.n_heads=9",
+                                     "--data.micro_batches=4", "--update.mode=overlap", "--update.eager=true",
+                                     "--optim.grad_clip=0"],
 }
 
 

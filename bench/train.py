@@ -48,9 +48,9 @@ MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, voca
 
 
 MODES = {  # name: (label, update section, memory fields other than the defaults)
-    "baseline": ("baseline", UpdateConfig(), {}),
+    "baseline": ("baseline", UpdateConfig(mode="baseline"), {}),
     # the one budget at its default (half the available memory): this model's states fit in it
-    "budget": ("baseline, default memory budget", UpdateConfig(), {"planned": True}),
+    "budget": ("baseline, default memory budget", UpdateConfig(mode="baseline"), {"planned": True}),
     "overlap": ("overlap (update under the next forward)", UpdateConfig(mode="overlap"), {}),
     # no clipping: each unit is updated as its gradient arrives, under the backward
     "overlap-eager": ("overlap, eager (no clipping)", UpdateConfig(mode="overlap", eager=True), {"grad_clip": 0.0}),
@@ -60,8 +60,8 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
     "topk": ("engines + top-k 0.05", UpdateConfig(mode="engines", topk=0.05), {}),
     # activation policies within memory.keep_act_mib (see --keep-mib): the default keeps the blocks
     # the backward reaches first; these keep the first blocks, or none
-    "baseline-keep-first": ("baseline, keep first blocks", UpdateConfig(), {"activations": "keep-first"}),
-    "baseline-recompute": ("baseline, recompute all", UpdateConfig(), {"activations": "recompute"}),
+    "baseline-keep-first": ("baseline, keep first blocks", UpdateConfig(mode="baseline"), {"activations": "keep-first"}),
+    "baseline-recompute": ("baseline, recompute all", UpdateConfig(mode="baseline"), {"activations": "recompute"}),
 }
 
 

@@ -43,7 +43,7 @@ MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, voca
 OPTIM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
 SYSTEMS = {  # label, tiertrain update settings (None: DeepSpeed), exact math?
     "deepspeed": ("DeepSpeed ZeRO-Infinity (ZeRO-3, NVMe)", None, True),
-    "baseline": ("tiertrain, baseline update path", {}, True),
+    "baseline": ("tiertrain, baseline update path", {"mode": "baseline"}, True),
     "overlap": ("tiertrain, overlapped update", {"mode": "overlap"}, True),
     "engines": ("tiertrain, update engines", {"mode": "engines"}, True),
     "topk": ("tiertrain, engines + top-k 0.05 (changes the math)", {"mode": "engines", "topk": 0.05}, False),

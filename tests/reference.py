@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tiertrain.cost.budget import STATES_ON_STORAGE
-from tiertrain.config import Config, DataConfig, IOConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig
+from tiertrain.config import (Config, DataConfig, IOConfig, MemoryConfig, ModelConfig, OptimConfig, TrainConfig,
+                              UpdateConfig)
 from tiertrain.reference import HFWrapper, reference_model, reference_train, weights_of  # noqa: F401 - re-exported
 
 
@@ -24,6 +25,7 @@ def small_config(tmp_path, *, kind="gpt", layers=3, d=64, heads=4, micro_batches
         memory=MemoryConfig(device_slots=slots, host_param_mib=host_param_mib, grad_host_mib=grad_host_mib,
                             stash_host_mib=stash_host_mib, update_buffer_kib=update_kib, keep_act_mib=keep_act_mib,
                             optim_host_mib=optim_host_mib, residual_host_mib=residual_host_mib),
+        update=UpdateConfig(mode="baseline"),  # the tests of the other paths set theirs; `auto` has its own
         train=TrainConfig(steps=steps, param_dtype=dtype, run_dir=str(tmp_path / "run"), progress=False, device="cpu",
                           predict=False),
     )

@@ -64,7 +64,7 @@ def test_bf16_engines_match_the_baseline_path_exactly(tmp_path):
 def test_eager_needs_clipping_off():
     from tiertrain.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'engines' or 'overlap' and optim.grad_clip = 0"):
+    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0"):
         load_config(None, ["--update.mode=engines", "--update.eager=true"])
 
 

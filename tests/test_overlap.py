@@ -121,12 +121,12 @@ def test_an_error_in_the_update_thread_reaches_the_trainer(tmp_path, monkeypatch
 
 
 def test_eager_overlap_needs_clipping_off_and_baseline_cannot_be_eager():
-    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'engines' or 'overlap' and "
+    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and "
                                           r"optim.grad_clip = 0 \(got mode 'overlap', grad_clip 1.0\)"):
         load_config(None, ["--update.mode=overlap", "--update.eager=true"])
     with pytest.raises(ConfigError, match=r"got mode 'baseline', grad_clip 0.0"):
-        load_config(None, ["--update.eager=true", "--optim.grad_clip=0"])
-    with pytest.raises(ConfigError, match=r"update.mode = 'overlapped'.*'baseline', 'overlap', 'engines'"):
+        load_config(None, ["--update.mode=baseline", "--update.eager=true", "--optim.grad_clip=0"])
+    with pytest.raises(ConfigError, match=r"update.mode = 'overlapped'.*'auto', 'baseline', 'overlap', 'engines'"):
         load_config(None, ["--update.mode=overlapped"])
 
 
@@ -152,3 +152,51 @@ def test_the_command_line_runs_it_and_the_step_line_says_so(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in (r.stdout + r.stderr).splitlines() if " | update thread " in x]
     assert len(lines) == 3 and "params handed over" in lines[-1]
+
+
+def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
+    """update.mode = auto (the default) chooses between the baseline and the overlap (same
+    states, same memory, same math): the baseline where the update moves nothing on the disk
+    of a CPU device, the overlap where it does and nothing is measured, else the faster
+    by the prediction (a tie keeps the baseline); eager means the overlap; explicit modes stay."""
+    import dataclasses
+    import logging
+
+    from test_cost import _rates
+    from tiertrain.cost.choose import resolve_update
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, layers=2)
+    cfg.update.mode = "auto"
+    rt = Runtime(cfg)
+    calls = []
+
+    def rates(**kw):
+        def fn():
+            calls.append(kw)
+            return _rates(**kw)
+        return fn
+
+    got, why = resolve_update(cfg, rt, None)  # states on the disk, nothing measured
+    assert got.update.mode == "overlap" and "GB a step on the storage tier" in why and not calls
+    slow_disk = rates(read_gbps=0.01, write_gbps=0.01)  # the update: 0.55 s of I/O, under a 0.25 s forward
+    got, why = resolve_update(cfg, rt, slow_disk)
+    assert got.update.mode == "overlap" and "predicted" in why and calls
+    fast_disk = rates(read_gbps=1e6, write_gbps=1e6, crc_gbps=1e6, update_elem_s=1e-15)  # nothing left to hide
+    assert resolve_update(cfg, rt, fast_disk)[0].update.mode == "baseline"
+    in_memory = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, host_param_mib=64, grad_host_mib=64,
+                                                                    optim_host_mib=64))
+    calls.clear()
+    got, why = resolve_update(in_memory, rt, slow_disk)
+    assert got.update.mode == "baseline" and "nothing to hide" in why and not calls
+    eager = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_clip=0.0),
+                                update=dataclasses.replace(cfg.update, eager=True))
+    assert resolve_update(eager, rt, None)[0].update.mode == "overlap"
+    for mode in ("baseline", "engines"):
+        fixed = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))
+        assert resolve_update(fixed, rt, slow_disk) == (fixed, None)
+    # the trainer resolves it at start and says so
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        with Trainer(cfg) as tr:
+            assert tr.update.name == "overlap" and tr.cfg.update.mode == "overlap"
+    assert "update path (auto): overlap" in caplog.text

@@ -130,6 +130,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .cost import estimate, measure_rates
     from .cost.budget import resolve_budget
+    from .cost.choose import resolve_update
     from .cost.probe import probe_act_bytes
     from .cost.report import plan_report
     from .runtime import Runtime
@@ -151,7 +152,10 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     # a budget below the fixed pools is refused before the probe's minutes
     act = lambda: probe_act_bytes(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
     cfg, budget = resolve_budget(cfg, rt, rates, act)
+    cfg, why = resolve_update(cfg, rt, rates)
     rates = rates()
+    if why:
+        log.info("update path (auto): %s", why)
     rt.cfg = cfg
     states = declare_states(cfg, rt)
     print(plan_report(cfg, rt, states, estimate(cfg, rt, rates), budget))

@@ -321,7 +321,10 @@ class UpdateConfig(Section):
     """Where the optimizer step runs."""
 
     SECTION: ClassVar[str] = "update"
-    mode: str = opt("baseline", "'baseline': the trainer streams states through its own buffers after the backward; "
+    mode: str = opt("auto", "'auto': 'baseline' or 'overlap' (same states, memory and math): the baseline where the update "
+                    "moves nothing on the storage tier and the compute is on the CPU, else the one the cost model "
+                    "predicts faster (the overlap where nothing is measured); "
+                    "'baseline': the trainer streams states through its own buffers after the backward; "
                     "'overlap': the same, in a background thread under the next forward (with update.eager, under the "
                     "backward as gradients arrive): same math, same memory; "
                     "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.")
@@ -335,7 +338,7 @@ class UpdateConfig(Section):
                                "(a fp32 residual per parameter, in RAM within memory.residual_host_mib, else on SSD).")
 
     def __post_init__(self) -> None:
-        self._one_of("mode", ("baseline", "overlap", "engines"))
+        self._one_of("mode", ("auto", "baseline", "overlap", "engines"))
         self._in_range("engines", 0, 256)
         self._in_range("engine_timeout_s", 1.0, 86400.0)
         self._in_range("topk", 0.0, 0.5)
@@ -402,7 +405,7 @@ class Config:
     def __post_init__(self) -> None:
         if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
             raise ConfigError(
-                f"update.eager = true needs update.mode = 'engines' or 'overlap' and optim.grad_clip = 0 (got mode "
+                f"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0 (got mode "
                 f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
                 "after the whole backward"
             )

@@ -108,10 +108,12 @@ class Trainer:
 
     # -- construction -------------------------------------------------------------------------------
     def _plan_memory(self, cfg: Config) -> Config:
-        """Every unset memory.*_mib field set from the one budget (memory.host_mib); the plan
-        logged. Measures this machine only when not everything fits."""
+        """Every unset memory.*_mib field set from the one budget (memory.host_mib), and the
+        update path chosen where it is auto; the plan logged. Measures this machine only when not
+        everything fits."""
         from .cost import measure_rates
         from .cost.budget import resolve_budget
+        from .cost.choose import resolve_update
         from .cost.probe import probe_act_bytes
 
         def rates():
@@ -127,6 +129,11 @@ class Trainer:
         cfg, self.budget = resolve_budget(cfg, self.rt, rates, act)
         for line in self.budget.lines():
             log.info("%s", line)
+        # the rates the budget measured, or those the prediction at start will (train.predict)
+        measured = rates if cfg.train.predict or self._rates is not None else None
+        cfg, why = resolve_update(cfg, self.rt, measured)
+        if why:
+            log.info("update path (auto): %s", why)
         self.cfg = self.rt.cfg = cfg
         return cfg
 
