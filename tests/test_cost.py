@@ -157,7 +157,15 @@ def test_predictions_for_machines_we_do_not_have():
     t8, t64 = (predict_on(SHAPES["Llama 7B"], one, micro_batches=m) for m in (8, 64))
     assert z64.nvme_s == pytest.approx(8 * z8.nvme_s) and t64.nvme_s == pytest.approx(t8.nvme_s)
     for shape in SHAPES.values():
-        for system in ("baseline", "engines", "zero-infinity"):
+        for system in ("baseline", "overlap", "engines", "zero-infinity"):
             steps = [predict_on(shape, MACHINES[f"H100 SXM, {n} NVMe"], system=system).step_s for n in (1, 2, 4)]
             assert steps == sorted(steps, reverse=True), (shape.name, system, steps)
     assert table().count("\n") == 2 + len(SHAPES) * len(MACHINES) * 2 - 1
+    # the overlap hides the update under the forward: never slower than the baseline, never
+    # faster than the engines (which hide it under the forward and the backward)
+    for shape in SHAPES.values():
+        for m in MACHINES.values():
+            for M in (8, 64):
+                b, o, e = (predict_on(shape, m, micro_batches=M, system=s).step_s
+                           for s in ("baseline", "overlap", "engines"))
+                assert e <= o * 1.0001 and o <= b * 1.0001, (shape.name, m.name, M, b, o, e)

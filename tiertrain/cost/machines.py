@@ -78,8 +78,9 @@ class Predicted:
 
 def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: int = 1, micro_batches: int = 8,
                system: str = "baseline") -> Predicted:
-    """One step of ``shape`` on ``m``: ``system`` is 'baseline' or 'engines' (tiertrain's
-    update paths) or 'zero-infinity' (DeepSpeed's schedule, same bytes per micro-batch)."""
+    """One step of ``shape`` on ``m``: ``system`` is 'baseline', 'overlap' or 'engines'
+    (tiertrain's update paths) or 'zero-infinity' (DeepSpeed's schedule, same bytes per
+    micro-batch). The forward is a third of the compute, the backward two thirds."""
     n, M = shape.params, micro_batches
     tokens = seq * micro_batch * M
     flops = 6 * n * tokens + 12 * shape.layers * shape.d * seq * seq * micro_batch * M  # + attention (PaLM)
@@ -104,6 +105,11 @@ def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: i
     if system == "engines":  # under the next forward and backward, on the same drives
         step = max(train, nvme_fb + upd_io, adam)
         bound = "NVMe (whole step)" if step == nvme_fb + upd_io else ("CPU AdamW" if step == adam else "compute")
+    elif system == "overlap":  # under the next forward only (clipping needs the whole backward first)
+        fwd = max(compute / 3, 2 * n / rd + upd_io, adam, 2 * n / (m.pcie_gbps * 1e9))
+        bwd = max(2 * compute / 3, 2 * n / rd + 2 * n / wr, 4 * n / (m.pcie_gbps * 1e9))
+        step = fwd + bwd
+        bound = "update under the forward" if fwd > compute / 3 else "compute"
     else:
         step = train + upd
         bound = "update" if upd > train else ("compute" if compute >= max(nvme_fb, pcie) else "NVMe/PCIe")
@@ -111,18 +117,20 @@ def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: i
 
 
 def table(seq: int = 4096, micro_batches: tuple[int, ...] = (8, 64)) -> str:
-    """PREDICTED step time and MFU, tiertrain's two update paths next to ZeRO-Infinity's
+    """PREDICTED step time and MFU, tiertrain's three update paths next to ZeRO-Infinity's
     schedule, for every shape, machine and number of micro-batches (of ``seq`` tokens)."""
-    rows = ["| model | machine | M (tokens/step) | tiertrain baseline s (MFU) | tiertrain engines s (MFU) |"
-            " ZeRO-Infinity schedule s (MFU) | engines bound |", "|---|---|---|---|---|---|---|"]
+    rows = ["| model | machine | M (tokens/step) | tiertrain baseline s (MFU) | tiertrain overlap s (MFU) |"
+            " tiertrain engines s (MFU) | ZeRO-Infinity schedule s (MFU) | engines bound |",
+            "|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES.values():
         for m in MACHINES.values():
             for M in micro_batches:
                 p = {s: predict_on(shape, m, seq=seq, micro_batches=M, system=s)
-                     for s in ("baseline", "engines", "zero-infinity")}
+                     for s in ("baseline", "overlap", "engines", "zero-infinity")}
                 cell = lambda q: f"{q.step_s:.1f} ({100 * q.mfu:.0f}%)"  # noqa: E731
                 rows.append(f"| {shape.name} ({shape.params / 1e9:.1f} B) | {m.name} | {M} ({M * seq:,}) |"
-                            f" {cell(p['baseline'])} | {cell(p['engines'])} | {cell(p['zero-infinity'])} |"
+                            f" {cell(p['baseline'])} | {cell(p['overlap'])} | {cell(p['engines'])} |"
+                            f" {cell(p['zero-infinity'])} |"
                             f" {p['engines'].bound} |")
     return "\n".join(rows)
 
