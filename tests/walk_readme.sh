@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A new user's walk through the README on a clean clone: set-up and the default job, resume
-# past checkpoint rotation, Ctrl-C and SIGTERM with and without update engines, export into a
+# past checkpoint rotation, Ctrl-C and SIGTERM on each update path, export into a
 # used directory, two runs started into one run directory. Every step checks its exit code
 # and the files it should (and should not) leave. Prints one line per check and a summary;
 # exits non-zero if any check failed.
@@ -72,8 +72,8 @@ kill -TERM "$a"; wait "$a"
 check "the first run, stopped by SIGTERM, exits 130" rc_is $? 130
 check "... with its metrics intact (one JSON record per line)" no_dup_steps runs/two/metrics.jsonl
 
-say "== Ctrl-C and SIGTERM, with and without engines"
-for mode in baseline engines; do
+say "== Ctrl-C and SIGTERM, on each update path"
+for mode in baseline overlap engines; do
   for sig in INT TERM; do
     run=runs/sig-$mode-$sig
     group=$([ "$sig" = INT ] && echo 1 || echo 0)  # Ctrl-C reaches the whole process group
