@@ -43,3 +43,26 @@ def tiny_flags(tmp_path, *extra: str, steps: int = 2, layers: int = 2) -> list[s
             "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=2",
             f"--train.steps={steps}", "--train.progress=false", "--io.chunk_kib=256", "--io.checksum_block_kib=64",
             "--io.stripe_kib=64", "--memory.update_buffer_kib=64", "--train.predict=false", *ON_SSD, *extra]
+
+
+def assert_resume_exact(cfg_straight: Config, cfg_split: Config, steps: int = 4, split: int = 2) -> None:
+    """``steps`` straight against ``split`` steps, a checkpoint, and the rest in a fresh
+    trainer restored from it: the same losses and bit-identical weights."""
+    import torch
+
+    from tiertrain.train import Trainer
+
+    with Trainer(cfg_straight) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().extra["losses"] for _ in range(steps)]
+        want = tr.weights()
+    with Trainer(cfg_split) as tr:
+        tr.initialize(progress=False)
+        first = [tr.train_step().extra["losses"] for _ in range(split)]
+        saved = tr.save_checkpoint()
+    with Trainer(cfg_split) as tr:  # nothing carried over but the checkpoint
+        tr.restore(saved.path)
+        rest = [tr.train_step().extra["losses"] for _ in range(steps - split)]
+        got = tr.weights()
+    assert first + rest == straight
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from reference import small_config
+from reference import assert_resume_exact, small_config
 from tiertrain.checkpoint import Manifest
 from tiertrain.state.machine import IllegalTransition
 from tiertrain.train import Trainer
@@ -96,21 +96,7 @@ def test_resume_with_error_feedback_is_bit_identical(tmp_path):
     """The residual is checkpointed: 2 + 2 steps across a save and a fresh trainer give the
     losses and weights of 4 straight steps (before, the residual restarted at zero)."""
     kw = dict(mode="engines", topk=0.1, error_feedback=True)
-    with Trainer(make(tmp_path / "a", **kw)) as tr:
-        tr.initialize(progress=False)
-        straight = [tr.train_step().extra["losses"] for _ in range(4)]
-        want = tr.weights()
-    cfg = make(tmp_path / "b", **kw)
-    with Trainer(cfg) as tr:
-        tr.initialize(progress=False)
-        first = [tr.train_step().extra["losses"] for _ in range(2)]
-        saved = tr.save_checkpoint()
-    with Trainer(cfg) as tr:
-        tr.restore(saved.path)
-        rest = [tr.train_step().extra["losses"] for _ in range(2)]
-        got = tr.weights()
-    assert first + rest == straight
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_resume_exact(make(tmp_path / "a", **kw), make(tmp_path / "b", **kw))
 
 
 def test_the_trainer_holds_one_update_and_never_asks_its_kind():

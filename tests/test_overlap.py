@@ -6,7 +6,7 @@ the baseline path in bf16."""
 import pytest
 import torch
 
-from reference import reference_model, small_config, weights_of
+from reference import assert_resume_exact, reference_model, small_config, weights_of
 from test_parity import assert_parity, run_tiertrain
 from tiertrain.config import ConfigError, load_config
 from tiertrain.train import Trainer
@@ -85,22 +85,8 @@ def test_bf16_overlap_matches_the_baseline_exactly(tmp_path):
 
 def test_resume_with_overlap_is_bit_identical(tmp_path):
     """A checkpoint waits for the update under way; a resumed run goes on exactly."""
-    cfg = overlap_config(tmp_path / "a", micro_batches=2, steps=4)
-    with Trainer(cfg) as tr:
-        tr.initialize(progress=False)
-        straight = [tr.train_step().extra["losses"] for _ in range(4)]
-        want = tr.weights()
-    cfg = overlap_config(tmp_path / "b", micro_batches=2, steps=4)
-    with Trainer(cfg) as tr:
-        tr.initialize(progress=False)
-        first = [tr.train_step().extra["losses"] for _ in range(2)]
-        saved = tr.save_checkpoint()
-    with Trainer(cfg) as tr:
-        tr.restore(saved.path)
-        rest = [tr.train_step().extra["losses"] for _ in range(2)]
-        got = tr.weights()
-    assert first + rest == straight
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_resume_exact(overlap_config(tmp_path / "a", micro_batches=2, steps=4),
+                        overlap_config(tmp_path / "b", micro_batches=2, steps=4))
 
 
 def test_an_error_in_the_update_thread_reaches_the_trainer(tmp_path, monkeypatch):
