@@ -5,8 +5,9 @@ A Llama of about 2.4 B parameters (fp32 parameters, gradients and AdamW moments:
 1.6x this machine's 24 GiB) with every state on the storage tier, within a host budget of
 ``--host-mib``. Measured in one run: peak RSS (the trainer's, plus the engines' peaks, which
 run side by side), seconds per step and per phase, bytes read and written per step against
-the cost model's count; then, after training (so that the probe's memory is not in the
-peak), the storage tier's bandwidth and one unit of each kind's compute, for the floor:
+the cost model's count; the storage tier's bandwidth before training and, with one unit of
+each kind's compute, after it (so that the probe's memory is not in the peak), for the floor
+(the faster of the two disk figures):
 
     floor = max(compute, bytes read / read GB/s + bytes written / write GB/s)
     compute = M x (embedding + L x (block forward + block backward) + head)
@@ -71,6 +72,12 @@ def run(args, scratch: str) -> str:
              f"--update.mode={args.mode}", f"--memory.device_slots={args.slots}",
              *(["--update.eager=true", "--optim.grad_clip=0"] if args.eager else [])]
     cfg = load_config(None, flags)
+    from tiertrain.cost.probe import DiskProbe
+
+    os.makedirs(f"{scratch}/ssd", exist_ok=True)
+    with DiskProbe(cfg.io, args.probe_mib) as d:  # the disk before training too: it drifts over a long run
+        w0 = d.write()
+        before = (d.read(), w0)
     with Trainer(cfg) as tr:
         tr.initialize(progress=True)
         recs = []
@@ -91,7 +98,9 @@ def run(args, scratch: str) -> str:
     read = statistics.median(r.ssd_read_bytes + r.extra.get("engine_read_bytes", 0) for r in last)
     write = statistics.median(r.ssd_write_bytes + r.extra.get("engine_write_bytes", 0) for r in last)
     compute = M * (rates.embed_fwd_s + rates.embed_bwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s)
-    io = t.read / (rates.read_gbps * 1e9) + t.write / (rates.write_gbps * 1e9)
+    io_after = t.read / (rates.read_gbps * 1e9) + t.write / (rates.write_gbps * 1e9)
+    io_before = t.read / (before[0] * 1e9) + t.write / (before[1] * 1e9)
+    io = min(io_before, io_after)  # the faster disk of the two probes: the floor never flatters the step
     floor = max(compute, io)
     peak = trainer_peak + engines_peak
     lines = [
@@ -118,6 +127,8 @@ def run(args, scratch: str) -> str:
         f"- measured after training: read {rates.read_gbps:.2f} GB/s, write {rates.write_gbps:.2f} GB/s; per "
         f"micro-batch block forward {rates.block_fwd_s:.2f} s, backward {rates.block_bwd_s:.2f} s, head "
         f"{rates.head_s:.2f} s",
+        f"- disk before training: read {before[0]:.2f} GB/s, write {before[1]:.2f} GB/s (I/O {io_before:.1f} s a "
+        f"step); after: I/O {io_after:.1f} s; the floor takes the faster",
         f"- floor: max(compute {compute:.1f} s, I/O {io:.1f} s) = {floor:.1f} s; step (median of steps 2..) "
         f"{step:.1f} s = **{step / floor:.2f}x the floor**",
         f"- the cost model's prediction from the same rates: {pred.step_s:.1f} s ({pred.step_s / step:.2f}x measured)",
