@@ -186,3 +186,15 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
         with Trainer(cfg) as tr:
             assert tr.update.name == "overlap" and tr.cfg.update.mode == "overlap"
     assert "update path (auto): overlap" in caplog.text
+
+
+def test_a_units_state_moves_only_along_the_design():
+    from tiertrain.state.machine import IllegalTransition
+    from tiertrain.update.overlap import UNIT, UnitState
+
+    assert UNIT.move(UnitState.CURRENT, UnitState.QUEUED) is UnitState.QUEUED
+    assert UNIT.move(UnitState.QUEUED, UnitState.CURRENT) is UnitState.CURRENT  # a unit without chunks
+    with pytest.raises(IllegalTransition, match=r"overlapped update, unit 3: CURRENT -> UPDATING is not allowed"):
+        UNIT.move(UnitState.CURRENT, UnitState.UPDATING, "3")
+    with pytest.raises(IllegalTransition, match=r"QUEUED -> QUEUED"):  # queued twice: a lost update
+        UNIT.move(UnitState.QUEUED, UnitState.QUEUED)

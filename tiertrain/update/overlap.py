@@ -10,15 +10,16 @@ after it.
   gradient is home, during the backward itself (units finish in the backward's order, the
   head first); the next forward waits only for the last few.
 
-Where each unit's parameters stand (a small state machine, one per unit, guarded by one
-condition variable)::
+Where each unit's parameters stand (a checked state machine, ``UNIT``, one per unit, guarded
+by one condition variable)::
 
-    CURRENT --its update is queued--> UPDATING --every write of the unit is done--> CURRENT
+    CURRENT --its update is queued--> QUEUED --a chunk is computed--> UPDATING
+    QUEUED or UPDATING --every write of the unit is done--> CURRENT
 
-A load of an UPDATING unit (``ParamSource.load``) returns a future that completes when the
-unit is CURRENT: if it was asked for before the update reached the unit, the new parameters
-are copied into the load's buffer as each chunk is computed (no read back from the file),
-otherwise the read starts when the unit is done. Host-resident parameters are used in place:
+A load of a unit not CURRENT (``ParamSource.load``) returns a future that completes when the
+unit is CURRENT: asked for while it is QUEUED, the new parameters are copied into the load's
+buffer as each chunk is computed (no read back from the file); while it is UPDATING, the read
+starts when the unit is done. Host-resident parameters are used in place:
 ``settle(u)`` waits. A gradient for an UPDATING unit (the previous step's update still reads
 the old one) waits too. The math is the baseline's, in the same order: bit-identical.
 
@@ -29,6 +30,7 @@ the next call that waits for the update.
 from __future__ import annotations
 
 import contextlib
+import enum
 import queue
 import threading
 import time
@@ -40,10 +42,24 @@ from ..config import Config
 from ..io import IOFuture, Storage
 from ..state.decl import Region
 from ..state.layout import FlatLayout
+from ..state.machine import Machine
 from .base import UpdateStats
 from .baseline import BaselineUpdate, RegionGrads, RegionParams
 
-__all__ = ["OverlapUpdate"]
+__all__ = ["OverlapUpdate", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    CURRENT = "current"  # its parameters on storage (or in host memory) are the latest
+    QUEUED = "queued"  # its update is queued or under way on earlier units: a load can be handed over
+    UPDATING = "updating"  # chunks of it are computed: too late to hand the whole unit over
+
+
+UNIT = Machine("overlapped update, unit", {
+    UnitState.CURRENT: {UnitState.QUEUED},
+    UnitState.QUEUED: {UnitState.UPDATING, UnitState.CURRENT},  # a unit with no chunks goes straight back
+    UnitState.UPDATING: {UnitState.CURRENT},
+})
 
 
 class _Load:
@@ -110,8 +126,7 @@ class OverlapUpdate(BaselineUpdate):
         self.params, self.grads = _Params(self, self._params), _Grads(self, self._grads)
         n = len(layout.units)
         self._cv = threading.Condition()
-        self._current = [True] * n
-        self._started = [False] * n  # the update has computed a chunk of the unit (too late to hand off)
+        self._state = [UnitState.CURRENT] * n
         self._loads: dict[int, list[_Load]] = {}
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -164,7 +179,8 @@ class OverlapUpdate(BaselineUpdate):
 
     def _chunk(self, u: int, a: int, b: int, p: torch.Tensor) -> None:
         with self._cv:
-            self._started[u] = True
+            if self._state[u] is UnitState.QUEUED:
+                self._state[u] = UNIT.move(UnitState.QUEUED, UnitState.UPDATING, str(u))
             takers = [ld for ld in self._loads.get(u, ()) if ld.handoff]
         for ld in takers:  # new parameters straight into the slot waiting for them
             ld.out[a:b].copy_(p)
@@ -177,24 +193,24 @@ class OverlapUpdate(BaselineUpdate):
                     self.handoff_bytes += ld.nbytes
                 else:
                     ld.read = self._params.read(u, ld.out)
-            self._current[u], self._started[u] = True, False
+            self._state[u] = UNIT.move(self._state[u], UnitState.CURRENT, str(u))
             self._cv.notify_all()
 
     def _mark_updating(self, units) -> None:
         with self._cv:
             for u in units:
-                self._current[u], self._started[u] = False, False
+                self._state[u] = UNIT.move(self._state[u], UnitState.QUEUED, str(u))
 
     # -- what the trainer's parts call ------------------------------------------------------------
     def ready(self, u: int) -> bool:
         with self._cv:
-            return self._current[u]
+            return self._state[u] is UnitState.CURRENT
 
     def wait_ready(self, u: int) -> float:
         """Wait until unit ``u`` is CURRENT; returns the seconds waited. Raises the thread's error."""
         t0 = time.perf_counter()
         with self._cv:
-            while not self._current[u] and self._error is None:
+            while self._state[u] is not UnitState.CURRENT and self._error is None:
                 self._cv.wait()
             self._raise()
         return time.perf_counter() - t0
@@ -206,9 +222,9 @@ class OverlapUpdate(BaselineUpdate):
     def load(self, u: int, out: torch.Tensor):
         with self._cv:
             self._raise()
-            if self._current[u]:
+            if self._state[u] is UnitState.CURRENT:
                 return self._params.read(u, out)
-            ld = _Load(self, u, out, handoff=not self._started[u])
+            ld = _Load(self, u, out, handoff=self._state[u] is UnitState.QUEUED)
             self._loads.setdefault(u, []).append(ld)
             return ld
 
@@ -239,7 +255,7 @@ class OverlapUpdate(BaselineUpdate):
         self._raise_now()
         if not self.eager:
             self.wait_all()  # the previous step's is long done (the forward loaded every unit): no wait
-            self._mark_updating(range(len(self._current)))
+            self._mark_updating(range(len(self._state)))
             self._submit(lambda: self._stream(lr, clip_coef, step, None))
         return UpdateStats()
 
