@@ -126,8 +126,11 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     for want in ("placement:", "| exp_avg | update (baseline) |", "bytes per step on the storage tier: read",
-                 "| forward |", "| backward |", "| update |", "| step |", "micro-batches:", "update path: baseline ", "overlap ", "engines "):
+                 "| forward |", "| backward |", "| update", "| step |", "micro-batches:", "update path: baseline ", "overlap ", "engines "):
         assert want in out, want
+    # update.mode = auto picks by the probe: the update phase is the baseline's or the overlap's
+    assert ("| update |" in out) != ("| update (thread, under the next forward) |" in out)
+    assert "update path (auto): " in r.stderr
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
     assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files
     assert not any((tmp_path / "ssd").glob(".tiertrain-probe-*"))  # the probe's file is gone
