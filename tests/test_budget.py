@@ -42,7 +42,7 @@ def _no_probe():
 def test_everything_fits_nothing_is_measured(tmp_path):
     cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2)
     rt = Runtime(cfg)
-    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: (1 << 20, 0))
     need = demands(cfg, rt, 1 << 20)
     for f in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "keep_act_mib"):
         assert getattr(out.memory, f) * MIB == need[f] > 0, f
@@ -60,7 +60,7 @@ def test_a_tight_budget_goes_to_what_saves_most_per_byte(tmp_path):
     cfg.memory.host_mib = (fixed + need["host_param_mib"] + need["grad_host_mib"] // 2) // MIB
     calls = []
     slow_recompute = rates(block_fwd_s=1e-9)  # kept activations save next to nothing
-    out, plan = resolve_budget(cfg, rt, lambda: calls.append(1) or slow_recompute, lambda: 1 << 20)
+    out, plan = resolve_budget(cfg, rt, lambda: calls.append(1) or slow_recompute, lambda: (1 << 20, 0))
     assert calls == [1]  # measured once, since not everything fits
     m = out.memory
     assert m.host_param_mib * MIB == need["host_param_mib"]
@@ -68,7 +68,7 @@ def test_a_tight_budget_goes_to_what_saves_most_per_byte(tmp_path):
     assert m.optim_host_mib == m.stash_host_mib == m.keep_act_mib == 0
     assert plan.host_used <= plan.host_bytes
     # with a cheap recompute ranked below I/O, but an expensive one above everything
-    out2, _ = resolve_budget(cfg, rt, lambda: rates(block_fwd_s=10.0), lambda: 1 << 20)
+    out2, _ = resolve_budget(cfg, rt, lambda: rates(block_fwd_s=10.0), lambda: (1 << 20, 0))
     assert out2.memory.keep_act_mib == min(need["keep_act_mib"], cfg.memory.host_mib * MIB - fixed) // MIB
     assert out2.memory.host_param_mib == 0
 
@@ -77,12 +77,12 @@ def test_explicit_fields_are_taken_as_given_and_counted(tmp_path):
     cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2)
     cfg.memory.optim_host_mib = 0  # the expert keeps the moments on the SSD
     rt = Runtime(cfg)
-    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+    out, plan = resolve_budget(cfg, rt, _no_probe, lambda: (1 << 20, 0))
     assert out.memory.optim_host_mib == 0 and "optim_host_mib" not in plan.planned
     cfg.memory.host_mib = 1
     with pytest.raises(ConfigError, match=r"memory.host_mib: the budget \(1 MiB, memory.host_mib\) is less than the "
                                           r"fixed pools"):
-        resolve_budget(cfg, rt, _no_probe, lambda: 1 << 20)
+        resolve_budget(cfg, rt, _no_probe, lambda: (1 << 20, 0))
 
 
 def test_planned_run_is_bit_identical_and_keeps_the_user_config(tmp_path):
@@ -176,3 +176,23 @@ def test_the_overlapped_update_needs_the_baselines_fixed_memory(tmp_path):
         assert not any(k.startswith("engine") for k in fixed)
     base = fixed_pools(small_config(tmp_path / "b"), tr.rt)
     assert base == fixed
+
+
+def test_the_activation_record_pool_is_fixed_only_when_pairs_are_left_for_the_storage_tier(tmp_path):
+    """memory.activations = auto: where the keep budget holds every pair nothing goes to the
+    storage tier and no record pool is set aside; where it does not, memory.act_buffers
+    records of the measured size are a fixed pool, counted before anything is placed."""
+    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2, activations="auto")
+    rt = Runtime(cfg)
+    act, record = 1 << 20, 3 << 20
+    _, plan = resolve_budget(cfg, rt, _no_probe, lambda: (act, record))
+    assert "activation records" not in plan.fixed and plan.record_bytes == record
+    tight = sum(fixed_pools(cfg, rt, act, record).values()) + demands(cfg, rt, act)["host_param_mib"]
+    cfg.memory.host_mib = tight // MIB + 2  # less than the 8 MiB of kept activations
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))
+    assert plan.fixed["activation records"] == cfg.memory.act_buffers * record
+    assert out.memory.keep_act_mib * MIB < demands(cfg, rt, act)["keep_act_mib"]
+    assert plan.host_used <= plan.host_bytes
+    cfg.memory.activations = "keep"  # recompute what is not kept: no pool
+    _, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))
+    assert "activation records" not in plan.fixed

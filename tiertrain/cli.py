@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import logging
 import os
@@ -130,8 +131,8 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .cost import estimate, measure_rates
     from .cost.budget import resolve_budget
-    from .cost.choose import resolve_update
-    from .cost.probe import probe_act_bytes
+    from .cost.choose import resolve_activations, resolve_update
+    from .cost.probe import probe_acts
     from .cost.report import plan_report
     from .runtime import Runtime
     from .train import declare_states
@@ -150,14 +151,19 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         return measured[0]
 
     # a budget below the fixed pools is refused before the probe's minutes
-    act = lambda: probe_act_bytes(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
+    act = lambda: probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
     cfg, budget = resolve_budget(cfg, rt, rates, act)
     cfg, why = resolve_update(cfg, rt, rates)
-    rates = rates()
     if why:
         log.info("update path (auto): %s", why)
+    cfg, why = resolve_activations(cfg, rt, budget.act_bytes, budget.record_bytes, rates)
+    if why:
+        log.info("%s", why)
+    rates = rates()
+    if budget.record_bytes:  # the dry run's figures, for the prediction of this plan
+        rates = dataclasses.replace(rates, act_bytes=budget.act_bytes, record_bytes=budget.record_bytes)
     rt.cfg = cfg
-    states = declare_states(cfg, rt)
+    states = declare_states(cfg, rt, budget.record_bytes)
     print(plan_report(cfg, rt, states, estimate(cfg, rt, rates), budget))
     return 0
 

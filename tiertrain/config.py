@@ -141,6 +141,8 @@ class ModelConfig(Section):
     max_seq_len: int = opt(1024, "Longest sequence the model supports (position table size).")
     tie_embeddings: bool = opt(False, "Share the input embedding with the output head (gpt2 ties by default).")
     init_std: float = opt(0.02, "Standard deviation of the random initial weights.")
+    dropout: float = opt(0.0, "Dropout probability of the built-in gpt (embedding, attention, residuals); recomputed "
+                         "blocks replay the forward's random draws, so every activation path gives the same masks.")
     vocab_pieces: int | None = opt(None, "Pieces (row ranges) the token embedding and the output head are cut "
                                    "into, each its own unit, so that slots and buffers are sized by a block, not by "
                                    "a vocabulary-sized matrix. None: the fewest pieces no larger than a block (no cut "
@@ -160,6 +162,10 @@ class ModelConfig(Section):
         if self.d_ff is not None:
             self._at_least("d_ff", 1)
         self._in_range("init_std", 0.0, 1.0)
+        self._in_range("dropout", 0.0, 0.9)
+        if self.dropout and self.kind not in ("auto", "gpt"):
+            self._fail("dropout", f"applies to the built-in gpt only (model.kind = {self.kind!r}); set it in the "
+                       "model's config.json instead")
         if self.hf_dir is None:
             if self.kind == "auto":
                 self.kind = "gpt"
@@ -285,13 +291,27 @@ class MemoryConfig(Section):
     keep_act_mib: int | None = opt(
         None,
         "Memory on the compute device for autograd activations kept from the forward for the backward, MiB:"
-        " blocks kept there are not recomputed; the others are recomputed from their stashed input (0: recompute all;"
+        " blocks kept there are neither read back nor recomputed (0: none kept;"
         " None: planned, within host_mib on CPU and device_mib on CUDA).",
     )
     activations: str = opt(
-        "keep",
-        "Which blocks keep their autograd graph within keep_act_mib: 'keep' (those the backward reaches first),"
-        " 'keep-first' (the first ones, while the budget lasts) or 'recompute' (none).",
+        "auto",
+        "Where each (block, micro-batch)'s autograd activations wait for the backward: 'auto' (those the backward"
+        " reaches first kept within keep_act_mib, then offloaded to the storage tier as far as the cost model"
+        " predicts a faster step, the earliest recomputed), 'keep' (kept within keep_act_mib, the rest recomputed),"
+        " 'keep-first' (the first ones kept while the budget lasts, the rest recomputed), 'offload' (every pair not"
+        " kept goes to the storage tier) or 'recompute' (none kept: every block recomputed from its stashed input).",
+    )
+    offload_pairs: int | None = opt(
+        None,
+        "(block, micro-batch) pairs whose activations go to the storage tier, the ones just before the kept ones"
+        " (activations = 'auto' or 'offload'; None: planned: all the rest for 'offload', by the cost model for"
+        " 'auto'). Their file space is claimed at start.",
+    )
+    act_buffers: int = opt(
+        3,
+        "Records of offloaded activations in memory (>= 2): in the forward, the one being filled and writes in"
+        " flight; in the backward, the one back-propagated and act_buffers - 1 read ahead.",
     )
     residual_host_mib: int | None = opt(None, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD "
                                         "(None: planned within host_mib).")
@@ -301,19 +321,28 @@ class MemoryConfig(Section):
         " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none;"
         " never more than the engines' state).",
     )
+    mmap_threshold_kib: int = opt(1024, "Blocks at least this large are mapped from the system and given back when "
+                                  "freed (glibc's M_MMAP_THRESHOLD, fixed for the process): without it, activations "
+                                  "freed after each block fragment the heap and the RSS grows past the budget "
+                                  "(0: the C library's default).")
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)
         for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib", "keep_act_mib",
-                     "engine_read_ahead_mib"):
+                     "engine_read_ahead_mib", "offload_pairs"):
             if getattr(self, name) is not None:
                 self._at_least(name, 0)
         for name in ("host_mib", "device_mib"):
             if getattr(self, name) is not None:
                 self._at_least(name, 1)
         self._in_range("update_buffer_kib", 64, 4 << 20)
-        self._one_of("activations", ("keep", "keep-first", "recompute"))
+        self._in_range("mmap_threshold_kib", 0, 32 << 10)
+        self._one_of("activations", ("auto", "keep", "keep-first", "offload", "recompute"))
+        self._in_range("act_buffers", 2, 64)
+        if self.offload_pairs and self.activations not in ("auto", "offload"):
+            raise ConfigError(f"memory.offload_pairs = {self.offload_pairs} needs memory.activations = 'auto' or 'offload' "
+                              f"(it is {self.activations!r}); set one, or leave offload_pairs unset")
 
 
 @dataclass(kw_only=True)

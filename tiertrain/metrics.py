@@ -79,6 +79,12 @@ class StepRecord:
                 else ""
             )
             + (
+                f" | acts kept {self.extra['act_kept']}, ssd {self.extra['act_offloaded']} "
+                f"({self.extra['act_offload_bytes'] / 1e9:.2f} GB), recomputed {self.extra['act_recomputed']}"
+                if "act_kept" in self.extra
+                else ""
+            )
+            + (
                 f" | update thread {self.extra['update_thread_s']:.2f} s, "
                 f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB"
                 if "update_thread_s" in self.extra
@@ -117,6 +123,9 @@ class MetricsLog:
             f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
             f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
             + (f" (+ engines {eng / 2**20:,.0f} MiB)" if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)) else "")
+            + (f"; activations per step: {last['act_kept']} pairs kept, {last['act_offloaded']} on the storage tier "
+               f"({last['act_offload_bytes'] / 1e9:.2f} GB), {last['act_recomputed']} recomputed"
+               if "act_kept" in (last := recs[-1].extra) else "")
         )
 
     def close(self) -> None:

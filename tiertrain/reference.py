@@ -35,7 +35,7 @@ def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
     m = cfg.model
     if m.kind == "gpt":
         return build_gpt(vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                         d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
+                         d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings, dropout=m.dropout)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_config(hf_config_from(m))
@@ -70,6 +70,7 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         opt = torch.optim.AdamW(opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                 weight_decay=o.weight_decay, fused=True)
     losses = []
+    torch.manual_seed(cfg.train.seed)  # dropout's draws, as the trainer seeds them after initialising
     for step in range(cfg.train.steps):
         step_losses = []
         acc = None

@@ -11,6 +11,7 @@ checkpoints made from those declarations.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import logging
 import os
 import signal
@@ -22,7 +23,8 @@ import time
 import torch
 
 from . import faults
-from .activations.policy import POLICIES
+from .activations.offload import OffloadedGraphs
+from .activations.policy import policy_for
 from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
 from .config import Config, ConfigError
@@ -39,6 +41,7 @@ from .scratch import ScratchLock, clean_stale
 from .state.decl import SpacePlan, StateDecl, checkpointed
 from .state.device import host_peak_rss
 from .state.grads import GradStore, accum_dtype_for
+from .state.malloc import fix_mmap_threshold
 from .update import UPDATES, Update
 from .update.schedule import lr_at
 
@@ -48,14 +51,37 @@ log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 
 
-def declare_states(cfg: Config, rt: Runtime) -> list[StateDecl]:
+def declare_states(cfg: Config, rt: Runtime, record_bytes: int = 0) -> list[StateDecl]:
     """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
-    path's (parameters, gradients, optimizer state, residual) and the stash's."""
+    path's (parameters, gradients, optimizer state, residual), the stash's and, with pairs
+    offloaded (``memory.offload_pairs`` of ``record_bytes`` each), the activation records'."""
     update = UPDATES[cfg.update.mode].declare(cfg, rt.layout, rt.dtype, rt.align, cfg.io.paths)
-    d = cfg.data
+    d, m = cfg.data, cfg.memory
     stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
-                                len(rt.model.blocks) * d.micro_batches, cfg.memory.stash_host_mib * MIB)
-    return [*update, stash]
+                                len(rt.model.blocks) * d.micro_batches, m.stash_host_mib * MIB)
+    acts = []
+    if m.offload_pairs and record_bytes:
+        acts = [OffloadedGraphs.declare(rt.dtype, record_bytes, m.offload_pairs, m.act_buffers)]
+    return [*update, stash, *acts]
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """Where the step's (block, micro-batch) pairs keep their activations, as planned at start."""
+
+    act_bytes: int  # one pair's saved tensors (kept), measured by a dry run (0: not measured)
+    record_bytes: int  # one pair's record on the storage tier (0: not measured)
+    kept: int  # pairs the keep budget holds (as planned; the kept-graph budget still rules)
+    offloaded: int
+
+    @classmethod
+    def of(cls, cfg: Config, rt: Runtime, act_bytes: int, record_bytes: int) -> "ActivationPlan":
+        from .cost import kept_pairs, offloaded_pairs
+
+        L = len(rt.model.blocks)
+        kept = kept_pairs(cfg, L, act_bytes) if act_bytes else 0
+        off = offloaded_pairs(cfg, L, kept) if record_bytes else 0
+        return cls(act_bytes, record_bytes, kept, off)
 
 
 class Trainer:
@@ -68,9 +94,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None) -> None:
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
+        fix_mmap_threshold(cfg.memory.mmap_threshold_kib << 10)  # before any large tensor of the run
         cfg.check_writable()
         self.user_cfg = self.cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
         self._rates = None
+        self.acts = ActivationPlan(0, 0, 0, 0)
         self._parts: list = []
         self.lock = self.rundir = self.plan = None
         self.rt = Runtime(cfg, weights=weights, device=device)
@@ -90,7 +118,7 @@ class Trainer:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
             cfg = self._plan_memory(cfg)
-            self.plan = SpacePlan(declare_states(cfg, self.rt))
+            self.plan = SpacePlan(declare_states(cfg, self.rt, self.acts.record_bytes))
             for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
             for path in clean_incomplete(self.checkpoint_root):
@@ -113,8 +141,8 @@ class Trainer:
         everything fits."""
         from .cost import measure_rates
         from .cost.budget import resolve_budget
-        from .cost.choose import resolve_update
-        from .cost.probe import probe_act_bytes
+        from .cost.choose import resolve_activations, resolve_update
+        from .cost.probe import probe_acts
 
         def rates():
             if self._rates is None:
@@ -122,9 +150,9 @@ class Trainer:
                 self._rates = measure_rates(cfg, self.rt, probe_mib=64)
             return self._rates
 
-        def act() -> int:
+        def act() -> tuple[int, int]:  # a dry run of block 0: bytes kept, bytes of an offloaded record
             rt = self.rt
-            return probe_act_bytes(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+            return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
 
         cfg, self.budget = resolve_budget(cfg, self.rt, rates, act)
         for line in self.budget.lines():
@@ -134,6 +162,11 @@ class Trainer:
         cfg, why = resolve_update(cfg, self.rt, measured)
         if why:
             log.info("update path (auto): %s", why)
+        b = self.budget
+        cfg, why = resolve_activations(cfg, self.rt, b.act_bytes, b.record_bytes, measured)
+        if why:
+            log.info("%s", why)
+        self.acts = ActivationPlan.of(cfg, self.rt, b.act_bytes, b.record_bytes)
         self.cfg = self.rt.cfg = cfg
         return cfg
 
@@ -162,8 +195,16 @@ class Trainer:
             self.storage, self.dev, shape=(d.micro_batch_size, d.seq_len, rt.hidden_size), dtype=self.dtype,
             entries=len(self.model.blocks) * d.micro_batches, host_bytes=m.stash_host_mib * MIB,
             micro_batches=d.micro_batches))
+        a = self.acts
+        self.offloaded = None
+        if a.offloaded:
+            self.offloaded = self._part(OffloadedGraphs(self.storage, self.dev, record_bytes=a.record_bytes,
+                                                        records=a.offloaded, buffers=m.act_buffers,
+                                                        input_of=self.stash.get))
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
-                                           keep_bytes=m.keep_act_mib * MIB, policy=POLICIES[m.activations]())
+                                           keep_bytes=m.keep_act_mib * MIB,
+                                           policy=policy_for(m.activations, a.kept, a.offloaded),
+                                           offloaded=self.offloaded)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
         self.step = 0
@@ -196,6 +237,7 @@ class Trainer:
             "grad buffers + host grads": self.grads.pool_bytes,
             **self.update.pools(),
             "stash": self.stash.pool_bytes,
+            **({"activation records": self.offloaded.pool_bytes} if self.offloaded is not None else {}),
             "io bounce": self.storage.pool_bytes,
             "checkpoint buffers": self.ckpt.pool_bytes,
         }
@@ -280,7 +322,7 @@ class Trainer:
     def train_step(self) -> StepRecord:
         cfg = self.cfg
         s0, io0 = time.perf_counter(), self.storage.stats()
-        waits0 = self.params.stats.wait_s + self.stash.wait_s
+        waits0 = self._waits()
         self.dev.reset_peak()  # the record's device peak is this step's
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
@@ -313,7 +355,7 @@ class Trainer:
             forward_s=out.forward_s,
             backward_s=out.backward_s,
             update_s=update_s,
-            io_wait_s=self.params.stats.wait_s + self.stash.wait_s - waits0 + upd.wait_s,
+            io_wait_s=self._waits() - waits0 + upd.wait_s,
             ssd_read_bytes=rb,
             ssd_write_bytes=wb,
             ssd_read_gbps=rb / rbusy / 1e9 if rbusy > 0 else 0.0,
@@ -321,8 +363,18 @@ class Trainer:
             peak_host_bytes=host_peak_rss(),
             peak_device_bytes=self.dev.peak_bytes(),
             mfu=mfu,
-            extra={"losses": out.losses, **self.update.record()},
+            extra={"losses": out.losses, **self.update.record(), **self._act_record()},
         )
+
+    def _waits(self) -> float:
+        """Seconds the compute thread has waited for the storage tier so far (sync points)."""
+        return (self.params.stats.wait_s + self.stash.wait_s
+                + (self.offloaded.wait_s if self.offloaded is not None else 0.0))
+
+    def _act_record(self) -> dict:
+        pairs, written = self.offloaded.take_stats() if self.offloaded is not None else (0, 0)
+        return {"act_kept": self.executor.kept_pairs, "act_offloaded": pairs,
+                "act_recomputed": self.executor.recomputed, "act_offload_bytes": written}
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,

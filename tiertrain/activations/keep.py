@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["KeptGraphs"]
+__all__ = ["KeptGraphs", "UnitViews"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,35 @@ class _ParamRef:
     offset: int  # elements from the unit's flat buffer start
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+
+class UnitViews:
+    """Saved tensors that lie in a bound unit's flat parameter buffer, packed as references
+    to the unit and unpacked as the same view of wherever the unit is bound then (shared by
+    the kept and the offloaded graphs: parameters are never copied with activations)."""
+
+    def __init__(self, bound: Callable[[int], torch.Tensor]) -> None:
+        self.bound = bound
+        self._ranges: list[tuple[int, int, int, torch.Tensor]] = []  # bound units: (u, first, end byte address, flat)
+
+    def enter(self, units: tuple[int, ...]) -> None:
+        """The units a graph about to be built uses (looked up once per graph, not per tensor)."""
+        flats = [(u, self.bound(u)) for u in units]
+        self._ranges = [(u, f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f) for u, f in flats]
+
+    def exit(self) -> None:
+        self._ranges = []
+
+    def ref(self, t: torch.Tensor) -> _ParamRef | None:
+        p = t.data_ptr()
+        for u, base, end, flat in self._ranges:
+            if base <= p < end and t.device == flat.device and t.dtype == flat.dtype:
+                return _ParamRef(u, (p - base) // flat.element_size(), tuple(t.size()), tuple(t.stride()))
+        return None
+
+    def view(self, r: _ParamRef) -> torch.Tensor:
+        flat = self.bound(r.unit)
+        return flat.as_strided(r.size, r.stride, flat.storage_offset() + r.offset)
 
 
 @dataclass
@@ -47,10 +76,10 @@ class KeptGraphs:
         """``bound(u)``: unit ``u``'s flat parameter buffer where it is bound right now."""
         self.budget = budget_bytes
         self.bound = bound
+        self.views = UnitViews(bound)
         self.kept_bytes = 0
         self.peak_bytes = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._ranges: list[tuple[int, int, int, torch.Tensor]] = []  # bound units: (u, first, end byte address, flat)
         self._seen: set[int] = set()
         self._counted = 0
 
@@ -59,10 +88,9 @@ class KeptGraphs:
 
     # -- hooks ------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        p = t.data_ptr()
-        for u, base, end, flat in self._ranges:
-            if base <= p < end and t.device == flat.device and t.dtype == flat.dtype:
-                return _ParamRef(u, (p - base) // flat.element_size(), tuple(t.size()), tuple(t.stride()))
+        ref = self.views.ref(t)
+        if ref is not None:
+            return ref
         st = t.untyped_storage()
         if st.data_ptr() not in self._seen:  # views of one storage count once
             self._seen.add(st.data_ptr())
@@ -73,10 +101,7 @@ class KeptGraphs:
         return t.detach()
 
     def _unpack(self, obj):
-        if isinstance(obj, _ParamRef):
-            flat = self.bound(obj.unit)
-            return flat.as_strided(obj.size, obj.stride, flat.storage_offset() + obj.offset)
-        return obj
+        return self.views.view(obj) if isinstance(obj, _ParamRef) else obj
 
     # -- forward / backward ---------------------------------------------------------------------------
     def forward(self, key: tuple[int, int], units: tuple[int, ...], fn: Callable, x: torch.Tensor,
@@ -86,14 +111,14 @@ class KeptGraphs:
         built (False: it is dropped, the caller recomputes it later). ``units``: those whose
         parameters ``fn`` uses (bound now)."""
         x = x.detach().requires_grad_()
-        flats = [(u, self.bound(u)) for u in units]  # looked up once per graph, not per saved tensor
-        self._ranges = [(u, f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f) for u, f in flats]
+        self.views.enter(units)
         self._seen, self._counted = set(), 0
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = fn(x)
         finally:
-            self._ranges, self._seen = [], set()
+            self.views.exit()
+            self._seen = set()
         nbytes = self._counted
         if self.kept_bytes + nbytes > self.budget or not keep(nbytes, self.kept_bytes):
             return out.detach(), False  # the graph is freed with ``out``

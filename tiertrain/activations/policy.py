@@ -1,5 +1,6 @@
 """Which ``(block, micro-batch)`` pairs keep their autograd graph from the forward for the
-backward (within ``memory.keep_act_mib``) and which are recomputed from their stashed input.
+backward (within ``memory.keep_act_mib``), which send it to the storage tier (``offload.py``)
+and which are recomputed from their stashed input.
 
 A policy is asked once per pair, in forward order, right after the pair's graph is built,
 with the bytes that graph holds, only while the budget still holds that graph (``KeptGraphs``
@@ -13,11 +14,16 @@ enforces the budget; a policy chooses among the graphs that fit). Replaceable: `
   learned from the first graph (blocks of one model are alike); the budget is never exceeded.
 - ``FirstFit``: keep every graph while the budget lasts, in forward order (the first blocks).
 - ``RecomputeAll``: keep nothing.
+- ``Tiered`` (``memory.activations = "auto"`` or ``"offload"`` with pairs to offload): in
+  forward order, the first pairs are recomputed, the next ``offload`` pairs go to the storage
+  tier, the last ``keep`` pairs are kept: the backward needs the kept ones first, then reads
+  the offloaded ones back while it computes, and recomputes the earliest. The counts are
+  planned at start (``cost/choose.py``: the file space is claimed then).
 """
 
 from __future__ import annotations
 
-__all__ = ["ActivationPolicy", "KeepLast", "FirstFit", "RecomputeAll", "POLICIES"]
+__all__ = ["ActivationPolicy", "KeepLast", "FirstFit", "RecomputeAll", "Tiered", "POLICIES", "policy_for"]
 
 
 class ActivationPolicy:
@@ -32,6 +38,14 @@ class ActivationPolicy:
         return self.budget > 0
 
     def keep(self, block: int, micro_batch: int, nbytes: int, kept_bytes: int) -> bool:
+        raise NotImplementedError
+
+    def offload(self, block: int, micro_batch: int) -> bool:
+        """Asked before the pair's forward: True sends its saved tensors to the storage tier."""
+        return False
+
+    def slot(self, block: int, micro_batch: int) -> int:
+        """An offloaded pair's record in the file."""
         raise NotImplementedError
 
 
@@ -62,5 +76,40 @@ class RecomputeAll(ActivationPolicy):
         return False
 
 
-# memory.activations -> its policy
+class Tiered(ActivationPolicy):
+    def __init__(self, keep_pairs: int, offload_pairs: int) -> None:
+        self.keep_pairs, self.offload_pairs = keep_pairs, offload_pairs
+
+    def begin_step(self, blocks: int, micro_batches: int, budget: int) -> None:
+        super().begin_step(blocks, micro_batches, budget)
+        pairs = blocks * micro_batches
+        self.first_kept = pairs - min(pairs, self.keep_pairs)
+        self.first_offloaded = max(0, self.first_kept - self.offload_pairs)
+
+    @property
+    def wants_graphs(self) -> bool:
+        return self.budget > 0 and self.keep_pairs > 0
+
+    def _index(self, block: int, micro_batch: int) -> int:
+        return block * self.micro_batches + micro_batch
+
+    def keep(self, block: int, micro_batch: int, nbytes: int, kept_bytes: int) -> bool:
+        return self._index(block, micro_batch) >= self.first_kept
+
+    def offload(self, block: int, micro_batch: int) -> bool:
+        return self.first_offloaded <= self._index(block, micro_batch) < self.first_kept
+
+    def slot(self, block: int, micro_batch: int) -> int:
+        return self._index(block, micro_batch) - self.first_offloaded
+
+
+def policy_for(activations: str, keep_pairs: int = 0, offload_pairs: int = 0) -> ActivationPolicy:
+    """The policy of ``memory.activations`` once planned: ``keep_pairs`` the budget holds,
+    ``offload_pairs`` on the storage tier (``auto`` / ``offload`` only)."""
+    if activations in ("auto", "offload") and offload_pairs > 0:
+        return Tiered(keep_pairs, offload_pairs)
+    return POLICIES.get(activations, KeepLast)()
+
+
+# memory.activations -> its policy (without offloaded pairs)
 POLICIES: dict[str, type[ActivationPolicy]] = {"keep": KeepLast, "keep-first": FirstFit, "recompute": RecomputeAll}

@@ -13,9 +13,9 @@ import os
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
 from ..schedule.executor import visits
-from .traffic import Traffic, kept_pairs, step_traffic
+from .traffic import Traffic, kept_pairs, offloaded_pairs, step_traffic
 
-__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs",
+__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs", "offloaded_pairs",
            "step_traffic"]
 
 MIB = 1 << 20
@@ -44,12 +44,14 @@ def estimate(cfg, rt, rates: Rates | None = None, *, probe_mib: int = 256) -> Pr
 
 
 def predict_with(cfg, rt, rates: Rates) -> Prediction:
-    """The prediction of ``cfg`` on ``rt`` from given rates (no probe)."""
+    """The prediction of ``cfg`` on ``rt`` from given rates (no probe); pairs offloaded as
+    ``memory.offload_pairs`` says (unset: none)."""
     blocks = len(rt.model.blocks)
     kept = kept_pairs(cfg, blocks, rates.act_bytes)
+    offloaded = offloaded_pairs(cfg, blocks, kept)
     t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
-                     separate=rt.dev.separate)
+                     separate=rt.dev.separate, offloaded=offloaded, record=rates.record_bytes)
     first_unit = visits(rt.model.plan)[0].index  # the read nothing hides
     first = rt.layout.units[first_unit].numel * rt.dtype.itemsize if t.forward_read else 0
     return predict(cfg, t, rates, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=first,
-                   cpu_compute=not rt.dev.cuda)
+                   cpu_compute=not rt.dev.cuda, offloaded=offloaded)

@@ -80,6 +80,8 @@ class BudgetPlan:
     demand: dict[str, int] = field(default_factory=dict)  # field -> bytes to hold everything
     value: dict[str, float] = field(default_factory=dict)  # field -> seconds per step saved per GiB
     device_acts: bool = False  # kept activations are device memory (CUDA), not host memory
+    act_bytes: int = 0  # one pair's saved activations (kept), as measured or estimated
+    record_bytes: int = 0  # one pair's record of offloaded activations (0: not measured)
 
     @property
     def host_used(self) -> int:
@@ -134,7 +136,13 @@ WORKING_SLACK = 128 * MIB  # allocator arenas of the I/O threads, interpreter, f
 ENGINE_PROCESS = 320 * MIB  # an engine's interpreter with torch loaded, before its pools (measured: 300-330 MiB)
 
 
-def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
+def offload_possible(cfg: Config) -> bool:
+    """Whether pairs not kept may go to the storage tier (their record pool is then fixed)."""
+    m = cfg.memory
+    return m.activations in ("auto", "offload") and (m.offload_pairs is None or m.offload_pairs > 0)
+
+
+def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> dict[str, int]:
     """Memory every step needs whatever the placement, in host memory (on CPU the device's
     slots and gradient buffers are host memory too), with the working set that is no pool:
     initialisation and autograd hold a few units' tensors at once, and a micro-batch's
@@ -161,6 +169,8 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0) -> dict[str, int]:
         out["gradient accumulators"] = GradStore.accum_bytes_for(layout, accum_dtype_of(cfg, rt.dtype))
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
+    if record_bytes:
+        out["activation records"] = m.act_buffers * record_bytes
     out["working set"] = 4 * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
     return out
 
@@ -180,18 +190,35 @@ def values(cfg: Config, rt, rates) -> dict[str, float]:
 def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, BudgetPlan]:
     """``cfg`` with every unset ``memory.*_mib`` field of ``PLANNED`` set from the budget, and
     the plan. ``rates_fn()``: the measured ``Rates``, called only if the states do not all fit;
-    ``act_fn()``: one pair's activation bytes, when kept activations are planned (default: the
-    rates' figure)."""
+    ``act_fn()``: one pair's (activation bytes, offload record bytes), when kept or offloaded
+    activations are planned (default: the rates' figures). The record pool of offloaded
+    activations is fixed only where the pairs kept in memory are not all of them."""
+    act, record = _act_bytes_estimate(cfg, rt), 0
+    if "keep_act_mib" in _todo(cfg) or offload_possible(cfg):
+        if act_fn is not None:
+            act, record = act_fn()
+        else:
+            r = rates_fn()
+            act, record = r.act_bytes, r.record_bytes
+    cfg_out, plan = _resolve(cfg, rt, rates_fn, act, 0)
+    if record and offload_possible(cfg) and plan.given.get("keep_act_mib", 0) < plan.demand.get("keep_act_mib", 0):
+        cfg_out, plan = _resolve(cfg, rt, rates_fn, act, record)  # pairs left for the storage tier: their pool
+    plan.act_bytes, plan.record_bytes = act, record
+    return cfg_out, plan
+
+
+def _todo(cfg: Config) -> list[str]:
+    return [f for f in PLANNED if getattr(cfg.memory, f) is None]
+
+
+def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, BudgetPlan]:
     m = cfg.memory
-    todo = [f for f in PLANNED if getattr(m, f) is None]
+    todo = _todo(cfg)
     host, source = (m.host_mib * MIB, "memory.host_mib") if m.host_mib is not None else default_host_bytes()
     explicit = {f: getattr(m, f) * MIB for f in PLANNED if f not in todo}
     device_acts = rt.dev.separate  # kept activations live in device memory on CUDA
     rates = None
-    act = _act_bytes_estimate(cfg, rt)
-    if "keep_act_mib" in todo:
-        act = act_fn() if act_fn is not None else rates_fn().act_bytes
-    fixed = fixed_pools(cfg, rt, act)
+    fixed = fixed_pools(cfg, rt, act, record)
     plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=device_acts)
     need = demands(cfg, rt, act)
     plan.demand = need
@@ -201,7 +228,7 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
         raise ConfigError(
             f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
             f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
-            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / the *_mib fields set")
+            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set")
     given = dict(explicit)
     if todo:
         host_todo = [f for f in todo if f in host_need]

@@ -1,4 +1,6 @@
-"""What the cost model chooses for a run: the update path, where ``update.mode = "auto"``.
+"""What the cost model chooses for a run: the update path, where ``update.mode = "auto"``, and
+how many (block, micro-batch) pairs send their activations to the storage tier, where
+``memory.activations = "auto"``.
 
 The baseline and the overlapped path hold the same states in the same memory and run the
 same math in the same order (bit-identical), so choosing between them changes only the time:
@@ -14,9 +16,10 @@ from typing import Callable
 from ..config import Config
 from .probe import Rates
 
-__all__ = ["resolve_update"]
+__all__ = ["resolve_update", "resolve_activations"]
 
 AUTO_PATHS = ("baseline", "overlap")
+MIB = 1 << 20
 
 
 def _with_mode(cfg: Config, mode: str) -> Config:
@@ -55,3 +58,49 @@ def resolve_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     mode = "overlap" if times["overlap"] < 0.98 * times["baseline"] else "baseline"  # a tie keeps the simpler path
     return _with_mode(cfg, mode), (f"{mode} (predicted {times['baseline']:.2f} s/step for baseline, "
                                    f"{times['overlap']:.2f} s for overlap)")
+
+
+def _with_offload(cfg: Config, n: int) -> Config:
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, offload_pairs=n))
+
+
+def _candidates(rest: int, most: int = 48) -> list[int]:
+    if rest <= most:
+        return list(range(rest + 1))
+    return sorted({round(i * rest / most) for i in range(most + 1)})
+
+
+def resolve_activations(cfg: Config, rt, act_bytes: int, record_bytes: int,
+                        rates_fn: Callable[[], Rates] | None) -> tuple[Config, str | None]:
+    """``cfg`` with ``memory.offload_pairs`` planned (0 where nothing is offloaded), and why.
+
+    The pairs the keep budget holds are kept; of the rest, in forward order just before the
+    kept ones: ``offload`` sends them all to the storage tier; ``auto`` the number whose
+    predicted step is the shortest (the cost model: their records' writes under the forward,
+    reads under the backward, against each one's recompute), from ``rates_fn()`` (called
+    only when there is a choice), or all of them where nothing is measured (``rates_fn``
+    None): I/O that the disk keeps up with hides under compute."""
+    from . import kept_pairs, predict_with
+
+    m = cfg.memory
+    L, M = len(rt.model.blocks), cfg.data.micro_batches
+    if m.activations not in ("auto", "offload") or not record_bytes:
+        return _with_offload(cfg, 0), None
+    kept = kept_pairs(cfg, L, act_bytes)
+    rest = L * M - kept
+    head = f"activations (memory.activations = {m.activations!r}): {kept} of {L * M} pairs kept in memory, "
+    if m.offload_pairs is not None:
+        n = min(m.offload_pairs, rest)
+        return _with_offload(cfg, n), head + f"{n} on the storage tier (memory.offload_pairs), {rest - n} recomputed"
+    if rest == 0:
+        return _with_offload(cfg, 0), head + "none left to offload or recompute"
+    if m.activations == "offload" or rates_fn is None:
+        why = "" if m.activations == "offload" else " (not measured: the storage tier's I/O hides under compute)"
+        return _with_offload(cfg, rest), head + f"the other {rest} on the storage tier{why}"
+    rates = dataclasses.replace(rates_fn(), act_bytes=act_bytes, record_bytes=record_bytes)
+    times = {n: predict_with(_with_offload(cfg, n), rt, rates).step_s for n in _candidates(rest)}
+    best = min(times.values())
+    n = min(k for k, t in times.items() if t <= 1.01 * best)  # within 1%: fewer bytes on the disk
+    return _with_offload(cfg, n), head + (
+        f"{n} on the storage tier, {rest - n} recomputed (predicted {times[n]:.2f} s/step; all recomputed "
+        f"{times[0]:.2f} s, all offloaded {times[rest]:.2f} s; {record_bytes / MIB:.1f} MiB per pair)")

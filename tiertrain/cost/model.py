@@ -74,11 +74,12 @@ def _phase(name: str, compute: float, read: int, write: int, r: Rates, checksum:
 
 
 def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: int, n_params: int,
-            first_read: int, cpu_compute: bool, pcie_gbps: float | None = None) -> Prediction:
+            first_read: int, cpu_compute: bool, pcie_gbps: float | None = None, offloaded: int = 0) -> Prediction:
     """The predicted step of a run of ``cfg`` (see the module docstring). ``first_read``:
-    bytes of the forward's first unit read from the file (0 when in memory)."""
+    bytes of the forward's first unit read from the file (0 when in memory); ``offloaded``:
+    pairs read back instead of recomputed (their bytes are in ``traffic``)."""
     M, r, ck = cfg.data.micro_batches, rates, cfg.io.checksum
-    recomputed = blocks * M - kept
+    recomputed = blocks * M - kept - offloaded
     # phases as the executor times them: the forward ends with the head's forward and backward
     fwd_c = M * (r.embed_fwd_s + blocks * r.block_fwd_s + r.head_s)
     bwd_c = M * (blocks * r.block_bwd_s + r.embed_bwd_s) + recomputed * r.block_fwd_s

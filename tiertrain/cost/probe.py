@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from ..activations.keep import KeptGraphs
+from ..activations.offload import measure_record
 from ..schedule.vocab import piece_backward, piece_logsumexp
 from ..config import Config, IOConfig
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 
-__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_crc"]
+__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_acts", "probe_crc"]
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Rates:
     act_bytes: int  # one (block, micro-batch) pair's saved activations
     update_elem_s: float  # the AdamW kernel, per element
     cores: int
+    record_bytes: int = 0  # one pair's record of offloaded activations (its input, in the stash, not counted)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,7 +152,14 @@ def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
 def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> int:
     """One (block, micro-batch) pair's saved activations: one forward of the first block
     through the kept-graph path (parameter views not counted, as the executor counts)."""
-    return probe_compute(cfg, model, layout, dev, dtype, hidden, act_only=True)["act_bytes"]
+    return probe_acts(cfg, model, layout, dev, dtype, hidden)[0]
+
+
+def probe_acts(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> tuple[int, int]:
+    """(one pair's saved activation bytes as kept, its record's bytes when offloaded): one
+    forward of the first block through each path (a dry run before the first step)."""
+    out = probe_compute(cfg, model, layout, dev, dtype, hidden, act_only=True)
+    return out["act_bytes"], out["record_bytes"]
 
 
 def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False,
@@ -283,12 +292,14 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
             out_s["head_s"] = _timed(head_fb)
         unbind()
         bind("block")
+        record = measure_record(block_units, flats.__getitem__, fwd, x)
         if act_only:
             kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
-            return {"act_bytes": kept.kept_bytes}
+            return {"act_bytes": kept.kept_bytes, "record_bytes": record}
         kept.clear()
         kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
         out_s["act_bytes"] = act = kept.kept_bytes
+        out_s["record_bytes"] = record
         budget = cfg.memory.keep_act_mib
         keep_n = (0 if cfg.memory.activations == "recompute" else  # None: still being planned: a few
                   min(L, 4) if budget is None else min(L, (budget << 20) // max(act, 1)))

@@ -31,7 +31,7 @@ from ..schedule.executor import visits
 from ..state.regions import place
 from ..update.streamed import optimizer_states
 
-__all__ = ["Traffic", "step_traffic", "kept_pairs", "slot_fetches"]
+__all__ = ["Traffic", "step_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
 
 MIB = 1 << 20
 
@@ -74,6 +74,15 @@ def kept_pairs(cfg: Config, blocks: int, act_bytes: int, *, device_budget: int |
         return 0
     budget = m.keep_act_mib * MIB if device_budget is None else device_budget
     return min(pairs, budget // act_bytes)
+
+
+def offloaded_pairs(cfg: Config, blocks: int, kept: int) -> int:
+    """Pairs whose activations go to the storage tier: ``memory.offload_pairs`` of those not
+    kept (as planned at start; unset: none)."""
+    m = cfg.memory
+    if m.activations not in ("auto", "offload") or not m.offload_pairs:
+        return 0
+    return min(m.offload_pairs, blocks * cfg.data.micro_batches - kept)
 
 
 def slot_fetches(order: list, layout, slots: int, on_host) -> list[tuple[int, int]]:
@@ -130,11 +139,14 @@ def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int) -> set[int
 
 
 def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, hidden: int, kept: int,
-                 separate: bool = False, used_pieces: list | None = None) -> Traffic:
+                 separate: bool = False, used_pieces: list | None = None, offloaded: int = 0,
+                 record: int = 0) -> Traffic:
     """Bytes per step of a baseline run of ``cfg`` (the update engines move the update's
     bytes themselves: the same totals, attributed to them). ``kept``: pairs kept in memory
     (``kept_pairs``); ``separate``: device memory is not host memory (CUDA); ``used_pieces``:
-    the embedding pieces the step's tokens use (None: all of them, the most a step reads)."""
+    the embedding pieces the step's tokens use (None: all of them, the most a step reads);
+    ``offloaded``: pairs whose activations go to the storage tier, ``record`` bytes each
+    (written in the forward, read in the backward; their inputs are stashed)."""
     m, d, t = cfg.memory, cfg.data, Traffic()
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
@@ -184,13 +196,15 @@ def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, 
     # hidden states of recomputed pairs: forward pairs 0 .. first_kept-1; spilled: the first ones
     shape = (d.micro_batch_size, d.seq_len, hidden)
     entry, _, spilled = HiddenStash.plan(shape, dtype, L * M, m.stash_host_mib * MIB)
-    recomputed = L * M - kept
+    stashed = L * M - kept  # recomputed and offloaded pairs stash their input
     # spilled entries are the first pairs; KeepLast keeps the last pairs, FirstFit the first ones
-    spill_rec = max(0, spilled - kept) if m.activations == "keep-first" else min(spilled, recomputed)
+    spill_rec = max(0, spilled - kept) if m.activations == "keep-first" else min(spilled, stashed)
     t._add("stash", "forward", "write", spill_rec * entry)
     t._add("stash", "backward", "read", spill_rec * entry)
+    t._add("activations", "forward", "write", offloaded * record)
+    t._add("activations", "backward", "read", offloaded * record)
     if separate:
         h = math.prod(shape) * e
-        t.down += recomputed * h
-        t.up += recomputed * h
+        t.down += stashed * h + offloaded * record
+        t.up += stashed * h + offloaded * record
     return t

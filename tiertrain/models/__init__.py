@@ -116,6 +116,7 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
                 max_seq_len=cfg.max_seq_len,
                 tie_embeddings=cfg.tie_embeddings,
                 init_std=cfg.init_std,
+                dropout=cfg.dropout,
             )
         if cfg.tie_embeddings:  # accelerate re-creates parameters assigned inside its context: tie here
             model.head.lm_head.weight = model.embed.wte.weight

@@ -4,13 +4,14 @@
 step at a time, each over all ``M`` micro-batches while the unit's parameters are resident:
 
 - ``embed_forward``: token embeddings of every micro-batch;
-- ``block_forward``: one block; its graph is kept for the backward or dropped (the
-  activation policy's choice, ``activations/policy.py``), and the block's input is stashed
-  when the graph is dropped;
+- ``block_forward``: one block; its graph is kept for the backward, sent to the storage
+  tier (``activations/offload.py``) or dropped (the activation policy's choice,
+  ``activations/policy.py``), and the block's input is stashed unless the graph is kept;
 - ``head_step``: the head's forward and backward per micro-batch (its loss is divided by
   ``M``, as gradient accumulation in plain PyTorch does), producing ``dh`` per micro-batch;
-- ``block_backward``: one block in reverse order, through the kept graph or a recompute
-  from the stashed input with the RNG state of its forward restored;
+- ``block_backward``: one block in reverse order, through the kept graph, the offloaded one
+  read back (ahead, in this order), or a recompute from the stashed input with the RNG state
+  of its forward restored;
 - ``embed_backward``.
 
 With the vocabulary cut into pieces (``models/pieces.py``) the embedding and the head are
@@ -37,6 +38,7 @@ import torch
 
 from .. import faults
 from ..activations.keep import KeptGraphs
+from ..activations.offload import OffloadedGraphs
 from ..activations.policy import ActivationPolicy, KeepLast
 from ..activations.stash import HiddenStash
 from ..models.base import LayeredModel, UnitRef
@@ -104,6 +106,7 @@ class LayerMajorExecutor(VocabSteps):
         dev: Device,
         keep_bytes: int = 0,
         policy: ActivationPolicy | None = None,
+        offloaded: OffloadedGraphs | None = None,
     ) -> None:
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
         self.plan = model.plan
@@ -119,7 +122,11 @@ class LayerMajorExecutor(VocabSteps):
         self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
         self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
         self.policy = policy or KeepLast()
+        self.offloaded = offloaded
+        if offloaded is not None:
+            offloaded.bind(self._flats.__getitem__)
         self.recomputed = 0  # (block, micro-batch) pairs recomputed in the last step
+        self.kept_pairs = 0  # pairs whose graph was kept in the last step
         self._rng: dict[tuple[int, int], _Rng] = {}
 
     # -- parameter residency ------------------------------------------------------------------------
@@ -165,6 +172,12 @@ class LayerMajorExecutor(VocabSteps):
             faults.point("forward")
             self._rng[ref.index, m] = _Rng(self.dev)
             fn = lambda t, mb=mb: block(t, mb.positions)  # noqa: E731
+            if self.policy.offload(ref.block, m):
+                if self.offloaded is None:
+                    raise RuntimeError("the activation policy offloads a pair but no record file was planned")
+                self.stash.put((ref.block, m), x)  # the record refers to its input in the stash
+                out.append(self.offloaded.forward((ref.block, m), self.policy.slot(ref.block, m), units, fn, x))
+                continue
             if self.policy.wants_graphs:
                 keep = lambda nbytes, kept, b=ref.block, m=m: self.policy.keep(b, m, nbytes, kept)  # noqa: E731
                 y, kept = self.kept.forward((ref.block, m), units, fn, x, keep)
@@ -173,6 +186,7 @@ class LayerMajorExecutor(VocabSteps):
                     y, kept = fn(x).detach(), False
             if not kept:  # recomputed in the backward from its stashed input
                 self.stash.put((ref.block, m), x)
+            self.kept_pairs += kept
             out.append(y)
         self._release(ref)
         return out
@@ -201,13 +215,21 @@ class LayerMajorExecutor(VocabSteps):
         self._acquire(ref)
         self.grads.begin(ref.index)
         b, prev = ref.block, self._order[self._pos]  # the unit the backward reaches next
+        off = self.offloaded
         for m, mb in enumerate(mbs):
             if prev.role == "block" and (prev.block, m) not in self.kept:
                 self.stash.prefetch((prev.block, m))
+            if off is not None:
+                off.pump()
             faults.point("backward")
             if (b, m) in self.kept:
                 dh[m] = self.kept.backward((b, m), dh[m])
                 self.grads.fold(self._units(ref))
+                continue
+            if off is not None and (b, m) in off:
+                dh[m] = off.backward((b, m), dh[m])  # its input from the stash
+                self.grads.fold(self._units(ref))
+                self.stash.free((b, m))
                 continue
             self.recomputed += 1
             x = self.stash.get((b, m)).detach().requires_grad_()
@@ -248,12 +270,18 @@ class LayerMajorExecutor(VocabSteps):
         self.pieces_used = used_pieces(self.embed_pieces, [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used), 0
         self.kept.clear()  # nothing survives a step that failed half-way
+        if self.offloaded is not None:
+            self.offloaded.clear()
+        self.kept_pairs = 0
         self.policy.begin_step(len(self.blocks), M, self.kept.budget)
         t0 = time.perf_counter()
 
         h = self.embed_forward(mbs)
         for ref in self.blocks:
             h = self.block_forward(ref, h, mbs)
+        if self.offloaded is not None:
+            self.offloaded.end_forward()
+            self.offloaded.pump()  # the first records read back under the head
         dh, losses = self.head_step(h, mbs)
         h = None
         after_forward = _Rng(self.dev)
