@@ -88,7 +88,7 @@ def run(args, scratch: str) -> str:
         engines_peak = max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)
         budget_lines = tr.budget.lines() if tr.budget else []
         t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size,
-                         kept=len(tr.model.blocks) * tr.cfg.data.micro_batches - tr.executor.recomputed,
+                         kept=tr.executor.kept_pairs, offloaded=tr.acts.offloaded, record=tr.acts.record_bytes,
                          used_pieces=tr.executor.pieces_used)
         n_params, L, M = tr.layout.n_params, len(tr.model.blocks), tr.cfg.data.micro_batches
         rates = measure_rates(tr.cfg, tr.rt, probe_mib=args.probe_mib)

@@ -127,8 +127,8 @@ def formula_bytes(tr: Trainer) -> tuple[int, int]:
     kept graphs (tiertrain.cost.step_traffic: in the trainer or in the engines)."""
     from tiertrain.cost import step_traffic
 
-    kept = len(tr.model.blocks) * tr.cfg.data.micro_batches - tr.executor.recomputed
-    t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept)
+    t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size,
+                     kept=tr.executor.kept_pairs, offloaded=tr.acts.offloaded, record=tr.acts.record_bytes)
     return t.read, t.write
 
 

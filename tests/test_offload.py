@@ -290,7 +290,8 @@ seq = int(sys.argv[3])
 cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=256, heads=4, micro_batches=2, steps=2, update_kib=1024,
                    activations="offload")
 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=seq),
-                          data=dataclasses.replace(cfg.data, seq_len=seq))
+                          data=dataclasses.replace(cfg.data, seq_len=seq),
+                          memory=dataclasses.replace(cfg.memory, mmap_threshold_kib=1024))  # the strict setting
 from tiertrain.train import Trainer
 base = host_rss()
 if not reset_peak_rss():
@@ -310,7 +311,9 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     """Every pair's activations on the storage tier: peak RSS grows by the fixed pools (the
     records' among them) plus the working set of one micro-batch's block (its activations
     twice: autograd's and the record being filled) plus 96 MiB, at 256 and at 1024 tokens,
-    while the step's activations at 1024 tokens are several times that."""
+    while the step's activations at 1024 tokens are several times that. With
+    memory.mmap_threshold_kib = 1024 (the setting that keeps freed activations from
+    fragmenting the heap; see tiertrain/state/malloc.py)."""
     here = os.path.dirname(__file__)
     out = {}
     for seq in (256, 1024):

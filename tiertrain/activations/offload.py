@@ -225,6 +225,7 @@ class OffloadedGraphs:
         self._order: list[tuple[int, int]] = []  # the backward's order of the records not yet read
         self._loaded: dict[tuple[int, int], torch.Tensor] = {}  # records being back-propagated, as the device sees them
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._uploading: list[tuple[PoolBuffer, object]] = []  # buffers whose upload may still run
         self.wait_s = 0.0  # the compute thread waiting: for a buffer (writes behind) or a read
         self.written_bytes = 0  # records written since the last ``take_stats``
         self.pairs = 0
@@ -259,8 +260,8 @@ class OffloadedGraphs:
 
         def copy(at: int, src: torch.Tensor) -> None:
             dst = host[at : at + src.numel()]
-            if self.dev.separate:  # after the compute that made it; the download stream is in order
-                rec.copied = self.dev.download(dst, src, after=self.dev.event())
+            if self.dev.separate:  # after the compute that made it (download's default); the stream is in order
+                rec.copied = self.dev.download(dst, src)
             else:
                 dst.copy_(src)
 
@@ -279,7 +280,7 @@ class OffloadedGraphs:
             if buf is not None:
                 return buf
             pending = [r for r in self._recs.values() if r.write is not None or (r.buf is not None and r.copied)]
-            if not pending:
+            if not pending and not self._uploading:
                 raise RuntimeError(f"all {self._pool.count} activation record buffers are held by records being "
                                    "back-propagated; release them after their backward")
             self._reap(block=True)
@@ -292,8 +293,22 @@ class OffloadedGraphs:
         rec.write = self._file.pwrite(rec.buf.tensor, self.record_bytes, rec.slot * self.record_bytes)
 
     def _reap(self, block: bool) -> None:
-        """Start writes whose downloads ran; give back the buffers of finished writes (``block``:
-        wait for the oldest record in flight)."""
+        """Start writes whose downloads ran; give back the buffers of finished writes and of
+        uploads that ran (``block``: wait for the oldest record in flight)."""
+        still = []
+        for buf, ev in self._uploading:
+            if self.dev.done(ev):
+                self.dev.release(buf.tensor)
+                buf.release()
+            else:
+                still.append((buf, ev))
+        self._uploading = still
+        if block and self._uploading:  # the oldest thing in flight: an upload of the backward
+            buf, ev = self._uploading.pop(0)
+            self.dev.sync(ev)
+            self.dev.release(buf.tensor)
+            buf.release()
+            return
         first = block
         for rec in list(self._recs.values()):
             if rec.buf is None or rec.read is not None or rec.written:
@@ -347,6 +362,9 @@ class OffloadedGraphs:
             self._order.remove(key)
             self._order.insert(0, key)
             self.pump()
+            while rec.read is None and self._uploading:
+                self._reap(block=True)
+                self.pump()
             if rec.read is None:  # every buffer is held by a record being back-propagated
                 raise RuntimeError(f"no activation record buffer free to read block {key[0]}, micro-batch {key[1]}: "
                                    f"all {self._pool.count} are held; release them after their backward")
@@ -369,9 +387,10 @@ class OffloadedGraphs:
             del self._loaded[key], self._inputs[key], self._recs[key]
             rec.root = None
             if ev is not None:
-                self.dev.sync(ev)  # the upload has run: the buffer may take the next record
-            self.dev.release(rec.buf.tensor)
-            rec.buf.release()
+                self._uploading.append((rec.buf, ev))  # given back once its upload has run, found by query
+            else:
+                self.dev.release(rec.buf.tensor)
+                rec.buf.release()
         return dx
 
     def _unpack(self, obj):
@@ -405,6 +424,10 @@ class OffloadedGraphs:
                 self.dev.sync(rec.copied)
                 rec.buf.release()
         self._recs.clear()
+        for buf, ev in self._uploading:
+            self.dev.sync(ev)
+            buf.release()
+        self._uploading = []
         self._order, self._loaded, self._inputs = [], {}, {}
 
     def close(self) -> None:
