@@ -59,6 +59,8 @@ with Trainer(cfg) as tr:
                peak=host_peak_rss() - base, act=tr.acts.act_bytes, kept_peak=tr.executor.kept.peak_bytes, record=tr.acts.record_bytes,
                keep_mib=tr.cfg.memory.keep_act_mib, pools=sum(tr.pool_bytes.values()),
                read_gbps=r.read_gbps if r else None, write_gbps=r.write_gbps if r else None,
+               io_cpu=r.io_cpu_s_per_gb if r else None, crc_gbps=r.crc_gbps if r else None,
+               io_slowdown=r.io_slowdown if r else None, cores=r.cores if r else None,
                predicted=pred.step_s if pred else None)
 print(json.dumps(out))
 """
@@ -111,7 +113,9 @@ def summarize(runs: list[dict]) -> dict:
                     r["read_gbps"] for r in runs) else None,
                 write_gbps=statistics.median(r["write_gbps"] for r in runs if r["write_gbps"]) if any(
                     r["write_gbps"] for r in runs) else None,
-                predicted=[r["predicted"] for r in runs])
+                predicted=[r["predicted"] for r in runs],
+                **{k: statistics.median(r[k] for r in runs) if all(r.get(k) for r in runs) else None
+                   for k in ("io_cpu", "crc_gbps", "io_slowdown", "cores")})
 
 
 def main() -> int:
@@ -206,6 +210,21 @@ def render(args, s: dict, quarter: int) -> str:
                      f"measured {wb:.2f} GB/s write, {rb:.2f} GB/s read (probed at start) = {serial:.2f} s of I/O if "
                      f"nothing overlapped, against a keep-all step of {keep['step']:.2f} s: the I/O must hide under "
                      "compute, and the CPU it takes (copies, checksums, system calls) comes off the 2 cores.")
+    if serial is not None and auto["io_cpu"]:
+        gb = 2 * off_bytes / 1e9
+        crc = gb / auto["crc_gbps"]
+        io_cpu = gb * auto["io_cpu"]
+        copy = off_bytes / 1e9 / 8.0  # the pack's copy into the record, at ~8 GB/s (measured 1-23 GB/s here)
+        per_rec = added / pairs if added > 0 else 0.0
+        over = auto["step"] - keep["step"]
+        recs = auto["acts"].get("act_recomputed", 0)
+        lines.append(
+            f"- Where auto's {over:.2f} s over keep-all goes (which term is in the way): I/O waits {auto['wait']:.2f} s "
+            f"(the reads were ahead); bandwidth {serial:.2f} s of disk time in a {auto['step']:.2f} s step (hidden); "
+            f"CPU taken by the I/O on {auto['cores']} cores: checksums {crc:.2f} s, the storage threads' system calls "
+            f"and copies {io_cpu:.2f} s (probed {auto['io_cpu']:.2f} s/GB), the records' fill {copy:.2f} s, in all "
+            f"{(crc + io_cpu + copy) / auto['cores']:.2f} s of the step if spread over the cores; compute slowed by the "
+            f"disk working beside it: x{auto['io_slowdown']:.2f} (probed); {recs} recompute(s) at ~{per_rec:.2f} s each.")
     lines.append(f"- Predicted step at start (cost model), auto: {', '.join(f'{p:.2f} s' for p in auto['predicted'] if p)}.")
     lines.append("- Steps (s): " + "; ".join(f"{n}: {', '.join(f'{x:.2f}' for x in r['steps'])}" for n, r in s.items()))
     return "\n".join(lines) + "\n"

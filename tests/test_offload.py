@@ -135,7 +135,8 @@ def _saved_storages(block, x) -> tuple[dict[int, int], int]:
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_a_record_holds_each_saved_storage_once(tmp_path, kind):
-    """Record bytes = the distinct storages autograd saves for one block (each on 64 bytes),
+    """Record bytes = the distinct storages autograd saves for one block (each on 64 bytes,
+    the record on whole checksum blocks: ``record_size``),
     not their views (q, k and v are views of one projection), not the parameters, not the
     block's input (in the stash); every step writes exactly that per offloaded pair, and the
     storage tier's counters see nothing else added against the recompute path."""
@@ -156,9 +157,9 @@ def test_a_record_holds_each_saved_storage_once(tmp_path, kind):
     d = cfg.data
     x = torch.randn(d.micro_batch_size, d.seq_len, cfg.model.d_model, requires_grad=True)
     seen, no_dedup = _saved_storages(block, x)
-    formula = record_size(sum(-(-n // 64) * 64 for n in seen.values()))
+    formula = record_size(sum(-(-n // 64) * 64 for n in seen.values()), cfg.io.checksum_block_kib << 10)
     assert plan.record_bytes == formula
-    assert plan.record_bytes < record_size(no_dedup)  # views of one storage are stored once
+    assert plan.record_bytes < record_size(no_dedup, cfg.io.checksum_block_kib << 10)  # views of one storage: once
     pairs = cfg.model.n_layers * cfg.data.micro_batches
     for off, rec in zip(runs["offload"], runs["recompute"]):
         assert off.extra["act_offload_bytes"] == pairs * formula
@@ -331,3 +332,18 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
         assert o["offloaded"] == [o["pairs"] * o["record"]] * 2
     big = out[1024]
     assert big["pairs"] * big["act"] > 2 * (big["peak"] - big["base"])  # the activations were never all in memory
+
+
+def test_plan_shows_where_activations_go_and_their_bytes(tmp_path):
+    from reference import tiny_flags
+
+    flags = [f for f in tiny_flags(tmp_path, "--memory.keep_act_mib=0", "--memory.activations=offload", layers=3)
+             if not f.startswith("--train.steps")]
+    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "activations (memory.activations = 'offload'): of 6 (block, micro-batch) pairs 0 kept, 6 on the storage " \
+           "tier (records of" in out
+    assert "| activations | activations on the storage tier |" in out  # its file, claimed at start
+    assert "activations " in out.split("by state (read / write GB):")[1].splitlines()[0]

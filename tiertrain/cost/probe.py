@@ -292,7 +292,7 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
             out_s["head_s"] = _timed(head_fb)
         unbind()
         bind("block")
-        record = measure_record(block_units, flats.__getitem__, fwd, x)
+        record = measure_record(block_units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10)
         if act_only:
             kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
             return {"act_bytes": kept.kept_bytes, "record_bytes": record}

@@ -63,6 +63,17 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     return out
 
 
+def _activations(cfg, rt, r) -> str:
+    from . import kept_pairs, offloaded_pairs
+
+    L, M = len(rt.model.blocks), cfg.data.micro_batches
+    kept = kept_pairs(cfg, L, r.act_bytes)
+    off = offloaded_pairs(cfg, L, kept)
+    rec = f" (records of {r.record_bytes / MIB:.1f} MiB)" if off else ""
+    return (f"activations (memory.activations = {cfg.memory.activations!r}): of {L * M} (block, micro-batch) pairs "
+            f"{kept} kept, {off} on the storage tier{rec}, {L * M - kept - off} recomputed")
+
+
 def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     t, r = pred.traffic, pred.rates
     lines = [
@@ -88,6 +99,7 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
         f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
         f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s",
+        _activations(cfg, rt, r),
         "",
         "predicted step:",
         pred.table(),
