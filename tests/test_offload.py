@@ -50,8 +50,9 @@ def test_dropout_bit_identical_under_every_policy(tmp_path, activations):
     cfg = small_config(tmp_path, kind="gpt", layers=3, activations=activations, dropout=0.1,
                        keep_act_mib=64 if activations == "keep" else 0)
     tr, losses = assert_parity(cfg)
-    no_drop = assert_parity(small_config(tmp_path / "p0", kind="gpt", layers=3))[1]
-    assert losses != no_drop  # dropout did draw
+    if activations == "offload":  # once: dropout did draw
+        no_drop = assert_parity(small_config(tmp_path / "p0", kind="gpt", layers=3))[1]
+        assert losses != no_drop
 
 
 def test_a_mix_of_kept_offloaded_and_recomputed_pairs_bit_identical(tmp_path):
