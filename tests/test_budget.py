@@ -196,3 +196,18 @@ def test_the_activation_record_pool_is_fixed_only_when_pairs_are_left_for_the_st
     cfg.memory.activations = "keep"  # recompute what is not kept: no pool
     _, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))
     assert "activation records" not in plan.fixed
+
+
+def test_no_room_for_the_record_pool_recomputes_under_auto_and_is_refused_under_offload(tmp_path):
+    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2, activations="auto")
+    rt = Runtime(cfg)
+    act, record = 32 << 20, 64 << 20  # kept: 256 MiB wanted; the pool of 3 records: 192 MiB
+    fixed = sum(fixed_pools(cfg, rt, act).values())
+    cfg.memory.host_mib = fixed // MIB + 100  # room for the fixed pools, not for the records
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))
+    assert plan.record_bytes == 0 and "activation records" not in plan.fixed
+    assert any("no room in the budget for 3 records of 64 MiB" in line for line in plan.lines())
+    assert plan.host_used <= plan.host_bytes
+    cfg.memory.activations = "offload"
+    with pytest.raises(ConfigError, match=r"memory.host_mib: the budget .* is less than the fixed pools"):
+        resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))

@@ -81,7 +81,8 @@ class BudgetPlan:
     value: dict[str, float] = field(default_factory=dict)  # field -> seconds per step saved per GiB
     device_acts: bool = False  # kept activations are device memory (CUDA), not host memory
     act_bytes: int = 0  # one pair's saved activations (kept), as measured or estimated
-    record_bytes: int = 0  # one pair's record of offloaded activations (0: not measured)
+    record_bytes: int = 0  # one pair's record of offloaded activations (0: not measured, or no room)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def host_used(self) -> int:
@@ -101,7 +102,7 @@ class BudgetPlan:
             why = f", {self.value[f]:.2f} s/step saved per GiB" if f in self.value else ""
             out.append(f"  {PLANNED[f]}: {got / MIB:,.0f} of {need / MIB:,.0f} MiB in memory (memory.{f}, {how}{why})")
         out.append(f"  in all {used / GIB:.2f} GiB of {self.host_bytes / GIB:.2f} GiB")
-        return out
+        return out + [f"  {n}" for n in self.notes]
 
 
 def _act_bytes_estimate(cfg: Config, rt) -> int:
@@ -202,7 +203,16 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
             act, record = r.act_bytes, r.record_bytes
     cfg_out, plan = _resolve(cfg, rt, rates_fn, act, 0)
     if record and offload_possible(cfg) and plan.given.get("keep_act_mib", 0) < plan.demand.get("keep_act_mib", 0):
-        cfg_out, plan = _resolve(cfg, rt, rates_fn, act, record)  # pairs left for the storage tier: their pool
+        try:  # pairs left for the storage tier: their record pool is fixed
+            cfg_out, plan = _resolve(cfg, rt, rates_fn, act, record)
+        except ConfigError:
+            if cfg.memory.activations == "offload":
+                raise
+            # auto: no room for the records' pool: what is not kept is recomputed
+            plan.notes.append(f"activations: no room in the budget for {cfg.memory.act_buffers} records of "
+                              f"{record / MIB:,.0f} MiB (memory.act_buffers): none offloaded, the pairs not kept are "
+                              "recomputed; raise memory.host_mib to offload them")
+            record = 0
     plan.act_bytes, plan.record_bytes = act, record
     return cfg_out, plan
 
