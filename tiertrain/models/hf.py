@@ -8,6 +8,7 @@ what ``model(input_ids, labels=..., shift_labels=targets)`` computes.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -55,9 +56,7 @@ class LlamaBlock(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         no_cache(cache)
         pos = _positions(h, positions)
-        mask = create_causal_mask(
-            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=None
-        )
+        mask = _causal_mask(self._config, h)
         rope = self._rotary(h, position_ids=pos)
         return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
 
@@ -112,10 +111,17 @@ class GPT2Block(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         no_cache(cache)
         pos = _positions(h, positions)
-        mask = create_causal_mask(
-            config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=None
-        )
+        mask = _causal_mask(self._config, h)
         return self.block(h, None, mask, None, use_cache=False, position_ids=pos)
+
+
+# transformers renamed create_causal_mask's `past_key_values` to `cache` (5.x; the old name
+# warns): pass no cache under whichever name this version takes
+_NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
+
+
+def _causal_mask(config: Any, h: torch.Tensor):
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=None, **_NO_CACHE)
 
 
 def _hf_init(hf: Any):

@@ -1,0 +1,233 @@
+"""tiertrain within a fifth of plain PyTorch's memory, against plain PyTorch in memory.
+
+Each system runs in a fresh process of its own, so each peak RSS (``ru_maxrss``) is that
+system's alone:
+
+1. ``init``: the model (the reference's own initialisation, seed 0) written to a safetensors
+   file, which both systems start from;
+2. ``plain``: plain PyTorch, the whole model and its AdamW state in memory (the reference
+   trainer: micro-batch-major accumulation, clipping, fused AdamW); its steps, losses and
+   peak RSS;
+3. ``tiertrain``: the same model (``model.init_from``), data and optimizer with
+   ``memory.host_mib`` = plain's peak RSS / ``--fraction`` (default 5): the budget planner
+   places what fits and streams the rest from the storage tier; update path and activations
+   on their defaults (auto). Its steps, losses, bytes, predicted step and peak RSS.
+
+The disk's bandwidth is measured in the same run, for the floor:
+
+    floor = max(plain PyTorch's step, bytes read / read GB/s + bytes written / write GB/s)
+
+Losses are compared step by step (the math is the same; the default vocabulary pieces change
+the head's rounding: see tests/test_pieces.py).
+
+Usage: python bench/vs_plain.py [--model n_layers=12,d_model=768,...] [--micro-batches 4]
+                                [--seq-len 64] [--steps 4] [--fraction 5] [--set SECTION.FIELD=VALUE ...]
+                                [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000)
+
+
+def flags(args, scratch: str) -> list[str]:
+    model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+    return [f"--model.{k}={v}" for k, v in model.items()] + [
+        f"--model.max_seq_len={args.seq_len}", f"--data.seq_len={args.seq_len}", "--data.micro_batch_size=1",
+        f"--data.micro_batches={args.micro_batches}", f"--train.steps={args.steps}", "--train.progress=false",
+        f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--checkpoint.at_end=false",
+        *[f"--{x}" for x in args.set]]
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_init(cfg, path: str) -> dict:
+    from safetensors.torch import save_file
+
+    from tiertrain.reference import HFWrapper, reference_model
+
+    model = reference_model(cfg)
+    inner = model.hf if isinstance(model, HFWrapper) else model
+    save_file({k: v.contiguous() for k, v in inner.state_dict().items()}, path)
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def worker_plain(cfg, path: str) -> dict:
+    import torch
+    from safetensors import safe_open
+
+    from tiertrain.data import Corpus
+    from tiertrain.reference import HFWrapper, reference_model
+
+    model = reference_model(cfg)
+    inner = model.hf if isinstance(model, HFWrapper) else model
+    with torch.no_grad(), safe_open(path, "pt") as f:  # one tensor at a time: no second copy in the peak
+        for k, v in inner.state_dict().items():
+            v.copy_(f.get_tensor(k))
+    o, M = cfg.optim, cfg.data.micro_batches
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=True)
+    from tiertrain.update.schedule import lr_at
+
+    corpus, times, losses = Corpus(cfg.data), [], []
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter()
+        ls = []
+        for x, y in corpus.batches(step):
+            loss = model(x, y)
+            (loss / M).backward()
+            ls.append(loss.item())
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step + 1, o, cfg.train.steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(sum(ls) / M)
+        print(f"plain step {step + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+    return {"times": times, "losses": losses}
+
+
+def worker_tiertrain(cfg) -> dict:
+    from tiertrain.cost import estimate
+    from tiertrain.train import Trainer
+
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        budget = tr.budget.lines() if tr.budget else []
+        pred = estimate(tr.cfg, tr.rt, probe_mib=256)  # at start, as `tiertrain train` predicts
+        recs = []
+        for _ in range(cfg.train.steps):
+            recs.append(tr.train_step())
+            print(recs[-1].line(cfg.train.steps), file=sys.stderr, flush=True)
+        return {"times": [r.step_s for r in recs], "losses": [r.loss for r in recs],
+                "read": [r.ssd_read_bytes for r in recs], "write": [r.ssd_write_bytes for r in recs],
+                "parts": [[r.forward_s, r.backward_s, r.update_s, r.io_wait_s] for r in recs],
+                "acts": {k: recs[-1].extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
+                "mode": tr.cfg.update.mode, "budget": budget, "predicted": pred.step_s,
+                "pools": sum(tr.pool_bytes.values())}
+
+
+def worker(argv: list[str]) -> int:
+    kind, out, path, *cli = argv
+    from tiertrain.config import load_config
+
+    cfg = load_config(None, cli)
+    res = {"init": lambda: worker_init(cfg, path), "plain": lambda: worker_plain(cfg, path),
+           "tiertrain": lambda: worker_tiertrain(cfg)}[kind]()
+    res["peak_rss"] = peak_rss()
+    with open(out, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def spawn(kind: str, scratch: str, cli: list[str]) -> dict:
+    out = os.path.join(scratch, f"{kind}.json")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--worker", kind, out, os.path.join(scratch, "init.safetensors"), *cli],
+                   check=True)
+    print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="model fields to change, e.g. n_layers=16,d_model=2048,n_heads=16,d_ff=5632")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
+    ap.add_argument("--fraction", type=float, default=5.0, help="tiertrain's memory.host_mib = plain's peak RSS / this")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="any other config field for both systems (repeatable)")
+    ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from tiertrain.bench.output import checked_out, publish
+
+    out = checked_out(args.out) if args.out else None
+    scratch = tempfile.mkdtemp(prefix="tt-vs-plain-", dir=args.scratch or os.getcwd())
+    try:
+        report = run(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    publish(report, out)
+    return 0
+
+
+def run(args, scratch: str) -> str:
+    from tiertrain.bench.io import run_io_bench
+
+    cli = flags(args, scratch)
+    os.makedirs(f"{scratch}/ssd")
+    init = spawn("init", scratch, cli)
+    plain = spawn("plain", scratch, cli)
+    host_mib = int(plain["peak_rss"] / 2**20 / args.fraction)
+    tt = spawn("tiertrain", scratch, [*cli, f"--model.init_from={scratch}/init.safetensors",
+                                      f"--memory.host_mib={host_mib}"])
+    io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
+    rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
+    steady = slice(1, None)
+    med = lambda xs: statistics.median(xs[steady])  # noqa: E731
+    p_step, t_step = med(plain["times"]), med(tt["times"])
+    rb, wb = med(tt["read"]), med(tt["write"])
+    io_s = rb / (rbw * 1e9) + wb / (wbw * 1e9)
+    floor = max(p_step, io_s)
+    dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
+    parts = [statistics.median(p[i] for p in tt["parts"][steady]) for i in range(4)]
+    M, model = args.micro_batches, dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+    return "\n".join([
+        f"# tiertrain at 1/{args.fraction:g} of plain PyTorch's peak RSS, against plain PyTorch in memory, "
+        f"{time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, one virtual disk "
+        f"(read {rbw:.2f} GB/s, write {wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
+        f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
+        + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+        + f"); M = {M} micro-batches of 1 x {args.seq_len} tokens; {len(plain['times'])} steps, the first discarded; "
+        f"medians{'; other settings: ' + ', '.join(args.set) if args.set else ''}",
+        f"- each system in a process of its own; tiertrain's memory.host_mib = {host_mib} "
+        f"(plain's peak RSS / {args.fraction:g}); update path {tt['mode']}; activations: "
+        + ", ".join(f"{k[4:]} {v}" for k, v in tt["acts"].items()),
+        "",
+        *[f"    {x}" for x in tt["budget"]],
+        "",
+        "| system | s/step | vs plain | peak RSS | read / written GB per step | losses |",
+        "|---|---|---|---|---|---|",
+        f"| plain PyTorch, in memory | {p_step:.2f} | 1.00x | {plain['peak_rss'] / 2**30:.2f} GiB | 0 / 0 | "
+        + " ".join(f"{x:.4f}" for x in plain["losses"]) + " |",
+        f"| tiertrain, budget {host_mib} MiB | {t_step:.2f} | **{t_step / p_step:.2f}x** | "
+        f"{tt['peak_rss'] / 2**30:.2f} GiB ({tt['peak_rss'] / plain['peak_rss']:.2f}x) | {rb / 1e9:.2f} / {wb / 1e9:.2f} | "
+        + " ".join(f"{x:.4f}" for x in tt["losses"]) + " |",
+        "",
+        "- tiertrain's phases (forward / backward / update / I/O wait): " + " / ".join(f"{x:.2f}" for x in parts) + " s",
+        f"- floor: max(plain's step {p_step:.2f} s, I/O {io_s:.2f} s) = {floor:.2f} s; tiertrain "
+        f"**{t_step / floor:.2f}x the floor**",
+        f"- the cost model's prediction at start: {tt['predicted']:.2f} s (measured / predicted "
+        f"{t_step / tt['predicted']:.2f})",
+        f"- losses: largest relative difference {dl:.1e}",
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
