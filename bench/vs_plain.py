@@ -12,6 +12,8 @@ system's alone:
    ``memory.host_mib`` = plain's peak RSS / ``--fraction`` (default 5): the budget planner
    places what fits and streams the rest from the storage tier; update path and activations
    on their defaults (auto). Its steps, losses, bytes, predicted step and peak RSS.
+   ``--fraction 0``: tiertrain's default budget instead (half the available memory), where a
+   model this size fits whole.
 
 The disk's bandwidth is measured in the same run, for the floor:
 
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
-    ap.add_argument("--fraction", type=float, default=5.0, help="tiertrain's memory.host_mib = plain's peak RSS / this")
+    ap.add_argument("--fraction", type=float, default=5.0, help="tiertrain's memory.host_mib = plain's peak RSS / this "
+                    "(0: the default budget, half the available memory)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="any other config field for both systems (repeatable)")
     ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
@@ -180,9 +183,9 @@ def run(args, scratch: str) -> str:
     os.makedirs(f"{scratch}/ssd")
     init = spawn("init", scratch, cli)
     plain = spawn("plain", scratch, cli)
-    host_mib = int(plain["peak_rss"] / 2**20 / args.fraction)
+    host_mib = int(plain["peak_rss"] / 2**20 / args.fraction) if args.fraction else None
     tt = spawn("tiertrain", scratch, [*cli, f"--model.init_from={scratch}/init.safetensors",
-                                      f"--memory.host_mib={host_mib}"])
+                                      *([f"--memory.host_mib={host_mib}"] if host_mib else [])])
     io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
     steady = slice(1, None)
@@ -193,9 +196,12 @@ def run(args, scratch: str) -> str:
     floor = max(p_step, io_s)
     dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
     parts = [statistics.median(p[i] for p in tt["parts"][steady]) for i in range(4)]
+    budget = (f"budget {host_mib} MiB" if host_mib else "default budget")
     M, model = args.micro_batches, dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
     return "\n".join([
-        f"# tiertrain at 1/{args.fraction:g} of plain PyTorch's peak RSS, against plain PyTorch in memory, "
+        "# tiertrain "
+        + (f"at 1/{args.fraction:g} of plain PyTorch's peak RSS" if host_mib else "within its default memory budget")
+        + ", against plain PyTorch in memory, "
         f"{time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
@@ -205,8 +211,10 @@ def run(args, scratch: str) -> str:
         + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
         + f"); M = {M} micro-batches of 1 x {args.seq_len} tokens; {len(plain['times'])} steps, the first discarded; "
         f"medians{'; other settings: ' + ', '.join(args.set) if args.set else ''}",
-        f"- each system in a process of its own; tiertrain's memory.host_mib = {host_mib} "
-        f"(plain's peak RSS / {args.fraction:g}); update path {tt['mode']}; activations: "
+        "- each system in a process of its own; tiertrain's "
+        + (f"memory.host_mib = {host_mib} (plain's peak RSS / {args.fraction:g})" if host_mib else
+           "memory.host_mib at its default (half the available memory)")
+        + f"; update path {tt['mode']}; activations: "
         + ", ".join(f"{k[4:]} {v}" for k, v in tt["acts"].items()),
         "",
         *[f"    {x}" for x in tt["budget"]],
@@ -215,7 +223,7 @@ def run(args, scratch: str) -> str:
         "|---|---|---|---|---|---|",
         f"| plain PyTorch, in memory | {p_step:.2f} | 1.00x | {plain['peak_rss'] / 2**30:.2f} GiB | 0 / 0 | "
         + " ".join(f"{x:.4f}" for x in plain["losses"]) + " |",
-        f"| tiertrain, budget {host_mib} MiB | {t_step:.2f} | **{t_step / p_step:.2f}x** | "
+        f"| tiertrain, {budget} | {t_step:.2f} | **{t_step / p_step:.2f}x** | "
         f"{tt['peak_rss'] / 2**30:.2f} GiB ({tt['peak_rss'] / plain['peak_rss']:.2f}x) | {rb / 1e9:.2f} / {wb / 1e9:.2f} | "
         + " ".join(f"{x:.4f}" for x in tt["losses"]) + " |",
         "",
