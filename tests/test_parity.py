@@ -44,7 +44,20 @@ def ref_name_map(tr, ours):
     return _hf_names(tr.model)
 
 
+def _key_bias(name, t):
+    """The key part of a fused q/k/v bias (laid out q, k, v), or None."""
+    if t.dim() == 1 and (name.endswith("qkv.bias") or name.endswith("c_attn.bias")):
+        n = t.numel() // 3
+        return slice(n, 2 * n)
+    return None
+
+
 def assert_same_weights(tr, ours, ref, *, exact=True, atol=0.0):
+    """Inexact comparisons hold the key bias to a bound of its own: its gradient is zero
+    in exact arithmetic (softmax ignores a shift shared by all of a query's scores), so what
+    AdamW sees is rounding noise, which it normalises into steps of up to about lr. Summed in
+    another order (or by another CPU's kernels: seen on CI) the noise differs, so those
+    elements may differ by up to 2 x lr x steps while every other element is held to atol."""
     names = ref_name_map(tr, ours)
     assert set(names) == set(ours)
     for name, ours_t in ours.items():
@@ -52,6 +65,13 @@ def assert_same_weights(tr, ours, ref, *, exact=True, atol=0.0):
         if exact:
             assert torch.equal(ours_t, theirs), f"{name}: max diff {(ours_t - theirs).abs().max().item():.3g}"
         else:
+            k = _key_bias(names[name], theirs)
+            if k is not None:
+                bound = 2 * tr.cfg.optim.lr * tr.cfg.train.steps
+                diff = (ours_t[k] - theirs[k]).abs().max().item()
+                assert diff <= bound, f"{name} (key bias): max diff {diff:.3g} > {bound:.3g}"
+                ours_t = ours_t.clone()
+                ours_t[k] = theirs[k]
             torch.testing.assert_close(ours_t, theirs, atol=atol, rtol=0, msg=name)
 
 
