@@ -123,7 +123,10 @@ def test_readme_links_resolve_and_docs_are_the_projects_own():
     import subprocess
 
     root = os.path.join(os.path.dirname(__file__), "..")
-    for doc in ["README.md", *[os.path.join("docs", n) for n in os.listdir(os.path.join(root, "docs"))]]:
+    docs = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(os.path.join(root, "docs"))
+            for n in names if n.endswith(".md")]
+    assert "docs/DESIGN.md" in docs
+    for doc in ["README.md", *docs]:
         text = open(os.path.join(root, doc)).read()
         for target in re.findall(r"\]\(([^)#]+)\)", text):
             if "://" not in target:
