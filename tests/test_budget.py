@@ -1,6 +1,7 @@
 """One memory budget (memory.host_mib): the fixed pools first, then the states by the step
 time a byte saves; explicit *_mib fields as given; never over the budget."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -211,3 +212,52 @@ def test_no_room_for_the_record_pool_recomputes_under_auto_and_is_refused_under_
     cfg.memory.activations = "offload"
     with pytest.raises(ConfigError, match=r"memory.host_mib: the budget .* is less than the fixed pools"):
         resolve_budget(cfg, rt, lambda: rates(), lambda: (act, record))
+
+
+def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
+    """Request and update buffers at their defaults (16 MiB, 3 x 32 MiB) are lowered, down to
+    4 MiB and 3 x 8 MiB, where the fixed pools would not fit otherwise; a value the user set
+    is kept, and then the budget is refused as before."""
+    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2, activations="keep")
+    cfg.io.chunk_kib, cfg.memory.update_buffer_kib = 16384, 32768  # the defaults
+    rt = Runtime(cfg)
+    at_default = sum(fixed_pools(cfg, rt, 1 << 20).values())
+    small = dataclasses.replace(cfg, io=dataclasses.replace(cfg.io, chunk_kib=4096),
+                                memory=dataclasses.replace(cfg.memory, update_buffer_kib=8192))
+    at_floor = sum(fixed_pools(small, rt, 1 << 20).values())
+    assert at_default - at_floor == (4 * 12 + 2 * 12 + 3 * 24) * MIB  # 1 path: I/O 4, checkpoint 2 chunks; 3 sets
+    cfg.memory.host_mib = (at_floor + at_default) // 2 // MIB  # halved once is enough
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (8192, 16384)
+    assert plan.host_used <= plan.host_bytes
+    cfg.memory.host_mib = at_floor // MIB + 2  # only the smallest fit
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (4096, 8192)
+    assert plan.host_used <= plan.host_bytes
+    assert any("io.chunk_kib 16384 -> 4096 KiB, memory.update_buffer_kib 32768 -> 8192 KiB" in line
+               for line in plan.lines())
+    cfg.memory.host_mib = at_default // MIB + 64  # fits at the defaults: nothing lowered
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (16384, 32768)
+    assert not any("lowered" in line for line in plan.lines())
+    cfg.memory.host_mib = at_floor // MIB - 1  # below even the lowered pools
+    with pytest.raises(ConfigError, match=r"memory.host_mib: the budget .* is less than the fixed pools"):
+        resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    cfg.memory.host_mib = at_floor // MIB + 2
+    cfg.io.chunk_kib = 8192  # set by the user: kept; the update buffers alone do not make room
+    with pytest.raises(ConfigError, match=r"less than the fixed pools"):
+        resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+
+
+def test_a_trainer_with_lowered_buffers_opens_its_storage_with_them(tmp_path):
+    cfg = planned_config(tmp_path / "a", layers=2, micro_batches=1, steps=1, activations="keep")
+    cfg.io.chunk_kib, cfg.memory.update_buffer_kib = 16384, 32768
+    rt = Runtime(cfg)
+    at_default = sum(fixed_pools(cfg, rt, 1 << 20).values())
+    rt.close()
+    cfg.memory.host_mib = at_default // MIB - 100
+    with Trainer(cfg) as tr:
+        assert tr.cfg.io.chunk_kib < 16384
+        assert tr.storage.workers[0].chunk_bytes == tr.cfg.io.chunk_kib << 10
+        tr.initialize(progress=False)
+        tr.train_step()

@@ -95,7 +95,7 @@ class IOConfig(Section):
     SECTION: ClassVar[str] = "io"
     paths: list[str] = opt(None, "Scratch directories, one per SSD; files are striped over all of them.", factory=lambda: ["./tiertrain-scratch"])
     threads: int = opt(8, "I/O threads per path (measured here: 4-8 reach the disk's limit).")
-    chunk_kib: int = opt(16384, "Largest single request, KiB (a multiple of 4; 16 MiB measured best here).")
+    chunk_kib: int = opt(16384, "Largest single request, KiB (a multiple of 4; 16 MiB measured best here). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 4096, and says so.")
     stripe_kib: int = opt(4096, "Stripe size over several paths, KiB (a multiple of checksum_block_kib).")
     direct: bool = opt(True, "Use O_DIRECT (falls back to buffered I/O, with a warning, where unsupported).")
     checksum: bool = opt(True, "Keep a CRC32C per block beside every state file and verify it on read.")
@@ -326,7 +326,7 @@ class MemoryConfig(Section):
                                   "raises it as blocks are freed). 1024 keeps the peak RSS within the budget on long "
                                   "sequences (freed activations otherwise fragment the heap: +150 MiB measured at 1024 "
                                   "tokens) but every large tensor is then faulted in afresh: 15-25% slower steps here.")
-    update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight).")
+    update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.")
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)

@@ -113,11 +113,11 @@ class Trainer:
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
         try:
             self.rundir = RunDir(cfg.train.run_dir, self.checkpoint_root)  # and per run directory
-            self.storage = self.rt.open_storage()
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
             cfg = self._plan_memory(cfg)
+            self.storage = self.rt.open_storage()  # after the plan: it may lower io.chunk_kib to fit the budget
             self.plan = SpacePlan(declare_states(cfg, self.rt, self.acts.record_bytes))
             for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)

@@ -201,10 +201,10 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
         else:
             r = rates_fn()
             act, record = r.act_bytes, r.record_bytes
-    cfg_out, plan = _resolve(cfg, rt, rates_fn, act, 0)
+    cfg_out, plan = _resolve_fitting(cfg, rt, rates_fn, act, 0)
     if record and offload_possible(cfg) and plan.given.get("keep_act_mib", 0) < plan.demand.get("keep_act_mib", 0):
         try:  # pairs left for the storage tier: their record pool is fixed
-            cfg_out, plan = _resolve(cfg, rt, rates_fn, act, record)
+            cfg_out, plan = _resolve_fitting(cfg, rt, rates_fn, act, record)
         except ConfigError:
             if cfg.memory.activations == "offload":
                 raise
@@ -215,6 +215,57 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
             record = 0
     plan.act_bytes, plan.record_bytes = act, record
     return cfg_out, plan
+
+
+class PoolsOverBudget(ConfigError):
+    """The budget is less than the fixed pools (the buffers at their defaults may shrink)."""
+
+
+# Buffers that a small budget may lower from their defaults, down to these sizes (KiB): 4 MiB
+# requests and 8 MiB update sets, the sizes the 1/5-of-plain benchmarks ran at.
+SHRINKABLE = (("io", "chunk_kib", 4096), ("memory", "update_buffer_kib", 8192))
+
+
+def _halved_buffers(cfg: Config, given: Config) -> Config | None:
+    """``cfg`` with each buffer of ``SHRINKABLE`` that ``given`` leaves at its default, and
+    that is above its floor, halved; None when none can shrink. A value other than the
+    default was set by the user and is kept."""
+    changed = {}
+    for section, name, floor in SHRINKABLE:
+        sec = getattr(cfg, section)
+        value = getattr(sec, name)
+        if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and value % 2 == 0:
+            changed.setdefault(section, {})[name] = max(floor, value // 2)
+    if not changed:
+        return None
+    return dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()})
+
+
+def _default(sec, name: str) -> int:
+    f = next(f for f in dataclasses.fields(sec) if f.name == name)
+    return f.default
+
+
+def _resolve_fitting(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, BudgetPlan]:
+    """``_resolve``; where the fixed pools do not fit, first with the request and update
+    buffers lowered from their defaults (noted in the plan), then the error."""
+    given = cfg
+    while True:
+        try:
+            cfg_out, plan = _resolve(cfg, rt, rates_fn, act, record)
+        except PoolsOverBudget:
+            smaller = _halved_buffers(cfg, given)
+            if smaller is None:
+                raise
+            cfg = smaller
+            continue
+        lowered = [f"{sec}.{name} {getattr(getattr(given, sec), name)} -> {getattr(getattr(cfg, sec), name)} KiB"
+                   for sec, name, _ in SHRINKABLE
+                   if getattr(getattr(cfg, sec), name) != getattr(getattr(given, sec), name)]
+        if lowered:
+            plan.notes.append(f"buffers lowered from their defaults to fit the fixed pools in the budget: "
+                              f"{', '.join(lowered)} (smaller requests; set them to choose)")
+        return cfg_out, plan
 
 
 def _todo(cfg: Config) -> list[str]:
@@ -235,7 +286,7 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
     host_need = {f: v for f, v in need.items() if not (device_acts and f == "keep_act_mib")}
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:
-        raise ConfigError(
+        raise PoolsOverBudget(
             f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
             f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
             "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set")
