@@ -47,7 +47,7 @@ base = host_rss()  # after the imports: what the run adds
 reset_peak_rss()
 with Trainer(cfg) as tr:
     tr.initialize(progress=False)
-    pred = tr._predict() if cfg.train.predict else None
+    pred = tr.predict() if cfg.train.predict else None
     recs = []
     for _ in range(cfg.train.steps):
         recs.append(tr.train_step())

@@ -106,13 +106,15 @@ def worker_plain(cfg, path: str) -> dict:
 
 
 def worker_tiertrain(cfg) -> dict:
-    from tiertrain.cost import estimate
     from tiertrain.train import Trainer
 
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         budget = tr.budget.lines() if tr.budget else []
-        pred = estimate(tr.cfg, tr.rt, probe_mib=256)  # at start, as `tiertrain train` predicts
+        # at start, as `tiertrain train` predicts: from the rates the budget measured before the
+        # pools were taken (a fresh probe here, pools in place, would add its own buffers and a
+        # block's forward and backward to the peak RSS this benchmark reports)
+        pred = tr.predict()
         recs = []
         for _ in range(cfg.train.steps):
             recs.append(tr.train_step())
@@ -121,7 +123,7 @@ def worker_tiertrain(cfg) -> dict:
                 "read": [r.ssd_read_bytes for r in recs], "write": [r.ssd_write_bytes for r in recs],
                 "parts": [[r.forward_s, r.backward_s, r.update_s, r.io_wait_s] for r in recs],
                 "acts": {k: recs[-1].extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
-                "mode": tr.cfg.update.mode, "budget": budget, "predicted": pred.step_s,
+                "mode": tr.cfg.update.mode, "budget": budget, "predicted": pred.step_s if pred else float("nan"),
                 "pools": sum(tr.pool_bytes.values())}
 
 

@@ -407,7 +407,7 @@ class Trainer:
                 return []
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
-            pred = self._predict() if cfg.train.predict else None
+            pred = self.predict() if cfg.train.predict else None
             try:
                 log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
                 with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
@@ -438,7 +438,7 @@ class Trainer:
             finally:
                 metrics.close()
 
-    def _predict(self):
+    def predict(self):
         """The cost model's prediction of this run's step, logged (None when probing fails:
         a prediction is never worth stopping a run for)."""
         from .cost import estimate
