@@ -24,6 +24,7 @@ blocks the host (a sync point; counted in ``syncs``); ``done`` asks without bloc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import resource
@@ -355,33 +356,43 @@ class AsyncCpuDevice(Device):
         poison(t)
         return t
 
+    def _call(self) -> contextlib.AbstractContextManager:
+        """Around every call from the host (the logical-clock device ticks here)."""
+        return contextlib.nullcontext()
+
     def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
-        return self.up.submit(lambda: dst.copy_(src), after)
+        with self._call():
+            return self.up.submit(lambda: dst.copy_(src), after)
 
     def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
-        return self.down.submit(lambda: dst.copy_(src), after)  # the closure keeps src alive
+        with self._call():
+            return self.down.submit(lambda: dst.copy_(src), after)  # the closure keeps src alive
 
     def wait(self, ev: Any) -> None:
-        if ev is not None:  # compute runs on the calling thread: waiting is blocking it
-            if not ev.is_set():
-                self.waits += 1
-            ev.wait()
+        with self._call():
+            if ev is not None:  # compute runs on the calling thread: waiting is blocking it
+                if not ev.is_set():
+                    self.waits += 1
+                ev.wait()
 
     def sync(self, ev: Any) -> None:
-        if ev is not None:
-            self.sync_points += 1
-            if not ev.is_set():
-                self.syncs += 1
-            ev.wait()
+        with self._call():
+            if ev is not None:
+                self.sync_points += 1
+                if not ev.is_set():
+                    self.syncs += 1
+                ev.wait()
 
     def done(self, ev: Any) -> bool:
-        return ev is None or ev.is_set()
+        with self._call():
+            return ev is None or ev.is_set()
 
     def release(self, t: torch.Tensor, *, after: Any = None) -> None:
-        if after is None:
-            poison(t)
-        else:  # ordered after the copy that last used it
-            self.up.submit(lambda: poison(t), after)
+        with self._call():
+            if after is None:
+                poison(t)
+            else:  # ordered after the copy that last used it
+                self.up.submit(lambda: poison(t), after)
 
     def synchronize(self) -> None:
         for stream in (self.up, self.down):

@@ -14,13 +14,12 @@ so ordering mistakes show as they do on ``AsyncCpuDevice``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from typing import Any, Callable
 
-import torch
-
-from .device import AsyncCpuDevice, _events, poison
+from .device import AsyncCpuDevice, _events
 
 __all__ = ["LagCpuDevice"]
 
@@ -88,50 +87,13 @@ class LagCpuDevice(AsyncCpuDevice):
         self._lock = threading.RLock()  # update engines may call in from their threads
         self.up, self.down = _LagStream(self), _LagStream(self)
 
-    def _tick(self) -> None:
-        self.clock += 1
-        self.up.run_due()
-        self.down.run_due()
-
-    def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
-        with self._lock:
-            self._tick()
-            return self.up.submit(lambda: dst.copy_(src), after)
-
-    def download(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
-        with self._lock:
-            self._tick()
-            return self.down.submit(lambda: dst.copy_(src), after)
-
-    def wait(self, ev: Any) -> None:
-        with self._lock:
-            self._tick()
-            if ev is not None:
-                if not ev.is_set():
-                    self.waits += 1
-                ev.wait()
-
-    def sync(self, ev: Any) -> None:
-        with self._lock:
-            self._tick()
-            if ev is not None:
-                self.sync_points += 1
-                if not ev.is_set():
-                    self.syncs += 1
-                ev.wait()
-
-    def done(self, ev: Any) -> bool:
-        with self._lock:
-            self._tick()
-            return ev is None or ev.is_set()
-
-    def release(self, t: torch.Tensor, *, after: Any = None) -> None:
-        with self._lock:
-            self._tick()
-            if after is None:
-                poison(t)
-            else:
-                self.up.submit(lambda: poison(t), after)
+    @contextlib.contextmanager
+    def _call(self):
+        with self._lock:  # one tick per call from the host; due copies run first
+            self.clock += 1
+            self.up.run_due()
+            self.down.run_due()
+            yield
 
     def synchronize(self) -> None:
         with self._lock:
