@@ -102,13 +102,19 @@ class Corpus:
         if len(self.tokens) < need:
             raise ConfigError(f"data.corpus: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
 
-    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``micro_batches`` (inputs, targets) pairs of step ``step`` (0-based)."""
+    def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``micro_batches`` (inputs, targets) pairs of step ``step`` (0-based) for rank
+        ``rank`` of ``world``: the step draws ``world x micro_batches`` rows from (seed, step)
+        alone and rank r keeps rows ``[r M, (r + 1) M)``, so N ranks of M micro-batches see
+        exactly the sequences of one rank with N x M (the draw is in C order), and a run that
+        changes its rank count, and its micro-batches to match, sees the same data."""
         c = self.cfg
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of world {world}: need 0 <= rank < world")
         rng = np.random.default_rng([c.seed, step])
-        starts = rng.integers(0, len(self.tokens) - c.seq_len, size=(c.micro_batches, c.micro_batch_size))
+        starts = rng.integers(0, len(self.tokens) - c.seq_len, size=(world * c.micro_batches, c.micro_batch_size))
         out = []
-        for row in starts:
+        for row in starts[rank * c.micro_batches : (rank + 1) * c.micro_batches]:
             win = np.stack([np.asarray(self.tokens[s : s + c.seq_len + 1], dtype=np.int64) for s in row])
             t = torch.from_numpy(win)
             out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))

@@ -1,0 +1,180 @@
+"""The ranks of one run over ``torch.distributed``: the collectives sharded training needs,
+with their bytes counted and their sums in a fixed order.
+
+Sharded training moves three things between ranks (the layer-major schedule does each once
+per unit and step, whatever the number of micro-batches):
+
+- a unit's parameters, each rank holding ``1/N``: ``all_gather`` assembles the whole unit
+  (forward, and again in the backward);
+- a unit's gradient, summed over the ranks, each rank keeping its ``1/N``: ``reduce_scatter``;
+- a few scalars (the squared gradient norm, the stop flag): ``sum_in_rank_order``, ``max``.
+
+Exactness: a sum over ranks is always taken in rank order, ``((g0 + g1) + g2) + ...``, by the
+rank that keeps the result, from the parts every rank sent it (``all_to_all``), not by the
+backend's reduction, whose order depends on the algorithm (a ring starts each chunk at another
+rank). So the result is the same on every rank and equal, bit for bit, to a plain PyTorch
+reference that adds the ranks' gradients in rank order.
+
+Bytes (``traffic``) are what each rank sends and receives by the algorithm's count: an
+all-gather of a ``s``-byte shard sends it to ``N - 1`` ranks and receives ``N - 1`` shards; a
+reduce-scatter of ``b`` bytes sends and receives ``b (N - 1) / N``. A step moves about
+``3 x parameter bytes x (N - 1) / N`` per rank: two gathers and one reduce-scatter per unit.
+
+Faults: every collective runs under the group's timeout (``timeout_s``); a rank that died or
+hangs makes the others raise ``RankError`` within it instead of waiting for ever.
+
+Alignment: ``reduce_scatter`` needs a length divisible by the world size (a sharded layout pads
+every unit to a multiple of ``N x`` its alignment).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TiertrainError
+
+__all__ = ["RankError", "RankGroup", "Traffic", "env_world"]
+
+
+class RankError(TiertrainError, RuntimeError):
+    """A collective failed: another rank died, hangs past the timeout, or disagrees."""
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent to and received from the others, by the algorithm's count."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as ``torchrun`` sets them; (0, 1, 0) outside it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if not 0 <= rank < world:
+        raise RankError(f"RANK={rank} is outside WORLD_SIZE={world}: launch with torchrun, which sets both")
+    return rank, world, local
+
+
+class RankGroup:
+    """One rank's handle on the run's process group (a context manager: leaving it destroys
+    the group). ``backend``: 'gloo' (CPU tensors) or 'nccl' (CUDA tensors); ``init_method``:
+    as ``torch.distributed.init_process_group`` (default: the ``MASTER_ADDR``/``MASTER_PORT``
+    that ``torchrun`` sets)."""
+
+    def __init__(self, rank: int, world: int, *, backend: str = "gloo", timeout_s: float = 300.0,
+                 init_method: str | None = None) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of world {world}: need 0 <= rank < world")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s = {timeout_s}: a collective needs a positive timeout")
+        self.rank, self.world, self.backend, self.timeout_s = rank, world, backend, timeout_s
+        self.traffic = Traffic()
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, init_method=init_method or "env://",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as exc:  # the store did not come up, or a rank never joined
+            raise RankError(f"rank {rank} of {world}: the process group did not form within {timeout_s:.0f} s "
+                            f"({_first_line(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """``out`` = every rank's ``shard`` in rank order (``out.numel() == world x
+        shard.numel()``). Sync point: returns when ``out`` is complete."""
+        if out.numel() != self.world * shard.numel():
+            raise ValueError(f"all_gather: out has {out.numel()} elements, {self.world} shards of "
+                             f"{shard.numel()} need {self.world * shard.numel()}")
+        if not out.is_contiguous():
+            raise ValueError("all_gather: out must be contiguous (it is filled in place)")
+        self._run("all_gather", _ALL_GATHER, out.view(-1), shard.reshape(-1).contiguous())
+        b = shard.numel() * shard.element_size()
+        self.traffic.add((self.world - 1) * b, (self.world - 1) * b)
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's ``1/world`` of the sum of every rank's ``full``, added in rank order
+        (the same bits as ``((g0 + g1) + g2) + ...`` on the rank's slice). Sync point."""
+        n = full.numel()
+        if n % self.world:
+            raise ValueError(f"reduce_scatter: {n} elements do not split into {self.world} equal shards; "
+                             f"pad to a multiple of {self.world}")
+        parts = torch.empty_like(full.reshape(-1))
+        self._run("reduce_scatter", dist.all_to_all_single, parts, full.reshape(-1).contiguous())
+        parts = parts.view(self.world, n // self.world)
+        out = parts[0].clone()
+        for r in range(1, self.world):  # rank order: the grouping the exactness tests state
+            out += parts[r]
+        b = (n // self.world) * full.element_size()
+        self.traffic.add((self.world - 1) * b, (self.world - 1) * b)
+        return out
+
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``t`` (a small tensor), added in rank order: the same bits
+        on every rank. Sync point."""
+        gathered = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
+        self.all_gather(gathered, t)
+        out = gathered[0].clone()
+        for r in range(1, self.world):
+            out += gathered[r]
+        return out
+
+    def max(self, value: int) -> int:
+        """The largest of every rank's ``value`` (a stop flag: any rank stopping stops all)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._run("max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        self._run("barrier", dist.barrier)
+
+    def check_same(self, what: str, value: Any) -> None:
+        """Refuse a run whose ranks disagree on ``value`` (the model, the data, the config that
+        must match), naming the ranks that differ from rank 0."""
+        values: list[Any] = [None] * self.world
+        self._run("check_same", dist.all_gather_object, values, pickle.dumps(value))
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            mine = pickle.loads(values[self.rank])
+            raise RankError(f"{what} differs between ranks: rank 0 has {pickle.loads(values[0])!r}, rank(s) "
+                            f"{', '.join(map(str, differ))} another (this rank, {self.rank}: {mine!r}); "
+                            "start every rank with the same config")
+
+    def _run(self, name: str, fn, *args, **kw) -> None:
+        try:
+            fn(*args, **kw)
+        except (RuntimeError, ValueError) as exc:
+            if isinstance(exc, RankError):
+                raise
+            raise RankError(f"rank {self.rank} of {self.world}: {name} failed ({_first_line(exc)}): another rank "
+                            f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective; "
+                            "resume from the last checkpoint once every rank is back") from None
+
+
+# torch 2.13 renames all_gather_into_tensor (deprecated there); torch 2.11 has only the old name
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
