@@ -42,6 +42,11 @@ def _collectives(rank, world, port, out_dir):
         res["norm"] = g.sum_in_rank_order(grads_of(rank, 5).square().sum().reshape(1))
         res["max"] = torch.tensor([g.max(rank * 3)])
         res["sent"], res["received"] = torch.tensor([g.traffic.sent]), torch.tensor([g.traffic.received])
+        try:
+            g.reduce_scatter(torch.ones(world * 3 + 1))  # checked before anything is sent
+            res["uneven"] = "no error"
+        except ValueError as exc:
+            res["uneven"] = str(exc)
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
@@ -73,6 +78,7 @@ def test_collectives_are_exact_in_rank_order_and_count_their_bytes(tmp_path, wor
         # each way, and the norm's gather of one float32
         per = sum(4 * s * (world - 1) * 2 for s in SIZES) + 4 * (world - 1)
         assert out[r]["sent"].item() == out[r]["received"].item() == per
+        assert f"{world * 3 + 1} elements do not split into {world} equal shards" in out[r]["uneven"]
 
 
 def test_reduce_scatter_in_rank_order_differs_from_another_order():
@@ -128,7 +134,7 @@ def test_ranks_that_disagree_are_refused_by_name(tmp_path):
         assert "model differs between ranks: rank 0 has {'n_layers': 4}, rank(s) 2 another" in out[r]["msg"]
 
 
-def test_shard_sizes_and_world_are_checked():
+def test_rank_world_and_timeout_are_checked():
     with pytest.raises(ValueError, match="rank 2 of world 2"):
         RankGroup(2, 2)
     with pytest.raises(ValueError, match="timeout_s = 0"):

@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +45,9 @@ from .state.grads import GradStore, accum_dtype_for
 from .state.malloc import fix_mmap_threshold
 from .update import UPDATES, Update
 from .update.schedule import lr_at
+
+if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
+    from .cost.model import Prediction
 
 __all__ = ["Trainer", "SpacePlan", "declare_states"]
 
@@ -438,7 +442,7 @@ class Trainer:
             finally:
                 metrics.close()
 
-    def predict(self):
+    def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
         a prediction is never worth stopping a run for)."""
         from .cost import estimate
