@@ -42,7 +42,7 @@ from .scratch import ScratchLock, clean_stale
 from .state.decl import SpacePlan, StateDecl, checkpointed
 from .state.device import host_peak_rss
 from .state.grads import GradStore, accum_dtype_for
-from .state.malloc import fix_mmap_threshold
+from .state.malloc import fix_mmap_threshold, trim_heap
 from .update import UPDATES, Update
 from .update.schedule import lr_at
 
@@ -208,7 +208,7 @@ class Trainer:
         self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
                                            keep_bytes=m.keep_act_mib * MIB,
                                            policy=policy_for(m.activations, a.kept, a.offloaded),
-                                           offloaded=self.offloaded)
+                                           offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
         self.step = 0
@@ -276,6 +276,8 @@ class Trainer:
         self.params.invalidate()
         # dropout draws from the global generators, which PyTorch seeds at random per process
         torch.manual_seed(self.cfg.train.seed)
+        if self.cfg.memory.trim_heap:
+            trim_heap()  # the units' weights passed through the heap: none of it stays for the steps
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights by name, fp32 (the declared weights state: master weights where

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -107,7 +108,10 @@ class LayerMajorExecutor(VocabSteps):
         keep_bytes: int = 0,
         policy: ActivationPolicy | None = None,
         offloaded: OffloadedGraphs | None = None,
+        after_unit: Callable[[], object] | None = None,
     ) -> None:
+        """``after_unit``: called after every unit step releases its units (the trainer gives the
+        freed heap back to the system there, ``memory.trim_heap``)."""
         self.model, self.params, self.grads, self.stash, self.dev = model, params, grads, stash, dev
         self.plan = model.plan
         self.embed = next(r for r in self.plan if r.role == "embed")
@@ -128,6 +132,7 @@ class LayerMajorExecutor(VocabSteps):
         self.recomputed = 0  # (block, micro-batch) pairs recomputed in the last step
         self.kept_pairs = 0  # pairs whose graph was kept in the last step
         self._rng: dict[tuple[int, int], _Rng] = {}
+        self.after_unit = after_unit
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -149,6 +154,8 @@ class LayerMajorExecutor(VocabSteps):
         for x in reversed(self._units(ref)):
             self.params.release(x)
             self._flats.pop(x, None)
+        if self.after_unit is not None:
+            self.after_unit()
 
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:

@@ -11,6 +11,14 @@ price: every large tensor is then mapped and faulted in afresh, and steps of a 4
 d=768 Llama at 1024 tokens took 15-25% longer (7.2 -> 9.0 s kept, 8.9 -> 10.3 s recomputed).
 The default leaves the library's behaviour (speed); runs that must stay within their budget
 set it.
+
+``trim_heap`` is the cheaper remedy, and the default (``memory.trim_heap``): ``malloc_trim``
+after every unit step gives each heap's free pages back (every thread's arena), so what a
+unit step freed does not stay in the process through the next one, whatever the tensors'
+sizes. Within a unit step the M micro-batches repeat one pattern of allocations, which the
+heap serves again from what it freed. Measured (4 blocks d=2048, M = 32 x 64 tokens, budget
+2300 MiB): peak RSS 2078 -> 1886-1969 MiB recomputing and 2234 -> 1940-2029 MiB offloading,
+for about 10 ms per trim (0.1 s of a 40 s step).
 """
 
 from __future__ import annotations
@@ -19,11 +27,22 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["fix_mmap_threshold"]
+__all__ = ["fix_mmap_threshold", "trim_heap"]
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 log = logging.getLogger("tiertrain")
 _done: int | None = None
+_libc = None
+
+
+def _c_library():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            _libc = False
+    return _libc
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
@@ -33,12 +52,21 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     if nbytes <= 0 or _done == nbytes:
         return _done == nbytes
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
-    except (OSError, AttributeError):
+        ok = bool(_c_library().mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+    except AttributeError:
         ok = False
     if ok:
         _done = nbytes
     else:
         log.info("memory.mmap_threshold_kib: this C library has no mallopt; large blocks are kept as it decides")
     return ok
+
+
+def trim_heap() -> bool:
+    """Give the free pages of every heap back to the system (glibc ``malloc_trim(0)``); False
+    where the C library has none (musl, macOS), where nothing is done."""
+    trim = getattr(_c_library(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
