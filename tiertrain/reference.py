@@ -48,13 +48,20 @@ def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
-def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum_fp32: bool = False):
+def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum_fp32: bool = False,
+                    ranks: int = 1):
     """Train ``model`` plainly: micro-batch-major accumulation, clip_grad_norm_, fused AdamW.
 
     ``mixed``: bf16 model with fp32 master weights (the reference for bf16 runs);
-    ``accum_fp32``: its gradients summed over micro-batches in fp32, rounded once.
-    Returns (per-micro-batch losses per step, final fp32 weights by name).
+    ``accum_fp32``: its gradients summed over micro-batches in fp32, rounded once;
+    ``ranks``: data parallelism done in one process, in the grouping sharded training sums in:
+    each rank's micro-batches (``Corpus.batches(step, rank=r, world=ranks)``, losses divided
+    by ``ranks x M``) accumulated on their own, then the ranks' sums added in rank order.
+    Returns (per-micro-batch losses per step, every rank's in rank order; final fp32 weights
+    by name).
     """
+    if ranks > 1:
+        return _reference_ranks(cfg, model, ranks)
     corpus = Corpus(cfg.data)
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
@@ -104,4 +111,41 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
     if mixed:
         names = [n for n, _ in inner.named_parameters()]
         return losses, {n: w.detach() for n, w in zip(names, opt_params)}
+    return losses, {k: v.detach().float() for k, v in inner.state_dict().items()}
+
+
+def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
+    """``reference_train`` with ``ranks`` ranks (fp32, no accumulators)."""
+    corpus = Corpus(cfg.data)
+    o, M = cfg.optim, cfg.data.micro_batches
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                            fused=True)
+    losses = []
+    torch.manual_seed(cfg.train.seed)
+    for step in range(cfg.train.steps):
+        step_losses, total = [], None
+        for r in range(ranks):
+            for x, y in corpus.batches(step, rank=r, world=ranks):
+                loss = model(x, y)
+                (loss / (ranks * M)).backward()
+                step_losses.append(loss.item())
+            sums = [p.grad.clone() for p in params]
+            model.zero_grad(set_to_none=True)
+            if total is None:
+                total = sums
+            else:
+                for t, g in zip(total, sums):
+                    t += g  # rank order, as the ranks' reduce-scatter adds them
+        losses.append(step_losses)
+        for p, g in zip(params, total):
+            p.grad = g
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step + 1, o, cfg.train.steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    inner = model.hf if isinstance(model, HFWrapper) else model
     return losses, {k: v.detach().float() for k, v in inner.state_dict().items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .config import Config
+from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
@@ -35,13 +36,18 @@ def hidden_size_of(model, cfg: Config) -> int:
 
 
 class Runtime:
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device: Device | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device: Device | None = None,
+                 rank: int = 0, world: int = 1) -> None:
+        """``rank`` of ``world`` data-parallel ranks: units are padded to ``world`` equal aligned
+        shards and ``state_layout`` is this rank's (the whole layout with one rank)."""
+        self.cfg, self.rank, self.world = cfg, rank, world
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
         self.weights = weights or source
-        self.layout = FlatLayout(self.model, unit_align=chunk_align(align_of(cfg), self.dtype))
+        align = chunk_align(align_of(cfg), self.dtype)
+        self.layout = FlatLayout(self.model, unit_align=world * align)
+        self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
         self.storage: Storage | None = None

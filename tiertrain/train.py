@@ -44,10 +44,13 @@ from .state.device import host_peak_rss
 from .state.grads import GradStore, accum_dtype_for
 from .state.malloc import fix_mmap_threshold, trim_heap
 from .update import UPDATES, Update
+from .dist.shard import ShardedGrads, ShardedParams
+from .dist.ranks import rank_config
 from .update.schedule import lr_at
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
     from .cost.model import Prediction
+    from .dist.group import RankGroup
 
 __all__ = ["Trainer", "SpacePlan", "declare_states"]
 
@@ -59,7 +62,7 @@ def declare_states(cfg: Config, rt: Runtime, record_bytes: int = 0) -> list[Stat
     """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
     path's (parameters, gradients, optimizer state, residual), the stash's and, with pairs
     offloaded (``memory.offload_pairs`` of ``record_bytes`` each), the activation records'."""
-    update = UPDATES[cfg.update.mode].declare(cfg, rt.layout, rt.dtype, rt.align, cfg.io.paths)
+    update = UPDATES[cfg.update.mode].declare(cfg, rt.state_layout, rt.dtype, rt.align, cfg.io.paths)
     d, m = cfg.data, cfg.memory
     stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
                                 len(rt.model.blocks) * d.micro_batches, m.stash_host_mib * MIB)
@@ -93,11 +96,17 @@ class Trainer:
 
     ``weights`` overrides where the initial weights come from (tests load a plain
     PyTorch model's state this way); ``device`` the compute device (tests run on
-    ``AsyncCpuDevice``).
+    ``AsyncCpuDevice``); ``group`` the ranks of a sharded run (``dist.RankGroup``; each rank
+    builds its own Trainer with the same config, see ``dist/ranks.py``).
     """
 
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None) -> None:
+    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None,
+                 group: "RankGroup | None" = None) -> None:
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
+        self.group = group
+        rank, world = (group.rank, group.world) if group is not None else (0, 1)
+        if world > 1:
+            cfg = rank_config(cfg, group)
         fix_mmap_threshold(cfg.memory.mmap_threshold_kib << 10)  # before any large tensor of the run
         cfg.check_writable()
         self.user_cfg = self.cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
@@ -105,7 +114,7 @@ class Trainer:
         self.acts = ActivationPlan(0, 0, 0, 0)
         self._parts: list = []
         self.lock = self.rundir = self.plan = None
-        self.rt = Runtime(cfg, weights=weights, device=device)
+        self.rt = Runtime(cfg, weights=weights, device=device, rank=rank, world=world)
         self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
         self.source = self.rt.weights
         self.corpus = Corpus(cfg.data)
@@ -186,14 +195,18 @@ class Trainer:
                                  "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(
                                      self.layout, accum),
                                  "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB})
-        self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, self.layout, self.storage, self.dtype,
+        self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype,
                                                                   pin=self.dev.pin))
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")
         # slots the update can write into: only where device memory is host memory
         shared = None if self.dev.separate else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
-        self.params = self._part(rt.bind_params(self.update.params, slot_tensors=shared))  # closed before the update
-        self.grads = self._part(GradStore(self.layout, self.update.grads, self.dev, accum_dtype=accum))
+        source, sink = self.update.params, self.update.grads
+        if self.group is not None and self.group.world > 1:  # whole units gathered, gradients reduced
+            source = ShardedParams(source, rt.state_layout, self.group)
+            sink = ShardedGrads(sink, rt.state_layout, self.group)
+        self.params = self._part(rt.bind_params(source, slot_tensors=shared))  # closed before the update
+        self.grads = self._part(GradStore(self.layout, sink, self.dev, accum_dtype=accum))
         d = cfg.data
         self.stash = self._part(HiddenStash(
             self.storage, self.dev, shape=(d.micro_batch_size, d.seq_len, rt.hidden_size), dtype=self.dtype,
@@ -209,6 +222,7 @@ class Trainer:
                                            keep_bytes=m.keep_act_mib * MIB,
                                            policy=policy_for(m.activations, a.kept, a.offloaded),
                                            offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
+        self.executor.ranks = rt.world
         self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
         self.step = 0
@@ -271,7 +285,7 @@ class Trainer:
                 if tuple(t.shape) != tuple(rec.shape):
                     raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}")
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
-            self.update.init_unit(unit.index, view)
+            self.update.init_unit(unit.index, view if self.rt.world == 1 else self.rt.state_layout.shard(unit.index, view))
         self.update.finish_init()
         self.params.invalidate()
         # dropout draws from the global generators, which PyTorch seeds at random per process
@@ -289,7 +303,12 @@ class Trainer:
             buf = aligned_empty(self.layout.max_unit_numel * src.dtype.itemsize).view(src.dtype)
             whole = WholeTensors(self.model.row_pieces)  # vocabulary pieces by their whole matrix's name
             for unit in self.layout.units:
-                src.read(unit.index, buf).get()
+                if self.rt.world > 1:  # this rank's shard, the others' gathered (every rank calls this)
+                    own = self.rt.state_layout.shard(unit.index, buf)
+                    src.read(unit.index, own).get()
+                    self.group.all_gather(buf[: unit.numel], own.clone())
+                else:
+                    src.read(unit.index, buf).get()
                 for rec in unit.params:
                     out.update(whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()))
         return out
@@ -332,7 +351,7 @@ class Trainer:
         self.dev.reset_peak()  # the record's device peak is this step's
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
-        out = self.executor.step(self.corpus.batches(self.step))
+        out = self._run_step()
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
         norm = self.grads.total_norm()
@@ -371,6 +390,21 @@ class Trainer:
             mfu=mfu,
             extra={"losses": out.losses, **self.update.record(), **self._act_record()},
         )
+
+    def _run_step(self):
+        """The executor's step on this rank's micro-batches; with ranks, the loss is every
+        rank's mean (summed in rank order) and the tokens every rank's."""
+        if self.rt.world == 1:
+            return self.executor.step(self.corpus.batches(self.step))
+        g, M = self.group, self.cfg.data.micro_batches
+        every = None
+        if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
+            every = [x for r in range(g.world) for x, _ in self.corpus.batches(self.step, rank=r, world=g.world)]
+        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every)
+        total = g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))  # sync point
+        out.loss = float(total) / (M * g.world)
+        out.tokens *= g.world
+        return out
 
     def _waits(self) -> float:
         """Seconds the compute thread has waited for the storage tier so far (sync points)."""

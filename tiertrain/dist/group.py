@@ -146,6 +146,10 @@ class RankGroup:
         self._run("max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def wait(self, work, name: str) -> None:
+        """Wait for an asynchronous collective (``async_op=True``) under the group's timeout."""
+        self._run(name, lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)))
+
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 

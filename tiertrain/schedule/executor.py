@@ -133,6 +133,7 @@ class LayerMajorExecutor(VocabSteps):
         self.kept_pairs = 0  # pairs whose graph was kept in the last step
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
+        self.ranks = 1  # data-parallel ranks: each micro-batch's loss is divided by ranks x M
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -210,7 +211,7 @@ class LayerMajorExecutor(VocabSteps):
             x = x.requires_grad_()
             head = self.model.head
             loss = head.loss(head.logits(x), mb.targets)
-            (loss / M).backward()
+            (loss / (M * self.ranks)).backward()  # the mean over every rank's micro-batches
             self.grads.fold(self._units(ref))
             dh.append(x.grad)
             losses.append(loss.detach())
@@ -265,7 +266,11 @@ class LayerMajorExecutor(VocabSteps):
         self._release(ref)
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             step_tokens: list[torch.Tensor] | None = None) -> StepOutput:
+        """One step over ``batches`` (this rank's micro-batches); ``step_tokens``: every rank's
+        inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same
+        on every rank)."""
         M = len(batches)
         self.model.train()
         mbs = []
@@ -274,7 +279,7 @@ class LayerMajorExecutor(VocabSteps):
             mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
                                   torch.arange(ids.shape[1], device=self.dev.device)))
         self._rng = {}
-        self.pieces_used = used_pieces(self.embed_pieces, [x for x, _ in batches])
+        self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used), 0
         self.kept.clear()  # nothing survives a step that failed half-way
         if self.offloaded is not None:

@@ -107,7 +107,7 @@ class VocabSteps:
             self._acquire(ref)
             self.grads.begin(ref.index)
             for m, (x, t) in enumerate(zip(hn, targets)):
-                dhn[m] += piece_backward(ref.module, x, t, lse[m], t.numel() * M)
+                dhn[m] += piece_backward(ref.module, x, t, lse[m], t.numel() * M * self.ranks)
                 self.grads.fold(self._units(ref))
             self.grads.end(ref.index)
             self._release(ref)

@@ -41,6 +41,7 @@ class _Handoff:
     def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None,
                  in_place: int | None = None) -> None:
         self.base, self.copied, self.write, self.staging = base, copied, write, staging
+        self.keep: torch.Tensor | None = None  # a reduced shard sent instead of the buffer: alive until home
         self.in_place = in_place  # the unit whose host-resident home the download fills
 
 
@@ -121,18 +122,36 @@ class GradStore:
         """Unit ``u``'s gradients are complete: take their norms and send them home."""
         buf, base = self._live.pop(u)
         acc = self._acc.pop(u, None)
+        self.layout.bind_grads(u, None)
+        norm_dtype = None if self.dtype == torch.float32 else torch.float32
+        if self.home.sharded:  # ranks: this rank's shard of the sum over the ranks goes home
+            self._end_shard(u, buf, base, acc, norm_dtype)
+            return
         if acc is not None:
             acc.add_(buf)  # whatever came after the last fold (none when every micro-batch folds)
             buf.copy_(acc)  # the one rounding
             self._acc_free.append(acc._base if acc._base is not None else acc)
         views = [rec.view(buf) for rec in self.layout.units[u].params]
-        norm_dtype = None if self.dtype == torch.float32 else torch.float32
         self.norms[u] = list(torch._foreach_norm(views, 2, dtype=norm_dtype)) if views else []
-        self.layout.bind_grads(u, None)
         if base is None:
             self.home.done_in_place(u)  # accumulated right in its home: complete now
             return
         self._pending.append(self._send(u, buf, base))
+        self.poll()
+
+    def _end_shard(self, u: int, buf: torch.Tensor, base: torch.Tensor, acc: torch.Tensor | None, norm_dtype) -> None:
+        """Sum over the ranks (in the accumulator's dtype where there is one, rounded once
+        after), norm of this rank's shard (alignment padding is zero), shard sent home."""
+        if acc is not None:
+            acc.add_(buf)
+            shard = self.home.reduce(u, acc).to(self.dtype)  # sync point with every rank; the one rounding
+            self._acc_free.append(acc._base if acc._base is not None else acc)
+        else:
+            shard = self.home.reduce(u, buf)  # sync point with every rank
+        self.norms[u] = [torch.linalg.vector_norm(shard, 2, dtype=norm_dtype)]
+        h = self._send(u, shard, base)
+        h.keep = shard
+        self._pending.append(h)
         self.poll()
 
     def _send(self, u: int, buf: torch.Tensor, base: torch.Tensor) -> _Handoff:
@@ -211,6 +230,8 @@ class GradStore:
         """The global 2-norm, over per-parameter norms in model parameter order (as
         ``torch.nn.utils.clip_grad_norm_`` computes it)."""
         norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
+        if self.home.sharded:  # over the ranks' shards: sqrt of the rank-ordered sum of squares
+            return torch.sqrt(self.home.sum_over_ranks(torch.stack(norms).float().square().sum()))
         return torch.linalg.vector_norm(torch.stack(norms), 2)
 
     def close(self) -> None:

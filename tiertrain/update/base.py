@@ -89,6 +89,7 @@ class GradSink(abc.ABC):
     dtype: torch.dtype
     file_backed: bool = True  # some units go to the storage tier: CUDA copies need pinned staging
     takes_device_tensors: bool = False  # copies from the device itself (no staging, no host buffer)
+    sharded: bool = False  # takes this rank's shard of the gradient summed over the ranks (``reduce``)
 
     @abc.abstractmethod
     def on_host(self, u: int) -> bool: ...
@@ -100,6 +101,15 @@ class GradSink(abc.ABC):
     def write(self, u: int, src: torch.Tensor) -> IOFuture:
         """Take unit ``u``'s gradient ``src`` (a CPU tensor, or a device tensor where
         ``takes_device_tensors``); ``src`` may be reused once the future is done."""
+
+    def reduce(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        """(``sharded`` sinks) This rank's shard of unit ``u``'s gradient ``full`` summed over
+        the ranks: what ``write`` then takes. A sync point with every rank."""
+        return full
+
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """(``sharded`` sinks) A scalar summed over the ranks, the same bits on every rank."""
+        return t
 
     def claim(self, u: int) -> None:
         """The backward is about to produce unit ``u``'s gradient (host-resident ones in

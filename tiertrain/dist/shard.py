@@ -1,0 +1,225 @@
+"""One rank's share of the model's states: an equal, aligned 1/N of every unit.
+
+With ``N`` ranks every unit of the flat layout is padded to a multiple of ``N x
+chunk_align`` elements (``Runtime``), so it splits into ``N`` equal shards, each starting on
+a whole checksum block in every state file and at a multiple of 64 elements from every
+parameter's start: a rank's fused AdamW on its shard is bit-identical to updating whole
+parameters (as the update engines' slices are, ``update/slices.py``).
+
+Rank ``r`` owns elements ``[r x per, (r + 1) x per)`` of unit ``u`` (``per = numel / N``)
+of the parameters, gradients and optimizer state. ``ShardLayout`` is that share seen as a
+layout, the object every state and the streamed optimizer are built on, so the update path
+runs unchanged on it. Around it, on the full units the compute uses:
+
+- ``ShardedParams`` (a ``ParamSource``): loads a unit by reading this rank's shard from its
+  files and gathering the others' (``all_gather``);
+- ``ShardedGrads`` (a ``GradSink``): takes a unit's local gradient (the sum over this rank's
+  micro-batches), sums it over the ranks in rank order (``reduce_scatter``) and sends this
+  rank's shard of the sum home.
+
+Collective order: every rank must issue its gathers and reduce-scatters in the same order.
+Gathers are issued first-in first-out in the order of ``load`` calls (the parameter store's,
+the same on every rank with the baseline update on CPU: it depends on the schedule only),
+each once its shard's read is done; reduce-scatters in the order of the backward's units.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..io import IOFuture
+from ..state.layout import FlatLayout, segments
+from ..update.base import GradSink, ParamSource
+from .group import _ALL_GATHER, RankGroup
+
+__all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A parameter as its shard sees it: offset from the shard's start (negative when it began
+    in an earlier shard), full length."""
+
+    name: str
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class _ShardUnit:
+    index: int
+    numel: int  # this rank's share of the unit
+    offset: int  # from the start of this rank's layout
+    start: int  # where the share starts in the whole unit
+    params: tuple[_Piece, ...]
+    borrows: tuple[int, ...] = ()
+
+
+class ShardLayout:
+    """Rank ``rank``'s share of every unit of ``full`` (padded to ``world x align``), as a
+    layout: what the states, the streamed optimizer and the budget are built on."""
+
+    def __init__(self, full: FlatLayout, rank: int, world: int, align: int) -> None:
+        units, offset = [], 0
+        for unit in full.units:
+            if unit.numel % (world * align):
+                raise ValueError(f"unit {unit.index} has {unit.numel} elements: not {world} shards of a multiple of "
+                                 f"{align}; build the layout with unit_align = {world} x {align}")
+            per = unit.numel // world
+            a, b = rank * per, (rank + 1) * per
+            pieces = tuple(_Piece(r.name, r.offset - a, r.numel) for r in unit.params if r.offset < b and r.offset + r.numel > a)
+            units.append(_ShardUnit(unit.index, per, offset, a, pieces))
+            offset += per
+        self.full, self.rank, self.world = full, rank, world
+        self.units: list[_ShardUnit] = units
+        self.total_numel = offset
+        self.max_unit_numel = max(u.numel for u in units)
+        self.n_params = sum(max(0, min(p.offset + p.numel, u.numel) - max(p.offset, 0)) for u in units for p in u.params)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's share of unit ``u``'s whole flat buffer ``full`` (a view)."""
+        s = self.units[u]
+        return full[s.start : s.start + s.numel]
+
+    def segments(self, u: int, start: int, end: int) -> list:
+        return segments(self.units[u].params, start, end)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} of {self.world}: {self.total_numel / 1e6:.2f} M of "
+                f"{self.full.total_numel / 1e6:.2f} M elements")
+
+
+class _Gather:
+    def __init__(self, u: int, out: torch.Tensor, read: IOFuture) -> None:
+        self.u, self.out, self.read = u, out, read
+        self.work = None  # the collective, once issued
+        self.error: BaseException | None = None
+
+
+class _GatherFuture:
+    """Done once the unit's shard is read and gathered from every rank (an ``IOFuture`` to the
+    parameter store)."""
+
+    def __init__(self, owner: "ShardedParams", g: _Gather) -> None:
+        self.owner, self.g = owner, g
+
+    def done(self) -> bool:
+        self.owner.pump()
+        return self.g.work is not None and self.g.work.is_completed()
+
+    def get(self, timeout: float | None = None):
+        self.owner.finish(self.g)
+        return None
+
+
+class ShardedParams(ParamSource):
+    """A unit's whole parameters: this rank's shard from ``inner`` (the update path's source on
+    the shard layout), the others' gathered. Never host-resident for the store (the whole unit
+    exists only in a slot)."""
+
+    file_backed = True
+
+    def __init__(self, inner: ParamSource, layout: ShardLayout, group: RankGroup) -> None:
+        self.inner, self.layout, self.group = inner, layout, group
+        self.dtype = inner.dtype
+        self._fifo: deque[_Gather] = deque()  # issued in load order: the same on every rank
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("sharded parameters are never used in place")
+
+    def can_prefetch(self, u: int) -> bool:
+        return self.inner.can_prefetch(u)
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:  # type: ignore[override]
+        own = self.layout.shard(u, out)
+        if self.inner.on_host(u):
+            own.copy_(self.inner.host_view(u)[: own.numel()])
+            read = IOFuture.completed(own.numel() * own.element_size())
+        else:
+            read = self.inner.load(u, own)
+        g = _Gather(u, out, read)
+        self._fifo.append(g)
+        self.pump()
+        return _GatherFuture(self, g)
+
+    def pump(self) -> None:
+        """Issue the gathers whose reads are done, in load order (never blocks)."""
+        for g in self._fifo:
+            if g.work is not None:
+                continue
+            if not g.read.done():
+                return
+            self._issue(g)
+
+    def _issue(self, g: _Gather) -> None:
+        try:
+            g.read.get()  # sync point (done already, or waited for by ``finish``)
+        except BaseException as exc:  # noqa: BLE001 - the collective must still be issued: the other ranks wait on it
+            g.error = exc
+        # gloo: the rank's own shard is a view of ``out``; the gather copies it into place first
+        own = self.layout.shard(g.u, g.out).clone()
+        g.work = _ALL_GATHER(g.out, own, async_op=True)
+        b = own.numel() * own.element_size()
+        self.group.traffic.add((self.group.world - 1) * b, (self.group.world - 1) * b)
+
+    def finish(self, g: _Gather) -> None:
+        """Wait until ``g``'s unit is whole: every gather before it is issued first."""
+        for x in self._fifo:
+            if x.work is None:
+                self._issue(x)
+            if x is g:
+                break
+        try:
+            self.group.wait(g.work, "all_gather")  # sync point: the unit is whole
+        finally:
+            self._fifo.remove(g)
+        if g.error is not None:
+            raise g.error
+
+    def settle(self, u: int) -> float:
+        return self.inner.settle(u)
+
+
+class ShardedGrads(GradSink):
+    """A unit's local gradient summed over the ranks in rank order, this rank's shard sent to
+    ``inner`` (the update path's sink on the shard layout)."""
+
+    file_backed = True
+    sharded = True
+
+    def __init__(self, inner: GradSink, layout: ShardLayout, group: RankGroup) -> None:
+        self.inner, self.layout, self.group = inner, layout, group
+        self.dtype = inner.dtype
+
+    def on_host(self, u: int) -> bool:
+        return False  # the local sum is never the home: it is reduced first
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("sharded gradients are never accumulated in place")
+
+    def claim(self, u: int) -> None:
+        self.inner.claim(u)
+
+    def reduce(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of unit ``u``'s gradient summed over the ranks (sync point)."""
+        return self.group.reduce_scatter(full)
+
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        return self.group.sum_in_rank_order(t)
+
+    def write(self, u: int, src: torch.Tensor) -> IOFuture:
+        """``src``: this rank's reduced shard (from ``reduce``)."""
+        if self.inner.on_host(u):
+            self.inner.host_view(u)[: src.numel()].copy_(src)
+            self.inner.done_in_place(u)
+            return IOFuture.completed(src.numel() * src.element_size())
+        return self.inner.write(u, src)
