@@ -66,3 +66,39 @@ class _Named:
     def __init__(self, cfg):
         self.cfg = cfg
         self.model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+
+
+def _traffic(rank, world, port, out_dir, tree):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = Config.from_dict(tree)
+    with RankGroup(rank, world, timeout_s=120) as g, Trainer(cfg, group=g) as tr:
+        tr.initialize(progress=False)
+        steps = []
+        for _ in range(cfg.train.steps):
+            f0 = tr.params.stats.fetch_bytes
+            r = tr.train_step()
+            steps.append(dict(sent=r.extra["net_sent_bytes"], received=r.extra["net_received_bytes"],
+                              fetched=tr.params.stats.fetch_bytes - f0))
+        res = dict(steps=steps, param_bytes=tr.layout.total_numel * tr.dtype.itemsize)
+    torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_traffic_per_step_is_the_formula_whatever_the_micro_batches(tmp_path, world):
+    """Bytes a rank sends (and receives) in a step: (N-1)/N of every unit fetched (a gather
+    per fetch: the forward's and the backward's) and of every unit's gradient (one
+    reduce-scatter per unit and step), plus the loss and the norm (8 + 4 bytes to each other
+    rank). About 3 x the parameter bytes x (N-1)/N, and the same at M = 1 and M = 8."""
+    per_m = {}
+    for M in (1, 8):
+        cfg = small_config(tmp_path / f"m{M}", kind="llama", layers=3, d=64, micro_batches=M, steps=2, slots=2)
+        out = tmp_path / f"out{M}"
+        out.mkdir()
+        res = spawn(_traffic, world, out, cfg.to_dict())
+        for o in res:
+            for s in o["steps"]:
+                want = (world - 1) * (s["fetched"] + o["param_bytes"]) // world + (world - 1) * 12
+                assert s["sent"] == s["received"] == want
+                assert 2.5 <= s["sent"] / (o["param_bytes"] * (world - 1) / world) <= 3.0
+        per_m[M] = [s["sent"] for s in res[0]["steps"]]
+    assert per_m[1] == per_m[8]

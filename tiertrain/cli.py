@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from typing import Iterator, Sequence
@@ -69,15 +70,45 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    """``--nproc N``: this command again, as N ranks under torchrun (torch.distributed.run) on
+    this machine; its exit status is theirs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "tiertrain", *(["-v"] if args.verbose else []), "train",
+           *(["--config", args.config] if args.config else []),
+           *(["--resume", args.resume] if getattr(args, "resume", None) else []), *overrides]
+    log.info("starting %d ranks: %s", args.nproc, " ".join(cmd[1:]))
+    return subprocess.call(cmd)
+
+
+@contextlib.contextmanager
+def _ranks(cfg) -> Iterator[object]:
+    """The process group where torchrun started this process as one of several ranks (None
+    otherwise). Ranks other than 0 log warnings and errors only: rank 0 prints the run."""
+    from .dist import RankGroup, env_world
+
+    rank, world, _ = env_world()
+    if world == 1:
+        yield None
+        return
+    if rank:
+        log.setLevel(logging.WARNING)
+    backend = cfg.ranks.backend if cfg.ranks.backend != "auto" else "gloo"
+    with RankGroup(rank, world, backend=backend, timeout_s=cfg.ranks.timeout_s) as group:
+        yield group
+
+
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .train import Trainer
 
+    if getattr(args, "nproc", 1) > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, overrides)
     if getattr(args, "resume", None):
         path, cfg = _resume_target(args.resume, args.config, overrides)
     else:
         path, cfg = None, load_config(args.config, overrides)
     try:
-        with Trainer(cfg) as trainer:
+        with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)
     except Exception as exc:
         from .checkpoint import latest_checkpoint
@@ -218,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
+    t.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="train as N data-parallel ranks on this machine (started under torchrun; see [ranks])")
 
     pl = sub.add_parser("plan", help="placement, bytes per step and the predicted step time, without training",
                         epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,6 +30,7 @@ __all__ = [
     "OptimConfig",
     "MemoryConfig",
     "TrainConfig",
+    "RanksConfig",
     "UpdateConfig",
     "CheckpointConfig",
     "load_config",
@@ -424,6 +425,23 @@ class TrainConfig(Section):
 
 
 @dataclass(kw_only=True)
+class RanksConfig(Section):
+    """Data-parallel ranks (``torchrun --nproc-per-node N -m tiertrain train`` or ``tiertrain train
+    --nproc N``): each rank holds 1/N of every state; the world comes from torchrun's environment."""
+
+    SECTION: ClassVar[str] = "ranks"
+    timeout_s: float = opt(300.0, "Longest wait for another rank in any collective, seconds: a rank that died is "
+                           "seen at once, one that hangs after this long; every rank then stops with an error "
+                           "naming the collective.")
+    backend: str = opt("auto", "'auto' (nccl on cuda, gloo on cpu), 'gloo' or 'nccl'.")
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            self._fail("timeout_s", "must be > 0")
+        self._one_of("backend", ("auto", "gloo", "nccl"))
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole tree. ``Config()`` is the default main job."""
 
@@ -435,6 +453,7 @@ class Config:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ranks: RanksConfig = field(default_factory=RanksConfig)
 
     def __post_init__(self) -> None:
         if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):

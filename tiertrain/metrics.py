@@ -85,6 +85,12 @@ class StepRecord:
                 else ""
             )
             + (
+                f" | ranks {self.extra['ranks']}: net sent {self.extra['net_sent_bytes'] / 1e9:.3f} GB "
+                f"received {self.extra['net_received_bytes'] / 1e9:.3f} GB per rank"
+                if "ranks" in self.extra
+                else ""
+            )
+            + (
                 f" | update thread {self.extra['update_thread_s']:.2f} s, "
                 f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB"
                 if "update_thread_s" in self.extra

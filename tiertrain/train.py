@@ -348,6 +348,7 @@ class Trainer:
         cfg = self.cfg
         s0, io0 = time.perf_counter(), self.storage.stats()
         waits0 = self._waits()
+        net0 = (self.group.traffic.sent, self.group.traffic.received) if self.group is not None else (0, 0)
         self.dev.reset_peak()  # the record's device peak is this step's
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
@@ -388,7 +389,7 @@ class Trainer:
             peak_host_bytes=host_peak_rss(),
             peak_device_bytes=self.dev.peak_bytes(),
             mfu=mfu,
-            extra={"losses": out.losses, **self.update.record(), **self._act_record()},
+            extra={"losses": out.losses, **self.update.record(), **self._act_record(), **self._net_record(net0)},
         )
 
     def _run_step(self):
@@ -405,6 +406,13 @@ class Trainer:
         out.loss = float(total) / (M * g.world)
         out.tokens *= g.world
         return out
+
+    def _net_record(self, before: tuple[int, int]) -> dict:
+        """Bytes this rank sent to and received from the others in the step (ranks only)."""
+        if self.group is None:
+            return {}
+        t = self.group.traffic
+        return {"ranks": self.group.world, "net_sent_bytes": t.sent - before[0], "net_received_bytes": t.received - before[1]}
 
     def _waits(self) -> float:
         """Seconds the compute thread has waited for the storage tier so far (sync points)."""

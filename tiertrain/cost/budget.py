@@ -21,6 +21,8 @@ counted against the budget). If everything fits, nothing is measured: no ranking
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -65,6 +67,10 @@ def on_storage(cfg: Config) -> Config:
 
 def default_host_bytes() -> tuple[int, str]:
     avail = psutil.virtual_memory().available
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this machine share it
+    if ranks > 1:
+        return (int(avail * HOST_FRACTION / ranks),
+                f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks")
     return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
 
 

@@ -89,6 +89,10 @@ class RankGroup:
         except (RuntimeError, ValueError) as exc:  # the store did not come up, or a rank never joined
             raise RankError(f"rank {rank} of {world}: the process group did not form within {timeout_s:.0f} s "
                             f"({_first_line(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
+        # Parameter gathers run asynchronously, issued as their reads complete, in an order of
+        # their own (the loads'); on the same group as the backward's reduce-scatters they
+        # could meet another rank's reduce-scatter. A group of their own keeps each order apart.
+        self._gathers = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
     def __enter__(self) -> RankGroup:
         return self
@@ -112,6 +116,21 @@ class RankGroup:
         self._run("all_gather", _ALL_GATHER, out.view(-1), shard.reshape(-1).contiguous())
         b = shard.numel() * shard.element_size()
         self.traffic.add((self.world - 1) * b, (self.world - 1) * b)
+
+    def start_all_gather(self, out: torch.Tensor, shard: torch.Tensor):
+        """``all_gather`` started asynchronously on the parameter gathers' own group (their
+        order is the loads' order, the same on every rank); wait with ``wait``. ``shard`` must
+        not alias ``out``."""
+        if out.numel() != self.world * shard.numel():
+            raise ValueError(f"all_gather: out has {out.numel()} elements, {self.world} shards of "
+                             f"{shard.numel()} need {self.world * shard.numel()}")
+        try:
+            work = _ALL_GATHER(out.view(-1), shard.reshape(-1), group=self._gathers, async_op=True)
+        except (RuntimeError, ValueError) as exc:
+            raise RankError(f"rank {self.rank} of {self.world}: all_gather failed ({_first_line(exc)})") from None
+        b = shard.numel() * shard.element_size()
+        self.traffic.add((self.world - 1) * b, (self.world - 1) * b)
+        return work
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's ``1/world`` of the sum of every rank's ``full``, added in rank order

@@ -33,7 +33,7 @@ import torch
 from ..io import IOFuture
 from ..state.layout import FlatLayout, segments
 from ..update.base import GradSink, ParamSource
-from .group import _ALL_GATHER, RankGroup
+from .group import RankGroup
 
 __all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]
 
@@ -166,10 +166,7 @@ class ShardedParams(ParamSource):
         except BaseException as exc:  # noqa: BLE001 - the collective must still be issued: the other ranks wait on it
             g.error = exc
         # gloo: the rank's own shard is a view of ``out``; the gather copies it into place first
-        own = self.layout.shard(g.u, g.out).clone()
-        g.work = _ALL_GATHER(g.out, own, async_op=True)
-        b = own.numel() * own.element_size()
-        self.group.traffic.add((self.group.world - 1) * b, (self.group.world - 1) * b)
+        g.work = self.group.start_all_gather(g.out, self.layout.shard(g.u, g.out).clone())
 
     def finish(self, g: _Gather) -> None:
         """Wait until ``g``'s unit is whole: every gather before it is issued first."""
