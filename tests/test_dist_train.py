@@ -102,3 +102,70 @@ def test_traffic_per_step_is_the_formula_whatever_the_micro_batches(tmp_path, wo
                 assert 2.5 <= s["sent"] / (o["param_bytes"] * (world - 1) / world) <= 3.0
         per_m[M] = [s["sent"] for s in res[0]["steps"]]
     assert per_m[1] == per_m[8]
+
+
+def _ckpt(rank, world, port, out_dir, tree, resume, steps, save):
+    """Train (from ``resume`` if given) ``steps`` steps on ``world`` ranks, save if ``save``;
+    rank 0 keeps the weights (gathered) and the checkpoint's path."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = Config.from_dict(tree)
+    group = RankGroup(rank, world, timeout_s=120) if world > 1 else None
+    try:
+        with Trainer(cfg, group=group) as tr:
+            if resume:
+                tr.restore(resume)
+            else:
+                tr.initialize(progress=False)
+            restored = tr.weights()
+            for _ in range(steps):
+                tr.train_step()
+            res = tr.save_checkpoint() if save else None
+            out = dict(restored=restored, weights=tr.weights(), path=res.path if res else None, step=tr.step)
+    finally:
+        if group is not None:
+            group.close()
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def ckpt_run(tmp_path, name, cfg, world, resume=None, steps=0, save=False):
+    out = tmp_path / name
+    out.mkdir()
+    if world == 1:
+        _ckpt(0, 1, 0, str(out), cfg.to_dict(), resume, steps, save)
+        return torch.load(out / "0.pt")
+    return spawn(_ckpt, world, out, cfg.to_dict(), resume, steps, save)[0]
+
+
+def _cfg(tmp_path, micro_batches):
+    return small_config(tmp_path, kind="llama", layers=2, d=64, micro_batches=micro_batches, steps=4, clip=1.0)
+
+
+def same(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 3), (3, 2)])
+def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then):
+    """A checkpoint written by ``first`` ranks is the same files as one rank's (the canonical
+    layout) and loads, bit for bit, on ``then`` ranks; training goes on from it."""
+    cfg = _cfg(tmp_path, micro_batches=6 // first)
+    saved = ckpt_run(tmp_path, "save", cfg, first, steps=2, save=True)
+    assert saved["path"] and saved["step"] == 2
+    cfg2 = _cfg(tmp_path / "b", micro_batches=6 // then)
+    cfg2.checkpoint.dir = cfg.checkpoint_root
+    loaded = ckpt_run(tmp_path, "load", cfg2, then, resume=saved["path"], steps=1)
+    same(loaded["restored"], saved["weights"])
+    assert loaded["step"] == 3 and any(not torch.equal(loaded["weights"][k], saved["weights"][k]) for k in saved["weights"])
+
+
+def test_sharded_resume_is_bit_identical(tmp_path):
+    """2 ranks: 4 steps straight, or 2, a checkpoint and 2 more in new processes: the same
+    bits (the same grouping of the sums), clipping on."""
+    cfg = _cfg(tmp_path / "a", micro_batches=2)
+    straight = ckpt_run(tmp_path, "straight", cfg, 2, steps=4)
+    cfg_b = _cfg(tmp_path / "b", micro_batches=2)
+    half = ckpt_run(tmp_path, "half", cfg_b, 2, steps=2, save=True)
+    rest = ckpt_run(tmp_path, "rest", cfg_b, 2, resume=half["path"], steps=2)
+    same(rest["weights"], straight["weights"])

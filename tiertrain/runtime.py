@@ -48,6 +48,8 @@ class Runtime:
         align = chunk_align(align_of(cfg), self.dtype)
         self.layout = FlatLayout(self.model, unit_align=world * align)
         self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)
+        # the layout of one rank: what checkpoints are written in, whatever the world
+        self.canonical_layout = self.layout if world == 1 else FlatLayout(self.model, unit_align=align)
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
         self.storage: Storage | None = None

@@ -44,6 +44,7 @@ from .state.device import host_peak_rss
 from .state.grads import GradStore, accum_dtype_for
 from .state.malloc import fix_mmap_threshold, trim_heap
 from .update import UPDATES, Update
+from .dist.checkpoint import GatheredRegion, ScatteredRegion, follow
 from .dist.shard import ShardedGrads, ShardedParams
 from .dist.ranks import rank_config
 from .update.schedule import lr_at
@@ -105,11 +106,13 @@ class Trainer:
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         self.group = group
         rank, world = (group.rank, group.world) if group is not None else (0, 1)
+        self.user_cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
+        self._shared_root = cfg.checkpoint_root  # ranks: rank 0's, where every rank's checkpoints go
         if world > 1:
             cfg = rank_config(cfg, group)
         fix_mmap_threshold(cfg.memory.mmap_threshold_kib << 10)  # before any large tensor of the run
         cfg.check_writable()
-        self.user_cfg = self.cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
+        self.cfg = cfg
         self._rates = None
         self.acts = ActivationPlan(0, 0, 0, 0)
         self._parts: list = []
@@ -125,7 +128,7 @@ class Trainer:
             )
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
         try:
-            self.rundir = RunDir(cfg.train.run_dir, self.checkpoint_root)  # and per run directory
+            self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
@@ -134,7 +137,7 @@ class Trainer:
             self.plan = SpacePlan(declare_states(cfg, self.rt, self.acts.record_bytes))
             for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
-            for path in clean_incomplete(self.checkpoint_root):
+            for path in (clean_incomplete(self.checkpoint_root) if rank == 0 else ()):  # rank 0's to clean
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
@@ -223,7 +226,7 @@ class Trainer:
                                            policy=policy_for(m.activations, a.kept, a.offloaded),
                                            offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
         self.executor.ranks = rt.world
-        self.ckpt = self._part(CheckpointIO(self.layout, chunk_bytes=cfg.io.chunk_kib << 10))
+        self.ckpt = self._part(CheckpointIO(rt.canonical_layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
         self.step = 0
         self._superseded: list[str] = []  # checkpoints of a later course of a resumed run, replaced at its first save
@@ -316,10 +319,13 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
-        return self.cfg.checkpoint_root
+        return self._shared_root
 
-    def save_checkpoint(self) -> SaveResult:
-        """A complete checkpoint of the current step (after the last finished step)."""
+    def save_checkpoint(self) -> SaveResult | None:
+        """A complete checkpoint of the current step (after the last finished step). Ranks:
+        every rank calls it; rank 0 writes and returns the result, the others None."""
+        if self.rt.world > 1:
+            return self._save_ranks()
         with self.state_regions() as regions:
             res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.user_cfg.to_dict(), keep=self.cfg.checkpoint.keep,
                                  drop=self._superseded)
@@ -332,12 +338,33 @@ class Trainer:
         t0 = time.perf_counter()
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         with self.state_regions() as regions:
+            if self.rt.world > 1:  # every rank reads the canonical files, keeping its shard
+                regions = {n: ScatteredRegion(r, self.rt.state_layout) for n, r in regions.items()}
             man = self.ckpt.restore(regions, path, zero_if_absent=zero)
         self.params.invalidate()
         self.step = man.step
         self.update.restored(man.step)
         log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
         return man
+
+    def _save_ranks(self) -> SaveResult | None:
+        """Rank 0 writes the checkpoint in the canonical layout, gathering unit by unit; the
+        others take part in the same gathers (``dist/checkpoint.py``)."""
+        g = self.group
+        with self.state_regions() as regions:
+            whole = {n: GatheredRegion(r, self.rt.state_layout, g) for n, r in regions.items()}
+            if g.rank == 0:
+                res = self.ckpt.save(whole, self.checkpoint_root, self.step, self.user_cfg.to_dict(),
+                                     keep=self.cfg.checkpoint.keep, drop=self._superseded)
+            else:
+                follow(whole, self.rt.canonical_layout)
+                res = None
+        g.barrier()  # sync point: the checkpoint is in place before any rank goes on
+        self._superseded = []
+        if res is not None:
+            log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds,
+                     res.gbps)
+        return res
 
     @property
     def resume_command(self) -> str:

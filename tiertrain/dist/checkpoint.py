@@ -1,0 +1,87 @@
+"""Checkpoints of a sharded run, in the layout of a run on one rank.
+
+A checkpoint holds every state in the *canonical* layout: units padded as one rank pads them
+(``FlatLayout(model, unit_align=chunk_align)``), not to ``N`` shards. Parameters sit at the
+same offsets inside a unit whatever the padding, so a checkpoint written by any number of
+ranks is the same files, and loads on any number (its manifest's units are the canonical
+ones: a 1-rank run resumes a 2-rank checkpoint and the other way round).
+
+- Save: rank 0 runs the checkpoint writer over ``GatheredRegion`` s: the first read of a unit
+  gathers it whole from every rank's shard (one unit's buffer); the other ranks ``follow``,
+  taking part in the same gathers in the same order (states in the regions' order, units in
+  layout order). The writer's temporary directory and rename make the checkpoint complete or
+  absent; a rank that dies during the save stops rank 0's next gather (the group's timeout),
+  and the temporary directory is removed.
+- Restore: every rank reads the checkpoint's files itself (they are on a filesystem every rank
+  sees) through ``ScatteredRegion`` s, which keep the part of each chunk that falls in the
+  rank's shard; every rank checks every file's CRC32C.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..io import IOFuture, aligned_empty
+from ..state.layout import FlatLayout
+from .group import RankGroup
+from .shard import ShardLayout
+
+__all__ = ["GatheredRegion", "ScatteredRegion", "follow"]
+
+
+class GatheredRegion:
+    """A rank's shard region (``read``/``write`` per unit, as ``TieredRegions``) seen as the
+    whole state, for the checkpoint writer: reads gather."""
+
+    def __init__(self, region, layout: ShardLayout, group: RankGroup) -> None:
+        self.region, self.layout, self.group = region, layout, group
+        self.dtype, self.esize = region.dtype, region.dtype.itemsize
+        self._buf = aligned_empty(layout.full.max_unit_numel * self.esize).view(self.dtype)
+        self._own = aligned_empty(layout.max_unit_numel * self.esize).view(self.dtype)
+        self._unit: int | None = None
+
+    def gather(self, u: int) -> None:
+        """Unit ``u`` whole in this rank's buffer: its shard read, every rank's gathered (a
+        sync point with every rank)."""
+        n = self.layout.units[u].numel
+        self.region.read(u, self._own[:n]).get()
+        self.group.all_gather(self._buf[: n * self.group.world], self._own[:n])
+        self._unit = u
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        if self._unit != u:
+            self.gather(u)
+        end = self.layout.full.units[u].numel if end is None else end
+        out[: end - start].copy_(self._buf[start:end])
+        return IOFuture.completed((end - start) * self.esize)
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        raise RuntimeError("a gathered region is read by the checkpoint writer only")
+
+
+def follow(regions: dict[str, GatheredRegion], canonical: FlatLayout) -> None:
+    """What ranks other than 0 do while rank 0 writes a checkpoint: the same gathers, in the
+    writer's order (every state, every unit that has elements)."""
+    for region in regions.values():
+        for unit in canonical.units:
+            region.gather(unit.index)
+
+
+class ScatteredRegion:
+    """A rank's shard region written from whole-unit chunks (a checkpoint being restored):
+    only the elements in the rank's shard are kept."""
+
+    def __init__(self, region, layout: ShardLayout) -> None:
+        self.region, self.layout = region, layout
+        self.dtype, self.esize = region.dtype, region.dtype.itemsize
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        s = self.layout.units[u]
+        end = self.layout.full.units[u].numel if end is None else end
+        lo, hi = max(start, s.start), min(end, s.start + s.numel)
+        if lo >= hi:
+            return IOFuture.completed(0)
+        return self.region.write(u, src[lo - start : hi - start], lo - s.start, hi - s.start)
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
+        raise RuntimeError("a scattered region is written by the checkpoint reader only")
