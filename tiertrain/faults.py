@@ -4,7 +4,8 @@
 reached; ``TIERTRAIN_SLOW_AT=point:seconds`` sleeps that long each time (to make one
 side of an overlap the slow one). Points: ``forward`` and ``backward`` (each unit and
 micro-batch), ``update`` (each optimizer chunk), ``checkpoint`` (each chunk saved or
-restored), ``start`` (once, while the trainer is being built). Both are read when the process starts. Unset, a point costs one comparison.
+restored), ``start`` (once, while the trainer is being built). ``TIERTRAIN_KILL_RANK=r``: only
+the rank whose ``RANK`` (torchrun's) is ``r`` is killed. All are read when the process starts. Unset, a point costs one comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _parse_slow(spec: str | None) -> tuple[str, float]:
 
 
 _target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))
+if os.environ.get("TIERTRAIN_KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _target = None  # another rank is the one to kill
 _slow = _parse_slow(os.environ.get("TIERTRAIN_SLOW_AT"))
 _count = 0
 
