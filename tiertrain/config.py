@@ -426,8 +426,7 @@ class TrainConfig(Section):
 
 @dataclass(kw_only=True)
 class RanksConfig(Section):
-    """Data-parallel ranks (``torchrun --nproc-per-node N -m tiertrain train`` or ``tiertrain train
-    --nproc N``): each rank holds 1/N of every state; the world comes from torchrun's environment."""
+    """Data-parallel ranks (`tiertrain train --nproc N`, or torchrun): each rank holds 1/N of every state."""
 
     SECTION: ClassVar[str] = "ranks"
     timeout_s: float = opt(300.0, "Longest wait for another rank in any collective, seconds: a rank that died is "

@@ -9,6 +9,7 @@ What differs per rank is derived here, so that ranks never share a file:
   the same way;
 - run directory: rank 0 writes ``train.run_dir`` (metrics, the per-step line, the config);
   rank ``r > 0`` writes its own metrics to ``<run_dir>/ranks/<r>``;
+- the device: the CPU, over Gloo (CUDA ranks are refused: not built yet);
 - the update path: ``baseline`` (``auto`` resolves to it). Its parameter loads are issued in
   the schedule's order alone, which is what keeps every rank's collectives in the same order;
   the overlapped update and the engines let the update's progress decide when a unit is
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+
+import torch
 
 from ..config import Config, ConfigError
 from .group import RankGroup
@@ -39,6 +42,11 @@ def rank_config(cfg: Config, group: RankGroup) -> Config:
         raise ConfigError(f"update.mode = {cfg.update.mode!r} with {group.world} ranks: sharded training runs the "
                           "baseline update (the others decide when a unit is loaded by the update's progress, which "
                           "would differ between ranks); set update.mode = 'baseline' or 'auto'")
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cuda or cfg.ranks.backend == "nccl":
+        raise ConfigError(f"train.device = {cfg.train.device!r} / ranks.backend = {cfg.ranks.backend!r} with "
+                          f"{group.world} ranks: sharded training runs on the CPU with Gloo so far (CUDA ranks are not "
+                          "built yet); set train.device = 'cpu', or train on one rank")
     r = group.rank
     io = dataclasses.replace(cfg.io, paths=[os.path.join(p, f"rank{r}") for p in cfg.io.paths])
     train = cfg.train if r == 0 else dataclasses.replace(cfg.train, run_dir=os.path.join(cfg.train.run_dir, "ranks", str(r)))
