@@ -247,3 +247,30 @@ def test_ranks_with_clipping_train_the_one_rank_model_within_tolerance(tmp_path)
     worst = max((w - ref_weights[names[k]]).abs().max().item() for k, w in out[0]["weights"].items())
     print(f"largest weight difference: {worst:.2e}")
     assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights, exact=False, atol=1e-4)
+
+
+class _OneProcess:
+    """A stand-in for the group of ``rank_config`` (no collectives)."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def check_same(self, what, value):
+        pass
+
+
+def test_rank_config_gives_each_rank_its_own_files_and_refuses_what_ranks_cannot_run(tmp_path):
+    from tiertrain.config import ConfigError
+    from tiertrain.dist.ranks import rank_config
+
+    cfg = small_config(tmp_path, paths=2).absolute()
+    r1 = rank_config(cfg, _OneProcess(1, 2))
+    assert r1.io.paths == [os.path.join(p, "rank1") for p in cfg.io.paths]
+    assert r1.train.run_dir == os.path.join(cfg.train.run_dir, "ranks", "1") and r1.update.mode == "baseline"
+    assert rank_config(cfg, _OneProcess(0, 2)).train.run_dir == cfg.train.run_dir
+    cfg.update.mode = "overlap"
+    with pytest.raises(ConfigError, match="update.mode = 'overlap' with 2 ranks: .*set update.mode = 'baseline'"):
+        rank_config(cfg, _OneProcess(0, 2))
+    cfg.update.mode, cfg.ranks.backend = "auto", "nccl"
+    with pytest.raises(ConfigError, match="CUDA ranks are not built yet"):
+        rank_config(cfg, _OneProcess(0, 2))
