@@ -62,7 +62,8 @@ def tiertrain_config(work: str, spec: dict, update: dict):
                         micro_batches=spec["micro_batches"]),
         optim=OptimConfig(**OPTIM, warmup_steps=0, schedule="constant"),
         update=UpdateConfig(**update),
-        memory=MemoryConfig(**STATES_ON_STORAGE),  # states on NVMe, as DeepSpeed's
+        # states on NVMe, as DeepSpeed's; or the one budget (--host-mib), placed by the planner
+        memory=MemoryConfig(host_mib=spec["host_mib"]) if spec.get("host_mib") else MemoryConfig(**STATES_ON_STORAGE),
         checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(steps=spec["steps"], progress=False, run_dir=os.path.join(work, "tt-run"),
                           device=spec.get("device", "cpu"), param_dtype=spec.get("dtype", "float32")),
@@ -106,7 +107,7 @@ def prepare(work: str, args) -> dict:
     AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(**MODEL))).save_pretrained(init_dir)
     spec = dict(init_dir=init_dir, seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches,
                 steps=args.steps, optim=OPTIM, batches=os.path.join(work, "batches.safetensors"),
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, host_mib=args.host_mib)
     data = DataConfig(seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches)
     corpus, tensors = Corpus(data), {}
     for step in range(args.steps):
@@ -164,6 +165,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (each runs every system once)")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--systems", default="deepspeed,baseline,engines,topk")
+    ap.add_argument("--host-mib", type=int, default=None,
+                    help="tiertrain's memory.host_mib (the one budget; default: every state on the storage tier but "
+                    "for fixed host buffers)")
     ap.add_argument("--scratch", default="./tiertrain-scratch/vs-deepspeed")
     ap.add_argument("--ds-python", default=None, help="interpreter with DeepSpeed (default: this one)")
     ap.add_argument("--out", default=None, help="markdown report; a PNG plot and the raw events (JSON) go next to it")
@@ -283,7 +287,9 @@ def render(runs: dict, spec: dict, env: dict) -> str:
                      f" block {a['block_size'] >> 10} KiB, queue depth {a['queue_depth']}, parallelism"
                      f" {a['intra_op_parallelism']} (write {a['write_gbps']:.2f} GB/s, read {a['read_gbps']:.2f} GB/s)")
     lines += [
-        "- tiertrain: defaults (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM), states on disk",
+        (f"- tiertrain: memory.host_mib = {spec['host_mib']} MiB (the one budget, placed by its planner; the interpreter "
+         "and torch are not in it), the rest on disk" if spec.get("host_mib") else
+         "- tiertrain: defaults (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM), states on disk"),
         "",
         "| system | exact math | s/step (spread) | tokens/s | speed vs DeepSpeed | peak RSS GiB | RSS vs DeepSpeed |"
         " disk read GB/step | disk write GB/step | loss at step " + str(spec["steps"]) + " | loss - DeepSpeed's |",
