@@ -319,7 +319,8 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
-        return self._shared_root
+        """checkpoint.dir, else <train.run_dir>/checkpoints; ranks: rank 0's, for every rank."""
+        return self._shared_root if self.group is not None and self.group.world > 1 else self.cfg.checkpoint_root
 
     def save_checkpoint(self) -> SaveResult | None:
         """A complete checkpoint of the current step (after the last finished step). Ranks:

@@ -122,6 +122,7 @@ class _Skeleton:
         self.model, _ = build_model(cfg.model, param_dtype=dtype, seed=0)
         self.align, self.hidden_size = align_of(cfg), hidden_size_of(self.model, cfg)
         self.layout = FlatLayout(self.model, unit_align=chunk_align(self.align, dtype))
+        self.state_layout = self.layout  # checkpoints are in the one-rank layout, whatever wrote them
 
 
 def _copy_tokenizer(cfg: Config, out: str) -> None:
