@@ -102,5 +102,16 @@ check "... with the index and the shards" test -f exported/model.safetensors.ind
 $tt train --model.init_from=exported --train.run_dir=runs/from-export --train.steps=2 > walk-init.log 2>&1
 check "the export starts a new run (model.init_from)" rc_is $? 0
 
+say "== ranks"
+$tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/ranks --io.paths=./scratch-ranks \
+  > walk-ranks.log 2>&1
+check "tiertrain train --nproc 2 exits 0" rc_is $? 0
+check "... printing the ranks' network bytes per step" grep -q "ranks 2: net sent" walk-ranks.log
+check "... ending with a checkpoint in the one-rank layout" has_ck runs/ranks step-00000003
+$tt export --checkpoint runs/ranks --out exported-ranks > walk-export-ranks.log 2>&1
+check "the 2-rank checkpoint exports" rc_is $? 0
+$tt train --resume runs/ranks --train.steps=4 > walk-ranks-one.log 2>&1
+check "... and resumes on one rank" has_ck runs/ranks step-00000004
+
 say "== summary: $fails failed"
 [ "$fails" -eq 0 ]
