@@ -122,8 +122,8 @@ def _act_bytes_estimate(cfg: Config, rt) -> int:
 
 def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     """Bytes each planned field needs to hold all it can hold."""
-    layout, e, M, L = rt.layout, rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
-    n = layout.total_numel  # as placed: units with their padding
+    e, M, L = rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
+    n = rt.state_layout.total_numel  # as placed: units with their padding; ranks: this rank's 1/N
     moments = 2 if cfg.optim.name == "adamw" else 1
     master = 1 if rt.dtype != torch.float32 else 0
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
