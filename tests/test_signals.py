@@ -23,8 +23,11 @@ def start(tmp_path, *flags, env=None, **kw):
     (tmp_path / "tmp").mkdir(exist_ok=True)
     e.pop("TIERTRAIN_KILL_AT", None)
     e.update(env or {})
+    # Ctrl-C's default action in the child even where the suite runs as a background job (a
+    # non-interactive shell starts those with SIGINT ignored, and Python keeps an inherited SIG_IGN)
     return subprocess.Popen([sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, *flags)],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=e, **kw)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=e,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def wait_for(cond, timeout=120):
