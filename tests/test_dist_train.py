@@ -79,7 +79,8 @@ def _traffic(rank, world, port, out_dir, tree):
             f0 = tr.params.stats.fetch_bytes
             r = tr.train_step()
             steps.append(dict(sent=r.extra["net_sent_bytes"], received=r.extra["net_received_bytes"],
-                              fetched=tr.params.stats.fetch_bytes - f0))
+                              fetched=tr.params.stats.fetch_bytes - f0, per_rank=r.extra["per_rank"],
+                              mine=(r.ssd_read_bytes, r.ssd_write_bytes, r.peak_host_bytes)))
         res = dict(steps=steps, param_bytes=tr.layout.total_numel * tr.dtype.itemsize)
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
@@ -101,6 +102,10 @@ def test_traffic_per_step_is_the_formula_whatever_the_micro_batches(tmp_path, wo
                 want = (world - 1) * (s["fetched"] + o["param_bytes"]) // world + (world - 1) * 12
                 assert s["sent"] == s["received"] == want
                 assert 2.5 <= s["sent"] / (o["param_bytes"] * (world - 1) / world) <= 3.0
+        for r in range(world):  # every rank's figures, gathered into every rank's record
+            for k, s in enumerate(res[r]["steps"]):
+                x = res[0]["steps"][k]["per_rank"][r]
+                assert (x["ssd_read_bytes"], x["ssd_write_bytes"], x["peak_host_bytes"]) == s["mine"]
         per_m[M] = [s["sent"] for s in res[0]["steps"]]
     assert per_m[1] == per_m[8]
 

@@ -87,6 +87,9 @@ class StepRecord:
             + (
                 f" | ranks {self.extra['ranks']}: net sent {self.extra['net_sent_bytes'] / 1e9:.3f} GB "
                 f"received {self.extra['net_received_bytes'] / 1e9:.3f} GB per rank"
+                + "".join(f"; rank {i}: ssd r {x['ssd_read_bytes'] / 1e9:.2f} w {x['ssd_write_bytes'] / 1e9:.2f} GB, "
+                          f"io wait {x['io_wait_s']:.2f} s, peak host {x['peak_host_bytes'] / 2**20:,.0f} MiB"
+                          for i, x in enumerate(self.extra.get("per_rank", ())))
                 if "ranks" in self.extra
                 else ""
             )

@@ -399,7 +399,7 @@ class Trainer:
         wbusy = max((io1[k].write_busy_s - io0[k].write_busy_s for k in io1), default=0.0)
         peak = peak_flops(torch.cuda.get_device_name(self.dev.device) if self.dev.cuda else None)
         mfu = self._flops_per_token * out.tokens / step_s / peak if peak else None
-        return StepRecord(
+        rec = StepRecord(
             step=self.step,
             loss=out.loss,
             lr=lr,
@@ -419,6 +419,19 @@ class Trainer:
             mfu=mfu,
             extra={"losses": out.losses, **self.update.record(), **self._act_record(), **self._net_record(net0)},
         )
+        if self.group is not None and self.group.world > 1:
+            rec.extra["per_rank"] = self._per_rank(rec)
+        return rec
+
+    def _per_rank(self, rec: StepRecord) -> list[dict]:
+        """Every rank's disk bytes, I/O wait and peak RSS this step, gathered (on every rank: rank
+        0 prints them). Sync point; after the step's traffic was counted, before the next's."""
+        mine = torch.tensor([rec.ssd_read_bytes, rec.ssd_write_bytes, rec.io_wait_s, rec.peak_host_bytes],
+                            dtype=torch.float64)
+        every = torch.empty(self.group.world, mine.numel(), dtype=torch.float64)
+        self.group.all_gather(every, mine)
+        return [dict(ssd_read_bytes=int(r[0]), ssd_write_bytes=int(r[1]), io_wait_s=float(r[2]),
+                     peak_host_bytes=int(r[3])) for r in every.tolist()]
 
     def _run_step(self):
         """The executor's step on this rank's micro-batches; with ranks, the loss is every
