@@ -76,7 +76,7 @@ class ScatteredRegion:
         self.dtype, self.esize = region.dtype, region.dtype.itemsize
 
     def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        s = self.layout.units[u]
+        s = self.layout.slices[u]  # this rank's elements of the whole unit
         end = self.layout.full.units[u].numel if end is None else end
         lo, hi = max(start, s.start), min(end, s.start + s.numel)
         if lo >= hi:

@@ -26,69 +26,38 @@ each once its shard's read is done; reduce-scatters in the order of the backward
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-
 import torch
 
 from ..io import IOFuture
-from ..state.layout import FlatLayout, segments
+from ..state.layout import FlatLayout
 from ..update.base import GradSink, ParamSource
+from ..update.slices import Slice, SliceLayout, unit_records
 from .group import RankGroup
 
 __all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """A parameter as its shard sees it: offset from the shard's start (negative when it began
-    in an earlier shard), full length."""
-
-    name: str
-    offset: int
-    numel: int
-
-
-@dataclass(frozen=True)
-class _ShardUnit:
-    index: int
-    numel: int  # this rank's share of the unit
-    offset: int  # from the start of this rank's layout
-    start: int  # where the share starts in the whole unit
-    params: tuple[_Piece, ...]
-    borrows: tuple[int, ...] = ()
-
-
-class ShardLayout:
+class ShardLayout(SliceLayout):
     """Rank ``rank``'s share of every unit of ``full`` (padded to ``world x align``), as a
-    layout: what the states, the streamed optimizer and the budget are built on."""
+    layout: what the states, the streamed optimizer and the budget are built on. The update
+    engines' slices (``SliceLayout``) with one slice per unit: this rank's."""
 
     def __init__(self, full: FlatLayout, rank: int, world: int, align: int) -> None:
-        units, offset = [], 0
+        slices = []
         for unit in full.units:
             if unit.numel % (world * align):
                 raise ValueError(f"unit {unit.index} has {unit.numel} elements: not {world} shards of a multiple of "
                                  f"{align}; build the layout with unit_align = {world} x {align}")
             per = unit.numel // world
-            a, b = rank * per, (rank + 1) * per
-            pieces = tuple(_Piece(r.name, r.offset - a, r.numel) for r in unit.params if r.offset < b and r.offset + r.numel > a)
-            units.append(_ShardUnit(unit.index, per, offset, a, pieces))
-            offset += per
+            slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
+        super().__init__(unit_records(full), slices)
         self.full, self.rank, self.world = full, rank, world
-        self.units: list[_ShardUnit] = units
-        self.total_numel = offset
-        self.max_unit_numel = max(u.numel for u in units)
-        self.n_params = sum(max(0, min(p.offset + p.numel, u.numel) - max(p.offset, 0)) for u in units for p in u.params)
-
-    def __len__(self) -> int:
-        return len(self.units)
+        self.total_numel = sum(u.numel for u in self.units)
 
     def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's share of unit ``u``'s whole flat buffer ``full`` (a view)."""
-        s = self.units[u]
-        return full[s.start : s.start + s.numel]
-
-    def segments(self, u: int, start: int, end: int) -> list:
-        return segments(self.units[u].params, start, end)
+        s = self.slices[u]
+        return full[s.start : s.end]
 
     def describe(self) -> str:
         return (f"rank {self.rank} of {self.world}: {self.total_numel / 1e6:.2f} M of "
