@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from tiertrain.bench.output import checked_out, publish  # noqa: E402
+from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir  # noqa: E402
 
 LINE = re.compile(r"^(?P<label>.+) M=(?P<M>\d+): (?P<s>[\d.]+) s/step")
 
@@ -56,15 +56,15 @@ def main() -> int:
     ap.add_argument("--modes", default="baseline,engines")
     ap.add_argument("--micro-batches", default="4")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--scratch", default="./tiertrain-scratch/bench-ab")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.out:
         args.out = checked_out(args.out)
-    args.scratch = os.path.abspath(args.scratch)
     revs = {name: subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True, capture_output=True,
                                  text=True).stdout.strip() for name, rev in (("base", args.base), ("head", args.head))}
-    with tempfile.TemporaryDirectory(prefix="tiertrain-ab-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tiertrain-ab-") as tmp, scratch_dir(args.scratch, "bench-ab") as scratch:
+        args.scratch = scratch
         trees = {name: worktree(rev, tmp) for name, rev in revs.items()}
         times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
         try:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -119,7 +118,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main() -> int:
-    from tiertrain.bench.output import checked_out, publish
+    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=_model_arg, default={}, help="overrides of the model, e.g. n_layers=8,d_model=1024")
@@ -130,16 +129,21 @@ def main() -> int:
     ap.add_argument("--host-mib", type=int, default=16384, help="memory.host_mib of every configuration")
     ap.add_argument("--keep-all-mib", type=int, default=4096, help="keep-all's memory.keep_act_mib (must hold them all)")
     ap.add_argument("--with-offload", action="store_true", help="also every pair not kept offloaded")
-    ap.add_argument("--scratch", default="./tiertrain-scratch/bench-activations")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = checked_out(args.out) if args.out else None
     if args.steps < 2 or args.rounds < 1:
         raise SystemExit("--steps must be >= 2 (the first is warm-up) and --rounds >= 1")
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    os.makedirs(args.scratch)
-    scratch = os.path.abspath(args.scratch)
+    with scratch_dir(args.scratch, "bench-activations") as scratch:
+        runs, quarter = compare(args, scratch)
+    report = render(args, {n: summarize(rs) for n, rs in runs.items()}, quarter)
+    publish(report, out)
+    return 0
 
+
+def compare(args, scratch: str) -> tuple[dict[str, list[dict]], int | None]:
+    """Every configuration ``args.rounds`` times; the runs and auto's keep budget (MiB)."""
     # keep-all first, alone: it measures one pair's activations, which sets auto's budget
     names = ["keep-all", "recompute-all", "auto"] + (["offload"] if args.with_offload else [])
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -158,10 +162,7 @@ def main() -> int:
             if name == "keep-all" and quarter is None:  # what every graph of a step held, as kept
                 quarter = max(1, r["kept_peak"] // 4 // MIB)
             print(f"    steps {[round(s, 2) for s in r['steps']]} s, peak RSS +{r['peak'] / MIB:,.0f} MiB", flush=True)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    report = render(args, {n: summarize(rs) for n, rs in runs.items()}, quarter)
-    publish(report, out)
-    return 0
+    return runs, quarter
 
 
 def render(args, s: dict, quarter: int) -> str:

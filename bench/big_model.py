@@ -25,13 +25,11 @@ import argparse
 import os
 import platform
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
 
-from tiertrain.bench.output import checked_out, publish
+from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
 
 SHAPE = dict(d_model=2560, n_layers=28, n_heads=20, vocab_size=32000)
 
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-mib", type=int, default=3300)
     ap.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     ap.add_argument("--d-model", type=int, default=SHAPE["d_model"])
-    ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--probe-mib", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=3, help="memory.device_slots")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -53,11 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     out = checked_out(args.out) if args.out else None
-    scratch = tempfile.mkdtemp(prefix="tt-big-", dir=args.scratch or os.getcwd())
-    try:
+    with scratch_dir(args.scratch, "big") as scratch:
         report = run(args, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     publish(report, out)
     return 0
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -16,22 +15,20 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from train import config  # noqa: E402
 
-from tiertrain.bench.output import checked_out, publish  # noqa: E402
+from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scratch", default="./tiertrain-scratch/bench-ckpt")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.out:  # before the work, not after
         args.out = checked_out(args.out)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    cfg = config(args.scratch, 4, 1)
     saves, loads = [], []
-    with Trainer(cfg) as tr:
+    with scratch_dir(args.scratch, "bench-ckpt") as scratch, Trainer(config(scratch, 4, 1)) as tr:
         tr.initialize(progress=False)
         for _ in range(args.repeats):
             res = tr.save_checkpoint()
@@ -40,7 +37,6 @@ def main() -> int:
             tr.restore(res.path)
             loads.append((res.nbytes, time.perf_counter() - t0))
         n = tr.layout.n_params
-    shutil.rmtree(args.scratch, ignore_errors=True)
     nbytes = saves[0][0]
     s = statistics.median(t for _, t in saves)
     r = statistics.median(t for _, t in loads)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from tiertrain.bench.output import checked_out, publish  # noqa: E402
+from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir  # noqa: E402
 
 CONFIGS = {
     "llama-d640-L8-M4": ["--model.kind=llama", "--model.n_layers=8", "--model.d_model=640", "--model.n_heads=10",
@@ -121,7 +120,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--scratch", default="./tiertrain-scratch/cost-model")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -137,13 +136,10 @@ def main() -> int:
         raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     results = []
     for name in [n for _ in range(args.rounds) for n in names]:  # each in its own process
-        scratch = os.path.abspath(os.path.join(args.scratch, name))
-        shutil.rmtree(scratch, ignore_errors=True)
-        os.makedirs(scratch)
         print(f"{name} ...", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--worker", name, scratch, "--steps", str(args.steps)],
-                             capture_output=True, text=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        with scratch_dir(args.scratch, f"cost-model-{name}") as scratch:
+            out = subprocess.run([sys.executable, __file__, "--worker", name, scratch, "--steps", str(args.steps)],
+                                 capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
         r = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])

@@ -16,10 +16,8 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -66,6 +64,8 @@ def worker(cli: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         print(json.dumps(worker(argv[1:])))
@@ -77,15 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--host-mib", type=int, required=True, help="memory.host_mib")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    ap.add_argument("--scratch", default=None)
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from tiertrain.bench.output import checked_out, publish
-
     out = checked_out(args.out) if args.out else None
     model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
-    scratch = tempfile.mkdtemp(prefix="tt-peak-rss-", dir=args.scratch or os.getcwd())
-    try:
+    with scratch_dir(args.scratch, "peak-rss") as scratch:
         cli = [f"--model.{k}={v}" for k, v in model.items()] + [
             f"--model.max_seq_len={args.seq_len}", f"--data.seq_len={args.seq_len}", "--data.micro_batch_size=1",
             f"--data.micro_batches={args.micro_batches}", f"--train.steps={args.steps}", "--train.progress=false",
@@ -93,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--memory.host_mib={args.host_mib}", *[f"--{x}" for x in args.set]]
         p = subprocess.run([sys.executable, __file__, "--worker", *cli], check=True, capture_output=True, text=True)
         res = json.loads(p.stdout.strip().splitlines()[-1])
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     allowed = args.host_mib + res["base"]
     lines = [
         f"# Peak RSS against the memory budget, {time.strftime('%Y-%m-%d')}",

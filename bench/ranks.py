@@ -17,11 +17,9 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 MODEL = dict(kind="llama", n_layers=8, d_model=512, n_heads=8, d_ff=1408, vocab_size=32000)
@@ -49,6 +47,8 @@ def run(n: int, args, scratch: str) -> list[list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--model", default="")
@@ -57,19 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
     ap.add_argument("--host-mib", type=int, default=400, help="memory.host_mib of every rank")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    ap.add_argument("--scratch", default=None)
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from tiertrain.bench.output import checked_out, publish
-
     if args.micro_batches % args.ranks:
         ap.error(f"--micro-batches {args.micro_batches} does not split over {args.ranks} ranks")
     out = checked_out(args.out) if args.out else None
-    scratch = tempfile.mkdtemp(prefix="tt-ranks-", dir=args.scratch or os.getcwd())
-    try:
+    with scratch_dir(args.scratch, "ranks") as scratch:
         runs = {n: run(n, args, scratch) for n in (1, args.ranks)}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     med = lambda recs, k: statistics.median(r[k] for r in recs[1:])  # noqa: E731
     net = lambda recs, k: statistics.median(r["extra"].get(k, 0) for r in recs[1:])  # noqa: E731
     rows = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -18,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tiertrain.bench.output import checked_out  # noqa: E402
+from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir  # noqa: E402
 from tiertrain.config import load_config  # noqa: E402
 from tiertrain.train import Trainer  # noqa: E402
 
@@ -33,22 +32,21 @@ RUNS = [
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--scratch", default="./tiertrain-scratch/bench-topk")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     checked_out(os.path.join(args.out_dir, "topk-loss-curves.md"))  # before the work, not after
     curves = {}
     for label, flags in RUNS:
-        shutil.rmtree(args.scratch, ignore_errors=True)
-        cfg = load_config(None, [f"--io.paths={args.scratch}", f"--train.run_dir={args.scratch}/run",
-                                 f"--train.steps={args.steps}", "--train.progress=false", "--update.mode=engines",
-                                 "--checkpoint.at_end=false", *flags])
-        with Trainer(cfg) as tr:
-            tr.initialize(progress=False)
-            recs = [tr.train_step() for _ in range(args.steps)]
+        with scratch_dir(args.scratch, "bench-topk") as scratch:
+            cfg = load_config(None, [f"--io.paths={scratch}", f"--train.run_dir={scratch}/run",
+                                     f"--train.steps={args.steps}", "--train.progress=false", "--update.mode=engines",
+                                     "--checkpoint.at_end=false", *flags])
+            with Trainer(cfg) as tr:
+                tr.initialize(progress=False)
+                recs = [tr.train_step() for _ in range(args.steps)]
         curves[label] = (recs, cfg)
         print(f"{label}: final loss {recs[-1].loss:.4f}", flush=True)
-    shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "topk-loss-curves.png")
     plt.figure(figsize=(8, 5))

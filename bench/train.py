@@ -27,7 +27,7 @@ import torch
 
 from tiertrain.bench.io import run_io_bench
 from tiertrain.reference import reference_model, weights_of
-from tiertrain.bench.output import checked_out
+from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir
 from tiertrain.config import (
     CheckpointConfig,
     Config,
@@ -135,7 +135,7 @@ def formula_bytes(tr: Trainer) -> tuple[int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4, help="steps per configuration (the first is warm-up)")
-    ap.add_argument("--scratch", default="./tiertrain-scratch/bench-train")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--modes", default="baseline", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--micro-batches", default="1,4")
@@ -159,12 +159,22 @@ def main() -> int:
     mbs = [int(x) for x in args.micro_batches.split(",")]
     if args.out:  # before the work, not after
         args.out = checked_out(args.out)
+    with scratch_dir(args.scratch, "bench-train") as args.scratch:  # measure() empties it between rows
+        rows, rbw, wbw, init = run(args, mbs, modes, checksums)
+    report = render(rows, rbw, wbw, n_params(init), args.steps, args.keep_mib)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    return 0
+
+
+def run(args, mbs: list[int], modes: list[str], checksums: list[bool]):
+    """Every row: (rows, read and write bandwidth in B/s, initial weights)."""
     torch.manual_seed(0)
     base_cfg = config(args.scratch, 4, args.steps)
     ref = reference_model(base_cfg)
     init = weights_of(ref)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    os.makedirs(args.scratch, exist_ok=True)
     io = run_io_bench([args.scratch], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read") * 1e9, io.median("ours", "write") * 1e9
     rows = []
@@ -173,13 +183,7 @@ def main() -> int:
         for ck in checksums:
             for mode in modes:
                 rows.append(measure(args, mode, M, plain, init, rbw, wbw, ck))
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    report = render(rows, rbw, wbw, n_params(init), args.steps, args.keep_mib)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
-    return 0
+    return rows, rbw, wbw, init
 
 
 def n_params(init: dict) -> int:

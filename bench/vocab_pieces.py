@@ -18,12 +18,10 @@ import json
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 
-from tiertrain.bench.output import checked_out, publish
+from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
 
 MIB = 1 << 20
 
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--pieces", type=int, default=None, help=argparse.SUPPRESS)  # one setting, in a child
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -76,13 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = checked_out(args.out) if args.out else None
     rows = {}
-    top = tempfile.mkdtemp(prefix="tt-vocab-", dir=args.scratch or os.getcwd())
-    try:
+    with scratch_dir(args.scratch, "vocab") as top:
         init = write_init(args, top)  # both settings start from these weights
         for label, pieces in (("uncut (vocab_pieces = 1)", 1), ("cut (vocab_pieces unset)", None)):
             rows[label] = run_child(args, label, pieces, init, top)
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
     report(args, rows, out)
     return 0
 
@@ -109,16 +104,13 @@ def write_init(args, top: str) -> str:
 
 
 def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
-    scratch = tempfile.mkdtemp(dir=top)
-    try:
+    with scratch_dir(top, "child") as scratch:
         cmd = [sys.executable, __file__, "--child", f"--steps={args.steps}", f"--d-model={args.d_model}",
                f"--layers={args.layers}", f"--scratch={scratch}", f"--init={init}"] + ([f"--pieces={pieces}"] if pieces else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
-        return json.loads(res.stdout.strip().splitlines()[-1])
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    if res.returncode:
+        raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def report(args, rows: dict, out: str | None) -> None:

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from deepspeed_worker import ProcMeter  # noqa: E402
 
-from tiertrain.bench.output import checked_out  # noqa: E402
+from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir  # noqa: E402
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 OPTIM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
@@ -168,7 +168,7 @@ def main() -> int:
     ap.add_argument("--host-mib", type=int, default=None,
                     help="tiertrain's memory.host_mib (the one budget; default: every state on the storage tier but "
                     "for fixed host buffers)")
-    ap.add_argument("--scratch", default="./tiertrain-scratch/vs-deepspeed")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--ds-python", default=None, help="interpreter with DeepSpeed (default: this one)")
     ap.add_argument("--out", default=None, help="markdown report; a PNG plot and the raw events (JSON) go next to it")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both systems compute")
@@ -195,9 +195,12 @@ def main() -> int:
             raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     if args.out:  # before the 20 minutes of work, not after
         args.out = checked_out(args.out)
-    work = os.path.abspath(args.scratch)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    with scratch_dir(args.scratch, "vs-deepspeed") as work:
+        return compare(args, systems, work)
+
+
+def compare(args, systems: list[str], work: str) -> int:
+    """Every system ``args.rounds`` times, alternating, in ``work``; the report."""
     spec = prepare(work, args)
     dspy = ds_python(args) if "deepspeed" in systems else None
     if dspy:
@@ -223,7 +226,6 @@ def main() -> int:
         plot(runs, os.path.splitext(args.out)[0] + ".png")
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:  # every event, to re-plot or re-check
             json.dump(dict(spec=spec, runs=runs), f)
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

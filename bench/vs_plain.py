@@ -34,11 +34,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000)
@@ -151,6 +149,8 @@ def spawn(kind: str, scratch: str, cli: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker(argv[1:])
@@ -163,17 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                     "(0: the default budget, half the available memory)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="any other config field for both systems (repeatable)")
-    ap.add_argument("--scratch", default=None, help="scratch directory (default: a temporary one here)")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from tiertrain.bench.output import checked_out, publish
-
     out = checked_out(args.out) if args.out else None
-    scratch = tempfile.mkdtemp(prefix="tt-vs-plain-", dir=args.scratch or os.getcwd())
-    try:
+    with scratch_dir(args.scratch, "vs-plain") as scratch:
         report = run(args, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     publish(report, out)
     return 0
 

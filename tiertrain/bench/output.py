@@ -3,12 +3,19 @@ so that a bad ``--out`` costs a second, not the benchmark's minutes and its resu
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..errors import UsageError
 from ..paths import prepare_output_file
 
-__all__ = ["checked_out", "publish"]
+__all__ = ["SCRATCH_HELP", "checked_out", "publish", "scratch_dir"]
+
+SCRATCH_HELP = "folder to work in (default: here); the benchmark uses a fresh folder of its own inside it"
 
 
 def checked_out(path: str, what: str = "--out") -> str:
@@ -25,3 +32,20 @@ def publish(report: str, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             f.write(report)
+
+
+@contextmanager
+def scratch_dir(parent: str | None, name: str) -> Iterator[str]:
+    """A fresh folder of the benchmark's own inside ``parent`` (made if missing; default: the
+    current directory), removed with everything in it at the end, on error too.
+
+    ``parent`` itself and whatever else it holds are never touched: ``--scratch`` names where the
+    benchmark may write, and a user may point it at a folder with their own work in it (an earlier
+    version removed the folder given, and with it a checkout)."""
+    parent = os.path.abspath(parent or os.getcwd())
+    os.makedirs(parent, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=f"tiertrain-{name}-", dir=parent)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
