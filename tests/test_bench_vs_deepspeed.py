@@ -133,6 +133,14 @@ def test_report_and_verdict_are_computed_from_the_runs():
     assert "NOT met" in vs_deepspeed.render(slow, spec, env)
     fat = dict(runs, baseline=[_run([9, 6, 6], losses, 4 << 30)] * 2)
     assert "at 0.57x the RSS: NOT met" in vs_deepspeed.render(fat, spec, env)
+    # plain PyTorch, the compute floor: 4x DeepSpeed (16.5 / 4 = 4.12 s) below its 5 s step
+    floor = vs_deepspeed.render(dict(runs, plain=[_run([6, 5, 5], losses, 2 << 30)] * 2), spec, env)
+    assert "is 2.54x as fast" in floor  # plain is exact but not a tiertrain system
+    assert ("plain PyTorch in RAM takes 5.00 s/step at 2.00 GiB; 4x DeepSpeed would be 4.12 s/step, below plain "
+            "PyTorch's own step: no exact system reaches it") in floor
+    assert "best exact tiertrain is 1.30x plain's step at 1.50x its peak RSS." in floor
+    quick = vs_deepspeed.render(dict(runs, plain=[_run([6, 3, 3], losses, 2 << 30)] * 2), spec, env)
+    assert "at or above plain PyTorch's step: reachable in principle" in quick
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="DeepSpeed is installed here")
