@@ -15,41 +15,52 @@ from tiertrain.config import Config
 from tiertrain.dist import RankGroup
 from tiertrain.models import build_model, tensor_source
 from tiertrain.reference import reference_train
+from tiertrain.state.device import AsyncCpuDevice
 from tiertrain.train import Trainer
 
 
-def _train(rank, world, port, out_dir, tree, init_path):
+def _train(rank, world, port, out_dir, tree, init_path, separate=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cfg = Config.from_dict(tree)
     init = torch.load(init_path)
     skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    dev = AsyncCpuDevice(delay=0.001) if separate else None  # device memory of its own, copies on streams
     with RankGroup(rank, world, timeout_s=120) as g:
-        with Trainer(cfg, weights=tensor_source(skeleton, init), group=g) as tr:
+        with Trainer(cfg, weights=tensor_source(skeleton, init), group=g, device=dev) as tr:
             tr.initialize(progress=False)
             recs = [tr.train_step() for _ in range(cfg.train.steps)]
             weights = tr.weights()  # every rank gathers
-            files = {n: os.path.getsize(os.path.join(tr.cfg.io.paths[0], n)) for n, size in tr.plan.files if size}
+            p = tr.cfg.io.paths[0]  # every state file there (the engines make theirs themselves)
+            files = {n: os.path.getsize(os.path.join(p, n)) for n in os.listdir(p) if n.endswith(".bin")}
             res = dict(losses=[r.extra["losses"] for r in recs], loss=[r.loss for r in recs],
                        norm=[r.grad_norm for r in recs], weights=weights if rank == 0 else None, files=files,
                        state=tr.rt.state_layout.total_numel, full=tr.layout.total_numel,
-                       paths=tr.cfg.io.paths)
+                       paths=tr.cfg.io.paths, mode=tr.update.name)
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
-def run_ranks(tmp_path, cfg, world):
+def run_ranks(tmp_path, cfg, world, separate=False):
     tmp_path.mkdir(parents=True, exist_ok=True)
     ref_model = reference_model(cfg)
     init = tmp_path / "init.pt"
     torch.save(weights_of(ref_model), init)
     out = tmp_path / "out"
     out.mkdir()
-    return ref_model, spawn(_train, world, out, cfg.to_dict(), str(init))
+    return ref_model, spawn(_train, world, out, cfg.to_dict(), str(init), separate)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world):
-    cfg = small_config(tmp_path, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0)
-    ref_model, out = run_ranks(tmp_path, cfg, world)
+@pytest.mark.parametrize("world,mode,separate", [(2, "baseline", False), (3, "baseline", False),
+                                                 (2, "overlap", False), (2, "engines", False), (3, "overlap", True)])
+def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, separate):
+    """Every update path, each rank updating its shard: the overlapped one during the backward
+    (eager), the engines in processes of each rank's own; and on a device with memory of its own
+    (as CUDA: units gathered into staging buffers and uploaded, copies on streams whose progress
+    differs between ranks; there with the parameters in host memory, read as the update finishes)."""
+    cfg = small_config(tmp_path, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0,
+                       host_param_mib=4 if separate else 0)
+    cfg.update.mode, cfg.update.eager = mode, mode == "overlap"
+    ref_model, out = run_ranks(tmp_path, cfg, world, separate)
+    assert [o["mode"] for o in out] == [mode] * world
     ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=world)
     for step, want in enumerate(ref_losses):  # every rank's micro-batch losses, in rank order
         assert [x for r in range(world) for x in out[r]["losses"][step]] == want
@@ -58,7 +69,8 @@ def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world):
     for r, o in enumerate(out):  # each rank holds 1/N of every state, in its own directory
         assert o["state"] * world == o["full"]
         assert o["paths"] == [os.path.join(cfg.io.paths[0], f"rank{r}")]
-        assert o["files"]["exp_avg.bin"] >= 4 * o["state"] and o["files"]["exp_avg.bin"] < 4 * o["full"] / world + (1 << 20)
+        moments = sum(size for name, size in o["files"].items() if "exp_avg." in name)  # the engines': one each
+        assert moments >= 4 * o["state"] and moments < 4 * o["full"] / world + (1 << 20)
 
 
 class _Named:
@@ -216,6 +228,22 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     assert _final(tmp_path / "b") == _final(tmp_path / "a")
 
 
+def test_a_hung_rank_is_named_and_stops_the_run_within_the_timeout(tmp_path):
+    """Rank 1 hangs (sleeps 25 s) in the backward of step 3, alive: rank 0's collective
+    times out after ranks.timeout_s = 10 s and its error names rank 1 as the one that has
+    not reached it; torchrun then stops rank 1; step 2's checkpoint is the last, intact."""
+    import time
+
+    t0 = time.monotonic()
+    hung = _cli(tmp_path, "--ranks.timeout_s=10",
+                env={"TIERTRAIN_SLOW_AT": "backward:25:9", "TIERTRAIN_SLOW_RANK": "1"})
+    took = time.monotonic() - t0
+    assert hung.returncode != 0 and took < 120, (took, hung.stderr[-3000:])
+    assert "rank 0 of 2:" in hung.stderr and "hangs past the 10 s timeout" in hung.stderr, hung.stderr[-3000:]
+    assert "rank 1 is alive but has not reached this collective: it is at step 3" in hung.stderr, hung.stderr[-3000:]
+    assert _final(tmp_path)[0] == 2
+
+
 def _mismatch(rank, world, port, out_dir, tree):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cfg = Config.from_dict(tree)
@@ -271,11 +299,17 @@ def test_rank_config_gives_each_rank_its_own_files_and_refuses_what_ranks_cannot
     cfg = small_config(tmp_path, paths=2).absolute()
     r1 = rank_config(cfg, _OneProcess(1, 2))
     assert r1.io.paths == [os.path.join(p, "rank1") for p in cfg.io.paths]
-    assert r1.train.run_dir == os.path.join(cfg.train.run_dir, "ranks", "1") and r1.update.mode == "baseline"
+    assert r1.train.run_dir == os.path.join(cfg.train.run_dir, "ranks", "1") and r1.update == cfg.update
     assert rank_config(cfg, _OneProcess(0, 2)).train.run_dir == cfg.train.run_dir
-    cfg.update.mode = "overlap"
-    with pytest.raises(ConfigError, match="update.mode = 'overlap' with 2 ranks: .*set update.mode = 'baseline'"):
-        rank_config(cfg, _OneProcess(0, 2))
+    for mode in ("overlap", "engines", "auto"):  # every update path runs on a shard
+        cfg.update.mode = mode
+        assert rank_config(cfg, _OneProcess(0, 2)).update.mode == mode
     cfg.update.mode, cfg.ranks.backend = "auto", "nccl"
-    with pytest.raises(ConfigError, match="CUDA ranks are not built yet"):
+    with pytest.raises(ConfigError, match="ranks.backend = 'nccl' with 2 ranks: .*Set ranks.backend = 'gloo'"):
         rank_config(cfg, _OneProcess(0, 2))
+
+
+def test_a_bad_config_is_reported_once_before_any_rank_starts(tmp_path):
+    bad = _cli(tmp_path, "--ranks.timeout_s=0")
+    assert bad.returncode != 0 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
+    assert bad.stderr.count("ranks.timeout_s") == 1 and "must be > 0" in bad.stderr, bad.stderr[-3000:]

@@ -181,6 +181,12 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
     for mode in ("baseline", "engines"):
         fixed = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))
         assert resolve_update(fixed, rt, slow_disk) == (fixed, None)
+        assert resolve_update(fixed, rt, slow_disk, agree=lambda c: 1 / 0) == (fixed, None)  # nothing to agree on
+    # ranks: this rank measured a slow disk (overlap), rank 0 a fast one: rank 0's choice is taken
+    asked = []
+    got, why = resolve_update(cfg, rt, slow_disk, agree=lambda c: asked.append(c) or ("baseline", "rank 0's why"))
+    assert asked[0][0] == "overlap" and got.update.mode == "baseline"
+    assert why == "rank 0's why (rank 0's choice, taken by every rank)"
     # the trainer resolves it at start and says so
     with caplog.at_level(logging.INFO, logger="tiertrain"):
         with Trainer(cfg) as tr:

@@ -101,12 +101,12 @@ def _ranks(cfg) -> Iterator[object]:
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .train import Trainer
 
-    if getattr(args, "nproc", 1) > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch(args, overrides)
     if getattr(args, "resume", None):
         path, cfg = _resume_target(args.resume, args.config, overrides)
     else:
         path, cfg = None, load_config(args.config, overrides)
+    if getattr(args, "nproc", 1) > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, overrides)  # the config checked first: a bad one is reported once, not by every rank
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)

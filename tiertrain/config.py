@@ -431,8 +431,10 @@ class RanksConfig(Section):
     SECTION: ClassVar[str] = "ranks"
     timeout_s: float = opt(300.0, "Longest wait for another rank in any collective, seconds: a rank that died is "
                            "seen at once, one that hangs after this long; every rank then stops with an error "
-                           "naming the collective.")
-    backend: str = opt("auto", "'auto' (nccl on cuda, gloo on cpu), 'gloo' or 'nccl'.")
+                           "naming the collective and, from the ranks' signs of life, the rank that died or hangs.")
+    backend: str = opt("auto", "'auto' or 'gloo': the ranks' collectives run on host memory over Gloo, on CPU and "
+                       "CUDA alike (a unit is gathered into its staging buffer and uploaded whole); 'nccl' (gathering "
+                       "straight into device memory) is not built and is refused.")
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -2,10 +2,12 @@
 
 ``TIERTRAIN_KILL_AT=point:n`` sends SIGKILL to this process the ``n``-th time ``point`` is
 reached; ``TIERTRAIN_SLOW_AT=point:seconds`` sleeps that long each time (to make one
-side of an overlap the slow one). Points: ``forward`` and ``backward`` (each unit and
+side of an overlap the slow one), ``point:seconds:n`` only the ``n``-th time. Points: ``forward`` and ``backward`` (each unit and
 micro-batch), ``update`` (each optimizer chunk), ``checkpoint`` (each chunk saved or
 restored), ``start`` (once, while the trainer is being built). ``TIERTRAIN_KILL_RANK=r``: only
-the rank whose ``RANK`` (torchrun's) is ``r`` is killed. All are read when the process starts. Unset, a point costs one comparison.
+the rank whose ``RANK`` (torchrun's) is ``r`` is killed; ``TIERTRAIN_SLOW_RANK=r``: only that
+rank is slowed (a long sleep there is a hung rank). All are read when the process starts.
+Unset, a point costs one comparison.
 """
 
 from __future__ import annotations
@@ -24,27 +26,34 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
     return name, int(n or 1)
 
 
-def _parse_slow(spec: str | None) -> tuple[str, float]:
+def _parse_slow(spec: str | None) -> tuple[str, float, int]:
     if not spec:
-        return "", 0.0
-    name, _, seconds = spec.partition(":")
+        return "", 0.0, 0
+    name, _, rest = spec.partition(":")
+    seconds, _, nth = rest.partition(":")
     try:
-        return name, float(seconds)
+        return name, float(seconds), int(nth or 0)
     except ValueError:
-        raise ValueError(f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds, e.g. update:0.01") from None
+        raise ValueError(f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds or point:seconds:n, "
+                         "e.g. update:0.01") from None
 
 
 _target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))
 if os.environ.get("TIERTRAIN_KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
     _target = None  # another rank is the one to kill
 _slow = _parse_slow(os.environ.get("TIERTRAIN_SLOW_AT"))
+if os.environ.get("TIERTRAIN_SLOW_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+    _slow = ("", 0.0, 0)  # another rank is the slow one
 _count = 0
+_slow_count = 0
 
 
 def point(name: str) -> None:
-    global _count
+    global _count, _slow_count
     if _slow[0] == name:
-        time.sleep(_slow[1])
+        _slow_count += 1
+        if not _slow[2] or _slow_count == _slow[2]:
+            time.sleep(_slow[1])
     if _target is None or name != _target[0]:
         return
     _count += 1

@@ -175,7 +175,7 @@ class Trainer:
             log.info("%s", line)
         # the rates the budget measured, or those the prediction at start will (train.predict)
         measured = rates if cfg.train.predict or self._rates is not None else None
-        cfg, why = resolve_update(cfg, self.rt, measured)
+        cfg, why = resolve_update(cfg, self.rt, measured, agree=self.group.rank0s if self.rt.world > 1 else None)
         if why:
             log.info("update path (auto): %s", why)
         b = self.budget
@@ -202,8 +202,10 @@ class Trainer:
                                                                   pin=self.dev.pin))
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")
-        # slots the update can write into: only where device memory is host memory
-        shared = None if self.dev.separate else self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
+        # slots the update can write into: only where device memory is host memory, on one rank
+        # (a rank's engines update its shard of a unit, a slot holds the whole gathered unit)
+        shared = (None if self.dev.separate or rt.world > 1
+                  else self.update.share_slots(m.device_slots, self.layout.max_unit_numel))
         source, sink = self.update.params, self.update.grads
         if self.group is not None and self.group.world > 1:  # whole units gathered, gradients reduced
             source = ShardedParams(source, rt.state_layout, self.group)
@@ -439,6 +441,7 @@ class Trainer:
         if self.rt.world == 1:
             return self.executor.step(self.corpus.batches(self.step))
         g, M = self.group, self.cfg.data.micro_batches
+        g.at_step(self.step + 1)  # told to the others: a rank that stops is named with its step
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
             every = [x for r in range(g.world) for x, _ in self.corpus.batches(self.step, rank=r, world=g.world)]

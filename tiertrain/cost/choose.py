@@ -16,18 +16,31 @@ from typing import Callable
 from ..config import Config
 from .probe import Rates
 
-__all__ = ["resolve_update", "resolve_activations"]
+__all__ = ["resolve_update", "resolve_activations", "with_mode"]
 
 AUTO_PATHS = ("baseline", "overlap")
 MIB = 1 << 20
 
 
-def _with_mode(cfg: Config, mode: str) -> Config:
+def with_mode(cfg: Config, mode: str) -> Config:
+    """``cfg`` with ``update.mode = mode``."""
     return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))
 
 
-def resolve_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tuple[Config, str | None]:
+def resolve_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None,
+                   agree: Callable[[tuple[str, str]], tuple[str, str]] | None = None) -> tuple[Config, str | None]:
     """``cfg`` with ``update.mode = "auto"`` resolved, and why (None where it was not auto).
+    ``agree`` (ranks: ``RankGroup.rank0s``) makes every rank take one rank's choice: each chose
+    from its own measurements, which may differ."""
+    cfg, why = _choose_update(cfg, rt, rates_fn)
+    if why is not None and agree is not None:
+        mode, why = agree((cfg.update.mode, why))
+        cfg, why = with_mode(cfg, mode), why + " (rank 0's choice, taken by every rank)"
+    return cfg, why
+
+
+def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tuple[Config, str | None]:
+    """``resolve_update`` on this process's own measurements.
 
     Where the update moves nothing on the storage tier (every state it reads in memory) there
     is no I/O to hide: it runs beside the compute only on CUDA (its CPU kernels beside the
@@ -37,26 +50,26 @@ def resolve_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     if cfg.update.mode != "auto":
         return cfg, None
     if cfg.update.eager:
-        return _with_mode(cfg, "overlap"), "overlap (update.eager = true: each unit as its gradient arrives)"
+        return with_mode(cfg, "overlap"), "overlap (update.eager = true: each unit as its gradient arrives)"
     from . import predict_with, step_traffic
 
-    base_cfg = _with_mode(cfg, "baseline")
+    base_cfg = with_mode(cfg, "baseline")
     t = step_traffic(base_cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=0,
                      separate=rt.dev.separate)
     if t.update_read + t.update_write == 0:
         mode = "overlap" if rt.dev.cuda else "baseline"
         why = ("the update moves nothing on the storage tier: its CPU work runs beside the device's" if rt.dev.cuda else
                "the update moves nothing on the storage tier and the compute is on this CPU: nothing to hide")
-        return _with_mode(cfg, mode), f"{mode} ({why})"
+        return with_mode(cfg, mode), f"{mode} ({why})"
     if rates_fn is None:
         moved = (t.update_read + t.update_write) / 1e9
-        return _with_mode(cfg, "overlap"), (f"overlap (the update moves {moved:.2f} GB a step on the storage tier; "
+        return with_mode(cfg, "overlap"), (f"overlap (the update moves {moved:.2f} GB a step on the storage tier; "
                                             "not measured here: hidden under the next forward)")
     rates = rates_fn()
     times = {"baseline": predict_with(base_cfg, rt, rates).step_s,
-             "overlap": predict_with(_with_mode(cfg, "overlap"), rt, rates).step_s}
+             "overlap": predict_with(with_mode(cfg, "overlap"), rt, rates).step_s}
     mode = "overlap" if times["overlap"] < 0.98 * times["baseline"] else "baseline"  # a tie keeps the simpler path
-    return _with_mode(cfg, mode), (f"{mode} (predicted {times['baseline']:.2f} s/step for baseline, "
+    return with_mode(cfg, mode), (f"{mode} (predicted {times['baseline']:.2f} s/step for baseline, "
                                    f"{times['overlap']:.2f} s for overlap)")
 
 

@@ -21,7 +21,9 @@ reduce-scatter of ``b`` bytes sends and receives ``b (N - 1) / N``. A step moves
 ``3 x parameter bytes x (N - 1) / N`` per rank: two gathers and one reduce-scatter per unit.
 
 Faults: every collective runs under the group's timeout (``timeout_s``); a rank that died or
-hangs makes the others raise ``RankError`` within it instead of waiting for ever.
+hangs makes the others raise ``RankError`` within it instead of waiting for ever (a dead
+rank's closed connections are seen at once, a hung one when the timeout runs out), naming
+the rank that stopped where its signs of life tell (``watch.py``: 2 s more).
 
 Alignment: ``reduce_scatter`` needs a length divisible by the world size (a sharded layout pads
 every unit to a multiple of ``N x`` its alignment).
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TiertrainError
+from .watch import Watch
 
 __all__ = ["RankError", "RankGroup", "Traffic", "env_world"]
 
@@ -93,6 +96,11 @@ class RankGroup:
         # their own (the loads'); on the same group as the backward's reduce-scatters they
         # could meet another rank's reduce-scatter. A group of their own keeps each order apart.
         self._gathers = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        self.watch = Watch(_default_store(), rank, world)
+
+    def at_step(self, step: int) -> None:
+        """The optimizer step this rank is in (told to the others, for naming a rank that stops)."""
+        self.watch.progress.step = step
 
     def __enter__(self) -> RankGroup:
         return self
@@ -101,6 +109,7 @@ class RankGroup:
         self.close()
 
     def close(self) -> None:
+        self.watch.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -124,10 +133,12 @@ class RankGroup:
         if out.numel() != self.world * shard.numel():
             raise ValueError(f"all_gather: out has {out.numel()} elements, {self.world} shards of "
                              f"{shard.numel()} need {self.world * shard.numel()}")
+        p = self.watch.progress
+        p.gathers, p.at = p.gathers + 1, "a parameter gather"
         try:
             work = _ALL_GATHER(out.view(-1), shard.reshape(-1), group=self._gathers, async_op=True)
         except (RuntimeError, ValueError) as exc:
-            raise RankError(f"rank {self.rank} of {self.world}: all_gather failed ({_first_line(exc)})") from None
+            raise self._error("all_gather", exc) from None
         b = shard.numel() * shard.element_size()
         self.traffic.add((self.world - 1) * b, (self.world - 1) * b)
         return work
@@ -165,9 +176,16 @@ class RankGroup:
         self._run("max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def rank0s(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank: a choice each rank made from its own measurements,
+        taken from one so that all run the same. Sync point."""
+        box = [value]
+        self._run("broadcast", dist.broadcast_object_list, box, src=0)
+        return box[0]
+
     def wait(self, work, name: str) -> None:
         """Wait for an asynchronous collective (``async_op=True``) under the group's timeout."""
-        self._run(name, lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)))
+        self._run(name, lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)), started=True)
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
@@ -184,15 +202,32 @@ class RankGroup:
                             f"{', '.join(map(str, differ))} another (this rank, {self.rank}: {mine!r}); "
                             "start every rank with the same config")
 
-    def _run(self, name: str, fn, *args, **kw) -> None:
+    def _run(self, name: str, fn, *args, started: bool = False, **kw) -> None:
+        """``fn`` (a collective, or the wait for one already ``started``), its failure a RankError."""
+        if not started:
+            p = self.watch.progress
+            p.ops, p.at = p.ops + 1, name
         try:
             fn(*args, **kw)
         except (RuntimeError, ValueError) as exc:
             if isinstance(exc, RankError):
                 raise
-            raise RankError(f"rank {self.rank} of {self.world}: {name} failed ({_first_line(exc)}): another rank "
-                            f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective; "
-                            "resume from the last checkpoint once every rank is back") from None
+            raise self._error(name, exc) from None
+
+    def _error(self, name: str, exc: BaseException) -> RankError:
+        who = self.watch.culprits()
+        return RankError(f"rank {self.rank} of {self.world}: {name} failed ({_first_line(exc)}): another rank "
+                         f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
+                         + (f": {who}" if who else "") + "; resume from the last checkpoint once every rank is back")
+
+
+def _default_store():
+    """The store the process group formed over (for the ranks' signs of life), or None where
+    this torch has no such accessor."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there); torch 2.11 has only the old name

@@ -9,11 +9,14 @@ What differs per rank is derived here, so that ranks never share a file:
   the same way;
 - run directory: rank 0 writes ``train.run_dir`` (metrics, the per-step line, the config);
   rank ``r > 0`` writes its own metrics to ``<run_dir>/ranks/<r>``;
-- the device: the CPU, over Gloo (CUDA ranks are refused: not built yet);
-- the update path: ``baseline`` (``auto`` resolves to it). Its parameter loads are issued in
-  the schedule's order alone, which is what keeps every rank's collectives in the same order;
-  the overlapped update and the engines let the update's progress decide when a unit is
-  loaded, and are refused.
+- the device: the CPU, or on CUDA the machine's GPU ``LOCAL_RANK``; the collectives run on
+  host memory over Gloo either way (``shard.py``), and ``ranks.backend = 'nccl'`` is refused;
+- the update path: any (``baseline``, ``overlap``, ``engines``), each rank updating its own
+  shard. ``auto`` is resolved by every rank's planner, and rank 0's choice is taken by all
+  (``Trainer``): a mode from one rank's own measurements could differ from another's. The
+  parameter loads that the gathers follow are issued in the schedule's order alone, whatever
+  the update's progress (``ShardedParams.can_prefetch``), so every rank issues its
+  collectives in the same order with every update path.
 
 The config every rank must share (everything but the per-rank paths) is compared at start;
 a rank that differs is named.
@@ -29,26 +32,22 @@ import torch
 from ..config import Config, ConfigError
 from .group import RankGroup
 
-__all__ = ["rank_config", "RANK_MODES"]
-
-RANK_MODES = ("auto", "baseline")
+__all__ = ["rank_config"]
 
 
 def rank_config(cfg: Config, group: RankGroup) -> Config:
     """``cfg`` (the same on every rank, refused otherwise) as rank ``group.rank`` runs it."""
     shared = cfg.to_dict()
     group.check_same("the config", shared)
-    if cfg.update.mode not in RANK_MODES:
-        raise ConfigError(f"update.mode = {cfg.update.mode!r} with {group.world} ranks: sharded training runs the "
-                          "baseline update (the others decide when a unit is loaded by the update's progress, which "
-                          "would differ between ranks); set update.mode = 'baseline' or 'auto'")
+    if cfg.ranks.backend == "nccl":
+        raise ConfigError(f"ranks.backend = 'nccl' with {group.world} ranks: the ranks' collectives run on host "
+                          "memory (a unit gathered into its staging buffer, then uploaded), which NCCL does not "
+                          "serve; gathering straight into device memory is not built. Set ranks.backend = 'gloo' "
+                          "or 'auto'")
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if cuda or cfg.ranks.backend == "nccl":
-        raise ConfigError(f"train.device = {cfg.train.device!r} / ranks.backend = {cfg.ranks.backend!r} with "
-                          f"{group.world} ranks: sharded training runs on the CPU with Gloo so far (CUDA ranks are not "
-                          "built yet); set train.device = 'cpu', or train on one rank")
+    if cuda:  # a machine's rank r computes on its GPU r (torchrun's LOCAL_RANK), wrapping round
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", group.rank)) % torch.cuda.device_count())
     r = group.rank
     io = dataclasses.replace(cfg.io, paths=[os.path.join(p, f"rank{r}") for p in cfg.io.paths])
     train = cfg.train if r == 0 else dataclasses.replace(cfg.train, run_dir=os.path.join(cfg.train.run_dir, "ranks", str(r)))
-    update = dataclasses.replace(cfg.update, mode="baseline")
-    return dataclasses.replace(cfg, io=io, train=train, update=update)
+    return dataclasses.replace(cfg, io=io, train=train)

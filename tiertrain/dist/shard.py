@@ -18,9 +18,20 @@ runs unchanged on it. Around it, on the full units the compute uses:
   rank's shard of the sum home.
 
 Collective order: every rank must issue its gathers and reduce-scatters in the same order.
-Gathers are issued first-in first-out in the order of ``load`` calls (the parameter store's,
-the same on every rank with the baseline update on CPU: it depends on the schedule only),
-each once its shard's read is done; reduce-scatters in the order of the backward's units.
+Gathers are issued first-in first-out in the order of ``load`` calls, each once its shard's
+read is done; reduce-scatters in the order of the backward's units. The parameter store's
+loads follow the schedule alone on every rank: ``can_prefetch`` is always true here, so the
+update's progress (how far the overlapped update or the engines have got, which differs
+between ranks) never decides whether a unit is loaded now or later, and so which slot it
+takes and what is evicted; nor, on a device with memory of its own, does an upload's progress
+(``ordered``: the store evicts a slot still uploading by waiting for it). A load of a unit
+still being updated waits for its update (the update path's future), and the gathers after
+it wait in turn.
+
+Devices: the collectives run on host memory (Gloo), on CPU and CUDA alike. On CUDA a unit is
+gathered into its pinned staging buffer and uploaded whole, as one rank's loads are; a
+gradient is copied down whole and reduced on the host. NCCL, gathering straight into device
+memory, is not built.
 """
 
 from __future__ import annotations
@@ -87,12 +98,29 @@ class _GatherFuture:
         return None
 
 
+class _HostCopy:
+    """A host-resident shard copied into the gathered unit once its update is done (the read
+    future of a unit the update path keeps in memory)."""
+
+    def __init__(self, inner: ParamSource, u: int, own: torch.Tensor) -> None:
+        self.inner, self.u, self.own = inner, u, own
+
+    def done(self) -> bool:
+        return self.inner.settled(self.u)
+
+    def get(self, timeout: float | None = None) -> int:
+        self.inner.settle(self.u)  # sync point where the update still writes it
+        self.own.copy_(self.inner.host_view(self.u)[: self.own.numel()])
+        return self.own.numel() * self.own.element_size()
+
+
 class ShardedParams(ParamSource):
     """A unit's whole parameters: this rank's shard from ``inner`` (the update path's source on
     the shard layout), the others' gathered. Never host-resident for the store (the whole unit
     exists only in a slot)."""
 
     file_backed = True
+    ordered = True  # the parameter store's loads in the schedule's order alone (module docstring)
 
     def __init__(self, inner: ParamSource, layout: ShardLayout, group: RankGroup) -> None:
         self.inner, self.layout, self.group = inner, layout, group
@@ -106,15 +134,13 @@ class ShardedParams(ParamSource):
         raise RuntimeError("sharded parameters are never used in place")
 
     def can_prefetch(self, u: int) -> bool:
-        return self.inner.can_prefetch(u)
+        """Always: the loads, and so the gathers, in the schedule's order on every rank (see the
+        module docstring); the update path's own answer depends on its progress."""
+        return True
 
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:  # type: ignore[override]
         own = self.layout.shard(u, out)
-        if self.inner.on_host(u):
-            own.copy_(self.inner.host_view(u)[: own.numel()])
-            read = IOFuture.completed(own.numel() * own.element_size())
-        else:
-            read = self.inner.load(u, own)
+        read = _HostCopy(self.inner, u, own) if self.inner.on_host(u) else self.inner.load(u, own)
         g = _Gather(u, out, read)
         self._fifo.append(g)
         self.pump()
@@ -176,7 +202,10 @@ class ShardedGrads(GradSink):
         self.inner.claim(u)
 
     def reduce(self, u: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of unit ``u``'s gradient summed over the ranks (sync point)."""
+        """This rank's shard of unit ``u``'s gradient summed over the ranks (sync point). The
+        collectives run on host memory (Gloo): a device gradient is copied down first."""
+        if full.device.type != "cpu":
+            full = full.to("cpu")  # sync point: the backward of the unit is done
         return self.group.reduce_scatter(full)
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:

@@ -250,9 +250,12 @@ class ParamStore:
             if not self.source.can_prefetch(u):
                 return  # still being updated: prefetch later units only after this one
             free = [s for s in self.slots if s.state == SlotState.FREE]
+            # evicting a slot still uploading would block, as would a direct read into one still
+            # read; an ordered source's loads must not depend on the copies' progress (ranks: each
+            # load is a collective, issued in the same order on every rank): it waits instead
             idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units
-                    and self.dev.done(s.loaded)  # evicting one still uploading would block
-                    and (not self.dev.direct or self.dev.done(s.released))]  # as would a direct read
+                    and (self.source.ordered or (self.dev.done(s.loaded)
+                                                 and (not self.dev.direct or self.dev.done(s.released))))]
             if free:
                 slot = free[0]
             elif idle:

@@ -52,6 +52,8 @@ class ParamSource(abc.ABC):
 
     dtype: torch.dtype
     file_backed: bool = True  # some units come from the storage tier: CUDA loads need pinned staging
+    # loads must follow the schedule alone, never the copies' progress (ranks: each is a collective)
+    ordered: bool = False
 
     @abc.abstractmethod
     def on_host(self, u: int) -> bool: ...
@@ -69,6 +71,10 @@ class ParamSource(abc.ABC):
         """Return once unit ``u``'s host-resident parameters (used in place) are current: an
         update still writing them is waited for. Returns the seconds waited."""
         return 0.0
+
+    def settled(self, u: int) -> bool:
+        """Whether ``settle(u)`` would return at once (never blocks)."""
+        return True
 
     def can_prefetch(self, u: int) -> bool:
         """Whether a load started now is worth starting (the update does not hold it back)."""

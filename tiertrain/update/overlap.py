@@ -93,6 +93,9 @@ class _Params(RegionParams):
     def settle(self, u: int) -> float:
         return self.o.wait_ready(u)
 
+    def settled(self, u: int) -> bool:
+        return self.o.ready(u)
+
 
 class _Grads(RegionGrads):
     """The gradient region: a gradient waits until the previous update of its unit is done
