@@ -164,14 +164,18 @@ def same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 3), (3, 2)])
-def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then):
+@pytest.mark.parametrize("first,then,mode", [(2, 1, "baseline"), (1, 3, "baseline"), (3, 2, "baseline"),
+                                             (2, 1, "engines"), (1, 2, "overlap")])
+def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then, mode):
     """A checkpoint written by ``first`` ranks is the same files as one rank's (the canonical
-    layout) and loads, bit for bit, on ``then`` ranks; training goes on from it."""
+    layout) and loads, bit for bit, on ``then`` ranks; training goes on from it. The engines'
+    and the overlapped update's states too (each rank's engines hold a slice of its shard)."""
     cfg = _cfg(tmp_path, micro_batches=6 // first)
+    cfg.update.mode = mode
     saved = ckpt_run(tmp_path, "save", cfg, first, steps=2, save=True)
     assert saved["path"] and saved["step"] == 2
     cfg2 = _cfg(tmp_path / "b", micro_batches=6 // then)
+    cfg2.update.mode = mode
     cfg2.checkpoint.dir = cfg.checkpoint_root
     loaded = ckpt_run(tmp_path, "load", cfg2, then, resume=saved["path"], steps=1)
     same(loaded["restored"], saved["weights"])
