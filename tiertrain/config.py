@@ -226,15 +226,24 @@ class DataConfig(Section):
     micro_batch_size: int = opt(4, "Sequences per micro-batch.")
     micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
     seed: int = opt(0, "Seed of the sampling order.")
+    eval_corpus: str | None = opt(None, "Held-out text for the validation loss (train.eval_every): 'bundled', a .txt "
+                                  "file (same tokenizer) or a token file; cut into consecutive windows of seq_len + 1 "
+                                  "tokens. None: no validation.")
+    eval_micro_batches: int = opt(8, "Micro-batches (of micro_batch_size windows) each validation reads from the start "
+                                  "of data.eval_corpus (fewer if it is shorter); 0: all of it.")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "micro_batches"):
             self._at_least(name, 1)
-        if self.corpus != "bundled" and _env():
-            if not os.path.exists(self.corpus):
-                self._fail("corpus", "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
-            if os.path.isdir(self.corpus):
-                self._fail("corpus", "is a directory; give a .txt file or a token file from `tiertrain prepare`")
+        self._at_least("eval_micro_batches", 0)
+        for name in ("corpus", "eval_corpus"):
+            path = getattr(self, name)
+            if path in (None, "bundled") or not _env():
+                continue
+            if not os.path.exists(path):
+                self._fail(name, "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
+            if os.path.isdir(path):
+                self._fail(name, "is a directory; give a .txt file or a token file from `tiertrain prepare`")
 
 
 @dataclass(kw_only=True)
@@ -409,6 +418,8 @@ class TrainConfig(Section):
                                 "gradient buffer on the device) or 'param' (bfloat16, as plain PyTorch does).")
     run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
     log_every: int = opt(1, "Print the per-step line every N steps.")
+    eval_every: int = opt(0, "Validation loss on data.eval_corpus every N steps and after the last (0: never); "
+                          "shown in the per-step line and kept in the metrics as eval_loss.")
     predict: bool = opt(True, "At start, probe this machine (a few seconds: 64 MiB through the storage tier, one "
                         "unit of each kind) and print the predicted step time; after a few steps, predicted "
                         "against measured (`tiertrain plan` prints the whole prediction).")
@@ -422,6 +433,7 @@ class TrainConfig(Section):
         self._one_of("param_dtype", ("auto", "float32", "bfloat16"))
         self._one_of("grad_accum_dtype", ("float32", "param"))
         self._at_least("log_every", 1)
+        self._at_least("eval_every", 0)
 
 
 @dataclass(kw_only=True)
@@ -470,6 +482,9 @@ class Config:
             )
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
+        if self.train.eval_every and self.data.eval_corpus is None:
+            raise ConfigError(f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
+                              "the validation loss is taken on); set it, or train.eval_every = 0")
         if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "

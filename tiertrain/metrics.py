@@ -64,7 +64,8 @@ class StepRecord:
     def line(self, steps: int) -> str:
         mfu = f"{100 * self.mfu:.1f}%" if self.mfu is not None else "-"
         return (
-            f"step {self.step:>{len(str(steps))}}/{steps} | loss {self.loss:.4f} | "
+            f"step {self.step:>{len(str(steps))}}/{steps} | loss {self.loss:.4f}"
+            + (f" val {self.extra['eval_loss']:.4f}" if "eval_loss" in self.extra else "") + " | "
             f"{self.tokens_per_s:,.0f} tok/s | mfu {mfu} | "
             f"ssd r {self.ssd_read_bytes / 1e9:.2f} GB {self.ssd_read_gbps:.2f} GB/s "
             f"w {self.ssd_write_bytes / 1e9:.2f} GB {self.ssd_write_gbps:.2f} GB/s | "
@@ -128,7 +129,10 @@ class MetricsLog:
         rd = statistics.median(r.ssd_read_bytes for r in steady)
         wr = statistics.median(r.ssd_write_bytes for r in steady)
         return (
-            f"{len(recs)} step{'s' if len(recs) != 1 else ''}: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}; median step {med:.2f} s, "
+            f"{len(recs)} step{'s' if len(recs) != 1 else ''}: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}"
+            + (f", validation loss {vals[0]:.4f} -> {vals[-1]:.4f}" if (vals := [r.extra["eval_loss"] for r in recs
+                                                                            if "eval_loss" in r.extra]) else "")
+            + f"; median step {med:.2f} s, "
             f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
             f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
             + (f" (+ engines {eng / 2**20:,.0f} MiB)" if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)) else "")

@@ -29,7 +29,7 @@ from .activations.policy import policy_for
 from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
 from .config import Config, ConfigError
-from .data import Corpus
+from .data import Corpus, EvalSet
 from .errors import one_line
 from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
@@ -46,8 +46,9 @@ from .state.malloc import fix_mmap_threshold, trim_heap
 from .update import UPDATES, Update
 from .dist.checkpoint import GatheredRegion, ScatteredRegion, follow
 from .dist.shard import ShardedGrads, ShardedParams
-from .dist.ranks import rank_config
+from .dist.ranks import per_rank_figures, rank_config
 from .update.schedule import lr_at
+from .validation import validation_loss
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
     from .cost.model import Prediction
@@ -121,6 +122,7 @@ class Trainer:
         self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
         self.source = self.rt.weights
         self.corpus = Corpus(cfg.data)
+        self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
         if self.corpus.vocab_size > _vocab(self.model, cfg):
             raise ConfigError(
                 f"model.vocab_size = {_vocab(self.model, cfg)} is smaller than the corpus vocabulary "
@@ -422,18 +424,12 @@ class Trainer:
             extra={"losses": out.losses, **self.update.record(), **self._act_record(), **self._net_record(net0)},
         )
         if self.group is not None and self.group.world > 1:
-            rec.extra["per_rank"] = self._per_rank(rec)
+            rec.extra["per_rank"] = per_rank_figures(self.group, rec)
+        every = cfg.train.eval_every
+        if every and (self.step % every == 0 or self.step == cfg.train.steps):  # after the step: not in step_s
+            rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches,
+                                                     self.group if self.rt.world > 1 else None)
         return rec
-
-    def _per_rank(self, rec: StepRecord) -> list[dict]:
-        """Every rank's disk bytes, I/O wait and peak RSS this step, gathered (on every rank: rank
-        0 prints them). Sync point; after the step's traffic was counted, before the next's."""
-        mine = torch.tensor([rec.ssd_read_bytes, rec.ssd_write_bytes, rec.io_wait_s, rec.peak_host_bytes],
-                            dtype=torch.float64)
-        every = torch.empty(self.group.world, mine.numel(), dtype=torch.float64)
-        self.group.all_gather(every, mine)
-        return [dict(ssd_read_bytes=int(r[0]), ssd_write_bytes=int(r[1]), io_wait_s=float(r[2]),
-                     peak_host_bytes=int(r[3])) for r in every.tolist()]
 
     def _run_step(self):
         """The executor's step on this rank's micro-batches; with ranks, the loss is every

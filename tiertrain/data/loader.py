@@ -8,6 +8,7 @@ position to save beyond the step number.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from importlib import resources
@@ -20,7 +21,7 @@ from ..config import ConfigError, DataConfig
 from ..errors import one_line
 from .tokens import read_tokens
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "bundled_corpus_path", "TOKENIZER_FILES"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "TOKENIZER_FILES"]
 
 log = logging.getLogger("tiertrain")
 # What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
@@ -78,7 +79,7 @@ def bundled_corpus_path() -> str:
 class Corpus:
     """Token ids of the configured corpus and the batches of each step."""
 
-    def __init__(self, cfg: DataConfig) -> None:
+    def __init__(self, cfg: DataConfig, what: str = "data.corpus") -> None:
         self.cfg = cfg
         path = bundled_corpus_path() if cfg.corpus == "bundled" else cfg.corpus
         if path.endswith(".txt"):
@@ -87,7 +88,7 @@ class Corpus:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
             except UnicodeDecodeError as exc:
-                raise ConfigError(f"data.corpus = {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                raise ConfigError(f"{what} = {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                                   "convert it to UTF-8, or give a token file from `tiertrain prepare`") from None
             ids = tok.encode(text)
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
@@ -100,7 +101,7 @@ class Corpus:
         self.path = path
         need = cfg.seq_len + 1
         if len(self.tokens) < need:
-            raise ConfigError(f"data.corpus: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
+            raise ConfigError(f"{what}: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
 
     def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``micro_batches`` (inputs, targets) pairs of step ``step`` (0-based) for rank
@@ -116,6 +117,38 @@ class Corpus:
         out = []
         for row in starts[rank * c.micro_batches : (rank + 1) * c.micro_batches]:
             win = np.stack([np.asarray(self.tokens[s : s + c.seq_len + 1], dtype=np.int64) for s in row])
+            t = torch.from_numpy(win)
+            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        return out
+
+
+class EvalSet:
+    """Held-out windows for the validation loss: ``data.eval_corpus`` cut into consecutive rows
+    of ``seq_len + 1`` tokens (stride ``seq_len``: every token is a target once), grouped
+    ``micro_batch_size`` rows a micro-batch, at most ``data.eval_micro_batches`` of them (0: all);
+    rows that do not fill a micro-batch are left out. With ranks, micro-batch ``i`` is rank
+    ``i % world``'s, and those past the last whole multiple of ``world`` are left out, so that
+    every rank runs as many (each pass is a collective)."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        if cfg.eval_corpus is None:
+            raise ConfigError("data.eval_corpus is not set: there is no held-out text to take a validation loss on")
+        self.corpus = Corpus(dataclasses.replace(cfg, corpus=cfg.eval_corpus), what="data.eval_corpus")
+        T, B = cfg.seq_len, cfg.micro_batch_size
+        rows = (len(self.corpus.tokens) - 1) // T
+        self.count = rows // B if not cfg.eval_micro_batches else min(rows // B, cfg.eval_micro_batches)
+        if self.count == 0:
+            raise ConfigError(f"data.eval_corpus: {self.corpus.path} has {len(self.corpus.tokens)} tokens, too few "
+                              f"for one micro-batch of {B} windows of {T + 1}; give a longer text or lower "
+                              "data.micro_batch_size")
+
+    def micro_batches(self, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches, in order."""
+        T, B = self.corpus.cfg.seq_len, self.corpus.cfg.micro_batch_size
+        out = []
+        for i in range(rank, self.count - self.count % world, world):
+            win = np.stack([np.asarray(self.corpus.tokens[(i * B + b) * T : (i * B + b + 1) * T + 1], dtype=np.int64)
+                            for b in range(B)])
             t = torch.from_numpy(win)
             out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
         return out

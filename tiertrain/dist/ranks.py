@@ -32,7 +32,7 @@ import torch
 from ..config import Config, ConfigError
 from .group import RankGroup
 
-__all__ = ["rank_config"]
+__all__ = ["rank_config", "per_rank_figures"]
 
 
 def rank_config(cfg: Config, group: RankGroup) -> Config:
@@ -51,3 +51,15 @@ def rank_config(cfg: Config, group: RankGroup) -> Config:
     io = dataclasses.replace(cfg.io, paths=[os.path.join(p, f"rank{r}") for p in cfg.io.paths])
     train = cfg.train if r == 0 else dataclasses.replace(cfg.train, run_dir=os.path.join(cfg.train.run_dir, "ranks", str(r)))
     return dataclasses.replace(cfg, io=io, train=train)
+
+
+def per_rank_figures(group: RankGroup, rec) -> list[dict]:
+    """Every rank's disk bytes, I/O wait and peak RSS of the step ``rec`` (a ``StepRecord``),
+    gathered on every rank (rank 0 prints them). Sync point; after the step's traffic was
+    counted, before the next's."""
+    mine = torch.tensor([rec.ssd_read_bytes, rec.ssd_write_bytes, rec.io_wait_s, rec.peak_host_bytes],
+                        dtype=torch.float64)
+    every = torch.empty(group.world, mine.numel(), dtype=torch.float64)
+    group.all_gather(every, mine)
+    return [dict(ssd_read_bytes=int(r[0]), ssd_write_bytes=int(r[1]), io_wait_s=float(r[2]),
+                 peak_host_bytes=int(r[3])) for r in every.tolist()]

@@ -51,19 +51,20 @@ from .vocab import VocabSteps, used_pieces
 __all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
 
 
-def visits(plan: list[UnitRef], used: list[UnitRef] | None = None) -> list[UnitRef]:
+def visits(plan: list[UnitRef], used: list[UnitRef] | None = None, *, forward_only: bool = False) -> list[UnitRef]:
     """The units one step acquires, in order; ``used``: the embedding's pieces the step's
     tokens use (None: all). Embedding pieces are not acquired in the backward (a gather's
-    gradient needs no weights)."""
+    gradient needs no weights). ``forward_only``: an evaluation's (``evaluate``)."""
     role = {}
     for r in plan:
         role.setdefault(r.role, []).append(r)
     embed, head, blocks = role["embed"][0], role["head"][0], role.get("block", [])
     pieces = role.get("head_piece", [])
     if not pieces:
-        return [embed, *blocks, head, *reversed(blocks), embed]
+        return [embed, *blocks, head] + ([] if forward_only else [*reversed(blocks), embed])
     used = role.get("embed_piece", []) if used is None else used
-    return [*used, embed, *blocks, head, *pieces, *reversed(pieces), head, *reversed(blocks), embed]
+    forward = [*used, embed, *blocks, head, *pieces]
+    return forward if forward_only else [*forward, *reversed(pieces), head, *reversed(blocks), embed]
 
 
 @dataclass
@@ -265,6 +266,48 @@ class LayerMajorExecutor(VocabSteps):
         self.grads.end(ref.index)
         self._release(ref)
 
+    # -- evaluation ------------------------------------------------------------------------------------
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 step_tokens: list[torch.Tensor] | None = None) -> list[float]:
+        """The loss of every micro-batch of ``batches`` with the current parameters: a step's
+        forward alone, layer-major, with its kernels (the losses equal a training step's on the
+        same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``: as
+        ``step``'s."""
+        mbs = self._micro_batches(batches)
+        self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
+        self._order, self._pos = visits(self.plan, self.pieces_used, forward_only=True), 0
+        was = self.model.training
+        self.model.eval()  # no dropout
+        try:
+            h = self.embed_forward(mbs)
+            for ref in self.blocks:
+                self._acquire(ref)
+                with torch.enable_grad():  # the training forward's kernels (its graph dropped at once)
+                    h = [ref.module(x, mb.positions).detach() for x, mb in zip(h, mbs)]
+                self._release(ref)
+            losses = self._cut_head_loss(h, mbs) if self.head_pieces else self._head_loss(h, mbs)
+        finally:
+            self.model.train(was)
+        return [float(v) for v in losses]  # sync point: losses to the host
+
+    def _head_loss(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        self._acquire(self.head)
+        head, losses = self.model.head, []
+        for x, mb in zip(h, mbs):
+            x = x.detach().requires_grad_()  # as head_step: the same kernels
+            with torch.enable_grad():
+                losses.append(head.loss(head.logits(x), mb.targets).detach())
+        self._release(self.head)
+        return losses
+
+    def _micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[MicroBatch]:
+        mbs = []
+        for x, y in batches:
+            ids = x.to(self.dev.device, non_blocking=True)
+            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
+                                  torch.arange(ids.shape[1], device=self.dev.device)))
+        return mbs
+
     # -- one step --------------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
              step_tokens: list[torch.Tensor] | None = None) -> StepOutput:
@@ -273,11 +316,7 @@ class LayerMajorExecutor(VocabSteps):
         on every rank)."""
         M = len(batches)
         self.model.train()
-        mbs = []
-        for x, y in batches:
-            ids = x.to(self.dev.device, non_blocking=True)
-            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
-                                  torch.arange(ids.shape[1], device=self.dev.device)))
+        mbs = self._micro_batches(batches)
         self._rng = {}
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used), 0

@@ -87,8 +87,10 @@ class VocabSteps:
         self._tokens_shape = tokens[0].shape, tokens[0].dtype
         return out
 
-    def _cut_head_step(self, h: list[torch.Tensor], mbs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        head, M = self.model.head, len(mbs)
+    def _cut_head_pass1(self, h: list[torch.Tensor], mbs):
+        """The norm, then pass 1 over the pieces: (normed hidden states, targets, log-sum-exps,
+        losses) per micro-batch."""
+        head = self.model.head
         self._acquire(self.head)
         with torch.no_grad():
             hn = [head.hidden(x).reshape(-1, x.shape[-1]) for x in h]
@@ -101,7 +103,15 @@ class VocabSteps:
             for m, (x, t) in enumerate(zip(hn, targets)):
                 lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m])
             self._release(ref)
-        losses = [(a - b).mean() for a, b in zip(lse, picked)]
+        return hn, targets, lse, [(a - b).mean() for a, b in zip(lse, picked)]
+
+    def _cut_head_loss(self, h: list[torch.Tensor], mbs) -> list[torch.Tensor]:
+        """An evaluation's head: pass 1 alone."""
+        return self._cut_head_pass1(h, mbs)[3]
+
+    def _cut_head_step(self, h: list[torch.Tensor], mbs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        head, M = self.model.head, len(mbs)
+        hn, targets, lse, losses = self._cut_head_pass1(h, mbs)
         dhn = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in hn]
         for ref in reversed(self.head_pieces):  # pass 2: gradients
             self._acquire(ref)
