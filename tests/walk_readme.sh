@@ -102,6 +102,18 @@ check "... with the index and the shards" test -f exported/model.safetensors.ind
 $tt train --model.init_from=exported --train.run_dir=runs/from-export --train.steps=2 > walk-init.log 2>&1
 check "the export starts a new run (model.init_from)" rc_is $? 0
 
+say "== validation and eval"
+$tt train --train.run_dir=runs/val --io.paths=./scratch-val --train.steps=4 --train.eval_every=2 \
+  --data.eval_corpus=bundled > walk-val.log 2>&1
+check "training with a validation loss exits 0" rc_is $? 0
+check "... showing it in the per-step line and the summary" grep -q "step 4/4 | loss [0-9.]* val [0-9.]*" walk-val.log
+check "... and the summary" grep -q "validation loss [0-9.]* -> [0-9.]*" walk-val.log
+$tt eval --checkpoint runs/default --data.eval_corpus=bundled > walk-eval.log 2>&1
+check "tiertrain eval --checkpoint exits 0" rc_is $? 0
+check "... printing loss and perplexity" grep -q "^eval: .* | loss [0-9.]* | perplexity [0-9.]*" walk-eval.log
+$tt eval --model.init_from=exported --data.eval_corpus=bundled --data.eval_micro_batches=4 > walk-eval-export.log 2>&1
+check "tiertrain eval of an export exits 0" rc_is $? 0
+
 say "== ranks"
 $tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/ranks --io.paths=./scratch-ranks \
   > walk-ranks.log 2>&1

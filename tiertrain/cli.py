@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import contextlib
 import logging
 import os
@@ -199,6 +200,27 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .evaluate import evaluate
+
+    if not any(o.startswith("--data.eval_micro_batches") for o in overrides):
+        overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
+    if args.checkpoint:  # its model and tokenizer; its training text is not read
+        from .evaluate import CheckpointWeights
+
+        path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"])
+        with CheckpointWeights(path) as w:
+            res = evaluate(cfg, weights=w.source)
+    else:
+        res = evaluate(load_config(args.config, overrides))
+    print(res.line())
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dataclasses.asdict(res), f)
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
@@ -256,6 +278,14 @@ def _parser() -> argparse.ArgumentParser:
                         epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
     pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
+
+    ev = sub.add_parser("eval", help="loss and perplexity of a model on data.eval_corpus, forward only",
+                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
+                    "--model.init_from; the text: --data.eval_corpus)")
+    ev.add_argument("--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model, "
+                    "weights and tokenizer")
+    ev.add_argument("--out", help="also write the result (JSON) here")
 
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
     ex.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)")
@@ -318,6 +348,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
             return _cmd_config(args, rest)
         if args.cmd == "plan":
             return _cmd_plan(args, rest)
+        if args.cmd == "eval":
+            return _cmd_eval(args, rest)
         if args.cmd in (None, "train"):
             if args.cmd is None:
                 args.config = None

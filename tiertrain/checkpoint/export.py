@@ -32,7 +32,7 @@ from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "weights_file"]
 
 
 
@@ -57,21 +57,35 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
     return out
 
 
-def _write(path: str, man: Manifest, out: str) -> None:
+def weights_file(path: str, man: Manifest):
+    """The checkpoint's weights: (its config, a skeleton runtime with the model and layout, the
+    weights file's path, its dtype, its manifest entry). Checked: the layout, the file's
+    presence and size (its checksum is the reader's to check)."""
     from ..cost.budget import on_storage
     from ..train import declare_states
 
     cfg = Config.from_dict(man.config, environment=False)
     rt = _Skeleton(cfg, getattr(torch, man.param_dtype.removeprefix("torch.")))
-    model, layout = rt.model, rt.layout
-    if [u.numel for u in layout.units] != man.units:
+    if [u.numel for u in rt.layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
     state = weights_state((f.name.removesuffix(".bin") for f in man.files), declare_states(on_storage(cfg), rt))
     if state is None:
         raise CheckpointError(f"checkpoint {path} holds no weights its config declares; it is damaged: use an "
                               "earlier checkpoint")
-    name, dtype = f"{state.name}.bin", state.dtype
+    name = f"{state.name}.bin"
     entry = man.entry(name)
+    file = os.path.join(path, name)
+    if not os.path.exists(file):
+        raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
+    if os.path.getsize(file) != entry.size:
+        raise CheckpointError(f"checkpoint file {file} is truncated: {os.path.getsize(file)} bytes, the manifest "
+                              f"says {entry.size}")
+    return cfg, rt, file, state.dtype, entry
+
+
+def _write(path: str, man: Manifest, out: str) -> None:
+    cfg, rt, file, dtype, entry = weights_file(path, man)
+    model, layout = rt.model, rt.layout
     names = _hf_names(model) if model.hf_model is not None else {}
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
@@ -81,12 +95,7 @@ def _write(path: str, man: Manifest, out: str) -> None:
     from safetensors.torch import save_file
 
     whole = WholeTensors(model.row_pieces)
-    file = os.path.join(path, name)
-    if not os.path.exists(file):
-        raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
     with FileHandle(file, "r") as f:
-        if f.size != entry.size:
-            raise CheckpointError(f"checkpoint file {f.path} is truncated: {f.size} bytes, the manifest says {entry.size}")
         for unit in layout.units:
             view = buf[: unit.numel]
             f.read(view, unit.numel * dtype.itemsize, unit.offset * dtype.itemsize)

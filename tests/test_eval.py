@@ -1,0 +1,99 @@
+"""`tiertrain eval`: a model's loss and perplexity on a text, forward only, from a Hugging Face
+directory (Llama, GPT-2) or a tiertrain checkpoint: the loss transformers' own model gives on
+the same windows, bit for bit in fp32; a checkpoint gives the validation loss its run logged;
+damage and bad input are named."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference import small_config
+from tiertrain.config import DataConfig, ModelConfig
+from tiertrain.data import EvalSet
+from tiertrain.evaluate import evaluate
+from tiertrain.models import hf_config_from
+
+TEXT = "".join(f"{i} a held-out line of text, {i * 13 % 7} words long or so.\n" for i in range(80))
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tiertrain", "eval", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def _text(tmp_path) -> str:
+    path = tmp_path / "held_out.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_eval_of_a_hf_directory_is_transformers_loss(tmp_path, kind):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    if kind == "llama":
+        hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
+                                                                         n_heads=4, vocab_size=256)))
+    else:
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
+    hf.save_pretrained(tmp_path / "hf")
+    text = _text(tmp_path)
+    data = ["--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=3"]
+    r = _cli(f"--model.hf_dir={tmp_path / 'hf'}", f"--data.eval_corpus={text}", *data,
+             f"--io.paths={tmp_path / 'ssd'}", "--out", str(tmp_path / "res.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    es = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=0))
+    assert res["micro_batches"] == es.count >= 5 and res["tokens"] == es.count * 2 * 32
+    hf.eval()
+    with torch.no_grad():
+        want = sum(float(hf(input_ids=x, labels=y, shift_labels=y).loss) for x, y in es.micro_batches()) / es.count
+    assert res["loss"] == want
+    assert res["perplexity"] == pytest.approx(math.exp(want), rel=1e-6)
+    assert f"loss {res['loss']:.4f} | perplexity {res['perplexity']:.2f}" in r.stdout
+    assert not os.path.exists(tmp_path / "ssd")  # forward only: no state file, nothing written
+
+
+def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tmp_path):
+    from tiertrain.train import Trainer
+
+    cfg = small_config(tmp_path, kind="llama", layers=2, micro_batches=2, steps=2)
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 4, 2
+    with Trainer(cfg) as tr:
+        logged = tr.run()[-1].extra["eval_loss"]
+    run = cfg.train.run_dir
+    r = _cli("--checkpoint", run, "--data.eval_micro_batches=4", f"--data.eval_corpus={_text(tmp_path)}",
+             "--out", str(tmp_path / "res.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "res.json").read_text())["loss"] == logged  # the same windows, the same weights
+    ck = os.path.join(run, "checkpoints", "step-00000002")
+    weights = next(n for n in os.listdir(ck) if n in ("params.bin", "master.bin"))
+    with open(os.path.join(ck, weights), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    bad = _cli("--checkpoint", ck, f"--data.eval_corpus={_text(tmp_path)}", cwd=tmp_path)
+    assert bad.returncode != 0 and "its weights are corrupt" in bad.stderr and "use an earlier checkpoint" in bad.stderr
+
+
+def test_eval_bad_input_is_named(tmp_path):
+    cfg = small_config(tmp_path)
+    with pytest.raises(Exception, match="data.eval_corpus is not set: give the text to evaluate on"):
+        evaluate(cfg)
+    r = _cli(f"--data.eval_corpus={tmp_path / 'missing.txt'}", cwd=tmp_path)
+    assert r.returncode == 2 and "data.eval_corpus = " in r.stderr and "no such file" in r.stderr
+    from tiertrain.data import write_tokens
+    import numpy as np
+
+    big = str(tmp_path / "big.bin")
+    write_tokens(big, [np.arange(5000) % 4000], vocab_size=4000)
+    cfg.data.eval_corpus = big
+    with pytest.raises(Exception, match=r"its tokenizer has 4000 tokens, the model's vocabulary 256"):
+        evaluate(cfg)
