@@ -15,6 +15,7 @@
 #   8. tiertrain vs DeepSpeed ZeRO-Infinity on the GPU in bf16 (bench/vs_deepspeed.py; needs
 #      DeepSpeed installed on the machine)
 #   9. the storage tier against fio on the NVMe (tiertrain bench io)
+#  10. 2 ranks on CUDA (tiertrain train --nproc 2; the GPU tests hold them to the CPU run)
 #
 #   bench/gpu_check.sh [--nvme DIR] [--out FILE] [--dry]
 #
@@ -131,6 +132,9 @@ EOF
 run "Llama step with states on the NVMe, bf16 (bench/train.py)" 1 600 \
   "$PY" bench/train.py --device cuda --dtype bfloat16 --modes baseline,engines --micro-batches 1,4 \
   --checksums on,off --steps 5 --scratch "$nvme/bench" --out "${out%.md}-train.md"
+run "2 ranks on CUDA (tiertrain train --nproc 2, collectives on host memory over Gloo)" 1 300 \
+  "$TT" train --nproc 2 --train.device=cuda --train.steps=5 --data.micro_batches=2 \
+  --io.paths="$nvme/ranks" --train.run_dir="$nvme/ranks-run" --train.overwrite=true
 run "GPUDirect Storage: default model with --io.gds=on, checksums on" 1 240 \
   "$TT" train --train.device=cuda --train.steps=5 --io.gds=on \
   --io.paths="$nvme/gds" --train.run_dir="$nvme/gds-run" --train.overwrite=true
