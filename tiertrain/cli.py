@@ -221,6 +221,19 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .generate import Sampling
+    from .generate_cli import read_prompts, run_generate
+
+    texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
+    cfg = load_config(args.config, overrides)
+    stop = tuple(args.stop or ())
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, stop=stop)
+    run_generate(cfg, texts, sampling, args.out)
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
@@ -287,6 +300,20 @@ def _parser() -> argparse.ArgumentParser:
                     "weights and tokenizer")
     ev.add_argument("--out", help="also write the result (JSON) here")
 
+    g = sub.add_parser("generate", help="generate text after prompts, layer-major over the batch (HF models)",
+                       epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
+                   "prompts per micro-batch: --data.micro_batch_size)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help="a text file (one prompt a line) or JSONL (a \"prompt\" field a line)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
+    g.add_argument("--out", help="write JSONL (prompt, completion, tokens) here instead of printing")
+
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
     ex.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)")
     ex.add_argument("--out", required=True, help="output directory (new or empty)")
@@ -350,6 +377,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
             return _cmd_plan(args, rest)
         if args.cmd == "eval":
             return _cmd_eval(args, rest)
+        if args.cmd == "generate":
+            return _cmd_generate(args, rest)
         if args.cmd in (None, "train"):
             if args.cmd is None:
                 args.config = None

@@ -17,7 +17,7 @@ from transformers.masking_utils import create_causal_mask
 
 from .base import LayeredModel, default_positions, no_cache
 
-__all__ = ["layer_llama", "layer_gpt2"]
+__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "new_cache"]
 
 
 # The causal masks are made without position ids: given them, transformers looks for packed
@@ -43,6 +43,10 @@ class LlamaEmbed(nn.Module):
     def finish(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return tokens
 
+    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Generation: ``[B, T]`` ids at per-row ``position_ids`` (``[B, T]``)."""
+        return self.embed_tokens(input_ids)
+
 
 class LlamaBlock(nn.Module):
     def __init__(self, hf: Any, index: int) -> None:
@@ -59,6 +63,13 @@ class LlamaBlock(nn.Module):
         mask = _causal_mask(self._config, h)
         rope = self._rotary(h, position_ids=pos)
         return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+
+    def decode(self, h: torch.Tensor, mask, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: the new positions ``h`` attend to themselves and to ``cache`` (updated
+        with their keys and values), ``mask`` from ``decode_mask``."""
+        rope = self._rotary(h, position_ids=position_ids)
+        return self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=rope,
+                          use_cache=True, **{_CACHE: cache})
 
 
 class CausalLMHead(nn.Module):
@@ -101,6 +112,9 @@ class GPT2Embed(nn.Module):
         h = inputs_embeds + self.wpe(_positions(inputs_embeds, positions)).to(inputs_embeds.device)
         return self.drop(h)
 
+    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(input_ids) + self.wpe(position_ids))
+
 
 class GPT2Block(nn.Module):
     def __init__(self, hf: Any, index: int) -> None:
@@ -114,6 +128,9 @@ class GPT2Block(nn.Module):
         mask = _causal_mask(self._config, h)
         return self.block(h, None, mask, None, use_cache=False, position_ids=pos)
 
+    def decode(self, h: torch.Tensor, mask, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        return self.block(h, cache, mask, None, use_cache=True, position_ids=position_ids)
+
 
 # transformers renamed create_causal_mask's `past_key_values` to `cache` (5.x; the old name
 # warns): pass no cache under whichever name this version takes
@@ -122,6 +139,27 @@ _NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).paramet
 
 def _causal_mask(config: Any, h: torch.Tensor):
     return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=None, **_NO_CACHE)
+
+
+_CACHE = next(iter(_NO_CACHE))  # the key/value cache's keyword in this transformers
+
+
+def decode_mask(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache):
+    """The attention mask of a generation step: ``attention_mask`` (``[B, past + T]``, 0 at
+    left padding) with causality, for the new positions ``h`` against ``cache`` as it is
+    before the step (made before any block adds the step's keys)."""
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=attention_mask,
+                              position_ids=position_ids, **{_CACHE: cache})
+
+
+def new_cache(config: Any):
+    """An empty key/value cache for every layer of one micro-batch (transformers' own)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
 
 
 def _hf_init(hf: Any):

@@ -1,0 +1,146 @@
+"""Generation, layer-major over the batch with weights read unit by unit: token for token what
+transformers' `generate` gives on the same model (greedy; one prompt, and prompts of
+different lengths padded on the left, split into micro-batches); sampling repeatable by
+seed; stop tokens; bad input named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference import small_config
+from tiertrain.config import ConfigError, ModelConfig
+from tiertrain.generate import Sampling, generate
+from tiertrain.generate_cli import read_prompts
+from tiertrain.models import hf_config_from
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [3, 4, 5, 200]]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def model_dir(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    if request.param == "llama":
+        hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
+                                                                         n_heads=4, vocab_size=256)))
+    else:
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                        bos_token_id=0, eos_token_id=0))
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    return str(d), hf.eval()
+
+
+def _cfg(tmp_path, model_dir, per_micro_batch=2):
+    cfg = small_config(tmp_path)
+    cfg.model.kind, cfg.model.hf_dir, cfg.data.micro_batch_size = "auto", model_dir, per_micro_batch
+    return cfg
+
+
+def _hf_generate(hf, prompts, n):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                      eos_token_id=None)
+    return out[:, width:].tolist()
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "padded"])
+def test_greedy_is_transformers_generate_token_for_token(tmp_path, model_dir, prompts):
+    path, hf = model_dir
+    ours = generate(_cfg(tmp_path, path), prompts, Sampling(max_new_tokens=10))
+    assert ours == _hf_generate(hf, prompts, 10)
+
+
+def test_sampling_repeats_by_seed_and_top_k_1_is_greedy(tmp_path, model_dir):
+    path, _ = model_dir
+    cfg = _cfg(tmp_path, path)
+    s = Sampling(max_new_tokens=12, temperature=1.5, top_k=50, top_p=0.95, seed=7)
+    a, b = generate(cfg, PROMPTS, s), generate(cfg, PROMPTS, s)
+    assert a == b
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=12, temperature=1.5, top_k=50, top_p=0.95, seed=8)) != a
+    greedy = generate(cfg, PROMPTS, Sampling(max_new_tokens=12))
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=12, temperature=1.0, top_k=1, seed=3)) == greedy
+
+
+def test_a_stop_token_ends_its_row_only(tmp_path, model_dir):
+    path, _ = model_dir
+    cfg = _cfg(tmp_path, path)
+    greedy = generate(cfg, PROMPTS, Sampling(max_new_tokens=10))
+    stop = greedy[1][2]  # the third token of the second row
+    seen = []
+    rows = generate(cfg, PROMPTS, Sampling(max_new_tokens=10, stop=(stop,)), on_tokens=seen.append)
+    first = greedy[1].index(stop)
+    assert rows[1] == greedy[1][: first + 1]  # kept, then the row ends
+    for r in (0, 2):
+        want = greedy[r][: greedy[r].index(stop) + 1] if stop in greedy[r] else greedy[r]
+        assert rows[r] == want
+    assert all(step[1] is None for step in seen[first + 1 :])
+
+
+def test_bad_input_is_named(tmp_path, model_dir):
+    path, hf = model_dir
+    cfg = _cfg(tmp_path, path)
+    with pytest.raises(ConfigError, match="every prompt needs at least one token"):
+        generate(cfg, [[1, 2], []])
+    limit = getattr(hf.config, "max_position_embeddings", None) or hf.config.n_positions
+    with pytest.raises(ConfigError, match=rf"the longest prompt plus max_new_tokens is {limit + 3} tokens, more than "
+                                          rf"the model's context \({limit}\)"):
+        generate(cfg, [[1] * 7], Sampling(max_new_tokens=limit - 4))
+    with pytest.raises(ConfigError, match=r"token id 300, outside the model's vocabulary \(256\)"):
+        generate(cfg, [[1, 300]])
+    with pytest.raises(ConfigError, match="max_new_tokens = 0"):
+        Sampling(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="generate runs Hugging Face models so far: give model.hf_dir"):
+        generate(small_config(tmp_path), [[1]])
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl, line 2: no \"prompt\" string field"):
+        read_prompts(None, str(bad))
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl, line 2: not JSON"):
+        read_prompts(None, str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ConfigError, match="empty.txt: holds no prompt"):
+        read_prompts(None, str(empty))
+
+
+def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, model_dir):
+    path, hf = model_dir
+    if "gpt2" in path:
+        pytest.skip("one model is enough for the command")
+    base = [sys.executable, "-m", "tiertrain", "generate", f"--model.hf_dir={path}", "--max-new-tokens", "5"]
+    one = subprocess.run([*base, "--prompt", "Hi"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    want = _hf_generate(hf, [list(b"Hi")], 5)[0]  # the byte tokenizer: no tokenizer files in the directory
+    assert one.stdout == bytes(want).decode("utf-8", errors="replace") + "\n"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hi\nHello there\n")
+    out = tmp_path / "out.jsonl"
+    many = subprocess.run([*base, "--prompts-file", str(prompts), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert many.returncode == 0, many.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hi", "Hello there"] and rows[0]["tokens"] == want
+
+
+def test_each_unit_is_read_once_per_step_for_the_whole_batch(tmp_path, model_dir, caplog):
+    """Three micro-batches of one prompt, 6 steps, 3 slots for 4 units: every unit is loaded
+    once per step (24 loads), not once per micro-batch."""
+    path, _ = model_dir
+    if "gpt2" in path:
+        pytest.skip("the untied model: 4 units of their own")
+    cfg = _cfg(tmp_path, path, per_micro_batch=1)
+    cfg.memory.device_slots = 3
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
+    line = next(r.message for r in caplog.records if r.message.startswith("generated"))
+    assert "generated 18 tokens for 3 prompts in 6 steps" in line and "weights: 24 unit loads" in line, line

@@ -1,0 +1,189 @@
+"""Offloaded generation: a batch of prompts decoded layer-major, weights read once per token.
+
+Every decoding step (the prefill of the whole prompts first, then one token per step) walks
+the model's units in order, each unit over every micro-batch (``data.micro_batch_size``
+prompts each) while its weights are resident: the weights are read from where they are
+(``evaluate.WeightParams``: a Hugging Face directory, an export, a checkpoint) once per token
+for the whole batch, one unit ahead of the compute, through the parameter store's fixed slots.
+
+Prompts of different lengths are padded on the left, as ``transformers``' ``generate`` pads
+them: the attention mask is 0 there, positions count only real tokens. Keys and values are
+kept per micro-batch in ``transformers``' own cache, in host memory (on the storage tier: not
+built yet). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
+seeded generator; a row stops at a stop token or ``max_new_tokens``.
+
+Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``); the vocabulary is not
+cut into pieces here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .config import Config, ConfigError
+from .evaluate import WeightParams
+from .models import WeightSource
+from .models.hf import decode_mask, new_cache
+from .runtime import Runtime
+
+__all__ = ["Sampling", "generate"]
+
+log = logging.getLogger("tiertrain")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[int, ...] = ()  # token ids that end a row (kept in its output)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens = {self.max_new_tokens}: generate at least 1 token")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
+                              "temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+
+
+def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
+    """The next token of every row from its last logits (``[B, V]``, fp32)."""
+    if s.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1:
+        sorted_, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_, dim=-1) > s.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(-1)
+
+
+class _Rows:
+    """One micro-batch of prompts: left-padded ids, attention mask, cache, what it generated."""
+
+    def __init__(self, prompts: list[list[int]], pad: int, config) -> None:
+        width = max(len(p) for p in prompts)
+        self.ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        self.cache = new_cache(config)
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.done = torch.zeros(len(prompts), dtype=torch.bool)
+
+    def positions(self, new: int) -> torch.Tensor:
+        """Positions of the last ``new`` columns: real tokens counted from 0, padding at 1 (as
+        transformers' ``generate`` sets them)."""
+        pos = self.mask.cumsum(-1) - 1
+        return pos.masked_fill(self.mask == 0, 1)[:, -new:]
+
+
+def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Sampling(), *,
+             weights: WeightSource | None = None, device=None,
+             on_tokens: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
+    """The tokens generated after each prompt (token ids; see the module docstring).
+    ``on_tokens``: called after every step with each row's new token (None once it stopped)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
+    if cfg.model.hf_dir is None:
+        raise ConfigError("generate runs Hugging Face models so far: give model.hf_dir (a Llama-family or GPT-2 "
+                          "directory, or an export of one)")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
+    rt = Runtime(cfg, weights=weights, device=device)
+    model, hf = rt.model, rt.model.hf_config
+    limit = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+    longest = max(len(p) for p in prompts) + sampling.max_new_tokens
+    if limit is not None and longest > limit:
+        rt.close()
+        raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
+                          f"model's context ({limit}); shorten the prompt or lower max_new_tokens")
+    if max(max(p) for p in prompts) >= hf.vocab_size:
+        rt.close()
+        raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
+                          f"vocabulary ({hf.vocab_size}); tokenize with the model's own tokenizer")
+    source = WeightParams(rt.layout, rt.weights, rt.dtype)
+    try:
+        store = rt.bind_params(source)
+        pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
+        b = cfg.data.micro_batch_size
+        groups = [_Rows(prompts[i : i + b], pad, hf) for i in range(0, len(prompts), b)]
+        gen = torch.Generator().manual_seed(sampling.seed)
+        units = [model.embed, *model.blocks, model.head]
+        t0, steps = time.perf_counter(), 0
+        with torch.no_grad():
+            model.eval()
+            for step in range(sampling.max_new_tokens):
+                more = step + 1 < sampling.max_new_tokens  # the last step prefetches nothing past itself
+                last = _step(store, rt.layout, units, groups, hf, step, rt.dev.device, more)
+                picked = [_pick(logits.float(), sampling, gen) for logits in last]
+                steps += 1
+                if not _record(groups, picked, sampling, on_tokens):
+                    break
+        out = [row for g in groups for row in g.out]
+        s = time.perf_counter() - t0
+        log.info("generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "
+                 "%.3f GB read, %.2f s waited", sum(map(len, out)), len(out), steps, s, sum(map(len, out)) / s,
+                 store.stats.fetches, store.stats.fetch_bytes / 1e9, store.stats.wait_s)
+        return out
+    finally:
+        rt.close()
+        source.close()
+
+
+def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more: bool) -> list[torch.Tensor]:
+    """One decoding step over every micro-batch, unit by unit: the last logits of each. The
+    units ahead are prefetched, round into the next step's where there is one (``more``)."""
+    n = len(units)
+    ins, masks, poss = [], [], []
+    for g in groups:
+        new = g.ids.shape[1] if step == 0 else 1
+        ids = (g.ids if step == 0 else g.ids[:, -1:]).to(device)
+        ins.append(ids)
+        poss.append(g.positions(new).to(device))
+    h: list[torch.Tensor] = []
+    for k, unit in enumerate(units):
+        own = (*layout.units[k].borrows, k)  # a tied head uses the embedding's weights
+        for x in own:
+            store.acquire(x)
+        store.prefetch([(k + j) % n for j in range(1, len(store.slots)) if more or k + j < n])
+        if k == 0:
+            h = [unit.decode(x, p) for x, p in zip(ins, poss)]
+            masks = [decode_mask(hf, x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
+        elif k < n - 1:
+            h = [unit.decode(x, m, p, g.cache) for x, m, p, g in zip(h, masks, poss, groups)]
+        else:
+            h = [unit.logits(x[:, -1:])[:, -1] for x in h]
+        for x in reversed(own):
+            store.release(x)
+    return h
+
+
+def _record(groups: list[_Rows], picked: list[torch.Tensor], s: Sampling, on_tokens) -> bool:
+    """Append each row's new token (rows that stopped take the pad and output nothing); False
+    once every row has stopped."""
+    shown: list[int | None] = []
+    for g, tok in zip(groups, picked):
+        tok = tok.cpu()
+        for r, t in enumerate(tok.tolist()):
+            if g.done[r]:
+                shown.append(None)
+                continue
+            g.out[r].append(t)
+            shown.append(t)
+            if t in s.stop:
+                g.done[r] = True
+        g.ids = torch.cat([g.ids, tok.view(-1, 1)], dim=1)  # a stopped row's go on unseen (rows never meet)
+        g.mask = torch.cat([g.mask, torch.ones(len(tok), 1, dtype=torch.long)], dim=1)
+    if on_tokens is not None:
+        on_tokens(shown)
+    return not all(bool(g.done.all()) for g in groups)
