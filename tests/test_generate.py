@@ -144,3 +144,25 @@ def test_each_unit_is_read_once_per_step_for_the_whole_batch(tmp_path, model_dir
         generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
     line = next(r.message for r in caplog.records if r.message.startswith("generated"))
     assert "generated 18 tokens for 3 prompts in 6 steps" in line and "weights: 24 unit loads" in line, line
+
+
+def test_the_kv_cache_is_claimed_at_start_and_held_to_its_budget(tmp_path, model_dir):
+    """The key/value cache is transformers' static one, of the longest prompt plus the new
+    tokens: its bytes by formula are what it holds; a batch needing more than
+    memory.kv_host_mib is refused before any weight is read."""
+    from tiertrain.models.hf import kv_bytes, new_cache
+
+    path, hf = model_dir
+    cache = new_cache(hf.config, 7 + 5)
+    with torch.no_grad():
+        hf(input_ids=torch.tensor([PROMPTS[0], PROMPTS[0]]), **{"cache" if "cache" in
+           hf.forward.__code__.co_varnames else "past_key_values": cache}, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == kv_bytes(hf.config, 2, 12, torch.float32) > 0
+    cfg = _cfg(tmp_path, path, per_micro_batch=1)
+    need = sum(kv_bytes(hf.config, 1, len(p) + 40, torch.float32) for p in PROMPTS)
+    cfg.memory.kv_host_mib = 1
+    many = PROMPTS * ((2 << 20) // need + 1)  # 2 MiB of keys and values
+    with pytest.raises(ConfigError, match=r"the key/value cache of \d+ prompts .* more than memory.kv_host_mib = 1; "
+                                          r"raise it"):
+        generate(cfg, many, Sampling(max_new_tokens=40))

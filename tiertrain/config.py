@@ -340,6 +340,10 @@ class MemoryConfig(Section):
                           "(glibc malloc_trim): otherwise what one unit step freed stays in the process, fragmented, "
                           "and the peak RSS exceeds the budget (measured: 150-200 MiB at d_model 2048, M = 32). "
                           "About 10 ms per unit step here; no effect where the C library has no malloc_trim.")
+    kv_host_mib: int | None = opt(None, "Generation: host memory for the key/value cache, MiB, claimed at start from "
+                                  "the batch, the prompts' length and max_new_tokens (it never grows); a batch that needs "
+                                  "more is refused (spilling it to the storage tier is not built yet). None: no limit "
+                                  "but the machine's.")
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.")
 
     def __post_init__(self) -> None:
@@ -348,7 +352,7 @@ class MemoryConfig(Section):
                      "engine_read_ahead_mib", "offload_pairs"):
             if getattr(self, name) is not None:
                 self._at_least(name, 0)
-        for name in ("host_mib", "device_mib"):
+        for name in ("host_mib", "device_mib", "kv_host_mib"):
             if getattr(self, name) is not None:
                 self._at_least(name, 1)
         self._in_range("update_buffer_kib", 64, 4 << 20)

@@ -8,8 +8,9 @@ for the whole batch, one unit ahead of the compute, through the parameter store'
 
 Prompts of different lengths are padded on the left, as ``transformers``' ``generate`` pads
 them: the attention mask is 0 there, positions count only real tokens. Keys and values are
-kept per micro-batch in ``transformers``' own cache, in host memory (on the storage tier: not
-built yet). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
+kept per micro-batch in ``transformers``' static cache in host memory, sized at start for the
+micro-batch's longest prompt plus ``max_new_tokens`` and checked against
+``memory.kv_host_mib`` (spilling it to the storage tier: not built yet). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
 seeded generator; a row stops at a stop token or ``max_new_tokens``.
 
 Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``); the vocabulary is not
@@ -29,7 +30,7 @@ import torch
 from .config import Config, ConfigError
 from .evaluate import WeightParams
 from .models import WeightSource
-from .models.hf import decode_mask, new_cache
+from .models.hf import decode_mask, kv_bytes, new_cache
 from .runtime import Runtime
 
 __all__ = ["Sampling", "generate"]
@@ -73,11 +74,11 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
 class _Rows:
     """One micro-batch of prompts: left-padded ids, attention mask, cache, what it generated."""
 
-    def __init__(self, prompts: list[list[int]], pad: int, config) -> None:
+    def __init__(self, prompts: list[list[int]], pad: int, config, new_tokens: int) -> None:
         width = max(len(p) for p in prompts)
         self.ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        self.cache = new_cache(config)
+        self.cache = new_cache(config, width + new_tokens)
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = torch.zeros(len(prompts), dtype=torch.bool)
 
@@ -111,12 +112,22 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         rt.close()
         raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
                           f"vocabulary ({hf.vocab_size}); tokenize with the model's own tokenizer")
+    b = cfg.data.micro_batch_size
+    kv = sum(kv_bytes(hf, len(g), max(map(len, g)) + sampling.max_new_tokens, rt.dtype)
+             for g in (prompts[i : i + b] for i in range(0, len(prompts), b)))
+    limit_mib = cfg.memory.kv_host_mib
+    if limit_mib is not None and kv > limit_mib << 20:
+        rt.close()
+        raise ConfigError(f"generate: the key/value cache of {len(prompts)} prompts (the longest {longest - sampling.max_new_tokens} "
+                          f"tokens) and {sampling.max_new_tokens} new tokens needs {kv / 2**20:,.1f} MiB, more than "
+                          f"memory.kv_host_mib = {limit_mib}; raise it, or give fewer prompts or new tokens (spilling "
+                          "the cache to the storage tier is not built yet)")
+    log.info("key/value cache: %.1f MiB in host memory for %d prompts, claimed at start", kv / 2**20, len(prompts))
     source = WeightParams(rt.layout, rt.weights, rt.dtype)
     try:
         store = rt.bind_params(source)
         pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
-        b = cfg.data.micro_batch_size
-        groups = [_Rows(prompts[i : i + b], pad, hf) for i in range(0, len(prompts), b)]
+        groups = [_Rows(prompts[i : i + b], pad, hf, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
         gen = torch.Generator().manual_seed(sampling.seed)
         units = [model.embed, *model.blocks, model.head]
         t0, steps = time.perf_counter(), 0

@@ -17,7 +17,7 @@ from transformers.masking_utils import create_causal_mask
 
 from .base import LayeredModel, default_positions, no_cache
 
-__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "new_cache"]
+__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "kv_bytes", "new_cache"]
 
 
 # The causal masks are made without position ids: given them, transformers looks for packed
@@ -152,14 +152,21 @@ def decode_mask(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, posi
                               position_ids=position_ids, **{_CACHE: cache})
 
 
-def new_cache(config: Any):
-    """An empty key/value cache for every layer of one micro-batch (transformers' own)."""
-    from transformers import DynamicCache
+def new_cache(config: Any, max_len: int):
+    """A key/value cache for every layer of one micro-batch, of ``max_len`` positions
+    (transformers' static cache: its size fixed when made, never grown)."""
+    from transformers import StaticCache
 
-    try:
-        return DynamicCache(config=config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
+    return StaticCache(config=config, max_cache_len=max_len)
+
+
+def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
 
 
 def _hf_init(hf: Any):
