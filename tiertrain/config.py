@@ -341,9 +341,9 @@ class MemoryConfig(Section):
                           "and the peak RSS exceeds the budget (measured: 150-200 MiB at d_model 2048, M = 32). "
                           "About 10 ms per unit step here; no effect where the C library has no malloc_trim.")
     kv_host_mib: int | None = opt(None, "Generation: host memory for the key/value cache, MiB, claimed at start from "
-                                  "the batch, the prompts' length and max_new_tokens (it never grows); a batch that needs "
-                                  "more is refused (spilling it to the storage tier is not built yet). None: no limit "
-                                  "but the machine's.")
+                                  "the batch, the prompts' length and max_new_tokens (it never grows); what does not fit "
+                                  "goes to the storage tier (kv.bin on the first io.paths entry), read in and written back "
+                                  "each step, one (block, micro-batch) ahead. None: all of it in memory. CPU only so far.")
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.")
 
     def __post_init__(self) -> None:

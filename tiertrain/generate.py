@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +31,8 @@ import torch
 from .config import Config, ConfigError
 from .evaluate import WeightParams
 from .models import WeightSource
-from .models.hf import decode_mask, kv_bytes, new_cache
+from .kvcache import TieredKV
+from .models.hf import decode_mask, kv_shape, new_cache
 from .runtime import Runtime
 
 __all__ = ["Sampling", "generate"]
@@ -78,7 +80,7 @@ class _Rows:
         width = max(len(p) for p in prompts)
         self.ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        self.cache = new_cache(config, width + new_tokens)
+        self.cache = new_cache(config, width + new_tokens)  # its layers' memory: TieredKV's
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = torch.zeros(len(prompts), dtype=torch.bool)
 
@@ -112,22 +114,26 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         rt.close()
         raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
                           f"vocabulary ({hf.vocab_size}); tokenize with the model's own tokenizer")
-    b = cfg.data.micro_batch_size
-    kv = sum(kv_bytes(hf, len(g), max(map(len, g)) + sampling.max_new_tokens, rt.dtype)
-             for g in (prompts[i : i + b] for i in range(0, len(prompts), b)))
-    limit_mib = cfg.memory.kv_host_mib
-    if limit_mib is not None and kv > limit_mib << 20:
+    budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
+    if budget is not None and rt.dev.separate:
         rt.close()
-        raise ConfigError(f"generate: the key/value cache of {len(prompts)} prompts (the longest {longest - sampling.max_new_tokens} "
-                          f"tokens) and {sampling.max_new_tokens} new tokens needs {kv / 2**20:,.1f} MiB, more than "
-                          f"memory.kv_host_mib = {limit_mib}; raise it, or give fewer prompts or new tokens (spilling "
-                          "the cache to the storage tier is not built yet)")
-    log.info("key/value cache: %.1f MiB in host memory for %d prompts, claimed at start", kv / 2**20, len(prompts))
+        raise ConfigError("memory.kv_host_mib with a CUDA device: the key/value cache on the storage tier is built "
+                          "for the CPU so far; leave memory.kv_host_mib unset (all of it in memory)")
     source = WeightParams(rt.layout, rt.weights, rt.dtype)
+    kv = None
     try:
         store = rt.bind_params(source)
         pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
+        b = cfg.data.micro_batch_size
         groups = [_Rows(prompts[i : i + b], pad, hf, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
+        _, kv_heads, head_dim = kv_shape(hf)
+        os.makedirs(cfg.io.paths[0], exist_ok=True)
+        kv = TieredKV([g.cache for g in groups], [len(g.out) for g in groups],
+                      [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=kv_heads,
+                      head_dim=head_dim, dtype=rt.dtype, device=rt.dev.device, budget=budget,
+                      path=cfg.io.paths[0], checksum=cfg.io.checksum)
+        log.info("key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
+                 kv.host_bytes / 2**20, kv.spilled_bytes / 2**20, cfg.io.paths[0])
         gen = torch.Generator().manual_seed(sampling.seed)
         units = [model.embed, *model.blocks, model.head]
         t0, steps = time.perf_counter(), 0
@@ -135,7 +141,7 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
             model.eval()
             for step in range(sampling.max_new_tokens):
                 more = step + 1 < sampling.max_new_tokens  # the last step prefetches nothing past itself
-                last = _step(store, rt.layout, units, groups, hf, step, rt.dev.device, more)
+                last = _step(store, rt.layout, units, groups, hf, step, rt.dev.device, more, kv)
                 picked = [_pick(logits.float(), sampling, gen) for logits in last]
                 steps += 1
                 if not _record(groups, picked, sampling, on_tokens):
@@ -143,15 +149,18 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         out = [row for g in groups for row in g.out]
         s = time.perf_counter() - t0
         log.info("generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "
-                 "%.3f GB read, %.2f s waited", sum(map(len, out)), len(out), steps, s, sum(map(len, out)) / s,
-                 store.stats.fetches, store.stats.fetch_bytes / 1e9, store.stats.wait_s)
+                 "%.3f GB read, %.2f s waited; key/value cache on the storage tier: %.3f MiB read, %.3f MiB written",
+                 sum(map(len, out)), len(out), steps, s, sum(map(len, out)) / s, store.stats.fetches,
+                 store.stats.fetch_bytes / 1e9, store.stats.wait_s, kv.read_bytes / 2**20, kv.written_bytes / 2**20)
         return out
     finally:
+        if kv is not None:
+            kv.close()
         rt.close()
         source.close()
 
 
-def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more: bool) -> list[torch.Tensor]:
+def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more: bool, kv) -> list[torch.Tensor]:
     """One decoding step over every micro-batch, unit by unit: the last logits of each. The
     units ahead are prefetched, round into the next step's where there is one (``more``)."""
     n = len(units)
@@ -171,7 +180,12 @@ def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more
             h = [unit.decode(x, p) for x, p in zip(ins, poss)]
             masks = [decode_mask(hf, x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
         elif k < n - 1:
-            h = [unit.decode(x, m, p, g.cache) for x, m, p, g in zip(h, masks, poss, groups)]
+            out = []
+            for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):
+                kv.bring(k - 1, i)  # block k - 1's keys and values of micro-batch i in memory
+                out.append(unit.decode(x, m, p, g.cache))
+                kv.send(k - 1, i)
+            h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]
         for x in reversed(own):

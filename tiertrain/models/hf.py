@@ -17,7 +17,7 @@ from transformers.masking_utils import create_causal_mask
 
 from .base import LayeredModel, default_positions, no_cache
 
-__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "kv_bytes", "new_cache"]
+__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "kv_bytes", "kv_shape", "new_cache"]
 
 
 # The causal masks are made without position ids: given them, transformers looks for packed
@@ -160,12 +160,17 @@ def new_cache(config: Any, max_len: int):
     return StaticCache(config=config, max_cache_len=max_len)
 
 
-def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions."""
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a model's key/value cache."""
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions."""
+    layers, kv_heads, head_dim = kv_shape(config)
     return 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
 
 
