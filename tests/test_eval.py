@@ -97,3 +97,52 @@ def test_eval_bad_input_is_named(tmp_path):
     cfg.data.eval_corpus = big
     with pytest.raises(Exception, match=r"its tokenizer has 4000 tokens, the model's vocabulary 256"):
         evaluate(cfg)
+
+
+def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog):
+    """io.weights = 'tier': the first run converts the weights into weights-<key>.bin (in the
+    compute dtype, checksummed) and reads units from it with O_DIRECT: the loss of reading
+    the safetensors; a second run reuses the file; a corrupted block is caught by its
+    checksum; a changed source makes a new file."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(2)
+    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
+                                                                     n_heads=4, vocab_size=256)))
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = small_config(tmp_path)
+    cfg.model, cfg.data.eval_corpus = ModelConfig(hf_dir=str(tmp_path / "hf")), _text(tmp_path)
+    want = evaluate(cfg).loss
+    cfg.io.weights = "tier"
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        first = evaluate(cfg).loss
+        again = evaluate(cfg).loss
+    assert first == again == want
+    logs = [r.message for r in caplog.records if r.message.startswith("weights:")]
+    assert logs[0].startswith("weights: converting") and "(converted before)" in logs[1], logs
+    (made,) = (tmp_path / "ssd0").glob("weights-*.bin")
+    with open(made, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 16)
+    with pytest.raises(Exception, match=r"(?i)checksum"):
+        evaluate(cfg)
+    os.utime(tmp_path / "hf" / "model.safetensors", ns=(1, 1))  # the source changed: converted anew
+    assert evaluate(cfg).loss == want and len(list((tmp_path / "ssd0").glob("weights-*.bin"))) == 2
+
+
+def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.generate import Sampling, generate
+
+    torch.manual_seed(4)
+    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
+                                                                     n_heads=4, vocab_size=256)))
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = small_config(tmp_path)
+    cfg.model = ModelConfig(hf_dir=str(tmp_path / "hf"))
+    want = generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6))
+    cfg.io.weights = "tier"
+    assert generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6)) == want

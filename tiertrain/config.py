@@ -101,6 +101,10 @@ class IOConfig(Section):
     direct: bool = opt(True, "Use O_DIRECT (falls back to buffered I/O, with a warning, where unsupported).")
     checksum: bool = opt(True, "Keep a CRC32C per block beside every state file and verify it on read.")
     checksum_block_kib: int = opt(1024, "Bytes covered by one checksum, KiB (a multiple of 4 dividing chunk_kib).")
+    weights: str = opt("source", "Forward-only commands (eval, generate): 'source' reads each unit from the model's "
+                       "own files (safetensors, a checkpoint) through the page cache; 'tier' converts them once, unit "
+                       "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, checksummed, "
+                       "kept for later runs) and reads units from it with O_DIRECT.")
     gds: str = opt("auto", "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "
                    "kvikio (checksums verified on the GPU). 'auto' (when kvikio is installed), 'on' (refuse to "
                    "start without it), 'off' (through pinned host buffers).")
@@ -114,6 +118,7 @@ class IOConfig(Section):
             self._fail("paths", "paths must be distinct directories")
         self._in_range("threads", 1, 256)
         self._one_of("gds", ("auto", "on", "off"))
+        self._one_of("weights", ("source", "tier"))
         for name in ("chunk_kib", "stripe_kib", "checksum_block_kib"):
             if getattr(self, name) < 4 or getattr(self, name) % 4:
                 self._fail(name, "must be a positive multiple of 4 (KiB), the O_DIRECT alignment")

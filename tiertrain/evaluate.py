@@ -156,7 +156,13 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         rt.close()
         raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.corpus.vocab_size} tokens, the model's "
                           f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)")
-    source = WeightParams(rt.layout, rt.weights, rt.dtype)
+    from .weights_file import forward_params
+
+    try:
+        source = forward_params(cfg, rt)
+    except BaseException:
+        rt.close()
+        raise
     try:
         store = rt.bind_params(source)
         executor = LayerMajorExecutor(rt.model, store, None, None, rt.dev)

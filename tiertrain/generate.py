@@ -29,11 +29,11 @@ from typing import Callable
 import torch
 
 from .config import Config, ConfigError
-from .evaluate import WeightParams
 from .models import WeightSource
 from .kvcache import TieredKV
 from .models.hf import decode_mask, kv_shape, new_cache
 from .runtime import Runtime
+from .weights_file import forward_params
 
 __all__ = ["Sampling", "generate"]
 
@@ -119,7 +119,11 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         rt.close()
         raise ConfigError("memory.kv_host_mib with a CUDA device: the key/value cache on the storage tier is built "
                           "for the CPU so far; leave memory.kv_host_mib unset (all of it in memory)")
-    source = WeightParams(rt.layout, rt.weights, rt.dtype)
+    try:
+        source = forward_params(cfg, rt)
+    except BaseException:
+        rt.close()
+        raise
     kv = None
     try:
         store = rt.bind_params(source)

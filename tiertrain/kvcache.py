@@ -27,6 +27,9 @@ from .io import FileHandle, IOFuture, aligned_empty, round_up
 __all__ = ["TieredKV"]
 
 NAME = "kv.bin"
+# Regions start on whole checksum blocks: a pair's read ahead never shares a block with another
+# pair's write in flight.
+_BLOCK = 64 << 10
 
 
 @dataclass
@@ -60,11 +63,11 @@ class TieredKV:
                     used += p.nbytes
                     self._install(p, torch.zeros(2, *shape, dtype=dtype, device=device))
                 else:
-                    p.offset, offset = offset, offset + round_up(p.nbytes, 4096)
+                    p.offset, offset = offset, offset + round_up(p.nbytes, _BLOCK)
                     spilled += p.nbytes
                     self._prepare(p)
                 self.pairs[layer, m] = p
-        self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions 4 KiB aligned
+        self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions block-aligned
         self.read_bytes = self.written_bytes = 0
         self.file = self.pool = None
         self._writing: list[_Pair] = []  # written back, oldest first: their buffers come back in this order
@@ -73,7 +76,7 @@ class TieredKV:
             self.pool = [aligned_empty(round_up(biggest, 4096)) for _ in range(2)]
             self._free = [0, 1]
             self.file = FileHandle(os.path.join(path, NAME), "w", size=offset, checksum=checksum,
-                                   checksum_block=64 << 10)
+                                   checksum_block=_BLOCK)
             zeros = torch.zeros(2, *max((p.shape for p in self.pairs.values()), key=lambda s: s[0] * s[2]),
                                 dtype=dtype)
             for p in self.pairs.values():  # every region starts as an empty cache, as the host ones do

@@ -1,0 +1,119 @@
+"""A forward-only model's weights as a file of the storage tier, made once and kept.
+
+``io.weights = "tier"`` (for ``tiertrain eval`` and ``generate``): the model's weights, from
+wherever they come (a Hugging Face directory, an export, a checkpoint), are written unit by
+unit (one unit of memory, a progress bar) into ``weights-<key>.bin`` on the first
+``io.paths`` entry, in the runtime's flat layout and compute dtype, checksummed; every later
+run with the same key reads it instead of converting again. The key hashes what the weights
+depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes
+and modification times (a changed source makes a new file; old ones are the user's to
+delete). The file is complete or absent: it is written under a temporary name and renamed
+when done. Units are read with O_DIRECT straight into the parameter store's slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import os
+
+import torch
+
+from .io import FileHandle, IOFuture, aligned_empty
+from .models import WeightSource
+from .state.layout import FlatLayout
+from .update.base import ParamSource
+
+__all__ = ["TierWeights", "forward_params", "weights_key"]
+
+log = logging.getLogger("tiertrain")
+
+
+def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: list[str], describe: str) -> str:
+    """What the converted weights depend on, hashed (see the module docstring)."""
+    stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in sorted(files)]
+    blob = json.dumps([model_cfg, str(dtype), [u.numel for u in layout.units], stats, describe], sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def forward_params(cfg, rt, progress: bool = True) -> ParamSource:
+    """The parameter source of a forward-only run of ``rt`` (``io.weights``): the model's own
+    files, or their converted copy on the storage tier. Closed with ``close()``."""
+    from .evaluate import WeightParams
+
+    if cfg.io.weights == "source":
+        return WeightParams(rt.layout, rt.weights, rt.dtype)
+    key = weights_key(dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model), rt.weights.describe)
+    return TierWeights(rt.layout, rt.weights, rt.dtype, path=cfg.io.paths[0], key=key, checksum=cfg.io.checksum,
+                       block=rt.align, progress=progress)
+
+
+def source_files(model_cfg) -> list[str]:
+    """The files a model's weights are read from (none for a random init)."""
+    out = []
+    for d in (model_cfg.hf_dir, model_cfg.init_from):
+        if d and os.path.isdir(d):
+            out += glob.glob(os.path.join(d, "*.safetensors"))
+        elif d:
+            out.append(d)
+    return out
+
+
+class TierWeights(ParamSource):
+    """Units read from the converted file (made first if absent). A context manager."""
+
+    file_backed = True
+
+    def __init__(self, layout: FlatLayout, source: WeightSource, dtype: torch.dtype, *, path: str, key: str,
+                 checksum: bool, block: int, progress: bool = True) -> None:
+        self.layout, self.dtype = layout, dtype
+        self.path = os.path.join(path, f"weights-{key}.bin")
+        size = layout.total_numel * dtype.itemsize
+        if not os.path.exists(self.path):
+            self._convert(source, size, checksum, block, progress)
+        else:
+            log.info("weights: %s (converted before)", self.path)
+        self.file = FileHandle(self.path, "r", checksum=checksum, checksum_block=block)
+
+    def _convert(self, source: WeightSource, size: int, checksum: bool, block: int, progress: bool) -> None:
+        from tqdm import tqdm
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        log.info("weights: converting %s into %s (%.2f GB, once)", source.describe, self.path, size / 1e9)
+        buf = aligned_empty(self.layout.max_unit_numel * self.dtype.itemsize).view(self.dtype)
+        try:
+            with FileHandle(tmp, "w", size=size, checksum=checksum, checksum_block=block) as f:
+                for unit in tqdm(self.layout.units, desc="convert weights", disable=not progress, unit="unit"):
+                    view = buf[: unit.numel]
+                    view.zero_()
+                    values = source.load(unit.index, [r.name for r in unit.params])
+                    for r in unit.params:
+                        view[r.offset : r.offset + r.numel].copy_(values[r.name].reshape(-1))
+                    f.write(view, unit.numel * self.dtype.itemsize, unit.offset * self.dtype.itemsize)
+                f.flush()
+            for suffix in (".crc", ""):  # the file itself last: its presence says it is complete
+                if os.path.exists(tmp + suffix):
+                    os.replace(tmp + suffix, self.path + suffix)
+        except BaseException:
+            for suffix in ("", ".crc"):
+                if os.path.exists(tmp + suffix):
+                    os.remove(tmp + suffix)
+            raise
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("weights read from the tier are never used in place")
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        unit, e = self.layout.units[u], self.dtype.itemsize
+        return self.file.pread(out[: unit.numel], unit.numel * e, unit.offset * e)
+
+    def close(self) -> None:
+        self.file.close()
