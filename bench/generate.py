@@ -82,11 +82,51 @@ def worker(system: str, spec: dict) -> dict:
                 first=out[0])
 
 
-def run(system: str, spec: dict) -> dict:
+class MemoryCgroup:
+    """A memory cgroup (v1 or v2) limiting what a worker and its page cache may hold: a
+    machine with less memory than the model, so that what is offloaded to disk is read from
+    the disk and not from the page cache. A context manager; ``enter()`` runs in the child."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        v1 = "/sys/fs/cgroup/memory"
+        if os.path.isdir(v1):
+            self.path, knob = os.path.join(v1, f"tiertrain-bench-{os.getpid()}"), "memory.limit_in_bytes"
+        elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            self.path, knob = f"/sys/fs/cgroup/tiertrain-bench-{os.getpid()}", "memory.max"
+        else:
+            raise SystemExit("--memory-limit-mib: no memory cgroup here (neither /sys/fs/cgroup/memory nor cgroup v2)")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with open(os.path.join(self.path, knob), "w") as f:
+                f.write(str(limit_bytes))
+        except OSError as exc:
+            raise SystemExit(f"--memory-limit-mib: cannot make a memory cgroup at {self.path} ({exc}); run as root, "
+                             "or leave the limit out") from None
+
+    def enter(self) -> None:
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def __enter__(self) -> "MemoryCgroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def run(system: str, spec: dict, limit_bytes: int | None = None) -> dict:
     path = os.path.join(spec["scratch"], "spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    p = subprocess.run([sys.executable, __file__, "--worker", system, path], capture_output=True, text=True)
+    cmd = [sys.executable, __file__, "--worker", system, path]
+    if limit_bytes:
+        with MemoryCgroup(limit_bytes) as cg:
+            p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cg.enter)
+    else:
+        p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{system} at batch {spec['batch']} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -117,6 +157,10 @@ def main() -> int:
     ap.add_argument("--d-ff", type=int, default=4096)
     ap.add_argument("--budget-mib", type=int, default=512, help="accelerate's max_memory for weights (CPU)")
     ap.add_argument("--systems", default="tiertrain,accelerate,plain")
+    ap.add_argument("--memory-limit-mib", type=int, default=None,
+                    help="run the offloading systems in a memory cgroup of this size (page cache included): a machine "
+                    "with less memory than the model, so that offloaded weights come from the disk (plain runs "
+                    "without: it needs the whole model)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -140,7 +184,8 @@ def main() -> int:
                 spec = dict(model=model, scratch=scratch, batch=b, new_tokens=args.new_tokens,
                             prompt_len=args.prompt_len, budget_mib=args.budget_mib)
                 print(f"batch {b}: {s} ...", flush=True)
-                rows[b, s] = run(s, spec)
+                limit = args.memory_limit_mib << 20 if args.memory_limit_mib and s != "plain" else None
+                rows[b, s] = run(s, spec, limit)
                 print(f"  {rows[b, s]['tokens'] / rows[b, s]['seconds']:.1f} tok/s", flush=True)
     publish(render(rows, systems, args, n_params, read_gbps), out)
     return 0
@@ -155,7 +200,11 @@ def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float
              f"fp32 ({weight_gb:.2f} GB of weights), random; prompts of {args.prompt_len} tokens, {args.new_tokens} new "
              "tokens, greedy",
              f"- accelerate's weight budget: {args.budget_mib} MiB of CPU memory, the rest offloaded to disk; tiertrain: 3 "
-             "slots of the largest unit", "",
+             "slots of the largest unit",
+             (f"- the offloading systems ran in a memory cgroup of {args.memory_limit_mib} MiB (page cache included): "
+              "a machine with less memory than the model, so what is offloaded is read from the disk"
+              if args.memory_limit_mib else "- no memory limit: accelerate's offloaded weights may be served from the "
+              "page cache (this machine's RAM holds them), not the disk"), "",
              "| batch | system | tokens/s | vs accelerate | vs plain | peak RSS GiB | disk read GB | first row's tokens |",
              "|---|---|---|---|---|---|---|---|"]
     for b in sorted({b for b, _ in rows}):
