@@ -199,3 +199,40 @@ def test_the_kv_cache_spilled_to_the_storage_tier_gives_the_same_tokens(tmp_path
     if budget == "half":
         assert 0 < host <= cfg.memory.kv_host_mib
     assert not (tmp_path / "ssd0" / "kv.bin").exists()
+
+
+class _Layer:
+    def __init__(self):
+        self.cumulative_length = torch.tensor(0)
+
+
+class _Cache:
+    def __init__(self, layers):
+        self.layers = [_Layer() for _ in range(layers)]
+
+
+@pytest.mark.parametrize("budget_pairs", [0, 1, 3])
+def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pairs):
+    """Two layers x two micro-batches, 0, 1 or 3 pairs in memory (one spilled pair alone: its
+    own write-back must finish before it is read again): what a pair's block wrote into its
+    keys and values in one step is what it finds there in the next, for 5 steps."""
+    from tiertrain.kvcache import TieredKV
+
+    shape = (2, 2, 8, 4)  # rows, heads, max_len, head dim
+    pair = 2 * torch.Size(shape).numel() * 4
+    caches = [_Cache(2), _Cache(2)]
+    with TieredKV(caches, [2, 2], [8, 8], kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                  budget=budget_pairs * pair, path=str(tmp_path), checksum=True) as kv:
+        assert kv.host_bytes == budget_pairs * pair and kv.spilled_bytes == (4 - budget_pairs) * pair
+        for step in range(5):
+            for layer in range(2):
+                for m in range(2):
+                    kv.bring(layer, m)
+                    lay = caches[m].layers[layer]
+                    want = float(10 * layer + m) if step else 0.0
+                    assert torch.all(lay.keys[:, :, :step] == want) and torch.all(lay.values[:, :, :step] == -want)
+                    lay.keys[:, :, step], lay.values[:, :, step] = 10 * layer + m, -(10 * layer + m)
+                    kv.send(layer, m)
+        spilled = 4 - budget_pairs
+        assert kv.read_bytes >= 4 * spilled * pair or spilled == 0
+    assert not (tmp_path / "kv.bin").exists()

@@ -105,8 +105,12 @@ class TieredKV:
         return self.pool[p.buffer][: p.nbytes].view(self.dtype).view(2, *p.shape)
 
     def _start_read(self, p: _Pair) -> bool:
-        if p.buffer is not None or not self._free:
-            return p.buffer is not None
+        """Start reading ``p`` into a free buffer (True), or say none is free (False). A pair
+        whose last write-back still holds its buffer is not read before that write is done."""
+        if p.read is not None:
+            return True
+        if p.write is not None or not self._free:
+            return False
         p.buffer = self._free.pop()
         p.read = self.file.pread(self.pool[p.buffer], p.nbytes, p.offset)
         return True
@@ -116,7 +120,7 @@ class TieredKV:
         p = self.pairs[layer, m]
         if p.offset is None:
             return
-        while not self._start_read(p):  # both buffers busy: the oldest write gives one back
+        while not self._start_read(p):  # its own write-back, or both buffers', gives one back first
             self._reclaim()
         self.read_bytes += p.read.get()  # sync point on the I/O
         p.read = None
