@@ -173,7 +173,7 @@ def test_the_kv_cache_spilled_to_the_storage_tier_gives_the_same_tokens(tmp_path
 
     path, hf = model_dir
     cfg = _cfg(tmp_path, path, per_micro_batch=2)
-    prompts, n = (PROMPTS * 14, 40) if budget == "half" else (PROMPTS, 9)  # 'half': a cache of ~2 MiB
+    prompts, n = (PROMPTS * 18, 40) if budget == "half" else (PROMPTS, 9)  # 'half': a cache of ~2.5 MiB
     modes = [Sampling(max_new_tokens=n)]
     if budget != "half":  # sampled too (the 'half' case's larger batch: greedy only)
         modes.append(Sampling(max_new_tokens=n, temperature=1.2, top_k=40, seed=4))
