@@ -10,8 +10,9 @@ activations per micro-batch, whatever the model's size.
 
 The text is ``data.eval_corpus`` cut into windows as the validation loss cuts it
 (``data.EvalSet``), all of them by default; the loss is the mean over its micro-batches of the
-mean cross-entropy, and the perplexity its exponential. A tiertrain checkpoint is evaluated
-through its export (``tiertrain export``, then ``--model.init_from`` or ``--model.hf_dir``).
+mean cross-entropy, and the perplexity its exponential. A tiertrain checkpoint is read
+directly (``CheckpointWeights``: its weights file, checksummed first); ``io.weights = tier``
+reads a converted copy instead (``weights_file.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from .config import Config, ConfigError
 from .data import EvalSet
 from .io import IOFuture
-from .models import WeightSource
+from .models import WeightSource, vocab_size_of
 from .runtime import Runtime
 from .schedule.executor import LayerMajorExecutor
 from .state.layout import FlatLayout
@@ -151,7 +152,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
                           "--data.eval_corpus=held_out.txt (a .txt file, a token file, or 'bundled')")
     evalset = EvalSet(cfg.data)
     rt = Runtime(cfg, weights=weights, device=device)
-    vocab = rt.model.hf_config.vocab_size if rt.model.hf_config is not None else cfg.model.vocab_size
+    vocab = vocab_size_of(rt.model, cfg)
     if evalset.corpus.vocab_size > vocab:
         rt.close()
         raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.corpus.vocab_size} tokens, the model's "

@@ -3,7 +3,8 @@
 Every decoding step (the prefill of the whole prompts first, then one token per step) walks
 the model's units in order, each unit over every micro-batch (``data.micro_batch_size``
 prompts each) while its weights are resident: the weights are read from where they are
-(``evaluate.WeightParams``: a Hugging Face directory, an export, a checkpoint) once per token
+(``weights_file.forward_params``: the model directory's safetensors, or their converted copy on
+the storage tier with ``io.weights = tier``) once per token
 for the whole batch, one unit ahead of the compute, through the parameter store's fixed slots.
 
 Prompts of different lengths are padded on the left, as ``transformers``' ``generate`` pads

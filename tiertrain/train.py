@@ -33,7 +33,7 @@ from .data import Corpus, EvalSet
 from .errors import one_line
 from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
-from .models import WeightSource
+from .models import WeightSource, vocab_size_of
 from .models.pieces import WholeTensors
 from .rundir import RunDir
 from .runtime import Runtime
@@ -123,9 +123,9 @@ class Trainer:
         self.source = self.rt.weights
         self.corpus = Corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
-        if self.corpus.vocab_size > _vocab(self.model, cfg):
+        if self.corpus.vocab_size > vocab_size_of(self.model, cfg):
             raise ConfigError(
-                f"model.vocab_size = {_vocab(self.model, cfg)} is smaller than the corpus vocabulary "
+                f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the corpus vocabulary "
                 f"({self.corpus.vocab_size}); raise it to at least {self.corpus.vocab_size}"
             )
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
@@ -599,5 +599,3 @@ class _StopFlag:
         self._old = {}
 
 
-def _vocab(model, cfg: Config) -> int:
-    return model.hf_config.vocab_size if model.hf_config is not None else cfg.model.vocab_size

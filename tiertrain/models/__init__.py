@@ -28,6 +28,7 @@ __all__ = [
     "unit_param_names",
     "random_source",
     "safetensors_source",
+    "vocab_size_of",
     "tensor_source",
 ]
 
@@ -142,6 +143,11 @@ def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
     rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, block)
     if rows < vocab:
         cut_vocab(model, rows)
+
+
+def vocab_size_of(model: LayeredModel, cfg) -> int:
+    """The model's vocabulary: its Hugging Face config's, else ``model.vocab_size``."""
+    return model.hf_config.vocab_size if model.hf_config is not None else cfg.model.vocab_size
 
 
 def random_source(model: LayeredModel, seed: int) -> WeightSource:

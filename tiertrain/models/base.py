@@ -46,7 +46,7 @@ def default_positions(x: torch.Tensor) -> torch.Tensor:
 
 def no_cache(cache: Any) -> None:
     if cache is not None:
-        raise NotImplementedError("a block's key/value cache is for generation, which tiertrain does not run yet")
+        raise NotImplementedError("a block's forward takes no key/value cache: generation calls its decode()")
 
 
 @dataclass(frozen=True)
