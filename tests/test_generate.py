@@ -137,7 +137,7 @@ def test_each_unit_is_read_once_per_step_for_the_whole_batch(tmp_path, model_dir
     if "gpt2" in path:
         pytest.skip("the untied model: 4 units of their own")
     cfg = _cfg(tmp_path, path, per_micro_batch=1)
-    cfg.memory.device_slots = 3
+    cfg.memory.device_slots, cfg.memory.host_param_mib = 3, 0  # none kept in host memory
     import logging
 
     with caplog.at_level(logging.INFO, logger="tiertrain"):
@@ -214,18 +214,24 @@ class _Cache:
         self.layers = [_Layer() for _ in range(layers)]
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["cpu", "separate-device"])
 @pytest.mark.parametrize("budget_pairs", [0, 1, 3])
-def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pairs):
+def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pairs, separate):
     """Two layers x two micro-batches, 0, 1 or 3 pairs in memory (one spilled pair alone: its
     own write-back must finish before it is read again): what a pair's block wrote into its
-    keys and values in one step is what it finds there in the next, for 5 steps."""
+    keys and values in one step is what it finds there in the next, for 5 steps. On the
+    simulated separate-memory device too (uploads and downloads on their streams, fresh device
+    memory poisoned): the block works on the device twin, what it wrote reaches the file."""
     from tiertrain.kvcache import TieredKV
+    from tiertrain.state.device import AsyncCpuDevice, Device
 
     shape = (2, 2, 8, 4)  # rows, heads, max_len, head dim
     pair = 2 * torch.Size(shape).numel() * 4
     caches = [_Cache(2), _Cache(2)]
-    with TieredKV(caches, [2, 2], [8, 8], kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+    dev = AsyncCpuDevice() if separate else Device()
+    with TieredKV(caches, [2, 2], [8, 8], kv_heads=2, head_dim=4, dtype=torch.float32, dev=dev,
                   budget=budget_pairs * pair, path=str(tmp_path), checksum=True) as kv:
+        assert (kv.device_pool is not None) == (separate and budget_pairs < 4)
         assert kv.host_bytes == budget_pairs * pair and kv.spilled_bytes == (4 - budget_pairs) * pair
         for step in range(5):
             for layer in range(2):
@@ -238,4 +244,5 @@ def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pair
                     kv.send(layer, m)
         spilled = 4 - budget_pairs
         assert kv.read_bytes >= 4 * spilled * pair or spilled == 0
+    dev.close()
     assert not (tmp_path / "kv.bin").exists()

@@ -5,13 +5,15 @@ the model's units in order, each unit over every micro-batch (``data.micro_batch
 prompts each) while its weights are resident: the weights are read from where they are
 (``weights_file.forward_params``: the model directory's safetensors, or their converted copy on
 the storage tier with ``io.weights = tier``) once per token
-for the whole batch, one unit ahead of the compute, through the parameter store's fixed slots.
+for the whole batch, one unit ahead of the compute, through the parameter store's fixed slots;
+the first units, as many as the host budget leaves room for (``weights_file.resident_budget``),
+are read once at start and kept in host memory.
 
 Prompts of different lengths are padded on the left, as ``transformers``' ``generate`` pads
 them: the attention mask is 0 there, positions count only real tokens. Keys and values are
 kept per micro-batch in ``transformers``' static cache in host memory, sized at start for the
-micro-batch's longest prompt plus ``max_new_tokens`` and checked against
-``memory.kv_host_mib`` (spilling it to the storage tier: not built yet). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
+micro-batch's longest prompt plus ``max_new_tokens``, within ``memory.kv_host_mib`` in host
+(CUDA: device) memory, the rest on the storage tier (``kvcache.TieredKV``). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
 seeded generator; a row stops at a stop token or ``max_new_tokens``.
 
 Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``); the vocabulary is not
@@ -32,7 +34,7 @@ import torch
 from .config import Config, ConfigError
 from .models import WeightSource
 from .kvcache import TieredKV
-from .models.hf import decode_mask, kv_shape, new_cache
+from .models.hf import decode_mask, kv_bytes, kv_shape, new_cache
 from .runtime import Runtime
 from .weights_file import forward_params
 
@@ -116,26 +118,23 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
                           f"vocabulary ({hf.vocab_size}); tokenize with the model's own tokenizer")
     budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
-    if budget is not None and rt.dev.separate:
-        rt.close()
-        raise ConfigError("memory.kv_host_mib with a CUDA device: the key/value cache on the storage tier is built "
-                          "for the CPU so far; leave memory.kv_host_mib unset (all of it in memory)")
+    pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
+    b = cfg.data.micro_batch_size
+    groups = [_Rows(prompts[i : i + b], pad, hf, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
+    _, kv_heads, head_dim = kv_shape(hf)
+    kv_total = sum(kv_bytes(hf, len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
     try:
-        source = forward_params(cfg, rt)
+        source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
     except BaseException:
         rt.close()
         raise
     kv = None
     try:
         store = rt.bind_params(source)
-        pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
-        b = cfg.data.micro_batch_size
-        groups = [_Rows(prompts[i : i + b], pad, hf, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
-        _, kv_heads, head_dim = kv_shape(hf)
         os.makedirs(cfg.io.paths[0], exist_ok=True)
         kv = TieredKV([g.cache for g in groups], [len(g.out) for g in groups],
                       [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=kv_heads,
-                      head_dim=head_dim, dtype=rt.dtype, device=rt.dev.device, budget=budget,
+                      head_dim=head_dim, dtype=rt.dtype, dev=rt.dev, budget=budget,
                       path=cfg.io.paths[0], checksum=cfg.io.checksum)
         log.info("key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
                  kv.host_bytes / 2**20, kv.spilled_bytes / 2**20, cfg.io.paths[0])

@@ -9,6 +9,9 @@ and checksummed like every state), and a buffer from a pool of two only while th
 runs for their micro-batch: ``bring`` reads the region in (waiting for it if the read started
 ahead has not finished), ``send`` writes the whole region back. The read of the next pair in
 unit order starts as soon as a buffer is free (``ahead``), under the compute of this one.
+With separate device memory (CUDA) each host buffer (pinned) has a device twin: ``bring``
+uploads into it (the compute stream waits for the copy, the host does not), ``send``
+downloads from it and waits (a sync point) before the write.
 
 Written whole rather than by the new positions only: a pair's region is ``2 x rows x heads
 x max_len x head_dim`` elements, read and written once per decoding step (I/O per step grows
@@ -50,8 +53,8 @@ class TieredKV:
     file for the rest. A context manager (closing removes the file)."""
 
     def __init__(self, caches: list, rows: list[int], max_len: list[int], *, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, budget: int | None, path: str, checksum: bool) -> None:
-        self.caches, self.dtype, self.device = caches, dtype, device
+                 dtype: torch.dtype, dev, budget: int | None, path: str, checksum: bool) -> None:
+        self.caches, self.dtype, self.dev, self.device = caches, dtype, dev, dev.device
         layers = len(caches[0].layers)
         self.pairs: dict[tuple[int, int], _Pair] = {}
         used, offset, spilled = 0, 0, 0
@@ -61,7 +64,7 @@ class TieredKV:
                 p = _Pair(layer, m, shape, 2 * r * kv_heads * n * head_dim * dtype.itemsize)
                 if budget is None or used + p.nbytes <= budget:
                     used += p.nbytes
-                    self._install(p, torch.zeros(2, *shape, dtype=dtype, device=device))
+                    self._install(p, torch.zeros(2, *shape, dtype=dtype, device=self.device))
                 else:
                     p.offset, offset = offset, offset + round_up(p.nbytes, _BLOCK)
                     spilled += p.nbytes
@@ -69,11 +72,13 @@ class TieredKV:
                 self.pairs[layer, m] = p
         self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions block-aligned
         self.read_bytes = self.written_bytes = 0
-        self.file = self.pool = None
+        self.file = self.pool = self.device_pool = None
         self._writing: list[_Pair] = []  # written back, oldest first: their buffers come back in this order
         if offset:
             biggest = max(p.nbytes for p in self.pairs.values() if p.offset is not None)
-            self.pool = [aligned_empty(round_up(biggest, 4096)) for _ in range(2)]
+            self.pool = [aligned_empty(round_up(biggest, 4096), pin=dev.pin) for _ in range(2)]
+            if dev.separate:  # the compute reads the cache in device memory: one device buffer per host one
+                self.device_pool = [dev.empty(round_up(biggest, 4096) // dtype.itemsize, dtype) for _ in range(2)]
             self._free = [0, 1]
             self.file = FileHandle(os.path.join(path, NAME), "w", size=offset, checksum=checksum,
                                    checksum_block=_BLOCK)
@@ -101,7 +106,9 @@ class TieredKV:
         layer = self._layer(p)
         layer.keys, layer.values = kv[0], kv[1]
 
-    def _view(self, p: _Pair) -> torch.Tensor:
+    def _view(self, p: _Pair, device: bool = False) -> torch.Tensor:
+        if device:
+            return self.device_pool[p.buffer][: p.nbytes // self.dtype.itemsize].view(2, *p.shape)
         return self.pool[p.buffer][: p.nbytes].view(self.dtype).view(2, *p.shape)
 
     def _start_read(self, p: _Pair) -> bool:
@@ -124,7 +131,12 @@ class TieredKV:
             self._reclaim()
         self.read_bytes += p.read.get()  # sync point on the I/O
         p.read = None
-        self._install(p, self._view(p))  # copies to the device go with it where that is separate
+        if self.device_pool is None:
+            self._install(p, self._view(p))
+            return
+        # separate device memory: uploaded, the compute stream ordered after the copy (no host block)
+        self.dev.wait(self.dev.upload(self._view(p, device=True), self._view(p)))
+        self._install(p, self._view(p, device=True))
 
     def send(self, layer: int, m: int) -> None:
         """After: a spilled pair's region written back (from its buffer, given back when
@@ -134,6 +146,8 @@ class TieredKV:
             return
         layer_ = self._layer(p)
         layer_.keys = layer_.values = None
+        if self.device_pool is not None:  # sync point: the host buffer holds the step's cache before it is written
+            self.dev.sync(self.dev.download(self._view(p), self._view(p, device=True)))
         p.write = self.file.pwrite(self.pool[p.buffer], p.nbytes, p.offset)
         self._writing.append(p)
         i = self.order.index((p.layer, p.micro_batch))

@@ -22,12 +22,12 @@ import os
 
 import torch
 
-from .io import FileHandle, IOFuture, aligned_empty
+from .io import FileHandle, IOFuture, aligned_empty, round_up
 from .models import WeightSource
 from .state.layout import FlatLayout
 from .update.base import ParamSource
 
-__all__ = ["TierWeights", "forward_params", "weights_key"]
+__all__ = ["ResidentWeights", "TierWeights", "forward_params", "resident_budget", "weights_key"]
 
 log = logging.getLogger("tiertrain")
 
@@ -40,16 +40,92 @@ def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: 
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def forward_params(cfg, rt, progress: bool = True) -> ParamSource:
+def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> ParamSource:
     """The parameter source of a forward-only run of ``rt`` (``io.weights``): the model's own
-    files, or their converted copy on the storage tier. Closed with ``close()``."""
+    files, or their converted copy on the storage tier, with as many units kept in host memory
+    as ``resident_budget`` allows (``other_bytes``: the run's other fixed host memory, e.g. the
+    key/value cache). Closed with ``close()``."""
     from .evaluate import WeightParams
 
     if cfg.io.weights == "source":
-        return WeightParams(rt.layout, rt.weights, rt.dtype)
-    key = weights_key(dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model), rt.weights.describe)
-    return TierWeights(rt.layout, rt.weights, rt.dtype, path=cfg.io.paths[0], key=key, checksum=cfg.io.checksum,
-                       block=rt.align, progress=progress)
+        inner: ParamSource = WeightParams(rt.layout, rt.weights, rt.dtype)
+    else:
+        key = weights_key(dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model),
+                          rt.weights.describe)
+        inner = TierWeights(rt.layout, rt.weights, rt.dtype, path=cfg.io.paths[0], key=key,
+                            checksum=cfg.io.checksum, block=rt.align, progress=progress)
+    budget, why = resident_budget(cfg, rt, other_bytes)
+    if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
+        log.info("weights: every unit read from %s at every pass (%s)", rt.weights.describe, why)
+        return inner
+    try:
+        return ResidentWeights(inner, rt.layout, budget, pin=rt.dev.pin, why=why, progress=progress)
+    except BaseException:
+        inner.close()
+        raise
+
+
+def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:
+    """Host bytes for weights kept in memory across passes, and why: ``memory.host_param_mib``
+    where set, else what ``memory.host_mib`` (default: half the memory available) leaves after
+    the parameter slots, ``other_bytes`` and one unit's activations per micro-batch (a margin
+    of the largest unit again)."""
+    from .cost.budget import default_host_bytes
+
+    if cfg.memory.host_param_mib is not None:
+        return cfg.memory.host_param_mib << 20, f"memory.host_param_mib = {cfg.memory.host_param_mib}"
+    host, src = ((cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}")
+                 if cfg.memory.host_mib is not None else default_host_bytes())
+    unit = rt.layout.max_unit_numel * rt.dtype.itemsize
+    fixed = (0 if rt.dev.separate else cfg.memory.device_slots * unit) + unit + other_bytes
+    return max(0, host - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
+
+
+class ResidentWeights(ParamSource):
+    """The first units (in pass order) that fit in ``budget`` bytes read once, at start, into
+    host memory and used in place from then on (uploaded from there on CUDA: pinned); the
+    others read from ``inner`` at every pass. Every unit is read as often in a pass, so any
+    byte kept saves the same: the order is the schedule's, the cut is the budget's."""
+
+    file_backed = True
+
+    def __init__(self, inner: ParamSource, layout: FlatLayout, budget: int, *, pin: bool, why: str,
+                 progress: bool = True) -> None:
+        from tqdm import tqdm
+
+        self.inner, self.layout, self.dtype = inner, layout, inner.dtype
+        self.resident: dict[int, torch.Tensor] = {}
+        used, e = 0, self.dtype.itemsize
+        for unit in layout.units:
+            if used + unit.numel * e > budget:
+                break
+            # whole pages: a direct read of the unit's last block lands inside the buffer
+            self.resident[unit.index] = aligned_empty(round_up(unit.numel * e), pin=pin).view(self.dtype)
+            used += unit.numel * e
+        self._bytes = used
+        total = layout.total_numel * e
+        log.info("weights: %d of %d units (%.3f of %.3f GB) kept in host memory, read once (%s); the rest read at "
+                 "every pass", len(self.resident), len(layout.units), used / 1e9, total / 1e9, why)
+        for u, buf in tqdm(self.resident.items(), desc="load resident weights", unit="unit",
+                           disable=not progress or len(self.resident) < 2):
+            inner.load(u, buf).get()  # sync point: before the first pass
+
+    @property
+    def host_bytes(self) -> int:
+        return self._bytes
+
+    def on_host(self, u: int) -> bool:
+        return u in self.resident
+
+    def host_view(self, u: int) -> torch.Tensor:
+        return self.resident[u][: self.layout.units[u].numel]
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        return self.inner.load(u, out, slot)
+
+    def close(self) -> None:
+        self.resident.clear()
+        self.inner.close()
 
 
 def source_files(model_cfg) -> list[str]:

@@ -1,0 +1,176 @@
+"""Generation's memory: weights kept in host memory within the budget (read once, at start)
+and the rest read every pass; the key/value cache spilled on a separate-memory device; peak
+host memory set by the slots, the cache budget and the pools, not by the number of layers."""
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference import small_config
+from tiertrain.config import ModelConfig
+from tiertrain.generate import Sampling, generate
+from tiertrain.models import hf_config_from
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [3, 4, 5, 200]]
+
+
+def _llama_dir(tmp_path, layers=2, d_model=64, vocab=256):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=layers, d_model=d_model,
+                                                                     n_heads=4, vocab_size=vocab)))
+    d = tmp_path / f"llama{layers}"
+    hf.save_pretrained(d)
+    return str(d)
+
+
+def _cfg(tmp_path, model_dir):
+    cfg = small_config(tmp_path)
+    cfg.model.kind, cfg.model.hf_dir, cfg.data.micro_batch_size = "auto", model_dir, 2
+    return cfg
+
+
+def _lines(caplog, start):
+    return [r.message for r in caplog.records if r.message.startswith(start)]
+
+
+def test_weights_in_the_host_budget_are_read_once_and_give_the_same_tokens(tmp_path, caplog):
+    """Default budget (half the memory available): every unit kept, read once at start, no
+    load during the 6 steps; none kept (host_param_mib = 0): 4 loads a step. Same tokens."""
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    cfg.memory.host_param_mib = None  # the tests' config streams every unit
+    caplog.set_level(logging.INFO, logger="tiertrain")
+    kept = generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
+    assert "weights: 4 of 4 units" in _lines(caplog, "weights:")[0]  # embedding, 2 blocks, head
+    assert "weights: 0 unit loads, 0.000 GB read" in _lines(caplog, "generated")[0]
+    caplog.clear()
+    cfg.memory.host_param_mib = 0
+    streamed = generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
+    assert "every unit read" in _lines(caplog, "weights:")[0]
+    assert re.search(r"weights: (\d+) unit loads", _lines(caplog, "generated")[0]).group(1) == "24"  # 4 units x 6
+    assert kept == streamed
+
+
+class _Counting:
+    """A parameter source of known contents that counts its loads."""
+
+    dtype = torch.float32
+
+    def __init__(self, layout):
+        self.layout, self.loads = layout, []
+
+    def load(self, u, out, slot=None):
+        from tiertrain.io import IOFuture
+
+        self.loads.append(u)
+        out[: self.layout.units[u].numel] = float(u + 1)
+        return IOFuture.completed(self.layout.units[u].numel * 4)
+
+    def close(self):
+        self.closed = True
+
+
+def test_resident_weights_keep_the_units_that_fit_in_pass_order(tmp_path):
+    """A budget of the first two units and a byte less than the third: the first two read once
+    at start and used in place (their contents), the others left to the inner source."""
+    from tiertrain.runtime import Runtime
+    from tiertrain.weights_file import ResidentWeights
+
+    cfg = small_config(tmp_path)
+    rt = Runtime(cfg)
+    units = rt.layout.units
+    inner = _Counting(rt.layout)
+    budget = (units[0].numel + units[1].numel + units[2].numel) * 4 - 1
+    src = ResidentWeights(inner, rt.layout, budget, pin=False, why="test", progress=False)
+    assert inner.loads == [0, 1] and src.host_bytes == (units[0].numel + units[1].numel) * 4
+    assert src.on_host(0) and src.on_host(1) and not src.on_host(2)
+    assert torch.all(src.host_view(1) == 2.0) and src.host_view(1).numel() == units[1].numel
+    out = torch.zeros(rt.layout.max_unit_numel)
+    src.load(3, out)
+    assert inner.loads == [0, 1, 3] and torch.all(out[: units[3].numel] == 4.0)
+    src.close()
+    assert inner.closed
+    rt.close()
+
+
+def test_a_spilled_kv_cache_on_a_separate_memory_device_gives_the_tokens_of_the_cpu(tmp_path):
+    """The simulated separate-memory device (copies on their own streams, fresh device memory
+    poisoned), every block's cache on the storage tier and no weights kept: the CPU's tokens."""
+    from tiertrain.state.device import AsyncCpuDevice
+
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    want = generate(cfg, PROMPTS, Sampling(max_new_tokens=7))
+    cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
+    dev = AsyncCpuDevice()
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=7), device=dev) == want
+
+
+_MEMORY_PROBE = r"""
+import dataclasses, gc, json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from reference import small_config
+from tiertrain.config import ModelConfig
+from tiertrain.generate import Sampling, generate
+from tiertrain.models import hf_config_from
+from tiertrain.models.hf import kv_bytes
+from tiertrain.runtime import Runtime
+from tiertrain.state.device import host_peak_rss, host_rss, reset_peak_rss
+from transformers import AutoModelForCausalLM
+
+out = {}
+for layers in (2, 8):
+    d = Path(sys.argv[1]) / f"llama{layers}"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=layers, d_model=512,
+                                                                     n_heads=8, vocab_size=256, max_seq_len=256)))
+    hf.save_pretrained(d)
+    del hf
+    for weights in ("source", "tier"):
+        cfg = small_config(d)
+        cfg.model.kind, cfg.model.hf_dir, cfg.data.micro_batch_size = "auto", str(d), 4
+        cfg.memory.kv_host_mib, cfg.memory.host_param_mib, cfg.io.weights = 0, 0, weights
+        prompts = [[5, 6, 7, 8] * 8] * 8
+        generate(cfg, prompts, Sampling(max_new_tokens=8))  # first call: lazy imports, conversion
+        gc.collect()
+        before = host_rss()
+        assert reset_peak_rss()
+        generate(cfg, prompts, Sampling(max_new_tokens=8))
+        rt = Runtime(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model)))
+        unit = rt.layout.max_unit_numel * 4
+        pair = kv_bytes(rt.model.hf_config, 4, 40, torch.float32) // layers
+        rt.close()
+        out[f"{layers}-{weights}"] = dict(growth=host_peak_rss() - before, unit=unit, pair=pair,
+                                         total=sum(u.numel for u in rt.layout.units) * 4)
+print(json.dumps(out))
+"""
+
+
+def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
+    """Weights streamed (host_param_mib = 0) and the cache spilled (kv_host_mib = 0): a
+    generation's peak host memory over what the process held before it is within 3 slots of
+    the largest unit, one unit being converted, the cache's two buffers and a fixed 40 MiB
+    (the model's skeleton, activations, the allocator), for 2 and 8 layers of 13.7 MB alike
+    (weights read from the model's safetensors or the tier's file): the 6 extra layers (82 MB)
+    add less than half a layer."""
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(tests)}
+    run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), tests], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for weights in ("source", "tier"):
+        small, big = got[f"2-{weights}"], got[f"8-{weights}"]
+        assert big["total"] - small["total"] > 6 * small["unit"] * 0.9  # the extra layers are that big
+        for r in (small, big):
+            bound = 3 * r["unit"] + r["unit"] + 2 * r["pair"] + (40 << 20)
+            assert r["growth"] <= bound, (weights, r, bound)
+        assert abs(big["growth"] - small["growth"]) < small["unit"] / 2, (weights, got)
