@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from reference import small_config
