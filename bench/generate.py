@@ -272,7 +272,9 @@ def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float
         lines += ["", f"At batch 1 the I/O floor is {weight_gb:.2f} GB per token / {read_gbps:.2f} GB/s = {floor:.2f} s per "
                   f"token; tiertrain takes {per_token:.2f} s per token ({per_token / floor:.2f}x the floor; the prefill is "
                   f"in it). Counting only the {streamed:.2f} GB outside the weight budget: floor "
-                  f"{streamed / read_gbps:.2f} s, tiertrain at {per_token / (streamed / read_gbps):.2f}x it."]
+                  f"{streamed / read_gbps:.2f} s, tiertrain at {per_token / (streamed / read_gbps):.2f}x it. tiertrain's "
+                  f"reads ran at {one['read'] / one['seconds'] / 1e9:.2f} GB/s (disk read / time): where that is above "
+                  "the measured bandwidth, the floor's bandwidth is the pessimistic one (the disk is noisy)."]
     for b in sorted({b for b, _ in rows}):
         per = {s: rows[b, s]["seconds"] / rows[b, s]["tokens"] for s in systems if (b, s) in rows}
         if "tiertrain" in per and "plain" in per:
