@@ -46,12 +46,12 @@ def test_weights_in_the_host_budget_are_read_once_and_give_the_same_tokens(tmp_p
     cfg.memory.host_param_mib = None  # the tests' config streams every unit
     caplog.set_level(logging.INFO, logger="tiertrain")
     kept = generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
-    assert "weights: 4 of 4 units" in _lines(caplog, "weights:")[0]  # embedding, 2 blocks, head
+    assert "weights in host memory: 4 of 4 units" in _lines(caplog, "weights in host memory")[0]  # embedding, 2 blocks, head
     assert "weights: 0 unit loads, 0.000 GB read" in _lines(caplog, "generated")[0]
     caplog.clear()
     cfg.memory.host_param_mib = 0
     streamed = generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
-    assert "every unit read" in _lines(caplog, "weights:")[0]
+    assert "none (memory.host_param_mib = 0)" in _lines(caplog, "weights in host memory")[0]
     assert re.search(r"weights: (\d+) unit loads", _lines(caplog, "generated")[0]).group(1) == "24"  # 4 units x 6
     assert kept == streamed
 

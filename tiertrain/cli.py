@@ -15,7 +15,7 @@ import threading
 from typing import Iterator, Sequence
 
 from .config import ConfigError, config_reference, load_config
-from .errors import TiertrainError, one_line
+from .errors import TiertrainError, UsageError, one_line
 
 __all__ = ["main"]
 
@@ -243,8 +243,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare
+    from .data.formats import is_rows_input
+    from .data.prepare import prepare, prepare_examples
 
+    rows = [is_rows_input(p) for p in args.input]
+    if any(rows) and not all(rows):
+        raise UsageError("prepare: give either text files (.txt: a token file) or rows (.jsonl, .parquet, a datasets "
+                         "directory: prepared examples), not both")
+    if all(rows):
+        meta = prepare_examples(args.input, args.output, tokenizer=args.tokenizer, kind=args.format,
+                                mask_prompt=not args.no_mask_prompt)
+        log.info("wrote %d %s examples (%d tokens, %d of them scored) to %s", meta["examples"], meta["kind"],
+                 meta["tokens"], meta["scored"], args.output)
+        return 0
     n = prepare(args.input, args.output, tokenizer=args.tokenizer)
     log.info("wrote %d tokens to %s", n, args.output)
     return 0
@@ -319,10 +330,15 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output directory (new or empty)")
     ex.add_argument("--overwrite", action="store_true", help="replace what --out holds")
 
-    pr = sub.add_parser("prepare", help="tokenize text files into a token file for data.corpus")
-    pr.add_argument("--input", required=True, action="append", help="a .txt file (repeat for several)")
-    pr.add_argument("--output", required=True, help="the token file to write")
+    pr = sub.add_parser("prepare", help="tokenize text files into a token file, or JSONL/Parquet/datasets rows into "
+                        "prepared examples, for data.corpus")
+    pr.add_argument("--input", required=True, action="append", help="a .txt file, or .jsonl / .parquet / a datasets "
+                    "save_to_disk directory (repeat for several)")
+    pr.add_argument("--output", required=True, help="the token file (text) or directory (rows) to write")
     pr.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (default: byte-level)")
+    pr.add_argument("--format", default="auto", help="rows: 'text', 'completion' (prompt/completion), 'chat' "
+                    "(messages) or 'auto' (from the first row's fields)")
+    pr.add_argument("--no-mask-prompt", action="store_true", help="rows: score prompt, system and user tokens too")
 
     c = sub.add_parser("config", help="print the resolved config (or --reference: every field)", epilog=_OVERRIDES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

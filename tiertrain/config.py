@@ -225,30 +225,45 @@ class DataConfig(Section):
     """Training data and batch shape."""
 
     SECTION: ClassVar[str] = "data"
-    corpus: str = opt("bundled", "'bundled' (small public-domain text shipped with tiertrain), a .txt file, or a token file made by `tiertrain prepare`.")
+    corpus: str = opt("bundled", "'bundled' (small public-domain text shipped with tiertrain), a .txt file, a token file or "
+                      "an examples directory made by `tiertrain prepare`, or rows to fine-tune on (.jsonl, .parquet, a "
+                      "datasets save_to_disk directory: prepared once into ~/.cache/tiertrain/prepared).")
     tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for .txt corpora (None: byte-level).")
     seq_len: int = opt(128, "Tokens per sequence.")
     micro_batch_size: int = opt(4, "Sequences per micro-batch.")
     micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
     seed: int = opt(0, "Seed of the sampling order.")
-    eval_corpus: str | None = opt(None, "Held-out text for the validation loss (train.eval_every): 'bundled', a .txt "
-                                  "file (same tokenizer) or a token file; cut into consecutive windows of seq_len + 1 "
-                                  "tokens. None: no validation.")
+    eval_corpus: str | None = opt(None, "Held-out data for the validation loss (train.eval_every): any form data.corpus "
+                                  "takes (same tokenizer); text is cut into consecutive windows of seq_len + 1 tokens, "
+                                  "examples taken in order. None: no validation.")
     eval_micro_batches: int = opt(8, "Micro-batches (of micro_batch_size windows) each validation reads from the start "
                                   "of data.eval_corpus (fewer if it is shorter); 0: all of it.")
+
+    format: str = opt("auto", "Rows (JSONL, Parquet, datasets): 'text' ({text}), 'completion' ({prompt, completion}), "
+                      "'chat' ({messages}, the tokenizer's chat template) or 'auto' (from the first row's fields).")
+    mask_prompt: bool = opt(True, "Rows: leave prompt, system and user tokens out of the loss (False: score every token).")
+    packing: bool = opt(True, "Examples: pack them into rows of seq_len + 1 tokens, EOS between them (attention is not "
+                        "masked between documents); False: one example per row, padded (the padding not scored).")
+    long_examples: str = opt("truncate", "Examples longer than seq_len + 1 tokens: 'truncate' (keep their beginning) or "
+                             "'drop'; how many is logged at start.")
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "micro_batches"):
             self._at_least(name, 1)
         self._at_least("eval_micro_batches", 0)
+        self._one_of("format", ("auto", "text", "completion", "chat"))
+        self._one_of("long_examples", ("truncate", "drop"))
         for name in ("corpus", "eval_corpus"):
             path = getattr(self, name)
             if path in (None, "bundled") or not _env():
                 continue
             if not os.path.exists(path):
-                self._fail(name, "no such file; use 'bundled', a .txt file or a token file from `tiertrain prepare`")
-            if os.path.isdir(path):
-                self._fail(name, "is a directory; give a .txt file or a token file from `tiertrain prepare`")
+                self._fail(name, "no such file; use 'bundled', a .txt file, a token file or examples directory from "
+                           "`tiertrain prepare`, or .jsonl / .parquet rows")
+            if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in (
+                    "meta.json", "state.json", "dataset_info.json", "dataset_dict.json")):
+                self._fail(name, "is a directory but neither an examples directory from `tiertrain prepare` nor one "
+                           "saved by datasets' save_to_disk")
 
 
 @dataclass(kw_only=True)

@@ -153,9 +153,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
     evalset = EvalSet(cfg.data)
     rt = Runtime(cfg, weights=weights, device=device)
     vocab = vocab_size_of(rt.model, cfg)
-    if evalset.corpus.vocab_size > vocab:
+    if evalset.vocab_size > vocab:
         rt.close()
-        raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.corpus.vocab_size} tokens, the model's "
+        raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
                           f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)")
     from .weights_file import forward_params
 
@@ -175,5 +175,5 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
     finally:
         rt.close()
         source.close()
-    tokens = evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
+    tokens = evalset.total_scored() or evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
     return EvalResult(loss, math.exp(loss) if loss < 700 else math.inf, tokens, evalset.count, seconds)

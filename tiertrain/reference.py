@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .config import Config
-from .data import Corpus
+from .data import open_corpus
 from .models import hf_config_from
 from .models.gpt import build_gpt
 from .update.schedule import lr_at
@@ -25,8 +25,8 @@ class HFWrapper(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, x, y):
-        return self.hf(input_ids=x, labels=y, shift_labels=y).loss
+    def forward(self, x, y, divisor=None):
+        return self.hf(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=divisor).loss
 
 
 def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
@@ -62,7 +62,7 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
     """
     if ranks > 1:
         return _reference_ranks(cfg, model, ranks)
-    corpus = Corpus(cfg.data)
+    corpus = open_corpus(cfg.data)
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
     if mixed:
@@ -81,9 +81,10 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
     for step in range(cfg.train.steps):
         step_losses = []
         acc = None
+        scored = corpus.scored(step)  # masked data: each micro-batch's summed loss over the step's scored tokens
         for x, y in corpus.batches(step):
-            loss = model(x, y)
-            (loss / M).backward()
+            loss = model(x, y, scored)
+            (loss if scored else loss / M).backward()
             step_losses.append(loss.item())
             if accum_fp32:
                 grads = [p.grad.float() for p in model.parameters()]
@@ -116,7 +117,7 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
 
 def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
     """``reference_train`` with ``ranks`` ranks (fp32, no accumulators)."""
-    corpus = Corpus(cfg.data)
+    corpus = open_corpus(cfg.data)
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
     params = list(model.parameters())
@@ -127,9 +128,10 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
     for step in range(cfg.train.steps):
         step_losses, total = [], None
         for r in range(ranks):
+            scored = corpus.scored(step, ranks)
             for x, y in corpus.batches(step, rank=r, world=ranks):
-                loss = model(x, y)
-                (loss / (ranks * M)).backward()
+                loss = model(x, y, scored)
+                (loss if scored else loss / (ranks * M)).backward()
                 step_losses.append(loss.item())
             sums = [p.grad.clone() for p in params]
             model.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from .activations.policy import policy_for
 from .activations.stash import HiddenStash
 from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
 from .config import Config, ConfigError
-from .data import Corpus, EvalSet
+from .data import EvalSet, open_corpus
 from .errors import one_line
 from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
@@ -121,7 +121,7 @@ class Trainer:
         self.rt = Runtime(cfg, weights=weights, device=device, rank=rank, world=world)
         self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
         self.source = self.rt.weights
-        self.corpus = Corpus(cfg.data)
+        self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
         if self.corpus.vocab_size > vocab_size_of(self.model, cfg):
             raise ConfigError(
@@ -435,15 +435,16 @@ class Trainer:
         """The executor's step on this rank's micro-batches; with ranks, the loss is every
         rank's mean (summed in rank order) and the tokens every rank's."""
         if self.rt.world == 1:
-            return self.executor.step(self.corpus.batches(self.step))
+            return self.executor.step(self.corpus.batches(self.step), scored=self.corpus.scored(self.step))
         g, M = self.group, self.cfg.data.micro_batches
+        scored = self.corpus.scored(self.step, g.world)
         g.at_step(self.step + 1)  # told to the others: a rank that stops is named with its step
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
             every = [x for r in range(g.world) for x, _ in self.corpus.batches(self.step, rank=r, world=g.world)]
-        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every)
+        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every, scored)
         total = g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))  # sync point
-        out.loss = float(total) / (M * g.world)
+        out.loss = float(total) if scored else float(total) / (M * g.world)
         out.tokens *= g.world
         return out
 

@@ -4,7 +4,9 @@ layer-major, ``data.micro_batches`` micro-batches per pass, with the parameters 
 just taken (a load waits for a unit's update where it still runs).
 
 The loss is the mean over the micro-batches of their mean cross-entropy (every micro-batch has
-``micro_batch_size x seq_len`` targets: the mean over tokens). With ranks every rank takes its
+``micro_batch_size x seq_len`` targets: the mean over tokens); for examples (masked targets) the
+sum of every micro-batch's summed cross-entropy over all their scored targets: the mean over
+the scored tokens. With ranks every rank takes its
 share of the micro-batches (``EvalSet``) and the sum is taken in rank order: the same value on
 every rank.
 """
@@ -23,11 +25,12 @@ def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) 
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     mine = evalset.micro_batches(rank, world)
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
+    scored = evalset.total_scored(world)
     total = 0.0
     for i in range(0, len(mine), micro_batches):
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
-        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens))
+        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored))
     if group is not None and world > 1:
         total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point
-    return total / (len(mine) * world)
+    return total if scored else total / (len(mine) * world)

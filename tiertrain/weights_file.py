@@ -56,7 +56,7 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
                             checksum=cfg.io.checksum, block=rt.align, progress=progress)
     budget, why = resident_budget(cfg, rt, other_bytes)
     if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
-        log.info("weights: every unit read from %s at every pass (%s)", rt.weights.describe, why)
+        log.info("weights in host memory: none (%s); every unit read at every pass", why)
         return inner
     try:
         return ResidentWeights(inner, rt.layout, budget, pin=rt.dev.pin, why=why, progress=progress)
@@ -104,7 +104,7 @@ class ResidentWeights(ParamSource):
             used += unit.numel * e
         self._bytes = used
         total = layout.total_numel * e
-        log.info("weights: %d of %d units (%.3f of %.3f GB) kept in host memory, read once (%s); the rest read at "
+        log.info("weights in host memory: %d of %d units (%.3f of %.3f GB), read once (%s); the rest read at "
                  "every pass", len(self.resident), len(layout.units), used / 1e9, total / 1e9, why)
         for u, buf in tqdm(self.resident.items(), desc="load resident weights", unit="unit",
                            disable=not progress or len(self.resident) < 2):

@@ -21,7 +21,7 @@ from ..config import ConfigError, DataConfig
 from ..errors import one_line
 from .tokens import read_tokens
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "TOKENIZER_FILES"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "open_corpus", "TOKENIZER_FILES"]
 
 log = logging.getLogger("tiertrain")
 # What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
@@ -30,9 +30,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no files needed."""
+    """UTF-8 bytes as tokens: vocabulary 256, no files needed. Its EOS (ending each example of
+    prepared rows) is byte 0, NUL, which text does not hold."""
 
     vocab_size = 256
+    eos_token_id = 0
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -47,6 +49,7 @@ class _HFTokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         self.vocab_size = len(self.tok)
+        self.eos_token_id = self.tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -103,6 +106,11 @@ class Corpus:
         if len(self.tokens) < need:
             raise ConfigError(f"{what}: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
 
+    def scored(self, step: int, world: int = 1) -> None:
+        """Every target counts and every micro-batch has as many: each micro-batch's loss is
+        its mean, the step's the mean of those (no divisor; ``ExampleBatches`` has one)."""
+        return None
+
     def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``micro_batches`` (inputs, targets) pairs of step ``step`` (0-based) for rank
         ``rank`` of ``world``: the step draws ``world x micro_batches`` rows from (seed, step)
@@ -133,7 +141,19 @@ class EvalSet:
     def __init__(self, cfg: DataConfig) -> None:
         if cfg.eval_corpus is None:
             raise ConfigError("data.eval_corpus is not set: there is no held-out text to take a validation loss on")
-        self.corpus = Corpus(dataclasses.replace(cfg, corpus=cfg.eval_corpus), what="data.eval_corpus")
+        self.cfg, self.scored, self.examples = cfg, None, None
+        data = open_corpus(dataclasses.replace(cfg, corpus=cfg.eval_corpus, micro_batches=1), what="data.eval_corpus",
+                           shuffle=False)
+        self.vocab_size = data.vocab_size
+        if not isinstance(data, Corpus):  # examples: rows in order, each micro-batch's loss summed over all scored
+            self.examples, B = data, cfg.micro_batch_size
+            rows = data.rows_per_epoch
+            self.count = rows // B if not cfg.eval_micro_batches else min(rows // B, cfg.eval_micro_batches)
+            if self.count == 0:
+                raise ConfigError(f"data.eval_corpus: {data.data.path} gives {rows} rows, fewer than one micro-batch of "
+                                  f"{B}; give more examples or lower data.micro_batch_size")
+            return
+        self.corpus = data
         T, B = cfg.seq_len, cfg.micro_batch_size
         rows = (len(self.corpus.tokens) - 1) // T
         self.count = rows // B if not cfg.eval_micro_batches else min(rows // B, cfg.eval_micro_batches)
@@ -142,8 +162,19 @@ class EvalSet:
                               f"for one micro-batch of {B} windows of {T + 1}; give a longer text or lower "
                               "data.micro_batch_size")
 
+    def total_scored(self, world: int = 1) -> int | None:
+        """Examples: the scored targets of every micro-batch evaluated (all ranks), each
+        micro-batch's divisor; None for text (the mean of the micro-batches' means)."""
+        if self.examples is None:
+            return None
+        if self.scored is None:
+            self.scored = sum(self.examples.scored(i) for i in range(self.count - self.count % world))
+        return self.scored
+
     def micro_batches(self, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches, in order."""
+        if self.examples is not None:
+            return [self.examples.batches(i)[0] for i in range(rank, self.count - self.count % world, world)]
         T, B = self.corpus.cfg.seq_len, self.corpus.cfg.micro_batch_size
         out = []
         for i in range(rank, self.count - self.count % world, world):
@@ -152,3 +183,46 @@ class EvalSet:
             t = torch.from_numpy(win)
             out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
         return out
+
+
+def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = True):
+    """The batches of ``cfg.corpus``: random windows of a text or token file (``Corpus``), or
+    epochs of prepared examples (``examples.ExampleBatches``): a directory made by ``tiertrain
+    prepare``, or rows (JSONL, Parquet, a datasets directory) prepared here once into the cache
+    (``prepared_cache``)."""
+    from .examples import ExampleBatches, PreparedExamples, is_prepared
+    from .formats import is_rows_input
+
+    path = cfg.corpus
+    if path != "bundled" and not is_prepared(path) and is_rows_input(path):
+        path = prepared_cache(cfg, path, what)
+    if path == "bundled" or not is_prepared(path):
+        return Corpus(cfg, what)
+    return ExampleBatches(PreparedExamples(path, what), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                          micro_batches=cfg.micro_batches, seed=cfg.seed, packing=cfg.packing,
+                          long_examples=cfg.long_examples, shuffle=shuffle)
+
+
+def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
+    """Rows prepared once into ``$XDG_CACHE_HOME/tiertrain/prepared/<key>`` (default
+    ``~/.cache``), the key hashing the input's path, size and modification time, the tokenizer,
+    ``data.format`` and ``data.mask_prompt``; reused while they are unchanged."""
+    import hashlib
+    import json
+
+    from .prepare import prepare_examples
+
+    st = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
+          for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))]
+    key = hashlib.sha256(json.dumps([st, cfg.tokenizer and os.path.abspath(cfg.tokenizer), cfg.format,
+                                     cfg.mask_prompt]).encode()).hexdigest()[:16]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    out = os.path.join(root, "tiertrain", "prepared", key)
+    from .examples import is_prepared
+
+    if is_prepared(out):
+        log.info("%s: %s prepared before, in %s", what, path, out)
+        return out
+    log.info("%s: preparing %s into %s (once)", what, path, out)
+    prepare_examples([path], out, tokenizer=cfg.tokenizer, kind=cfg.format, mask_prompt=cfg.mask_prompt)
+    return out

@@ -1,4 +1,6 @@
-"""``tiertrain prepare``: text files to a token file, streamed a few MB at a time."""
+"""``tiertrain prepare``: text files to a token file, streamed a few MB at a time; JSONL,
+Parquet or a ``datasets`` directory to a prepared examples directory (``examples.py``), a row
+at a time (``formats.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from ..paths import check_input_file
 from .loader import load_tokenizer
 from .tokens import write_tokens
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "prepare_examples"]
 
 _BLOCK = 4 << 20  # characters per tokenizer call
 
@@ -42,6 +44,37 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None)
                     yield np.asarray(tok.encode(carry), dtype=np.int64)
 
     return write_tokens(output, chunks(), tok.vocab_size)
+
+
+def prepare_examples(inputs: Sequence[str], output: str, *, tokenizer: str | None = None, kind: str = "auto",
+                     mask_prompt: bool = True, progress: bool = True) -> dict:
+    """Render every row of ``inputs`` (in order) into the prepared directory ``output``; its
+    metadata returned (examples, tokens, scored targets)."""
+    from .examples import write_examples
+    from .formats import KINDS, Renderer, read_rows
+
+    if kind not in ("auto", *KINDS):
+        raise UsageError(f"prepare --format {kind!r}: use 'auto' or one of {', '.join(KINDS)}")
+    for path in inputs:
+        if not os.path.exists(path):
+            raise UsageError(f"prepare --input {path}: no such file or directory")
+    if os.path.isfile(output):
+        raise UsageError(f"prepare --output {output} is a file; prepared examples are a directory: give a new one")
+    tok = load_tokenizer(tokenizer, what="prepare --tokenizer")
+    render = Renderer(tok, kind, mask_prompt=mask_prompt)
+
+    def examples():
+        with tqdm(desc="prepare", unit=" examples", disable=not progress) as bar:
+            for path in inputs:
+                for where, row in read_rows(path):
+                    yield render(where, row)
+                    bar.update(1)
+
+    eos = render.eos if render.eos is not None else -1
+    return write_examples(output, examples(), vocab_size=tok.vocab_size, eos=eos,
+                          describe=lambda: dict(kind=render.kind, sources=[os.path.abspath(p) for p in inputs],
+                                        tokenizer=os.path.abspath(tokenizer) if tokenizer else "bytes",
+                                        mask_prompt=mask_prompt))
 
 
 def _check(inputs: Sequence[str], output: str) -> None:

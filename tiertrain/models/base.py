@@ -110,11 +110,11 @@ class LayeredModel(nn.Module):
         out += [UnitRef(u + 1 + k, "head_piece", m, piece=k) for k, m in enumerate(self.head_pieces)]
         return out
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
         h = self.embed(input_ids)
         for block in self.blocks:
             h = block(h)
-        return self.head(h, targets)
+        return self.head(h, targets, divisor)
 
     def full_name(self, unit: int, local: str) -> str:
         """The ``state_dict`` name (of the whole ``LayeredModel``) of a unit's parameter."""

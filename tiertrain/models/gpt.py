@@ -73,11 +73,16 @@ class GPTHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(h))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
+        """Mean cross-entropy over the targets (ignore index -100 left out); with ``divisor``,
+        their sum over it (a step's scored tokens: ``data/examples.py``)."""
+        flat = logits.float().view(-1, logits.shape[-1])
+        if divisor is None:
+            return F.cross_entropy(flat, targets.reshape(-1))
+        return F.cross_entropy(flat, targets.reshape(-1), reduction="sum") / divisor
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.logits(h), targets)
+    def forward(self, h: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
+        return self.loss(self.logits(h), targets, divisor)
 
 
 def _init_unit(n_layers: int, std: float):

@@ -90,11 +90,14 @@ class CausalLMHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(h))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
+        """transformers' loss: the mean over the targets, or with ``divisor`` their sum over it
+        (its ``num_items_in_batch``)."""
+        return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets,
+                          num_items_in_batch=divisor)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.logits(h), targets)
+    def forward(self, h: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
+        return self.loss(self.logits(h), targets, divisor)
 
 
 class GPT2Embed(nn.Module):

@@ -69,7 +69,7 @@ def visits(plan: list[UnitRef], used: list[UnitRef] | None = None, *, forward_on
 
 @dataclass
 class StepOutput:
-    loss: float  # mean of the micro-batch losses
+    loss: float  # mean of the micro-batch losses (with a divisor: their sum, the mean over the step's scored tokens)
     losses: list[float]
     tokens: int
     forward_s: float
@@ -135,6 +135,7 @@ class LayerMajorExecutor(VocabSteps):
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
         self.ranks = 1  # data-parallel ranks: each micro-batch's loss is divided by ranks x M
+        self._scored: int | None = None  # the step's scored targets, where they may be masked (``step``)
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -204,15 +205,16 @@ class LayerMajorExecutor(VocabSteps):
         """Forward and backward of the head per micro-batch: (dh, losses)."""
         if self.head_pieces:
             return self._cut_head_step(h, mbs)
-        ref, M = self.head, len(mbs)
+        ref, M, scored = self.head, len(mbs), self._scored
         self._acquire(ref)
         self.grads.begin(ref.index)
         dh, losses = [], []
         for x, mb in zip(h, mbs):
             x = x.requires_grad_()
             head = self.model.head
-            loss = head.loss(head.logits(x), mb.targets)
-            (loss / (M * self.ranks)).backward()  # the mean over every rank's micro-batches
+            loss = head.loss(head.logits(x), mb.targets, scored)
+            # the mean over every rank's micro-batches; with a divisor, already the share of the step's mean
+            (loss if scored else loss / (M * self.ranks)).backward()
             self.grads.fold(self._units(ref))
             dh.append(x.grad)
             losses.append(loss.detach())
@@ -268,12 +270,13 @@ class LayerMajorExecutor(VocabSteps):
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 step_tokens: list[torch.Tensor] | None = None) -> list[float]:
+                 step_tokens: list[torch.Tensor] | None = None, scored: int | None = None) -> list[float]:
         """The loss of every micro-batch of ``batches`` with the current parameters: a step's
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
-        same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``: as
-        ``step``'s."""
+        same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
+        ``scored``: as ``step``'s."""
         mbs = self._micro_batches(batches)
+        self._scored = scored
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used, forward_only=True), 0
         was = self.model.training
@@ -296,7 +299,7 @@ class LayerMajorExecutor(VocabSteps):
         for x, mb in zip(h, mbs):
             x = x.detach().requires_grad_()  # as head_step: the same kernels
             with torch.enable_grad():
-                losses.append(head.loss(head.logits(x), mb.targets).detach())
+                losses.append(head.loss(head.logits(x), mb.targets, self._scored).detach())
         self._release(self.head)
         return losses
 
@@ -310,11 +313,13 @@ class LayerMajorExecutor(VocabSteps):
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             step_tokens: list[torch.Tensor] | None = None) -> StepOutput:
+             step_tokens: list[torch.Tensor] | None = None, scored: int | None = None) -> StepOutput:
         """One step over ``batches`` (this rank's micro-batches); ``step_tokens``: every rank's
         inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same
-        on every rank)."""
+        on every rank); ``scored``: the step's scored targets over every rank, where targets may
+        be masked (each micro-batch's loss is then its summed cross-entropy over it)."""
         M = len(batches)
+        self._scored = scored
         self.model.train()
         mbs = self._micro_batches(batches)
         self._rng = {}
@@ -347,4 +352,4 @@ class LayerMajorExecutor(VocabSteps):
 
         values = [float(v) for v in losses]  # sync point: losses to the host
         tokens = sum(int(mb.ids.numel()) for mb in mbs)
-        return StepOutput(sum(values) / M, values, tokens, t1 - t0, t2 - t1)
+        return StepOutput(sum(values) if scored else sum(values) / M, values, tokens, t1 - t0, t2 - t1)

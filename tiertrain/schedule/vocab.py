@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+IGNORE = -100  # masked targets (data/examples.py)
+
 __all__ = ["VocabSteps", "used_pieces", "piece_logsumexp", "piece_backward"]
 
 
@@ -35,15 +37,19 @@ def piece_logsumexp(piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Te
             torch.where(inside, logits.gather(1, cols).squeeze(1), picked))
 
 
-def piece_backward(piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, divisor: int) -> torch.Tensor:
+def piece_backward(piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, divisor: int,
+                   scored: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 2 of one head piece on one micro-batch: the gradient of ``sum(cross-entropy) /
-    divisor`` into the piece's weights (their ``.grad``), and the one into ``x`` returned."""
+    divisor`` into the piece's weights (their ``.grad``), and the one into ``x`` returned;
+    ``scored``: which tokens count (masked targets: the others' rows of the gradient zero)."""
     x = x.detach().requires_grad_()
     with torch.enable_grad():
         logits = piece(x)
     g = torch.exp(logits.detach().float() - lse.unsqueeze(1))
     inside, cols = _in_piece(piece, targets)
     g.scatter_add_(1, cols, -inside.unsqueeze(1).to(g.dtype))  # minus the one-hot target
+    if scored is not None:
+        g *= scored.unsqueeze(1)
     g /= divisor
     torch.autograd.backward(logits, g.to(logits.dtype))
     return x.grad
@@ -103,6 +109,9 @@ class VocabSteps:
             for m, (x, t) in enumerate(zip(hn, targets)):
                 lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m])
             self._release(ref)
+        if self._scored:  # masked targets (ignore index): the sum over the scored ones, over the step's count
+            return hn, targets, lse, [((a - b) * (t != IGNORE)).sum() / self._scored
+                                      for a, b, t in zip(lse, picked, targets)]
         return hn, targets, lse, [(a - b).mean() for a, b in zip(lse, picked)]
 
     def _cut_head_loss(self, h: list[torch.Tensor], mbs) -> list[torch.Tensor]:
@@ -117,7 +126,10 @@ class VocabSteps:
             self._acquire(ref)
             self.grads.begin(ref.index)
             for m, (x, t) in enumerate(zip(hn, targets)):
-                dhn[m] += piece_backward(ref.module, x, t, lse[m], t.numel() * M * self.ranks)
+                if self._scored:
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self._scored, (t != IGNORE).float())
+                else:
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], t.numel() * M * self.ranks)
                 self.grads.fold(self._units(ref))
             self.grads.end(ref.index)
             self._release(ref)

@@ -1,0 +1,322 @@
+"""Fine-tuning data: JSONL (text, prompt/completion, chat), Parquet and datasets directories
+prepared into examples with loss masks (checked token by token), packed or padded rows over
+seeded epochs, the loss as the mean over a step's scored tokens (however the step is cut), exact
+resume mid-epoch, and every bad-data error by its message."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from reference import assert_resume_exact, reference_model, small_config, weights_of
+from tiertrain.data.examples import IGNORE, ExampleBatches, PreparedExamples
+from tiertrain.data.formats import DataError
+from tiertrain.data.prepare import prepare_examples
+
+WORDS = ["[UNK]", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "world", "how", "are", "you",
+         "fine", "thanks", "say", "yes", "no", "be", "brief", "the", "sky", "is", "blue", "."]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_tokenizer(directory, chat=True):
+    """A word-level tokenizer built here with `tokenizers` (EOS '</s>'), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>",
+                                   additional_special_tokens=WORDS[2:6])
+    if chat:
+        fast.chat_template = TEMPLATE
+    fast.save_pretrained(directory)
+    return str(directory)
+
+
+def ids(text):
+    return [WORDS.index(w) for w in text.split()]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+                     {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "how are you"},
+                     {"role": "assistant", "content": "fine thanks"}]}
+
+
+def _prepared(tmp_path, rows, name="d", **kw):
+    tok = make_tokenizer(tmp_path / "tok")
+    src = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    meta = prepare_examples([src], str(tmp_path / name), tokenizer=tok, progress=False, **kw)
+    return PreparedExamples(str(tmp_path / name)), meta
+
+
+def _example(p, i):
+    a, b = int(p.offsets[i]), int(p.offsets[i + 1])
+    return list(p.ids[a:b]), list(p.mask[a:b])
+
+
+def test_text_completion_and_chat_masks_token_by_token(tmp_path):
+    p, meta = _prepared(tmp_path, [{"text": "the sky is blue ."}], "t")
+    assert meta["kind"] == "text" and _example(p, 0) == (ids("the sky is blue . </s>"), [1] * 6)
+    p, meta = _prepared(tmp_path, [{"prompt": "say yes", "completion": "yes"}, {"prompt": "say no", "completion": "no ."}],
+                        "c")
+    assert meta["kind"] == "completion" and meta["examples"] == 2
+    assert _example(p, 0) == (ids("say yes yes </s>"), [0, 0, 1, 1])
+    assert _example(p, 1) == (ids("say no no . </s>"), [0, 0, 1, 1, 1])
+    p, meta = _prepared(tmp_path, [CHAT], "chat")
+    got, mask = _example(p, 0)
+    want = ids("<|system|> be brief <|end|> <|user|> hello <|end|> <|assistant|> hello world <|end|> <|user|> how are "
+               "you <|end|> <|assistant|> fine thanks <|end|>")
+    assert got == want
+    scored = [w for w, m in zip(got, mask) if m]  # the replies and their end marks, not the headers
+    assert scored == ids("hello world <|end|> fine thanks <|end|>")
+    p, _ = _prepared(tmp_path, [CHAT], "chat-all", mask_prompt=False)
+    assert _example(p, 0)[1] == [1] * len(want)
+
+
+def test_parquet_and_a_datasets_directory_give_the_jsonl_examples(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "say yes", "completion": "yes"}, {"prompt": "how are you", "completion": "fine thanks ."}] * 3
+    tok = make_tokenizer(tmp_path / "tok")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "r.parquet", row_group_size=2)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    out = {}
+    for name, src in [("jsonl", write_jsonl(tmp_path / "r.jsonl", rows)), ("parquet", str(tmp_path / "r.parquet")),
+                      ("datasets", str(tmp_path / "ds"))]:
+        prepare_examples([src], str(tmp_path / f"out-{name}"), tokenizer=tok, progress=False)
+        p = PreparedExamples(str(tmp_path / f"out-{name}"))
+        out[name] = [_example(p, i) for i in range(p.count)]
+    assert out["jsonl"] == out["parquet"] == out["datasets"] and len(out["jsonl"]) == 6
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"holds several splits \(train\); give one of them, e\.g\. .*dd/train"):
+        prepare_examples([str(tmp_path / "dd")], str(tmp_path / "x"), tokenizer=tok, progress=False)
+
+
+@pytest.mark.parametrize("rows, kw, match", [
+    (['{"text": "hello"}', '{"text": "hello"'], {}, r"b\.jsonl, line 2: invalid JSON"),
+    (['{"prompt": "say yes", "completion": "yes"}', '{"prompt": "say no"}'], {},
+     r"b\.jsonl, line 2: no 'completion' field \(completion data; the row has 'prompt'\)"),
+    (['{"prompt": "say yes", "completion": ""}'], {}, r"line 1: field 'completion' is empty"),
+    (['{"text": 5}'], {}, r"line 1: field 'text' must be a string, got int"),
+    (['{"question": "x"}'], {}, r"line 1: cannot tell the data's format from its fields \('question'\)"),
+    (['{"messages": [{"role": "user", "content": "hello"}]}'], {}, r"line 1: no assistant message with content"),
+    (['{"messages": [{"role": "bot", "content": "hello"}]}'], {}, r"messages\[0\] must be an object with 'role'"),
+    ([json.dumps(CHAT)], {"chat": False}, r"line 1: chat data needs a tokenizer with a chat template"),
+    (['{"text": "hello"}'], {"kind": "chat"}, r"line 1: no 'messages' field \(chat data"),
+])
+def test_bad_data_is_named_by_file_line_and_field(tmp_path, rows, kw, match):
+    tok = make_tokenizer(tmp_path / "tok", chat=kw.pop("chat", True))
+    (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=match):
+        prepare_examples([str(tmp_path / "b.jsonl")], str(tmp_path / "out"), tokenizer=tok, progress=False, **kw)
+    assert not (tmp_path / "out" / "meta.json").exists()  # nothing half-written is taken for prepared
+
+
+def test_a_damaged_prepared_directory_is_refused(tmp_path):
+    from tiertrain.errors import UsageError
+
+    _prepared(tmp_path, [{"text": "hello world"}] * 4, "d")
+    mask = tmp_path / "d" / "mask.bin"
+    raw = bytearray(mask.read_bytes())
+    raw[3] ^= 1
+    mask.write_bytes(bytes(raw))
+    with pytest.raises(UsageError, match=r"mask\.bin does not match its checksum; the file is corrupt"):
+        PreparedExamples(str(tmp_path / "d"))
+    mask.write_bytes(bytes(raw[:-2]))
+    with pytest.raises(UsageError, match=r"mask\.bin is 10 bytes, expected 12; it is truncated"):
+        PreparedExamples(str(tmp_path / "d"))
+
+
+def _batches(p, **kw):
+    args = dict(seq_len=6, micro_batch_size=2, micro_batches=2, seed=3, packing=True, long_examples="truncate")
+    return ExampleBatches(p, **{**args, **kw})
+
+
+def test_packed_rows_follow_each_epochs_order_with_the_mask_on_targets(tmp_path):
+    rows = [{"prompt": "say " + w, "completion": w} for w in ("yes", "no", "hello", "world", "fine")]
+    p, _ = _prepared(tmp_path, rows)
+    b = _batches(p)
+    assert b.epoch_tokens == 20 and b.rows_per_epoch == 3  # (20 - 1) // 6
+    for e in range(3):  # every example once per epoch, the order a permutation of its own
+        order, starts = b._epoch(e)
+        assert sorted(order) == list(range(5))
+        stream = np.concatenate([p.ids[p.offsets[i] : p.offsets[i + 1]] for i in order])
+        smask = np.concatenate([p.mask[p.offsets[i] : p.offsets[i + 1]] for i in order])
+        for j in range(3):
+            x, m = b._row(e * 3 + j)
+            assert list(x) == list(stream[j * 6 : j * 6 + 7]) and list(m) == list(smask[j * 6 : j * 6 + 7])
+    assert list(b._epoch(0)[0]) != list(b._epoch(1)[0]) or list(b._epoch(1)[0]) != list(b._epoch(2)[0])
+    (x, y), _ = b.batches(0)
+    row, mask = b._row(0)
+    assert x[0].tolist() == list(row[:-1])
+    assert y[0].tolist() == [t if k else IGNORE for t, k in zip(row[1:], mask[1:])]
+    assert b.scored(0) == sum(int(b._row(i)[1][1:].sum()) for i in range(4))
+    # ranks: 2 ranks x M = 1 see exactly the rows of 1 rank x M = 2, in C order
+    r = _batches(p, micro_batches=1)
+    assert [t.tolist() for t in r.batches(1, rank=1, world=2)[0]] == [t.tolist() for t in b.batches(1)[1]]
+
+
+def test_padded_rows_hold_one_example_and_long_ones_are_cut_or_dropped(tmp_path, caplog):
+    import logging
+
+    rows = [{"prompt": "say yes", "completion": "yes"}, {"text": "the sky is blue . the sky is blue ."},
+            {"prompt": "say no", "completion": "no"}]
+    tok = make_tokenizer(tmp_path / "tok")
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))
+    prepare_examples([str(tmp_path / "m.jsonl")], str(tmp_path / "pc"), tokenizer=tok, progress=False)
+    p = PreparedExamples(str(tmp_path / "pc"))
+    b = _batches(p, packing=False, micro_batch_size=1, micro_batches=1)
+    assert b.rows_per_epoch == 2
+    x, m = b._row(0)
+    ex = _example(p, b._epoch(0)[0][0])
+    assert list(x[: len(ex[0])]) == ex[0] and set(x[len(ex[0]) :]) == {1} and set(m[len(ex[1]) :]) == {0}
+    (xs, ys), = b.batches(0)
+    assert (ys[0] == IGNORE).sum() == 6 - 2  # 6 targets: the completion and its EOS scored, not the rest
+    # an 11-token text example in rows of 7: cut (its first 7 tokens) or dropped, and said
+    p2, _ = _prepared(tmp_path, [rows[1], {"text": "hello world"}], "long")
+    caplog.set_level(logging.INFO, logger="tiertrain")
+    cut = _batches(p2, packing=False, micro_batch_size=1, micro_batches=1)
+    assert "1 of 2 examples are longer than seq_len + 1 = 7 tokens: cut to that length" in caplog.text
+    assert cut.rows_per_epoch == 2 and int(cut.lengths.max()) == 7
+    drop = _batches(p2, packing=False, micro_batch_size=1, micro_batches=1, long_examples="drop")
+    assert drop.rows_per_epoch == 1 and "dropped" in caplog.text
+
+
+def _finetune_cfg(tmp_path, corpus, tok_dir, micro_batches=2, micro_batch_size=2, kind="llama", **kw):
+    cfg = small_config(tmp_path, kind=kind, micro_batches=micro_batches, steps=3, **kw)
+    cfg.data.corpus, cfg.data.tokenizer, cfg.data.seq_len = corpus, tok_dir, 12
+    cfg.data.micro_batch_size, cfg.model.vocab_size = micro_batch_size, len(WORDS)
+    return cfg
+
+
+ROWS = ([{"prompt": "say yes", "completion": "yes"}, {"prompt": "how are you", "completion": "fine thanks ."},
+         {"text": "the sky is blue ."}, CHAT] * 4)[:-1]
+
+
+def _finetune_data(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    pc = write_jsonl(tmp_path / "pc.jsonl", [r for r in ROWS if "prompt" in r])
+    chat = write_jsonl(tmp_path / "chat.jsonl", [r for r in ROWS if "messages" in r])
+    return tok, pc, chat
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_masked_fine_tuning_is_bit_identical_to_plain_pytorch(tmp_path, kind, packing, monkeypatch):
+    """Chat rows (JSONL, prepared on the fly into the cache) fine-tuned with masked targets: the
+    losses and weights of plain PyTorch computing the same loss (summed cross-entropy over the
+    step's scored tokens), bit for bit in fp32."""
+    from test_parity import assert_parity
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind=kind)
+    cfg.data.packing = packing
+    _, losses = assert_parity(cfg)
+    assert all(np.isfinite(v) for step in losses for v in step)
+    assert (tmp_path / "cache" / "tiertrain" / "prepared").is_dir()
+
+
+def test_the_loss_and_gradients_do_not_depend_on_the_micro_batch_split(tmp_path):
+    """A step of 8 rows as 4 micro-batches of 2, 2 of 4 and 1 of 8 (rows with different numbers
+    of scored tokens): the loss (the mean over the step's scored tokens) and every gradient
+    agree to float rounding (rtol 1e-6): each micro-batch's summed cross-entropy is divided by
+    the step's count, never by its own."""
+    tok, pc, _ = _finetune_data(tmp_path)
+    prepare_examples([pc], str(tmp_path / "pc"), tokenizer=tok, progress=False)
+    got = []
+    for m, b in [(4, 2), (2, 4), (1, 8)]:
+        cfg = _finetune_cfg(tmp_path, str(tmp_path / "pc"), tok, micro_batches=m, micro_batch_size=b)
+        cfg.data.packing = False
+        from tiertrain.data import open_corpus
+
+        data = open_corpus(cfg.data)
+        model = reference_model(cfg)
+        scored, loss = data.scored(0), 0.0
+        for x, y in data.batches(0):
+            part = model(x, y, scored)
+            part.backward()
+            loss += part.item()
+        got.append((loss, [p.grad.clone() for p in model.parameters()]))
+    for loss, grads in got[1:]:
+        assert loss == pytest.approx(got[0][0], rel=1e-6)
+        for g, g0 in zip(grads, got[0][1]):
+            torch.testing.assert_close(g, g0, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_mid_epoch_is_bit_identical(tmp_path):
+    """Packed prompt/completion examples, 3 rows per epoch and 4 rows a step: the checkpoint at
+    step 2 falls inside the third epoch; the resumed run's losses and weights equal the
+    straight run's."""
+    tok, pc, _ = _finetune_data(tmp_path)
+    prepare_examples([pc], str(tmp_path / "pc"), tokenizer=tok, progress=False)
+    a = _finetune_cfg(tmp_path / "a", str(tmp_path / "pc"), tok)
+    b = _finetune_cfg(tmp_path / "b", str(tmp_path / "pc"), tok)
+    from tiertrain.data import open_corpus
+
+    rows = open_corpus(a.data).rows_per_epoch
+    assert 4 * 2 % rows != 0  # the split point is inside an epoch
+    assert_resume_exact(a, b, steps=4, split=2)
+
+
+def test_validation_loss_on_examples_is_the_mean_over_scored_tokens(tmp_path):
+    """data.eval_corpus as prepared examples: the validation loss equals plain PyTorch's summed
+    cross-entropy over every evaluated micro-batch's scored targets over their count."""
+    from tiertrain.data import EvalSet
+    from tiertrain.models import build_model, tensor_source
+    from tiertrain.train import Trainer
+
+    tok, pc, _ = _finetune_data(tmp_path)
+    prepare_examples([pc], str(tmp_path / "pc"), tokenizer=tok, progress=False)
+    cfg = _finetune_cfg(tmp_path, str(tmp_path / "pc"), tok, kind="gpt")
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = str(tmp_path / "pc"), 0, 1
+    ref = reference_model(cfg)
+    ev = EvalSet(cfg.data)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in ev.micro_batches():
+            total += float(ref(x, y, 1))  # divisor 1: the summed cross-entropy
+            count += int((y != IGNORE).sum())
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    cfg.train.steps = 1
+    with Trainer(cfg, weights=tensor_source(skeleton, weights_of(ref))) as tr:
+        tr.initialize(progress=False)
+        from tiertrain.validation import validation_loss
+
+        got = validation_loss(tr.evalset, tr.executor, cfg.data.micro_batches)
+    assert ev.total_scored() == count and got == pytest.approx(total / count, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_masked_targets_through_a_vocabulary_cut_into_pieces(tmp_path, kind, monkeypatch):
+    """The head cut into 3 vocabulary pieces (its own pass-2 gradient, masked targets' rows
+    zeroed) against plain PyTorch on the same masked chat data, SGD: losses within 1e-6
+    relative, weights within 1e-5 of how far they moved (the cut head's stated tolerance,
+    tests/test_pieces.py)."""
+    from test_pieces import _rel, _train_cut
+
+    from reference import reference_train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind=kind, lr=0.5)
+    cfg.optim.name, cfg.optim.momentum = "sgd", 0.9
+    ref = reference_model(cfg)
+    init = weights_of(ref)
+    ref_losses, ref_w = reference_train(cfg, ref)
+    losses, w, names, tr = _train_cut(cfg, init, 3)
+    assert len(tr.model.head_pieces) == 3
+    assert _rel(losses, ref_losses) < 1e-6
+    for n, t in w.items():
+        theirs = ref_w[names[n] if names else n]
+        moved = (theirs - init[names[n] if names else n]).norm()
+        assert (t - theirs).norm() <= 1e-5 * moved + 1e-12, n

@@ -1,0 +1,231 @@
+"""Prepared examples: token ids, a loss mask per token and example boundaries, on disk and
+memory-mapped, and the batches of every step cut from them.
+
+A prepared directory (``tiertrain prepare --input rows.jsonl --output DIR``) holds
+``ids.tokens`` (a token file, ``tokens.py``: every example's ids one after the other, each
+ending with its EOS), ``mask.bin`` (one byte per token: 1 where the token is a loss target),
+``offsets.bin`` (int64, examples + 1: where each example starts) and ``meta.json`` (counts,
+the tokenizer, the source, the checksums of the two other files). Written streaming, one
+example at a time, under temporary names; ``meta.json`` last (its presence says complete).
+
+Batches (``ExampleBatches``): a step takes ``world x micro_batches x micro_batch_size`` rows
+from a row sequence that runs over epochs; rank r keeps its share in C order (as the
+random-window sampler does), so the rows of step s depend on (seed, s) alone and a resumed run
+sees exactly the rows an uninterrupted one would. Epoch e visits the examples in the order of
+a permutation seeded by (seed, e). Examples longer than ``seq_len + 1`` tokens are cut to it
+or dropped (``data.long_examples``; counted and logged at start).
+
+- ``data.packing = true``: the epoch's examples, in its order, are one stream of tokens (the
+  EOS of each ends it before the next); row j is the stream's tokens ``[j T, j T + T + 1)``
+  (inputs its first T, targets its last T). Attention is not masked between documents in a row:
+  a token may attend to the documents before it in its row (the EOS between them marks the
+  boundary; the loss mask is kept exactly).
+- ``data.packing = false``: one example per row, inputs padded after its end with EOS and
+  targets with the ignore index; causal attention means the padding never changes what the
+  real tokens compute.
+
+Targets that are not scored (mask 0, padding) hold ``IGNORE`` (-100, torch's and transformers'
+ignore index). ``scored(step)`` is the number of scored targets in the whole step, every rank's:
+each micro-batch's loss is its summed cross-entropy over that number, so the step's loss is the
+mean over the step's scored tokens however the step is cut into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..errors import UsageError
+from ..io.checksum import crc32c
+from .formats import Example
+from .tokens import read_tokens, write_tokens
+
+__all__ = ["IGNORE", "PreparedExamples", "ExampleBatches", "write_examples", "is_prepared"]
+
+log = logging.getLogger("tiertrain")
+IGNORE = -100
+META = "meta.json"
+FORMAT = "tiertrain-examples"
+
+
+def is_prepared(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
+
+
+def write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int,
+                   describe: Callable[[], dict]) -> dict:
+    """Write ``examples`` (streamed) as a prepared directory; its metadata returned
+    (``describe()``'s fields, asked once every example is written, added)."""
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, META)):
+        os.remove(os.path.join(out_dir, META))  # incomplete until rewritten
+    tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
+    count, crcs, longest = [0, 0], {"mask.bin": 0, "offsets.bin": 0}, 0
+    scored = 0
+    try:
+        with open(tmp["mask.bin"], "wb") as fm, open(tmp["offsets.bin"], "wb") as fo:
+            def put(name, f, arr):
+                data = arr.tobytes()
+                crcs[name] = crc32c(np.frombuffer(data, dtype=np.uint8), crcs[name])
+                f.write(data)
+
+            put("offsets.bin", fo, np.zeros(1, "<i8"))
+
+            def ids():
+                nonlocal longest, scored
+                for ex in examples:
+                    count[0] += 1
+                    count[1] += len(ex.ids)
+                    longest = max(longest, len(ex.ids))
+                    scored += int(ex.mask[1:].sum())
+                    put("mask.bin", fm, ex.mask.astype(np.uint8))
+                    put("offsets.bin", fo, np.asarray([count[1]], "<i8"))
+                    yield ex.ids
+
+            if write_tokens(os.path.join(out_dir, "ids.tokens"), ids(), vocab_size) == 0:
+                raise UsageError(f"prepare: the input holds no example; nothing written to {out_dir}")
+        for name, path in tmp.items():
+            os.replace(path, os.path.join(out_dir, name))
+    finally:
+        for path in tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+    meta = dict(format=FORMAT, version=1, examples=count[0], tokens=count[1], longest=longest, scored=scored,
+                vocab_size=vocab_size, eos=eos, crc32c=crcs, **describe())
+    with open(os.path.join(out_dir, META + ".tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out_dir, META + ".tmp"), os.path.join(out_dir, META))
+    return meta
+
+
+class PreparedExamples:
+    """A prepared directory, memory-mapped; its sizes and checksums checked at open."""
+
+    def __init__(self, path: str, what: str = "data.corpus") -> None:
+        self.path = path
+        try:
+            with open(os.path.join(path, META)) as f:
+                self.meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"{what} = {path}: not a prepared examples directory ({exc}); make it with `tiertrain "
+                             "prepare`") from None
+        if self.meta.get("format") != FORMAT or self.meta.get("version") != 1:
+            raise UsageError(f"{what} = {path}: {META} is not tiertrain's (format {self.meta.get('format')!r}); "
+                             "prepare it again")
+        self.ids, self.vocab_size = read_tokens(os.path.join(path, "ids.tokens"))
+        n, t = self.meta["examples"], self.meta["tokens"]
+        self.mask = self._raw("mask.bin", np.uint8, t, what)
+        self.offsets = self._raw("offsets.bin", np.dtype("<i8"), n + 1, what)
+        if len(self.ids) != t or self.offsets[-1] != t:
+            raise UsageError(f"{what} = {path}: its files disagree on the token count ({len(self.ids)} ids, "
+                             f"{int(self.offsets[-1])} in the offsets, {t} in {META}); prepare it again")
+        self.eos, self.count = int(self.meta["eos"]), n
+        self.lengths = np.diff(self.offsets)
+
+    def _raw(self, name: str, dtype, count: int, what: str) -> np.ndarray:
+        p = os.path.join(self.path, name)
+        size = os.path.getsize(p) if os.path.exists(p) else -1
+        if size != count * np.dtype(dtype).itemsize:
+            raise UsageError(f"{what} = {self.path}: {name} is {'missing' if size < 0 else f'{size} bytes'}, expected "
+                             f"{count * np.dtype(dtype).itemsize}; it is truncated or damaged: prepare it again")
+        arr = np.memmap(p, dtype=dtype, mode="r", shape=(count,))
+        if crc32c(np.frombuffer(arr, dtype=np.uint8)) != self.meta["crc32c"][name]:
+            raise UsageError(f"{what} = {self.path}: {name} does not match its checksum; the file is corrupt: prepare "
+                             "it again")
+        return arr
+
+
+class ExampleBatches:
+    """The rows of every step (see the module docstring): ``batches(step, rank, world)`` as
+    ``Corpus.batches``, ``scored(step, world)`` the step's scored targets."""
+
+    def __init__(self, data: PreparedExamples, *, seq_len: int, micro_batch_size: int, micro_batches: int,
+                 seed: int, packing: bool, long_examples: str, shuffle: bool = True) -> None:
+        self.data, self.T, self.B, self.M = data, seq_len, micro_batch_size, micro_batches
+        self.seed, self.packing, self.shuffle = seed, packing, shuffle
+        self.vocab_size = data.vocab_size
+        lengths = data.lengths
+        too_long = lengths > seq_len + 1
+        self.keep = np.flatnonzero(~too_long) if long_examples == "drop" else np.arange(data.count)
+        self.lengths = np.minimum(lengths, seq_len + 1)  # 'truncate': the first seq_len + 1 tokens
+        if too_long.any():
+            log.info("data: %d of %d examples are longer than seq_len + 1 = %d tokens: %s (data.long_examples)",
+                     int(too_long.sum()), data.count, seq_len + 1,
+                     "dropped" if long_examples == "drop" else "cut to that length")
+        if len(self.keep) == 0:
+            raise UsageError(f"data: every example of {data.path} is longer than seq_len + 1 = {seq_len + 1} tokens and "
+                             "data.long_examples = 'drop'; raise data.seq_len or set data.long_examples = 'truncate'")
+        self.epoch_tokens = int(self.lengths[self.keep].sum())
+        self.rows_per_epoch = (self.epoch_tokens - 1) // seq_len if packing else len(self.keep)
+        if self.rows_per_epoch < 1:
+            raise UsageError(f"data: {data.path} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
+                             f"{seq_len + 1}; lower data.seq_len or turn data.packing off")
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch ``e``'s example order and the stream offsets of its examples (cached: two)."""
+        if e not in self._epochs:
+            order = np.random.default_rng([self.seed, e]).permutation(self.keep) if self.shuffle else self.keep
+            starts = np.concatenate([[0], np.cumsum(self.lengths[order])])
+            if len(self._epochs) >= 2:
+                self._epochs.pop(min(self._epochs))
+            self._epochs[e] = (order, starts)
+        return self._epochs[e]
+
+    def epoch_of(self, step: int, world: int = 1) -> float:
+        """Epochs done by the end of step ``step`` (0-based), as a fraction."""
+        return (step + 1) * world * self.M * self.B / self.rows_per_epoch
+
+    def _row(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global row ``g``: (T + 1 token ids, T + 1 mask bytes; pads: EOS and 0)."""
+        e, j = divmod(g, self.rows_per_epoch)
+        order, starts = self._epoch(e)
+        d = self.data
+        if not self.packing:
+            ex = order[j]
+            a, n = int(d.offsets[ex]), int(self.lengths[ex])
+            ids = np.full(self.T + 1, d.eos, np.int64)
+            mask = np.zeros(self.T + 1, np.uint8)
+            ids[:n], mask[:n] = d.ids[a : a + n], d.mask[a : a + n]
+            return ids, mask
+        lo, hi = j * self.T, j * self.T + self.T + 1
+        k = int(np.searchsorted(starts, lo, side="right")) - 1
+        ids, mask = [], []
+        while lo < hi:
+            ex = order[k]
+            a = int(d.offsets[ex]) + lo - int(starts[k])
+            n = min(hi, int(starts[k + 1])) - lo
+            ids.append(d.ids[a : a + n])
+            mask.append(d.mask[a : a + n])
+            lo, k = lo + n, k + 1
+        return np.concatenate(ids).astype(np.int64), np.concatenate(mask)
+
+    def _step_rows(self, step: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        n = world * self.M * self.B
+        return [self._row(step * n + i) for i in range(n)]
+
+    def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of world {world}: need 0 <= rank < world")
+        rows = self._step_rows(step, world)[rank * self.M * self.B : (rank + 1) * self.M * self.B]
+        out = []
+        for m in range(self.M):
+            part = rows[m * self.B : (m + 1) * self.B]
+            ids = torch.from_numpy(np.stack([r[0] for r in part]))
+            keep = torch.from_numpy(np.stack([r[1] for r in part]).astype(bool))
+            targets = ids[:, 1:].masked_fill(~keep[:, 1:], IGNORE)
+            out.append((ids[:, :-1].contiguous(), targets.contiguous()))
+        return out
+
+    def scored(self, step: int, world: int = 1) -> int:
+        """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
+        n = sum(int(m[1:].sum()) for _, m in self._step_rows(step, world))
+        if n == 0:
+            raise UsageError(f"data: step {step + 1} has no scored token (every target masked); check the data's "
+                             "prompt/completion split, or raise data.seq_len")
+        return n

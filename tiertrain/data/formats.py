@@ -1,0 +1,212 @@
+"""Fine-tuning data as it comes: rows of JSONL, Parquet or a ``datasets`` directory, rendered
+into token ids and a loss mask per token.
+
+Rows are read one at a time (JSONL line by line, Parquet a record batch at a time, a
+``datasets.save_to_disk`` directory through its memory-mapped Arrow files): memory does not
+grow with the file. Each row is one example of one kind, named by ``data.format`` or found
+from the first row's fields (``auto``):
+
+- ``text``: ``{"text": ...}``: every token scored, EOS appended.
+- ``completion``: ``{"prompt": ..., "completion": ...}``: the prompt's tokens not scored, the
+  completion's and the EOS after it scored. Prompt and completion are tokenized apart and
+  joined (the completion's tokens are exactly those of the completion).
+- ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered whole with the
+  tokenizer's chat template; the tokens of each assistant reply (from the end of the template's
+  rendering of the conversation before it with the generation prompt, to the end of its
+  rendering with the reply: the reply and its end-of-turn marks) scored, system and user turns
+  and the template's headers not. The template must render a conversation's beginning as a
+  prefix of the whole (every common template does; refused otherwise). Tokens are matched to
+  characters through the fast tokenizer's offsets.
+
+Errors name the file, the line (JSONL) or row (Parquet, ``datasets``) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import UsageError
+
+__all__ = ["DataError", "Example", "KINDS", "is_rows_input", "read_rows", "Renderer"]
+
+KINDS = ("text", "completion", "chat")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(UsageError):
+    """A row of the input is bad: the message names the file, line or row, and field."""
+
+
+@dataclass
+class Example:
+    ids: np.ndarray  # int64 token ids
+    mask: np.ndarray  # uint8: 1 where the token is a loss target
+
+
+def is_rows_input(path: str) -> bool:
+    """Whether ``path`` is read row by row here (JSONL, Parquet, a ``datasets`` directory)."""
+    return path.endswith((".jsonl", ".parquet")) or _is_datasets_dir(path)
+
+
+def _is_datasets_dir(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n))
+                                       for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+
+
+def read_rows(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of ``path``; ``where`` names the file and line or row."""
+    if path.endswith(".jsonl"):
+        yield from _jsonl(path)
+    elif path.endswith(".parquet"):
+        yield from _parquet(path)
+    elif _is_datasets_dir(path):
+        yield from _datasets(path)
+    else:
+        raise DataError(f"{path}: not JSONL (.jsonl), Parquet (.parquet) or a directory saved by datasets' "
+                        "save_to_disk")
+
+
+def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        n = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}, after line {n}: not UTF-8 ({exc.reason}); convert the file to UTF-8") from None
+            if not line:
+                return
+            n += 1
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            yield f"{path}, line {n}", row
+
+
+def _parquet(path: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'tiertrain[data]'") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several kinds for a bad file
+        raise DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    n = 0
+    for batch in f.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            n += 1
+            yield f"{path}, row {n}", row
+
+
+def _datasets(path: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path}: reading a datasets directory needs datasets: pip install 'tiertrain[data]'") from None
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{path} holds several splits ({', '.join(ds)}); give one of them, e.g. "
+                        f"{os.path.join(path, next(iter(ds)))}")
+    for n, row in enumerate(ds, 1):  # memory-mapped Arrow: rows are read as they are asked for
+        yield f"{path}, row {n}", row
+
+
+def _field(where: str, row: Any, name: str, kind: str) -> Any:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be an object with a {name!r} field ({kind} data), got "
+                        f"{type(row).__name__}")
+    if name not in row:
+        raise DataError(f"{where}: no {name!r} field ({kind} data; the row has {', '.join(map(repr, row)) or 'none'})")
+    return row[name]
+
+
+def _text(where: str, row: Any, name: str, kind: str) -> str:
+    v = _field(where, row, name, kind)
+    if not isinstance(v, str):
+        raise DataError(f"{where}: field {name!r} must be a string, got {type(v).__name__}")
+    if not v:
+        raise DataError(f"{where}: field {name!r} is empty")
+    return v
+
+
+def detect_kind(where: str, row: Any) -> str:
+    """The kind of data a row is (``auto``), from its fields."""
+    if isinstance(row, dict):
+        if "messages" in row:
+            return "chat"
+        if "prompt" in row and "completion" in row:
+            return "completion"
+        if "text" in row:
+            return "text"
+    fields = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
+    raise DataError(f"{where}: cannot tell the data's format from its fields ({fields}): need 'text', 'prompt' and "
+                    "'completion', or 'messages' (or set data.format)")
+
+
+class Renderer:
+    """Rows to ``Example``s with one tokenizer (``load_tokenizer``'s); ``kind`` one of KINDS or
+    ``auto`` (found from the first row, then held)."""
+
+    def __init__(self, tokenizer: Any, kind: str = "auto", *, mask_prompt: bool = True) -> None:
+        self.tok, self.kind, self.mask_prompt = tokenizer, kind, mask_prompt
+        self.eos = getattr(tokenizer, "eos_token_id", None)
+
+    def __call__(self, where: str, row: Any) -> Example:
+        if self.kind == "auto":
+            self.kind = detect_kind(where, row)
+        if self.kind != "chat" and self.eos is None:
+            raise DataError("the tokenizer has no EOS token to end each example with; give a tokenizer that has one")
+        return getattr(self, f"_{self.kind}")(where, row)
+
+    def _text(self, where: str, row: Any) -> Example:
+        ids = self.tok.encode(_text(where, row, "text", "text")) + [self.eos]
+        return Example(np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=np.uint8))
+
+    def _completion(self, where: str, row: Any) -> Example:
+        p = self.tok.encode(_text(where, row, "prompt", "completion"))
+        c = self.tok.encode(_text(where, row, "completion", "completion")) + [self.eos]
+        mask = np.concatenate([np.full(len(p), 0 if self.mask_prompt else 1, np.uint8), np.ones(len(c), np.uint8)])
+        return Example(np.asarray(p + c, dtype=np.int64), mask)
+
+    def _chat(self, where: str, row: Any) -> Example:
+        msgs = _field(where, row, "messages", "chat")
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) "
+                                "and 'content' (a string)")
+        if not any(m["role"] == "assistant" and m["content"] for m in msgs):
+            raise DataError(f"{where}: no assistant message with content: nothing to learn from")
+        tok = getattr(self.tok, "tok", None)
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise DataError(f"{where}: chat data needs a tokenizer with a chat template (data.tokenizer / --tokenizer: a "
+                            "directory whose tokenizer_config.json has 'chat_template', or a chat_template.jinja)")
+        render = lambda ms, gen=False: tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+        full = render(msgs)
+        spans = []
+        for k, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            start, upto = render(msgs[:k], True) if k else "", render(msgs[: k + 1])
+            if not (full.startswith(upto) and upto.startswith(start)):
+                raise DataError(f"{where}: the tokenizer's chat template does not render a conversation's beginning as "
+                                "a prefix of the whole; its assistant replies cannot be told apart")
+            if self.mask_prompt:
+                spans.append((len(start), len(upto)))
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        mask = np.zeros(len(ids), np.uint8) if self.mask_prompt else np.ones(len(ids), np.uint8)
+        for a, b in spans:
+            mask[(starts >= a) & (starts < b)] = 1
+        return Example(ids, mask)
