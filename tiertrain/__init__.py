@@ -1,3 +1,22 @@
-"""tiertrain: train language models larger than accelerator memory, states on SSD."""
+"""tiertrain: train language models larger than accelerator memory, states on SSD.
+
+The Python API (imported on first use, so that ``import tiertrain`` stays cheap):
+``tiertrain.train(config, *overrides)`` trains as ``tiertrain train`` does and returns the step
+records; ``Trainer`` runs steps one at a time; ``Config`` / ``load_config`` build the config;
+``evaluate``, ``generate`` and ``prepare_examples`` are the other commands' functions."""
+
+import importlib
 
 __version__ = "0.1.0"
+__all__ = ["train", "Trainer", "Config", "load_config", "evaluate", "generate", "Sampling", "prepare_examples"]
+
+_WHERE = {"Trainer": "train", "Config": "config", "load_config": "config", "evaluate": "evaluate",
+          "generate": "generate", "Sampling": "generate", "prepare_examples": "data.prepare"}
+
+
+def __getattr__(name: str):
+    if name == "train":  # the module, callable: tiertrain.train(config) runs api.train
+        return importlib.import_module(".train", __name__)
+    if name in _WHERE:
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module 'tiertrain' has no attribute {name!r}")

@@ -261,6 +261,14 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    out = args.out or os.path.join(args.run_dir[0], "curves.png")
+    log.info("plotted %d run(s) into %s", len(args.run_dir), plot_runs(args.run_dir, out))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.reference:
         print(config_reference())
@@ -340,6 +348,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(messages) or 'auto' (from the first row's fields)")
     pr.add_argument("--no-mask-prompt", action="store_true", help="rows: score prompt, system and user tokens too")
 
+    pl = sub.add_parser("plot", help="draw loss (train, validation), tokens/s and peak memory of runs into a PNG")
+    pl.add_argument("run_dir", nargs="+", help="run directories (train.run_dir), several on one plot")
+    pl.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png of the first)")
+
     c = sub.add_parser("config", help="print the resolved config (or --reference: every field)", epilog=_OVERRIDES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--config", help="TOML file")
@@ -405,6 +417,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
             return _cmd_bench_io(args)
         if args.cmd == "prepare":
             return _cmd_prepare(args)
+        if args.cmd == "plot":
+            return _cmd_plot(args)
         if args.cmd == "export":
             return _cmd_export(args)
         parser.print_help()

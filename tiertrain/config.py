@@ -450,8 +450,17 @@ class TrainConfig(Section):
     progress: bool = opt(True, "Show a progress bar (only when stderr is a terminal).")
     overwrite: bool = opt(False, "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
                           "deleting them (without it such a run is refused; --resume continues one).")
+    tensorboard: bool = opt(False, "Also write TensorBoard event files (run_dir/tensorboard: loss, validation loss, lr, "
+                            "grad norm, tokens/s, step time, peak memory); needs the tensorboard package "
+                            "(pip install 'tiertrain[tensorboard]').")
 
     def __post_init__(self) -> None:
+        if self.tensorboard and _env():
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                self._fail("tensorboard", "needs the tensorboard package: pip install 'tiertrain[tensorboard]' (or "
+                           "pip install tensorboard), or leave it false")
         self._at_least("steps", 1)
         self._one_of("device", ("auto", "cpu", "cuda"))
         self._one_of("param_dtype", ("auto", "float32", "bfloat16"))

@@ -65,7 +65,8 @@ class StepRecord:
         mfu = f"{100 * self.mfu:.1f}%" if self.mfu is not None else "-"
         return (
             f"step {self.step:>{len(str(steps))}}/{steps} | loss {self.loss:.4f}"
-            + (f" val {self.extra['eval_loss']:.4f}" if "eval_loss" in self.extra else "") + " | "
+            + (f" val {self.extra['eval_loss']:.4f}" if "eval_loss" in self.extra else "")
+            + (f" | epoch {self.extra['epoch']:.2f}" if "epoch" in self.extra else "") + " | "
             f"{self.tokens_per_s:,.0f} tok/s | mfu {mfu} | "
             f"ssd r {self.ssd_read_bytes / 1e9:.2f} GB {self.ssd_read_gbps:.2f} GB/s "
             f"w {self.ssd_write_bytes / 1e9:.2f} GB {self.ssd_write_gbps:.2f} GB/s | "
@@ -103,14 +104,35 @@ class StepRecord:
         )
 
 
-class MetricsLog:
-    """Writes ``metrics.jsonl`` in the run directory and keeps the records for the summary."""
+# what TensorBoard gets of each step: tag -> the record's value (None: not in this record)
+TB_SCALARS = {
+    "loss/train": lambda r: r.loss,
+    "loss/validation": lambda r: r.extra.get("eval_loss"),
+    "optim/lr": lambda r: r.lr,
+    "optim/grad_norm": lambda r: r.grad_norm,
+    "speed/tokens_per_s": lambda r: r.tokens_per_s,
+    "speed/step_s": lambda r: r.step_s,
+    "memory/peak_host_mib": lambda r: r.peak_host_bytes / 2**20,
+    "memory/peak_device_mib": lambda r: r.peak_device_bytes / 2**20,
+    "io/ssd_read_gbps": lambda r: r.ssd_read_gbps,
+    "io/ssd_write_gbps": lambda r: r.ssd_write_gbps,
+}
 
-    def __init__(self, run_dir: str, *, resume: bool = False) -> None:
+
+class MetricsLog:
+    """Writes ``metrics.jsonl`` in the run directory (and, with ``tensorboard``, event files in
+    ``run_dir/tensorboard``: ``TB_SCALARS``) and keeps the records for the summary."""
+
+    def __init__(self, run_dir: str, *, resume: bool = False, tensorboard: bool = False) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a" if resume else "w")
         self.records: list[StepRecord] = []
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def add(self, rec: StepRecord) -> None:
         self.records.append(rec)
@@ -118,6 +140,12 @@ class MetricsLog:
         d["tokens_per_s"] = rec.tokens_per_s
         self._f.write(json.dumps(d) + "\n")
         self._f.flush()
+        if self._tb is not None:
+            for tag, value in TB_SCALARS.items():
+                v = value(rec)
+                if v is not None:
+                    self._tb.add_scalar(tag, v, rec.step)
+            self._tb.flush()
 
     def summary(self) -> str:
         if not self.records:
@@ -143,3 +171,5 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -425,6 +426,8 @@ class Trainer:
         )
         if self.group is not None and self.group.world > 1:
             rec.extra["per_rank"] = per_rank_figures(self.group, rec)
+        if hasattr(self.corpus, "epoch_of"):  # examples: epochs done
+            rec.extra["epoch"] = self.corpus.epoch_of(self.step - 1, self.rt.world)
         every = cfg.train.eval_every
         if every and (self.step % every == 0 or self.step == cfg.train.steps):  # after the step: not in step_s
             rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches,
@@ -495,7 +498,7 @@ class Trainer:
                             cfg.train.steps + first)
                 return []
             self.rundir.write_config(self.user_cfg.to_dict())
-            metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None)
+            metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
             pred = self.predict() if cfg.train.predict else None
             try:
                 log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
@@ -600,3 +603,14 @@ class _StopFlag:
         self._old = {}
 
 
+class _CallableModule(types.ModuleType):
+    """``tiertrain.train`` is this module (``from tiertrain.train import Trainer``) and the API's
+    function at once: ``tiertrain.train(config)`` runs ``api.train``."""
+
+    def __call__(self, *args, **kwargs):
+        from .api import train
+
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,118 @@
+"""The Python API (`tiertrain.train`, `Trainer`), `tiertrain plot`, TensorBoard event files, and
+`tiertrain prepare` / `tiertrain train` on fine-tuning rows from the command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from reference import tiny_flags
+from test_finetune_data import CHAT, make_tokenizer, write_jsonl
+from tiertrain.cli import main
+
+TINY = {"model": {"n_layers": 2, "d_model": 64}, "data": {"seq_len": 32, "micro_batch_size": 2, "micro_batches": 2},
+        "train": {"steps": 3, "predict": False, "progress": False}}
+
+
+def _tree(tmp_path, **sections):
+    tree = {k: dict(v) for k, v in TINY.items()}
+    tree["io"] = {"paths": [str(tmp_path / "ssd")]}
+    tree["train"]["run_dir"] = str(tmp_path / "run")
+    for k, v in sections.items():
+        tree.setdefault(k, {}).update(v)
+    return tree
+
+
+def test_train_from_a_dict_with_overrides_returns_the_records(tmp_path):
+    import tiertrain
+
+    recs = tiertrain.train(_tree(tmp_path), "--train.steps=2", "--optim.lr=1e-3")
+    assert [r.step for r in recs] == [1, 2] and all(r.loss > 0 for r in recs)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in lines] == [r.loss for r in recs]
+    # resumed from its checkpoint, two more steps; a Config is taken as it is
+    from tiertrain import Config
+
+    more = tiertrain.train(Config.from_dict(_tree(tmp_path, train={"steps": 4})), resume=str(tmp_path / "run"))
+    assert [r.step for r in more] == [3, 4]
+    with pytest.raises(TypeError, match="config must be a Config, a dict of sections, a TOML path or None, not int"):
+        tiertrain.train(5)
+    from tiertrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.steps"):
+        tiertrain.train(_tree(tmp_path), "--train.steps=0")
+
+
+def test_the_trainer_runs_step_by_step(tmp_path):
+    from tiertrain import Config, Trainer
+
+    with Trainer(Config.from_dict(_tree(tmp_path))) as tr:
+        tr.initialize(progress=False)
+        losses = [tr.train_step().loss for _ in range(2)]
+    assert len(losses) == 2 and losses[1] < losses[0] + 1.0
+
+
+def test_the_readme_python_example_runs(tmp_path):
+    """The README's first ```python block, as it is, in a fresh process in an empty directory."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    start = readme.index("```python\n") + len("```python\n")
+    code = readme[start : readme.index("```", start)]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "final loss" in run.stdout
+
+
+def test_plot_draws_several_runs_with_validation(tmp_path):
+    import tiertrain
+
+    tiertrain.train(_tree(tmp_path, data={"eval_corpus": "bundled"}, train={"eval_every": 1}))
+    tiertrain.train(_tree(tmp_path, train={"run_dir": str(tmp_path / "run2")}))
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(tmp_path / "run"), str(tmp_path / "run2"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path / "run")]) == 0 and (tmp_path / "run" / "curves.png").exists()
+    from tiertrain.errors import UsageError
+    from tiertrain.plot import plot_runs, read_metrics
+
+    assert len(read_metrics(str(tmp_path / "run"))) == 3
+    with pytest.raises(UsageError, match=r"has no metrics\.jsonl; give a run directory"):
+        plot_runs([str(tmp_path / "nothing")], str(out))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1, "loss": 2}\nnot json\n')
+    with pytest.raises(UsageError, match=r"metrics\.jsonl, line 2: not a step record"):
+        read_metrics(str(tmp_path / "bad"))
+
+
+def test_tensorboard_event_files_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import tiertrain
+
+    recs = tiertrain.train(_tree(tmp_path, data={"eval_corpus": "bundled"}, train={"eval_every": 2, "tensorboard": True}))
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    loss = acc.Scalars("loss/train")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r.loss for r in recs], rel=1e-6)
+    assert [e.step for e in acc.Scalars("loss/validation")] == [2, 3]
+    assert {"optim/lr", "speed/tokens_per_s", "memory/peak_host_mib"} <= set(acc.Tags()["scalars"])
+
+
+def test_prepare_and_train_on_chat_rows_from_the_command_line(tmp_path, capsys):
+    tok = make_tokenizer(tmp_path / "tok")
+    rows = write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 6)
+    assert main(["prepare", "--input", rows, "--output", str(tmp_path / "prep"), "--tokenizer", tok]) == 0
+    meta = json.loads((tmp_path / "prep" / "meta.json").read_text())
+    assert meta["kind"] == "chat" and meta["examples"] == 6 and 0 < meta["scored"] < meta["tokens"]
+    flags = tiny_flags(tmp_path, f"--data.corpus={tmp_path / 'prep'}", f"--data.tokenizer={tok}",
+                       "--model.vocab_size=32", f"--data.eval_corpus={tmp_path / 'prep'}", "--train.eval_every=1",
+                       "--data.seq_len=16")
+    assert main(["train", *flags]) == 0
+    rec = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rec) == 2 and all("eval_loss" in r["extra"] and r["extra"]["epoch"] > 0 for r in rec)
+    capsys.readouterr()
+    assert main(["prepare", "--input", rows, "--input", str(tmp_path / "x.txt"), "--output", str(tmp_path / "p2")]) != 0
+    assert "prepare: give either text files (.txt: a token file) or rows" in capsys.readouterr().err

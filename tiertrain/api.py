@@ -1,0 +1,62 @@
+"""The Python API: ``tiertrain.train(config)`` runs what ``tiertrain train`` runs, from a script
+or a notebook, and returns the step records; ``Trainer`` gives the steps one by one.
+
+``config`` is a ``Config``, a dict of sections (``{"model": {"n_layers": 4}, "train": {...}}``,
+as a TOML file would hold them), the path of a TOML file, or None (the defaults); ``overrides``
+are ``--section.field=value`` strings, applied on top as on the command line. Logging goes to
+stderr as the CLI's does (the ``tiertrain`` logger, set up once where nobody set it up), the
+progress bar shows where stderr is a terminal (or ``progress=True``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Sequence
+
+from .config import Config, load_config, parse_overrides
+from .metrics import StepRecord
+
+__all__ = ["train", "as_config"]
+
+log = logging.getLogger("tiertrain")
+
+
+def as_config(config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """A checked ``Config`` from any form ``train`` takes."""
+    if isinstance(config, Config):
+        if not overrides:
+            return config
+        config = config.to_dict()
+    if config is None or isinstance(config, str):
+        return load_config(config, overrides)
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a Config, a dict of sections, a TOML path or None, not {type(config).__name__}")
+    tree: dict[str, Any] = {k: dict(v) for k, v in config.items()}
+    for section, values in parse_overrides(overrides).items():
+        tree.setdefault(section, {}).update(values)
+    return Config.from_dict(tree)
+
+
+def train(config: Config | dict | str | None = None, *overrides: str, resume: str | None = None,
+          progress: bool | None = None) -> list[StepRecord]:
+    """Train as ``tiertrain train`` does (see the module docstring); ``resume``: a checkpoint
+    or run directory (its latest checkpoint) to continue, with ``config`` or else the
+    checkpoint's own config. The records of the steps run (``StepRecord``: loss, tokens/s,
+    bytes per tier, memory, ``extra['eval_loss']`` where taken)."""
+    from .train import Trainer
+
+    if resume is not None:
+        from .checkpoint import Manifest, find_checkpoint
+
+        resume = find_checkpoint(resume, "resume")  # a run directory: its latest checkpoint
+        if config is None:  # the checkpoint's own config, the overrides on top
+            config = Manifest.read(resume).config
+    cfg = as_config(config, overrides)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    with Trainer(cfg) as trainer:
+        return trainer.run(resume=resume, progress=progress)
