@@ -125,5 +125,35 @@ check "the 2-rank checkpoint exports" rc_is $? 0
 $tt train --resume runs/ranks --train.steps=4 > walk-ranks-one.log 2>&1
 check "... and resumes on one rank" has_ck runs/ranks step-00000004
 
+say "== fine-tuning on chat rows (the README's walk-through)"
+py=.venv/bin/python
+$py examples/tiny_chat_model.py runs/tiny-llama > walk-tiny.log 2>&1
+check "examples/tiny_chat_model.py writes a model and a tokenizer" test -f runs/tiny-llama/tokenizer.json -a -f runs/tiny-llama/model.safetensors
+XDG_CACHE_HOME=$PWD/cache $tt train --model.hf_dir=runs/tiny-llama --data.tokenizer=runs/tiny-llama \
+    --data.corpus=examples/chat.jsonl --data.eval_corpus=examples/chat_val.jsonl --train.eval_every=10 \
+    --data.seq_len=128 --train.steps=30 --optim.lr=1e-3 --train.run_dir=runs/chat > walk-chat.log 2>&1
+check "fine-tuning on examples/chat.jsonl exits 0" rc_is $? 0
+check "... preparing the rows once into the cache" test -f "$(ls -d cache/tiertrain/prepared/*/ | head -1)meta.json"
+check "... showing validation loss and epochs in the step line" grep -q "step 30/30 | loss [0-9.]* val [0-9.]* | epoch [0-9.]*" walk-chat.log
+$tt plot runs/chat > walk-plot.log 2>&1
+check "tiertrain plot runs/chat writes runs/chat/curves.png" test -s runs/chat/curves.png
+$tt export --checkpoint runs/chat --out runs/chat-export > walk-chat-export.log 2>&1
+check "the fine-tuned model exports (with its tokenizer)" test -f runs/chat-export/tokenizer.json
+$py -c '
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("runs/chat-export")
+model = AutoModelForCausalLM.from_pretrained("runs/chat-export")
+chat = [{"role": "user", "content": "How does the verse go on after: \"In the beginning God\"?"}]
+ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+print(repr(tok.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:])))' > walk-hf-generate.log 2>&1
+check "transformers loads the export and generates" rc_is $? 0
+$tt generate --model.hf_dir=runs/chat-export --prompt "In the beginning" --max-new-tokens 12 > walk-generate.log 2>&1
+check "tiertrain generate on the export exits 0" rc_is $? 0
+
+say "== the README's Python example"
+mkdir -p api && (cd api && awk '/^```python$/{f=1;next} /^```$/{if(f){exit}} f' ../README.md > example.py && PYTHONPATH=.. ../.venv/bin/python example.py > ../walk-api.log 2>&1)
+check "the Python API example runs" rc_is $? 0
+check "... printing the final loss" grep -q "final loss" walk-api.log
+
 say "== summary: $fails failed"
 [ "$fails" -eq 0 ]
