@@ -242,8 +242,11 @@ class DataConfig(Section):
     format: str = opt("auto", "Rows (JSONL, Parquet, datasets): 'text' ({text}), 'completion' ({prompt, completion}), "
                       "'chat' ({messages}, the tokenizer's chat template) or 'auto' (from the first row's fields).")
     mask_prompt: bool = opt(True, "Rows: leave prompt, system and user tokens out of the loss (False: score every token).")
-    packing: bool = opt(True, "Examples: pack them into rows of seq_len + 1 tokens, EOS between them (attention is not "
-                        "masked between documents); False: one example per row, padded (the padding not scored).")
+    packing: bool = opt(True, "Examples: pack them into rows of seq_len + 1 tokens, EOS between them (attention: "
+                        "data.packed_attention); False: one example per row, padded (the padding not scored).")
+    packed_attention: str = opt("document", "Packed rows: 'document' (a token attends only to its own document; "
+                                "positions restart at each; a block-diagonal causal mask) or 'row' (the whole row, "
+                                "positions 0 .. seq_len - 1).")
     long_examples: str = opt("truncate", "Examples longer than seq_len + 1 tokens: 'truncate' (keep their beginning) or "
                              "'drop'; how many is logged at start.")
 
@@ -253,6 +256,7 @@ class DataConfig(Section):
         self._at_least("eval_micro_batches", 0)
         self._one_of("format", ("auto", "text", "completion", "chat"))
         self._one_of("long_examples", ("truncate", "drop"))
+        self._one_of("packed_attention", ("document", "row"))
         for name in ("corpus", "eval_corpus"):
             path = getattr(self, name)
             if path in (None, "bundled") or not _env():

@@ -25,8 +25,8 @@ class HFWrapper(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, x, y, divisor=None):
-        return self.hf(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=divisor).loss
+    def forward(self, x, y, divisor=None, positions=None):
+        return self.hf(input_ids=x, position_ids=positions, labels=y, shift_labels=y, num_items_in_batch=divisor).loss
 
 
 def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
@@ -82,8 +82,9 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         step_losses = []
         acc = None
         scored = corpus.scored(step)  # masked data: each micro-batch's summed loss over the step's scored tokens
-        for x, y in corpus.batches(step):
-            loss = model(x, y, scored)
+        positions = corpus.positions(step) or [None] * M  # packed rows: attention within each document
+        for (x, y), pos in zip(corpus.batches(step), positions):
+            loss = model(x, y, scored, pos)
             (loss if scored else loss / M).backward()
             step_losses.append(loss.item())
             if accum_fp32:
@@ -129,8 +130,9 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
         step_losses, total = [], None
         for r in range(ranks):
             scored = corpus.scored(step, ranks)
-            for x, y in corpus.batches(step, rank=r, world=ranks):
-                loss = model(x, y, scored)
+            positions = corpus.positions(step, rank=r, world=ranks) or [None] * M
+            for (x, y), pos in zip(corpus.batches(step, rank=r, world=ranks), positions):
+                loss = model(x, y, scored, pos)
                 (loss if scored else loss / (ranks * M)).backward()
                 step_losses.append(loss.item())
             sums = [p.grad.clone() for p in params]

@@ -438,14 +438,16 @@ class Trainer:
         """The executor's step on this rank's micro-batches; with ranks, the loss is every
         rank's mean (summed in rank order) and the tokens every rank's."""
         if self.rt.world == 1:
-            return self.executor.step(self.corpus.batches(self.step), scored=self.corpus.scored(self.step))
+            return self.executor.step(self.corpus.batches(self.step), scored=self.corpus.scored(self.step),
+                                      positions=self.corpus.positions(self.step))
         g, M = self.group, self.cfg.data.micro_batches
         scored = self.corpus.scored(self.step, g.world)
         g.at_step(self.step + 1)  # told to the others: a rank that stops is named with its step
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
             every = [x for r in range(g.world) for x, _ in self.corpus.batches(self.step, rank=r, world=g.world)]
-        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every, scored)
+        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every, scored,
+                                 self.corpus.positions(self.step, rank=g.rank, world=g.world))
         total = g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))  # sync point
         out.loss = float(total) if scored else float(total) / (M * g.world)
         out.tokens *= g.world

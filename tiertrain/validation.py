@@ -25,12 +25,13 @@ def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) 
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     mine = evalset.micro_batches(rank, world)
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
-    scored = evalset.total_scored(world)
+    scored, positions = evalset.total_scored(world), evalset.positions(rank, world)
     total = 0.0
     for i in range(0, len(mine), micro_batches):
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
-        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored))
+        pos = positions[i : i + micro_batches] if positions is not None else None
+        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos))
     if group is not None and world > 1:
         total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point
     return total if scored else total / (len(mine) * world)

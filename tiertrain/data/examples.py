@@ -17,9 +17,11 @@ or dropped (``data.long_examples``; counted and logged at start).
 
 - ``data.packing = true``: the epoch's examples, in its order, are one stream of tokens (the
   EOS of each ends it before the next); row j is the stream's tokens ``[j T, j T + T + 1)``
-  (inputs its first T, targets its last T). Attention is not masked between documents in a row:
-  a token may attend to the documents before it in its row (the EOS between them marks the
-  boundary; the loss mask is kept exactly).
+  (inputs its first T, targets its last T). With ``data.packed_attention = 'document'`` each
+  token attends only to the tokens of its own document in the row: ``positions`` gives every
+  row's positions restarting at 0 where a document (or the row) starts, from which the models
+  make a block-diagonal causal mask (transformers from the position ids, the built-in GPT in
+  ``models.base.document_mask``); ``'row'``: attention across the row, positions 0 .. T-1.
 - ``data.packing = false``: one example per row, inputs padded after its end with EOS and
   targets with the ignore index; causal attention means the padding never changes what the
   real tokens compute.
@@ -145,9 +147,11 @@ class ExampleBatches:
     ``Corpus.batches``, ``scored(step, world)`` the step's scored targets."""
 
     def __init__(self, data: PreparedExamples, *, seq_len: int, micro_batch_size: int, micro_batches: int,
-                 seed: int, packing: bool, long_examples: str, shuffle: bool = True) -> None:
+                 seed: int, packing: bool, long_examples: str, shuffle: bool = True,
+                 by_document: bool = True) -> None:
         self.data, self.T, self.B, self.M = data, seq_len, micro_batch_size, micro_batches
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
+        self.by_document = packing and by_document
         self.vocab_size = data.vocab_size
         lengths = data.lengths
         too_long = lengths > seq_len + 1
@@ -181,8 +185,9 @@ class ExampleBatches:
         """Epochs done by the end of step ``step`` (0-based), as a fraction."""
         return (step + 1) * world * self.M * self.B / self.rows_per_epoch
 
-    def _row(self, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """Global row ``g``: (T + 1 token ids, T + 1 mask bytes; pads: EOS and 0)."""
+    def _row(self, g: int, with_positions: bool = False):
+        """Global row ``g``: (T + 1 token ids, T + 1 mask bytes; pads: EOS and 0), and with
+        ``with_positions`` the T inputs' positions, restarting at each document."""
         e, j = divmod(g, self.rows_per_epoch)
         order, starts = self._epoch(e)
         d = self.data
@@ -195,15 +200,17 @@ class ExampleBatches:
             return ids, mask
         lo, hi = j * self.T, j * self.T + self.T + 1
         k = int(np.searchsorted(starts, lo, side="right")) - 1
-        ids, mask = [], []
+        ids, mask, pos = [], [], []
         while lo < hi:
             ex = order[k]
             a = int(d.offsets[ex]) + lo - int(starts[k])
             n = min(hi, int(starts[k + 1])) - lo
             ids.append(d.ids[a : a + n])
             mask.append(d.mask[a : a + n])
+            pos.append(np.arange(n))
             lo, k = lo + n, k + 1
-        return np.concatenate(ids).astype(np.int64), np.concatenate(mask)
+        out = np.concatenate(ids).astype(np.int64), np.concatenate(mask)
+        return (*out, np.concatenate(pos)[: self.T]) if with_positions else out
 
     def _step_rows(self, step: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
         n = world * self.M * self.B
@@ -221,6 +228,16 @@ class ExampleBatches:
             targets = ids[:, 1:].masked_fill(~keep[:, 1:], IGNORE)
             out.append((ids[:, :-1].contiguous(), targets.contiguous()))
         return out
+
+    def positions(self, step: int, *, rank: int = 0, world: int = 1) -> list[torch.Tensor] | None:
+        """Packed rows with attention within each document: this rank's micro-batches' ``[B, T]``
+        input positions (restarting at each document); None otherwise (positions 0 .. T-1)."""
+        if not self.by_document:
+            return None
+        n = self.M * self.B
+        first = step * world * n + rank * n
+        rows = [self._row(first + i, with_positions=True)[2] for i in range(n)]
+        return [torch.from_numpy(np.stack(rows[m * self.B : (m + 1) * self.B])) for m in range(self.M)]
 
     def scored(self, step: int, world: int = 1) -> int:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""

@@ -106,6 +106,10 @@ class Corpus:
         if len(self.tokens) < need:
             raise ConfigError(f"{what}: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
 
+    def positions(self, step: int, *, rank: int = 0, world: int = 1) -> None:
+        """Every row is one sequence: positions 0 .. T-1 (``ExampleBatches`` has packed ones)."""
+        return None
+
     def scored(self, step: int, world: int = 1) -> None:
         """Every target counts and every micro-batch has as many: each micro-batch's loss is
         its mean, the step's the mean of those (no divisor; ``ExampleBatches`` has one)."""
@@ -171,6 +175,13 @@ class EvalSet:
             self.scored = sum(self.examples.scored(i) for i in range(self.count - self.count % world))
         return self.scored
 
+    def positions(self, rank: int = 0, world: int = 1) -> list[torch.Tensor] | None:
+        """Examples packed with attention within documents: each of this rank's micro-batches'
+        positions (as ``micro_batches``); None otherwise."""
+        if self.examples is None or not self.examples.by_document:
+            return None
+        return [self.examples.positions(i)[0] for i in range(rank, self.count - self.count % world, world)]
+
     def micro_batches(self, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches, in order."""
         if self.examples is not None:
@@ -200,7 +211,8 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
         return Corpus(cfg, what)
     return ExampleBatches(PreparedExamples(path, what), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                           micro_batches=cfg.micro_batches, seed=cfg.seed, packing=cfg.packing,
-                          long_examples=cfg.long_examples, shuffle=shuffle)
+                          long_examples=cfg.long_examples, shuffle=shuffle,
+                          by_document=cfg.packed_attention == "document")
 
 
 def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:

@@ -44,6 +44,22 @@ def default_positions(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device)
 
 
+def segments(positions: torch.Tensor) -> torch.Tensor:
+    """Per-row document numbers of ``[B, T]`` positions that restart at each document (packed
+    rows): a new document wherever a position is not its predecessor's plus one (as
+    transformers finds packed sequences)."""
+    first = positions[:, :1] - 1
+    return (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` attention allowed (bool): causal, and within each token's document."""
+    seg = segments(positions)
+    t = positions.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
 def no_cache(cache: Any) -> None:
     if cache is not None:
         raise NotImplementedError("a block's forward takes no key/value cache: generation calls its decode()")
@@ -110,10 +126,11 @@ class LayeredModel(nn.Module):
         out += [UnitRef(u + 1 + k, "head_piece", m, piece=k) for k, m in enumerate(self.head_pieces)]
         return out
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
-        h = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: int | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(input_ids, positions)
         for block in self.blocks:
-            h = block(h)
+            h = block(h, positions)
         return self.head(h, targets, divisor)
 
     def full_name(self, unit: int, local: str) -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import LayeredModel, default_positions, no_cache
+from .base import LayeredModel, default_positions, document_mask, no_cache
 
 __all__ = ["GPTEmbed", "GPTBlock", "GPTHead", "build_gpt"]
 
@@ -52,7 +52,11 @@ class GPTBlock(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        drop = self.dropout if self.training else 0.0
+        if positions is not None and positions.dim() == 2:  # packed rows: attention within each document
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), dropout_p=drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
         x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.resid_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 

@@ -20,14 +20,23 @@ from .base import LayeredModel, default_positions, no_cache
 __all__ = ["layer_llama", "layer_gpt2", "decode_mask", "kv_bytes", "kv_shape", "new_cache"]
 
 
-# The causal masks are made without position ids: given them, transformers looks for packed
-# sequences in them, a device-to-host sync per block and micro-batch; our sequences are never
-# packed, and the mask of 0 .. T-1 is the plain causal one either way.
+# The causal masks are made without position ids where every row is one sequence (``[T]``
+# positions): given them, transformers looks for packed sequences in them, a device-to-host
+# sync per block and micro-batch. Packed rows with attention kept within each document come
+# with ``[B, T]`` positions that restart at each document: those are passed, and transformers
+# makes the block-diagonal causal mask from them.
 
 
 def _positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """``[1, T]`` position ids (HF layout) of the hidden states ``h``."""
+    """``[1, T]`` position ids (HF layout) of the hidden states ``h``, or the ``[B, T]`` ones
+    of packed rows."""
+    if positions is not None and positions.dim() == 2:
+        return positions
     return (default_positions(h) if positions is None else positions).view(1, -1)
+
+
+def _packed(positions: torch.Tensor | None) -> torch.Tensor | None:
+    return positions if positions is not None and positions.dim() == 2 else None
 
 
 class LlamaEmbed(nn.Module):
@@ -60,7 +69,7 @@ class LlamaBlock(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         no_cache(cache)
         pos = _positions(h, positions)
-        mask = _causal_mask(self._config, h)
+        mask = _causal_mask(self._config, h, _packed(positions))
         rope = self._rotary(h, position_ids=pos)
         return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
 
@@ -128,7 +137,7 @@ class GPT2Block(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         no_cache(cache)
         pos = _positions(h, positions)
-        mask = _causal_mask(self._config, h)
+        mask = _causal_mask(self._config, h, _packed(positions))
         return self.block(h, None, mask, None, use_cache=False, position_ids=pos)
 
     def decode(self, h: torch.Tensor, mask, position_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -140,8 +149,8 @@ class GPT2Block(nn.Module):
 _NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
 
 
-def _causal_mask(config: Any, h: torch.Tensor):
-    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=None, **_NO_CACHE)
+def _causal_mask(config: Any, h: torch.Tensor, packed: torch.Tensor | None = None):
+    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=packed, **_NO_CACHE)
 
 
 _CACHE = next(iter(_NO_CACHE))  # the key/value cache's keyword in this transformers

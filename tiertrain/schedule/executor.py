@@ -270,12 +270,13 @@ class LayerMajorExecutor(VocabSteps):
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 step_tokens: list[torch.Tensor] | None = None, scored: int | None = None) -> list[float]:
+                 step_tokens: list[torch.Tensor] | None = None, scored: int | None = None,
+                 positions: list[torch.Tensor] | None = None) -> list[float]:
         """The loss of every micro-batch of ``batches`` with the current parameters: a step's
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
-        ``scored``: as ``step``'s."""
-        mbs = self._micro_batches(batches)
+        ``scored``, ``positions``: as ``step``'s."""
+        mbs = self._micro_batches(batches, positions)
         self._scored = scored
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used, forward_only=True), 0
@@ -303,25 +304,31 @@ class LayerMajorExecutor(VocabSteps):
         self._release(self.head)
         return losses
 
-    def _micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[MicroBatch]:
+    def _micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       positions: list[torch.Tensor] | None = None) -> list[MicroBatch]:
+        """On the device; ``positions``: packed rows' ``[B, T]`` positions (attention within
+        each document), else ``0 .. T-1``."""
         mbs = []
-        for x, y in batches:
+        for m, (x, y) in enumerate(batches):
             ids = x.to(self.dev.device, non_blocking=True)
-            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True),
-                                  torch.arange(ids.shape[1], device=self.dev.device)))
+            pos = (torch.arange(ids.shape[1], device=self.dev.device) if positions is None
+                   else positions[m].to(self.dev.device, non_blocking=True))
+            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True), pos))
         return mbs
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             step_tokens: list[torch.Tensor] | None = None, scored: int | None = None) -> StepOutput:
+             step_tokens: list[torch.Tensor] | None = None, scored: int | None = None,
+             positions: list[torch.Tensor] | None = None) -> StepOutput:
         """One step over ``batches`` (this rank's micro-batches); ``step_tokens``: every rank's
         inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same
         on every rank); ``scored``: the step's scored targets over every rank, where targets may
-        be masked (each micro-batch's loss is then its summed cross-entropy over it)."""
+        be masked (each micro-batch's loss is then its summed cross-entropy over it);
+        ``positions``: packed rows' positions, restarting at each document (``_micro_batches``)."""
         M = len(batches)
         self._scored = scored
         self.model.train()
-        mbs = self._micro_batches(batches)
+        mbs = self._micro_batches(batches, positions)
         self._rng = {}
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used), 0
