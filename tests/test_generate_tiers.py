@@ -173,3 +173,23 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
             bound = 3 * r["unit"] + r["unit"] + 2 * r["pair"] + (40 << 20)
             assert r["growth"] <= bound, (weights, r, bound)
         assert abs(big["growth"] - small["growth"]) < small["unit"] / 2, (weights, got)
+
+
+def test_generate_from_a_checkpoint_is_generate_from_its_export(tmp_path, capsys):
+    """A Llama fine-tuned 2 steps from its directory: `generate --checkpoint RUN` (weights read
+    from the checkpoint's file, checksummed) prints what `generate` on the run's export prints."""
+    from reference import tiny_flags
+    from tiertrain.cli import main
+
+    d = _llama_dir(tmp_path)
+    assert main(["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}", "--model.kind=auto", "--optim.lr=0.02",
+                                      "--optim.warmup_steps=0")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exp")]) == 0
+    capsys.readouterr()
+    flags = ["--prompt", "hello", "--max-new-tokens", "6", f"--io.paths={tmp_path / 'gen'}"]
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), *flags]) == 0
+    from_checkpoint = capsys.readouterr().out
+    assert main(["generate", f"--model.hf_dir={tmp_path / 'exp'}", *flags]) == 0
+    assert capsys.readouterr().out == from_checkpoint and len(from_checkpoint) > len("hello")
+    assert main(["generate", f"--model.hf_dir={d}", *flags]) == 0
+    assert capsys.readouterr().out != from_checkpoint  # the trained weights, not the directory's

@@ -226,11 +226,18 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .generate_cli import read_prompts, run_generate
 
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
-    cfg = load_config(args.config, overrides)
     stop = tuple(args.stop or ())
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=stop)
-    run_generate(cfg, texts, sampling, args.out)
+    if args.checkpoint:  # its model (and the model directory's tokenizer), its weights read from its file
+        from .evaluate import CheckpointWeights
+
+        path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled",
+                                                                  "--data.eval_corpus=none", "--train.eval_every=0"])
+        with CheckpointWeights(path) as w:
+            run_generate(cfg, texts, sampling, args.out, weights=w.source)
+        return 0
+    run_generate(load_config(args.config, overrides), texts, sampling, args.out)
     return 0
 
 
@@ -323,6 +330,8 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
                    "prompts per micro-batch: --data.micro_batch_size)")
+    g.add_argument("--checkpoint", help="a checkpoint or run directory (its latest checkpoint) of a Hugging Face model's "
+                   "run: its weights, read directly (CRC32C checked first)")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="a text file (one prompt a line) or JSONL (a \"prompt\" field a line)")
     g.add_argument("--max-new-tokens", type=int, default=32)

@@ -52,8 +52,10 @@ def _tokenizer(cfg: Config):
     return load_tokenizer(cfg.data.tokenizer)
 
 
-def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | None = None) -> list[str]:
-    """Generate after every prompt; print (or write) the results; return the completions."""
+def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | None = None, *,
+                 weights=None) -> list[str]:
+    """Generate after every prompt; print (or write) the results; return the completions.
+    ``weights``: a ``WeightSource`` (a checkpoint's) instead of the model directory's."""
     tok = _tokenizer(cfg)
     prompts = [tok.encode(t) for t in texts]
     for t, p in zip(texts, prompts):
@@ -66,7 +68,7 @@ def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | N
             sys.stdout.write(tok.decode([tokens[0]]))
             sys.stdout.flush()
 
-    rows = generate(cfg, prompts, sampling, on_tokens=show if stream else None)
+    rows = generate(cfg, prompts, sampling, weights=weights, on_tokens=show if stream else None)
     texts_out = [tok.decode(r) for r in rows]
     if stream:
         sys.stdout.write("\n")
