@@ -52,6 +52,9 @@ def test_the_trainer_runs_step_by_step(tmp_path):
         tr.initialize(progress=False)
         losses = [tr.train_step().loss for _ in range(2)]
     assert len(losses) == 2 and losses[1] < losses[0] + 1.0
+    with Trainer(_tree(tmp_path)) as tr:  # a dict of sections too
+        tr.initialize(progress=False)
+        assert tr.train_step().loss == losses[0]
 
 
 def test_the_readme_python_example_runs(tmp_path):

@@ -103,8 +103,10 @@ class Trainer:
     builds its own Trainer with the same config, see ``dist/ranks.py``).
     """
 
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device=None,
+    def __init__(self, cfg: Config | dict, *, weights: WeightSource | None = None, device=None,
                  group: "RankGroup | None" = None) -> None:
+        if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
+            cfg = Config.from_dict(cfg)
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         self.group = group
         rank, world = (group.rank, group.world) if group is not None else (0, 1)
