@@ -193,3 +193,52 @@ def test_generate_from_a_checkpoint_is_generate_from_its_export(tmp_path, capsys
     assert capsys.readouterr().out == from_checkpoint and len(from_checkpoint) > len("hello")
     assert main(["generate", f"--model.hf_dir={d}", *flags]) == 0
     assert capsys.readouterr().out != from_checkpoint  # the trained weights, not the directory's
+
+
+def _gpt_greedy(model, prompt, n):
+    """Greedy tokens of the in-memory built-in GPT, the whole sequence recomputed every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            h = model.embed(torch.tensor([ids]))
+            for blk in model.blocks:
+                h = blk(h)
+            ids.append(int(model.head.logits(h)[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_the_built_in_gpt_generates_what_its_full_recompute_gives(tmp_path):
+    """The built-in GPT (its own cache and masks, models/gpt_decode.py): prompts of different
+    lengths, padded on the left in micro-batches of 2, greedy: each prompt's tokens are those of
+    the in-memory model recomputing the whole sequence for that prompt alone; with every block's
+    cache on the storage tier too."""
+    from reference import reference_model
+    from tiertrain.models import build_model, tensor_source
+
+    cfg = small_config(tmp_path)  # the built-in GPT, 3 layers, vocabulary 256
+    cfg.data.micro_batch_size = 2
+    ref = reference_model(cfg).eval()
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    from reference import weights_of
+
+    weights = tensor_source(skeleton, weights_of(ref))
+    want = [_gpt_greedy(ref, p, 9) for p in PROMPTS]
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=9), weights=weights) == want
+    cfg.memory.kv_host_mib = 0
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=9), weights=weights) == want
+
+
+def test_generate_from_the_default_jobs_checkpoint(tmp_path, capsys):
+    """The built-in GPT trained a few steps on the bundled text, then `generate --checkpoint`."""
+    from reference import tiny_flags
+    from tiertrain.cli import main
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In the beginning",
+                 "--max-new-tokens", "8", f"--io.paths={tmp_path / 'gen'}"]) == 0
+    streamed = capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In the beginning",
+                 "--max-new-tokens", "8", f"--io.paths={tmp_path / 'gen'}", "--out", str(tmp_path / "o.jsonl")]) == 0
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert len(row["tokens"]) == 8 and streamed == row["completion"] + "\n"

@@ -326,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
                     "weights and tokenizer")
     ev.add_argument("--out", help="also write the result (JSON) here")
 
-    g = sub.add_parser("generate", help="generate text after prompts, layer-major over the batch (HF models)",
+    g = sub.add_parser("generate", help="generate text after prompts, layer-major over the batch",
                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
                    "prompts per micro-batch: --data.micro_batch_size)")

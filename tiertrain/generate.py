@@ -16,8 +16,9 @@ micro-batch's longest prompt plus ``max_new_tokens``, within ``memory.kv_host_mi
 (CUDA: device) memory, the rest on the storage tier (``kvcache.TieredKV``). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
 seeded generator; a row stops at a stop token or ``max_new_tokens``.
 
-Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``); the vocabulary is not
-cut into pieces here.
+Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``: transformers' static
+cache and masks) and the built-in GPT (``models/gpt_decode.py``: a cache of the same shape);
+``_Decoding`` holds what differs. The vocabulary is not cut into pieces here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 from .config import Config, ConfigError
 from .models import WeightSource
 from .kvcache import TieredKV
-from .models.hf import decode_mask, kv_bytes, kv_shape, new_cache
+from .models.gpt_decode import GPTCache
+from .models.gpt_decode import decode_mask as gpt_decode_mask
+from .models.hf import decode_mask, kv_shape, new_cache
 from .runtime import Runtime
 from .weights_file import forward_params
 
@@ -76,14 +79,42 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(-1)
 
 
+class _Decoding:
+    """What generation needs of a model kind: its context limit, vocabulary, padding id, cache
+    shape and bytes, a new cache and a step's attention mask."""
+
+    def __init__(self, rt, cfg: Config) -> None:
+        self.hf = rt.model.hf_config
+        m = cfg.model
+        if self.hf is not None:
+            self.limit = getattr(self.hf, "max_position_embeddings", None) or getattr(self.hf, "n_positions", None)
+            self.vocab = self.hf.vocab_size
+            self.pad = self.hf.pad_token_id if getattr(self.hf, "pad_token_id", None) is not None else 0
+            self.layers, self.kv_heads, self.head_dim = kv_shape(self.hf)
+        else:  # the built-in GPT
+            self.limit, self.vocab, self.pad = m.max_seq_len, m.vocab_size, 0
+            self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
+
+    def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
+        return 2 * self.layers * rows * self.kv_heads * max_len * self.head_dim * dtype.itemsize
+
+    def cache(self, max_len: int):
+        return new_cache(self.hf, max_len) if self.hf is not None else GPTCache(self.layers)
+
+    def mask(self, h: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache):
+        if self.hf is not None:
+            return decode_mask(self.hf, h, attention_mask, positions, cache)
+        return gpt_decode_mask(attention_mask, h.shape[1])
+
+
 class _Rows:
     """One micro-batch of prompts: left-padded ids, attention mask, cache, what it generated."""
 
-    def __init__(self, prompts: list[list[int]], pad: int, config, new_tokens: int) -> None:
-        width = max(len(p) for p in prompts)
+    def __init__(self, prompts: list[list[int]], dec: _Decoding, new_tokens: int) -> None:
+        width, pad = max(len(p) for p in prompts), dec.pad
         self.ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        self.cache = new_cache(config, width + new_tokens)  # its layers' memory: TieredKV's
+        self.cache = dec.cache(width + new_tokens)  # its layers' memory: TieredKV's
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = torch.zeros(len(prompts), dtype=torch.bool)
 
@@ -101,28 +132,24 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
     ``on_tokens``: called after every step with each row's new token (None once it stopped)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
-    if cfg.model.hf_dir is None:
-        raise ConfigError("generate runs Hugging Face models so far: give model.hf_dir (a Llama-family or GPT-2 "
-                          "directory, or an export of one)")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
-    model, hf = rt.model, rt.model.hf_config
-    limit = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+    model, dec = rt.model, _Decoding(rt, cfg)
+    limit = dec.limit
     longest = max(len(p) for p in prompts) + sampling.max_new_tokens
     if limit is not None and longest > limit:
         rt.close()
         raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
                           f"model's context ({limit}); shorten the prompt or lower max_new_tokens")
-    if max(max(p) for p in prompts) >= hf.vocab_size:
+    if max(max(p) for p in prompts) >= dec.vocab:
         rt.close()
         raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
-                          f"vocabulary ({hf.vocab_size}); tokenize with the model's own tokenizer")
+                          f"vocabulary ({dec.vocab}); tokenize with the model's own tokenizer")
     budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
-    pad = hf.pad_token_id if getattr(hf, "pad_token_id", None) is not None else 0
     b = cfg.data.micro_batch_size
-    groups = [_Rows(prompts[i : i + b], pad, hf, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
-    _, kv_heads, head_dim = kv_shape(hf)
-    kv_total = sum(kv_bytes(hf, len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
+    groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
+    kv_heads, head_dim = dec.kv_heads, dec.head_dim
+    kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
     try:
         source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
     except BaseException:
@@ -145,7 +172,7 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
             model.eval()
             for step in range(sampling.max_new_tokens):
                 more = step + 1 < sampling.max_new_tokens  # the last step prefetches nothing past itself
-                last = _step(store, rt.layout, units, groups, hf, step, rt.dev.device, more, kv)
+                last = _step(store, rt.layout, units, groups, dec, step, rt.dev.device, more, kv)
                 picked = [_pick(logits.float(), sampling, gen) for logits in last]
                 steps += 1
                 if not _record(groups, picked, sampling, on_tokens):
@@ -164,7 +191,8 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         source.close()
 
 
-def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more: bool, kv) -> list[torch.Tensor]:
+def _step(store, layout, units, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool,
+          kv) -> list[torch.Tensor]:
     """One decoding step over every micro-batch, unit by unit: the last logits of each. The
     units ahead are prefetched, round into the next step's where there is one (``more``)."""
     n = len(units)
@@ -182,7 +210,7 @@ def _step(store, layout, units, groups: list[_Rows], hf, step: int, device, more
         store.prefetch([(k + j) % n for j in range(1, len(store.slots)) if more or k + j < n])
         if k == 0:
             h = [unit.decode(x, p) for x, p in zip(ins, poss)]
-            masks = [decode_mask(hf, x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
+            masks = [dec.mask(x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
         elif k < n - 1:
             out = []
             for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):

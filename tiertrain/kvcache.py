@@ -97,7 +97,8 @@ class TieredKV:
         layer = self._layer(p)
         layer.device, layer.batch_size, layer.num_heads = self.device, p.shape[0], p.shape[1]
         layer.k_head_dim = layer.v_head_dim = p.shape[3]
-        layer.cumulative_length = layer.cumulative_length.to(self.device)
+        if isinstance(layer.cumulative_length, torch.Tensor):  # transformers' (the built-in GPT's: a host int)
+            layer.cumulative_length = layer.cumulative_length.to(self.device)
         layer.keys = layer.values = None
         layer.is_initialized = True
 

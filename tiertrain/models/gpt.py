@@ -34,11 +34,15 @@ class GPTEmbed(nn.Module):
         pos = default_positions(tokens) if positions is None else positions
         return self.drop(tokens + self.wpe(pos))
 
+    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Generation: ``[B, T]`` ids at per-row ``position_ids`` (``[B, T]``)."""
+        return self.drop(self.wte(input_ids) + self.wpe(position_ids))
+
 
 class GPTBlock(nn.Module):
-    def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float) -> None:
+    def __init__(self, d: int, n_heads: int, d_ff: int, dropout: float, index: int = 0) -> None:
         super().__init__()
-        self.n_heads, self.dropout = n_heads, dropout
+        self.n_heads, self.dropout, self.index = n_heads, dropout, index  # index: its layer of a decoding cache
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -57,6 +61,22 @@ class GPTBlock(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), dropout_p=drop)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.resid_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+    def decode(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: the new positions ``x`` (``[B, T, d]``) write their keys and values into
+        ``cache.layers[index]`` after the ones there and attend to all of them under ``mask``
+        (``gpt_decode.decode_mask``)."""
+        layer = cache.layers[self.index]
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        past = layer.cumulative_length  # a host int (gpt_decode.GPTCache): no device sync
+        layer.keys[:, :, past : past + t], layer.values[:, :, past : past + t] = k, v
+        layer.cumulative_length += t
+        y = F.scaled_dot_product_attention(q, layer.keys[:, :, : past + t], layer.values[:, :, : past + t],
+                                           attn_mask=mask)
         x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.resid_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
@@ -119,7 +139,7 @@ def build_gpt(
 ) -> LayeredModel:
     """The built-in GPT, on whatever device/placeholder context the caller sets up."""
     embed = GPTEmbed(vocab_size, d_model, max_seq_len, dropout)
-    blocks = [GPTBlock(d_model, n_heads, d_ff or 4 * d_model, dropout) for _ in range(n_layers)]
+    blocks = [GPTBlock(d_model, n_heads, d_ff or 4 * d_model, dropout, i) for i in range(n_layers)]
     head = GPTHead(d_model, vocab_size, embed.wte if tie_embeddings else None)
     model = LayeredModel(embed, blocks, head, kind="gpt")
     model.init_unit = _init_unit(n_layers, init_std)
