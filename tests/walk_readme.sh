@@ -114,6 +114,9 @@ check "... printing loss and perplexity" grep -q "^eval: .* | loss [0-9.]* | per
 $tt eval --model.init_from=exported --data.eval_corpus=bundled --data.eval_micro_batches=4 > walk-eval-export.log 2>&1
 check "tiertrain eval of an export exits 0" rc_is $? 0
 
+$tt generate --checkpoint runs/default --prompt "And God said" --max-new-tokens 40 > walk-gen-default.log 2>&1
+check "tiertrain generate --checkpoint runs/default exits 0" rc_is $? 0
+
 say "== ranks"
 $tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/ranks --io.paths=./scratch-ranks \
   > walk-ranks.log 2>&1
