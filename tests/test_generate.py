@@ -94,6 +94,8 @@ def test_bad_input_is_named(tmp_path, model_dir):
         generate(cfg, [[1] * 7], Sampling(max_new_tokens=limit - 4))
     with pytest.raises(ConfigError, match=r"token id 300, outside the model's vocabulary \(256\)"):
         generate(cfg, [[1, 300]])
+    with pytest.raises(ConfigError, match=r"the tokenizer has 300 tokens, more than the model's vocabulary \(256\)"):
+        generate(cfg, [[1, 2]], tokenizer_vocab=300)
     with pytest.raises(ConfigError, match="max_new_tokens = 0"):
         Sampling(max_new_tokens=0)
     with pytest.raises(ConfigError, match=r"is 70 tokens, more than the model's context \(64\)"):  # built-in GPT

@@ -127,9 +127,11 @@ class _Rows:
 
 def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Sampling(), *,
              weights: WeightSource | None = None, device=None,
-             on_tokens: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
+             on_tokens: Callable[[list[int | None]], None] | None = None,
+             tokenizer_vocab: int | None = None) -> list[list[int]]:
     """The tokens generated after each prompt (token ids; see the module docstring).
-    ``on_tokens``: called after every step with each row's new token (None once it stopped)."""
+    ``on_tokens``: called after every step with each row's new token (None once it stopped);
+    ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
@@ -141,6 +143,10 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         rt.close()
         raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
                           f"model's context ({limit}); shorten the prompt or lower max_new_tokens")
+    if tokenizer_vocab is not None and tokenizer_vocab > dec.vocab:
+        rt.close()
+        raise ConfigError(f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
+                          f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)")
     if max(max(p) for p in prompts) >= dec.vocab:
         rt.close()
         raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "

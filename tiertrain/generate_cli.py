@@ -68,7 +68,8 @@ def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | N
             sys.stdout.write(tok.decode([tokens[0]]))
             sys.stdout.flush()
 
-    rows = generate(cfg, prompts, sampling, weights=weights, on_tokens=show if stream else None)
+    rows = generate(cfg, prompts, sampling, weights=weights, on_tokens=show if stream else None,
+                    tokenizer_vocab=tok.vocab_size)
     texts_out = [tok.decode(r) for r in rows]
     if stream:
         sys.stdout.write("\n")
