@@ -14,10 +14,8 @@ import contextlib
 from dataclasses import dataclass
 import logging
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 import types
 from typing import TYPE_CHECKING
@@ -32,6 +30,7 @@ from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, li
 from .config import Config, ConfigError
 from .data import EvalSet, open_corpus
 from .errors import one_line
+from .interrupt import StopFlag
 from .io import aligned_empty, check_space
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
 from .models import WeightSource, vocab_size_of
@@ -484,7 +483,7 @@ class Trainer:
             progress = cfg.train.progress and sys.stderr.isatty()
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite)
-        stop = _StopFlag()
+        stop = StopFlag()
         with stop:
             if resume is not None:
                 self.restore(resume)
@@ -577,34 +576,6 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _StopFlag:
-    """Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) sets ``set`` to the signal's
-    name: the loop stops at the next step boundary. A second one interrupts at once. Only
-    installed in the main thread."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.set: str = ""
-        self._old: dict = {}
-
-    def _handler(self, signum, frame) -> None:
-        if self.set:
-            raise KeyboardInterrupt
-        self.set = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log.warning("%s: stopping after this step (again to stop at once)", self.set)
-
-    def __enter__(self) -> "_StopFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-        self._old = {}
 
 
 class _CallableModule(types.ModuleType):

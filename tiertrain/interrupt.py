@@ -1,0 +1,39 @@
+"""Ctrl-C and SIGTERM during training: stop at the next step boundary (``StopFlag``)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+__all__ = ["StopFlag"]
+
+log = logging.getLogger("tiertrain")
+
+
+class StopFlag:
+    """Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) sets ``set`` to the signal's
+    name: the loop stops at the next step boundary. A second one interrupts at once. Only
+    installed in the main thread."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.set: str = ""
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.warning("%s: stopping after this step (again to stop at once)", self.set)
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
