@@ -222,6 +222,7 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     straight = _cli(tmp_path / "a")
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "ranks 2: net sent" in straight.stderr
+    assert not (tmp_path / "a" / "ssd").exists()  # the ranks' scratch parent, made for them, removed after
     t0 = time.monotonic()
     killed = _cli(tmp_path / "b", env={"TIERTRAIN_KILL_AT": "backward:9", "TIERTRAIN_KILL_RANK": "1"})
     assert killed.returncode != 0 and time.monotonic() - t0 < 120

@@ -104,7 +104,9 @@ def test_a_spilled_kv_cache_on_a_separate_memory_device_gives_the_tokens_of_the_
     from tiertrain.state.device import AsyncCpuDevice
 
     cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    cfg.io.paths = [str(tmp_path / "fresh")]
     want = generate(cfg, PROMPTS, Sampling(max_new_tokens=7))
+    assert not (tmp_path / "fresh").exists()  # made for the cache, left empty: removed
     cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
     dev = AsyncCpuDevice()
     assert generate(cfg, PROMPTS, Sampling(max_new_tokens=7), device=dev) == want

@@ -71,15 +71,22 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     """``--nproc N``: this command again, as N ranks under torchrun (torch.distributed.run) on
-    this machine; its exit status is theirs."""
+    this machine; its exit status is theirs. Scratch paths it made for the ranks' subdirectories
+    (each rank removes its own) are removed after them when left empty."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "tiertrain", *(["-v"] if args.verbose else []), "train",
            *(["--config", args.config] if args.config else []),
            *(["--resume", args.resume] if getattr(args, "resume", None) else []), *overrides]
     log.info("starting %d ranks: %s", args.nproc, " ".join(cmd[1:]))
-    return subprocess.call(cmd)
+    fresh = [p for p in cfg.io.paths if not os.path.exists(p)]
+    try:
+        return subprocess.call(cmd)
+    finally:
+        for p in fresh:
+            if os.path.isdir(p) and not os.listdir(p):
+                os.rmdir(p)
 
 
 @contextlib.contextmanager
@@ -107,7 +114,7 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     else:
         path, cfg = None, load_config(args.config, overrides)
     if getattr(args, "nproc", 1) > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch(args, overrides)  # the config checked first: a bad one is reported once, not by every rank
+        return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)

@@ -161,9 +161,10 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
     except BaseException:
         rt.close()
         raise
-    kv = None
+    kv, made = None, False
     try:
         store = rt.bind_params(source)
+        made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
         os.makedirs(cfg.io.paths[0], exist_ok=True)
         kv = TieredKV([g.cache for g in groups], [len(g.out) for g in groups],
                       [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=kv_heads,
@@ -193,6 +194,8 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
     finally:
         if kv is not None:
             kv.close()
+            if made and not os.listdir(cfg.io.paths[0]):
+                os.rmdir(cfg.io.paths[0])
         rt.close()
         source.close()
 
