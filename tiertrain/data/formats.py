@@ -191,7 +191,9 @@ class Renderer:
         if tok is None or not getattr(tok, "chat_template", None):
             raise DataError(f"{where}: chat data needs a tokenizer with a chat template (data.tokenizer / --tokenizer: a "
                             "directory whose tokenizer_config.json has 'chat_template', or a chat_template.jinja)")
-        render = lambda ms, gen=False: tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+        def render(ms: list, gen: bool = False) -> str:
+            return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
+
         full = render(msgs)
         spans = []
         for k, m in enumerate(msgs):
