@@ -225,7 +225,7 @@ def _step(store, layout, units, groups: list[_Rows], dec: _Decoding, step: int, 
             for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):
                 kv.bring(k - 1, i)  # block k - 1's keys and values of micro-batch i in memory
                 out.append(unit.decode(x, m, p, g.cache))
-                kv.send(k - 1, i)
+                kv.send(k - 1, i, x.shape[1])  # the positions this step added, written alone
             h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]

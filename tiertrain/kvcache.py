@@ -6,16 +6,17 @@ values (transformers' static cache layer: sized at start, never grown). Pairs ar
 order, block by block, in host memory while the budget lasts (allocated at start); the others
 get a region each in one file, ``kv.bin`` on the first ``io.paths`` entry (its space claimed
 and checksummed like every state), and a buffer from a pool of two only while their block
-runs for their micro-batch: ``bring`` reads the region in (waiting for it if the read started
-ahead has not finished), ``send`` writes the whole region back. The read of the next pair in
-unit order starts as soon as a buffer is free (``ahead``), under the compute of this one.
-With separate device memory (CUDA) each host buffer (pinned) has a device twin: ``bring``
-uploads into it (the compute stream waits for the copy, the host does not), ``send``
-downloads from it and waits (a sync point) before the write.
-
-Written whole rather than by the new positions only: a pair's region is ``2 x rows x heads
-x max_len x head_dim`` elements, read and written once per decoding step (I/O per step grows
-with ``max_len``, not with the tokens so far).
+runs for their micro-batch. A region is position-major (``[max_len, 2, rows, heads, head
+dim]``), so that the positions a pair holds are one contiguous run and each step's new ones
+another: ``bring`` reads the positions written so far (waiting for the read started ahead),
+into a staging buffer, and lays them out as the cache's (the rest of the buffer zeroed: never
+attended to, but finite); ``send(layer, m, new)`` writes back the ``new`` positions the block
+just added, alone. So a step reads what the cache holds and writes what it added: the I/O
+grows with the tokens so far, not with ``max_len``. The read of the next pair in unit order
+starts as soon as a buffer is free (``ahead``), under the compute of this one. With separate
+device memory (CUDA) each host buffer (pinned) has a device twin: ``bring`` uploads into it
+(the compute stream waits for the copy, the host does not), ``send`` downloads from it and
+waits (a sync point) before the write.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class _Pair:
     shape: tuple[int, int, int, int]
     nbytes: int
     offset: int | None = None  # in the file, where spilled
+    filled: int = 0  # positions written so far (spilled pairs: what the region holds)
     buffer: int | None = None  # the pool buffer holding it, while brought in
     read: IOFuture | None = None
     write: IOFuture | None = None
@@ -77,16 +79,12 @@ class TieredKV:
         if offset:
             biggest = max(p.nbytes for p in self.pairs.values() if p.offset is not None)
             self.pool = [aligned_empty(round_up(biggest, 4096), pin=dev.pin) for _ in range(2)]
+            self.stage = [aligned_empty(round_up(biggest, 4096)) for _ in range(2)]  # position-major, for the file
             if dev.separate:  # the compute reads the cache in device memory: one device buffer per host one
                 self.device_pool = [dev.empty(round_up(biggest, 4096) // dtype.itemsize, dtype) for _ in range(2)]
             self._free = [0, 1]
             self.file = FileHandle(os.path.join(path, NAME), "w", size=offset, checksum=checksum,
-                                   checksum_block=_BLOCK)
-            zeros = torch.zeros(2, *max((p.shape for p in self.pairs.values()), key=lambda s: s[0] * s[2]),
-                                dtype=dtype)
-            for p in self.pairs.values():  # every region starts as an empty cache, as the host ones do
-                if p.offset is not None:
-                    self.file.write(zeros.view(-1)[: p.nbytes // dtype.itemsize].view(torch.uint8), p.nbytes, p.offset)
+                                   checksum_block=_BLOCK)  # nothing is read from a region before it is written
         self.order = [k for k in self.pairs if self.pairs[k].offset is not None]  # unit order: layer, micro-batch
 
     def _layer(self, p: _Pair):
@@ -107,6 +105,14 @@ class TieredKV:
         layer = self._layer(p)
         layer.keys, layer.values = kv[0], kv[1]
 
+    def _staged(self, p: _Pair) -> torch.Tensor:
+        """``p``'s staging buffer as ``[max_len, 2, rows, heads, head dim]`` (the file's layout)."""
+        r, h, n, d = p.shape
+        return self.stage[p.buffer][: p.nbytes].view(self.dtype).view(n, 2, r, h, d)
+
+    def _pos_bytes(self, p: _Pair) -> int:
+        return p.nbytes // p.shape[2]
+
     def _view(self, p: _Pair, device: bool = False) -> torch.Tensor:
         if device:
             return self.device_pool[p.buffer][: p.nbytes // self.dtype.itemsize].view(2, *p.shape)
@@ -120,7 +126,8 @@ class TieredKV:
         if p.write is not None or not self._free:
             return False
         p.buffer = self._free.pop()
-        p.read = self.file.pread(self.pool[p.buffer], p.nbytes, p.offset)
+        size = p.filled * self._pos_bytes(p)
+        p.read = self.file.pread(self.stage[p.buffer], size, p.offset) if size else IOFuture.completed(0)
         return True
 
     def bring(self, layer: int, m: int) -> None:
@@ -132,6 +139,9 @@ class TieredKV:
             self._reclaim()
         self.read_bytes += p.read.get()  # sync point on the I/O
         p.read = None
+        view, f = self._view(p), p.filled
+        view[:, :, :, :f].copy_(self._staged(p)[:f].permute(1, 2, 3, 0, 4))
+        view[:, :, :, f:].zero_()
         if self.device_pool is None:
             self._install(p, self._view(p))
             return
@@ -139,9 +149,10 @@ class TieredKV:
         self.dev.wait(self.dev.upload(self._view(p, device=True), self._view(p)))
         self._install(p, self._view(p, device=True))
 
-    def send(self, layer: int, m: int) -> None:
-        """After: a spilled pair's region written back (from its buffer, given back when
-        written); the next spilled pair's read started."""
+    def send(self, layer: int, m: int, new: int) -> None:
+        """After: the ``new`` positions block ``layer`` just added for micro-batch ``m`` written
+        to its region (from the buffer, given back when written); the next spilled pair's read
+        started."""
         p = self.pairs[layer, m]
         if p.offset is None:
             return
@@ -149,7 +160,13 @@ class TieredKV:
         layer_.keys = layer_.values = None
         if self.device_pool is not None:  # sync point: the host buffer holds the step's cache before it is written
             self.dev.sync(self.dev.download(self._view(p), self._view(p, device=True)))
-        p.write = self.file.pwrite(self.pool[p.buffer], p.nbytes, p.offset)
+        f, step = p.filled, self._pos_bytes(p)
+        if f + new > p.shape[2]:
+            raise ValueError(f"key/value cache of block {layer}, micro-batch {m}: {f} + {new} positions, more than "
+                             f"its {p.shape[2]}")
+        self._staged(p)[f : f + new].copy_(self._view(p)[:, :, :, f : f + new].permute(3, 0, 1, 2, 4))
+        p.write = self.file.pwrite(self.stage[p.buffer], new * step, p.offset + f * step, f * step)
+        p.filled = f + new
         self._writing.append(p)
         i = self.order.index((p.layer, p.micro_batch))
         nxt = self.pairs[self.order[(i + 1) % len(self.order)]]
