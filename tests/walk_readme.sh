@@ -116,6 +116,7 @@ check "tiertrain eval of an export exits 0" rc_is $? 0
 
 $tt generate --checkpoint runs/default --prompt "And God said" --max-new-tokens 40 > walk-gen-default.log 2>&1
 check "tiertrain generate --checkpoint runs/default exits 0" rc_is $? 0
+check "... leaving no scratch directory behind" test ! -e tiertrain-scratch
 
 say "== ranks"
 $tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/ranks --io.paths=./scratch-ranks \
@@ -123,6 +124,7 @@ $tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/
 check "tiertrain train --nproc 2 exits 0" rc_is $? 0
 check "... printing the ranks' network bytes per step" grep -q "ranks 2: net sent" walk-ranks.log
 check "... ending with a checkpoint in the one-rank layout" has_ck runs/ranks step-00000003
+check "... and no scratch directory left (each rank's removed, then theirs)" test ! -e scratch-ranks
 $tt export --checkpoint runs/ranks --out exported-ranks > walk-export-ranks.log 2>&1
 check "the 2-rank checkpoint exports" rc_is $? 0
 $tt train --resume runs/ranks --train.steps=4 > walk-ranks-one.log 2>&1
