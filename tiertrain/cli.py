@@ -207,17 +207,25 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
+def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
+    """``--checkpoint``'s config (its own, the file and flags on top; its training text is not
+    read) and its weights (``CheckpointWeights``, a context manager: checked, then read unit by
+    unit)."""
+    from .evaluate import CheckpointWeights
+
+    path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"])
+    return cfg, CheckpointWeights(path)
+
+
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .evaluate import evaluate
 
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides):
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
-    if args.checkpoint:  # its model and tokenizer; its training text is not read
-        from .evaluate import CheckpointWeights
-
-        path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"])
-        with CheckpointWeights(path) as w:
-            res = evaluate(cfg, weights=w.source)
+    if args.checkpoint:
+        cfg, weights = _checkpoint_model(args, overrides)
+        with weights:
+            res = evaluate(cfg, weights=weights.source)
     else:
         res = evaluate(load_config(args.config, overrides))
     print(res.line())
@@ -236,13 +244,10 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     stop = tuple(args.stop or ())
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, stop=stop)
-    if args.checkpoint:  # its model (and the model directory's tokenizer), its weights read from its file
-        from .evaluate import CheckpointWeights
-
-        path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled",
-                                                                  "--data.eval_corpus=none", "--train.eval_every=0"])
-        with CheckpointWeights(path) as w:
-            run_generate(cfg, texts, sampling, args.out, weights=w.source)
+    if args.checkpoint:
+        cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])
+        with weights:
+            run_generate(cfg, texts, sampling, args.out, weights=weights.source)
         return 0
     run_generate(load_config(args.config, overrides), texts, sampling, args.out)
     return 0
@@ -337,8 +342,8 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
                    "prompts per micro-batch: --data.micro_batch_size)")
-    g.add_argument("--checkpoint", help="a checkpoint or run directory (its latest checkpoint) of a Hugging Face model's "
-                   "run: its weights, read directly (CRC32C checked first)")
+    g.add_argument("--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model and "
+                   "weights (read directly, CRC32C checked first) and its model directory's tokenizer")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="a text file (one prompt a line) or JSONL (a \"prompt\" field a line)")
     g.add_argument("--max-new-tokens", type=int, default=32)
