@@ -170,6 +170,7 @@ class ExampleBatches:
             raise UsageError(f"data: {data.path} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
                              f"{seq_len + 1}; lower data.seq_len or turn data.packing off")
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: tuple | None = None  # the last step's rows (``_step_rows``)
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         """Epoch ``e``'s example order and the stream offsets of its examples (cached: two)."""
@@ -212,9 +213,13 @@ class ExampleBatches:
         out = np.concatenate(ids).astype(np.int64), np.concatenate(mask)
         return (*out, np.concatenate(pos)[: self.T]) if with_positions else out
 
-    def _step_rows(self, step: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        n = world * self.M * self.B
-        return [self._row(step * n + i) for i in range(n)]
+    def _step_rows(self, step: int, world: int) -> list[tuple]:
+        """Every rank's rows of step ``step`` ((ids, mask[, positions]) each), kept for the
+        step's ``batches``, ``scored`` and ``positions``: read once."""
+        if self._last is None or self._last[0] != (step, world):
+            n = world * self.M * self.B
+            self._last = (step, world), [self._row(step * n + i, self.by_document) for i in range(n)]
+        return self._last[1]
 
     def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not 0 <= rank < world:
@@ -235,13 +240,12 @@ class ExampleBatches:
         if not self.by_document:
             return None
         n = self.M * self.B
-        first = step * world * n + rank * n
-        rows = [self._row(first + i, with_positions=True)[2] for i in range(n)]
+        rows = [r[2] for r in self._step_rows(step, world)[rank * n : (rank + 1) * n]]
         return [torch.from_numpy(np.stack(rows[m * self.B : (m + 1) * self.B])) for m in range(self.M)]
 
     def scored(self, step: int, world: int = 1) -> int:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
-        n = sum(int(m[1:].sum()) for _, m in self._step_rows(step, world))
+        n = sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))
         if n == 0:
             raise UsageError(f"data: step {step + 1} has no scored token (every target masked); check the data's "
                              "prompt/completion split, or raise data.seq_len")
