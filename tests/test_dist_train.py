@@ -97,7 +97,7 @@ def _traffic(rank, world, port, out_dir, tree):
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # the formula at N = 3 (N = 2, the same formula, left out for the suite's time)
 def test_traffic_per_step_is_the_formula_whatever_the_micro_batches(tmp_path, world):
     """Bytes a rank sends (and receives) in a step: (N-1)/N of every unit fetched (a gather
     per fetch: the forward's and the backward's) and of every unit's gradient (one
