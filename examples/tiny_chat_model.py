@@ -58,8 +58,9 @@ def main() -> None:
                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.d_model // 64),
                       max_position_embeddings=512, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
                       bos_token_id=fast.eos_token_id, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(args.out)
-    print(f"wrote a {sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()) / 1e6:.1f} M-parameter Llama and a "
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(args.out)
+    print(f"wrote a {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M-parameter Llama and a "
           f"{len(fast)}-token tokenizer with a chat template to {args.out}")
 
 

@@ -358,3 +358,26 @@ def test_packed_documents_do_not_see_each_other(tmp_path, kind):
     torch.testing.assert_close(other[5:], packed[5:], atol=1e-5, rtol=0)
     assert (across[5:] - alone).abs().max() > 1e-3
     assert document_mask(pos)[0, 0, 6].tolist() == [False] * 5 + [True, True] + [False] * 5
+
+
+def test_a_packed_micro_batchs_mask_is_made_once(tmp_path, monkeypatch):
+    """Llama, packed rows with attention within documents, 2 micro-batches through 3 blocks
+    (forward, recompute and backward): transformers builds the block-diagonal mask once per
+    micro-batch (each build costs a device-to-host sync on a GPU), not once per block."""
+    import tiertrain.models.hf as hf
+    from test_parity import run_tiertrain
+
+    made = []
+    real = hf.create_causal_mask
+
+    def counting(**kw):
+        made.append(kw["position_ids"] is not None)
+        return real(**kw)
+
+    monkeypatch.setattr(hf, "create_causal_mask", counting)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama", layers=3)
+    cfg.train.steps = 1
+    run_tiertrain(cfg, weights_of(reference_model(cfg)))
+    assert made.count(True) == cfg.data.micro_batches == 2

@@ -37,7 +37,7 @@ from .models import WeightSource
 from .kvcache import TieredKV
 from .models.gpt_decode import GPTCache
 from .models.gpt_decode import decode_mask as gpt_decode_mask
-from .models.hf import decode_mask, kv_shape, new_cache
+from .models.hf import decode_mask, kv_bytes, kv_shape, new_cache
 from .runtime import Runtime
 from .weights_file import forward_params
 
@@ -96,7 +96,7 @@ class _Decoding:
             self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        return 2 * self.layers * rows * self.kv_heads * max_len * self.head_dim * dtype.itemsize
+        return kv_bytes((self.layers, self.kv_heads, self.head_dim), rows, max_len, dtype)
 
     def cache(self, max_len: int):
         return new_cache(self.hf, max_len) if self.hf is not None else GPTCache(self.layers)
@@ -136,27 +136,13 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
-    model, dec = rt.model, _Decoding(rt, cfg)
-    limit = dec.limit
-    longest = max(len(p) for p in prompts) + sampling.max_new_tokens
-    if limit is not None and longest > limit:
-        rt.close()
-        raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
-                          f"model's context ({limit}); shorten the prompt or lower max_new_tokens")
-    if tokenizer_vocab is not None and tokenizer_vocab > dec.vocab:
-        rt.close()
-        raise ConfigError(f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
-                          f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)")
-    if max(max(p) for p in prompts) >= dec.vocab:
-        rt.close()
-        raise ConfigError(f"generate: a prompt holds token id {max(max(p) for p in prompts)}, outside the model's "
-                          f"vocabulary ({dec.vocab}); tokenize with the model's own tokenizer")
     budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
     b = cfg.data.micro_batch_size
-    groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
-    kv_heads, head_dim = dec.kv_heads, dec.head_dim
-    kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
-    try:
+    try:  # what is refused is refused before any weight is read
+        model, dec = rt.model, _Decoding(rt, cfg)
+        _check(prompts, sampling, dec, tokenizer_vocab)
+        groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
+        kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
         source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
     except BaseException:
         rt.close()
@@ -167,8 +153,8 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
         os.makedirs(cfg.io.paths[0], exist_ok=True)
         kv = TieredKV([g.cache for g in groups], [len(g.out) for g in groups],
-                      [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=kv_heads,
-                      head_dim=head_dim, dtype=rt.dtype, dev=rt.dev, budget=budget,
+                      [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=dec.kv_heads,
+                      head_dim=dec.head_dim, dtype=rt.dtype, dev=rt.dev, budget=budget,
                       path=cfg.io.paths[0], checksum=cfg.io.checksum)
         log.info("key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
                  kv.host_bytes / 2**20, kv.spilled_bytes / 2**20, cfg.io.paths[0])
@@ -198,6 +184,21 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
                 os.rmdir(cfg.io.paths[0])
         rt.close()
         source.close()
+
+
+def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokenizer_vocab: int | None) -> None:
+    """Refuse prompts the model cannot take, naming why."""
+    longest = max(len(p) for p in prompts) + sampling.max_new_tokens
+    if dec.limit is not None and longest > dec.limit:
+        raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
+                          f"model's context ({dec.limit}); shorten the prompt or lower max_new_tokens")
+    if tokenizer_vocab is not None and tokenizer_vocab > dec.vocab:
+        raise ConfigError(f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
+                          f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)")
+    top = max(max(p) for p in prompts)
+    if top >= dec.vocab:
+        raise ConfigError(f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "
+                          "tokenize with the model's own tokenizer")
 
 
 def _step(store, layout, units, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool,

@@ -427,8 +427,9 @@ class Trainer:
         )
         if self.group is not None and self.group.world > 1:
             rec.extra["per_rank"] = per_rank_figures(self.group, rec)
-        if hasattr(self.corpus, "epoch_of"):  # examples: epochs done
-            rec.extra["epoch"] = self.corpus.epoch_of(self.step - 1, self.rt.world)
+        epoch = self.corpus.epoch_of(self.step - 1, self.rt.world)  # examples: epochs done (raw text: None)
+        if epoch is not None:
+            rec.extra["epoch"] = epoch
         every = cfg.train.eval_every
         if every and (self.step % every == 0 or self.step == cfg.train.steps):  # after the step: not in step_s
             rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches,

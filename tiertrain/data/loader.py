@@ -106,6 +106,10 @@ class Corpus:
         if len(self.tokens) < need:
             raise ConfigError(f"{what}: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
 
+    def epoch_of(self, step: int, world: int = 1) -> None:
+        """Windows are drawn at random: no epochs (``ExampleBatches`` counts them)."""
+        return None
+
     def positions(self, step: int, *, rank: int = 0, world: int = 1) -> None:
         """Every row is one sequence: positions 0 .. T-1 (``ExampleBatches`` has packed ones)."""
         return None
@@ -135,36 +139,31 @@ class Corpus:
 
 
 class EvalSet:
-    """Held-out windows for the validation loss: ``data.eval_corpus`` cut into consecutive rows
-    of ``seq_len + 1`` tokens (stride ``seq_len``: every token is a target once), grouped
-    ``micro_batch_size`` rows a micro-batch, at most ``data.eval_micro_batches`` of them (0: all);
-    rows that do not fill a micro-batch are left out. With ranks, micro-batch ``i`` is rank
-    ``i % world``'s, and those past the last whole multiple of ``world`` are left out, so that
-    every rank runs as many (each pass is a collective)."""
+    """Held-out micro-batches for the validation loss, from ``data.eval_corpus``: a text cut
+    into consecutive rows of ``seq_len + 1`` tokens (stride ``seq_len``: every token is a
+    target once), or prepared examples' rows in order (packed or padded as training's);
+    ``micro_batch_size`` rows a micro-batch, at most ``data.eval_micro_batches`` of them (0:
+    all); rows that do not fill a micro-batch are left out. With ranks, micro-batch ``i`` is
+    rank ``i % world``'s, and those past the last whole multiple of ``world`` are left out, so
+    that every rank runs as many (each pass is a collective)."""
 
     def __init__(self, cfg: DataConfig) -> None:
         if cfg.eval_corpus is None:
             raise ConfigError("data.eval_corpus is not set: there is no held-out text to take a validation loss on")
-        self.cfg, self.scored, self.examples = cfg, None, None
+        self.cfg, self.scored, self.examples, self.corpus = cfg, None, None, None
         data = open_corpus(dataclasses.replace(cfg, corpus=cfg.eval_corpus, micro_batches=1), what="data.eval_corpus",
                            shuffle=False)
-        self.vocab_size = data.vocab_size
-        if not isinstance(data, Corpus):  # examples: rows in order, each micro-batch's loss summed over all scored
-            self.examples, B = data, cfg.micro_batch_size
-            rows = data.rows_per_epoch
-            self.count = rows // B if not cfg.eval_micro_batches else min(rows // B, cfg.eval_micro_batches)
-            if self.count == 0:
-                raise ConfigError(f"data.eval_corpus: {data.data.path} gives {rows} rows, fewer than one micro-batch of "
-                                  f"{B}; give more examples or lower data.micro_batch_size")
-            return
-        self.corpus = data
-        T, B = cfg.seq_len, cfg.micro_batch_size
-        rows = (len(self.corpus.tokens) - 1) // T
-        self.count = rows // B if not cfg.eval_micro_batches else min(rows // B, cfg.eval_micro_batches)
+        self.vocab_size, B = data.vocab_size, cfg.micro_batch_size
+        if isinstance(data, Corpus):
+            self.corpus, rows = data, (len(data.tokens) - 1) // cfg.seq_len
+            short = (f"{data.path} has {len(data.tokens)} tokens, too few for one micro-batch of {B} windows of "
+                     f"{cfg.seq_len + 1}; give a longer text")
+        else:  # examples: each micro-batch's loss summed over all the scored targets (``total_scored``)
+            self.examples, rows = data, data.rows_per_epoch
+            short = f"{data.data.path} gives {rows} rows, fewer than one micro-batch of {B}; give more examples"
+        self.count = min(rows // B, cfg.eval_micro_batches or rows // B)
         if self.count == 0:
-            raise ConfigError(f"data.eval_corpus: {self.corpus.path} has {len(self.corpus.tokens)} tokens, too few "
-                              f"for one micro-batch of {B} windows of {T + 1}; give a longer text or lower "
-                              "data.micro_batch_size")
+            raise ConfigError(f"data.eval_corpus: {short} or lower data.micro_batch_size")
 
     def total_scored(self, world: int = 1) -> int | None:
         """Examples: the scored targets of every micro-batch evaluated (all ranks), each

@@ -9,6 +9,7 @@ what ``model(input_ids, labels=..., shift_labels=targets)`` computes.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -149,8 +150,25 @@ class GPT2Block(nn.Module):
 _NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
 
 
+# id(packed positions) -> (a weak reference to them, config, shape, dtype, device, mask): a
+# micro-batch's block-diagonal mask, dropped when its positions tensor (the step's) goes
+_packed_masks: dict[int, tuple] = {}
+
+
 def _causal_mask(config: Any, h: torch.Tensor, packed: torch.Tensor | None = None):
-    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=packed, **_NO_CACHE)
+    """The causal mask of ``h``; with ``packed`` (positions restarting at each document) the
+    block-diagonal one, made once per micro-batch (transformers finds the documents with a
+    device-to-host sync) and reused by every block, recompute and backward of it."""
+    if packed is None:
+        return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=None, **_NO_CACHE)
+    key = (config, h.shape, h.dtype, h.device)
+    hit = _packed_masks.get(id(packed))
+    if hit is not None and hit[0]() is packed and hit[1] is config and hit[2:5] == key[1:]:
+        return hit[5]
+    mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=packed, **_NO_CACHE)
+    k = id(packed)
+    _packed_masks[k] = (weakref.ref(packed, lambda _, k=k: _packed_masks.pop(k, None)), *key, mask)
+    return mask
 
 
 _CACHE = next(iter(_NO_CACHE))  # the key/value cache's keyword in this transformers
@@ -181,8 +199,9 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
 
 
 def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions."""
-    layers, kv_heads, head_dim = kv_shape(config)
+    """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions; ``config``:
+    a model's config, or its ``kv_shape`` (layers, key/value heads, head dim) itself."""
+    layers, kv_heads, head_dim = config if isinstance(config, tuple) else kv_shape(config)
     return 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
 
 
