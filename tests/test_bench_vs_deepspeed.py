@@ -171,3 +171,30 @@ def test_checked_out_makes_the_directory(tmp_path):
 
     out = checked_out(str(tmp_path / "new" / "dir" / "report.md"))
     assert out == str(tmp_path / "new" / "dir" / "report.md") and (tmp_path / "new" / "dir").is_dir()
+
+
+def test_the_clipping_bound_is_computed_from_the_prediction_and_both_rates():
+    """The least step with clipping: the backward's compute, then the update's reads and
+    writes at tiertrain's probed rates and at DeepSpeed's tuned ones; 4x DeepSpeed set
+    against it."""
+    spec = dict(seq_len=64, micro_batch_size=1, micro_batches=4, steps=3, n_params=134_105_856,
+                aio=dict(block_size=4 << 20, queue_depth=32, intra_op_parallelism=1, read_gbps=2.0, write_gbps=4.0),
+                aio_sweep=dict(sweep=[{}] * 18))
+    env = dict(cores=2, ram_gib=24, os="Linux", torch="2.13", deepspeed="0.19.8", date="2026-11-25")
+    pred = dict(event="prediction", step_s=3.6, update_read=int(2.0e9), update_write=int(1.6e9), read_gbps=1.6,
+                write_gbps=2.0, phases={"forward": dict(compute_s=0.8, io_s=2.5),
+                                        "backward": dict(compute_s=0.9, io_s=0.5)})
+    losses = [10.0, 9.0, 8.0]
+
+    def text(ds_times):
+        tt = _run([4, 3.5, 3.5], losses, 1 << 30)
+        tt.insert(1, pred)
+        return vs_deepspeed.render({"deepspeed": [_run(ds_times, losses, 7 << 30)], "overlap": [tt]}, spec, env)
+
+    # at the probed rates 0.9 + 2.0/1.6 + 1.6/2.0 = 2.95 s; at DeepSpeed's 0.9 + 1.0 + 0.4 = 2.30 s
+    out = text([10, 9, 9])  # 4x DeepSpeed: 2.25 s
+    assert "at least 2.95 s at the rates tiertrain probed in this run (1.60 GB/s read, 2.00 write)" in out
+    assert "2.30 s at DeepSpeed's tuned aio rates (2.00 read, 4.00 write)" in out
+    assert "4x DeepSpeed (2.25 s/step) is below the bound at every rate measured" in out
+    assert "is below the bound at one of the rates measured" in text([10, 10, 10])  # 2.50 s
+    assert "is above the bound: reachable in principle" in text([13, 12, 12])  # 3.00 s

@@ -1,6 +1,7 @@
 """Buffer pools, striping over several paths, and space claimed at start."""
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -172,4 +173,6 @@ def test_bench_io_command_reports_both_directions(tmp_path, capsys):
     text = out.read_text()
     assert "| write |" in text and "| read |" in text and "read + crc32c verify" in text
     assert "fio: skipped (--no-fio)" in text
+    assert re.search(r"Reads and writes at once \(4:3, as the update\): [0-9.]+ GB/s combined \([0-9.]+\); "
+                     r"[0-9.]+x the time of the same reads and writes one after the other", text), text
     assert not list((tmp_path / "a").iterdir())  # the bench file is removed afterwards
