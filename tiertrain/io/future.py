@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["IOFuture"]
+__all__ = ["IOFuture", "PositionalIO"]
 
 
 class IOFuture:
@@ -74,3 +74,30 @@ class IOFuture:
             total = self._finish(total)
         self._result = total
         return total
+
+
+class PositionalIO:
+    """The four positional calls of a file (kvikio's shape), given its ``_io(kind, buf, size,
+    file_offset, buf_offset) -> IOFuture``: ``pread``/``pwrite`` return a future, ``read``/
+    ``write`` are their blocking one-line wrappers. Offsets and sizes are in bytes; a
+    ``size`` of None means the rest of ``buf``."""
+
+    def _io(self, kind: str, buf: Any, size: int | None, file_offset: int, buf_offset: int) -> IOFuture:
+        raise NotImplementedError
+
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
+        """Read ``size`` bytes at ``file_offset`` into ``buf[buf_offset:]`` (bytes of ``buf``).
+        Non-blocking: the future's ``get()`` gives the bytes read (fewer at end of file)."""
+        return self._io("r", buf, size, file_offset, buf_offset)
+
+    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
+        """Write ``size`` bytes of ``buf[buf_offset:]`` at ``file_offset``. Non-blocking."""
+        return self._io("w", buf, size, file_offset, buf_offset)
+
+    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """Blocking ``pread``."""
+        return self.pread(buf, size, file_offset, buf_offset).get()
+
+    def write(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """Blocking ``pwrite``."""
+        return self.pwrite(buf, size, file_offset, buf_offset).get()

@@ -25,7 +25,7 @@ from . import devcrc, gds
 from .align import ALIGN, as_bytes, round_down, round_up
 from .checksum import ChecksumTable, crc32c, sidecar_path
 from .errors import ChecksumError, StorageError, TruncatedFileError
-from .future import IOFuture
+from .future import IOFuture, PositionalIO
 from .space import check_space, preallocate
 from .workers import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, IOWorkers
 
@@ -65,7 +65,7 @@ def _advance(segs: list[np.ndarray], n: int) -> list[np.ndarray]:
     return segs
 
 
-class FileHandle:
+class FileHandle(PositionalIO):
     """One open file, read and written by chunk tasks on a pool of I/O threads.
 
     ``mode``: ``"r"`` read only; ``"r+"`` read and write an existing file; ``"w"`` create
@@ -154,25 +154,6 @@ class FileHandle:
     @property
     def checksummed(self) -> bool:
         return self._table is not None
-
-    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
-        """Read ``size`` bytes at ``file_offset`` into ``buf[buf_offset:]`` (bytes of ``buf``).
-
-        Returns an ``IOFuture`` whose ``get()`` gives the bytes read (fewer at end of file).
-        """
-        return self._io("r", buf, size, file_offset, buf_offset)
-
-    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
-        """Write ``size`` bytes of ``buf[buf_offset:]`` at ``file_offset``. Non-blocking."""
-        return self._io("w", buf, size, file_offset, buf_offset)
-
-    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
-        """Blocking ``pread``."""
-        return self.pread(buf, size, file_offset, buf_offset).get()
-
-    def write(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
-        """Blocking ``pwrite``."""
-        return self.pwrite(buf, size, file_offset, buf_offset).get()
 
     def preadv(self, segments: Sequence[np.ndarray], file_offset: int) -> IOFuture:
         """Read the file range starting at ``file_offset`` into several uint8 arrays in turn."""

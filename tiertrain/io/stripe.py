@@ -16,7 +16,7 @@ import torch
 
 from . import gds
 from .align import ALIGN, as_bytes
-from .future import IOFuture
+from .future import IOFuture, PositionalIO
 from .handle import FileHandle
 from .workers import IOWorkers
 
@@ -32,7 +32,7 @@ def local_size(size: int, path_index: int, paths: int, stripe: int) -> int:
     return n
 
 
-class StripedFile:
+class StripedFile(PositionalIO):
     """A logical file striped over ``dirs``; same calls as ``FileHandle``.
 
     ``workers[i]`` is the thread pool of ``dirs[i]``, shared with the other files there.
@@ -85,20 +85,6 @@ class StripedFile:
     @property
     def direct(self) -> bool:
         return all(h.direct for h in self.handles)
-
-    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
-        """Read ``size`` bytes at logical ``file_offset`` into ``buf[buf_offset:]``. Non-blocking."""
-        return self._io("r", buf, size, file_offset, buf_offset)
-
-    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> IOFuture:
-        """Write ``size`` bytes of ``buf[buf_offset:]`` at logical ``file_offset``. Non-blocking."""
-        return self._io("w", buf, size, file_offset, buf_offset)
-
-    def read(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
-        return self.pread(buf, size, file_offset, buf_offset).get()
-
-    def write(self, buf: Any, size: int | None = None, file_offset: int = 0, buf_offset: int = 0) -> int:
-        return self.pwrite(buf, size, file_offset, buf_offset).get()
 
     def verify(self) -> int:
         return sum(h.verify() for h in self.handles)
