@@ -6,7 +6,7 @@ its traceback. Messages name the value, what is wrong with it and what to do.
 
 from __future__ import annotations
 
-__all__ = ["TiertrainError", "UsageError", "one_line"]
+__all__ = ["ConfigError", "TiertrainError", "UsageError", "one_line"]
 
 
 class TiertrainError(Exception):
@@ -15,6 +15,10 @@ class TiertrainError(Exception):
 
 class UsageError(TiertrainError, ValueError):
     """A command-line argument or an input file is not acceptable."""
+
+
+class ConfigError(TiertrainError, ValueError):
+    """A configuration value is not acceptable. The message names field, value and fix."""
 
 
 def one_line(exc: BaseException) -> str:
