@@ -1,0 +1,83 @@
+"""Config values from text: a TOML value or a ``--section.field=value`` flag turned into the
+type its field declares, or a ``ConfigError`` naming the field, the value and what is expected."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+import types
+import typing
+from typing import Any, Sequence
+
+from .errors import ConfigError
+
+__all__ = ["coerce", "parse_overrides", "suggest"]
+
+
+def suggest(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def coerce(name: str, value: Any, typ: Any) -> Any:
+    """Turn ``value`` (from TOML or a flag) into ``typ``, or say why it cannot be."""
+    args = typing.get_args(typ)
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(name, value, inner[0])
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} = {value!r}: expected a list")
+        return [coerce(name, v, args[0]) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{name} = {value!r}: expected true or false")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{name} = {value!r}: expected an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name} = {value!r}: expected an integer") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} = {value!r}: expected a number") from None
+    if typ is str:
+        return str(value)
+    return value
+
+
+def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["--optim.lr=1e-3", "--io.paths", "/a,/b"]`` -> ``{"optim": {"lr": "1e-3"}, ...}``."""
+    tree: dict[str, dict[str, Any]] = {}
+    it = iter(flags)
+    for flag in it:
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"unexpected argument {flag!r}: overrides look like --section.field=value")
+        key, eq, value = flag[2:].partition("=")
+        if not eq:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"{flag} needs a value: {flag}=VALUE")
+        section, _, name = key.partition(".")
+        tree.setdefault(section, {})[name] = _literal(value)
+    return tree
+
+
+def _literal(text: str) -> Any:
+    """A flag's text as a TOML value where it parses as one (1e-3, true, [1, 2]), else the text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
