@@ -15,6 +15,7 @@ __all__ = ["coerce", "parse_overrides", "suggest"]
 
 
 def suggest(name: str, choices: Any) -> str:
+    """The end of an unknown-name error: the closest known name, else all of them."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
 
