@@ -4,6 +4,7 @@ same grouping (each rank's micro-batches, then the ranks in rank order), bit for
 fp32; the states each rank holds are its 1/N."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -19,13 +20,41 @@ from tiertrain.state.device import AsyncCpuDevice
 from tiertrain.train import Trainer
 
 
+class RefusesHostDownloads(AsyncCpuDevice):
+    """The simulated device taught what CUDA refuses: a download whose source is host memory
+    (``CudaDevice.download`` calls ``record_stream`` on it: ``NotImplementedError`` for a CPU
+    tensor). The host tensors it knows are what the ranks' collectives return (``watch``)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.001)
+        self._host: dict[int, weakref.ref] = {}
+
+    def watch(self, group: RankGroup) -> None:
+        reduce_scatter = group.reduce_scatter
+
+        def noted(full):
+            out = reduce_scatter(full)
+            self._host[id(out)] = weakref.ref(out)
+            return out
+
+        group.reduce_scatter = noted
+
+    def download(self, dst, src, *, after=None):
+        for t in (src, src._base):
+            if t is not None and (r := self._host.get(id(t))) is not None and r() is t:
+                raise NotImplementedError("download of a host tensor (CUDA: record_stream on a CPU tensor)")
+        return super().download(dst, src, after=after)
+
+
 def _train(rank, world, port, out_dir, tree, init_path, separate=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cfg = Config.from_dict(tree)
     init = torch.load(init_path)
     skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
-    dev = AsyncCpuDevice(delay=0.001) if separate else None  # device memory of its own, copies on streams
+    dev = RefusesHostDownloads() if separate else None  # device memory of its own, copies on streams
     with RankGroup(rank, world, timeout_s=120) as g:
+        if dev is not None:
+            dev.watch(g)
         with Trainer(cfg, weights=tensor_source(skeleton, init), group=g, device=dev) as tr:
             tr.initialize(progress=False)
             recs = [tr.train_step() for _ in range(cfg.train.steps)]

@@ -1,7 +1,7 @@
 """GPUDirect Storage's logic, on CPU: the device CRC32C against the crc32c package, and the
 direct path (file <-> device memory, checksums computed and verified where the data is)
-through a backend that emulates kvikio on CPU tensors. The real kvikio runs in
-``bench/gpu_check.sh`` on a GPU."""
+through a backend that emulates kvikio on CPU tensors. The real kvikio runs in stage 6 of the
+GPU window (``bench/gpu_window/stage6-gds.sh``) on a GPU."""
 
 import os
 
@@ -128,6 +128,29 @@ def test_direct_reads_detect_corruption_and_truncation(tmp_path, direct):
         os.truncate(tmp_path / "f", size - 4096)  # after the open, which checks the size
         with pytest.raises(TruncatedFileError, match="is truncated"):
             f.read(torch.empty(64 * KIB, dtype=torch.uint8), file_offset=3 * 64 * KIB)
+
+
+def test_staged_device_copies_run_on_the_io_threads_side_stream(tmp_path, direct, monkeypatch):
+    """A request that is not whole checksum blocks goes through pinned staging on an I/O thread;
+    its device copies must not run on that thread's default stream, which is the compute
+    stream's queue on CUDA: they take the thread's side stream, as the device CRC does."""
+    from tiertrain.io import devcrc
+
+    seen = []
+    real = devcrc.side_stream
+
+    def spy(t):
+        seen.append((t.data_ptr(), t.numel()))
+        return real(t)
+
+    monkeypatch.setattr(devcrc, "side_stream", spy)
+    t = torch.randint(0, 256, (100 * KIB,), dtype=torch.uint8)
+    with FileHandle(tmp_path / "f", "w", size=256 * KIB, checksum=True, checksum_block=64 * KIB) as f:
+        f.write(t, file_offset=10 * KIB)  # not on block boundaries: staged
+        back = torch.empty_like(t)
+        f.read(back, file_offset=10 * KIB)
+    assert torch.equal(back, t) and direct["w"] == direct["r"] == 0
+    assert (t.data_ptr(), t.numel()) in seen and (back.data_ptr(), back.numel()) in seen
 
 
 def test_direct_writes_grow_an_unchecksummed_file(tmp_path, direct):

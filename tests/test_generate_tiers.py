@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from reference import small_config
@@ -110,6 +111,66 @@ def test_a_spilled_kv_cache_on_a_separate_memory_device_gives_the_tokens_of_the_
     cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
     dev = AsyncCpuDevice()
     assert generate(cfg, PROMPTS, Sampling(max_new_tokens=7), device=dev) == want
+
+
+def test_a_spilled_kv_cache_moves_only_the_positions_it_holds_and_adds(tmp_path, monkeypatch):
+    """On a separate-memory device the spilled pairs' keys and values cross the bus as they
+    cross the file: per pair and step the positions held so far go up (what was read) and the
+    positions the step added come down (what is written), never whole ``max_len`` buffers."""
+    import tiertrain.generate as generate_mod
+    from tiertrain.kvcache import TieredKV
+    from tiertrain.state.device import AsyncCpuDevice
+
+    made = []
+
+    class Recorded(TieredKV):
+        def __init__(self, *a, **kw):
+            made.append(self)
+            super().__init__(*a, **kw)
+
+    class Counting(AsyncCpuDevice):
+        up = down = 0
+
+        def _kv(self, t):  # a host buffer of the cache's (staging, or the host pool where there is one)
+            bufs = [*(made[-1].stage if made and made[-1].file else []), *((made[-1].pool or []) if made else [])]
+            return any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in bufs)
+
+        def upload(self, dst, src, *, after=None):
+            if self._kv(src):
+                Counting.up += src.numel() * src.element_size()
+            return super().upload(dst, src, after=after)
+
+        def download(self, dst, src, *, after=None):
+            if self._kv(dst):
+                Counting.down += dst.numel() * dst.element_size()
+            return super().download(dst, src, after=after)
+
+    monkeypatch.setattr(generate_mod, "TieredKV", Recorded)
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
+    generate(cfg, PROMPTS, Sampling(max_new_tokens=5), device=Counting())
+    kv = made[-1]
+    assert kv.read_bytes > 0 and kv.written_bytes > 0
+    assert (Counting.up, Counting.down) == (kv.read_bytes, kv.written_bytes)
+
+
+def test_the_kv_cache_asks_the_device_for_room_before_it_allocates(tmp_path):
+    """Pairs within ``memory.kv_host_mib`` live in device memory on a separate-memory device:
+    a device without room for them is refused at start, naming the cache."""
+    from tiertrain.config import ConfigError
+    from tiertrain.state.device import AsyncCpuDevice
+
+    class Small(AsyncCpuDevice):
+        def check_capacity(self, needs):
+            self.asked = dict(needs)
+            raise ConfigError(f"no room for {needs}")
+
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    cfg.memory.kv_host_mib = 1
+    dev = Small()
+    with pytest.raises(ConfigError, match="key/value cache"):
+        generate(cfg, PROMPTS, Sampling(max_new_tokens=4), device=dev)
+    assert 0 < dev.asked["key/value cache"] <= 1 << 20
 
 
 _MEMORY_PROBE = r"""

@@ -1,11 +1,11 @@
-"""On a CUDA device (skipped without one; `bench/gpu_check.sh` runs these first): the same
-runs as on CPU, checked against CPU runs and against themselves."""
+"""On a CUDA device (skipped without one; the GPU window runs these: stage 1, and stage 5 for the
+ranks): the same runs as on CPU, checked against CPU runs and against themselves."""
 
 import pytest
 import torch
 
 from reference import small_config
-from test_parity import run_tiertrain
+from test_parity import assert_same_weights, run_tiertrain
 from tiertrain.reference import reference_model, weights_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,11 +17,19 @@ def cfg_on(tmp_path, device, **kw):
     return cfg
 
 
+def same_weights_across_devices(tr, ours, theirs, atol=1e-5):
+    """Two tiertrain runs of one model on different devices: every weight within ``atol``,
+    but a parameter whose gradient is zero in exact arithmetic (the key bias) to the parity
+    suite's bound for it, since device rounding gives it AdamW steps of about the learning
+    rate (``test_parity.assert_same_weights``)."""
+    assert_same_weights(tr, ours, theirs, exact=False, atol=atol, names={n: n for n in ours})
+
+
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_cuda_fp32_matches_the_cpu_run(tmp_path, kind):
     """fp32 with deterministic algorithms: the CUDA run's losses and weights against the same
     run on CPU (the update runs on the host either way; forward and backward kernels differ
-    between devices, so within 1e-5)."""
+    between devices, so within 1e-5, the key bias as the parity suite holds it)."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu", kind=kind)))
@@ -30,8 +38,7 @@ def test_cuda_fp32_matches_the_cpu_run(tmp_path, kind):
     finally:
         torch.use_deterministic_algorithms(False)
     torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
-    for k in w_cpu:
-        torch.testing.assert_close(w_gpu[k], w_cpu[k], rtol=0, atol=1e-5, msg=k)
+    same_weights_across_devices(tr, w_gpu, w_cpu)
 
 
 def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
@@ -66,7 +73,7 @@ def test_cuda_ranks_train_the_cpu_ranks_model(tmp_path):
     """2 ranks on CUDA (each on GPU LOCAL_RANK mod the GPUs there are; the collectives on host
     memory over Gloo, units gathered into pinned staging and uploaded): the same 2-rank run on
     CPU's losses and weights, within 1e-5 (forward and backward kernels differ by device)."""
-    from test_dist_train import run_ranks
+    from test_dist_train import _Named, run_ranks
 
     def cfg_for(where, device):
         cfg = small_config(tmp_path / where, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0)
@@ -81,5 +88,4 @@ def test_cuda_ranks_train_the_cpu_ranks_model(tmp_path):
         torch.use_deterministic_algorithms(False)
     assert gpu[0]["loss"] == gpu[1]["loss"]  # every rank's mean, the same on both
     torch.testing.assert_close(torch.tensor(gpu[0]["loss"]), torch.tensor(cpu[0]["loss"]), rtol=1e-5, atol=1e-5)
-    for k in cpu[0]["weights"]:
-        torch.testing.assert_close(gpu[0]["weights"][k], cpu[0]["weights"][k], rtol=0, atol=1e-5, msg=k)
+    same_weights_across_devices(_Named(cfg_for("n", "cpu")), gpu[0]["weights"], cpu[0]["weights"])

@@ -52,13 +52,14 @@ def _key_bias(name, t):
     return None
 
 
-def assert_same_weights(tr, ours, ref, *, exact=True, atol=0.0):
+def assert_same_weights(tr, ours, ref, *, exact=True, atol=0.0, names=None):
     """Inexact comparisons hold the key bias to a bound of its own: its gradient is zero
     in exact arithmetic (softmax ignores a shift shared by all of a query's scores), so what
     AdamW sees is rounding noise, which it normalises into steps of up to about lr. Summed in
-    another order (or by another CPU's kernels: seen on CI) the noise differs, so those
-    elements may differ by up to 2 x lr x steps while every other element is held to atol."""
-    names = ref_name_map(tr, ours)
+    another order (or by another CPU's kernels: seen on CI; or by a GPU's) the noise differs,
+    so those elements may differ by up to 2 x lr x steps while every other element is held to
+    atol. ``names``: ours -> ref's names (default: tiertrain's to the reference model's)."""
+    names = ref_name_map(tr, ours) if names is None else names
     assert set(names) == set(ours)
     for name, ours_t in ours.items():
         theirs = ref[names[name]]

@@ -102,7 +102,8 @@ class IOConfig(Section):
                        "kept for later runs) and reads units from it with O_DIRECT.")
     gds: str = opt("auto", "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "
                    "kvikio (checksums verified on the GPU). 'auto' (when kvikio is installed), 'on' (refuse to "
-                   "start without it), 'off' (through pinned host buffers).")
+                   "start without it), 'off' (through pinned host buffers). With ranks the reads go through "
+                   "host memory, where the ranks gather ('on' is refused).")
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):

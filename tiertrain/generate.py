@@ -64,7 +64,10 @@ class Sampling:
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
-    """The next token of every row from its last logits (``[B, V]``, fp32)."""
+    """The next token of every row from its last logits (``[B, V]``, fp32, on the compute
+    device). The distribution is shaped where the logits are; the draw is made on the host
+    with ``gen`` (a CPU generator: CUDA refuses one for CUDA probabilities), so a seed draws
+    the same tokens from the same probabilities on every device."""
     if s.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / s.temperature
@@ -76,7 +79,8 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
         cum = torch.softmax(sorted_, dim=-1).cumsum(dim=-1)
         drop = cum - torch.softmax(sorted_, dim=-1) > s.top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(-1)
+    probs = torch.softmax(logits, dim=-1).to("cpu")  # sync point: the step's draw needs them on the host
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
 class _Decoding:

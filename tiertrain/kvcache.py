@@ -6,7 +6,8 @@ values (transformers' static cache layer: sized at start, never grown). Pairs ar
 order, block by block, in host memory while the budget lasts (allocated at start); the others
 get a region each in one file, ``kv.bin`` on the first ``io.paths`` entry (its space claimed
 and checksummed like every state), and a buffer from a pool of two only while their block
-runs for their micro-batch. A region is position-major (``[max_len, 2, rows, heads, head
+runs for their micro-batch (pairs in the budget and those buffers are checked against the
+device's free memory at start). A region is position-major (``[max_len, 2, rows, heads, head
 dim]``), so that the positions a pair holds are one contiguous run and each step's new ones
 another: ``bring`` reads the positions written so far (waiting for the read started ahead),
 into a staging buffer, and lays them out as the cache's (the rest of the buffer zeroed: never
@@ -14,9 +15,11 @@ attended to, but finite); ``send(layer, m, new)`` writes back the ``new`` positi
 just added, alone. So a step reads what the cache holds and writes what it added: the I/O
 grows with the tokens so far, not with ``max_len``. The read of the next pair in unit order
 starts as soon as a buffer is free (``ahead``), under the compute of this one. With separate
-device memory (CUDA) each host buffer (pinned) has a device twin: ``bring`` uploads into it
-(the compute stream waits for the copy, the host does not), ``send`` downloads from it and
-waits (a sync point) before the write.
+device memory (CUDA) the cache's buffers are on the device, each with a position-major device
+twin of its (pinned) staging buffer: ``bring`` uploads the positions held into the twin (the
+compute stream waits for the copy, the host does not) and lays them out there, ``send`` lays
+out the new positions in the twin and downloads those alone, waiting (a sync point) before the
+write. So what crosses the bus per step is what the file gives and takes, not ``max_len``.
 """
 
 from __future__ import annotations
@@ -60,28 +63,35 @@ class TieredKV:
         layers = len(caches[0].layers)
         self.pairs: dict[tuple[int, int], _Pair] = {}
         used, offset, spilled = 0, 0, 0
-        for layer in range(layers):
+        for layer in range(layers):  # placed first, allocated once the device has said it has room
             for m, (r, n) in enumerate(zip(rows, max_len)):
-                shape = (r, kv_heads, n, head_dim)
-                p = _Pair(layer, m, shape, 2 * r * kv_heads * n * head_dim * dtype.itemsize)
+                p = _Pair(layer, m, (r, kv_heads, n, head_dim), 2 * r * kv_heads * n * head_dim * dtype.itemsize)
                 if budget is None or used + p.nbytes <= budget:
                     used += p.nbytes
-                    self._install(p, torch.zeros(2, *shape, dtype=dtype, device=self.device))
                 else:
                     p.offset, offset = offset, offset + round_up(p.nbytes, _BLOCK)
                     spilled += p.nbytes
-                    self._prepare(p)
                 self.pairs[layer, m] = p
         self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions block-aligned
+        biggest = round_up(max((p.nbytes for p in self.pairs.values() if p.offset is not None), default=0), 4096)
+        if dev.separate:  # the pairs in the budget and the spilled pairs' two buffers and their twins
+            dev.check_capacity({"key/value cache": used, "key/value buffers": 2 * 2 * biggest})
+        for p in self.pairs.values():
+            if p.offset is None:
+                self._install(p, torch.zeros(2, *p.shape, dtype=dtype, device=self.device))
+            else:
+                self._prepare(p)
         self.read_bytes = self.written_bytes = 0
-        self.file = self.pool = self.device_pool = None
+        self.file = self.pool = self.device_pool = self.device_stage = None
         self._writing: list[_Pair] = []  # written back, oldest first: their buffers come back in this order
         if offset:
-            biggest = max(p.nbytes for p in self.pairs.values() if p.offset is not None)
-            self.pool = [aligned_empty(round_up(biggest, 4096), pin=dev.pin) for _ in range(2)]
-            self.stage = [aligned_empty(round_up(biggest, 4096)) for _ in range(2)]  # position-major, for the file
-            if dev.separate:  # the compute reads the cache in device memory: one device buffer per host one
-                self.device_pool = [dev.empty(round_up(biggest, 4096) // dtype.itemsize, dtype) for _ in range(2)]
+            # position-major, as in the file (pinned where they cross to the device)
+            self.stage = [aligned_empty(biggest, pin=dev.pin) for _ in range(2)]
+            if dev.separate:  # the cache as the compute reads it, and a position-major twin of each stage
+                self.device_pool = [dev.empty(biggest // dtype.itemsize, dtype) for _ in range(2)]
+                self.device_stage = [dev.empty(biggest // dtype.itemsize, dtype) for _ in range(2)]
+            else:  # the compute reads the cache in host memory
+                self.pool = [aligned_empty(biggest) for _ in range(2)]
             self._free = [0, 1]
             self.file = FileHandle(os.path.join(path, NAME), "w", size=offset, checksum=checksum,
                                    checksum_block=_BLOCK)  # nothing is read from a region before it is written
@@ -105,9 +115,12 @@ class TieredKV:
         layer = self._layer(p)
         layer.keys, layer.values = kv[0], kv[1]
 
-    def _staged(self, p: _Pair) -> torch.Tensor:
-        """``p``'s staging buffer as ``[max_len, 2, rows, heads, head dim]`` (the file's layout)."""
+    def _staged(self, p: _Pair, device: bool = False) -> torch.Tensor:
+        """``p``'s staging buffer (``device``: its device twin) as ``[max_len, 2, rows, heads,
+        head dim]`` (the file's layout)."""
         r, h, n, d = p.shape
+        if device:
+            return self.device_stage[p.buffer][: p.nbytes // self.dtype.itemsize].view(n, 2, r, h, d)
         return self.stage[p.buffer][: p.nbytes].view(self.dtype).view(n, 2, r, h, d)
 
     def _pos_bytes(self, p: _Pair) -> int:
@@ -139,15 +152,13 @@ class TieredKV:
             self._reclaim()
         self.read_bytes += p.read.get()  # sync point on the I/O
         p.read = None
-        view, f = self._view(p), p.filled
-        view[:, :, :, :f].copy_(self._staged(p)[:f].permute(1, 2, 3, 0, 4))
+        f, separate = p.filled, self.device_pool is not None
+        if separate and f:  # the positions held cross, position-major; the compute stream waits, the host does not
+            self.dev.wait(self.dev.upload(self._staged(p, device=True)[:f], self._staged(p)[:f]))
+        view = self._view(p, device=separate)
+        view[:, :, :, :f].copy_(self._staged(p, device=separate)[:f].permute(1, 2, 3, 0, 4))
         view[:, :, :, f:].zero_()
-        if self.device_pool is None:
-            self._install(p, self._view(p))
-            return
-        # separate device memory: uploaded, the compute stream ordered after the copy (no host block)
-        self.dev.wait(self.dev.upload(self._view(p, device=True), self._view(p)))
-        self._install(p, self._view(p, device=True))
+        self._install(p, view)
 
     def send(self, layer: int, m: int, new: int) -> None:
         """After: the ``new`` positions block ``layer`` just added for micro-batch ``m`` written
@@ -158,13 +169,14 @@ class TieredKV:
             return
         layer_ = self._layer(p)
         layer_.keys = layer_.values = None
-        if self.device_pool is not None:  # sync point: the host buffer holds the step's cache before it is written
-            self.dev.sync(self.dev.download(self._view(p), self._view(p, device=True)))
-        f, step = p.filled, self._pos_bytes(p)
+        f, step, separate = p.filled, self._pos_bytes(p), self.device_pool is not None
         if f + new > p.shape[2]:
             raise ValueError(f"key/value cache of block {layer}, micro-batch {m}: {f} + {new} positions, more than "
                              f"its {p.shape[2]}")
-        self._staged(p)[f : f + new].copy_(self._view(p)[:, :, :, f : f + new].permute(3, 0, 1, 2, 4))
+        added = self._staged(p, device=separate)[f : f + new]
+        added.copy_(self._view(p, device=separate)[:, :, :, f : f + new].permute(3, 0, 1, 2, 4))
+        if separate:  # the new positions alone cross; sync point: on the host before they are written
+            self.dev.sync(self.dev.download(self._staged(p)[f : f + new], added))
         p.write = self.file.pwrite(self.stage[p.buffer], new * step, p.offset + f * step, f * step)
         p.filled = f + new
         self._writing.append(p)

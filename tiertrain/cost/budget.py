@@ -169,7 +169,9 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
                                      + 2 * 2 * 2 * chunk)  # update sets, read-ahead, two I/O queues
         out["engine interpreters"] = n * ENGINE_PROCESS
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
-        out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * unit
+        sharded = getattr(rt, "world", 1) > 1
+        out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * GradStore.staging_unit_bytes(
+            layout, rt.dtype, accum_dtype_of(cfg, rt.dtype), sharded)
     else:
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
@@ -307,7 +309,7 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
         for f in host_todo:
             given[f] = min(host_need[f], max(0, left))
             left -= given[f]
-        if device_acts and rt.dev.cuda and "keep_act_mib" in todo:
+        if device_acts and "keep_act_mib" in todo:
             given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
     plan.given = given
     # whole MiB, rounded down: never over the budget (demands are whole MiB already)
@@ -321,9 +323,11 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
     m, e = cfg.memory, rt.dtype.itemsize
     if m.device_mib is not None:
         budget = m.device_mib * MIB
-    else:
+    elif rt.dev.cuda:
         free, _ = torch.cuda.mem_get_info(rt.dev.device)
         budget = int(0.9 * free)
+    else:  # the simulated device of the tests: separate, its memory the host's, no limit of its own
+        return need
     unit = rt.layout.max_unit_numel * e
     fixed = ((m.device_slots + GradStore.buffers_for(rt.layout)) * unit + 2 * act
              + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype)))

@@ -30,7 +30,8 @@ it wait in turn.
 
 Devices: the collectives run on host memory (Gloo), on CPU and CUDA alike. On CUDA a unit is
 gathered into its pinned staging buffer and uploaded whole, as one rank's loads are; a
-gradient is copied down whole and reduced on the host. NCCL, gathering straight into device
+gradient is copied down whole into pinned staging (on the download stream) and reduced on the
+host, and the reduced shard, a host tensor, goes home as it is. NCCL, gathering straight into device
 memory, is not built.
 """
 
@@ -202,10 +203,12 @@ class ShardedGrads(GradSink):
         self.inner.claim(u)
 
     def reduce(self, u: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of unit ``u``'s gradient summed over the ranks (sync point). The
-        collectives run on host memory (Gloo): a device gradient is copied down first."""
+        """This rank's shard of unit ``u``'s gradient summed over the ranks (sync point): a new
+        host tensor. The collectives run on host memory (Gloo): ``full`` is in host memory
+        (``GradStore`` copies a device gradient down into pinned staging first)."""
         if full.device.type != "cpu":
-            full = full.to("cpu")  # sync point: the backward of the unit is done
+            raise ValueError(f"unit {u}: the gradient to reduce is on {full.device}; the collectives run on host "
+                             "memory (copy it down first)")
         return self.group.reduce_scatter(full)
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,16 @@ every device; tested against the crc32c package bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
-import crc32c as _crc
 import numpy as np
 import torch
 
-__all__ = ["block_crcs", "PIECE"]
+from .checksum import _crc
+
+__all__ = ["block_crcs", "side_stream", "PIECE"]
 
 PIECE = 4096  # bytes per level-1 piece: the level-1 table is PIECE x 256 entries (4 MiB)
 _POLY = 0x82F63B78  # CRC32C, reflected
@@ -121,20 +123,23 @@ def block_crcs(data: torch.Tensor, block: int) -> list[int]:
     if block <= 0 or block % PIECE:
         raise ValueError(f"checksum block must be a positive multiple of {PIECE} bytes, got {block}")
     flat = data.detach().reshape(-1).view(torch.uint8)
-    if flat.is_cuda:  # on a stream of this thread's own: not queued behind the compute stream
-        with torch.cuda.stream(_side_stream(flat.device)):
-            return _block_crcs(flat, block)
-    return _block_crcs(flat, block)
+    with side_stream(flat):
+        return _block_crcs(flat, block)
 
 
 _local = threading.local()
 
 
-def _side_stream(device: torch.device):
+def side_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """For work an I/O thread does on ``t``'s device (a CRC, a staged copy): a stream of the
+    thread's own, so that it is not queued behind the compute stream (which a thread's default
+    stream is). Nothing on CPU. The caller synchronizes with what it issues there."""
+    if not t.is_cuda:
+        return contextlib.nullcontext()
     streams = _local.__dict__.setdefault("streams", {})
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
+    if t.device not in streams:
+        streams[t.device] = torch.cuda.Stream(t.device)
+    return torch.cuda.stream(streams[t.device])
 
 
 def _block_crcs(flat: torch.Tensor, block: int) -> list[int]:

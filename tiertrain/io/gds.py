@@ -24,11 +24,19 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["enabled", "set_mode", "set_backend", "is_device", "open_file"]
+__all__ = ["enabled", "set_mode", "set_backend", "is_device", "open_file", "kvikio_package"]
 
 _mode = os.environ.get("TIERTRAIN_GDS", "auto")
 _backend: Callable[[str, bool], Any] | None = None  # None: kvikio.CuFile
 _device_types: tuple[str, ...] = ("cuda",)
+
+
+def kvikio_package(cuda: str | None = None) -> str:
+    """The kvikio wheel for this PyTorch's CUDA (``torch.version.cuda``, or ``cuda``): its
+    packages are built per CUDA major version (``kvikio-cu12``, ``kvikio-cu13``)."""
+    cuda = torch.version.cuda if cuda is None else cuda
+    major = cuda.split(".")[0] if cuda else "13"
+    return f"kvikio-cu{major}"
 
 
 def set_mode(mode: str) -> None:
@@ -69,7 +77,8 @@ def enabled() -> bool:
         return False
     ok = _available()
     if _mode == "on" and not ok:
-        raise RuntimeError("gds='on' but kvikio is not importable or no CUDA device is present; pip install kvikio-cu12")
+        raise RuntimeError(f"gds='on' but kvikio is not importable or no CUDA device is present; "
+                           f"pip install {kvikio_package()}")
     return ok
 
 

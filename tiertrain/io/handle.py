@@ -523,13 +523,16 @@ class FileHandle(PositionalIO):
 
     def _staged(self, kind: str, dev: torch.Tensor, off: int) -> int:
         # Runs the chunk in this thread: waiting here on tasks queued behind us could deadlock.
+        # The copies run on this thread's side stream, not behind the compute stream's kernels.
         with self.workers.staging().acquire() as stage:
             host = stage.tensor[: dev.numel()]
             if kind == "w":
-                host.copy_(dev)  # sync point: the device-to-host copy completes before the write
+                with devcrc.side_stream(dev):
+                    host.copy_(dev)  # sync point: the device-to-host copy completes before the write
                 return self._task("w", off, [host.numpy()])
             got = self._task("r", off, [host.numpy()])
-            dev[:got].copy_(host[:got])
+            with devcrc.side_stream(dev):
+                dev[:got].copy_(host[:got])  # sync point: a blocking copy, done when the future is
             return got
 
 

@@ -239,11 +239,22 @@ class CudaDevice(Device):
         if ev is not None:
             self.sync_points += 1
             if not ev.query():
-                self.syncs += 1
-                ev.synchronize()
+                self.syncs += 1  # counted: the host had to wait
+            # Always synchronize, even when the query said done: PyTorch's CUDA sanitizer models
+            # ``synchronize`` as the host's happens-before edge, not a query, and would report a
+            # buffer reused after a query alone as a race. On a completed event it returns at once.
+            ev.synchronize()
 
     def done(self, ev: Any) -> bool:
-        return ev is None or ev.query()
+        """Whether ``ev`` has happened, without blocking. When it has, the host synchronizes
+        with it (returns at once) so that what the caller then reuses is ordered after it for
+        the CUDA sanitizer too (a query is not a synchronization to it)."""
+        if ev is None:
+            return True
+        if not ev.query():
+            return False
+        ev.synchronize()
+        return True
 
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
@@ -403,13 +414,20 @@ class AsyncCpuDevice(Device):
         self.down.close()
 
 
-def make_device(name: str, gds: str = "off") -> Device:
+def make_device(name: str, gds: str = "off", *, world: int = 1) -> Device:
     """The device ``train.device`` names (after ``resolve_device``); on CUDA, reading files
-    straight into its memory as ``io.gds`` says."""
+    straight into its memory as ``io.gds`` says, with one rank (``world``) only: ranks gather
+    each unit over Gloo in host memory, which a direct read into device memory would bypass."""
+    if world > 1 and gds == "on":
+        from ..config import ConfigError
+
+        raise ConfigError(f"io.gds = 'on' with {world} ranks: ranks gather every unit over Gloo in host memory, "
+                          "which GPUDirect Storage reads into device memory would bypass; use --io.gds=off "
+                          "(or 'auto', which reads through pinned host memory with ranks)")
     dev = resolve_device(name)
     if dev.type != "cuda":
         return Device(dev)
-    return CudaDevice(dev, direct=_gds_usable(gds))
+    return CudaDevice(dev, direct=world == 1 and _gds_usable(gds))
 
 
 def _gds_usable(mode: str) -> bool:
@@ -422,7 +440,8 @@ def _gds_usable(mode: str) -> bool:
         import kvikio  # noqa: F401
     except ImportError:
         if mode == "on":
-            raise ConfigError("io.gds='on' but kvikio is not installed: pip install 'tiertrain[gds]' "
-                              "(kvikio-cu12), or set --io.gds=auto") from None
+            raise ConfigError(f"io.gds='on' but kvikio is not installed: pip install {gds.kvikio_package()} "
+                              "(or carry its wheels to a machine without network: bench/gpu_window/wheels.sh), "
+                              "or set --io.gds=auto") from None
         return False
     return gds.enabled()

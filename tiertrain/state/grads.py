@@ -56,13 +56,14 @@ class GradStore:
         self.buffer_bytes = self._count * layout.max_unit_numel * dtype.itemsize
         # One staging buffer per device buffer: a hand-off never waits for staging that only
         # this thread could free (with a tied embedding three buffers are in flight).
+        self.accum_dtype = accum_dtype if accum_dtype not in (None, dtype) else None
         self._staging = (
-            BufferPool(self._count, layout.max_unit_numel * dtype.itemsize, pin=dev.pin, name="grad-staging")
+            BufferPool(self._count, self.staging_unit_bytes(layout, dtype, self.accum_dtype, sink.sharded),
+                       pin=dev.pin, name="grad-staging")
             if dev.separate and sink.file_backed and not sink.takes_device_tensors
             else None
         )
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
-        self.accum_dtype = accum_dtype if accum_dtype not in (None, dtype) else None
         self._acc_free = ([dev.empty(layout.max_unit_numel, self.accum_dtype) for _ in range(self._count)]
                           if self.accum_dtype is not None else [])
         self.accum_bytes = len(self._acc_free) * layout.max_unit_numel * (self.accum_dtype or dtype).itemsize
@@ -75,6 +76,15 @@ class GradStore:
         """Device gradient buffers: ``buffers`` in flight, plus one per unit whose parameters a
         later unit borrows (it stays live from the borrower's backward to its own)."""
         return buffers + len({o for unit in layout.units for o in unit.borrows})
+
+    @staticmethod
+    def staging_unit_bytes(layout: FlatLayout, dtype: torch.dtype, accum_dtype: torch.dtype | None,
+                           sharded: bool) -> int:
+        """Bytes of one pinned staging buffer (separate device memory): a unit's gradient, or with
+        ranks its sum in the accumulators' dtype where there are accumulators (it is reduced on
+        the host, then rounded once)."""
+        wide = accum_dtype if sharded and accum_dtype is not None else dtype
+        return layout.max_unit_numel * max(dtype.itemsize, wide.itemsize)
 
     @staticmethod
     def accum_bytes_for(layout: FlatLayout, accum_dtype: torch.dtype | None, buffers: int = 2) -> int:
@@ -141,15 +151,30 @@ class GradStore:
 
     def _end_shard(self, u: int, buf: torch.Tensor, base: torch.Tensor, acc: torch.Tensor | None, norm_dtype) -> None:
         """Sum over the ranks (in the accumulator's dtype where there is one, rounded once
-        after), norm of this rank's shard (alignment padding is zero), shard sent home."""
+        after), norm of this rank's shard (alignment padding is zero), shard sent home. The
+        collectives run on host memory: with separate device memory the local sum is copied
+        down into pinned staging on the download stream first, and what ``reduce`` returns is
+        a host tensor, written home as it is (never ``download``ed: CUDA refuses a host
+        tensor there)."""
+        full = buf
         if acc is not None:
             acc.add_(buf)
-            shard = self.home.reduce(u, acc).to(self.dtype)  # sync point with every rank; the one rounding
+            full = acc
+        staging = None
+        if self.dev.separate:
+            staging = self._staging_buffer()
+            host = staging.tensor.view(full.dtype)[: full.numel()]
+            self.dev.sync(self.dev.download(host, full))  # sync point: the unit's backward is done
+            full = host
+        shard = self.home.reduce(u, full)  # sync point with every rank; a new host tensor
+        if acc is not None:
+            shard = shard.to(self.dtype)  # the one rounding
             self._acc_free.append(acc._base if acc._base is not None else acc)
-        else:
-            shard = self.home.reduce(u, buf)  # sync point with every rank
+        if staging is not None:
+            self.dev.release(staging.tensor)
+            staging.release()
         self.norms[u] = [torch.linalg.vector_norm(shard, 2, dtype=norm_dtype)]
-        h = self._send(u, shard, base)
+        h = _Handoff(base, write=self.home.write(u, shard))  # host memory: the home copies or writes it
         h.keep = shard
         self._pending.append(h)
         self.poll()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The wheels a bare GPU machine lacks for the GPU window, downloaded here (where there is a
+# network) into .whl/ (git-ignored), to be carried along with the checkout. Each stage installs
+# what it finds there into a private folder before it starts (lib.sh).
+#
+# The GPU image (Python 3.12, x86_64, torch 2.11 with CUDA 13, transformers, safetensors, tqdm,
+# psutil, numpy, cupy) lacks:
+#   crc32c                       tiertrain's checksums (required)
+#   kvikio-cu13, libkvikio-cu13,
+#   rapids-logger                GPUDirect Storage (stage 6; the stage is skipped without them)
+#
+#   bench/gpu_window/wheels.sh [--dest DIR] [--python-version 3.12] [--cuda 13]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest=.whl
+pyver=3.12
+cuda=13
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dest) dest=$2; shift ;;
+    --python-version) pyver=$2; shift ;;
+    --cuda) cuda=$2; shift ;;
+    *) echo "wheels.sh: unknown argument $1 (use --dest DIR, --python-version X.Y, --cuda N)" >&2; exit 2 ;;
+  esac
+  shift
+done
+PY=${PYTHON:-python3}
+mkdir -p "$dest"
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+# pinned: one version of each (two of one package stop the install there)
+wanted=(crc32c==2.9.post0 "kvikio-cu$cuda==26.10.0" "libkvikio-cu$cuda==26.10.0" rapids-logger==0.3.0)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+  "${platforms[@]}" -d "$dest" "${wanted[@]}"
+echo "wheels in $dest ($(du -sh "$dest" | cut -f1)):"
+ls -1 "$dest"
