@@ -102,6 +102,20 @@ def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, se
         assert moments >= 4 * o["state"] and moments < 4 * o["full"] / world + (1 << 20)
 
 
+def test_ranks_in_bf16_sum_in_float32_the_same_on_a_separate_memory_device(tmp_path):
+    """bf16 with M = 2: each rank's gradient is summed in a float32 accumulator, reduced over the
+    ranks in float32 on the host and rounded once. With separate device memory the float32 sum
+    is copied down into pinned staging sized for it first: the same bits as with the host's."""
+    def cfg_in(where):
+        return small_config(tmp_path / where, kind="llama", layers=2, d=64, micro_batches=2, steps=2, clip=0.0,
+                            dtype="bfloat16", host_param_mib=4)
+
+    _, host = run_ranks(tmp_path / "h", cfg_in("h"), 2)
+    _, sep = run_ranks(tmp_path / "s", cfg_in("s"), 2, separate=True)
+    assert [o["loss"] for o in sep] == [o["loss"] for o in host]
+    assert all(torch.equal(sep[0]["weights"][k], w) for k, w in host[0]["weights"].items())
+
+
 class _Named:
     """What ``assert_same_weights`` reads of a trainer: its model's naming and config."""
 

@@ -133,24 +133,46 @@ def test_direct_reads_detect_corruption_and_truncation(tmp_path, direct):
 def test_staged_device_copies_run_on_the_io_threads_side_stream(tmp_path, direct, monkeypatch):
     """A request that is not whole checksum blocks goes through pinned staging on an I/O thread;
     its device copies must not run on that thread's default stream, which is the compute
-    stream's queue on CUDA: they take the thread's side stream, as the device CRC does."""
+    stream's queue on CUDA: each copy to or from the device tensor is made inside the thread's
+    side stream (the write's ordered after the compute), as the device CRC is."""
+    import contextlib
+
     from tiertrain.io import devcrc
 
-    seen = []
+    inside, copies = [], []
     real = devcrc.side_stream
 
-    def spy(t):
-        seen.append((t.data_ptr(), t.numel()))
-        return real(t)
+    @contextlib.contextmanager
+    def spy(t, **kw):
+        with real(t, **kw):
+            inside.append((t.untyped_storage().data_ptr(), kw.get("after_compute", False)))
+            try:
+                yield
+            finally:
+                inside.pop()
+
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, *a, **kw):
+        for dev in (dst, src):
+            if dev.untyped_storage().data_ptr() in (t.untyped_storage().data_ptr(), back.untyped_storage().data_ptr()):
+                copies.append((dst is dev, [p for p, _ in inside] == [dev.untyped_storage().data_ptr()],
+                               bool(inside) and inside[-1][1]))
+        return real_copy(dst, src, *a, **kw)
 
     monkeypatch.setattr(devcrc, "side_stream", spy)
     t = torch.randint(0, 256, (100 * KIB,), dtype=torch.uint8)
+    back = torch.empty_like(t)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     with FileHandle(tmp_path / "f", "w", size=256 * KIB, checksum=True, checksum_block=64 * KIB) as f:
         f.write(t, file_offset=10 * KIB)  # not on block boundaries: staged
-        back = torch.empty_like(t)
         f.read(back, file_offset=10 * KIB)
+    monkeypatch.undo()
     assert torch.equal(back, t) and direct["w"] == direct["r"] == 0
-    assert (t.data_ptr(), t.numel()) in seen and (back.data_ptr(), back.numel()) in seen
+    writes = [c for c in copies if not c[0]]  # the device tensor copied from (into staging)
+    reads = [c for c in copies if c[0]]  # the device tensor copied into
+    assert writes and all(on_side and after for _, on_side, after in writes), copies
+    assert reads and all(on_side for _, on_side, _ in reads), copies
 
 
 def test_direct_writes_grow_an_unchecksummed_file(tmp_path, direct):

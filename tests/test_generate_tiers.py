@@ -161,7 +161,7 @@ def test_the_kv_cache_asks_the_device_for_room_before_it_allocates(tmp_path):
     from tiertrain.state.device import AsyncCpuDevice
 
     class Small(AsyncCpuDevice):
-        def check_capacity(self, needs):
+        def check_capacity(self, needs, fix=""):
             self.asked = dict(needs)
             raise ConfigError(f"no room for {needs}")
 

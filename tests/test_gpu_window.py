@@ -232,12 +232,12 @@ def test_the_gds_check_reads_the_parameters_through_kvikio(tmp_path):
     try:
         on = gds_check.train(gds_check.config(str(tmp_path), "on", device="cpu", steps=2, extra=small),
                              device=AsyncCpuDevice(delay=0.0, direct=True))
+        default = gds_check.train(gds_check.config(str(tmp_path / "default"), "on", device="cpu", steps=2,
+                                                   extra=(*small, "--memory.host_param_mib=64")),
+                                  device=AsyncCpuDevice(delay=0.0, direct=True))
         gds.set_mode("off")
         off = gds_check.train(gds_check.config(str(tmp_path), "off", device="cpu", steps=2, extra=small),
                               device=AsyncCpuDevice(delay=0.0))
-        default = gds_check.train(gds_check.config(str(tmp_path), "on", device="cpu", steps=2,
-                                                   extra=(*small, "--memory.host_param_mib=64")),
-                                  device=AsyncCpuDevice(delay=0.0, direct=True))
     finally:
         gds.set_mode("auto")
         gds.set_backend(None)

@@ -75,7 +75,8 @@ class TieredKV:
         self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions block-aligned
         biggest = round_up(max((p.nbytes for p in self.pairs.values() if p.offset is not None), default=0), 4096)
         if dev.separate:  # the pairs in the budget and the spilled pairs' two buffers and their twins
-            dev.check_capacity({"key/value cache": used, "key/value buffers": 2 * 2 * biggest})
+            dev.check_capacity({"key/value cache": used, "key/value buffers": 2 * 2 * biggest},
+                               "lower memory.kv_host_mib (the rest of the cache goes to the storage tier)")
         for p in self.pairs.values():
             if p.offset is None:
                 self._install(p, torch.zeros(2, *p.shape, dtype=dtype, device=self.device))

@@ -10,22 +10,27 @@
 #   --out DIR     where the stage writes its results file, stageN-<name>.md (and any others)
 #   --dry         on a machine without a GPU: run what needs no CUDA (on CPU, small shapes) and
 #                 say, step by step, what was skipped
-#   --nvme DIR    scratch on the drive to measure (default $TIERTRAIN_NVME or /tmp/tiertrain-gpu-window)
-#   --budget S    the stage's time in seconds (default 540: 9 minutes); no step runs past it
+#   --nvme DIR    scratch on the drive to measure (default $TIERTRAIN_NVME, or tiertrain-scratch/gpu-window
+#                 in the checkout; the results file names its filesystem)
+#   --budget S    the stage's time in seconds (default 540: 9 minutes); no step runs past it, and a step
+#                 left out for lack of time fails the stage
 #
 # Environment: PYTHON (default python3), TIERTRAIN_WHEELS (default <checkout>/.whl),
 # TIERTRAIN_SITE (where the wheels go; default /tmp/tiertrain-site).
 
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+# cuBLAS's deterministic workspace (set before CUDA starts): runs compared bit for bit (the GDS
+# check) then differ only where the compared thing does
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 
 STAGE_T0=$(date +%s)
 dry=0
 out=""
-nvme=${TIERTRAIN_NVME:-/tmp/tiertrain-gpu-window}
+default_nvme=$ROOT/tiertrain-scratch/gpu-window  # the checkout's drive, not /tmp (a tmpfs there?)
+nvme=${TIERTRAIN_NVME:-$default_nvme}
 budget=540
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -42,13 +47,17 @@ if [ -z "$out" ]; then
   exit 2
 fi
 mkdir -p "$out" "$nvme" || exit 2
-out=$(cd "$out" && pwd)
+out=$(cd "$out" && pwd)  # relative to where the stage was started, before the cd below
 nvme=$(cd "$nvme" && pwd)/$STAGE
+cd "$ROOT" || exit 2
 rm -rf "$nvme" && mkdir -p "$nvme" || exit 2
 results="$out/$STAGE.md"
 : > "$results" || exit 2
 fails=0
-trap 'rm -rf "$nvme"' EXIT
+unrun=0
+nstep=0
+# the stage's scratch goes; the default folders too where they are left empty
+trap 'rm -rf "$nvme"; [ "$(dirname "$nvme")" = "$default_nvme" ] && rmdir "$default_nvme" "$ROOT/tiertrain-scratch" 2> /dev/null' EXIT
 
 say() { printf '%s\n' "$*" | tee -a "$results"; }
 left() { echo $((budget - ($(date +%s) - STAGE_T0))); }
@@ -93,6 +102,7 @@ else:
     print("cuda" if torch.cuda.is_available() else "cpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
 EOF
 )
+probe=$(printf '%s\n' "$probe" | tail -n 1)  # what an import printed is not the answer
 case "$probe" in
   missing*)
     say "- **missing here: ${probe#missing }**. Make the wheels where there is a network (bench/gpu_window/wheels.sh,"
@@ -108,12 +118,15 @@ case "$probe" in
 esac
 DEVICE=${probe#* }
 say "- device: $DEVICE"
+say "- scratch: $nvme ($(findmnt -no SOURCE,FSTYPE -T "$nvme" 2> /dev/null || echo 'filesystem unknown'))"
 say ""
 
 # step NAME CUDA_ONLY(0/1) LIMIT_S command...: run it within its limit and what is left of the
-# stage's budget, and keep the tail of its output in the results file.
+# stage's budget, and keep the tail of its output in the results file; a failing step's whole
+# output is kept beside it ($STAGE-stepN.log: on a first run the traceback is the result).
 step() {
   local name=$1 cuda=$2 limit=$3; shift 3
+  nstep=$((nstep + 1))
   if [ "$dry" = 1 ] && [ "$cuda" = 1 ]; then
     say "- **$name**: skipped (dry run: needs CUDA)"
     return
@@ -121,17 +134,22 @@ step() {
   local l; l=$(($(left) - 5))
   [ "$limit" -gt "$l" ] && limit=$l
   if [ "$limit" -le 10 ]; then
-    say "- **$name**: skipped (the stage's $budget s are spent)"
+    say "- **$name**: NOT RUN (the stage's $budget s are spent)"
+    unrun=$((unrun + 1))
     return
   fi
-  local t0 rc log="$out/.step.log"
+  local t0 rc log="$out/$STAGE-step$nstep.log"
   t0=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$log" 2>&1
   rc=$?
-  [ "$rc" = 0 ] || fails=$((fails + 1))
   say "- **$name**: exit $rc in $(($(date +%s) - t0)) s$([ "$rc" = 124 ] && echo " (hit its ${limit} s limit)")"
   { echo; echo '```'; tail -n 40 "$log"; echo '```'; echo; } >> "$results"
-  rm -f "$log"
+  if [ "$rc" = 0 ]; then
+    rm -f "$log"
+  else
+    fails=$((fails + 1))
+    say "  (its whole output: $log)"
+  fi
 }
 
 # skip NAME WHY: a step this machine cannot run, and why.
@@ -139,8 +157,9 @@ skip() { say "- **$1**: skipped ($2)"; }
 
 finish() {
   say ""
-  say "$fails step(s) failed; $(($(date +%s) - STAGE_T0)) s of $budget s; results in $results"
-  [ "$fails" = 0 ]
+  say "$fails step(s) failed, $unrun not run for lack of time; $(($(date +%s) - STAGE_T0)) s of $budget s;" \
+      "results in $results"
+  [ "$fails" = 0 ] && [ "$unrun" = 0 ]
   exit $?
 }
 

@@ -18,13 +18,13 @@ if [ "$dry" = 1 ]; then
     --train.steps=3 --model.n_layers=2 --io.paths="$nvme/default" --train.run_dir="$nvme/default-run" \
     --train.overwrite=true --train.progress=false
 else
-  step "the default job on CUDA, 10 steps" 1 150 "${TT[@]}" train --train.device=cuda --train.steps=10 \
+  step "the default job on CUDA, 10 steps" 1 120 "${TT[@]}" train --train.device=cuda --train.steps=10 \
     --io.paths="$nvme/default" --train.run_dir="$nvme/default-run" --train.overwrite=true --train.progress=false
 fi
-step "GPU tests (tests/test_gpu.py, ranks in stage 5)" 0 300 \
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py -k "not ranks" --basetemp="$nvme/pytest-gpu"
+step "GPU tests (tests/test_gpu.py, ranks in stage 5)" 0 240 \
+  "$PY" -m pytest -q -rs --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py -k "not ranks" --basetemp="$nvme/pytest-gpu"
 which=fp32_bit_identical
 [ "$dry" = 1 ] && which="test_fp32_bit_identical and 1-gpt"  # a dry run checks the step, on one case
-step "fp32 parity with plain PyTorch on this PyTorch, CPU (tests/test_parity.py -k '$which')" 0 150 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_parity.py -k "$which" --basetemp="$nvme/pytest-parity"
+step "fp32 parity with plain PyTorch on this PyTorch, CPU (tests/test_parity.py -k '$which')" 0 110 \
+  "$PY" -m pytest -q --tb=short -p no:cacheprovider tests/test_parity.py -k "$which" --basetemp="$nvme/pytest-parity"
 finish

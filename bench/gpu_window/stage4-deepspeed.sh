@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU window, stage 4 of 6: tiertrain against DeepSpeed ZeRO-Infinity on the GPU, bf16, states on
 # the NVMe, same model and data (bench/vs_deepspeed.py), where DeepSpeed is importable; skipped,
-# with the reason, where it is not (it is not in the GPU image: carry it, see wheels.sh).
+# with the reason, where it is not. It is not in the GPU image, and it is published as source
+# only (its ops built on first use, its NVMe path needing libaio): carrying it is not built yet,
+# so on that image this stage is one skip and costs a call.
 #
 #   bench/gpu_window/stage4-deepspeed.sh --out DIR [--dry] [--nvme DIR]     (see lib.sh)
 STAGE=stage4-deepspeed

@@ -15,14 +15,14 @@ if [ "$dry" = 1 ]; then
   device=cpu
   small=(--model.n_layers=2 --model.d_model=64)
 fi
-step "GPU test: 2 ranks on CUDA against 2 ranks on CPU" 0 240 \
-  "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py -k ranks --basetemp="$nvme/pytest-ranks"
+step "GPU test: 2 ranks on CUDA against 2 ranks on CPU" 0 180 \
+  "$PY" -m pytest -q -rs --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py -k ranks --basetemp="$nvme/pytest-ranks"
 flags=(--train.device=$device --data.micro_batches=2 --train.progress=false --memory.host_param_mib=0
        --memory.optim_host_mib=0 "${small[@]}")
 # (a dry run leaves this one out: the next step runs tiertrain train --nproc 2 three times)
-step "tiertrain train --nproc 2 on $device, states on the drive, 5 steps" 1 150 \
+step "tiertrain train --nproc 2 on $device, states on the drive, 5 steps" 1 120 \
   "${TT[@]}" train --nproc 2 "${flags[@]}" --train.steps=5 --io.paths="$nvme/ranks" \
   --train.run_dir="$nvme/ranks-run" --train.overwrite=true
-step "2 ranks on $device: 3 steps, resumed to 6, against 6 straight" 0 240 \
+step "2 ranks on $device: 3 steps, resumed to 6, against 6 straight" 0 220 \
   "$PY" bench/gpu_window/ranks_resume.py --scratch "$nvme/resume" --nproc 2 "${flags[@]}"
 finish

@@ -35,5 +35,34 @@ done
 wanted=(crc32c==2.9.post0 "kvikio-cu$cuda==26.10.0" "libkvikio-cu$cuda==26.10.0" rapids-logger==0.3.0)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   "${platforms[@]}" -d "$dest" "${wanted[@]}"
+# with --no-deps nothing checked that the carried wheels agree: each one's requirements on another
+# carried one must be met (a libkvikio built for another rapids-logger fails only at import there)
+"$PY" - "$dest" <<'EOF'
+import re, sys, zipfile
+from pathlib import Path
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+wheels = {}
+for w in Path(sys.argv[1]).glob("*.whl"):
+    name, version = w.name.split("-")[:2]
+    with zipfile.ZipFile(w) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    wheels[norm(name)] = (version, [Requirement(l.split(":", 1)[1].strip()) for l in meta.splitlines()
+                                    if l.startswith("Requires-Dist:")])
+bad = []
+for name, (_, reqs) in wheels.items():
+    for r in reqs:
+        if r.marker is not None and "extra" in str(r.marker):
+            continue
+        have = wheels.get(norm(r.name))
+        if have is not None and not r.specifier.contains(have[0], prereleases=True):
+            bad.append(f"{name} needs {r}, but {r.name} {have[0]} is carried")
+if bad:
+    sys.exit("wheels.sh: the carried wheels disagree: " + "; ".join(bad))
+print("the carried wheels agree with each other")
+EOF
 echo "wheels in $dest ($(du -sh "$dest" | cut -f1)):"
 ls -1 "$dest"

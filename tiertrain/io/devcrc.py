@@ -130,16 +130,21 @@ def block_crcs(data: torch.Tensor, block: int) -> list[int]:
 _local = threading.local()
 
 
-def side_stream(t: torch.Tensor) -> contextlib.AbstractContextManager:
+def side_stream(t: torch.Tensor, *, after_compute: bool = False) -> contextlib.AbstractContextManager:
     """For work an I/O thread does on ``t``'s device (a CRC, a staged copy): a stream of the
     thread's own, so that it is not queued behind the compute stream (which a thread's default
-    stream is). Nothing on CPU. The caller synchronizes with what it issues there."""
+    stream is). ``after_compute``: ordered after what the device's default stream (the compute)
+    has queued so far, for work that reads what the compute produced. Nothing on CPU. The caller
+    synchronizes with what it issues there."""
     if not t.is_cuda:
         return contextlib.nullcontext()
     streams = _local.__dict__.setdefault("streams", {})
     if t.device not in streams:
         streams[t.device] = torch.cuda.Stream(t.device)
-    return torch.cuda.stream(streams[t.device])
+    s = streams[t.device]
+    if after_compute:
+        s.wait_stream(torch.cuda.default_stream(t.device))
+    return torch.cuda.stream(s)
 
 
 def _block_crcs(flat: torch.Tensor, block: int) -> list[int]:

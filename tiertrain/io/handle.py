@@ -527,7 +527,7 @@ class FileHandle(PositionalIO):
         with self.workers.staging().acquire() as stage:
             host = stage.tensor[: dev.numel()]
             if kind == "w":
-                with devcrc.side_stream(dev):
+                with devcrc.side_stream(dev, after_compute=True):  # after the kernels that made it
                     host.copy_(dev)  # sync point: the device-to-host copy completes before the write
                 return self._task("w", off, [host.numpy()])
             got = self._task("r", off, [host.numpy()])

@@ -170,9 +170,10 @@ class Device:
     def reset_peak(self) -> None:
         pass
 
-    def check_capacity(self, needs: dict[str, int]) -> None:
+    def check_capacity(self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib") -> None:
         """Raise ``ConfigError`` at start when the device cannot hold ``needs`` (bytes by
-        what they are for). Host memory is the CPU's: its budgets are the config's."""
+        what they are for; ``fix``: what to change, in the message). Host memory is the CPU's:
+        its budgets are the config's."""
 
     def close(self) -> None:
         pass
@@ -262,7 +263,7 @@ class CudaDevice(Device):
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def check_capacity(self, needs: dict[str, int]) -> None:
+    def check_capacity(self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib") -> None:
         from ..config import ConfigError
 
         free, total = torch.cuda.mem_get_info(self.device)
@@ -272,7 +273,7 @@ class CudaDevice(Device):
             raise ConfigError(
                 f"the GPU ({torch.cuda.get_device_name(self.device)}) has {free / 2**30:.2f} GiB free of "
                 f"{total / 2**30:.2f} GiB; this run needs {need / 2**30:.2f} GiB there before activations ({parts}): "
-                "lower memory.device_slots or memory.keep_act_mib"
+                f"{fix}"
             )
 
 
