@@ -31,9 +31,13 @@ def as_config(config: Config | dict | str | None = None, overrides: Sequence[str
         return load_config(config, overrides)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a Config, a dict of sections, a TOML path or None, not {type(config).__name__}")
-    tree: dict[str, Any] = {k: dict(v) for k, v in config.items()}
+    # copies of the sections (the caller's dict is left as it is); what is not a table is
+    # refused by ``Config.from_dict`` as a TOML file's would be
+    tree: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for section, values in parse_overrides(overrides).items():
-        tree.setdefault(section, {}).update(values)
+        if not isinstance(tree.setdefault(section, {}), dict):
+            break  # refused below, naming the section
+        tree[section].update(values)
     return Config.from_dict(tree)
 
 

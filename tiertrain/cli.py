@@ -109,11 +109,14 @@ def _ranks(cfg) -> Iterator[object]:
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .train import Trainer
 
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc}: the number of ranks must be at least 1 (1: this process alone)")
     if getattr(args, "resume", None):
         path, cfg = _resume_target(args.resume, args.config, overrides)
     else:
         path, cfg = None, load_config(args.config, overrides)
-    if getattr(args, "nproc", 1) > 1 and "WORLD_SIZE" not in os.environ:
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
@@ -144,16 +147,17 @@ def _user_facing(exc: BaseException) -> bool:
     return isinstance(exc, (TiertrainError, StorageError))
 
 
-def _resume_target(where: str, config: str | None, overrides: Sequence[str]):
+def _resume_target(where: str, config: str | None, overrides: Sequence[str], flag: str = "--resume"):
     """The checkpoint to resume (a checkpoint dir, a run dir, or 'latest') and the run's
-    config: the checkpoint's own, with the given file and flags applied on top."""
+    config: the checkpoint's own, with the given file and flags applied on top. ``flag``: the
+    option the user gave it with (named in errors)."""
     from .checkpoint import Manifest, find_checkpoint
     from .config import Config, parse_overrides
 
     if where == "latest":
         base = load_config(config, overrides)
         where = base.checkpoint_root
-    path = find_checkpoint(where, "--resume")
+    path = find_checkpoint(where, flag)
     man = Manifest.read(path)
     tree = man.config
     if config is not None:  # only what the file sets overrides the checkpoint's config
@@ -213,7 +217,7 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     unit)."""
     from .evaluate import CheckpointWeights
 
-    path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"])
+    path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint")
     return cfg, CheckpointWeights(path)
 
 

@@ -363,7 +363,8 @@ class MemoryConfig(Section):
     kv_host_mib: int | None = opt(None, "Generation: host memory for the key/value cache, MiB, claimed at start from "
                                   "the batch, the prompts' length and max_new_tokens (it never grows); what does not fit "
                                   "goes to the storage tier (kv.bin on the first io.paths entry), read in and written back "
-                                  "each step, one (block, micro-batch) ahead. None: all of it in memory. CPU only so far.")
+                                  "each step, one (block, micro-batch) ahead. None: all of it in memory; 0: all of it on the "
+                                  "storage tier. On CUDA the memory is the device's.")
     update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.")
 
     def __post_init__(self) -> None:
@@ -372,9 +373,11 @@ class MemoryConfig(Section):
                      "engine_read_ahead_mib", "offload_pairs"):
             if getattr(self, name) is not None:
                 self._at_least(name, 0)
-        for name in ("host_mib", "device_mib", "kv_host_mib"):
+        for name in ("host_mib", "device_mib"):
             if getattr(self, name) is not None:
                 self._at_least(name, 1)
+        if self.kv_host_mib is not None:
+            self._at_least("kv_host_mib", 0)  # 0: the whole cache on the storage tier
         self._in_range("update_buffer_kib", 64, 4 << 20)
         self._in_range("mmap_threshold_kib", 0, 32 << 10)
         self._one_of("activations", ("auto", "keep", "keep-first", "offload", "recompute"))
@@ -561,6 +564,12 @@ class Config:
         if out.data.corpus != "bundled":
             out.data.corpus = ab(out.data.corpus)
         return out
+
+    def validate(self) -> "Config":
+        """Check the tree again, as a file or flags would be (fields set on the objects after they
+        were made skip their section's checks otherwise); ``self``, unchanged."""
+        Config.from_dict(self.to_dict())
+        return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

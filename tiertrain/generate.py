@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens = {self.max_new_tokens}: generate at least 1 token")
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise ConfigError(f"temperature = {self.temperature}, top_p = {self.top_p}: sampling settings must be "
+                              "finite numbers (temperature >= 0, 0 < top_p <= 1)")
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
                               "temperature >= 0, top_k >= 0 and 0 < top_p <= 1")

@@ -40,7 +40,7 @@ class Runtime:
                  rank: int = 0, world: int = 1) -> None:
         """``rank`` of ``world`` data-parallel ranks: units are padded to ``world`` equal aligned
         shards and ``state_layout`` is this rank's (the whole layout with one rank)."""
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)

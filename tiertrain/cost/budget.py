@@ -21,9 +21,9 @@ counted against the budget). If everything fits, nothing is measured: no ranking
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass, field
 
 import psutil
@@ -38,6 +38,8 @@ def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
     return accum_dtype_for(cfg.train.grad_accum_dtype, cfg.data.micro_batches, dtype)
 
 __all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage"]
+
+log = logging.getLogger("tiertrain")
 
 MIB, GIB = 1 << 20, 1 << 30
 # memory.<field>: what it holds (fields left unset are planned)
@@ -72,6 +74,16 @@ def default_host_bytes() -> tuple[int, str]:
         return (int(avail * HOST_FRACTION / ranks),
                 f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks")
     return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
+
+
+def _warn_above_available(host: int) -> None:
+    """A budget set above the memory this machine has available now is taken as given (the
+    user may know better, say with memory to be freed), but said, with the figure."""
+    avail = psutil.virtual_memory().available
+    if host > avail:
+        log.warning("memory.host_mib = %s MiB is more than the %s MiB this machine has available now: the states "
+                    "placed in memory by it may not fit (leave memory.host_mib unset for half of what is available)",
+                    f"{host // MIB:,}", f"{avail // MIB:,}")
 
 
 @dataclass
@@ -284,6 +296,8 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
     m = cfg.memory
     todo = _todo(cfg)
     host, source = (m.host_mib * MIB, "memory.host_mib") if m.host_mib is not None else default_host_bytes()
+    if m.host_mib is not None:
+        _warn_above_available(host)
     explicit = {f: getattr(m, f) * MIB for f in PLANNED if f not in todo}
     device_acts = rt.dev.separate  # kept activations live in device memory on CUDA
     rates = None

@@ -72,16 +72,15 @@ def read_rows(path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        n = 0
-        while True:
+    # bytes, decoded a line at a time: a text stream decodes ahead in blocks, so a bad byte
+    # would be found lines before the one that holds it
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
-                line = f.readline()
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}, after line {n}: not UTF-8 ({exc.reason}); convert the file to UTF-8") from None
-            if not line:
-                return
-            n += 1
+                raise DataError(f"{path}, line {n}: not UTF-8 (byte {exc.start + 1} of the line: {exc.reason}); "
+                                "convert the file to UTF-8") from None
             if not line.strip():
                 continue
             try:
