@@ -2,8 +2,8 @@
 
 A Llama with a 128,256-token vocabulary (Llama 3's) and a small body, states on the
 storage tier: uncut, the embedding and the head (131 M elements each at width 1024) are the
-largest units and size every slot and gradient buffer; cut (``model.vocab_pieces`` unset),
-a block does. Each setting runs in its own process (peak RSS is the process's): the
+largest units and size every slot and gradient buffer; cut as the planner cuts where the
+budget cannot hold them (the fewest pieces no larger than a block), a block does. Each setting runs in its own process (peak RSS is the process's): the
 largest unit, the fixed pools, peak RSS, seconds per step, bytes read and written per step
 (against the cost model's count), and the losses of the two (the same weights: they
 differ by the cut cross-entropy's rounding).
@@ -30,6 +30,8 @@ def run_one(args) -> dict:
     """One setting, in this process: the figures as a dict."""
     import statistics
 
+    import torch
+
     from tiertrain.config import load_config
     from tiertrain.cost import step_traffic
     from tiertrain.cost.budget import STATES_ON_STORAGE
@@ -40,6 +42,10 @@ def run_one(args) -> dict:
              "--model.vocab_size=128256", "--model.max_seq_len=256", "--data.seq_len=256", "--data.micro_batch_size=2",
              "--data.micro_batches=2", f"--train.steps={args.steps}", "--train.progress=false", "--train.predict=false",
              "--memory.host_mib=16384", *[f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()]]
+    if args.pieces == -1:  # as the planner cuts where the budget needs it
+        from tiertrain.models import auto_pieces, build_model
+
+        args.pieces = auto_pieces(build_model(load_config(None, flags).model, param_dtype=torch.float32, seed=0)[0])
     if args.pieces:
         flags.append(f"--model.vocab_pieces={args.pieces}")
     if args.init:
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     with scratch_dir(args.scratch, "vocab") as top:
         init = write_init(args, top)  # both settings start from these weights
-        for label, pieces in (("uncut (vocab_pieces = 1)", 1), ("cut (vocab_pieces unset)", None)):
+        for label, pieces in (("uncut (vocab_pieces = 1)", 1), ("cut (the planner's pieces)", -1)):
             rows[label] = run_child(args, label, pieces, init, top)
     report(args, rows, out)
     return 0

@@ -252,3 +252,51 @@ def test_messages_that_used_to_mislead(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--section.field=value" in capsys.readouterr().out
+
+
+def test_careless_inputs_of_round_two(tmp_path, capsys):
+    """--nproc 0 and -2 are refused (they ran one process); a dict section that is not a table
+    is refused by the API as TOML's is (it was a raw TypeError); `eval --checkpoint` of a
+    directory without one names --checkpoint (it said --resume); memory.kv_host_mib = 0 (the
+    whole cache on the storage tier, as documented) is taken from a flag as from an object; a
+    host budget above the available memory is said, with the figure."""
+    import psutil
+
+    import tiertrain
+    from tiertrain.config import ConfigError, load_config
+
+    for n in ("0", "-2"):
+        line = one_line_error(capsys, ["train", "--nproc", n, *tiny_flags(tmp_path)], 1)
+        assert f"--nproc {n}: the number of ranks must be at least 1" in line
+    nothing_left(tmp_path)
+    with pytest.raises(ConfigError, match=r"\[data\] must be a table of fields, got 5"):
+        tiertrain.train({"data": 5})
+    (tmp_path / "empty").mkdir()
+    line = one_line_error(capsys, ["eval", "--checkpoint", str(tmp_path / "empty")], 1)
+    assert line.startswith(f"tiertrain: --checkpoint {tmp_path / 'empty'}: no complete checkpoint there"), line
+    assert load_config(None, ["--memory.kv_host_mib=0"]).memory.kv_host_mib == 0
+    with pytest.raises(ConfigError, match=r"memory.kv_host_mib = -1: must be >= 0"):
+        load_config(None, ["--memory.kv_host_mib=-1"])
+    huge = psutil.virtual_memory().total // 2**20 * 4
+    capsys.readouterr()
+    assert main(["plan", "--probe-mib=1", f"--memory.host_mib={huge}", *tiny_flags(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"WARNING memory.host_mib = {huge:,} MiB is more than the" in err and "available now" in err, err
+
+
+def test_a_config_object_edited_after_it_was_made_is_checked_as_flags_are(tmp_path):
+    """Fields set on the objects skip their section's checks; every driver checks again."""
+    from reference import small_config
+    from tiertrain.config import ConfigError
+    from tiertrain.generate import Sampling, generate
+    from tiertrain.train import Trainer
+
+    cfg = small_config(tmp_path)
+    cfg.memory.device_slots = 1
+    with pytest.raises(ConfigError, match=r"memory.device_slots = 1: must be between 2 and 64"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match=r"memory.device_slots = 1"):
+        generate(cfg, [[1, 2]], Sampling(max_new_tokens=2))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"sampling settings must be finite numbers"):
+            Sampling(temperature=bad)

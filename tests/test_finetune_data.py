@@ -381,3 +381,63 @@ def test_a_packed_micro_batchs_mask_is_made_once(tmp_path, monkeypatch):
     cfg.train.steps = 1
     run_tiertrain(cfg, weights_of(reference_model(cfg)))
     assert made.count(True) == cfg.data.micro_batches == 2
+
+
+def test_a_non_utf8_byte_is_named_by_its_line(tmp_path):
+    """A text stream decodes ahead in blocks: the bad byte on line 3 was reported "after line 0"."""
+    tok = make_tokenizer(tmp_path / "tok")
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "one"}\n{"text": "two"}\n{"text": "thr\xffee"}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl, line 3: not UTF-8 \(byte 14 of the line"):
+        prepare_examples([str(tmp_path / "b.jsonl")], str(tmp_path / "out"), tokenizer=tok, progress=False)
+
+
+def test_a_tokenizer_replaced_at_the_same_path_prepares_the_rows_again(tmp_path, monkeypatch):
+    """The prepared-data cache is keyed on the tokenizer's files' contents, not its path: a
+    tokenizer replaced in place gives new ids (it reused the old ones without a word)."""
+    import shutil
+
+    from tiertrain.config import DataConfig
+    from tiertrain.data.loader import open_corpus
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rows = write_jsonl(tmp_path / "r.jsonl", [{"text": "hello world how are you"}] * 4)
+    tok = make_tokenizer(tmp_path / "tok")
+    cfg = DataConfig(corpus=rows, tokenizer=tok, seq_len=8, micro_batch_size=1)
+    first = open_corpus(cfg)
+    assert open_corpus(cfg).data.path == first.data.path  # reused while unchanged
+    shutil.rmtree(tok)
+    global WORDS
+    saved = WORDS
+    try:
+        WORDS = saved[:6] + list(reversed(saved[6:]))  # the same words, other ids
+        make_tokenizer(tmp_path / "tok")
+    finally:
+        WORDS = saved
+    second = open_corpus(cfg)
+    assert second.data.path != first.data.path
+    assert list(second.data.ids[:5]) != list(first.data.ids[:5])
+
+
+def test_a_models_own_tokenizer_is_used_for_its_text(tmp_path):
+    """A model directory that holds a tokenizer tokenizes its training and evaluation text with
+    it when data.tokenizer is unset (eval used bytes while generate used the directory's)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.config import ModelConfig, load_config
+    from tiertrain.evaluate import evaluate
+    from tiertrain.models import hf_config_from
+
+    d = tmp_path / "m"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=1, d_model=32, n_heads=2,
+                                                                vocab_size=len(WORDS)))).save_pretrained(d)
+    make_tokenizer(d)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["hello world how are you fine thanks"] * 20))
+    flags = [f"--model.hf_dir={d}", f"--data.eval_corpus={text}", "--data.seq_len=16", "--data.micro_batch_size=1",
+             "--data.eval_micro_batches=0", f"--io.paths={tmp_path / 's'}"]
+    cfg = load_config(None, flags)
+    assert cfg.data.tokenizer == str(d)
+    res = evaluate(cfg)
+    assert res.tokens == (140 - 1) // 16 * 16  # words, not bytes (the text has 140 words, 700 bytes)
+    assert res.loss == evaluate(load_config(None, [*flags, f"--data.tokenizer={d}"])).loss

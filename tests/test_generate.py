@@ -271,3 +271,36 @@ def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pair
     assert kv.written_bytes == spilled * 5 * pos  # one new position a step, never the whole region
     dev.close()
     assert not (tmp_path / "kv.bin").exists()
+
+
+def test_a_row_ends_at_the_models_end_of_sequence_token_as_in_transformers(tmp_path, llama_dir):
+    """The end-of-sequence ids of generation_config.json (a list, as chat models have) end a row
+    by default, as transformers' generate does (same tokens, row by row); --ignore-eos goes on
+    to max_new_tokens; a stop id outside the vocabulary is refused."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src, _ = llama_dir
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    cfg = _cfg(tmp_path, str(d))
+    free = generate(cfg, PROMPTS, Sampling(max_new_tokens=10, stop_at_eos=False))
+    eos = [free[1][2], 255]  # the second row's third token, and one never generated
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": 0}))
+    rows = generate(cfg, PROMPTS, Sampling(max_new_tokens=10))
+    assert rows[1] == free[1][:3]
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()  # its generation config read from the directory
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)[:, width:].tolist()
+    for ours, t in zip(rows, theirs):  # transformers pads a row that ended; ours just ends
+        assert t[: len(ours)] == ours and all(x == 0 for x in t[len(ours):]), (ours, t)
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=10, stop_at_eos=False)) == free
+    with pytest.raises(ConfigError, match=r"stop token id 300 is outside the model's vocabulary \(0 to 255\)"):
+        generate(cfg, PROMPTS, Sampling(max_new_tokens=3, stop=(300,)))
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "generate", f"--model.hf_dir={d}", "--prompt", "ab",
+                        "--max-new-tokens", "4", "--ignore-eos", f"--io.paths={tmp_path / 's'}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "end-of-sequence" not in r.stderr, r.stderr[-2000:]

@@ -22,7 +22,7 @@ from reference import reference_model, reference_train, small_config, weights_of
 from tiertrain.checkpoint.export import export_checkpoint
 from tiertrain.config import ConfigError
 from tiertrain.cost import step_traffic
-from tiertrain.models import _hf_names, build_model, tensor_source
+from tiertrain.models import _hf_names, auto_pieces, build_model, tensor_source
 from tiertrain.models.pieces import EmbedPiece, rows_per_piece
 from tiertrain.train import Trainer
 
@@ -90,6 +90,7 @@ def test_embedding_pieces_are_exact_forward_and_backward():
 def test_pieces_are_sized_by_a_block_and_only_used_rows_are_read(tmp_path):
     cfg = small_config(tmp_path, kind="llama", layers=2, steps=1)
     cfg.model.vocab_size = 4096  # 4096 x 64 = 262k elements against a block's ~49k
+    cfg.model.vocab_pieces = auto_pieces(build_model(cfg.model, param_dtype=torch.float32, seed=0)[0])  # as the planner cuts
     with Trainer(cfg) as tr:
         block = max(u.numel for u in tr.layout.units[len(tr.model.embed_pieces) + 1 :][:2])
         assert len(tr.model.embed_pieces) == len(tr.model.head_pieces) > 1
@@ -163,3 +164,80 @@ def test_the_compute_probe_times_a_cut_model_and_puts_its_placeholders_back(tmp_
         assert all(out[k] > 0 for k in ("embed_fwd_s", "head_s", "block_fwd_s", "block_bwd_s", "act_bytes"))
         assert [p.data.stride() for p in tr.model.parameters()] == before  # zero-memory placeholders again
         assert all(p.grad is None for p in tr.model.parameters())
+
+
+def _gqa_llama(tmp_path, vocab=6400):
+    """A Llama with grouped key/value heads whose vocabulary matrix (6400 x 192) is 3.4 blocks."""
+    cfg = small_config(tmp_path, kind="llama", layers=4, d=192, heads=4, steps=3, micro_batches=2)
+    cfg.model.n_kv_heads, cfg.model.vocab_size = 2, vocab
+    return cfg
+
+
+def test_a_vocabulary_larger_than_a_block_stays_whole_and_exact_by_default(tmp_path):
+    """With model.vocab_pieces unset and a budget that holds whole vocabulary units, nothing is
+    cut: every tensor bit-identical to plain PyTorch + AdamW (cut by default, all 39 differed)."""
+    from test_parity import assert_parity
+
+    cfg = _gqa_llama(tmp_path)
+    assert auto_pieces(build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]) == 4  # a cut would be possible
+    tr, _ = assert_parity(cfg)
+    assert not tr.model.embed_pieces and not tr.model.head_pieces
+    assert not any("vocabulary cut" in n for n in tr.budget.notes)
+
+
+def test_the_plan_cuts_the_vocabulary_only_where_the_budget_needs_it_and_says_so(tmp_path):
+    """A host budget between the fixed pools of whole vocabulary units and those of the pieces:
+    the planner cuts, says so with what it changes, and the config a checkpoint keeps names
+    the pieces; the same budget plus the difference keeps it whole."""
+    import dataclasses
+
+    from tiertrain.cost.budget import PoolsOverBudget, resolve_budget
+    from tiertrain.runtime import Runtime
+
+    cfg = _gqa_llama(tmp_path)
+    needed = []
+    for pieces in (None, 4):  # what each needs at the least (buffers shrunk to their floors)
+        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=pieces),
+                                memory=dataclasses.replace(cfg.memory, host_mib=1))
+        rt = Runtime(c)
+        with pytest.raises(PoolsOverBudget) as exc:
+            resolve_budget(c, rt, None, lambda: (1 << 20, 0))
+        rt.close()
+        needed.append(exc.value.needed >> 20)
+    whole, cut = needed
+    assert whole - cut > 8
+    cfg.memory.host_mib = (whole + cut) // 2
+    with Trainer(cfg) as tr:
+        assert len(tr.model.embed_pieces) == len(tr.model.head_pieces) == 4
+        note = next(n for n in tr.budget.notes if "vocabulary cut into 4 pieces" in n)
+        assert "losses differ from plain PyTorch's by rounding" in note and "memory.host_mib" in note
+        assert tr.user_cfg.model.vocab_pieces == 4 and tr.cfg.model.vocab_pieces == 4
+        tr.initialize(progress=False)
+        tr.train_step()
+    cfg.memory.host_mib = whole + 8
+    with Trainer(cfg) as tr:
+        assert not tr.model.embed_pieces and tr.user_cfg.model.vocab_pieces is None
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_initial_weights_do_not_depend_on_the_cut(tmp_path, kind):
+    """The same seed gives the same model cut or whole: the vocabulary matrices are initialised
+    whole and then cut, every other unit from the seed of its place in the whole model (the
+    loss of step 1 differed: 9.0214 cut against 9.0242 whole)."""
+    from tiertrain.models.base import unit_param_names
+    from tiertrain.models.pieces import WholeTensors
+
+    cfg = small_config(tmp_path, kind=kind, layers=2)
+    cfg.model.vocab_size = 8192
+
+    def initial(pieces):
+        cfg.model.vocab_pieces = pieces
+        model, source = build_model(cfg.model, param_dtype=torch.float32, seed=3)
+        whole, out = WholeTensors(model.row_pieces), {}
+        for u, own in enumerate(unit_param_names(model)):
+            for name, t in source.load(u, [n for n, _ in own]).items():
+                out.update(whole.add(name, t))
+        return out
+
+    a, b = initial(None), initial(5)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -173,7 +173,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .cost import estimate, measure_rates
-    from .cost.budget import resolve_budget
+    from .cost.budget import plan_budget
     from .cost.choose import resolve_activations, resolve_update
     from .cost.probe import probe_acts
     from .cost.report import plan_report
@@ -195,7 +195,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     # a budget below the fixed pools is refused before the probe's minutes
     act = lambda: probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
-    cfg, budget = resolve_budget(cfg, rt, rates, act)
+    cfg, budget = plan_budget(cfg, rt, rates, act)
     cfg, why = resolve_update(cfg, rt, rates)
     if why:
         log.info("update path (auto): %s", why)
@@ -247,7 +247,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
     stop = tuple(args.stop or ())
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, stop=stop)
+                        top_p=args.top_p, seed=args.seed, stop=stop, stop_at_eos=not args.ignore_eos)
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])
         with weights:
@@ -356,6 +356,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token (by "
+                   "default a row ends there, as in transformers' generate)")
     g.add_argument("--out", help="write JSONL (prompt, completion, tokens) here instead of printing")
 
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")

@@ -56,6 +56,14 @@ def _env() -> bool:
     return _ENV_CHECKS.get()
 
 
+# What makes a directory a Hugging Face tokenizer's (one of them is enough).
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_MARKERS)
+
+
 def opt(default: Any, doc: str, *, factory: Any = None) -> Any:
     """A config field with its documentation."""
     if factory is not None:
@@ -147,9 +155,10 @@ class ModelConfig(Section):
                          "blocks replay the forward's random draws, so every activation path gives the same masks.")
     vocab_pieces: int | None = opt(None, "Pieces (row ranges) the token embedding and the output head are cut "
                                    "into, each its own unit, so that slots and buffers are sized by a block, not by "
-                                   "a vocabulary-sized matrix. None: the fewest pieces no larger than a block (no cut "
-                                   "when the matrix is no larger); 1: never cut. A cut head's cross-entropy is an "
-                                   "online log-sum-exp over pieces: equal to the whole one up to rounding (docs/DESIGN.md).")
+                                   "a vocabulary-sized matrix. None: whole (exact), unless the memory budget cannot "
+                                   "hold whole vocabulary units: then the fewest pieces no larger than a block, said "
+                                   "at start; 1: never cut. A cut head's cross-entropy is an online log-sum-exp over "
+                                   "pieces: equal to the whole one up to rounding (docs/DESIGN.md).")
 
     def __post_init__(self) -> None:
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
@@ -224,7 +233,8 @@ class DataConfig(Section):
     corpus: str = opt("bundled", "'bundled' (small public-domain text shipped with tiertrain), a .txt file, a token file or "
                       "an examples directory made by `tiertrain prepare`, or rows to fine-tune on (.jsonl, .parquet, a "
                       "datasets save_to_disk directory: prepared once into ~/.cache/tiertrain/prepared).")
-    tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for .txt corpora (None: byte-level).")
+    tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for text and rows (None: model.hf_dir's "
+                                "tokenizer where it holds one, else byte-level).")
     seq_len: int = opt(128, "Tokens per sequence.")
     micro_batch_size: int = opt(4, "Sequences per micro-batch.")
     micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
@@ -526,6 +536,8 @@ class Config:
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
                 "lower one or raise the other"
             )
+        if self.data.tokenizer is None and self.model.hf_dir is not None and _env() and has_tokenizer(self.model.hf_dir):
+            self.data.tokenizer = self.model.hf_dir  # the model's own: never its text in another tokenizer's ids
         limit = self.model.position_limit() if self.model.hf_dir is not None and _env() else None
         if limit is not None and self.data.seq_len > limit[0]:
             raise ConfigError(

@@ -14,7 +14,9 @@ them: the attention mask is 0 there, positions count only real tokens. Keys and 
 kept per micro-batch in ``transformers``' static cache in host memory, sized at start for the
 micro-batch's longest prompt plus ``max_new_tokens``, within ``memory.kv_host_mib`` in host
 (CUDA: device) memory, the rest on the storage tier (``kvcache.TieredKV``). Sampling: greedy (``temperature = 0``), or temperature with top-k and top-p from a
-seeded generator; a row stops at a stop token or ``max_new_tokens``.
+seeded generator; a row stops at a stop token, at the model's end-of-sequence token (its
+``generation_config.json``'s ``eos_token_id``, else its ``config.json``'s; ``stop_at_eos``), or
+at ``max_new_tokens``.
 
 Built for Hugging Face Llama-family and GPT-2 models (``model.hf_dir``: transformers' static
 cache and masks) and the built-in GPT (``models/gpt_decode.py``: a cache of the same shape);
@@ -24,6 +26,7 @@ cache and masks) and the built-in GPT (``models/gpt_decode.py``: a cache of the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -42,7 +45,7 @@ from .models.hf import decode_mask, kv_bytes, kv_shape, new_cache
 from .runtime import Runtime
 from .weights_file import forward_params
 
-__all__ = ["Sampling", "generate"]
+__all__ = ["Sampling", "generate", "eos_ids"]
 
 log = logging.getLogger("tiertrain")
 
@@ -55,6 +58,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[int, ...] = ()  # token ids that end a row (kept in its output)
+    stop_at_eos: bool = True  # the model's end-of-sequence ids end a row too, as in transformers' generate
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -87,6 +91,26 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` (an id or a
+    list: chat models often have several, ``<|im_end|>`` among them), else ``config.json``'s;
+    none for the built-in GPT (its tokenizer's, where the caller gives it)."""
+    found = None
+    if hf_dir is not None:
+        path = os.path.join(hf_dir, "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found = json.load(f).get("eos_token_id")
+            except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+                raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the model's source") from None
+    if found is None and hf_config is not None:
+        found = getattr(hf_config, "eos_token_id", None)
+    if found is None:
+        return ()
+    return tuple(int(i) for i in (found if isinstance(found, (list, tuple)) else [found]))
+
+
 class _Decoding:
     """What generation needs of a model kind: its context limit, vocabulary, padding id, cache
     shape and bytes, a new cache and a step's attention mask."""
@@ -102,6 +126,7 @@ class _Decoding:
         else:  # the built-in GPT
             self.limit, self.vocab, self.pad = m.max_seq_len, m.vocab_size, 0
             self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
+        self.eos = eos_ids(m.hf_dir, self.hf)
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
         return kv_bytes((self.layers, self.kv_heads, self.head_dim), rows, max_len, dtype)
@@ -136,10 +161,11 @@ class _Rows:
 def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Sampling(), *,
              weights: WeightSource | None = None, device=None,
              on_tokens: Callable[[list[int | None]], None] | None = None,
-             tokenizer_vocab: int | None = None) -> list[list[int]]:
+             tokenizer_vocab: int | None = None, eos: tuple[int, ...] | None = None) -> list[list[int]]:
     """The tokens generated after each prompt (token ids; see the module docstring).
     ``on_tokens``: called after every step with each row's new token (None once it stopped);
-    ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary."""
+    ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary;
+    ``eos``: the end-of-sequence ids (default: the model directory's, see ``eos_ids``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
@@ -149,6 +175,11 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
     try:  # what is refused is refused before any weight is read
         model, dec = rt.model, _Decoding(rt, cfg)
         _check(prompts, sampling, dec, tokenizer_vocab)
+        eos = tuple(eos) if eos is not None else dec.eos
+        if sampling.stop_at_eos and eos:
+            sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *eos))))
+            log.info("a row ends at the model's end-of-sequence token%s %s (--ignore-eos to go on to max_new_tokens)",
+                     "s" if len(eos) > 1 else "", ", ".join(map(str, eos)))
         groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
         kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
         source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
@@ -203,6 +234,9 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
     if tokenizer_vocab is not None and tokenizer_vocab > dec.vocab:
         raise ConfigError(f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
                           f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)")
+    bad = [t for t in sampling.stop if not 0 <= t < dec.vocab]
+    if bad:
+        raise ConfigError(f"generate: stop token id {bad[0]} is outside the model's vocabulary (0 to {dec.vocab - 1})")
     top = max(max(p) for p in prompts)
     if top >= dec.vocab:
         raise ConfigError(f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "

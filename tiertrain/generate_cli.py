@@ -11,7 +11,6 @@ import sys
 
 from .config import Config, ConfigError
 from .data import load_tokenizer
-from .data.loader import TOKENIZER_FILES
 from .generate import Sampling, generate
 
 __all__ = ["read_prompts", "run_generate"]
@@ -46,9 +45,8 @@ def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
 
 
 def _tokenizer(cfg: Config):
-    d = cfg.model.hf_dir
-    if d and any(os.path.isfile(os.path.join(d, n)) for n in TOKENIZER_FILES[:4]):
-        return load_tokenizer(d, "model.hf_dir")
+    """``data.tokenizer``: the model directory's where it holds one (``Config`` sets it), else
+    the one given, else bytes."""
     return load_tokenizer(cfg.data.tokenizer)
 
 
@@ -68,8 +66,10 @@ def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | N
             sys.stdout.write(tok.decode([tokens[0]]))
             sys.stdout.flush()
 
+    # the built-in GPT has no model directory to name its end-of-sequence token: its tokenizer's
+    eos = None if cfg.model.hf_dir else tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
     rows = generate(cfg, prompts, sampling, weights=weights, on_tokens=show if stream else None,
-                    tokenizer_vocab=tok.vocab_size)
+                    tokenizer_vocab=tok.vocab_size, eos=eos)
     texts_out = [tok.decode(r) for r in rows]
     if stream:
         sys.stdout.write("\n")

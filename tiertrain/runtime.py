@@ -1,4 +1,4 @@
-"""The runtime: what every driver (training today, generation next) builds on.
+"""The runtime: what every driver (training, evaluation, generation) builds on.
 
 It owns the compute device and the parameters' dtype, the model skeleton (no weight
 memory) with the source of its initial weights, the flat layout of its units, and the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import Config
+from .config import Config, ConfigError
 from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
@@ -43,17 +43,32 @@ class Runtime:
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
+        self._given_weights = weights
+        self._build_model(cfg)
+        self.storage: Storage | None = None
+        self.params: ParamStore | None = None
+
+    def _build_model(self, cfg: Config) -> None:
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
-        self.weights = weights or source
+        self.weights = self._given_weights or source
         align = chunk_align(align_of(cfg), self.dtype)
+        world, rank = self.world, self.rank
         self.layout = FlatLayout(self.model, unit_align=world * align)
         self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)
         # the layout of one rank: what checkpoints are written in, whatever the world
         self.canonical_layout = self.layout if world == 1 else FlatLayout(self.model, unit_align=align)
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
-        self.storage: Storage | None = None
-        self.params: ParamStore | None = None
+
+    def recut(self, cfg: Config) -> None:
+        """The model built again for ``cfg`` (another ``model.vocab_pieces``), on the same device,
+        before anything was sized from it. Weights given by the caller are tied to the first
+        model's units: refused."""
+        if self._given_weights is not None:
+            raise ConfigError("the vocabulary must be cut to fit the memory budget, but this run's weights were given "
+                              "for the whole model: set model.vocab_pieces (or raise memory.host_mib)")
+        self.cfg = cfg
+        self._build_model(cfg)
 
     @property
     def align(self) -> int:

@@ -125,11 +125,12 @@ class Trainer:
         self.source = self.rt.weights
         self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
-        if self.corpus.vocab_size > vocab_size_of(self.model, cfg):
-            raise ConfigError(
-                f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the corpus vocabulary "
-                f"({self.corpus.vocab_size}); raise it to at least {self.corpus.vocab_size}"
-            )
+        for what, data in (("corpus", self.corpus), ("evaluation corpus", self.evalset)):
+            if data is not None and data.vocab_size > vocab_size_of(self.model, cfg):
+                raise ConfigError(
+                    f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the {what} vocabulary "
+                    f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
+                    "own tokenizer")
         self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
@@ -160,7 +161,7 @@ class Trainer:
         update path chosen where it is auto; the plan logged. Measures this machine only when not
         everything fits."""
         from .cost import measure_rates
-        from .cost.budget import resolve_budget
+        from .cost.budget import plan_budget
         from .cost.choose import resolve_activations, resolve_update
         from .cost.probe import probe_acts
 
@@ -174,7 +175,11 @@ class Trainer:
             rt = self.rt
             return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
 
-        cfg, self.budget = resolve_budget(cfg, self.rt, rates, act)
+        cfg, self.budget = plan_budget(cfg, self.rt, rates, act,
+                                       agree=self.group.rank0s if self.rt.world > 1 else None)
+        if cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
+            self.model, self.layout, self.source = self.rt.model, self.rt.layout, self.rt.weights
+            self.user_cfg.model.vocab_pieces = cfg.model.vocab_pieces  # a checkpoint resumes with the same units
         for line in self.budget.lines():
             log.info("%s", line)
         # the rates the budget measured, or those the prediction at start will (train.predict)

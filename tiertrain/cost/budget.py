@@ -31,13 +31,15 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
+from ..errors import one_line
 from ..state.grads import GradStore, accum_dtype_for
 
 
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
     return accum_dtype_for(cfg.train.grad_accum_dtype, cfg.data.micro_batches, dtype)
 
-__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage"]
+__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage",
+           "plan_budget", "PIECES_TOLERANCE"]
 
 log = logging.getLogger("tiertrain")
 
@@ -74,6 +76,61 @@ def default_host_bytes() -> tuple[int, str]:
         return (int(avail * HOST_FRACTION / ranks),
                 f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks")
     return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
+
+
+# What cutting the vocabulary changes (measured in tests/test_pieces.py): said when the plan cuts.
+PIECES_TOLERANCE = ("the cut head's cross-entropy is an online log-sum-exp over the pieces: losses differ from plain "
+                    "PyTorch's by rounding (relative 1e-6), weights after a few steps by up to 1e-5")
+
+
+def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
+    """``resolve_budget``, with the vocabulary whole (exact) unless the budget cannot hold whole
+    vocabulary units (the host's fixed pools, or on CUDA the device's slots and buffers): then,
+    where ``model.vocab_pieces`` is unset and the matrix is larger than a block, the model is
+    built again cut into the fewest pieces no larger than a block (``rt.recut``), said with what
+    it changes, and the budget resolved for it. ``agree``: with ranks, takes rank 0's choice (all
+    ranks must cut alike). The returned config names the pieces (a checkpoint of the run resumes
+    with them)."""
+    from ..models import auto_pieces
+
+    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None else None
+    resolved, why = None, ""
+    if pieces is not None:
+        why = _device_short(cfg, rt)
+        if not why:
+            try:
+                resolved = resolve_budget(cfg, rt, rates_fn, act_fn)
+            except PoolsOverBudget as exc:
+                why = one_line(exc)
+    cut = bool(why)
+    if agree is not None:
+        cut = agree(cut)
+    if not cut:
+        if resolved is not None and not why:
+            return resolved
+        return resolve_budget(cfg, rt, rates_fn, act_fn)  # refused here, named, where nothing can be cut
+    cut_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=pieces))
+    rt.recut(cut_cfg)
+    cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)
+    plan.notes.append(f"vocabulary cut into {pieces} pieces (model.vocab_pieces = {pieces}): whole vocabulary units "
+                      f"do not fit ({why or 'on rank 0'}); {PIECES_TOLERANCE}. A budget that holds them keeps the "
+                      "vocabulary whole and the math exact")
+    return cut_cfg, plan
+
+
+def _device_short(cfg: Config, rt) -> str:
+    """Why the GPU cannot hold the run's fixed device buffers (slots, gradient buffers and
+    accumulators, by the largest unit), or ''."""
+    if not rt.dev.cuda:
+        return ""
+    m, unit = cfg.memory, rt.layout.max_unit_numel * rt.dtype.itemsize
+    need = ((m.device_slots + GradStore.buffers_for(rt.layout)) * unit
+            + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype)))
+    budget = m.device_mib * MIB if m.device_mib is not None else int(0.9 * torch.cuda.mem_get_info(rt.dev.device)[0])
+    if need <= budget:
+        return ""
+    return (f"the device's slots and gradient buffers need {need / GIB:.2f} GiB by the largest unit, "
+            f"{budget / GIB:.2f} GiB are there")
 
 
 def _warn_above_available(host: int) -> None:
@@ -238,7 +295,12 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
 
 
 class PoolsOverBudget(ConfigError):
-    """The budget is less than the fixed pools (the buffers at their defaults may shrink)."""
+    """The budget is less than the fixed pools (the buffers at their defaults may shrink);
+    ``needed``: the bytes they and the sizes set explicitly take."""
+
+    def __init__(self, message: str, needed: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 # Buffers that a small budget may lower from their defaults, down to these sizes (KiB): 4 MiB
@@ -311,7 +373,8 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
         raise PoolsOverBudget(
             f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
             f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
-            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set")
+            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set",
+            needed=host - left)
     given = dict(explicit)
     if todo:
         host_todo = [f for f in todo if f in host_need]

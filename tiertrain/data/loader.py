@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig, has_tokenizer
 from ..errors import one_line
 from .tokens import read_tokens
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "open_corpus", "TOKENIZER_FILES"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "open_corpus", "TOKENIZER_FILES",
+           "tokenizer_fingerprint"]
 
 log = logging.getLogger("tiertrain")
 # What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
@@ -65,7 +66,7 @@ def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
         return ByteTokenizer()
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
-    if not any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_FILES[:4]):
+    if not has_tokenizer(directory):
         raise ConfigError(f"{what} = {directory!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); give "
                           "the directory that holds them (a model directory usually does)")
     try:
@@ -73,6 +74,23 @@ def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
     except Exception as exc:  # transformers raises several kinds for a broken directory
         raise ConfigError(f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: "
                           f"{one_line(exc)})") from None
+
+
+def tokenizer_fingerprint(directory: str | None) -> str:
+    """What identifies a tokenizer: a hash of its directory's files' contents ("bytes" for the
+    byte-level one). A tokenizer replaced at the same path has another."""
+    import hashlib
+
+    if directory is None:
+        return "bytes"
+    h = hashlib.sha256()
+    for name in sorted(TOKENIZER_FILES):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            h.update(name.encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def bundled_corpus_path() -> str:
@@ -97,7 +115,8 @@ class Corpus:
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
             self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
         else:
-            if cfg.tokenizer is not None:
+            if cfg.tokenizer is not None and not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
+                # (a model directory's tokenizer is taken by default: said only when one was given)
                 log.warning("data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was "
                             "prepared", cfg.tokenizer, path)
             self.tokens, self.vocab_size = read_tokens(path)
@@ -216,8 +235,9 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
 
 def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     """Rows prepared once into ``$XDG_CACHE_HOME/tiertrain/prepared/<key>`` (default
-    ``~/.cache``), the key hashing the input's path, size and modification time, the tokenizer,
-    ``data.format`` and ``data.mask_prompt``; reused while they are unchanged."""
+    ``~/.cache``), the key hashing the input's path, size and modification time, the tokenizer's
+    files' contents (a tokenizer replaced at the same path is another), ``data.format`` and
+    ``data.mask_prompt``; reused while they are unchanged."""
     import hashlib
     import json
 
@@ -225,7 +245,7 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
 
     st = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
           for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))]
-    key = hashlib.sha256(json.dumps([st, cfg.tokenizer and os.path.abspath(cfg.tokenizer), cfg.format,
+    key = hashlib.sha256(json.dumps([st, tokenizer_fingerprint(cfg.tokenizer), cfg.format,
                                      cfg.mask_prompt]).encode()).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     out = os.path.join(root, "tiertrain", "prepared", key)

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..errors import UsageError
 from ..paths import check_input_file
-from .loader import load_tokenizer
+from .loader import load_tokenizer, tokenizer_fingerprint
 from .tokens import write_tokens
 
 __all__ = ["prepare", "prepare_examples"]
@@ -74,7 +74,7 @@ def prepare_examples(inputs: Sequence[str], output: str, *, tokenizer: str | Non
     return write_examples(output, examples(), vocab_size=tok.vocab_size, eos=eos,
                           describe=lambda: dict(kind=render.kind, sources=[os.path.abspath(p) for p in inputs],
                                         tokenizer=os.path.abspath(tokenizer) if tokenizer else "bytes",
-                                        mask_prompt=mask_prompt))
+                                        tokenizer_sha=tokenizer_fingerprint(tokenizer), mask_prompt=mask_prompt))
 
 
 def _check(inputs: Sequence[str], output: str) -> None:

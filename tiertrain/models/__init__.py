@@ -7,9 +7,10 @@ directory of safetensors files read one unit at a time. Nothing is ever download
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +31,7 @@ __all__ = [
     "safetensors_source",
     "vocab_size_of",
     "tensor_source",
+    "auto_pieces",
 ]
 
 
@@ -129,20 +131,37 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
         return model, safetensors_source(model, cfg.init_from, what="model.init_from")
     if cfg.hf_dir is not None and not cfg.from_scratch:
         return model, safetensors_source(model, cfg.hf_dir)
-    return model, random_source(model, seed)
+    whole = None
+    if model.row_pieces:  # the random values are the uncut model's, whatever the cut
+        whole = lambda: build_model(dataclasses.replace(cfg, vocab_pieces=1), param_dtype=param_dtype, seed=seed)[0]  # noqa: E731
+    return model, random_source(model, seed, whole=whole)
 
 
 def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
-    """Cut the vocabulary matrices into pieces as ``model.vocab_pieces`` says."""
+    """Cut the vocabulary matrices into pieces as ``model.vocab_pieces`` says (unset: whole;
+    the planner asks for pieces where the memory budget needs them, ``auto_pieces``)."""
     embed = getattr(model.embed, model.embed.TOKENS)
     vocab, dim = embed.weight.shape
-    if cfg.vocab_pieces is not None and cfg.vocab_pieces > vocab:
+    if cfg.vocab_pieces is None:
+        return
+    if cfg.vocab_pieces > vocab:
         raise ConfigError(f"model.vocab_pieces = {cfg.vocab_pieces} is more than the vocabulary's {vocab} rows; "
                           "use at most that many (or leave it unset)")
-    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
-    rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, block)
+    rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, _block_numel(model))
     if rows < vocab:
         cut_vocab(model, rows)
+
+
+def _block_numel(model: LayeredModel) -> int:
+    return max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+
+
+def auto_pieces(model: LayeredModel) -> int | None:
+    """The fewest pieces of at most a block's elements that ``model``'s (uncut) vocabulary
+    matrix cuts into, or None where it is no larger than a block (cutting saves nothing)."""
+    vocab, dim = getattr(model.embed, model.embed.TOKENS).weight.shape
+    rows = rows_per_piece(None, vocab, dim, _block_numel(model))
+    return None if rows >= vocab else -(-vocab // rows)
 
 
 def vocab_size_of(model: LayeredModel, cfg) -> int:
@@ -150,26 +169,52 @@ def vocab_size_of(model: LayeredModel, cfg) -> int:
     return model.hf_config.vocab_size if model.hf_config is not None else cfg.model.vocab_size
 
 
-def random_source(model: LayeredModel, seed: int) -> WeightSource:
-    """Seeded initialisation of one unit at a time (generator seeded by seed and unit)."""
-    owned = unit_param_names(model)
+def random_source(model: LayeredModel, seed: int, *, whole: Callable[[], LayeredModel] | None = None) -> WeightSource:
+    """Seeded initialisation of one unit at a time (generator seeded by seed and unit). A
+    model whose vocabulary is cut takes its values from ``whole()``, the same model uncut:
+    its embedding and head units initialised whole (once for all their pieces) and cut, so
+    that the initial weights never depend on the cut (a budget that cuts keeps the model)."""
+    if not model.row_pieces:
+        owned = unit_param_names(model)
+        return WeightSource(f"random init (seed {seed})",
+                            lambda u, names: _init_values(model, owned, u, seed, names))
+    canon: list = []
+    last: dict = {}  # the canonical unit initialised last: {index: its values}
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
-        unit = model.units[u]
-        saved = {id(p): p.data for p in unit.parameters()}
-        scratch = {}
-        try:
-            for p in unit.parameters():  # foreign (tied) ones too: init must not touch the owner's
-                scratch[id(p)] = torch.empty(p.shape, dtype=torch.float32)
-                p.data = scratch[id(p)]
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + u)
-            model.init_unit(u, unit, gen)
-            return {name: scratch[id(p)] for name, p in owned[u] if name in names}
-        finally:
-            for p in unit.parameters():
-                p.data = saved[id(p)]
+        if not canon:
+            canon.append(whole())
+            canon.append(unit_param_names(canon[0]))
+        ref = model.plan[u]
+        c = {"embed": 0, "embed_piece": 0, "block": 1 + (ref.block or 0)}.get(ref.role, len(model.blocks) + 1)
+        if c not in last:
+            last.clear()  # one whole unit held at a time: the pieces of a matrix come one after another
+            last[c] = _init_values(canon[0], canon[1], c, seed, None)
+        values, out = last[c], {}
+        for name in names:
+            rp = model.row_pieces.get(name)
+            out[name] = values[rp.whole][rp.start : rp.stop].clone() if rp else values[name]
+        return out
 
     return WeightSource(f"random init (seed {seed})", load)
+
+
+def _init_values(model: LayeredModel, owned, u: int, seed: int, names: list[str] | None) -> dict[str, torch.Tensor]:
+    """Unit ``u``'s initial values (of ``names``; None: all it owns), from the generator of
+    (seed, u), in fp32 scratch tensors."""
+    unit = model.units[u]
+    saved = {id(p): p.data for p in unit.parameters()}
+    scratch = {}
+    try:
+        for p in unit.parameters():  # foreign (tied) ones too: init must not touch the owner's
+            scratch[id(p)] = torch.empty(p.shape, dtype=torch.float32)
+            p.data = scratch[id(p)]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + u)
+        model.init_unit(u, unit, gen)
+        return {name: scratch[id(p)] for name, p in owned[u] if names is None or name in names}
+    finally:
+        for p in unit.parameters():
+            p.data = saved[id(p)]
 
 
 def safetensors_source(model: LayeredModel, directory: str, *, what: str = "model.hf_dir") -> WeightSource:
