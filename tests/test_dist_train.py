@@ -269,6 +269,8 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     t0 = time.monotonic()
     killed = _cli(tmp_path / "b", env={"TIERTRAIN_KILL_AT": "backward:9", "TIERTRAIN_KILL_RANK": "1"})
     assert killed.returncode != 0 and time.monotonic() - t0 < 120
+    assert "rank 1 died: no sign of life for 2 s (last seen at step 3," in killed.stderr, killed.stderr[-3000:]
+    assert "rank 1 of 2 was ended by SIGKILL" in killed.stderr
     step, _ = _final(tmp_path / "b")
     assert step == 2
     resumed = _cli(tmp_path / "b", "--resume", str(tmp_path / "b" / "run"))
@@ -361,3 +363,86 @@ def test_a_bad_config_is_reported_once_before_any_rank_starts(tmp_path):
     bad = _cli(tmp_path, "--ranks.timeout_s=0")
     assert bad.returncode != 0 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
     assert bad.stderr.count("ranks.timeout_s") == 1 and "must be > 0" in bad.stderr, bad.stderr[-3000:]
+
+
+def _start_ranks(tmp_path, *extra, env=None):
+    """`tiertrain train --nproc 2` in a session of its own, as a terminal's foreground job."""
+    import subprocess
+    import sys
+
+    flags = [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", "--model.kind=llama",
+             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2",
+             "--data.micro_batches=2", "--train.progress=false", "--io.checksum_block_kib=64",
+             "--train.predict=false", "--checkpoint.every=1", *extra]
+    return subprocess.Popen([sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _steps_done(tmp_path):
+    m = tmp_path / "run" / "metrics.jsonl"
+    return len(m.read_text().splitlines()) if m.exists() else 0
+
+
+def _rank_pid(proc, rank):
+    import psutil
+
+    for child in psutil.Process(proc.pid).children():
+        if child.environ().get("RANK") == str(rank):
+            return child.pid
+    raise AssertionError(f"rank {rank} not found")
+
+
+def test_ctrl_c_to_ranks_saves_and_prints_one_hint_that_works(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's foreground group: the launcher) to a 2-rank run: every
+    rank finishes its step and saves, the run exits 130 with one line and one resume command,
+    from rank 0, naming --nproc 2 (it exited 1 with torchrun's traceback, and rank 1 printed a
+    command for its own directory); the command, run as printed, continues the run."""
+    import re
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    from test_signals import wait_for
+
+    proc = _start_ranks(tmp_path, "--train.steps=100000", env={"TIERTRAIN_SLOW_AT": "forward:0.2"})
+    wait_for(lambda: _steps_done(tmp_path) >= 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
+    hints = re.findall(r"resume with: (.*)", err)
+    assert hints == [f"tiertrain train --resume {tmp_path / 'run'} --nproc 2"], err[-3000:]
+    done = _steps_done(tmp_path)
+    step, _ = _final(tmp_path)
+    assert step == done
+    cmd = shlex.split(hints[0])[1:]
+    r = subprocess.run([sys.executable, "-m", "tiertrain", *cmd, f"--train.steps={done + 1}"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _final(tmp_path)[0] == done + 1
+
+
+def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path):
+    """Rank 1 stopped with SIGSTOP (present, silent): rank 0's collective times out once
+    (ranks.timeout_s = 6), it names rank 1 as not responding, stopped (it said "died"), and the
+    run ends within the timeout, the naming window and a few seconds (it took two timeouts, and
+    torchrun much longer); the launcher kills the suspended rank."""
+    import signal
+    import time
+    from test_signals import wait_for
+
+    proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=6")
+    wait_for(lambda: _steps_done(tmp_path) >= 2)
+    pid = _rank_pid(proc, 1)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    err = proc.communicate(timeout=120)[1]
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, err[-3000:]
+    assert f"rank 1 is not responding: its process {pid} is stopped" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert took < 6 + 2 + 6, (took, err[-3000:])  # measured 9.5-11 s: the timeout, 2 s to name it, exits
+    import psutil
+
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -300,3 +300,26 @@ def test_a_config_object_edited_after_it_was_made_is_checked_as_flags_are(tmp_pa
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=r"sampling settings must be finite numbers"):
             Sampling(temperature=bad)
+
+
+def test_a_corrupt_checkpoints_hint_names_the_newest_intact_one_and_works_as_printed(tmp_path, capsys):
+    """Resuming from a damaged checkpoint suggested resuming the run again, which took the same
+    damaged checkpoint: the hint names the newest intact one before it, and its command works."""
+    import re
+    import shlex
+
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", "--checkpoint.keep=3", steps=3)]) == 0
+    cks = sorted((run / "checkpoints").iterdir())
+    assert [c.name for c in cks] == ["step-00000001", "step-00000002", "step-00000003"]
+    for damaged in (cks[2], cks[1]):  # the newest, then the one before it too
+        f = damaged / "exp_avg.bin"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        f.write_bytes(bytes(data))
+    line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=4"], 1)
+    assert f"checkpoint file {cks[2] / 'exp_avg.bin'} is corrupt" in line
+    assert f"the newest intact checkpoint before it is {cks[0]}:" in line, line
+    cmd = shlex.split(re.search(r"`(tiertrain train [^`]*)`", line).group(1))
+    assert cmd == ["tiertrain", "train", "--resume", str(cks[0])]
+    assert main([*cmd[1:], "--train.steps=4"]) == 0

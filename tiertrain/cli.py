@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 from typing import Iterator, Sequence
@@ -72,21 +71,31 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
-    """``--nproc N``: this command again, as N ranks under torchrun (torch.distributed.run) on
-    this machine; its exit status is theirs. Scratch paths it made for the ranks' subdirectories
-    (each rank removes its own) are removed after them when left empty."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "tiertrain", *(["-v"] if args.verbose else []), "train",
-           *(["--config", args.config] if args.config else []),
+    """``--nproc N``: this command again, as N ranks on this machine (``dist.launch``); its exit
+    status is theirs. What it made for the ranks and they left empty (scratch parents, whose
+    ``rank<r>`` subdirectories each rank removes; the run directory's ``ranks/``) is removed
+    after them."""
+    from .dist.launch import launch
+
+    cmd = [*(["-v"] if args.verbose else []), "train", *(["--config", args.config] if args.config else []),
            *(["--resume", args.resume] if getattr(args, "resume", None) else []), *overrides]
-    log.info("starting %d ranks: %s", args.nproc, " ".join(cmd[1:]))
-    fresh = [p for p in cfg.io.paths if not os.path.exists(p)]
+    log.info("starting %d ranks: tiertrain %s", args.nproc, " ".join(cmd))
+    ranks_dir = os.path.join(cfg.train.run_dir, "ranks")
+    fresh = [p for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) if not os.path.exists(p)]
     try:
-        return subprocess.call(cmd)
+        return launch(cmd, args.nproc, grace_s=cfg.ranks.timeout_s + 5)
     finally:
-        for p in fresh:
-            if os.path.isdir(p) and not os.listdir(p):
-                os.rmdir(p)
+        for p in reversed(fresh):  # the run directory's ranks/ before the run directory
+            _remove_empty_tree(p)
+
+
+def _remove_empty_tree(path: str) -> None:
+    """``path`` and the directories under it, where they hold no file."""
+    if not os.path.isdir(path):
+        return
+    for root, dirs, files in os.walk(path, topdown=False):
+        if not files and not os.listdir(root):
+            os.rmdir(root)
 
 
 @contextlib.contextmanager
@@ -107,8 +116,6 @@ def _ranks(cfg) -> Iterator[object]:
 
 
 def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .train import Trainer
-
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: the number of ranks must be at least 1 (1: this process alone)")
@@ -118,6 +125,8 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
+    from .train import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
+
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)
@@ -130,10 +139,37 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        last = latest_checkpoint(os.path.abspath(cfg.checkpoint_root))
-        hint = f" (the last checkpoint is {last}: `tiertrain train --resume {os.path.abspath(cfg.train.run_dir)}`)" if last else ""
-        raise _Reported(f"{one_line(exc)}{hint}") from None
+        raise _Reported(f"{one_line(exc)}{_resume_hint(exc, cfg, path)}") from None
     return 0
+
+
+def _resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
+    """What to run next, after a run stopped on ``exc``: from the newest checkpoint, or, where
+    the checkpoint ``resumed`` from is the damaged one, the newest intact one before it."""
+    from .checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
+    from .dist import env_world
+    from .train import resume_command
+
+    world = env_world()[1]
+    root = os.path.abspath(cfg.checkpoint_root)
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    if resumed is not None and isinstance(exc, CheckpointError):
+        good = intact_checkpoint(root, before=step_of(resumed) if _named_step(resumed) else None, skip=resumed)
+        if good is None:
+            return " (no intact checkpoint is left before it: start over with --train.overwrite=true)"
+        return f" (the newest intact checkpoint before it is {good}: `{resume_command(run_dir, world, good)}`)"
+    last = latest_checkpoint(root)
+    return f" (the last checkpoint is {last}: `{resume_command(run_dir, world)}`)" if last else ""
+
+
+def _named_step(path: str) -> bool:
+    from .checkpoint import step_of
+
+    try:
+        step_of(path)
+        return True
+    except ValueError:
+        return False
 
 
 class _Reported(TiertrainError):
@@ -460,7 +496,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         log.debug("details", exc_info=True)
         return 1
     except KeyboardInterrupt as exc:
-        print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # with ranks, rank 0 speaks for them
+            print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
         return 130
 
 

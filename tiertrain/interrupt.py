@@ -18,15 +18,17 @@ class StopFlag:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, *, announce: bool = True) -> None:
         self.set: str = ""
+        self.announce = announce  # say so (with ranks, rank 0 alone speaks for them)
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
         if self.set:
             raise KeyboardInterrupt
         self.set = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log.warning("%s: stopping after this step (again to stop at once)", self.set)
+        if self.announce:
+            log.warning("%s: stopping after this step (again to stop at once)", self.set)
 
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():

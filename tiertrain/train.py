@@ -93,6 +93,12 @@ class ActivationPlan:
         return cls(act_bytes, record_bytes, kept, off)
 
 
+def resume_command(run_dir: str, world: int = 1, checkpoint: str | None = None) -> str:
+    """``tiertrain train --resume ...`` for a run (its latest checkpoint, or ``checkpoint``) on
+    ``world`` ranks."""
+    return f"tiertrain train --resume {checkpoint or run_dir}" + (f" --nproc {world}" if world > 1 else "")
+
+
 class Trainer:
     """Everything a run needs, sized from the config once.
 
@@ -380,7 +386,8 @@ class Trainer:
 
     @property
     def resume_command(self) -> str:
-        return f"tiertrain train --resume {self.cfg.train.run_dir}"
+        """The command that continues this run (the user's run directory; with ranks, on as many)."""
+        return resume_command(self.user_cfg.train.run_dir, self.rt.world)
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -489,7 +496,7 @@ class Trainer:
             progress = cfg.train.progress and sys.stderr.isatty()
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite)
-        stop = StopFlag()
+        stop = StopFlag(announce=self.rt.rank == 0)  # rank 0 speaks for the ranks
         with stop:
             if resume is not None:
                 self.restore(resume)
@@ -529,7 +536,7 @@ class Trainer:
                     log.warning("interrupted after step %d (%s)", self.step, stop.set)
                     if ck.on_interrupt and self.step > first:
                         self.save_checkpoint()
-                    if list_checkpoints(self.checkpoint_root):
+                    if list_checkpoints(self.checkpoint_root) and self.rt.rank == 0:
                         log.warning("resume with: %s", self.resume_command)
                     raise KeyboardInterrupt(f"interrupted after step {self.step}")
                 if ck.at_end:

@@ -5,9 +5,11 @@ from .manifest import (
     Manifest,
     clean_incomplete,
     find_checkpoint,
+    intact_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     step_of,
+    verify_checkpoint,
 )
 from .saver import CheckpointIO, SaveResult
 
@@ -18,7 +20,9 @@ __all__ = [
     "SaveResult",
     "clean_incomplete",
     "find_checkpoint",
+    "intact_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "step_of",
+    "verify_checkpoint",
 ]

@@ -24,7 +24,7 @@ from ..errors import TiertrainError
 from ..io.checksum import crc32c
 
 __all__ = ["Manifest", "FileEntry", "CheckpointError", "list_checkpoints", "latest_checkpoint", "find_checkpoint",
-           "step_of", "clean_incomplete", "MANIFEST"]
+           "step_of", "clean_incomplete", "verify_checkpoint", "intact_checkpoint", "MANIFEST"]
 
 log = logging.getLogger("tiertrain")
 MANIFEST = "manifest.json"
@@ -162,3 +162,39 @@ def find_checkpoint(where: str, what: str = "checkpoint") -> str:
         raise CheckpointError(f"{what} {where}: no complete checkpoint there (a checkpoint directory has a {MANIFEST}; "
                               "a run directory has them under checkpoints/)")
     return found
+
+
+def verify_checkpoint(directory: str, chunk: int = 16 << 20) -> str:
+    """Why ``directory`` is not an intact checkpoint ('' where it is): its manifest reads and
+    checks, and every file it names is there with its size and CRC32C (every byte read)."""
+    try:
+        man = Manifest.read(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    for entry in man.files:
+        path = os.path.join(directory, entry.name)
+        try:
+            if os.path.getsize(path) != entry.size:
+                return f"{path} has {os.path.getsize(path)} bytes, the manifest says {entry.size}"
+            crc = 0
+            with open(path, "rb") as f:
+                while block := f.read(chunk):
+                    crc = crc32c(np.frombuffer(block, dtype=np.uint8), crc)
+        except OSError as exc:
+            return f"{path}: {exc.strerror or exc}"
+        if crc != entry.crc32c:
+            return f"{path} is corrupt (crc32c {crc:#010x}, the manifest says {entry.crc32c:#010x})"
+    return ""
+
+
+def intact_checkpoint(root: str, *, before: int | None = None, skip: str | None = None) -> str | None:
+    """The newest checkpoint under ``root`` (of a step below ``before``, other than ``skip``)
+    that ``verify_checkpoint`` finds intact, or None."""
+    for path in reversed(list_checkpoints(root)):
+        if skip is not None and os.path.abspath(path) == os.path.abspath(skip):
+            continue
+        if before is not None and step_of(path) >= before:
+            continue
+        if not verify_checkpoint(path):
+            return path
+    return None

@@ -99,8 +99,9 @@ class RankGroup:
         self.watch = Watch(_default_store(), rank, world)
 
     def at_step(self, step: int) -> None:
-        """The optimizer step this rank is in (told to the others, for naming a rank that stops)."""
-        self.watch.progress.step = step
+        """The optimizer step this rank starts (told to the others at once, for naming a rank
+        that stops)."""
+        self.watch.at_step(step)
 
     def __enter__(self) -> RankGroup:
         return self

@@ -6,9 +6,14 @@ is: the step, how many collectives it has started on each process group, and the
 When a collective fails, the rank reads every other rank's record twice, ``2 x period``
 apart, and names:
 
-- a rank whose beat did not move: it died (or its machine stopped): ``kill -9``, a crash;
+- a rank whose beat did not move: if its process is on this machine and still there, it is
+  not responding (stopped, e.g. by SIGSTOP or Ctrl-Z, or stuck where its beat cannot run);
+  otherwise it died (or its machine stopped): ``kill -9``, a crash;
 - a rank whose beat moved but that has started fewer collectives than this rank: it is alive
   and has not reached the collective this rank waited in (it hangs, or is far behind).
+
+The step is published at once when a step starts (``at_step``), not at the next beat, so a
+rank that dies is named with the step it died in.
 
 Beats are compared with themselves, never with another machine's clock. The store is the
 one ``torch.distributed`` formed the group with (``torchrun``'s agent holds it, so it
@@ -19,9 +24,11 @@ the store's failure). Cost: one small store write a second per rank, off the mai
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["Progress", "Watch"]
 
@@ -37,6 +44,8 @@ class Progress:
     gathers: int = 0  # parameter gathers started on their own group
     at: str = "start"  # the last one started
     beat: int = 0  # counted by the publishing thread
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
 
 
 class Watch:
@@ -46,6 +55,7 @@ class Watch:
     def __init__(self, store, rank: int, world: int, period: float = 1.0) -> None:
         self.store, self.rank, self.world, self.period = store, rank, world, period
         self.progress = Progress()
+        self._lock = threading.Lock()  # the main thread publishes at a step's start, the thread every period
         self._stop = threading.Event()
         self._thread = None
         if store is not None:
@@ -54,8 +64,18 @@ class Watch:
             self._thread.start()
 
     def _publish(self) -> None:
-        self.progress.beat += 1
-        self.store.set(_KEY.format(self.rank), json.dumps(asdict(self.progress)))
+        with self._lock:
+            self.progress.beat += 1
+            self.store.set(_KEY.format(self.rank), json.dumps(asdict(self.progress)))
+
+    def at_step(self, step: int) -> None:
+        """This rank starts optimizer step ``step``: published now (one small store write)."""
+        self.progress.step = step
+        if self.store is not None:
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone: the collective that follows says so
+                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
@@ -89,7 +109,12 @@ class Watch:
             was = before[r]
             if now is None or (was is not None and now.beat == was.beat):
                 last = f" (last seen at step {now.step}, after {now.at})" if now is not None else ""
-                words.append(f"rank {r} died: no sign of life for {2 * self.period:.0f} s{last}")
+                state = _process_state(now)
+                if state:
+                    words.append(f"rank {r} is not responding: its process {now.pid} {state}, with no sign of life "
+                                 f"for {2 * self.period:.0f} s{last}")
+                else:
+                    words.append(f"rank {r} died: no sign of life for {2 * self.period:.0f} s{last}")
             elif now.ops < me.ops or now.gathers < me.gathers:
                 words.append(f"rank {r} is alive but has not reached this collective: it is at step {now.step}, "
                              f"after {now.at} ({now.ops} collectives and {now.gathers} gathers started; this rank "
@@ -100,3 +125,21 @@ class Watch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _process_state(p: Progress | None) -> str:
+    """How a silent rank's process is, where it runs on this machine and is still there ('' if
+    it is gone, a zombie, or elsewhere: it died)."""
+    import psutil
+
+    if p is None or p.host != socket.gethostname() or p.pid == os.getpid():
+        return ""
+    try:
+        status = psutil.Process(p.pid).status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return ""
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "is stopped (suspended: SIGSTOP, Ctrl-Z or a debugger)"
+    return "is there but silent (stuck where its beat cannot run)"

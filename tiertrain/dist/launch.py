@@ -1,0 +1,135 @@
+"""``tiertrain train --nproc N``: N ranks of this command on this machine.
+
+Each rank is ``python -m tiertrain train ...`` with the environment ``torchrun`` would give it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``; ``OMP_NUM_THREADS``, where unset, the machine's cores shared out), started
+by this launcher rather than by ``torchrun``, so that what a user sees of a run is tiertrain's:
+
+- signals: every rank runs in a process group of its own, so a terminal's Ctrl-C reaches the
+  launcher alone, which passes each SIGINT or SIGTERM on to every rank exactly once (the first:
+  every rank finishes its step, saves and stops; a second: they stop at once). A rank whose
+  launcher dies is sent SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
+- faults: once a rank has failed, the others fail in their next collective by themselves, at
+  once where the rank died, after ``ranks.timeout_s`` where it hangs, and then take the
+  naming window (``Watch``: 2 s) to say which rank stopped; the launcher waits that long for
+  them (``grace_s``) and then stops them. A rank that is suspended (SIGSTOP) is killed as soon
+  as another has failed: it would never see the failure. So a run with a dead or hung rank
+  ends within ``ranks.timeout_s`` + the naming window + a second or two.
+- exit status: 0 when every rank finished; 130 when the run was interrupted and every rank
+  stopped as asked (rank 0 prints the one resume command); otherwise 1, with a line naming a
+  rank that ended by a signal (which says nothing itself: ``kill -9``, the OOM killer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import psutil
+
+__all__ = ["launch", "LAUNCHED"]
+
+log = logging.getLogger("tiertrain")
+LAUNCHED = "TIERTRAIN_LAUNCHED"  # set in the ranks' environment: the launcher reports for them
+_STOP_AFTER_TERM_S = 5.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the rank, before it runs: SIGTERM when the launcher dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0.1) -> int:
+    """Run ``python -m tiertrain *args`` as ranks 0 .. ``nproc - 1``; their exit status (see
+    the module docstring). ``grace_s``: how long the others may take, after a rank failed, to
+    fail by themselves and say why."""
+    port = free_port()
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    procs: list[subprocess.Popen] = []
+    signals: list[int] = []
+
+    def forward(signum, frame) -> None:
+        signals.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for r in range(nproc):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads, LAUNCHED: "1"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain", *args], env=env,
+                                          start_new_session=True, preexec_fn=_die_with_parent))
+        return _supervise(procs, signals, grace_s, poll_s)
+    finally:
+        for p in procs:  # the launcher itself is being stopped (an error here): the ranks go with it
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float, poll_s: float) -> int:
+    failed_at: float | None = None
+    termed_at: float | None = None
+    first: tuple[int, int] | None = None  # (rank, status) of the first that failed
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        now = time.monotonic()
+        for r, c in enumerate(codes):
+            if c not in (None, 0) and not (signals and c == 130) and first is None:
+                first, failed_at = (r, c), now
+        if failed_at is not None:
+            for p, c in zip(procs, codes):
+                if c is None and _stopped(p.pid):
+                    p.kill()  # suspended: it would never see that another rank failed
+            if now - failed_at > grace_s and termed_at is None:
+                termed_at = now
+                for p, c in zip(procs, codes):
+                    if c is None:
+                        p.terminate()
+            if termed_at is not None and now - termed_at > _STOP_AFTER_TERM_S:
+                for p, c in zip(procs, codes):
+                    if c is None:
+                        p.kill()
+        time.sleep(poll_s)
+    codes = [p.returncode for p in procs]
+    if all(c == 0 for c in codes):
+        return 0
+    if signals and all(c in (0, 130) for c in codes):
+        return 130
+    for r, c in enumerate(codes):
+        if c < 0 and (first is None or r == first[0]):
+            name = signal.Signals(-c).name if -c in signal.valid_signals() else f"signal {-c}"
+            print(f"tiertrain: rank {r} of {len(procs)} was ended by {name}; the other ranks were stopped",
+                  file=sys.stderr)
+            break
+    return 1
