@@ -446,3 +446,24 @@ def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path
     import psutil
 
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
+    """Two ranks of one machine on one small filesystem: the space check adds both ranks' needs
+    (each checked its own: told to free too little, or passed and failed while claiming)."""
+    import re
+
+    tiny = tmpfs("tiny", 64)
+    r = _cli(tmp_path / "a", f"--io.paths={tiny}", "--memory.host_param_mib=0", "--memory.optim_host_mib=0")
+    assert r.returncode == 1, r.stderr[-3000:]
+    need = int(re.search(r"not enough space on the filesystem of \S+: need (\d+) bytes", r.stderr).group(1))
+    mid = tmpfs("mid", need * 3 // 4 // 1024)  # room for one rank's share, not for both
+    r = _cli(tmp_path / "b", f"--io.paths={mid}", "--memory.host_param_mib=0", "--memory.optim_host_mib=0")
+    assert r.returncode == 1, r.stderr[-3000:]
+    got = re.findall(r"not enough space on the filesystem of \S+: need (\d+) bytes \(.*?; the 2 ranks of this machine "
+                     r"share it: rank 0 ([\d.]+ \w+), rank 1 ([\d.]+ \w+)\)", r.stderr)
+    assert got and all(int(n) == need for n, _, _ in got), r.stderr[-3000:]
+    unit = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    a, b = (float(x.split()[0]) * unit[x.split()[1]] for x in got[0][1:])
+    assert abs(a + b - need) < 0.01 * need and max(a, b) < need * 3 // 4  # each rank's share alone fits
+    assert "Traceback" not in r.stderr and os.listdir(mid) == [], (r.stderr[-3000:], os.listdir(mid))

@@ -32,6 +32,8 @@ from .data import EvalSet, open_corpus
 from .errors import one_line
 from .interrupt import StopFlag
 from .io import aligned_empty, check_space
+from .io.errors import OutOfSpaceError, human_bytes
+from .io.space import existing_dir
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
 from .models import WeightSource, vocab_size_of
 from .models.pieces import WholeTensors
@@ -152,14 +154,34 @@ class Trainer:
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
-            self.storage.check_space(self.plan.files)  # a full disk is reported here, before any work
-            check_space(self.plan.placed)
+            # a full disk is reported here, before any work: with ranks, for every rank of this
+            # machine at once (they share its drives: each alone would fit where all do not)
+            self._check_space([*self.storage.space_needs(self.plan.files), *self.plan.placed])
             self.lock.record_files(self.plan.names)
             self._build()
             faults.point("start")
         except BaseException:
             self.close()
             raise
+
+    def _check_space(self, needs: list[tuple[str, int]]) -> None:
+        """Refuse now unless every filesystem can hold what it is asked (``needs``: this rank's
+        ``(path, bytes)``): with ranks, the needs of every rank of this machine at once (they share
+        its drives: each alone would fit where all do not), the error naming each rank's share."""
+        if self.rt.world == 1:
+            check_space(needs)
+            return
+        import socket
+
+        host = socket.gethostname()
+        mine = {r: ns for r, (h, ns) in enumerate(self.group.all_objects((host, needs))) if h == host}
+        try:
+            check_space([n for ns in mine.values() for n in ns])
+        except OutOfSpaceError as exc:
+            dev = os.stat(existing_dir(exc.filename)).st_dev
+            share = {r: sum(b for p, b in ns if os.stat(existing_dir(p)).st_dev == dev) for r, ns in mine.items()}
+            raise OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share it: "
+                                  + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items())) from None
 
     # -- construction -------------------------------------------------------------------------------
     def _plan_memory(self, cfg: Config) -> Config:

@@ -191,6 +191,12 @@ class RankGroup:
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
+    def all_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank. Sync point."""
+        values: list[Any] = [None] * self.world
+        self._run("all_gather_object", dist.all_gather_object, values, value)
+        return values
+
     def check_same(self, what: str, value: Any) -> None:
         """Refuse a run whose ranks disagree on ``value`` (the model, the data, the config that
         must match), naming the ranks that differ from rank 0."""

@@ -70,11 +70,12 @@ class TruncatedFileError(StorageError):
 class OutOfSpaceError(StorageError):
     """Not enough free space to claim the files a run needs."""
 
-    def __init__(self, path: str, needed: int, free: int) -> None:
+    def __init__(self, path: str, needed: int, free: int, detail: str = "") -> None:
         super().__init__(
             _errno.ENOSPC,
             path,
-            f"not enough space on the filesystem of {path}: need {needed} bytes ({human_bytes(needed)}), "
-            f"{free} bytes free ({human_bytes(free)}); free {human_bytes(needed - free)} more or choose another path",
+            f"not enough space on the filesystem of {path}: need {needed} bytes ({human_bytes(needed)}"
+            f"{'; ' + detail if detail else ''}), {free} bytes free ({human_bytes(free)}); free "
+            f"{human_bytes(needed - free)} more or choose another path",
         )
         self.needed, self.free = needed, free

@@ -10,10 +10,11 @@ from typing import Iterable
 
 from .errors import OutOfSpaceError, StorageError
 
-__all__ = ["check_space", "preallocate", "free_bytes"]
+__all__ = ["check_space", "preallocate", "free_bytes", "existing_dir"]
 
 
-def _existing_dir(path: str) -> str:
+def existing_dir(path: str) -> str:
+    """The nearest directory at or above ``path`` that exists (where its filesystem is)."""
     d = os.path.abspath(path)
     while not os.path.exists(d):
         d = os.path.dirname(d)
@@ -22,7 +23,7 @@ def _existing_dir(path: str) -> str:
 
 def free_bytes(path: str) -> int:
     """Bytes free to this user on the filesystem that holds ``path`` (or would hold it)."""
-    return shutil.disk_usage(_existing_dir(path)).free
+    return shutil.disk_usage(existing_dir(path)).free
 
 
 def check_space(needs: Iterable[tuple[str, int]], *, reserve: int = 0) -> None:
@@ -35,7 +36,7 @@ def check_space(needs: Iterable[tuple[str, int]], *, reserve: int = 0) -> None:
     per_fs: dict[int, list] = defaultdict(lambda: [None, 0])
     for path, nbytes in needs:
         existing = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
-        dev = os.stat(_existing_dir(path)).st_dev
+        dev = os.stat(existing_dir(path)).st_dev
         entry = per_fs[dev]
         entry[0] = entry[0] or path
         entry[1] += max(0, nbytes - existing)

@@ -103,13 +103,17 @@ class Storage:
                 if os.path.exists(f):
                     os.remove(f)
 
-    def check_space(self, files: Iterable[tuple[str, int]]) -> None:
-        """Raise ``OutOfSpaceError`` now unless every path can hold its share of ``files``."""
+    def space_needs(self, files: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """``(path, bytes)`` of every path's share of ``files`` (``(name, size)``)."""
         needs = []
         for name, size in files:
             for i, p in enumerate(self.paths):
                 needs.append((os.path.join(p, name), local_size(size, i, len(self.paths), self.stripe_bytes)))
-        check_space(needs)
+        return needs
+
+    def check_space(self, files: Iterable[tuple[str, int]]) -> None:
+        """Raise ``OutOfSpaceError`` now unless every path can hold its share of ``files``."""
+        check_space(self.space_needs(files))
 
     def stats(self) -> dict[str, StatsSnapshot]:
         """Counters per path (bytes and busy seconds per direction) since start."""
