@@ -208,18 +208,29 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .runtime import Runtime
+
+    if args.probe_mib < 1:
+        raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
+    cfg = load_config(args.config, overrides).absolute()
+    fresh = [p for p in cfg.io.paths if not os.path.exists(p)]  # the probe makes them: gone again after
+    rt = Runtime(cfg)
+    try:
+        return _plan(args, cfg, rt)
+    finally:
+        rt.close()
+        for p in fresh:
+            _remove_empty_tree(p)
+
+
+def _plan(args: argparse.Namespace, cfg, rt) -> int:
     from .cost import estimate, measure_rates
     from .cost.budget import plan_budget
     from .cost.choose import resolve_activations, resolve_update
     from .cost.probe import probe_acts
     from .cost.report import plan_report
-    from .runtime import Runtime
     from .train import declare_states
 
-    if args.probe_mib < 1:
-        raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
-    cfg = load_config(args.config, overrides).absolute()
-    rt = Runtime(cfg)
     measured = []
 
     def rates():

@@ -186,7 +186,7 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
     except BaseException:
         rt.close()
         raise
-    kv, made = None, False
+    kv, made, done = None, False, False
     try:
         store = rt.bind_params(source)
         made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
@@ -215,14 +215,21 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
                  "%.3f GB read, %.2f s waited; key/value cache on the storage tier: %.3f MiB read, %.3f MiB written",
                  sum(map(len, out)), len(out), steps, s, sum(map(len, out)) / s, store.stats.fetches,
                  store.stats.fetch_bytes / 1e9, store.stats.wait_s, kv.read_bytes / 2**20, kv.written_bytes / 2**20)
+        done = True
         return out
     finally:
-        if kv is not None:
-            kv.close()
-            if made and not os.listdir(cfg.io.paths[0]):
+        try:
+            if kv is not None:
+                try:
+                    kv.close()  # its file removed, even when it raises
+                except Exception:  # noqa: BLE001 - after another error, that one is the one to report
+                    if done:
+                        raise
+        finally:
+            if made and os.path.isdir(cfg.io.paths[0]) and not os.listdir(cfg.io.paths[0]):
                 os.rmdir(cfg.io.paths[0])
-        rt.close()
-        source.close()
+            rt.close()
+            source.close()
 
 
 def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokenizer_vocab: int | None) -> None:

@@ -24,6 +24,7 @@ write. So what crosses the bus per step is what the file gives and takes, not ``
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ import torch
 from .io import FileHandle, IOFuture, aligned_empty, round_up
 
 __all__ = ["TieredKV"]
+
+log = logging.getLogger("tiertrain")
 
 NAME = "kv.bin"
 # Regions start on whole checksum blocks: a pair's read ahead never shares a block with another
@@ -94,7 +97,11 @@ class TieredKV:
             else:  # the compute reads the cache in host memory
                 self.pool = [aligned_empty(biggest) for _ in range(2)]
             self._free = [0, 1]
-            self.file = FileHandle(os.path.join(path, NAME), "w", size=offset, checksum=checksum,
+            stale = os.path.join(path, NAME)
+            if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's
+                log.warning("replacing %s, left by a generation that did not finish (%.1f MiB)", stale,
+                            os.path.getsize(stale) / 2**20)
+            self.file = FileHandle(stale, "w", size=offset, checksum=checksum,
                                    checksum_block=_BLOCK)  # nothing is read from a region before it is written
         self.order = [k for k in self.pairs if self.pairs[k].offset is not None]  # unit order: layer, micro-batch
 
@@ -197,17 +204,26 @@ class TieredKV:
             self._reclaim()
 
     def close(self) -> None:
-        while self._writing:
-            self._reclaim()
-        for p in self.pairs.values():
-            if p.read is not None:
-                p.read.get()
-        if self.file is not None:
-            path = self.file.path
-            self.file.close()
-            for f in (path, path + ".crc"):
-                if os.path.exists(f):
-                    os.remove(f)
+        """Wait for what is in flight and remove the file, also after an error (a checksum
+        error of a read, a failed write: raised again once the file is gone)."""
+        try:
+            while self._writing:
+                self._reclaim()
+            for p in self.pairs.values():
+                if p.read is not None:
+                    p.read.get()
+        finally:
+            self._writing = []
+            for p in self.pairs.values():
+                p.read = None
+            if self.file is not None:
+                path, f, self.file = self.file.path, self.file, None
+                try:
+                    f.close()
+                finally:
+                    for name in (path, path + ".crc"):
+                        if os.path.exists(name):
+                            os.remove(name)
 
     def __enter__(self) -> "TieredKV":
         return self

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from .errors import TiertrainError
 
-__all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale"]
+__all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "clean_other_legs"]
 
 log = logging.getLogger("tiertrain")
 LOCK = ".tiertrain.lock"
@@ -45,9 +45,10 @@ class DirLock:
     nothing behind).
     """
 
-    def __init__(self, path: str, busy) -> None:
+    def __init__(self, path: str, busy, *, disposable: bool = False) -> None:
         self.path = os.path.abspath(path)
         self.created = not os.path.isdir(self.path)
+        self.disposable = disposable  # tiertrain's own directory (a rank's): removed when left empty
         os.makedirs(self.path, exist_ok=True)
         self.file = os.path.join(self.path, LOCK)
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -79,7 +80,7 @@ class DirLock:
         try:
             if remove:
                 os.unlink(self.file)
-                if self.created and not os.listdir(self.path):
+                if (self.created or self.disposable) and not os.listdir(self.path):
                     os.rmdir(self.path)
             else:
                 _write(fd, {**self.record, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "finished"})
@@ -98,13 +99,14 @@ def _scratch_busy(path: str, who: str) -> ScratchInUseError:
 
 
 class ScratchLock:
-    """A ``DirLock`` on every scratch path."""
+    """A ``DirLock`` on every scratch path; ``disposable``: the paths are tiertrain's own (a
+    rank's ``rank<r>`` subdirectories), removed when left empty whoever made them."""
 
-    def __init__(self, paths: Iterable[str]) -> None:
+    def __init__(self, paths: Iterable[str], *, disposable: bool = False) -> None:
         self.locks: list[DirLock] = []
         try:
             for p in paths:
-                self.locks.append(DirLock(p, _scratch_busy))
+                self.locks.append(DirLock(p, _scratch_busy, disposable=disposable))
         except BaseException:
             self.release()
             raise
@@ -171,4 +173,29 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
                 full = os.path.join(p, name)
                 removed.append((full, os.path.getsize(full)))
                 os.remove(full)
+    return removed
+
+
+def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
+    """Files a leg of this run on another number of ranks left in ``paths`` (the scratch paths
+    as the user gave them): with ranks, a one-rank leg's in the paths themselves; on one rank,
+    a ranked leg's in their ``rank<r>`` subdirectories (removed when left empty). Only where no
+    run holds them (their lock taken here, then released); what was removed is returned."""
+    removed: list[tuple[str, int]] = []
+    for path in paths:
+        if not os.path.isdir(path):
+            continue
+        dirs = ([path] if world > 1 else
+                [os.path.join(path, n) for n in sorted(os.listdir(path)) if fnmatch.fnmatchcase(n, "rank[0-9]*")])
+        for d in dirs:
+            if not os.path.isfile(os.path.join(d, LOCK)):
+                continue
+            try:
+                lock = DirLock(d, _scratch_busy, disposable=d != path)
+            except ScratchInUseError:
+                continue  # another run's, running now
+            try:
+                removed += clean_stale([d], lock.previous.get("files", _UNRECORDED))
+            finally:
+                lock.release(remove=True)
     return removed

@@ -40,7 +40,7 @@ from .models.pieces import WholeTensors
 from .rundir import RunDir
 from .runtime import Runtime
 from .schedule.executor import LayerMajorExecutor
-from .scratch import ScratchLock, clean_stale
+from .scratch import ScratchLock, clean_other_legs, clean_stale
 from .state.decl import SpacePlan, StateDecl, checkpointed
 from .state.device import host_peak_rss
 from .state.grads import GradStore, accum_dtype_for
@@ -139,7 +139,7 @@ class Trainer:
                     f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the {what} vocabulary "
                     f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
                     "own tokenizer")
-        self.lock = ScratchLock(cfg.io.paths)  # one run per scratch directory
+        self.lock = ScratchLock(cfg.io.paths, disposable=world > 1)  # one run per scratch directory
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
             for info in self.lock.unclean:
@@ -148,6 +148,10 @@ class Trainer:
             cfg = self._plan_memory(cfg)
             self.storage = self.rt.open_storage()  # after the plan: it may lower io.chunk_kib to fit the budget
             self.plan = SpacePlan(declare_states(cfg, self.rt, self.acts.record_bytes))
+            if rank == 0:  # a leg of this run on another number of ranks left its files beside ours
+                for path, size in clean_other_legs(self.user_cfg.io.paths, world):
+                    log.info("removed a file a leg of this run on %s left: %s (%.1f MiB)",
+                             "one rank" if world > 1 else "several ranks", path, size / MIB)
             for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
                 log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
             for path in (clean_incomplete(self.checkpoint_root) if rank == 0 else ()):  # rank 0's to clean

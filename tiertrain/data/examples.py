@@ -62,8 +62,24 @@ def is_prepared(path: str) -> bool:
 def write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int,
                    describe: Callable[[], dict]) -> dict:
     """Write ``examples`` (streamed) as a prepared directory; its metadata returned
-    (``describe()``'s fields, asked once every example is written, added)."""
+    (``describe()``'s fields, asked once every example is written, added). A failure (bad data,
+    no example, Ctrl-C) leaves none of what it wrote, nor the directory where it made it."""
+    made = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    try:
+        return _write_examples(out_dir, examples, vocab_size=vocab_size, eos=eos, describe=describe)
+    except BaseException:
+        for name in ("ids.tokens", "mask.bin", "offsets.bin", META + ".tmp"):
+            path = os.path.join(out_dir, name)
+            if made and os.path.exists(path):  # (in a directory it did not make, the files may be an earlier run's)
+                os.remove(path)
+        if made and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+
+
+def _write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int,
+                    describe: Callable[[], dict]) -> dict:
     if os.path.exists(os.path.join(out_dir, META)):
         os.remove(os.path.join(out_dir, META))  # incomplete until rewritten
     tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
@@ -90,6 +106,7 @@ def write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int
                     yield ex.ids
 
             if write_tokens(os.path.join(out_dir, "ids.tokens"), ids(), vocab_size) == 0:
+                os.remove(os.path.join(out_dir, "ids.tokens"))
                 raise UsageError(f"prepare: the input holds no example; nothing written to {out_dir}")
         for name, path in tmp.items():
             os.replace(path, os.path.join(out_dir, name))

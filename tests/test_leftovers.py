@@ -1,0 +1,153 @@
+"""Nothing left behind: what a failed, interrupted or finished command made and no longer needs
+is gone (or, where it belongs to a dead run, removed and said by the next one)."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from reference import tiny_flags
+from tiertrain.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _prepared_dirs(cache):
+    d = cache / "tiertrain" / "prepared"
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+def test_a_data_error_while_preparing_rows_leaves_no_cache_entry(tmp_path, capsys, monkeypatch):
+    """Bad rows, and rows that hold no example, prepared for training into the cache: the error,
+    and no `prepared/<key>/` (it left an empty directory, or an ids.tokens while saying nothing
+    was written)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n{"text": "two"\n')
+    assert main(["train", *tiny_flags(tmp_path / "a"), f"--data.corpus={bad}"]) == 1
+    assert "bad.jsonl, line 2: invalid JSON" in capsys.readouterr().err
+    assert _prepared_dirs(tmp_path / "cache") == []
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert main(["train", *tiny_flags(tmp_path / "b"), f"--data.corpus={empty}"]) != 0
+    assert "holds no example; nothing written" in capsys.readouterr().err
+    assert _prepared_dirs(tmp_path / "cache") == []
+
+
+def test_an_interrupted_preparation_leaves_nothing(tmp_path):
+    """Ctrl-C while examples are written (`tiertrain prepare`, or training preparing its rows):
+    the output directory it made is gone."""
+    from tiertrain.data.examples import Example, write_examples
+
+    def examples():
+        for i in range(5):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield Example(np.array([1, 2, 3], dtype=np.int64), np.array([0, 1, 1], dtype=bool))
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        write_examples(str(out), examples(), vocab_size=256, eos=0, describe=dict)
+    assert not out.exists()
+
+
+def test_plan_leaves_no_scratch_directory(tmp_path, monkeypatch):
+    """`tiertrain plan` with the default io.paths (./tiertrain-scratch): the probe's directory,
+    made for it, is gone after (it stayed, empty)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--probe-mib=1", "--model.n_layers=2", "--memory.host_mib=300"]) == 0
+    assert not (tmp_path / "tiertrain-scratch").exists()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(tmp_path, monkeypatch):
+    """A read of the spilled key/value cache that fails its checksum: the error, and neither
+    kv.bin nor the directory made for it left (kv.bin stayed). A kv.bin a killed generation
+    left is replaced with a word (it was reused silently)."""
+    from test_generate_tiers import PROMPTS, _cfg, _llama_dir
+    from tiertrain.generate import Sampling, generate
+    from tiertrain.io import ChecksumError
+    from tiertrain.kvcache import NAME, TieredKV
+
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    cfg.memory.kv_host_mib, cfg.io.paths = 0, [str(tmp_path / "fresh")]
+    real = TieredKV.send
+
+    def send_and_damage(self, layer, m, new):
+        real(self, layer, m, new)
+        p = self.pairs[layer, m]
+        p.write.get()
+        with open(self.file.path, "r+b") as f:  # the bytes just written, flipped on the disk
+            f.seek(p.offset)
+            b = f.read(1)
+            f.seek(p.offset)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+    monkeypatch.setattr(TieredKV, "send", send_and_damage)
+    with pytest.raises(ChecksumError):
+        generate(cfg, PROMPTS, Sampling(max_new_tokens=4))
+    assert not (tmp_path / "fresh").exists()
+    monkeypatch.undo()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / NAME).write_bytes(b"\0" * 4096)
+    lines = _Lines()
+    logging.getLogger("tiertrain").addHandler(lines)
+    try:
+        assert generate(cfg, PROMPTS, Sampling(max_new_tokens=3))
+    finally:
+        logging.getLogger("tiertrain").removeHandler(lines)
+    assert any(f"replacing {tmp_path / 'fresh' / NAME}, left by a generation that did not finish" in ln
+               for ln in lines.lines), lines.lines
+    assert os.listdir(tmp_path / "fresh") == []
+
+
+def _cli(tmp_path, *extra, nproc=1, env=None):
+    flags = [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", "--model.kind=llama",
+             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2",
+             "--data.micro_batches=2", "--train.progress=false", "--io.checksum_block_kib=64",
+             "--train.predict=false", "--checkpoint.every=1", "--memory.host_param_mib=0",
+             "--memory.optim_host_mib=0", *extra]
+    return subprocess.run([sys.executable, "-m", "tiertrain", "train", *(["--nproc", str(nproc)] if nproc > 1 else []),
+                           *flags], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_legs_on_other_rank_counts_leave_nothing_behind(tmp_path):
+    """A run killed on one rank, resumed on 2 ranks with rank 1 killed, resumed again to the
+    end: the one-rank leg's files in the scratch path are removed and said by the 2-rank leg
+    (they stayed, unsaid), and the ranks' rank<r> directories are gone at the end (they stayed,
+    empty, after a kill and a resume)."""
+    run = str(tmp_path / "run")
+    one = _cli(tmp_path, "--train.steps=3", env={"TIERTRAIN_KILL_AT": "backward:6"})  # in step 2's backward
+    assert one.returncode != 0
+    assert (tmp_path / "ssd" / "params.bin").exists()  # the killed run's files
+    two = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2,
+               env={"TIERTRAIN_KILL_AT": "backward:6", "TIERTRAIN_KILL_RANK": "1"})
+    assert two.returncode != 0
+    assert "removed a file a leg of this run on one rank left" in two.stderr and "params.bin" in two.stderr, two.stderr[-3000:]
+    assert not (tmp_path / "ssd" / "params.bin").exists()
+    assert (tmp_path / "ssd" / "rank1").exists()  # the killed rank's, until the next leg
+    end = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2)
+    assert end.returncode == 0, end.stderr[-3000:]
+    assert [n for n in os.listdir(tmp_path / "ssd") if n.startswith("rank")] == []
+
+
+@pytest.mark.slow
+def test_a_failed_start_of_ranks_leaves_no_ranks_directory(tmp_path):
+    """Ranks that fail at start (here: their shard of a model the budget cannot hold): no
+    `<run_dir>/ranks/` (it stayed), no run directory, no scratch made for them."""
+    r = _cli(tmp_path, "--train.steps=2", "--memory.host_mib=1", nproc=2)
+    assert r.returncode == 1 and "memory.host_mib" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ssd").exists(), os.listdir(tmp_path)
