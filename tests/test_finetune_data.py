@@ -441,3 +441,4 @@ def test_a_models_own_tokenizer_is_used_for_its_text(tmp_path):
     res = evaluate(cfg)
     assert res.tokens == (140 - 1) // 16 * 16  # words, not bytes (the text has 140 words, 700 bytes)
     assert res.loss == evaluate(load_config(None, [*flags, f"--data.tokenizer={d}"])).loss
+    assert load_config(None, [*flags, "--data.tokenizer=bytes"]).absolute().data.tokenizer == "bytes"  # bytes asked for

@@ -234,7 +234,8 @@ class DataConfig(Section):
                       "an examples directory made by `tiertrain prepare`, or rows to fine-tune on (.jsonl, .parquet, a "
                       "datasets save_to_disk directory: prepared once into ~/.cache/tiertrain/prepared).")
     tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for text and rows (None: model.hf_dir's "
-                                "tokenizer where it holds one, else byte-level).")
+                                "tokenizer where it holds one, else byte-level; 'bytes': byte-level whatever the model "
+                                "directory holds).")
     seq_len: int = opt(128, "Tokens per sequence.")
     micro_batch_size: int = opt(4, "Sequences per micro-batch.")
     micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
@@ -571,7 +572,7 @@ class Config:
         out.train.run_dir = ab(out.train.run_dir)
         for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):
             value = getattr(getattr(out, sec), name)
-            if value is not None:
+            if value is not None and (sec, value) != ("data", "bytes"):
                 setattr(getattr(out, sec), name, ab(value))
         if out.data.corpus != "bundled":
             out.data.corpus = ab(out.data.corpus)

@@ -137,7 +137,7 @@ class _Skeleton:
 def _copy_tokenizer(cfg: Config, out: str) -> None:
     """The tokenizer files of the model's directory (else of data.tokenizer), so that the
     export loads with its tokenizer."""
-    for src in (cfg.model.hf_dir, cfg.data.tokenizer):
+    for src in (cfg.model.hf_dir, None if cfg.data.tokenizer == "bytes" else cfg.data.tokenizer):
         if src and os.path.isdir(src):
             found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
             for n in found:

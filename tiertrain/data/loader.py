@@ -59,10 +59,13 @@ class _HFTokenizer:
         return self.tok.decode(ids)
 
 
+BYTES = "bytes"  # data.tokenizer's name for the byte-level tokenizer
+
+
 def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
     """The byte-level tokenizer, or a Hugging Face tokenizer from a local directory
     (``what`` names the setting in errors)."""
-    if directory is None:
+    if directory is None or directory == BYTES:
         return ByteTokenizer()
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
@@ -81,7 +84,7 @@ def tokenizer_fingerprint(directory: str | None) -> str:
     byte-level one). A tokenizer replaced at the same path has another."""
     import hashlib
 
-    if directory is None:
+    if directory is None or directory == BYTES:
         return "bytes"
     h = hashlib.sha256()
     for name in sorted(TOKENIZER_FILES):
@@ -115,7 +118,7 @@ class Corpus:
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
             self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
         else:
-            if cfg.tokenizer is not None and not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
+            if cfg.tokenizer not in (None, BYTES) and not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
                 # (a model directory's tokenizer is taken by default: said only when one was given)
                 log.warning("data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was "
                             "prepared", cfg.tokenizer, path)
