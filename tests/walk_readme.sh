@@ -118,6 +118,10 @@ $tt generate --checkpoint runs/default --prompt "And God said" --max-new-tokens 
 check "tiertrain generate --checkpoint runs/default exits 0" rc_is $? 0
 check "... leaving no scratch directory behind" test ! -e tiertrain-scratch
 
+$tt plan --probe-mib=16 > walk-plan.log 2>&1
+check "tiertrain plan exits 0" rc_is $? 0
+check "... leaving no scratch directory behind" test ! -e tiertrain-scratch
+
 say "== ranks"
 $tt train --nproc 2 --data.micro_batches=2 --train.steps=3 --train.run_dir=runs/ranks --io.paths=./scratch-ranks \
   > walk-ranks.log 2>&1
@@ -125,6 +129,16 @@ check "tiertrain train --nproc 2 exits 0" rc_is $? 0
 check "... printing the ranks' network bytes per step" grep -q "ranks 2: net sent" walk-ranks.log
 check "... ending with a checkpoint in the one-rank layout" has_ck runs/ranks step-00000003
 check "... and no scratch directory left (each rank's removed, then theirs)" test ! -e scratch-ranks
+stop_after_first_step INT 1 walk-ranks-int.log $tt train --nproc 2 --data.micro_batches=2 --train.steps=100000 \
+  --train.run_dir=runs/ranks-int --io.paths=./scratch-ranks-int
+check "--nproc 2, Ctrl-C: exit 130" rc_is $? 130
+check "... one resume command, from rank 0, naming --nproc 2" \
+  test "$(grep -c 'resume with: tiertrain train --resume .*runs/ranks-int --nproc 2$' walk-ranks-int.log)" = 1
+check "... no traceback" no_match Traceback walk-ranks-int.log
+steps=$(lines runs/ranks-int/metrics.jsonl)
+$tt train --resume runs/ranks-int --nproc 2 --train.steps=$((steps + 1)) > walk-ranks-int-resume.log 2>&1
+check "... and the command as printed resumes it to step $((steps + 1))" has_ck runs/ranks-int "$(printf 'step-%08d' $((steps + 1)))"
+check "... leaving no scratch directory" test ! -e scratch-ranks-int
 $tt export --checkpoint runs/ranks --out exported-ranks > walk-export-ranks.log 2>&1
 check "the 2-rank checkpoint exports" rc_is $? 0
 $tt train --resume runs/ranks --train.steps=4 > walk-ranks-one.log 2>&1
