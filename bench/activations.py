@@ -39,8 +39,8 @@ GIB, MIB = 1 << 30, 1 << 20
 _CHILD = r"""
 import json, sys
 from tiertrain.config import Config
-from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
-from tiertrain.train import Trainer
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.training.trainer import Trainer
 cfg = Config.from_dict(json.loads(sys.argv[1]))
 base = host_rss()  # after the imports: what the run adds
 reset_peak_rss()

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, scratch: str) -> str:
     from tiertrain.config import load_config
     from tiertrain.cost import measure_rates, predict_with, step_traffic
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     s = dict(SHAPE, n_layers=args.layers, d_model=args.d_model, n_heads=args.d_model // 128)
     flags = [f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--model.kind=llama",

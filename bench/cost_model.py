@@ -54,7 +54,7 @@ CONFIGS = {
 def worker(name: str, flags: list[str], scratch: str, steps: int) -> dict:
     from tiertrain.config import load_config
     from tiertrain.cost import estimate
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     from tiertrain.cost.budget import STATES_ON_STORAGE
 

@@ -54,7 +54,7 @@ def worker(system: str, spec: dict) -> dict:
     n = spec["new_tokens"]
     if system == "tiertrain":
         from tiertrain.config import load_config
-        from tiertrain.generate import Sampling, generate
+        from tiertrain.inference.generate import Sampling, generate
 
         cfg = load_config(None, [f"--model.hf_dir={spec['model']}", f"--io.paths={spec['scratch']}",
                                  "--io.weights=tier", f"--data.micro_batch_size={spec['batch']}",

@@ -33,7 +33,7 @@ def worker(cli: list[str]) -> dict:
     import torch  # noqa: F401 - part of the baseline, as in any run
 
     from tiertrain.config import load_config
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     base = rss_mib()
     cfg = load_config(None, cli)

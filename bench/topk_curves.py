@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir  # noqa: E402
 from tiertrain.config import load_config  # noqa: E402
-from tiertrain.train import Trainer  # noqa: E402
+from tiertrain.training.trainer import Trainer  # noqa: E402
 
 RUNS = [
     ("no compression", []),

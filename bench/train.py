@@ -42,7 +42,7 @@ from tiertrain.config import (
 from tiertrain.cost.budget import STATES_ON_STORAGE
 from tiertrain.data import Corpus
 from tiertrain.models import build_model, tensor_source
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 

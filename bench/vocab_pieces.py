@@ -35,7 +35,7 @@ def run_one(args) -> dict:
     from tiertrain.config import load_config
     from tiertrain.cost import step_traffic
     from tiertrain.cost.budget import STATES_ON_STORAGE
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     flags = [f"--io.paths={args.scratch}", f"--train.run_dir={args.scratch}/run", "--model.kind=llama",
              f"--model.d_model={args.d_model}", f"--model.n_layers={args.layers}", f"--model.n_heads={args.d_model // 64}",

@@ -73,7 +73,7 @@ def tiertrain_config(work: str, spec: dict, update: dict):
 
 def tiertrain_worker(work: str, spec: dict, update: dict) -> None:
     """The tiertrain side: one JSON line per step, measured like the DeepSpeed side."""
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     meter = ProcMeter()
     t0 = time.perf_counter()

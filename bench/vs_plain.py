@@ -81,7 +81,7 @@ def worker_plain(cfg, path: str) -> dict:
     o, M = cfg.optim, cfg.data.micro_batches
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, fused=True)
-    from tiertrain.update.schedule import lr_at
+    from tiertrain.update.lr import lr_at
 
     corpus, times, losses = Corpus(cfg.data), [], []
     for step in range(cfg.train.steps):
@@ -104,7 +104,7 @@ def worker_plain(cfg, path: str) -> dict:
 
 
 def worker_tiertrain(cfg) -> dict:
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)

@@ -52,7 +52,7 @@ def assert_resume_exact(cfg_straight: Config, cfg_split: Config, steps: int = 4,
     trainer restored from it: the same losses and bit-identical weights."""
     import torch
 
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     with Trainer(cfg_straight) as tr:
         tr.initialize(progress=False)

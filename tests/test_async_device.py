@@ -10,9 +10,9 @@ import torch
 
 from reference import small_config
 from test_parity import assert_parity
-from tiertrain.state.device import AsyncCpuDevice
-from tiertrain.state.lagdevice import LagCpuDevice
-from tiertrain.train import Trainer
+from tiertrain.device import AsyncCpuDevice
+from tiertrain.device import LagCpuDevice
+from tiertrain.training.trainer import Trainer
 
 
 @pytest.mark.parametrize("make_dev", [lambda: AsyncCpuDevice(delay=0.001), lambda: LagCpuDevice(lag=16)],

@@ -15,7 +15,7 @@ from tiertrain.config import ConfigError
 from tiertrain.cost import Rates
 from tiertrain.cost.budget import PLANNED, demands, fixed_pools, resolve_budget
 from tiertrain.runtime import Runtime
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 MIB = 1 << 20
 
@@ -100,8 +100,8 @@ _CHILD = r"""
 import json, pathlib, sys
 sys.path.insert(0, sys.argv[2])
 from test_budget import planned_config
-from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
-from tiertrain.train import Trainer
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.training.trainer import Trainer
 cfg = planned_config(pathlib.Path(sys.argv[1]), host_mib=int(sys.argv[3]), layers=8, d=512, heads=8, micro_batches=2,
                      steps=2, update_kib=1024)
 base = host_rss()

@@ -13,8 +13,8 @@ import torch
 
 from reference import small_config
 from tiertrain.checkpoint import CheckpointError, Manifest, latest_checkpoint, list_checkpoints
-from tiertrain.scratch import ScratchInUseError
-from tiertrain.train import Trainer
+from tiertrain.io.scratch import ScratchInUseError
+from tiertrain.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 

@@ -9,7 +9,7 @@ from reference import small_config
 from tiertrain.compress import pack, payload_bytes, topk_decode, topk_encode, unpack
 from tiertrain.compress.topk import kept
 from tiertrain.config import ConfigError, load_config
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 @pytest.mark.parametrize("n,fraction,chunk", [(1, 0.01, 64), (1000, 0.05, 256), (12345, 0.1, 1000), (4096, 0.5, 4096)])

@@ -11,7 +11,7 @@ from reference import small_config, tiny_flags
 from tiertrain.cost import Rates, kept_pairs, predict, step_traffic
 from tiertrain.cost.probe import probe_act_bytes
 from tiertrain.cost.traffic import Traffic
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 @pytest.mark.parametrize("case", [

@@ -9,7 +9,7 @@ from tiertrain.cli import main
 from tiertrain.config import ConfigError, DataConfig
 from tiertrain.data import ByteTokenizer, Corpus, TokenFileError, read_tokens, write_tokens
 from tiertrain.models import hf_config_from
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def test_bundled_corpus_and_sampler_are_deterministic():

@@ -10,7 +10,7 @@ import torch
 from reference import assert_resume_exact, small_config
 from tiertrain.checkpoint import Manifest
 from tiertrain.state.machine import IllegalTransition
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 CONFIGS = {
     "baseline fp32": dict(),
@@ -103,7 +103,7 @@ def test_the_trainer_holds_one_update_and_never_asks_its_kind():
     """No update-mode branch in the trainer: it reaches the update path through its interface."""
     import re
 
-    src = open(os.path.join(os.path.dirname(__file__), "..", "tiertrain", "train.py")).read()
+    src = open(os.path.join(os.path.dirname(__file__), "..", "tiertrain", "training", "trainer.py")).read()
     uses = re.findall(r".{0,12}update\.mode.{0,2}", src)
     assert uses and all(u.endswith("UPDATES[cfg.update.mode]") or "UPDATES[cfg.update.mode]" in u for u in uses), uses
     assert "isinstance(self.update" not in src and "EngineUpdate" not in src and "BaselineUpdate" not in src
@@ -147,5 +147,5 @@ def test_requires_python_matches_the_standard_library_the_code_uses():
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         spec = tomllib.load(f)["project"]["requires-python"]
     low = tuple(int(x) for x in re.search(r">=\s*(\d+)\.(\d+)", spec).groups())
-    assert "import tomllib" in open(os.path.join(root, "tiertrain", "config.py")).read()
+    assert "import tomllib" in open(os.path.join(root, "tiertrain", "config", "__init__.py")).read()
     assert low >= (3, 11), spec

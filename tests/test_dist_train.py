@@ -16,8 +16,8 @@ from tiertrain.config import Config
 from tiertrain.dist import RankGroup
 from tiertrain.models import build_model, tensor_source
 from tiertrain.reference import reference_train
-from tiertrain.state.device import AsyncCpuDevice
-from tiertrain.train import Trainer
+from tiertrain.device import AsyncCpuDevice
+from tiertrain.training.trainer import Trainer
 
 
 class RefusesHostDownloads(AsyncCpuDevice):

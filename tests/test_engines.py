@@ -9,7 +9,7 @@ import torch
 
 from reference import reference_model, reference_train, small_config, weights_of
 from test_parity import assert_parity, assert_same_weights, run_tiertrain
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 from tiertrain.update.engines import EngineError
 
 

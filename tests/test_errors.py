@@ -223,7 +223,7 @@ def test_tokenizer_for_a_token_file_and_bf16_on_a_slow_cpu_are_said(tmp_path, ca
 
     from tiertrain.config import DataConfig
     from tiertrain.data import Corpus, write_tokens
-    from tiertrain.state import device
+    from tiertrain.device import core as device
 
     f = tmp_path / "c.tokens"
     write_tokens(str(f), [np.arange(1000) % 256], 256)
@@ -288,8 +288,8 @@ def test_a_config_object_edited_after_it_was_made_is_checked_as_flags_are(tmp_pa
     """Fields set on the objects skip their section's checks; every driver checks again."""
     from reference import small_config
     from tiertrain.config import ConfigError
-    from tiertrain.generate import Sampling, generate
-    from tiertrain.train import Trainer
+    from tiertrain.inference.generate import Sampling, generate
+    from tiertrain.training.trainer import Trainer
 
     cfg = small_config(tmp_path)
     cfg.memory.device_slots = 1

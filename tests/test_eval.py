@@ -15,7 +15,7 @@ import torch
 from reference import small_config
 from tiertrain.config import DataConfig, ModelConfig
 from tiertrain.data import EvalSet
-from tiertrain.evaluate import evaluate
+from tiertrain.inference.evaluate import evaluate
 from tiertrain.models import hf_config_from
 
 TEXT = "".join(f"{i} a held-out line of text, {i * 13 % 7} words long or so.\n" for i in range(80))
@@ -61,7 +61,7 @@ def test_eval_of_a_hf_directory_is_transformers_loss(tmp_path, kind):
 
 
 def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tmp_path):
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     cfg = small_config(tmp_path, kind="llama", layers=2, micro_batches=2, steps=2)
     cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 4, 2
@@ -135,7 +135,7 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
 def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tiertrain.generate import Sampling, generate
+    from tiertrain.inference.generate import Sampling, generate
 
     torch.manual_seed(4)
     hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,

@@ -277,7 +277,7 @@ def test_validation_loss_on_examples_is_the_mean_over_scored_tokens(tmp_path):
     cross-entropy over every evaluated micro-batch's scored targets over their count."""
     from tiertrain.data import EvalSet
     from tiertrain.models import build_model, tensor_source
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     tok, pc, _ = _finetune_data(tmp_path)
     prepare_examples([pc], str(tmp_path / "pc"), tokenizer=tok, progress=False)
@@ -296,7 +296,7 @@ def test_validation_loss_on_examples_is_the_mean_over_scored_tokens(tmp_path):
     cfg.train.steps = 1
     with Trainer(cfg, weights=tensor_source(skeleton, weights_of(ref))) as tr:
         tr.initialize(progress=False)
-        from tiertrain.validation import validation_loss
+        from tiertrain.inference.validation import validation_loss
 
         got = validation_loss(tr.evalset, tr.executor, cfg.data.micro_batches)
     assert ev.total_scored() == count and got == pytest.approx(total / count, rel=1e-6)
@@ -424,7 +424,7 @@ def test_a_models_own_tokenizer_is_used_for_its_text(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tiertrain.config import ModelConfig, load_config
-    from tiertrain.evaluate import evaluate
+    from tiertrain.inference.evaluate import evaluate
     from tiertrain.models import hf_config_from
 
     d = tmp_path / "m"

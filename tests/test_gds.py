@@ -14,7 +14,7 @@ from test_parity import assert_parity
 from tiertrain.io import ChecksumError, FileHandle, IOWorkers, StorageError, TruncatedFileError, gds
 from tiertrain.io.devcrc import block_crcs
 from tiertrain.io.stripe import StripedFile
-from tiertrain.state.device import AsyncCpuDevice
+from tiertrain.device import AsyncCpuDevice
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -225,7 +225,7 @@ def test_training_reads_parameters_straight_into_device_slots(tmp_path, direct):
 
 def test_gds_on_without_kvikio_is_refused_at_start(tmp_path):
     from tiertrain.config import ConfigError
-    from tiertrain.state.device import _gds_usable
+    from tiertrain.device.core import _gds_usable
 
     try:
         import kvikio  # noqa: F401

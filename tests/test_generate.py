@@ -12,8 +12,8 @@ import torch
 
 from reference import small_config
 from tiertrain.config import ConfigError, ModelConfig
-from tiertrain.generate import Sampling, generate
-from tiertrain.generate_cli import read_prompts
+from tiertrain.inference.generate import Sampling, generate
+from tiertrain.inference.prompts import read_prompts
 from tiertrain.models import hf_config_from
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [3, 4, 5, 200]]
@@ -245,8 +245,8 @@ def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pair
     keys and values in one step is what it finds there in the next, for 5 steps. On the
     simulated separate-memory device too (uploads and downloads on their streams, fresh device
     memory poisoned): the block works on the device twin, what it wrote reaches the file."""
-    from tiertrain.kvcache import TieredKV
-    from tiertrain.state.device import AsyncCpuDevice, Device
+    from tiertrain.inference.kvcache import TieredKV
+    from tiertrain.device import AsyncCpuDevice, Device
 
     shape = (2, 2, 8, 4)  # rows, heads, max_len, head dim
     pair = 2 * torch.Size(shape).numel() * 4

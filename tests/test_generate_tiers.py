@@ -13,7 +13,7 @@ import torch
 
 from reference import small_config
 from tiertrain.config import ModelConfig
-from tiertrain.generate import Sampling, generate
+from tiertrain.inference.generate import Sampling, generate
 from tiertrain.models import hf_config_from
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [3, 4, 5, 200]]
@@ -80,7 +80,7 @@ def test_resident_weights_keep_the_units_that_fit_in_pass_order(tmp_path):
     """A budget of the first two units and a byte less than the third: the first two read once
     at start and used in place (their contents), the others left to the inner source."""
     from tiertrain.runtime import Runtime
-    from tiertrain.weights_file import ResidentWeights
+    from tiertrain.inference.weights import ResidentWeights
 
     cfg = small_config(tmp_path)
     rt = Runtime(cfg)
@@ -102,7 +102,7 @@ def test_resident_weights_keep_the_units_that_fit_in_pass_order(tmp_path):
 def test_a_spilled_kv_cache_on_a_separate_memory_device_gives_the_tokens_of_the_cpu(tmp_path):
     """The simulated separate-memory device (copies on their own streams, fresh device memory
     poisoned), every block's cache on the storage tier and no weights kept: the CPU's tokens."""
-    from tiertrain.state.device import AsyncCpuDevice
+    from tiertrain.device import AsyncCpuDevice
 
     cfg = _cfg(tmp_path, _llama_dir(tmp_path))
     cfg.io.paths = [str(tmp_path / "fresh")]
@@ -117,9 +117,9 @@ def test_a_spilled_kv_cache_moves_only_the_positions_it_holds_and_adds(tmp_path,
     """On a separate-memory device the spilled pairs' keys and values cross the bus as they
     cross the file: per pair and step the positions held so far go up (what was read) and the
     positions the step added come down (what is written), never whole ``max_len`` buffers."""
-    import tiertrain.generate as generate_mod
-    from tiertrain.kvcache import TieredKV
-    from tiertrain.state.device import AsyncCpuDevice
+    import tiertrain.inference.generate as generate_mod
+    from tiertrain.inference.kvcache import TieredKV
+    from tiertrain.device import AsyncCpuDevice
 
     made = []
 
@@ -158,7 +158,7 @@ def test_the_kv_cache_asks_the_device_for_room_before_it_allocates(tmp_path):
     """Pairs within ``memory.kv_host_mib`` live in device memory on a separate-memory device:
     a device without room for them is refused at start, naming the cache."""
     from tiertrain.config import ConfigError
-    from tiertrain.state.device import AsyncCpuDevice
+    from tiertrain.device import AsyncCpuDevice
 
     class Small(AsyncCpuDevice):
         def check_capacity(self, needs, fix=""):
@@ -179,12 +179,12 @@ sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from reference import small_config
 from tiertrain.config import ModelConfig
-from tiertrain.generate import Sampling, generate
+from tiertrain.inference.generate import Sampling, generate
 from tiertrain.models import hf_config_from
 from tiertrain.models.hf import kv_bytes
 from tiertrain.runtime import Runtime
-from tiertrain.state.device import host_peak_rss, host_rss, reset_peak_rss
-from tiertrain.state.malloc import trim_heap
+from tiertrain.device import host_peak_rss, host_rss, reset_peak_rss
+from tiertrain.device import trim_heap
 from transformers import AutoModelForCausalLM
 
 out = {}

@@ -52,7 +52,7 @@ def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
 
 
 def test_cuda_syncs_per_step_are_bounded_by_units_and_memory_is_flat(tmp_path):
-    from tiertrain.train import Trainer
+    from tiertrain.training.trainer import Trainer
 
     cfg = cfg_on(tmp_path, "cuda", layers=4, dtype="bfloat16", host_param_mib=64, stash_host_mib=0)
     cfg.train.steps = 8

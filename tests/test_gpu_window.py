@@ -117,7 +117,7 @@ def test_a_stage_without_a_gpu_asks_for_the_dry_run(machine):
 
 def test_without_crc32c_tiertrain_says_how_to_carry_it(tmp_path):
     (tmp_path / "crc32c.py").write_text("raise ImportError('No module named crc32c')\n")
-    r = subprocess.run([sys.executable, "-c", "import tiertrain.train"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import tiertrain.training.trainer"], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{ROOT}"))
     assert r.returncode == 1
     assert "tiertrain needs the crc32c package" in r.stderr and "bench/gpu_window/wheels.sh" in r.stderr
@@ -132,7 +132,7 @@ def test_sampling_draws_on_the_host_where_cuda_refuses_a_cpu_generator(monkeypat
     ``torch.multinomial`` that refuses what CUDA refuses; the draw must be made on the host."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tiertrain.generate import Sampling, _pick
+    from tiertrain.inference.generate import Sampling, _pick
 
     real = torch.multinomial
 
@@ -172,7 +172,7 @@ def test_the_cuda_device_synchronizes_where_a_query_said_done():
     """Defect 3: PyTorch's CUDA sanitizer takes ``synchronize`` as the host's happens-before, not
     a query; a buffer reused after a query alone is reported as a race. ``sync`` and a ``done``
     that says yes must synchronize (at once, on a completed event); waits are still counted."""
-    from tiertrain.state.device import CudaDevice, Device
+    from tiertrain.device import CudaDevice, Device
 
     dev = CudaDevice.__new__(CudaDevice)  # its host logic alone: no streams are needed for events
     Device.__init__(dev, torch.device("cpu"))
@@ -225,7 +225,7 @@ def test_the_gds_check_reads_the_parameters_through_kvikio(tmp_path):
         sys.path.pop(0)
     from test_gds import FakeCuFile
     from tiertrain.io import gds
-    from tiertrain.state.device import AsyncCpuDevice
+    from tiertrain.device import AsyncCpuDevice
 
     small = ("--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32")
     gds.set_backend(FakeCuFile, device_types=("cpu",))
@@ -250,7 +250,7 @@ def test_direct_reads_are_refused_with_ranks_and_off_under_auto():
     """Ranks gather every unit over Gloo in host memory: a direct read into device memory would
     hand Gloo a CUDA tensor."""
     from tiertrain.config import ConfigError
-    from tiertrain.state.device import make_device
+    from tiertrain.device import make_device
 
     with pytest.raises(ConfigError, match=r"io.gds = 'on' with 2 ranks.*--io.gds=off"):
         make_device("cpu", "on", world=2)

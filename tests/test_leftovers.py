@@ -76,9 +76,9 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
     kv.bin nor the directory made for it left (kv.bin stayed). A kv.bin a killed generation
     left is replaced with a word (it was reused silently)."""
     from test_generate_tiers import PROMPTS, _cfg, _llama_dir
-    from tiertrain.generate import Sampling, generate
+    from tiertrain.inference.generate import Sampling, generate
     from tiertrain.io import ChecksumError
-    from tiertrain.kvcache import NAME, TieredKV
+    from tiertrain.inference.kvcache import NAME, TieredKV
 
     cfg = _cfg(tmp_path, _llama_dir(tmp_path))
     cfg.memory.kv_host_mib, cfg.io.paths = 0, [str(tmp_path / "fresh")]

@@ -8,19 +8,19 @@ import sys
 import pytest
 
 from reference import small_config
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 MIB = 1 << 20
 
 _CHILD = r"""
 import json, os, sys, gc
-from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
 import pathlib
 cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=512, heads=8, micro_batches=2, steps=2,
                    update_kib=1024, slots=3, keep_act_mib=int(sys.argv[3]))
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 base = host_rss()
 if not reset_peak_rss():  # imports may have peaked higher than base; measure from here
     print(json.dumps({"unsupported": "cannot reset the peak RSS (/proc/self/clear_refs)"}))
@@ -155,8 +155,8 @@ _STEADY = r"""
 import json, sys, pathlib
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
-from tiertrain.state.device import host_peak_rss
-from tiertrain.train import Trainer
+from tiertrain.device import host_peak_rss
+from tiertrain.training.trainer import Trainer
 cfg = small_config(pathlib.Path(sys.argv[1]), kind="llama", layers=8, d=256, heads=4, micro_batches=2, steps=8,
                    keep_act_mib=8, update_kib=1024)
 cfg.data.seq_len = cfg.model.max_seq_len = 64
@@ -191,8 +191,8 @@ _ACTS = r"""
 import json, sys, pathlib
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
-from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
-from tiertrain.train import Trainer
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.training.trainer import Trainer
 cfg = small_config(pathlib.Path(sys.argv[1]), kind="llama", layers=4, d=512, heads=8, micro_batches=8, steps=2,
                    update_kib=1024, activations=sys.argv[3])
 cfg.data.seq_len = cfg.model.max_seq_len = 64
@@ -241,8 +241,8 @@ def test_offloaded_activations_hold_only_their_record_pool(tmp_path):
 
 _TRIM = r"""
 import json, torch
-from tiertrain.state.device import host_rss
-from tiertrain.state.malloc import trim_heap
+from tiertrain.device import host_rss
+from tiertrain.device import trim_heap
 big = torch.ones(16 << 20, dtype=torch.uint8)  # a mapped block: freeing it moves glibc's threshold above 1 MiB
 del big
 blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(200)]  # now from the heap
@@ -267,12 +267,12 @@ def test_trim_heap_gives_freed_heap_pages_back():
 
 @pytest.mark.parametrize("trim", [True, False])
 def test_heap_is_trimmed_after_every_unit_step(tmp_path, trim, monkeypatch):
-    from tiertrain.schedule import executor as ex
+    from tiertrain.execute import executor as ex
 
     cfg = small_config(tmp_path, layers=3, d=64, micro_batches=2, steps=1)
     cfg.memory.trim_heap = trim
     calls = []
-    monkeypatch.setattr("tiertrain.train.trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("tiertrain.training.trainer.trim_heap", lambda: calls.append(1) or True)
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         calls.clear()

@@ -22,8 +22,8 @@ from test_parity import assert_parity, run_tiertrain
 from tiertrain.activations.offload import ActivationPlanError, record_size
 from tiertrain.config import ConfigError, MemoryConfig
 from tiertrain.io import ChecksumError, OutOfSpaceError, TruncatedFileError
-from tiertrain.state.device import AsyncCpuDevice
-from tiertrain.train import Trainer
+from tiertrain.device import AsyncCpuDevice
+from tiertrain.training.trainer import Trainer
 
 MIB = 1 << 20
 
@@ -285,7 +285,7 @@ def test_a_full_disk_is_reported_at_start_with_the_bytes_needed(tmp_path, monkey
 # -- memory -----------------------------------------------------------------------------------------------
 _CHILD = r"""
 import dataclasses, json, sys, pathlib
-from tiertrain.state.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
 seq = int(sys.argv[3])
@@ -294,7 +294,7 @@ cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=256, heads=4, micro_ba
 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=seq),
                           data=dataclasses.replace(cfg.data, seq_len=seq),
                           memory=dataclasses.replace(cfg.memory, mmap_threshold_kib=1024))  # the strict setting
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 base = host_rss()
 if not reset_peak_rss():
     print(json.dumps({"unsupported": "cannot reset the peak RSS (/proc/self/clear_refs)"}))
@@ -315,7 +315,7 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     twice: autograd's and the record being filled) plus 96 MiB, at 256 and at 1024 tokens,
     while the step's activations at 1024 tokens are several times that. With
     memory.mmap_threshold_kib = 1024 (the setting that keeps freed activations from
-    fragmenting the heap; see tiertrain/state/malloc.py)."""
+    fragmenting the heap; see tiertrain/device/host.py)."""
     here = os.path.dirname(__file__)
     out = {}
     for seq in (256, 1024):

@@ -9,7 +9,7 @@ import torch
 from reference import assert_resume_exact, reference_model, small_config, weights_of
 from test_parity import assert_parity, run_tiertrain
 from tiertrain.config import ConfigError, load_config
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def overlap_config(tmp_path, *, eager=False, **kw):
@@ -120,7 +120,7 @@ def test_eager_overlap_needs_clipping_off_and_baseline_cannot_be_eager():
 def test_overlap_on_a_separate_device(tmp_path, eager):
     """The CUDA paths (slots filled through staging, host-resident gradients downloaded into
     their home), ordered as on a GPU by the test device: still exact."""
-    from tiertrain.state.device import AsyncCpuDevice
+    from tiertrain.device import AsyncCpuDevice
 
     cfg = overlap_config(tmp_path, eager=eager, clip=0.0 if eager else 1.0, micro_batches=2, host_param_mib=1,
                          grad_host_mib=1, paths=2, update_kib=256)

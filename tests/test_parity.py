@@ -13,7 +13,7 @@ import torch
 
 from reference import reference_model, reference_train, small_config, weights_of
 from tiertrain.models import build_model, tensor_source
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def run_tiertrain(cfg, init, device=None):

@@ -24,7 +24,7 @@ from tiertrain.config import ConfigError
 from tiertrain.cost import step_traffic
 from tiertrain.models import _hf_names, auto_pieces, build_model, tensor_source
 from tiertrain.models.pieces import EmbedPiece, rows_per_piece
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def _train_cut(cfg, init, pieces):

@@ -8,8 +8,8 @@ import pytest
 from reference import small_config, tiny_flags
 from tiertrain.checkpoint import Manifest, list_checkpoints
 from tiertrain.cli import main
-from tiertrain.rundir import RunDirError
-from tiertrain.train import Trainer
+from tiertrain.training.rundir import RunDirError
+from tiertrain.training.trainer import Trainer
 
 
 def steps_in(run):

@@ -12,7 +12,7 @@ import pytest
 
 from reference import small_config, tiny_flags
 from tiertrain.checkpoint import Manifest, latest_checkpoint
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 from tiertrain.update.engines import EngineError
 
 ROOT = os.path.dirname(os.path.dirname(__file__))

@@ -7,7 +7,7 @@ from tiertrain.activations.stash import HiddenStash
 from tiertrain.config import ModelConfig
 from tiertrain.io import FileHandle, Storage
 from tiertrain.models import build_model
-from tiertrain.state.device import AsyncCpuDevice, Device
+from tiertrain.device import AsyncCpuDevice, Device
 from tiertrain.state.grads import GradStore
 from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
 from tiertrain.state.regions import TieredRegions

@@ -14,8 +14,8 @@ from tiertrain.config import Config, ConfigError, DataConfig
 from tiertrain.data import EvalSet
 from tiertrain.dist import RankGroup
 from tiertrain.models import build_model, tensor_source
-from tiertrain.state.device import AsyncCpuDevice
-from tiertrain.train import Trainer
+from tiertrain.device import AsyncCpuDevice
+from tiertrain.training.trainer import Trainer
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(60))
 

@@ -10,13 +10,12 @@ import importlib
 __version__ = "0.1.0"
 __all__ = ["train", "Trainer", "Config", "load_config", "evaluate", "generate", "Sampling", "prepare_examples"]
 
-_WHERE = {"Trainer": "train", "Config": "config", "load_config": "config", "evaluate": "evaluate",
-          "generate": "generate", "Sampling": "generate", "prepare_examples": "data.prepare"}
+_WHERE = {"train": "api", "Trainer": "training.trainer", "Config": "config", "load_config": "config",
+          "evaluate": "inference.evaluate", "generate": "inference.generate", "Sampling": "inference.generate",
+          "prepare_examples": "data.prepare"}
 
 
 def __getattr__(name: str):
-    if name == "train":  # the module, callable: tiertrain.train(config) runs api.train
-        return importlib.import_module(".train", __name__)
     if name in _WHERE:
         return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module 'tiertrain' has no attribute {name!r}")

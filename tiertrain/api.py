@@ -14,7 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from .config import Config, load_config, parse_overrides
-from .metrics import StepRecord
+from .training.metrics import StepRecord
 
 __all__ = ["train", "as_config"]
 
@@ -47,7 +47,7 @@ def train(config: Config | dict | str | None = None, *overrides: str, resume: st
     or run directory (its latest checkpoint) to continue, with ``config`` or else the
     checkpoint's own config. The records of the steps run (``StepRecord``: loss, tokens/s,
     bytes per tier, memory, ``extra['eval_loss']`` where taken)."""
-    from .train import Trainer
+    from .training.trainer import Trainer
 
     if resume is not None:
         from .checkpoint import Manifest, find_checkpoint

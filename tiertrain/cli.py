@@ -125,15 +125,14 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
-    from .train import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
+    from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
 
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)
     except Exception as exc:
-        from .checkpoint import latest_checkpoint
 
-        from .scratch import DirInUseError
+        from .io.scratch import DirInUseError
 
         if not _user_facing(exc):
             raise
@@ -148,7 +147,7 @@ def _resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     the checkpoint ``resumed`` from is the damaged one, the newest intact one before it."""
     from .checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
     from .dist import env_world
-    from .train import resume_command
+    from .training.trainer import resume_command
 
     world = env_world()[1]
     root = os.path.abspath(cfg.checkpoint_root)
@@ -229,7 +228,7 @@ def _plan(args: argparse.Namespace, cfg, rt) -> int:
     from .cost.choose import resolve_activations, resolve_update
     from .cost.probe import probe_acts
     from .cost.report import plan_report
-    from .train import declare_states
+    from .training.trainer import declare_states
 
     measured = []
 
@@ -262,14 +261,14 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     """``--checkpoint``'s config (its own, the file and flags on top; its training text is not
     read) and its weights (``CheckpointWeights``, a context manager: checked, then read unit by
     unit)."""
-    from .evaluate import CheckpointWeights
+    from .inference.evaluate import CheckpointWeights
 
     path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint")
     return cfg, CheckpointWeights(path)
 
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .evaluate import evaluate
+    from .inference.evaluate import evaluate
 
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides):
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
@@ -288,8 +287,8 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from .generate import Sampling
-    from .generate_cli import read_prompts, run_generate
+    from .inference.generate import Sampling
+    from .inference.prompts import read_prompts, run_generate
 
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
     stop = tuple(args.stop or ())

@@ -13,7 +13,7 @@ from .config import Config
 from .data import open_corpus
 from .models import hf_config_from
 from .models.gpt import build_gpt
-from .update.schedule import lr_at
+from .update.lr import lr_at
 
 __all__ = ["HFWrapper", "reference_model", "weights_of", "reference_train"]
 

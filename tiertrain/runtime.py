@@ -19,7 +19,7 @@ from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
-from .state.device import Device, make_device, resolve_dtype
+from .device.core import Device, make_device, resolve_dtype
 from .state.layout import FlatLayout, chunk_align
 from .state.store import ParamStore
 

@@ -23,7 +23,7 @@ import torch
 
 from tiertrain.config import Config, load_config
 from tiertrain.io import gds
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def config(scratch: str, gds_mode: str, *, device: str = "cuda", steps: int = 5, extra: tuple[str, ...] = ()) -> Config:

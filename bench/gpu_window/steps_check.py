@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from tiertrain.config import load_config
-from tiertrain.train import Trainer
+from tiertrain.training.trainer import Trainer
 
 
 def main() -> int:

@@ -62,7 +62,7 @@ def weights_file(path: str, man: Manifest):
     weights file's path, its dtype, its manifest entry). Checked: the layout, the file's
     presence and size (its checksum is the reader's to check)."""
     from ..cost.budget import on_storage
-    from ..train import declare_states
+    from ..training.trainer import declare_states
 
     cfg = Config.from_dict(man.config, environment=False)
     rt = _Skeleton(cfg, getattr(torch, man.param_dtype.removeprefix("torch.")))

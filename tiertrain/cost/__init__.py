@@ -12,7 +12,7 @@ import os
 
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
-from ..schedule.executor import visits
+from ..execute.executor import visits
 from .traffic import Traffic, kept_pairs, offloaded_pairs, step_traffic
 
 __all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs", "offloaded_pairs",

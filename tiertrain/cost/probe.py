@@ -22,7 +22,7 @@ import torch
 
 from ..activations.keep import KeptGraphs
 from ..activations.offload import measure_record
-from ..schedule.vocab import piece_backward, piece_logsumexp
+from ..execute.vocab import piece_backward, piece_logsumexp
 from ..config import Config, IOConfig
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c

@@ -27,7 +27,7 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config
-from ..schedule.executor import visits
+from ..execute.executor import visits
 from ..state.regions import place
 from ..update.streamed import optimizer_states
 

@@ -27,7 +27,7 @@ from ...compress.topk import topk_decode, unpack
 from ...config import IOConfig, OptimConfig
 from ...errors import one_line
 from ...io import IOFuture, Storage
-from ...state.device import host_peak_rss, host_rss, reset_peak_rss
+from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...state.regions import TieredRegions
 from ..base import UpdateStats
 from ..shm import attach

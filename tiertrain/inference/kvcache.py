@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .io import FileHandle, IOFuture, aligned_empty, round_up
+from ..io import FileHandle, IOFuture, aligned_empty, round_up
 
 __all__ = ["TieredKV"]
 

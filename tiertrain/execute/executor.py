@@ -43,7 +43,7 @@ from ..activations.offload import OffloadedGraphs
 from ..activations.policy import ActivationPolicy, KeepLast
 from ..activations.stash import HiddenStash
 from ..models.base import LayeredModel, UnitRef
-from ..state.device import Device
+from ..device.core import Device
 from ..state.grads import GradStore
 from ..state.store import ParamStore
 from .vocab import VocabSteps, used_pieces

@@ -19,7 +19,8 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
-from .device import AsyncCpuDevice, _events
+from .core import _events
+from .simulated import AsyncCpuDevice
 
 __all__ = ["LagCpuDevice"]
 

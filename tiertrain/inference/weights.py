@@ -22,10 +22,10 @@ import os
 
 import torch
 
-from .io import FileHandle, IOFuture, aligned_empty, round_up
-from .models import WeightSource
-from .state.layout import FlatLayout
-from .update.base import ParamSource
+from ..io import FileHandle, IOFuture, aligned_empty, round_up
+from ..models import WeightSource
+from ..state.layout import FlatLayout
+from ..update.base import ParamSource
 
 __all__ = ["ResidentWeights", "TierWeights", "forward_params", "resident_budget", "weights_key"]
 
@@ -70,7 +70,7 @@ def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:
     where set, else what ``memory.host_mib`` (default: half the memory available) leaves after
     the parameter slots, ``other_bytes`` and one unit's activations per micro-batch (a margin
     of the largest unit again)."""
-    from .cost.budget import default_host_bytes
+    from ..cost.budget import default_host_bytes
 
     if cfg.memory.host_param_mib is not None:
         return cfg.memory.host_param_mib << 20, f"memory.host_param_mib = {cfg.memory.host_param_mib}"

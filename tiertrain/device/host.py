@@ -26,8 +26,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import resource
 
-__all__ = ["fix_mmap_threshold", "trim_heap"]
+import psutil
+
+__all__ = ["fix_mmap_threshold", "trim_heap", "host_rss", "host_peak_rss", "reset_peak_rss"]
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 log = logging.getLogger("tiertrain")
@@ -70,3 +73,29 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def host_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def host_peak_rss() -> int:
+    """Peak resident set size of this process since start or the last ``reset_peak_rss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not resettable
+
+
+def reset_peak_rss() -> bool:
+    """Start measuring the peak afresh (Linux: clear_refs 5). False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

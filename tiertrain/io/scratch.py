@@ -4,7 +4,7 @@ dead run left behind.
 ``DirLock`` is an exclusive ``flock`` on ``<dir>/.tiertrain.lock`` that records who holds it;
 a record still marked ``running`` when the next run takes the lock means that run died (the
 kernel drops a dead process's lock). ``ScratchLock`` holds one per scratch path; the run
-directory's lock is in ``rundir.py``.
+directory's lock is in ``training/rundir.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import time
 from typing import Iterable
 
-from .errors import TiertrainError
+from ..errors import TiertrainError
 
 __all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "clean_other_legs"]
 

@@ -13,8 +13,8 @@ import json
 import os
 import shutil
 
-from .checkpoint import list_checkpoints
-from .scratch import DirInUseError, DirLock
+from ..checkpoint import list_checkpoints
+from ..io.scratch import DirInUseError, DirLock
 
 __all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG"]
 

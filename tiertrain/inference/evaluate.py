@@ -12,7 +12,7 @@ The text is ``data.eval_corpus`` cut into windows as the validation loss cuts it
 (``data.EvalSet``), all of them by default; the loss is the mean over its micro-batches of the
 mean cross-entropy, and the perplexity its exponential. A tiertrain checkpoint is read
 directly (``CheckpointWeights``: its weights file, checksummed first); ``io.weights = tier``
-reads a converted copy instead (``weights_file.py``).
+reads a converted copy instead (``weights.py``).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, ConfigError
-from .data import EvalSet
-from .io import IOFuture
-from .models import WeightSource, vocab_size_of
-from .runtime import Runtime
-from .schedule.executor import LayerMajorExecutor
-from .state.layout import FlatLayout
-from .update.base import ParamSource
+from ..config import Config, ConfigError
+from ..data import EvalSet
+from ..io import IOFuture
+from ..models import WeightSource, vocab_size_of
+from ..runtime import Runtime
+from ..execute.executor import LayerMajorExecutor
+from ..state.layout import FlatLayout
+from ..update.base import ParamSource
 from .validation import validation_loss
 
 __all__ = ["EvalResult", "WeightParams", "CheckpointWeights", "evaluate"]
@@ -83,9 +83,9 @@ class CheckpointWeights:
     ``WeightSource`` to evaluate with. A context manager."""
 
     def __init__(self, path: str) -> None:
-        from .checkpoint import Manifest, find_checkpoint
-        from .checkpoint.export import weights_file
-        from .io import FileHandle
+        from ..checkpoint import Manifest, find_checkpoint
+        from ..checkpoint.export import weights_file
+        from ..io import FileHandle
 
         self.path = find_checkpoint(path, "eval --checkpoint")
         man = Manifest.read(self.path)
@@ -107,8 +107,8 @@ class CheckpointWeights:
         return view
 
     def _verify(self, entry) -> None:
-        from .checkpoint import CheckpointError
-        from .io.checksum import crc32c
+        from ..checkpoint import CheckpointError
+        from ..io.checksum import crc32c
 
         crc = 0
         for u in range(len(self.layout.units)):  # as export chains it: unit by unit, in order
@@ -157,7 +157,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         rt.close()
         raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
                           f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)")
-    from .weights_file import forward_params
+    from .weights import forward_params
 
     try:
         source = forward_params(cfg, rt)

@@ -9,8 +9,8 @@ import json
 import os
 import sys
 
-from .config import Config, ConfigError
-from .data import load_tokenizer
+from ..config import Config, ConfigError
+from ..data import load_tokenizer
 from .generate import Sampling, generate
 
 __all__ = ["read_prompts", "run_generate"]

@@ -1,40 +1,22 @@
-"""The configuration tree: one kw-only dataclass per component, loaded from TOML and
-overridden by ``--section.field=value`` flags. Every field has a doc string (shown by
-``tiertrain config``) and is validated when the section is made, with errors that name
-the field, the value and what would be accepted.
-"""
+"""The configuration's sections: one kw-only dataclass per component, every field with its
+documentation (``opt``) and checked when the section is made (``Section``: errors that name
+``section.field``, the value and what would be accepted). The tree of them, loading and the
+reference are in ``config/__init__.py``."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import json
 import os
-import tomllib
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence
 
-from .config_values import coerce, parse_overrides, suggest
-from .errors import ConfigError
+from ..errors import ConfigError
 
-__all__ = [
-    "Config",
-    "ConfigError",
-    "without_environment_checks",
-    "IOConfig",
-    "ModelConfig",
-    "DataConfig",
-    "OptimConfig",
-    "MemoryConfig",
-    "TrainConfig",
-    "RanksConfig",
-    "UpdateConfig",
-    "CheckpointConfig",
-    "load_config",
-    "config_reference",
-]
+__all__ = ["Section", "IOConfig", "ModelConfig", "DataConfig", "OptimConfig", "MemoryConfig", "UpdateConfig",
+           "CheckpointConfig", "TrainConfig", "RanksConfig", "without_environment_checks", "has_tokenizer",
+           "TOKENIZER_MARKERS", "opt", "env_checks"]
 
 
 # Checks that look at the machine (files named by the config exist) run when a section is
@@ -52,7 +34,8 @@ def without_environment_checks() -> Iterator[None]:
         _ENV_CHECKS.reset(token)
 
 
-def _env() -> bool:
+def env_checks() -> bool:
+    """Whether checks that look at the machine run now (not inside ``without_environment_checks``)."""
     return _ENV_CHECKS.get()
 
 
@@ -183,7 +166,7 @@ class ModelConfig(Section):
         elif self.kind == "gpt":
             self._fail("kind", f"the built-in model does not read model.hf_dir ({self.hf_dir}); leave model.kind at "
                        "'auto' (the kind is read from config.json) or set 'llama' or 'gpt2'")
-        if not _env():
+        if not env_checks():
             return
         if self.init_from is not None and not os.path.exists(self.init_from):
             self._fail("init_from", "no such file or directory; give a .safetensors file or an exported directory")
@@ -266,7 +249,7 @@ class DataConfig(Section):
         self._one_of("packed_attention", ("document", "row"))
         for name in ("corpus", "eval_corpus"):
             path = getattr(self, name)
-            if path in (None, "bundled") or not _env():
+            if path in (None, "bundled") or not env_checks():
                 continue
             if not os.path.exists(path):
                 self._fail(name, "no such file; use 'bundled', a .txt file, a token file or examples directory from "
@@ -469,7 +452,7 @@ class TrainConfig(Section):
                             "(pip install 'tiertrain[tensorboard]').")
 
     def __post_init__(self) -> None:
-        if self.tensorboard and _env():
+        if self.tensorboard and env_checks():
             import importlib.util
 
             if importlib.util.find_spec("tensorboard") is None:
@@ -499,155 +482,3 @@ class RanksConfig(Section):
         if not self.timeout_s > 0:
             self._fail("timeout_s", "must be > 0")
         self._one_of("backend", ("auto", "gloo", "nccl"))
-
-
-@dataclass(kw_only=True)
-class Config:
-    """The whole tree. ``Config()`` is the default main job."""
-
-    io: IOConfig = field(default_factory=IOConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    ranks: RanksConfig = field(default_factory=RanksConfig)
-
-    def __post_init__(self) -> None:
-        if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
-            raise ConfigError(
-                f"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0 (got mode "
-                f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
-                "after the whole backward"
-            )
-        if (self.update.topk > 0 or self.update.error_feedback) and self.update.mode != "engines":
-            raise ConfigError(
-                f"update.topk = {self.update.topk} / update.error_feedback = {self.update.error_feedback} compress what "
-                "is sent to the update engines: set update.mode = 'engines'"
-            )
-        if self.update.error_feedback and self.update.topk == 0:
-            raise ConfigError("update.error_feedback = true needs update.topk > 0")
-        if self.train.eval_every and self.data.eval_corpus is None:
-            raise ConfigError(f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
-                              "the validation loss is taken on); set it, or train.eval_every = 0")
-        if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
-                "lower one or raise the other"
-            )
-        if self.data.tokenizer is None and self.model.hf_dir is not None and _env() and has_tokenizer(self.model.hf_dir):
-            self.data.tokenizer = self.model.hf_dir  # the model's own: never its text in another tokenizer's ids
-        limit = self.model.position_limit() if self.model.hf_dir is not None and _env() else None
-        if limit is not None and self.data.seq_len > limit[0]:
-            raise ConfigError(
-                f"data.seq_len = {self.data.seq_len} is longer than the model in {self.model.hf_dir} supports "
-                f"({limit[1]} = {limit[0]} in its config.json); lower data.seq_len to at most {limit[0]}"
-            )
-
-    @property
-    def checkpoint_root(self) -> str:
-        """Where checkpoints go: checkpoint.dir, else <train.run_dir>/checkpoints."""
-        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
-
-    def check_writable(self) -> None:
-        """Every directory the run writes is one (or can be made one) and is writable. Made
-        before any work, so a bad path is one line, not a traceback half-way through."""
-        from .paths import check_writable_dir
-
-        for p in self.io.paths:
-            check_writable_dir("io.paths", p)
-        check_writable_dir("train.run_dir", self.train.run_dir)
-        if self.checkpoint.dir is not None:
-            check_writable_dir("checkpoint.dir", self.checkpoint.dir)
-
-    def absolute(self) -> "Config":
-        """A copy, validated again (fields may have been set after it was made), with every
-        path absolute, as stored in checkpoints: a run resumed or exported from another
-        working directory finds the same files and the same run directory."""
-        ab = os.path.abspath
-        out = Config.from_dict(self.to_dict())
-        out.io.paths = [ab(p) for p in out.io.paths]
-        out.train.run_dir = ab(out.train.run_dir)
-        for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):
-            value = getattr(getattr(out, sec), name)
-            if value is not None and (sec, value) != ("data", "bytes"):
-                setattr(getattr(out, sec), name, ab(value))
-        if out.data.corpus != "bundled":
-            out.data.corpus = ab(out.data.corpus)
-        return out
-
-    def validate(self) -> "Config":
-        """Check the tree again, as a file or flags would be (fields set on the objects after they
-        were made skip their section's checks otherwise); ``self``, unchanged."""
-        Config.from_dict(self.to_dict())
-        return self
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, tree: dict[str, Any], *, environment: bool = True) -> "Config":
-        """The config of ``tree`` (sections of fields). ``environment=False`` skips the checks
-        that look at files (for a stored config whose files may have moved)."""
-        if not environment:
-            with without_environment_checks():
-                return cls.from_dict(tree)
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        kw = {}
-        for name, values in tree.items():
-            if name not in sections:
-                raise ConfigError(f"unknown config section [{name}]{suggest(name, sections)}")
-            if not isinstance(values, dict):
-                raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
-            kw[name] = _make_section(_section_class(name), values)
-        return cls(**kw)
-
-
-def _section_class(name: str) -> type:
-    return typing.get_type_hints(Config)[name]
-
-
-def _make_section(cls: type, values: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for key, value in values.items():
-        if key not in names:
-            raise ConfigError(f"unknown field {cls.SECTION}.{key}{suggest(key, names)}")
-        kw[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
-    return cls(**kw)
-
-
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Read a TOML file (optional), apply ``--section.field=value`` overrides, validate."""
-    tree: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                tree = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    for section, values in parse_overrides(overrides).items():
-        if section not in tree:
-            tree[section] = {}
-        if not isinstance(tree[section], dict):
-            raise ConfigError(f"[{section}] in {path} is not a table")
-        tree[section].update(values)
-    return Config.from_dict(tree)
-
-
-def config_reference() -> str:
-    """Markdown reference of every section and field: default and doc."""
-    lines = []
-    for f in dataclasses.fields(Config):
-        cls = _section_class(f.name)
-        lines += [f"### [{f.name}]", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
-        for sf in dataclasses.fields(cls):
-            default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()
-            lines.append(f"| `{sf.name}` | `{default!r}` | {sf.metadata.get('doc', '')} |")
-        lines.append("")
-    return "\n".join(lines)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .data import EvalSet
+from ..data import EvalSet
 
 __all__ = ["validation_loss"]
 

@@ -3,10 +3,10 @@
 Every decoding step (the prefill of the whole prompts first, then one token per step) walks
 the model's units in order, each unit over every micro-batch (``data.micro_batch_size``
 prompts each) while its weights are resident: the weights are read from where they are
-(``weights_file.forward_params``: the model directory's safetensors, or their converted copy on
+(``weights.forward_params``: the model directory's safetensors, or their converted copy on
 the storage tier with ``io.weights = tier``) once per token
 for the whole batch, one unit ahead of the compute, through the parameter store's fixed slots;
-the first units, as many as the host budget leaves room for (``weights_file.resident_budget``),
+the first units, as many as the host budget leaves room for (``weights.resident_budget``),
 are read once at start and kept in host memory.
 
 Prompts of different lengths are padded on the left, as ``transformers``' ``generate`` pads
@@ -36,14 +36,14 @@ from typing import Callable
 
 import torch
 
-from .config import Config, ConfigError
-from .models import WeightSource
+from ..config import Config, ConfigError
+from ..models import WeightSource
 from .kvcache import TieredKV
-from .models.gpt_decode import GPTCache
-from .models.gpt_decode import decode_mask as gpt_decode_mask
-from .models.hf import decode_mask, kv_bytes, kv_shape, new_cache
-from .runtime import Runtime
-from .weights_file import forward_params
+from ..models.gpt_decode import GPTCache
+from ..models.gpt_decode import decode_mask as gpt_decode_mask
+from ..models.hf import decode_mask, kv_bytes, kv_shape, new_cache
+from ..runtime import Runtime
+from .weights import forward_params
 
 __all__ = ["Sampling", "generate", "eos_ids"]
 

@@ -17,44 +17,43 @@ import os
 import statistics
 import sys
 import time
-import types
 from typing import TYPE_CHECKING
 
 import torch
 
-from . import faults
-from .activations.offload import OffloadedGraphs
-from .activations.policy import policy_for
-from .activations.stash import HiddenStash
-from .checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
-from .config import Config, ConfigError
-from .data import EvalSet, open_corpus
-from .errors import one_line
+from .. import faults
+from ..activations.offload import OffloadedGraphs
+from ..activations.policy import policy_for
+from ..activations.stash import HiddenStash
+from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
+from ..config import Config, ConfigError
+from ..data import EvalSet, open_corpus
+from ..errors import one_line
 from .interrupt import StopFlag
-from .io import aligned_empty, check_space
-from .io.errors import OutOfSpaceError, human_bytes
-from .io.space import existing_dir
+from ..io import aligned_empty, check_space
+from ..io.errors import OutOfSpaceError, human_bytes
+from ..io.space import existing_dir
 from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
-from .models import WeightSource, vocab_size_of
-from .models.pieces import WholeTensors
+from ..models import WeightSource, vocab_size_of
+from ..models.pieces import WholeTensors
 from .rundir import RunDir
-from .runtime import Runtime
-from .schedule.executor import LayerMajorExecutor
-from .scratch import ScratchLock, clean_other_legs, clean_stale
-from .state.decl import SpacePlan, StateDecl, checkpointed
-from .state.device import host_peak_rss
-from .state.grads import GradStore, accum_dtype_for
-from .state.malloc import fix_mmap_threshold, trim_heap
-from .update import UPDATES, Update
-from .dist.checkpoint import GatheredRegion, ScatteredRegion, follow
-from .dist.shard import ShardedGrads, ShardedParams
-from .dist.ranks import per_rank_figures, rank_config
-from .update.schedule import lr_at
-from .validation import validation_loss
+from ..runtime import Runtime
+from ..execute.executor import LayerMajorExecutor
+from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
+from ..state.decl import SpacePlan, StateDecl, checkpointed
+from ..device.host import host_peak_rss
+from ..state.grads import GradStore, accum_dtype_for
+from ..device.host import fix_mmap_threshold, trim_heap
+from ..update import UPDATES, Update
+from ..dist.checkpoint import GatheredRegion, ScatteredRegion, follow
+from ..dist.shard import ShardedGrads, ShardedParams
+from ..dist.ranks import per_rank_figures, rank_config
+from ..update.lr import lr_at
+from ..inference.validation import validation_loss
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
-    from .cost.model import Prediction
-    from .dist.group import RankGroup
+    from ..cost.model import Prediction
+    from ..dist.group import RankGroup
 
 __all__ = ["Trainer", "SpacePlan", "declare_states"]
 
@@ -87,7 +86,7 @@ class ActivationPlan:
 
     @classmethod
     def of(cls, cfg: Config, rt: Runtime, act_bytes: int, record_bytes: int) -> "ActivationPlan":
-        from .cost import kept_pairs, offloaded_pairs
+        from ..cost import kept_pairs, offloaded_pairs
 
         L = len(rt.model.blocks)
         kept = kept_pairs(cfg, L, act_bytes) if act_bytes else 0
@@ -192,10 +191,10 @@ class Trainer:
         """Every unset memory.*_mib field set from the one budget (memory.host_mib), and the
         update path chosen where it is auto; the plan logged. Measures this machine only when not
         everything fits."""
-        from .cost import measure_rates
-        from .cost.budget import plan_budget
-        from .cost.choose import resolve_activations, resolve_update
-        from .cost.probe import probe_acts
+        from ..cost import measure_rates
+        from ..cost.budget import plan_budget
+        from ..cost.choose import resolve_activations, resolve_update
+        from ..cost.probe import probe_acts
 
         def rates():
             if self._rates is None:
@@ -575,7 +574,7 @@ class Trainer:
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
         a prediction is never worth stopping a run for)."""
-        from .cost import estimate
+        from ..cost import estimate
 
         try:
             pred = estimate(self.cfg, self.rt, self._rates, probe_mib=64)
@@ -615,16 +614,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _CallableModule(types.ModuleType):
-    """``tiertrain.train`` is this module (``from tiertrain.train import Trainer``) and the API's
-    function at once: ``tiertrain.train(config)`` runs ``api.train``."""
-
-    def __call__(self, *args, **kwargs):
-        from .api import train
-
-        return train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Any, Sequence
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["coerce", "parse_overrides", "suggest"]
 

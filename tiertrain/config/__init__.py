@@ -1,0 +1,206 @@
+"""The configuration tree: one kw-only dataclass per component (``sections.py``), loaded from
+TOML and overridden by ``--section.field=value`` flags (``values.py``). Every field has a doc
+string (shown by ``tiertrain config``) and is validated when the section is made, with errors
+that name the field, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import ConfigError
+from .sections import (
+    TOKENIZER_MARKERS,
+    CheckpointConfig,
+    DataConfig,
+    IOConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimConfig,
+    RanksConfig,
+    Section,
+    TrainConfig,
+    UpdateConfig,
+    env_checks,
+    has_tokenizer,
+    without_environment_checks,
+)
+from .values import coerce, parse_overrides, suggest
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "without_environment_checks",
+    "IOConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "MemoryConfig",
+    "TrainConfig",
+    "RanksConfig",
+    "UpdateConfig",
+    "CheckpointConfig",
+    "Section",
+    "has_tokenizer",
+    "TOKENIZER_MARKERS",
+    "load_config",
+    "parse_overrides",
+    "config_reference",
+]
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole tree. ``Config()`` is the default main job."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ranks: RanksConfig = field(default_factory=RanksConfig)
+
+    def __post_init__(self) -> None:
+        if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
+            raise ConfigError(
+                f"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0 (got mode "
+                f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
+                "after the whole backward"
+            )
+        if (self.update.topk > 0 or self.update.error_feedback) and self.update.mode != "engines":
+            raise ConfigError(
+                f"update.topk = {self.update.topk} / update.error_feedback = {self.update.error_feedback} compress what "
+                "is sent to the update engines: set update.mode = 'engines'"
+            )
+        if self.update.error_feedback and self.update.topk == 0:
+            raise ConfigError("update.error_feedback = true needs update.topk > 0")
+        if self.train.eval_every and self.data.eval_corpus is None:
+            raise ConfigError(f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
+                              "the validation loss is taken on); set it, or train.eval_every = 0")
+        if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
+                "lower one or raise the other"
+            )
+        if self.data.tokenizer is None and self.model.hf_dir is not None and env_checks() and has_tokenizer(self.model.hf_dir):
+            self.data.tokenizer = self.model.hf_dir  # the model's own: never its text in another tokenizer's ids
+        limit = self.model.position_limit() if self.model.hf_dir is not None and env_checks() else None
+        if limit is not None and self.data.seq_len > limit[0]:
+            raise ConfigError(
+                f"data.seq_len = {self.data.seq_len} is longer than the model in {self.model.hf_dir} supports "
+                f"({limit[1]} = {limit[0]} in its config.json); lower data.seq_len to at most {limit[0]}"
+            )
+
+    @property
+    def checkpoint_root(self) -> str:
+        """Where checkpoints go: checkpoint.dir, else <train.run_dir>/checkpoints."""
+        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
+
+    def check_writable(self) -> None:
+        """Every directory the run writes is one (or can be made one) and is writable. Made
+        before any work, so a bad path is one line, not a traceback half-way through."""
+        from ..paths import check_writable_dir
+
+        for p in self.io.paths:
+            check_writable_dir("io.paths", p)
+        check_writable_dir("train.run_dir", self.train.run_dir)
+        if self.checkpoint.dir is not None:
+            check_writable_dir("checkpoint.dir", self.checkpoint.dir)
+
+    def absolute(self) -> "Config":
+        """A copy, validated again (fields may have been set after it was made), with every
+        path absolute, as stored in checkpoints: a run resumed or exported from another
+        working directory finds the same files and the same run directory."""
+        ab = os.path.abspath
+        out = Config.from_dict(self.to_dict())
+        out.io.paths = [ab(p) for p in out.io.paths]
+        out.train.run_dir = ab(out.train.run_dir)
+        for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):
+            value = getattr(getattr(out, sec), name)
+            if value is not None and (sec, value) != ("data", "bytes"):
+                setattr(getattr(out, sec), name, ab(value))
+        if out.data.corpus != "bundled":
+            out.data.corpus = ab(out.data.corpus)
+        return out
+
+    def validate(self) -> "Config":
+        """Check the tree again, as a file or flags would be (fields set on the objects after they
+        were made skip their section's checks otherwise); ``self``, unchanged."""
+        Config.from_dict(self.to_dict())
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, tree: dict[str, Any], *, environment: bool = True) -> "Config":
+        """The config of ``tree`` (sections of fields). ``environment=False`` skips the checks
+        that look at files (for a stored config whose files may have moved)."""
+        if not environment:
+            with without_environment_checks():
+                return cls.from_dict(tree)
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw = {}
+        for name, values in tree.items():
+            if name not in sections:
+                raise ConfigError(f"unknown config section [{name}]{suggest(name, sections)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
+            kw[name] = _make_section(_section_class(name), values)
+        return cls(**kw)
+
+
+def _section_class(name: str) -> type:
+    return typing.get_type_hints(Config)[name]
+
+
+def _make_section(cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown field {cls.SECTION}.{key}{suggest(key, names)}")
+        kw[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
+    return cls(**kw)
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``--section.field=value`` overrides, validate."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for section, values in parse_overrides(overrides).items():
+        if section not in tree:
+            tree[section] = {}
+        if not isinstance(tree[section], dict):
+            raise ConfigError(f"[{section}] in {path} is not a table")
+        tree[section].update(values)
+    return Config.from_dict(tree)
+
+
+def config_reference() -> str:
+    """Markdown reference of every section and field: default and doc."""
+    lines = []
+    for f in dataclasses.fields(Config):
+        cls = _section_class(f.name)
+        lines += [f"### [{f.name}]", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
+        for sf in dataclasses.fields(cls):
+            default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()
+            lines.append(f"| `{sf.name}` | `{default!r}` | {sf.metadata.get('doc', '')} |")
+        lines.append("")
+    return "\n".join(lines)
