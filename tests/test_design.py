@@ -109,6 +109,20 @@ def test_the_trainer_holds_one_update_and_never_asks_its_kind():
     assert "isinstance(self.update" not in src and "EngineUpdate" not in src and "BaselineUpdate" not in src
 
 
+def test_the_trainer_has_one_path_whatever_the_number_of_ranks():
+    """One process is a group of one: the training package never asks how many ranks there are
+    (the group wraps what differs), as it never asks which update path it holds."""
+    import glob
+    import re
+
+    pkg = os.path.join(os.path.dirname(__file__), "..", "tiertrain", "training")
+    for path in glob.glob(os.path.join(pkg, "*.py")):
+        src = open(path).read()
+        found = re.findall(r".{0,30}(?:world\s*[=!<>]=?\s*1|world\s*>\s*\d|group is (?:not )?None|rank\s*==\s*0"
+                           r"|ShardedParams|ShardedGrads|GatheredRegion|ScatteredRegion).{0,10}", src)
+        assert not found, (os.path.basename(path), found)
+
+
 def test_slot_and_engine_state_machines_refuse_illegal_moves():
     from tiertrain.state.store import _SLOT, SlotState
     from tiertrain.update.engines.protocol import ENGINE, EngineState

@@ -136,7 +136,7 @@ def test_legs_on_other_rank_counts_leave_nothing_behind(tmp_path):
     two = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2,
                env={"TIERTRAIN_KILL_AT": "backward:6", "TIERTRAIN_KILL_RANK": "1"})
     assert two.returncode != 0
-    assert "removed a file a leg of this run on one rank left" in two.stderr and "params.bin" in two.stderr, two.stderr[-3000:]
+    assert "removed a file a leg of this run on another number of ranks left" in two.stderr and "params.bin" in two.stderr, two.stderr[-3000:]
     assert not (tmp_path / "ssd" / "params.bin").exists()
     assert (tmp_path / "ssd" / "rank1").exists()  # the killed rank's, until the next leg
     end = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2)

@@ -147,7 +147,7 @@ def _resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     the checkpoint ``resumed`` from is the damaged one, the newest intact one before it."""
     from .checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
     from .dist import env_world
-    from .training.trainer import resume_command
+    from .dist.launch import resume_command
 
     world = env_world()[1]
     root = os.path.abspath(cfg.checkpoint_root)
@@ -223,37 +223,20 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, cfg, rt) -> int:
+    """The run's plan (``training.plan``, as the trainer makes it) and its prediction, printed."""
     from .cost import estimate, measure_rates
-    from .cost.budget import plan_budget
-    from .cost.choose import resolve_activations, resolve_update
-    from .cost.probe import probe_acts
     from .cost.report import plan_report
-    from .training.trainer import declare_states
+    from .training.plan import plan_run
 
-    measured = []
-
-    def rates():
-        if not measured:
-            log.info("probing this machine: the storage tier (%d MiB written and read), CRC32C, one unit of each kind",
-                     args.probe_mib)
-            measured.append(measure_rates(cfg, rt, probe_mib=args.probe_mib))
-        return measured[0]
-
-    # a budget below the fixed pools is refused before the probe's minutes
-    act = lambda: probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)  # noqa: E731
-    cfg, budget = plan_budget(cfg, rt, rates, act)
-    cfg, why = resolve_update(cfg, rt, rates)
-    if why:
-        log.info("update path (auto): %s", why)
-    cfg, why = resolve_activations(cfg, rt, budget.act_bytes, budget.record_bytes, rates)
-    if why:
-        log.info("%s", why)
-    rates = rates()
-    if budget.record_bytes:  # the dry run's figures, for the prediction of this plan
-        rates = dataclasses.replace(rates, act_bytes=budget.act_bytes, record_bytes=budget.record_bytes)
-    rt.cfg = cfg
-    states = declare_states(cfg, rt, budget.record_bytes)
-    print(plan_report(cfg, rt, states, estimate(cfg, rt, rates), budget))
+    log.info("probing this machine where a choice needs it: the storage tier (%d MiB written and read), CRC32C, "
+             "one unit of each kind", args.probe_mib)
+    plan = plan_run(cfg, rt, probe_mib=args.probe_mib, measure=True)
+    for line in plan.notes:
+        log.info("%s", line)
+    rates = plan.rates if plan.rates is not None else measure_rates(cfg, rt, probe_mib=args.probe_mib)
+    if plan.budget.record_bytes:  # the dry run's figures, for the prediction of this plan
+        rates = dataclasses.replace(rates, act_bytes=plan.budget.act_bytes, record_bytes=plan.budget.record_bytes)
+    print(plan_report(plan.cfg, rt, plan.states, estimate(plan.cfg, rt, rates), plan.budget))
     return 0
 
 

@@ -78,13 +78,23 @@ class Runtime:
     def hidden_size(self) -> int:
         return hidden_size_of(self.model, self.cfg)
 
-    def open_storage(self) -> Storage:
-        self.storage = Storage.from_config(self.cfg.io)
+    @property
+    def update_writes_slots(self) -> bool:
+        """Whether an update path may write new parameters straight into the parameter slots:
+        where device memory is host memory and the update's units are the slots' (with ranks a
+        rank updates its shard of a unit, a slot holds the whole unit)."""
+        return not self.dev.separate and self.state_layout is self.layout
+
+    def open_storage(self, io=None) -> Storage:
+        """The storage tier as ``io`` (the planned config's ``[io]``; default: the runtime's) says."""
+        self.storage = Storage.from_config(io or self.cfg.io)
         return self.storage
 
-    def bind_params(self, source, *, slot_tensors: list[torch.Tensor] | None = None) -> ParamStore:
-        """The parameter store over ``source`` (a ``ParamSource``) with the configured slots."""
-        self.params = ParamStore(self.layout, source, self.dev, slots=self.cfg.memory.device_slots,
+    def bind_params(self, source, *, slots: int | None = None,
+                    slot_tensors: list[torch.Tensor] | None = None) -> ParamStore:
+        """The parameter store over ``source`` (a ``ParamSource``) with ``slots`` slots (default:
+        the configured ``memory.device_slots``)."""
+        self.params = ParamStore(self.layout, source, self.dev, slots=slots or self.cfg.memory.device_slots,
                                  slot_tensors=slot_tensors)
         return self.params
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RankError", "RankGroup", "Traffic", "env_world"]
+__all__ = ["RankError", "RankGroup", "SoloGroup", "Group", "Traffic", "env_world"]
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,11 @@ the rank that stopped where its signs of life tell (``watch.py``: 2 s more).
 
 Alignment: ``reduce_scatter`` needs a length divisible by the world size (a sharded layout pads
 every unit to a multiple of ``N x`` its alignment).
+
+One process is a group too: ``SoloGroup``, rank 0 of 1, whose collectives return their input
+and count no bytes. The trainer holds a group either way and never asks how many ranks there
+are; what differs (a unit gathered, a gradient reduced, a checkpoint written by rank 0 alone)
+is the group's (``wrap_*``: the sharded wrappers, or the inner objects themselves for one).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch.distributed as dist
 from ..errors import TiertrainError
 from .watch import Watch
 
-__all__ = ["RankError", "RankGroup", "Traffic", "env_world"]
+__all__ = ["RankError", "RankGroup", "SoloGroup", "Group", "Traffic", "env_world"]
 
 
 class RankError(TiertrainError, RuntimeError):
@@ -72,7 +77,142 @@ def env_world() -> tuple[int, int, int]:
     return rank, world, local
 
 
-class RankGroup:
+class _Sharding:
+    """What a group does to the objects the trainer builds (the same for every group): with one
+    rank they are used as they are; with several, wrapped so that each rank holds its shard."""
+
+    rank: int
+    world: int
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that writes checkpoints and speaks for the ranks."""
+        return self.rank == 0
+
+    def wrap_stores(self, source, sink, layout):
+        """The update's parameter source and gradient sink as the stores use them: whole units
+        gathered from the ranks' shards, gradients summed over the ranks (``shard.py``)."""
+        if self.world == 1:
+            return source, sink
+        from .shard import ShardedGrads, ShardedParams
+
+        return ShardedParams(source, layout, self), ShardedGrads(sink, layout, self)
+
+    def gathered(self, regions: dict, layout) -> dict:
+        """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""
+        if self.world == 1:
+            return regions
+        from .checkpoint import GatheredRegion
+
+        return {n: GatheredRegion(r, layout, self) for n, r in regions.items()}
+
+    def scattered(self, regions: dict, layout) -> dict:
+        """Regions every rank restores its shard of from the one-rank layout's files."""
+        if self.world == 1:
+            return regions
+        from .checkpoint import ScatteredRegion
+
+        return {n: ScatteredRegion(r, layout) for n, r in regions.items()}
+
+    def read_unit(self, region, u: int, buf: torch.Tensor, layout) -> None:
+        """Unit ``u`` of ``region`` whole into ``buf``: this rank's shard, the others' gathered."""
+        if self.world == 1:
+            region.read(u, buf).get()
+            return
+        own = layout.shard(u, buf)
+        region.read(u, own).get()
+        self.all_gather(buf[: layout.full.units[u].numel], own.clone())
+
+    def step_record(self, rec, before: tuple[int, int]) -> dict:
+        """What the per-step record says of the ranks: bytes sent and received, every rank's
+        figures (nothing with one rank)."""
+        if self.world == 1:
+            return {}
+        from .ranks import per_rank_figures
+
+        t = self.traffic
+        return {"ranks": self.world, "net_sent_bytes": t.sent - before[0], "net_received_bytes": t.received - before[1],
+                "per_rank": per_rank_figures(self, rec)}
+
+    def check_space(self, needs: list[tuple[str, int]]) -> None:
+        """Refuse now unless every filesystem can hold what it is asked (``needs``: this rank's
+        ``(path, bytes)``): with ranks, the needs of every rank of this machine at once (they share
+        its drives: each alone would fit where all do not), the error naming each rank's share."""
+        import socket
+
+        from ..io import check_space
+        from ..io.errors import OutOfSpaceError, human_bytes
+        from ..io.space import existing_dir
+
+        if self.world == 1:
+            check_space(needs)
+            return
+        host = socket.gethostname()
+        mine = {r: ns for r, (h, ns) in enumerate(self.all_objects((host, needs))) if h == host}
+        try:
+            check_space([n for ns in mine.values() for n in ns])
+        except OutOfSpaceError as exc:
+            dev = os.stat(existing_dir(exc.filename)).st_dev
+            share = {r: sum(b for p, b in ns if os.stat(existing_dir(p)).st_dev == dev) for r, ns in mine.items()}
+            raise OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share "
+                                  "it: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items())) from None
+
+    def rank_config(self, cfg):
+        """``cfg`` as this rank runs it (``ranks.py``: its own scratch and run subdirectories)."""
+        if self.world == 1:
+            return cfg
+        from .ranks import rank_config
+
+        return rank_config(cfg, self)
+
+
+class SoloGroup(_Sharding):
+    """One process as a group of one: collectives return their input, no byte moves."""
+
+    rank, world = 0, 1
+
+    def __init__(self) -> None:
+        self.traffic = Traffic()
+
+    def __enter__(self) -> SoloGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def at_step(self, step: int) -> None:
+        pass
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        if out.data_ptr() != shard.data_ptr():
+            out.view(-1).copy_(shard.reshape(-1))
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def max(self, value: int) -> int:
+        return value
+
+    def rank0s(self, value: Any) -> Any:
+        return value
+
+    def all_objects(self, value: Any) -> list[Any]:
+        return [value]
+
+    def barrier(self) -> None:
+        pass
+
+    def check_same(self, what: str, value: Any) -> None:
+        pass
+
+
+class RankGroup(_Sharding):
     """One rank's handle on the run's process group (a context manager: leaving it destroys
     the group). ``backend``: 'gloo' (CPU tensors) or 'nccl' (CUDA tensors); ``init_method``:
     as ``torch.distributed.init_process_group`` (default: the ``MASTER_ADDR``/``MASTER_PORT``
@@ -243,3 +383,6 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+Group = SoloGroup | RankGroup

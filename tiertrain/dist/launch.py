@@ -35,11 +35,17 @@ from typing import Sequence
 
 import psutil
 
-__all__ = ["launch", "LAUNCHED"]
+__all__ = ["launch", "resume_command", "LAUNCHED"]
 
 log = logging.getLogger("tiertrain")
 LAUNCHED = "TIERTRAIN_LAUNCHED"  # set in the ranks' environment: the launcher reports for them
 _STOP_AFTER_TERM_S = 5.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
+
+
+def resume_command(run_dir: str, world: int = 1, checkpoint: str | None = None) -> str:
+    """``tiertrain train --resume ...`` for a run (its latest checkpoint, or ``checkpoint``) on
+    ``world`` ranks (the launcher's ``--nproc``)."""
+    return f"tiertrain train --resume {checkpoint or run_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 
 def free_port() -> int:

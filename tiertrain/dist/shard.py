@@ -42,7 +42,7 @@ import torch
 
 from ..io import IOFuture
 from ..state.layout import FlatLayout
-from ..update.base import GradSink, ParamSource
+from ..state.sources import GradSink, ParamSource
 from ..update.slices import Slice, SliceLayout, unit_records
 from .group import RankGroup
 

@@ -46,6 +46,7 @@ from ..models.base import LayeredModel, UnitRef
 from ..device.core import Device
 from ..state.grads import GradStore
 from ..state.store import ParamStore
+from .loss import LossScale
 from .vocab import VocabSteps, used_pieces
 
 __all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
@@ -134,8 +135,7 @@ class LayerMajorExecutor(VocabSteps):
         self.kept_pairs = 0  # pairs whose graph was kept in the last step
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
-        self.ranks = 1  # data-parallel ranks: each micro-batch's loss is divided by ranks x M
-        self._scored: int | None = None  # the step's scored targets, where they may be masked (``step``)
+        self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -205,16 +205,15 @@ class LayerMajorExecutor(VocabSteps):
         """Forward and backward of the head per micro-batch: (dh, losses)."""
         if self.head_pieces:
             return self._cut_head_step(h, mbs)
-        ref, M, scored = self.head, len(mbs), self._scored
+        ref = self.head
         self._acquire(ref)
         self.grads.begin(ref.index)
         dh, losses = [], []
         for x, mb in zip(h, mbs):
             x = x.requires_grad_()
             head = self.model.head
-            loss = head.loss(head.logits(x), mb.targets, scored)
-            # the mean over every rank's micro-batches; with a divisor, already the share of the step's mean
-            (loss if scored else loss / (M * self.ranks)).backward()
+            loss = head.loss(head.logits(x), mb.targets, self.scale.divisor)
+            self.scale.share(loss).backward()
             self.grads.fold(self._units(ref))
             dh.append(x.grad)
             losses.append(loss.detach())
@@ -277,7 +276,7 @@ class LayerMajorExecutor(VocabSteps):
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
         ``scored``, ``positions``: as ``step``'s."""
         mbs = self._micro_batches(batches, positions)
-        self._scored = scored
+        self.scale = LossScale(len(batches), scored=scored)
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self._order, self._pos = visits(self.plan, self.pieces_used, forward_only=True), 0
         was = self.model.training
@@ -300,7 +299,7 @@ class LayerMajorExecutor(VocabSteps):
         for x, mb in zip(h, mbs):
             x = x.detach().requires_grad_()  # as head_step: the same kernels
             with torch.enable_grad():
-                losses.append(head.loss(head.logits(x), mb.targets, self._scored).detach())
+                losses.append(head.loss(head.logits(x), mb.targets, self.scale.divisor).detach())
         self._release(self.head)
         return losses
 
@@ -317,16 +316,16 @@ class LayerMajorExecutor(VocabSteps):
         return mbs
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             step_tokens: list[torch.Tensor] | None = None, scored: int | None = None,
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale | None = None,
+             step_tokens: list[torch.Tensor] | None = None,
              positions: list[torch.Tensor] | None = None) -> StepOutput:
-        """One step over ``batches`` (this rank's micro-batches); ``step_tokens``: every rank's
+        """One step over ``batches`` (this rank's micro-batches); ``scale``: how their losses make
+        the step's (default: the mean of these micro-batches'); ``step_tokens``: every rank's
         inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same
-        on every rank); ``scored``: the step's scored targets over every rank, where targets may
-        be masked (each micro-batch's loss is then its summed cross-entropy over it);
-        ``positions``: packed rows' positions, restarting at each document (``_micro_batches``)."""
+        on every rank); ``positions``: packed rows' positions, restarting at each document
+        (``_micro_batches``). The output's ``loss`` is this rank's part of the step's."""
         M = len(batches)
-        self._scored = scored
+        self.scale = scale or LossScale(M)
         self.model.train()
         mbs = self._micro_batches(batches, positions)
         self._rng = {}
@@ -359,4 +358,4 @@ class LayerMajorExecutor(VocabSteps):
 
         values = [float(v) for v in losses]  # sync point: losses to the host
         tokens = sum(int(mb.ids.numel()) for mb in mbs)
-        return StepOutput(sum(values) if scored else sum(values) / M, values, tokens, t1 - t0, t2 - t1)
+        return StepOutput(self.scale.mean(sum(values)), values, tokens, t1 - t0, t2 - t1)

@@ -109,8 +109,8 @@ class VocabSteps:
             for m, (x, t) in enumerate(zip(hn, targets)):
                 lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m])
             self._release(ref)
-        if self._scored:  # masked targets (ignore index): the sum over the scored ones, over the step's count
-            return hn, targets, lse, [((a - b) * (t != IGNORE)).sum() / self._scored
+        if self.scale.divisor:  # masked targets (ignore index): the sum over the scored ones, over the step's count
+            return hn, targets, lse, [((a - b) * (t != IGNORE)).sum() / self.scale.divisor
                                       for a, b, t in zip(lse, picked, targets)]
         return hn, targets, lse, [(a - b).mean() for a, b in zip(lse, picked)]
 
@@ -119,17 +119,17 @@ class VocabSteps:
         return self._cut_head_pass1(h, mbs)[3]
 
     def _cut_head_step(self, h: list[torch.Tensor], mbs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        head, M = self.model.head, len(mbs)
+        head = self.model.head
         hn, targets, lse, losses = self._cut_head_pass1(h, mbs)
         dhn = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in hn]
         for ref in reversed(self.head_pieces):  # pass 2: gradients
             self._acquire(ref)
             self.grads.begin(ref.index)
             for m, (x, t) in enumerate(zip(hn, targets)):
-                if self._scored:
-                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self._scored, (t != IGNORE).float())
+                if self.scale.divisor:
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self.scale.divisor, (t != IGNORE).float())
                 else:
-                    dhn[m] += piece_backward(ref.module, x, t, lse[m], t.numel() * M * self.ranks)
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self.scale.token_divisor(t.numel()))
                 self.grads.fold(self._units(ref))
             self.grads.end(ref.index)
             self._release(ref)

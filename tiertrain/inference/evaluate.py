@@ -32,7 +32,7 @@ from ..models import WeightSource, vocab_size_of
 from ..runtime import Runtime
 from ..execute.executor import LayerMajorExecutor
 from ..state.layout import FlatLayout
-from ..update.base import ParamSource
+from ..state.sources import ParamSource
 from .validation import validation_loss
 
 __all__ = ["EvalResult", "WeightParams", "CheckpointWeights", "evaluate"]

@@ -16,13 +16,17 @@ from __future__ import annotations
 import torch
 
 from ..data import EvalSet
+from ..dist.group import SoloGroup
+from ..execute.loss import LossScale
 
 __all__ = ["validation_loss"]
 
 
 def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) -> float:
-    """The mean loss over ``evalset`` (see the module docstring); ``group``: the ranks, or None."""
-    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    """The mean loss over ``evalset`` (see the module docstring); ``group``: the ranks (one
+    process: a group of one)."""
+    group = group or SoloGroup()
+    rank, world = group.rank, group.world
     mine = evalset.micro_batches(rank, world)
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
     scored, positions = evalset.total_scored(world), evalset.positions(rank, world)
@@ -32,6 +36,5 @@ def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) 
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
         pos = positions[i : i + micro_batches] if positions is not None else None
         total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos))
-    if group is not None and world > 1:
-        total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point
-    return total if scored else total / (len(mine) * world)
+    total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point (ranks)
+    return LossScale(len(mine), world, scored).mean(total)

@@ -25,7 +25,7 @@ import torch
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
 from ..state.layout import FlatLayout
-from ..update.base import ParamSource
+from ..state.sources import ParamSource
 
 __all__ = ["ResidentWeights", "TierWeights", "forward_params", "resident_budget", "weights_key"]
 

@@ -130,6 +130,11 @@ class FlatLayout:
     def segments(self, u: int, start: int, end: int) -> list[tuple[ParamRecord, int, int]]:
         return segments(self.units[u].params, start, end)
 
+    def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        """This process's share of unit ``u``'s flat buffer ``full``: all of it (one rank; a
+        rank's share of a sharded layout is ``dist.shard.ShardLayout.shard``)."""
+        return full[: self.units[u].numel]
+
     def describe(self) -> str:
         return (
             f"{len(self.units)} units, {self.n_params / 1e6:.2f} M parameters, "

@@ -1,19 +1,20 @@
-"""The trainer: the training driver. Builds the runtime, one update path, the gradient
-store, the hidden-state stash and the layer-major executor from the config, and runs steps.
+"""The trainer: the training driver. Plans the run (``plan.py``), builds the runtime's stores,
+one update path, the gradient store, the hidden-state stash and the layer-major executor from
+the plan, and runs steps.
 
 What it owns and may call: the ``Runtime`` (device, model, layout, storage, parameter
 store), an ``Update`` (never asking which kind), ``GradStore``, ``HiddenStash``, the
-executor, ``CheckpointIO`` and the run directory. Every part's states are declared before
-any file exists (``SpacePlan``): the scratch space is claimed, stale files removed and
-checkpoints made from those declarations.
+executor, its checkpoints (``checkpoints.py``), its step meter (``meter.py``) and the run
+directory; and the ranks' group, one process being a group of one (it never asks how many
+ranks there are: what differs is the group's). Every part's states are declared before any
+file exists (``SpacePlan``): the scratch space is claimed, stale files removed and checkpoints
+made from those declarations.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import logging
-import os
 import statistics
 import sys
 import time
@@ -25,79 +26,39 @@ from .. import faults
 from ..activations.offload import OffloadedGraphs
 from ..activations.policy import policy_for
 from ..activations.stash import HiddenStash
-from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, step_of
+from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
 from ..config import Config, ConfigError
 from ..data import EvalSet, open_corpus
-from ..errors import one_line
-from .interrupt import StopFlag
-from ..io import aligned_empty, check_space
-from ..io.errors import OutOfSpaceError, human_bytes
-from ..io.space import existing_dir
-from .metrics import MetricsLog, StepRecord, flops_per_token, peak_flops
-from ..models import WeightSource, vocab_size_of
-from ..models.pieces import WholeTensors
-from .rundir import RunDir
-from ..runtime import Runtime
-from ..execute.executor import LayerMajorExecutor
-from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
-from ..state.decl import SpacePlan, StateDecl, checkpointed
-from ..device.host import host_peak_rss
-from ..state.grads import GradStore, accum_dtype_for
 from ..device.host import fix_mmap_threshold, trim_heap
-from ..update import UPDATES, Update
-from ..dist.checkpoint import GatheredRegion, ScatteredRegion, follow
-from ..dist.shard import ShardedGrads, ShardedParams
-from ..dist.ranks import per_rank_figures, rank_config
-from ..update.lr import lr_at
+from ..dist.group import SoloGroup
+from ..errors import one_line
+from ..execute.executor import LayerMajorExecutor
+from ..execute.loss import LossScale
 from ..inference.validation import validation_loss
+from ..io import aligned_empty
+from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
+from ..models import WeightSource, vocab_size_of
+from ..runtime import Runtime
+from ..state.decl import SpacePlan, checkpointed
+from ..state.grads import GradStore, accum_dtype_for
+from ..update import UPDATES, Update
+from ..update.lr import lr_at
+from ..dist.launch import resume_command
+from .checkpoints import Checkpoints
+from .interrupt import StopFlag
+from .meter import StepMeter
+from .metrics import MetricsLog, StepRecord, flops_per_token
+from .plan import ActivationPlan, declare_states, plan_run
+from .rundir import RunDir
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
     from ..cost.model import Prediction
-    from ..dist.group import RankGroup
+    from ..dist.group import Group
 
-__all__ = ["Trainer", "SpacePlan", "declare_states"]
+__all__ = ["Trainer", "SpacePlan", "declare_states", "resume_command"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
-
-
-def declare_states(cfg: Config, rt: Runtime, record_bytes: int = 0) -> list[StateDecl]:
-    """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
-    path's (parameters, gradients, optimizer state, residual), the stash's and, with pairs
-    offloaded (``memory.offload_pairs`` of ``record_bytes`` each), the activation records'."""
-    update = UPDATES[cfg.update.mode].declare(cfg, rt.state_layout, rt.dtype, rt.align, cfg.io.paths)
-    d, m = cfg.data, cfg.memory
-    stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
-                                len(rt.model.blocks) * d.micro_batches, m.stash_host_mib * MIB)
-    acts = []
-    if m.offload_pairs and record_bytes:
-        acts = [OffloadedGraphs.declare(rt.dtype, record_bytes, m.offload_pairs, m.act_buffers)]
-    return [*update, stash, *acts]
-
-
-@dataclass(frozen=True)
-class ActivationPlan:
-    """Where the step's (block, micro-batch) pairs keep their activations, as planned at start."""
-
-    act_bytes: int  # one pair's saved tensors (kept), measured by a dry run (0: not measured)
-    record_bytes: int  # one pair's record on the storage tier (0: not measured)
-    kept: int  # pairs the keep budget holds (as planned; the kept-graph budget still rules)
-    offloaded: int
-
-    @classmethod
-    def of(cls, cfg: Config, rt: Runtime, act_bytes: int, record_bytes: int) -> "ActivationPlan":
-        from ..cost import kept_pairs, offloaded_pairs
-
-        L = len(rt.model.blocks)
-        kept = kept_pairs(cfg, L, act_bytes) if act_bytes else 0
-        off = offloaded_pairs(cfg, L, kept) if record_bytes else 0
-        return cls(act_bytes, record_bytes, kept, off)
-
-
-def resume_command(run_dir: str, world: int = 1, checkpoint: str | None = None) -> str:
-    """``tiertrain train --resume ...`` for a run (its latest checkpoint, or ``checkpoint``) on
-    ``world`` ranks."""
-    return f"tiertrain train --resume {checkpoint or run_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 
 class Trainer:
@@ -106,30 +67,26 @@ class Trainer:
     ``weights`` overrides where the initial weights come from (tests load a plain
     PyTorch model's state this way); ``device`` the compute device (tests run on
     ``AsyncCpuDevice``); ``group`` the ranks of a sharded run (``dist.RankGroup``; each rank
-    builds its own Trainer with the same config, see ``dist/ranks.py``).
+    builds its own Trainer with the same config, see ``dist/ranks.py``), by default one.
     """
 
     def __init__(self, cfg: Config | dict, *, weights: WeightSource | None = None, device=None,
-                 group: "RankGroup | None" = None) -> None:
+                 group: Group | None = None) -> None:
         if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
             cfg = Config.from_dict(cfg)
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
-        self.group = group
-        rank, world = (group.rank, group.world) if group is not None else (0, 1)
+        self.group = group or SoloGroup()
         self.user_cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
-        self._shared_root = cfg.checkpoint_root  # ranks: rank 0's, where every rank's checkpoints go
-        if world > 1:
-            cfg = rank_config(cfg, group)
+        cfg = self.group.rank_config(cfg)  # with ranks: this rank's scratch and run subdirectories
         fix_mmap_threshold(cfg.memory.mmap_threshold_kib << 10)  # before any large tensor of the run
         cfg.check_writable()
         self.cfg = cfg
         self._rates = None
         self.acts = ActivationPlan(0, 0, 0, 0)
+        self.budget = None
         self._parts: list = []
         self.lock = self.rundir = self.plan = None
-        self.rt = Runtime(cfg, weights=weights, device=device, rank=rank, world=world)
-        self.dev, self.dtype, self.model, self.layout = self.rt.dev, self.rt.dtype, self.rt.model, self.rt.layout
-        self.source = self.rt.weights
+        self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
         for what, data in (("corpus", self.corpus), ("evaluation corpus", self.evalset)):
@@ -138,28 +95,22 @@ class Trainer:
                     f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the {what} vocabulary "
                     f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
                     "own tokenizer")
-        self.lock = ScratchLock(cfg.io.paths, disposable=world > 1)  # one run per scratch directory
+        # one run per scratch directory; a rank's own subdirectories are removed when left empty
+        self.lock = ScratchLock(cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths)
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
                             info["path"], info.get("pid"), info.get("started"))
-            cfg = self._plan_memory(cfg)
-            self.storage = self.rt.open_storage()  # after the plan: it may lower io.chunk_kib to fit the budget
-            self.plan = SpacePlan(declare_states(cfg, self.rt, self.acts.record_bytes))
-            if rank == 0:  # a leg of this run on another number of ranks left its files beside ours
-                for path, size in clean_other_legs(self.user_cfg.io.paths, world):
-                    log.info("removed a file a leg of this run on %s left: %s (%.1f MiB)",
-                             "one rank" if world > 1 else "several ranks", path, size / MIB)
-            for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
-                log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
-            for path in (clean_incomplete(self.checkpoint_root) if rank == 0 else ()):  # rank 0's to clean
-                log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
+            self._plan()
+            cfg = self.cfg
+            self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
+            self._clean_leftovers()
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             # a full disk is reported here, before any work: with ranks, for every rank of this
             # machine at once (they share its drives: each alone would fit where all do not)
-            self._check_space([*self.storage.space_needs(self.plan.files), *self.plan.placed])
+            self.group.check_space([*self.storage.space_needs(self.plan.files), *self.plan.placed])
             self.lock.record_files(self.plan.names)
             self._build()
             faults.point("start")
@@ -167,64 +118,29 @@ class Trainer:
             self.close()
             raise
 
-    def _check_space(self, needs: list[tuple[str, int]]) -> None:
-        """Refuse now unless every filesystem can hold what it is asked (``needs``: this rank's
-        ``(path, bytes)``): with ranks, the needs of every rank of this machine at once (they share
-        its drives: each alone would fit where all do not), the error naming each rank's share."""
-        if self.rt.world == 1:
-            check_space(needs)
-            return
-        import socket
-
-        host = socket.gethostname()
-        mine = {r: ns for r, (h, ns) in enumerate(self.group.all_objects((host, needs))) if h == host}
-        try:
-            check_space([n for ns in mine.values() for n in ns])
-        except OutOfSpaceError as exc:
-            dev = os.stat(existing_dir(exc.filename)).st_dev
-            share = {r: sum(b for p, b in ns if os.stat(existing_dir(p)).st_dev == dev) for r, ns in mine.items()}
-            raise OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share it: "
-                                  + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items())) from None
-
     # -- construction -------------------------------------------------------------------------------
-    def _plan_memory(self, cfg: Config) -> Config:
-        """Every unset memory.*_mib field set from the one budget (memory.host_mib), and the
-        update path chosen where it is auto; the plan logged. Measures this machine only when not
-        everything fits."""
-        from ..cost import measure_rates
-        from ..cost.budget import plan_budget
-        from ..cost.choose import resolve_activations, resolve_update
-        from ..cost.probe import probe_acts
-
-        def rates():
-            if self._rates is None:
-                log.info("probing this machine to place the states by benefit per byte")
-                self._rates = measure_rates(cfg, self.rt, probe_mib=64)
-            return self._rates
-
-        def act() -> tuple[int, int]:  # a dry run of block 0: bytes kept, bytes of an offloaded record
-            rt = self.rt
-            return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
-
-        cfg, self.budget = plan_budget(cfg, self.rt, rates, act,
-                                       agree=self.group.rank0s if self.rt.world > 1 else None)
-        if cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
-            self.model, self.layout, self.source = self.rt.model, self.rt.layout, self.rt.weights
-            self.user_cfg.model.vocab_pieces = cfg.model.vocab_pieces  # a checkpoint resumes with the same units
-        for line in self.budget.lines():
+    def _plan(self) -> None:
+        """The run's plan (``plan.py``): memory budget, update path, activations, states; logged."""
+        plan = plan_run(self.cfg, self.rt, self.group)
+        self._rates = plan.rates
+        if plan.cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
+            self.user_cfg.model.vocab_pieces = plan.cfg.model.vocab_pieces  # a checkpoint resumes with the same units
+        for line in plan.lines():
             log.info("%s", line)
-        # the rates the budget measured, or those the prediction at start will (train.predict)
-        measured = rates if cfg.train.predict or self._rates is not None else None
-        cfg, why = resolve_update(cfg, self.rt, measured, agree=self.group.rank0s if self.rt.world > 1 else None)
-        if why:
-            log.info("update path (auto): %s", why)
-        b = self.budget
-        cfg, why = resolve_activations(cfg, self.rt, b.act_bytes, b.record_bytes, measured)
-        if why:
-            log.info("%s", why)
-        self.acts = ActivationPlan.of(cfg, self.rt, b.act_bytes, b.record_bytes)
-        self.cfg = self.rt.cfg = cfg
-        return cfg
+        self.cfg, self.budget, self.acts = plan.cfg, plan.budget, plan.acts
+        self.plan = SpacePlan(plan.states)
+
+    def _clean_leftovers(self) -> None:
+        """What an earlier run left in this run's directories: stale scratch files, an interrupted
+        checkpoint, a leg of this run on another number of ranks (rank 0 for the shared ones)."""
+        if self.group.leader:
+            for path, size in clean_other_legs(self.user_cfg.io.paths, self.group.world):
+                log.info("removed a file a leg of this run on another number of ranks left: %s (%.1f MiB)",
+                         path, size / MIB)
+            for path in clean_incomplete(self.checkpoint_root):
+                log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
+        for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
+            log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
 
     def _accum_dtype(self) -> torch.dtype | None:
         return accum_dtype_for(self.cfg.train.grad_accum_dtype, self.cfg.data.micro_batches, self.dtype)
@@ -242,15 +158,13 @@ class Trainer:
                                                                   pin=self.dev.pin))
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")
-        # slots the update can write into: only where device memory is host memory, on one rank
-        # (a rank's engines update its shard of a unit, a slot holds the whole gathered unit)
-        shared = (None if self.dev.separate or rt.world > 1
-                  else self.update.share_slots(m.device_slots, self.layout.max_unit_numel))
-        source, sink = self.update.params, self.update.grads
-        if self.group is not None and self.group.world > 1:  # whole units gathered, gradients reduced
-            source = ShardedParams(source, rt.state_layout, self.group)
-            sink = ShardedGrads(sink, rt.state_layout, self.group)
-        self.params = self._part(rt.bind_params(source, slot_tensors=shared))  # closed before the update
+        # slots the update can write into: where device memory is host memory and the update's
+        # units are the slots' (a rank's update has its shard of a unit, a slot the whole unit)
+        shared = (self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
+                  if rt.update_writes_slots else None)
+        # with ranks, whole units gathered from the shards and gradients summed over the ranks
+        source, sink = self.group.wrap_stores(self.update.params, self.update.grads, rt.state_layout)
+        self.params = self._part(rt.bind_params(source, slots=m.device_slots, slot_tensors=shared))  # closed before the update
         self.grads = self._part(GradStore(self.layout, sink, self.dev, accum_dtype=accum))
         d = cfg.data
         self.stash = self._part(HiddenStash(
@@ -267,17 +181,38 @@ class Trainer:
                                            keep_bytes=m.keep_act_mib * MIB,
                                            policy=policy_for(m.activations, a.kept, a.offloaded),
                                            offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
-        self.executor.ranks = rt.world
         self.ckpt = self._part(CheckpointIO(rt.canonical_layout, chunk_bytes=cfg.io.chunk_kib << 10))
-        self._flops_per_token = flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size)
+        self.checkpoints = Checkpoints(self.ckpt, self.group, rt.state_layout, rt.canonical_layout,
+                                       lambda: self.user_cfg)
+        self.meter = StepMeter(self.storage, self.dev, self.group, self._waits,
+                               flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size))
         self.step = 0
-        self._superseded: list[str] = []  # checkpoints of a later course of a resumed run, replaced at its first save
 
     def _part(self, obj):
         self._parts.append(obj)
         return obj
 
     # -- introspection (tests, benchmarks) --------------------------------------------------------------
+    @property
+    def dev(self):
+        return self.rt.dev
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rt.dtype
+
+    @property
+    def model(self):
+        return self.rt.model
+
+    @property
+    def layout(self):
+        return self.rt.layout
+
+    @property
+    def source(self) -> WeightSource:
+        return self.rt.weights
+
     @property
     def optim(self):
         """The streamed optimizer when the update runs in this process, else None."""
@@ -330,7 +265,7 @@ class Trainer:
                 if tuple(t.shape) != tuple(rec.shape):
                     raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}")
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
-            self.update.init_unit(unit.index, view if self.rt.world == 1 else self.rt.state_layout.shard(unit.index, view))
+            self.update.init_unit(unit.index, self.rt.state_layout.shard(unit.index, view))  # this rank's share
         self.update.finish_init()
         self.params.invalidate()
         # dropout draws from the global generators, which PyTorch seeds at random per process
@@ -340,87 +275,42 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights by name, fp32 (the declared weights state: master weights where
-        kept). Loads the whole model: for tests and small exports."""
-        out = {}
+        kept). Loads the whole model: for tests and small exports; every rank calls it."""
         with self.state_regions() as regions:
             state = next(d for d in self.plan.states if d.weights)
-            src = regions[f"{state.name}.bin"]
-            buf = aligned_empty(self.layout.max_unit_numel * src.dtype.itemsize).view(src.dtype)
-            whole = WholeTensors(self.model.row_pieces)  # vocabulary pieces by their whole matrix's name
-            for unit in self.layout.units:
-                if self.rt.world > 1:  # this rank's shard, the others' gathered (every rank calls this)
-                    own = self.rt.state_layout.shard(unit.index, buf)
-                    src.read(unit.index, own).get()
-                    self.group.all_gather(buf[: unit.numel], own.clone())
-                else:
-                    src.read(unit.index, buf).get()
-                for rec in unit.params:
-                    out.update(whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()))
-        return out
+            return self.checkpoints.weights(regions[f"{state.name}.bin"], self.layout, self.model.row_pieces)
 
     # -- checkpoints --------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
         """checkpoint.dir, else <train.run_dir>/checkpoints; ranks: rank 0's, for every rank."""
-        return self._shared_root if self.group is not None and self.group.world > 1 else self.cfg.checkpoint_root
+        return self.user_cfg.checkpoint_root
 
     def save_checkpoint(self) -> SaveResult | None:
         """A complete checkpoint of the current step (after the last finished step). Ranks:
         every rank calls it; rank 0 writes and returns the result, the others None."""
-        if self.rt.world > 1:
-            return self._save_ranks()
         with self.state_regions() as regions:
-            res = self.ckpt.save(regions, self.checkpoint_root, self.step, self.user_cfg.to_dict(), keep=self.cfg.checkpoint.keep,
-                                 drop=self._superseded)
-        self._superseded = []
-        log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps)
-        return res
+            return self.checkpoints.save(regions, self.step)
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
-        t0 = time.perf_counter()
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         with self.state_regions() as regions:
-            if self.rt.world > 1:  # every rank reads the canonical files, keeping its shard
-                regions = {n: ScatteredRegion(r, self.rt.state_layout) for n, r in regions.items()}
-            man = self.ckpt.restore(regions, path, zero_if_absent=zero)
+            man = self.checkpoints.restore(regions, path, zero)
         self.params.invalidate()
         self.step = man.step
         self.update.restored(man.step)
-        log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
         return man
-
-    def _save_ranks(self) -> SaveResult | None:
-        """Rank 0 writes the checkpoint in the canonical layout, gathering unit by unit; the
-        others take part in the same gathers (``dist/checkpoint.py``)."""
-        g = self.group
-        with self.state_regions() as regions:
-            whole = {n: GatheredRegion(r, self.rt.state_layout, g) for n, r in regions.items()}
-            if g.rank == 0:
-                res = self.ckpt.save(whole, self.checkpoint_root, self.step, self.user_cfg.to_dict(),
-                                     keep=self.cfg.checkpoint.keep, drop=self._superseded)
-            else:
-                follow(whole, self.rt.canonical_layout)
-                res = None
-        g.barrier()  # sync point: the checkpoint is in place before any rank goes on
-        self._superseded = []
-        if res is not None:
-            log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds,
-                     res.gbps)
-        return res
 
     @property
     def resume_command(self) -> str:
         """The command that continues this run (the user's run directory; with ranks, on as many)."""
-        return resume_command(self.user_cfg.train.run_dir, self.rt.world)
+        return resume_command(self.user_cfg.train.run_dir, self.group.world)
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
         cfg = self.cfg
-        s0, io0 = time.perf_counter(), self.storage.stats()
-        waits0 = self._waits()
-        net0 = (self.group.traffic.sent, self.group.traffic.received) if self.group is not None else (0, 0)
-        self.dev.reset_peak()  # the record's device peak is this step's
+        self.meter.begin()
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
         out = self._run_step()
@@ -434,70 +324,31 @@ class Trainer:
         self.params.invalidate()  # slot copies are stale: the update rewrote (or is rewriting) every unit
         update_s = time.perf_counter() - t0
         self.step += 1
-        step_s = time.perf_counter() - s0
-        io1 = self.storage.stats()
-        rb = sum(io1[k].read_bytes - io0[k].read_bytes for k in io1)
-        wb = sum(io1[k].write_bytes - io0[k].write_bytes for k in io1)
-        rbusy = max((io1[k].read_busy_s - io0[k].read_busy_s for k in io1), default=0.0)
-        wbusy = max((io1[k].write_busy_s - io0[k].write_busy_s for k in io1), default=0.0)
-        peak = peak_flops(torch.cuda.get_device_name(self.dev.device) if self.dev.cuda else None)
-        mfu = self._flops_per_token * out.tokens / step_s / peak if peak else None
-        rec = StepRecord(
-            step=self.step,
-            loss=out.loss,
-            lr=lr,
-            grad_norm=float(norm),
-            tokens=out.tokens,
-            step_s=step_s,
-            forward_s=out.forward_s,
-            backward_s=out.backward_s,
-            update_s=update_s,
-            io_wait_s=self._waits() - waits0 + upd.wait_s,
-            ssd_read_bytes=rb,
-            ssd_write_bytes=wb,
-            ssd_read_gbps=rb / rbusy / 1e9 if rbusy > 0 else 0.0,
-            ssd_write_gbps=wb / wbusy / 1e9 if wbusy > 0 else 0.0,
-            peak_host_bytes=host_peak_rss(),
-            peak_device_bytes=self.dev.peak_bytes(),
-            mfu=mfu,
-            extra={"losses": out.losses, **self.update.record(), **self._act_record(), **self._net_record(net0)},
-        )
-        if self.group is not None and self.group.world > 1:
-            rec.extra["per_rank"] = per_rank_figures(self.group, rec)
-        epoch = self.corpus.epoch_of(self.step - 1, self.rt.world)  # examples: epochs done (raw text: None)
+        rec = self.meter.record(step=self.step, out=out, lr=lr, norm=float(norm), update_s=update_s,
+                                update_wait_s=upd.wait_s,
+                                extra={"losses": out.losses, **self.update.record(), **self._act_record()})
+        epoch = self.corpus.epoch_of(self.step - 1, self.group.world)  # examples: epochs done (raw text: None)
         if epoch is not None:
             rec.extra["epoch"] = epoch
         every = cfg.train.eval_every
         if every and (self.step % every == 0 or self.step == cfg.train.steps):  # after the step: not in step_s
-            rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches,
-                                                     self.group if self.rt.world > 1 else None)
+            rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches, self.group)
         return rec
 
     def _run_step(self):
-        """The executor's step on this rank's micro-batches; with ranks, the loss is every
-        rank's mean (summed in rank order) and the tokens every rank's."""
-        if self.rt.world == 1:
-            return self.executor.step(self.corpus.batches(self.step), scored=self.corpus.scored(self.step),
-                                      positions=self.corpus.positions(self.step))
-        g, M = self.group, self.cfg.data.micro_batches
-        scored = self.corpus.scored(self.step, g.world)
-        g.at_step(self.step + 1)  # told to the others: a rank that stops is named with its step
+        """The executor's step on this rank's micro-batches; the loss is every rank's mean
+        (summed in rank order) and the tokens every rank's."""
+        g, step = self.group, self.step
+        scale = LossScale(self.cfg.data.micro_batches, g.world, self.corpus.scored(step, g.world))
+        g.at_step(step + 1)  # told to the others: a rank that stops is named with its step
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
-            every = [x for r in range(g.world) for x, _ in self.corpus.batches(self.step, rank=r, world=g.world)]
-        out = self.executor.step(self.corpus.batches(self.step, rank=g.rank, world=g.world), every, scored,
-                                 self.corpus.positions(self.step, rank=g.rank, world=g.world))
-        total = g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))  # sync point
-        out.loss = float(total) if scored else float(total) / (M * g.world)
+            every = [x for r in range(g.world) for x, _ in self.corpus.batches(step, rank=r, world=g.world)]
+        out = self.executor.step(self.corpus.batches(step, rank=g.rank, world=g.world), scale, every,
+                                 self.corpus.positions(step, rank=g.rank, world=g.world))
+        out.loss = scale.mean(float(g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))))
         out.tokens *= g.world
         return out
-
-    def _net_record(self, before: tuple[int, int]) -> dict:
-        """Bytes this rank sent to and received from the others in the step (ranks only)."""
-        if self.group is None:
-            return {}
-        t = self.group.traffic
-        return {"ranks": self.group.world, "net_sent_bytes": t.sent - before[0], "net_received_bytes": t.received - before[1]}
 
     def _waits(self) -> float:
         """Seconds the compute thread has waited for the storage tier so far (sync points)."""
@@ -514,22 +365,16 @@ class Trainer:
         printing the per-step line and saving checkpoints as configured. Ctrl-C or SIGTERM
         stops after the current step (saving first when ``checkpoint.on_interrupt``); a second
         one stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
-        from tqdm import tqdm
-
-        cfg, ck = self.cfg, self.cfg.checkpoint
+        cfg = self.cfg
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite)
-        stop = StopFlag(announce=self.rt.rank == 0)  # rank 0 speaks for the ranks
-        with stop:
+        with StopFlag(announce=self.group.leader) as stop:  # rank 0 speaks for the ranks
             if resume is not None:
                 self.restore(resume)
                 self.rundir.continue_metrics(self.step)
-                self._superseded = [p for p in list_checkpoints(self.checkpoint_root) if step_of(p) > self.step]
-                if self._superseded:
-                    log.warning("%s hold(s) a later course of this run than step %d; replaced by this run's first "
-                                "checkpoint", ", ".join(map(os.path.basename, self._superseded)), self.step)
+                self.checkpoints.continue_from(self.step)
             else:
                 self.initialize(progress=progress)
             first = self.step
@@ -540,36 +385,43 @@ class Trainer:
                 return []
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
-            pred = self.predict() if cfg.train.predict else None
             try:
-                log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
-                with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
-                    while self.step < cfg.train.steps and not stop.set:
-                        rec = self.train_step()
-                        metrics.add(rec)
-                        bar.update()
-                        bar.set_postfix(loss=f"{rec.loss:.3f}")
-                        if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
-                            log.info(rec.line(cfg.train.steps))
-                        if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
-                            measured = statistics.median(r.step_s for r in metrics.records[-3:])
-                            log.info("step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; "
-                                     "%.2fx)", pred.step_s, measured, measured / pred.step_s)
-                        if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
-                            self.save_checkpoint()
-                if stop.set:
-                    log.warning("interrupted after step %d (%s)", self.step, stop.set)
-                    if ck.on_interrupt and self.step > first:
-                        self.save_checkpoint()
-                    if list_checkpoints(self.checkpoint_root) and self.rt.rank == 0:
-                        log.warning("resume with: %s", self.resume_command)
-                    raise KeyboardInterrupt(f"interrupted after step {self.step}")
-                if ck.at_end:
-                    self.save_checkpoint()
-                log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
-                return metrics.records
+                return self._steps(stop, metrics, first, progress)
             finally:
                 metrics.close()
+
+    def _steps(self, stop: StopFlag, metrics: MetricsLog, first: int, progress: bool) -> list[StepRecord]:
+        """The steps of ``run`` from step ``first`` on, their lines and checkpoints."""
+        from tqdm import tqdm
+
+        cfg, ck = self.cfg, self.cfg.checkpoint
+        pred = self.predict() if cfg.train.predict else None
+        log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
+        with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
+            while self.step < cfg.train.steps and not stop.set:
+                rec = self.train_step()
+                metrics.add(rec)
+                bar.update()
+                bar.set_postfix(loss=f"{rec.loss:.3f}")
+                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
+                    log.info(rec.line(cfg.train.steps))
+                if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
+                    measured = statistics.median(r.step_s for r in metrics.records[-3:])
+                    log.info("step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; "
+                             "%.2fx)", pred.step_s, measured, measured / pred.step_s)
+                if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
+                    self.save_checkpoint()
+        if stop.set:
+            log.warning("interrupted after step %d (%s)", self.step, stop.set)
+            if ck.on_interrupt and self.step > first:
+                self.save_checkpoint()
+            if list_checkpoints(self.checkpoint_root) and self.group.leader:
+                log.warning("resume with: %s", self.resume_command)
+            raise KeyboardInterrupt(f"interrupted after step {self.step}")
+        if ck.at_end:
+            self.save_checkpoint()
+        log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
+        return metrics.records
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:

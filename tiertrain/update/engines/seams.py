@@ -13,7 +13,7 @@ import torch
 
 from ...io import IOFuture
 from ...state.regions import place
-from ..base import GradSink, ParamSource
+from ...state.sources import GradSink, ParamSource
 
 if TYPE_CHECKING:
     from .client import EngineUpdate

@@ -1,0 +1,92 @@
+"""The run's checkpoints: written (by rank 0, in the layout of one rank, the other ranks taking
+part in its gathers), restored (every rank its shard), rotated, the later course of a resumed
+run replaced at its first save, and the command that continues a run.
+
+What it reads and writes are the checkpointed states' regions, which the trainer gives it
+while the update is paused (``Trainer.state_regions``); it knows nothing of which update path
+holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ..checkpoint import CheckpointIO, Manifest, SaveResult, list_checkpoints, step_of
+from ..dist.checkpoint import follow
+from ..io import aligned_empty
+from ..models.pieces import WholeTensors
+
+__all__ = ["Checkpoints"]
+
+log = logging.getLogger("tiertrain")
+
+
+class Checkpoints:
+    """``io``: the checkpoint writer and reader; ``group``: the ranks (one: a group of one);
+    ``state_layout``: this rank's share of every unit; ``canonical``: the layout of one rank
+    (the files'); ``config()``: the user's config (where checkpoints go, how many are kept, and
+    what they store), read at each save."""
+
+    def __init__(self, io: CheckpointIO, group, state_layout, canonical, config) -> None:
+        self.io, self.group, self.state_layout, self.canonical, self.config = io, group, state_layout, canonical, config
+        self._superseded: list[str] = []  # checkpoints of a later course of a resumed run
+
+    @property
+    def root(self) -> str:
+        """checkpoint.dir, else <train.run_dir>/checkpoints: rank 0's, for every rank."""
+        return self.config().checkpoint_root
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.io.pool_bytes
+
+    def save(self, regions: dict, step: int) -> SaveResult | None:
+        """A complete checkpoint of ``step`` from ``regions``. Every rank calls it; rank 0 writes
+        and returns the result, the others take part in its gathers and return None."""
+        g, cfg = self.group, self.config()
+        whole = g.gathered(regions, self.state_layout)
+        res = None
+        if g.leader:
+            res = self.io.save(whole, self.root, step, cfg.to_dict(), keep=cfg.checkpoint.keep, drop=self._superseded)
+        else:
+            follow(whole, self.canonical)
+        g.barrier()  # sync point: the checkpoint is in place before any rank goes on
+        self._superseded = []
+        if res is not None:
+            log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds,
+                     res.gbps)
+        return res
+
+    def restore(self, regions: dict, path: str, zero_if_absent: set[str]) -> Manifest:
+        """Checkpoint ``path`` into ``regions`` (every rank reads the files, keeping its shard)."""
+        t0 = time.perf_counter()
+        man = self.io.restore(self.group.scattered(regions, self.state_layout), path, zero_if_absent=zero_if_absent)
+        log.info("resumed from %s (step %d) in %.1f s", path, man.step, time.perf_counter() - t0)
+        return man
+
+    def continue_from(self, step: int) -> None:
+        """A run continued from ``step``: the checkpoints of a later course of it are replaced by
+        its first save."""
+        self._superseded = [p for p in list_checkpoints(self.root) if step_of(p) > step]
+        if self._superseded:
+            log.warning("%s hold(s) a later course of this run than step %d; replaced by this run's first "
+                        "checkpoint", ", ".join(map(os.path.basename, self._superseded)), step)
+
+    def weights(self, region, layout, row_pieces: dict) -> dict[str, torch.Tensor]:
+        """Every weight of ``region`` (the weights state) by name, fp32, vocabulary pieces as
+        their whole matrices. Loads the whole model; every rank calls it (ranks gather)."""
+        out = {}
+        buf = aligned_empty(layout.max_unit_numel * region.dtype.itemsize).view(region.dtype)
+        whole = WholeTensors(row_pieces)
+        for unit in layout.units:
+            self.group.read_unit(region, unit.index, buf, self.state_layout)
+            for rec in unit.params:
+                out.update(whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()))
+        return out
+
+    def close(self) -> None:
+        self.io.close()

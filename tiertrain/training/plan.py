@@ -1,0 +1,114 @@
+"""One planner for a run: from the config and this machine, before anything is built, the memory
+budget (with the vocabulary cut where whole units do not fit it), the update path where it is
+``auto``, where the activations live, and the states every part will declare. The trainer
+builds from a ``RunPlan``; ``tiertrain plan`` prints one. Nothing is patched afterwards: the
+plan's config is the one the run uses (``Runtime.recut`` is the one change made to the runtime,
+where the vocabulary is cut).
+
+The machine is measured only where a choice needs it (``rates``: the storage tier, CRC32C and
+one unit of each kind, a few seconds), once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..activations.offload import OffloadedGraphs
+from ..activations.stash import HiddenStash
+from ..config import Config
+from ..dist.group import SoloGroup
+from ..state.decl import StateDecl
+from ..update import UPDATES
+
+__all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states"]
+
+log = logging.getLogger("tiertrain")
+MIB = 1 << 20
+
+
+def declare_states(cfg: Config, rt, record_bytes: int = 0) -> list[StateDecl]:
+    """Every state a run of ``cfg`` keeps, by its owners, before any of it exists: the update
+    path's (parameters, gradients, optimizer state, residual), the stash's and, with pairs
+    offloaded (``memory.offload_pairs`` of ``record_bytes`` each), the activation records'."""
+    update = UPDATES[cfg.update.mode].declare(cfg, rt.state_layout, rt.dtype, rt.align, cfg.io.paths)
+    d, m = cfg.data, cfg.memory
+    stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
+                                len(rt.model.blocks) * d.micro_batches, m.stash_host_mib * MIB)
+    acts = []
+    if m.offload_pairs and record_bytes:
+        acts = [OffloadedGraphs.declare(rt.dtype, record_bytes, m.offload_pairs, m.act_buffers)]
+    return [*update, stash, *acts]
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """Where the step's (block, micro-batch) pairs keep their activations, as planned at start."""
+
+    act_bytes: int  # one pair's saved tensors (kept), measured by a dry run (0: not measured)
+    record_bytes: int  # one pair's record on the storage tier (0: not measured)
+    kept: int  # pairs the keep budget holds (as planned; the kept-graph budget still rules)
+    offloaded: int
+
+    @classmethod
+    def of(cls, cfg: Config, rt, act_bytes: int, record_bytes: int) -> "ActivationPlan":
+        from ..cost import kept_pairs, offloaded_pairs
+
+        L = len(rt.model.blocks)
+        kept = kept_pairs(cfg, L, act_bytes) if act_bytes else 0
+        off = offloaded_pairs(cfg, L, kept) if record_bytes else 0
+        return cls(act_bytes, record_bytes, kept, off)
+
+
+@dataclass
+class RunPlan:
+    """What a run of the user's config is, on this machine (see the module docstring)."""
+
+    cfg: Config  # every planned field set: memory.*_mib, update.mode, memory.offload_pairs, model.vocab_pieces
+    budget: object  # cost.budget.BudgetPlan: the placement by memory budget, its lines
+    acts: ActivationPlan
+    states: list[StateDecl]
+    notes: list[str] = field(default_factory=list)  # the choices made, and why (logged at start)
+    rates: object = None  # cost.Rates, where the machine was measured
+
+    def lines(self) -> list[str]:
+        return [*self.budget.lines(), *self.notes]
+
+
+def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool | None = None,
+             rates=None) -> RunPlan:
+    """The plan of ``cfg`` on the runtime ``rt`` (its model may be cut again: ``Runtime.recut``).
+    ``group``: the ranks, every one of which takes rank 0's choices (each measured its own
+    machine). ``measure``: whether the update path's choice may measure the machine (default:
+    where ``train.predict`` will anyway); ``rates``: measured already."""
+    from ..cost import measure_rates
+    from ..cost.budget import plan_budget
+    from ..cost.choose import resolve_activations, resolve_update
+    from ..cost.probe import probe_acts
+
+    group = group or SoloGroup()
+    measured = [rates] if rates is not None else []
+
+    def rates_fn():
+        if not measured:
+            log.info("probing this machine to place the states by benefit per byte")
+            measured.append(measure_rates(cfg, rt, probe_mib=probe_mib))
+        return measured[0]
+
+    def act() -> tuple[int, int]:  # a dry run of block 0: bytes kept, bytes of an offloaded record
+        return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+
+    planned, budget = plan_budget(cfg, rt, rates_fn, act, agree=group.rank0s)
+    notes = []
+    measure = cfg.train.predict if measure is None else measure
+    choose_rates = rates_fn if measure or measured else None
+    planned, why = resolve_update(planned, rt, choose_rates, agree=group.rank0s)
+    if why:
+        notes.append(f"update path (auto): {why}")
+    planned, why = resolve_activations(planned, rt, budget.act_bytes, budget.record_bytes, choose_rates)
+    if why:
+        notes.append(why)
+    acts = ActivationPlan.of(planned, rt, budget.act_bytes, budget.record_bytes)
+    states = declare_states(planned, rt, acts.record_bytes)
+    return RunPlan(planned, budget, acts, states, notes, measured[0] if measured else None)
+
