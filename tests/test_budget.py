@@ -154,7 +154,7 @@ def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
 def test_engines_processes_are_counted_in_the_fixed_part(tmp_path, paths):
     """The engines' shared slots (mapped by the trainer too), their buffers and interpreters
     are part of the budget: a 2.4 B model's engines run took 1.8 GiB outside it before."""
-    from tiertrain.cost.budget import ENGINE_PROCESS
+    from tiertrain.update.engines.costs import ENGINE_PROCESS
 
     cfg = small_config(tmp_path, paths=paths)
     cfg.update.mode = "engines"

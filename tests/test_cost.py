@@ -152,7 +152,7 @@ def test_predictions_for_machines_we_do_not_have():
     """The stated-input model: Llama shapes by their sizes (7B: 6,738,415,616 parameters, as
     its checkpoints hold), ZeRO-Infinity's parameter traffic growing with M and tiertrain's not,
     and more drives never slower."""
-    from tiertrain.cost.machines import MACHINES, SHAPES, predict_on, table
+    from tiertrain.bench.machines import MACHINES, SHAPES, predict_on, table
 
     assert SHAPES["Llama 7B"].params == 6_738_415_616
     one = MACHINES["H100 SXM, 1 NVMe"]

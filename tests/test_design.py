@@ -163,3 +163,83 @@ def test_requires_python_matches_the_standard_library_the_code_uses():
     low = tuple(int(x) for x in re.search(r">=\s*(\d+)\.(\d+)", spec).groups())
     assert "import tomllib" in open(os.path.join(root, "tiertrain", "config", "__init__.py")).read()
     assert low >= (3, 11), spec
+
+
+def _import_graph():
+    """Module-level imports between tiertrain's modules (``TYPE_CHECKING`` blocks and imports
+    inside functions are not imports at load time), an import of ``a.b.c`` counting ``a`` and
+    ``a.b`` too; a module's own packages are left out (a package importing its modules is no
+    circle)."""
+    import ast
+
+    root = os.path.join(os.path.dirname(__file__), "..", "tiertrain")
+    mods = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                name = os.path.relpath(p, os.path.dirname(root))[:-3].replace(os.sep, ".")
+                mods[name.removesuffix(".__init__")] = p
+    graph = {}
+    for m, p in mods.items():
+        pkg = m.split(".") if p.endswith("__init__.py") else m.split(".")[:-1]
+        deps = set()
+        for node in ast.parse(open(p).read()).body:
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                base = pkg[: len(pkg) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                deps |= {f"{target}.{a.name}" for a in node.names} | {target}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        for d in list(deps):
+            parts = d.split(".")
+            deps |= {".".join(parts[:k]) for k in range(1, len(parts))}
+        own = {".".join(m.split(".")[:k]) for k in range(1, m.count(".") + 2)}
+        graph[m] = {d for d in deps if d in mods and d not in own}
+    return graph
+
+
+def test_the_import_graph_has_no_circle_and_the_runtime_no_update_path():
+    graph = _import_graph()
+    state, stack, circles = {}, [], []
+
+    def visit(u):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                circles.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not circles, circles[:5]
+    seen, todo = set(), ["tiertrain.runtime"]
+    while todo:  # everything the runtime loads with it
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    assert not [m for m in seen if m.startswith("tiertrain.update")], sorted(seen)
+
+
+def test_the_cost_model_names_no_update_path():
+    """The planner and the cost model ask an update path what it is (``Update.auto_candidate``,
+    ``fixed_pools``, ``predict_step`` ...), through the registry: they never name one."""
+    import glob
+    import re
+
+    graph = _import_graph()
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "tiertrain", "cost", "*.py")):
+        src = open(path).read()
+        named = re.findall(r"""["'](?:baseline|overlap|engines)["']|update\.mode\s*[=!]=\s*["'](?!auto)""", src)
+        assert not named, (os.path.basename(path), named)
+        mod = "tiertrain.cost." + os.path.basename(path)[:-3]
+        inner = [d for d in graph.get(mod.removesuffix(".__init__"), ())
+                 if d.startswith("tiertrain.update.")
+                 and d not in ("tiertrain.update.streamed", "tiertrain.update.kernels")]  # shared by every path
+        assert not inner, (mod, inner)

@@ -33,6 +33,7 @@ from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..errors import one_line
 from ..state.grads import GradStore, accum_dtype_for
+from ..update import UPDATES
 
 
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
@@ -196,11 +197,11 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     moments = 2 if cfg.optim.name == "adamw" else 1
     master = 1 if rt.dtype != torch.float32 else 0
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
-    engines = cfg.update.mode == "engines"  # the engines keep parameters and states in their own files
+    own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
     out = {
-        "host_param_mib": 0 if engines else n * e,
+        "host_param_mib": n * e if own else 0,
         "grad_host_mib": n * e,
-        "optim_host_mib": 0 if engines else n * 4 * (moments + master),
+        "optim_host_mib": n * 4 * (moments + master) if own else 0,
         "stash_host_mib": L * M * entry,
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
@@ -209,7 +210,6 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
 
 
 WORKING_SLACK = 128 * MIB  # allocator arenas of the I/O threads, interpreter, fragmentation
-ENGINE_PROCESS = 320 * MIB  # an engine's interpreter with torch loaded, before its pools (measured: 300-330 MiB)
 
 
 def offload_possible(cfg: Config) -> bool:
@@ -227,16 +227,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
-    if cfg.update.mode != "engines":  # the streamed optimizer in the trainer (baseline, overlap)
-        out["update buffers"] = 3 * (m.update_buffer_kib << 10)
-    else:  # the engines' processes: what the trainer shares with them, and their own buffers and interpreters
-        from ..update.engines.client import engine_slot_bytes
-
-        n = cfg.update.engines or len(cfg.io.paths)
-        out["engine slots (shared)"] = engine_slot_bytes(layout, n, rt.align, rt.dtype)
-        out["engine buffers"] = n * (3 * (m.update_buffer_kib << 10) + (m.engine_read_ahead_mib << 20)
-                                     + 2 * 2 * 2 * chunk)  # update sets, read-ahead, two I/O queues
-        out["engine interpreters"] = n * ENGINE_PROCESS
+    out.update(UPDATES[cfg.update.mode].fixed_pools(cfg, rt))  # the update path's own
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         sharded = getattr(rt, "world", 1) > 1
         out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * GradStore.staging_unit_bytes(

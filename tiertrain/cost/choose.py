@@ -2,10 +2,11 @@
 how many (block, micro-batch) pairs send their activations to the storage tier, where
 ``memory.activations = "auto"``.
 
-The baseline and the overlapped path hold the same states in the same memory and run the
-same math in the same order (bit-identical), so choosing between them changes only the time:
-the faster by the prediction. The engines are never chosen (other processes, other memory);
-they are asked for by name.
+The update paths ``auto`` may choose (``Update.auto_candidate``) hold the same states in the
+same memory and run the same math in the same order (bit-identical), so choosing between them
+changes only the time: the fastest by the prediction, a tie keeping the first (the simplest)
+of the registry's order. A path that is not a candidate (other processes, other memory) is
+only ever asked for by name. The choice asks the paths what they are; it names none.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from .probe import Rates
 
 __all__ = ["resolve_update", "resolve_activations", "with_mode"]
 
-AUTO_PATHS = ("baseline", "overlap")
 MIB = 1 << 20
+
+
+def _candidates_of_auto() -> list[tuple[str, type]]:
+    """The paths ``auto`` chooses from, the simplest first (the registry's order)."""
+    from ..update import UPDATES
+
+    return [(name, cls) for name, cls in UPDATES.items() if cls.auto_candidate and name != "auto"]
 
 
 def with_mode(cfg: Config, mode: str) -> Config:
@@ -49,28 +56,33 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     to be measured (``rates_fn`` None), the overlap, which hides the update's I/O."""
     if cfg.update.mode != "auto":
         return cfg, None
+    paths = _candidates_of_auto()
+    simplest = paths[0][0]
+    beside = next(name for name, cls in paths if cls.beside_compute)  # the one that hides the update
     if cfg.update.eager:
-        return with_mode(cfg, "overlap"), "overlap (update.eager = true: each unit as its gradient arrives)"
+        eager = next(name for name, cls in paths if cls.supports_eager)
+        return with_mode(cfg, eager), f"{eager} (update.eager = true: each unit as its gradient arrives)"
     from . import predict_with, step_traffic
 
-    base_cfg = with_mode(cfg, "baseline")
-    t = step_traffic(base_cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=0,
-                     separate=rt.dev.separate)
+    t = step_traffic(with_mode(cfg, simplest), rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size,
+                     kept=0, separate=rt.dev.separate)
     if t.update_read + t.update_write == 0:
-        mode = "overlap" if rt.dev.cuda else "baseline"
+        mode = beside if rt.dev.cuda else simplest
         why = ("the update moves nothing on the storage tier: its CPU work runs beside the device's" if rt.dev.cuda else
                "the update moves nothing on the storage tier and the compute is on this CPU: nothing to hide")
         return with_mode(cfg, mode), f"{mode} ({why})"
     if rates_fn is None:
         moved = (t.update_read + t.update_write) / 1e9
-        return with_mode(cfg, "overlap"), (f"overlap (the update moves {moved:.2f} GB a step on the storage tier; "
-                                            "not measured here: hidden under the next forward)")
+        return with_mode(cfg, beside), (f"{beside} (the update moves {moved:.2f} GB a step on the storage tier; "
+                                         "not measured here: hidden under the next forward)")
     rates = rates_fn()
-    times = {"baseline": predict_with(base_cfg, rt, rates).step_s,
-             "overlap": predict_with(with_mode(cfg, "overlap"), rt, rates).step_s}
-    mode = "overlap" if times["overlap"] < 0.98 * times["baseline"] else "baseline"  # a tie keeps the simpler path
-    return with_mode(cfg, mode), (f"{mode} (predicted {times['baseline']:.2f} s/step for baseline, "
-                                   f"{times['overlap']:.2f} s for overlap)")
+    times = {name: predict_with(with_mode(cfg, name), rt, rates).step_s for name, _ in paths}
+    mode = simplest  # a tie (within 2%) keeps the simpler path
+    for name, _ in paths[1:]:
+        if times[name] < 0.98 * times[mode]:
+            mode = name
+    listed = ", ".join(f"{v:.2f} s/step for {k}" for k, v in times.items())
+    return with_mode(cfg, mode), f"{mode} (predicted {listed})"
 
 
 def _with_offload(cfg: Config, n: int) -> Config:

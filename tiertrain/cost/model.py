@@ -6,11 +6,9 @@ device computes, so a phase is bound by the slower of the two (plus the first un
 the forward, which nothing hides). On a CPU device ``compute'`` is the compute slowed, for
 the share of the phase the disk is busy, by the factor measured with the disk reading in the
 background (``io_slowdown``), plus the checksums' CPU over the cores.
-The baseline update streams states through three buffer sets: bound by its I/O or its
-kernel. The overlapped update (a thread) runs the same under the next forward (eager: under
-the backward), adding its bytes and CPU to that phase. With the update engines the update runs during the next forward and backward on
-the same disk: the step is bound by the slower of the trainer's phases and the disk's total
-work of the step. The bound says which term set each phase.
+How the update's phase meets the forward's and the backward's is its path's own: each update
+path's ``predict_step`` (after the backward, under the next forward, or beside both in other
+processes). The bound says which term set each phase.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from ..config import Config
 from .probe import Rates
 from .traffic import Traffic
 
-__all__ = ["Phase", "Prediction", "predict"]
+__all__ = ["Phase", "Prediction", "StepCosts", "predict"]
 
 
 @dataclass
@@ -73,78 +71,61 @@ def _phase(name: str, compute: float, read: int, write: int, r: Rates, checksum:
     return Phase(name, compute, io, crc, t, bound)
 
 
+@dataclass
+class StepCosts:
+    """What an update path's cost terms are made from (``Update.predict_step``): the step's
+    traffic and the machine's rates, the forward's and backward's phases as if the update ran
+    after them, the update's own phase, and their compute seconds."""
+
+    cfg: Config
+    traffic: Traffic
+    rates: Rates
+    fwd: Phase
+    bwd: Phase
+    upd: Phase
+    fwd_c: float  # compute seconds of the forward (the head's forward and backward included)
+    bwd_c: float
+    upd_c: float  # the update's kernel, all cores
+    upd_cpu: float  # CPU seconds of the update: its kernel, checksums, I/O threads
+    first_read: int  # bytes of the forward's first unit read from a file (nothing hides it)
+    cpu_compute: bool  # the device is this CPU: the update takes its cores
+    pcie_s: float  # seconds of host <-> device copies a phase waits for, per phase
+
+    def phase(self, name: str, compute: float, read: int, write: int, *, extra_io: float = 0.0,
+              extra_cpu: float = 0.0) -> Phase:
+        """A phase of ``compute`` seconds moving ``read`` / ``write`` bytes on the storage tier."""
+        return _phase(name, compute, read, write, self.rates, self.cfg.io.checksum, cpu_compute=self.cpu_compute,
+                      extra_io=extra_io, extra_cpu=extra_cpu)
+
+    def first_read_s(self) -> float:
+        return self.first_read / (self.rates.read_gbps * 1e9)
+
+
 def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: int, n_params: int,
             first_read: int, cpu_compute: bool, pcie_gbps: float | None = None, offloaded: int = 0) -> Prediction:
     """The predicted step of a run of ``cfg`` (see the module docstring). ``first_read``:
     bytes of the forward's first unit read from the file (0 when in memory); ``offloaded``:
-    pairs read back instead of recomputed (their bytes are in ``traffic``)."""
+    pairs read back instead of recomputed (their bytes are in ``traffic``). How the update's
+    phase meets the others is its path's (``Update.predict_step``)."""
+    from ..update import UPDATES
+
     M, r, ck = cfg.data.micro_batches, rates, cfg.io.checksum
     recomputed = blocks * M - kept - offloaded
     # phases as the executor times them: the forward ends with the head's forward and backward
     fwd_c = M * (r.embed_fwd_s + blocks * r.block_fwd_s + r.head_s)
     bwd_c = M * (blocks * r.block_bwd_s + r.embed_bwd_s) + recomputed * r.block_fwd_s
     upd_c = n_params * r.update_elem_s
-    pcie = lambda n: n / (pcie_gbps * 1e9) if pcie_gbps else 0.0  # noqa: E731
+    pcie_s = ((traffic.up + traffic.down) / (pcie_gbps * 1e9) if pcie_gbps else 0.0) / 2
     fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
     fwd.time_s += first_read / (r.read_gbps * 1e9)
     bwd = _phase("backward", bwd_c, traffic.backward_read, traffic.backward_write, r, ck, cpu_compute=cpu_compute,
-                 extra_io=pcie(traffic.up + traffic.down) / 2)
+                 extra_io=pcie_s)
     upd = _phase("update", upd_c, traffic.update_read, traffic.update_write, r, ck, cpu_compute=True)
-    notes = []
     u_bytes = traffic.update_read + traffic.update_write
     # CPU seconds of the update off the trainer's thread: its kernel, checksums, I/O threads
-    eng_cpu = upd_c + u_bytes / 1e9 * r.io_cpu_s_per_gb + (u_bytes / (r.crc_gbps * 1e9) if ck else 0.0)
-    if cfg.update.mode == "engines":
-        # The update runs in the engines during the next forward and backward, on the same disk
-        # and (on a CPU device) the same cores: their kernel, checksums and I/O threads' CPU.
-        share = eng_cpu * fwd.compute_s / max(fwd.compute_s + bwd.compute_s, 1e-9)
-        fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute,
-                     extra_cpu=share if cpu_compute else 0.0)
-        fwd.time_s += first_read / (r.read_gbps * 1e9)
-        bwd = _phase("backward", bwd_c, traffic.backward_read, traffic.backward_write, r, ck, cpu_compute=cpu_compute,
-                     extra_io=pcie(traffic.up + traffic.down) / 2, extra_cpu=eng_cpu - share if cpu_compute else 0.0)
-        disk = traffic.read / (r.read_gbps * 1e9) + traffic.write / (r.write_gbps * 1e9)
-        trainer = fwd.time_s + bwd.time_s
-        step = max(trainer, disk, upd_c)
-        bound = "trainer's forward+backward" if step == trainer else ("disk (whole step)" if step == disk else "update kernel")
-        upd = Phase("update (engines, overlapped)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden")
-        notes.append(f"engines: the update's bytes move during the next forward and backward; their CPU "
-                     f"({eng_cpu:.2f} s a step) shares the cores with the trainer" if cpu_compute else
-                     "engines: the update's bytes move during the next forward and backward")
-    elif cfg.update.mode == "overlap":
-        fwd, bwd, upd, note = _overlapped(cfg, traffic, r, fwd, bwd, upd, fwd_c, bwd_c, upd_c, eng_cpu, first_read,
-                                          cpu_compute, pcie(traffic.up + traffic.down) / 2)
-        notes.append(note)
-        step = fwd.time_s + bwd.time_s + upd.time_s
-        bound = max((fwd, bwd), key=lambda p: p.time_s).bound
-    else:
-        step = fwd.time_s + bwd.time_s + upd.time_s
-        bound = max((fwd, bwd, upd), key=lambda p: p.time_s).bound
-    return Prediction([fwd, bwd, upd], step, bound, traffic, rates, notes)
+    upd_cpu = upd_c + u_bytes / 1e9 * r.io_cpu_s_per_gb + (u_bytes / (r.crc_gbps * 1e9) if ck else 0.0)
+    c = StepCosts(cfg, traffic, rates, fwd, bwd, upd, fwd_c, bwd_c, upd_c, upd_cpu, first_read, cpu_compute, pcie_s)
+    phases, step, bound, notes = UPDATES[cfg.update.mode].predict_step(c)
+    return Prediction(phases, step, bound, traffic, rates, notes)
 
 
-def _overlapped(cfg: Config, t: Traffic, r: Rates, fwd: Phase, bwd: Phase, upd: Phase, fwd_c: float, bwd_c: float,
-                upd_c: float, upd_cpu: float, first_read: int, cpu_compute: bool, pcie_s: float):
-    """``update.mode = "overlap"``: the update thread streams under the next forward (or, eager,
-    under the backward). The phase it runs in takes at least the update's own time (its I/O,
-    or its one thread's CPU on a CPU device), plus its bytes on the same disk and its CPU on
-    the same cores. Upper bound on bytes: units the forward asks for before the update reaches
-    them are handed over instead of read back (fewer reads than counted here)."""
-    ck = cfg.io.checksum
-    one = upd_c * (r.cores if cpu_compute else 1)  # the kernel in one thread (CPU device) or all
-    thread_cpu = upd_cpu - upd_c + one
-    own = max(upd.io_s, thread_cpu)  # the update thread alone: its I/O or its CPU
-    extra_cpu = upd_cpu if cpu_compute else 0.0
-    if cfg.update.eager:  # under the backward, in its order: the embedding's update is left for the next forward
-        b = _phase("backward", bwd_c, t.backward_read, t.backward_write, r, ck, cpu_compute=cpu_compute,
-                   extra_io=pcie_s + upd.io_s, extra_cpu=extra_cpu)
-        b.time_s = max(b.time_s, own)
-        f = fwd
-        note = "overlap (eager): the update streams under the backward as each unit's gradient is home"
-        return f, b, Phase("update (thread, under the backward)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden"), note
-    f = _phase("forward", fwd_c, t.forward_read, t.forward_write, r, ck, cpu_compute=cpu_compute,
-               extra_io=upd.io_s, extra_cpu=extra_cpu)
-    f.time_s = max(f.time_s, own) + first_read / (r.read_gbps * 1e9)
-    note = (f"overlap: the update ({own:.2f} s on its own) streams under the next forward, which waits for "
-            "each unit's new parameters")
-    return f, bwd, Phase("update (thread, under the next forward)", upd_c, upd.io_s, upd.crc_s, 0.0, "hidden"), note

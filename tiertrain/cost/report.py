@@ -46,9 +46,11 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
         out.append("micro-batches: the forward and backward stay I/O-bound up to 64; more host memory for "
                    "parameters (memory.host_param_mib) or more storage paths would help")
     # every update path with the same rates (eager ones only where clipping is off, as they need)
-    paths = [("baseline", False), ("overlap", False), ("engines", False)]
+    from ..update import UPDATES
+
+    paths = [(m, False) for m in UPDATES if m != "auto"]
     if cfg.optim.grad_clip == 0:
-        paths += [("overlap", True), ("engines", True)]
+        paths += [(m, True) for m, cls in UPDATES.items() if m != "auto" and cls.supports_eager]
     name = lambda mode, eager: mode + (" (eager)" if eager else "")  # noqa: E731
     this = name(cfg.update.mode, cfg.update.eager)
     times = {name(m, e): (pred.step_s if name(m, e) == this else at(with_("update", mode=m, eager=e)).step_s)

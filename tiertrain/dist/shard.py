@@ -43,7 +43,7 @@ import torch
 from ..io import IOFuture
 from ..state.layout import FlatLayout
 from ..state.sources import GradSink, ParamSource
-from ..update.slices import Slice, SliceLayout, unit_records
+from ..state.slices import Slice, SliceLayout, unit_records
 from .group import RankGroup
 
 __all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]

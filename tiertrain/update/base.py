@@ -53,6 +53,29 @@ class Update(abc.ABC):
     grads: GradSink
     states: list[StateDecl]
 
+    # What the planner and the cost model ask of a path, before anything is built (they never
+    # name one): may ``update.mode = "auto"`` choose it; does it run beside the compute (a thread
+    # or other processes); may it update each unit as its gradient arrives (``update.eager``);
+    # does it keep the parameters and optimizer state the trainer's memory budget places.
+    auto_candidate: bool = False
+    beside_compute: bool = False
+    supports_eager: bool = False
+    states_in_trainer: bool = True
+
+    @classmethod
+    def fixed_pools(cls, cfg, rt) -> dict[str, int]:
+        """Host memory the path needs whatever the placement, by pool, for a run of ``cfg`` on
+        the runtime ``rt`` (the budget's fixed part)."""
+        return {}
+
+    @classmethod
+    def predict_step(cls, c) -> tuple[list, float, str, list[str]]:
+        """How the update's phase meets the forward's and the backward's (``cost.model.StepCosts``
+        ``c``): the phases, the step's seconds, what bounds it, and notes. The default: after
+        the backward, on the trainer's thread."""
+        step = c.fwd.time_s + c.bwd.time_s + c.upd.time_s
+        return [c.fwd, c.bwd, c.upd], step, max((c.fwd, c.bwd, c.upd), key=lambda p: p.time_s).bound, []
+
     @classmethod
     @abc.abstractmethod
     def declare(cls, cfg, layout, dtype: torch.dtype, align: int, paths: list[str]) -> list[StateDecl]:

@@ -65,9 +65,15 @@ class RegionGrads(_OnRegion, GradSink):
 
 class BaselineUpdate(Update):
     name = "baseline"
+    auto_candidate = True
 
-    @staticmethod
-    def declare(cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]) -> list[StateDecl]:
+    @classmethod
+    def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
+        return {"update buffers": 3 * (cfg.memory.update_buffer_kib << 10)}  # the streamed optimizer's sets
+
+    @classmethod
+    def declare(cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
+                paths: list[str]) -> list[StateDecl]:
         m = cfg.memory
         weights_first = pdtype == torch.float32  # without a master copy the parameters are the weights
         return [

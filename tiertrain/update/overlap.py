@@ -122,6 +122,36 @@ class _Grads(RegionGrads):
 
 class OverlapUpdate(BaselineUpdate):
     name = "overlap"
+    beside_compute = supports_eager = True
+
+    @classmethod
+    def predict_step(cls, c):
+        """The update thread streams under the next forward (eager: under the backward). That
+        phase takes at least the update's own time (its I/O, or its one thread's CPU on a CPU
+        device), plus its bytes on the same disk and its CPU on the same cores. An upper bound
+        on bytes: units the forward asks for before the update reaches them are handed over
+        instead of read back (fewer reads than counted)."""
+        from ..cost.model import Phase
+
+        t, r = c.traffic, c.rates
+        one = c.upd_c * (r.cores if c.cpu_compute else 1)  # the kernel in one thread (CPU device) or all
+        own = max(c.upd.io_s, c.upd_cpu - c.upd_c + one)  # the update thread alone: its I/O or its CPU
+        extra_cpu = c.upd_cpu if c.cpu_compute else 0.0
+        if c.cfg.update.eager:  # under the backward, in its order: the embedding's update is left for the next forward
+            f = c.fwd
+            b = c.phase("backward", c.bwd_c, t.backward_read, t.backward_write, extra_io=c.pcie_s + c.upd.io_s,
+                        extra_cpu=extra_cpu)
+            b.time_s = max(b.time_s, own)
+            u = Phase("update (thread, under the backward)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
+            note = "overlap (eager): the update streams under the backward as each unit's gradient is home"
+        else:
+            f = c.phase("forward", c.fwd_c, t.forward_read, t.forward_write, extra_io=c.upd.io_s, extra_cpu=extra_cpu)
+            f.time_s = max(f.time_s, own) + c.first_read_s()
+            b = c.bwd
+            u = Phase("update (thread, under the next forward)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
+            note = (f"overlap: the update ({own:.2f} s on its own) streams under the next forward, which waits for "
+                    "each unit's new parameters")
+        return [f, b, u], f.time_s + b.time_s + u.time_s, max((f, b), key=lambda p: p.time_s).bound, [note]
 
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         super().__init__(cfg, layout, storage, pdtype, pin=pin)

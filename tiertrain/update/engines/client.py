@@ -41,7 +41,7 @@ from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import TieredRegions, place
 from ..base import Update, UpdateStats
 from ..shm import SharedSegment
-from ..slices import SliceLayout, partition, unit_records
+from ...state.slices import SliceLayout, partition, unit_records
 from ..streamed import optimizer_states
 from . import protocol as P
 from .protocol import ENGINE, EngineState
@@ -82,6 +82,20 @@ def _views(layout: FlatLayout, n: int, align: int) -> tuple[list, list[SliceLayo
 
 class EngineUpdate(Update):
     name = "engines"
+    beside_compute = supports_eager = True
+    states_in_trainer = False  # the engines keep parameters and optimizer state in their own files
+
+    @classmethod
+    def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
+        from .costs import engine_pools
+
+        return engine_pools(cfg, rt)
+
+    @classmethod
+    def predict_step(cls, c):
+        from .costs import predict_engines
+
+        return predict_engines(c)
 
     # -- declarations ----------------------------------------------------------------------------------
     @staticmethod

@@ -31,7 +31,7 @@ from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...state.regions import TieredRegions
 from ..base import UpdateStats
 from ..shm import attach
-from ..slices import Slice, SliceLayout
+from ...state.slices import Slice, SliceLayout
 from ..streamed import StreamedOptimizer
 from . import protocol as P
 

@@ -1,4 +1,6 @@
-"""How update engines share the parameters: an equal, aligned slice of every unit each.
+"""Slices of every unit: how update engines share the parameters (an equal, aligned slice of
+every unit each), and, with one slice per unit, a rank's share of a sharded layout
+(``dist/shard.py``).
 
 Engine ``i`` owns elements ``[start_i, end_i)`` of every unit's flat buffer. Slice starts
 are multiples of ``align`` elements: whole checksum blocks in every state file and a
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..state.layout import FlatLayout, segments
+from .layout import FlatLayout, segments
 
 __all__ = ["Slice", "Piece", "partition", "unit_records", "SliceLayout"]
 
