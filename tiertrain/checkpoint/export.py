@@ -4,8 +4,9 @@ For Hugging Face models the output is a model directory (``config.json``, shards
 model's own names, ``model.safetensors.index.json``, and the tokenizer files of the
 directory the model came from) that ``from_pretrained`` and ``model.hf_dir`` load; for the
 built-in GPT, shards with tiertrain's names that ``model.init_from`` loads. Memory: one
-unit at a time. What is exported is the weights state the run declared (``StateDecl.weights``):
-fp32 master weights where the run kept them, else the parameters in their own precision.
+unit at a time. What is exported is the weights state the run declared (``StateDecl.weights``),
+which the checkpoint's manifest names: fp32 master weights where the run kept them, else the
+parameters in their own precision.
 
 Complete or absent: everything is written into a hidden directory beside ``out`` and
 renamed into place once every shard is written and the checkpoint's checksum has matched;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -27,12 +29,12 @@ from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir
+from ..runtime import align_of
 from ..state.layout import FlatLayout, chunk_align
-from ..state.decl import weights_state
 from .manifest import CheckpointError, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint", "weights_file"]
+__all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
 
 
 
@@ -57,35 +59,48 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
     return out
 
 
-def weights_file(path: str, man: Manifest):
-    """The checkpoint's weights: (its config, a skeleton runtime with the model and layout, the
-    weights file's path, its dtype, its manifest entry). Checked: the layout, the file's
-    presence and size (its checksum is the reader's to check)."""
-    from ..cost.budget import on_storage
-    from ..training.trainer import declare_states
+@dataclass
+class WeightsFile:
+    """A checkpoint's weights as its manifest names them: the model its config describes (a
+    skeleton: no weight memory), the layout of one rank, the file, its dtype and manifest entry."""
 
+    cfg: Config
+    model: object
+    layout: FlatLayout
+    path: str
+    dtype: torch.dtype
+    entry: object
+
+
+def weights_file(path: str, man: Manifest) -> WeightsFile:
+    """The weights of checkpoint ``path``: the file its manifest names (older checkpoints: the
+    fp32 master copy where it holds one, else the parameters). Checked: the layout, the file's
+    presence and size (its checksum is the reader's to check)."""
     cfg = Config.from_dict(man.config, environment=False)
-    rt = _Skeleton(cfg, getattr(torch, man.param_dtype.removeprefix("torch.")))
-    if [u.numel for u in rt.layout.units] != man.units:
+    pdtype = getattr(torch, man.param_dtype.removeprefix("torch."))  # a stored "auto" may have meant bf16 on a GPU
+    model, _ = build_model(cfg.model, param_dtype=pdtype, seed=0)
+    layout = FlatLayout(model, unit_align=chunk_align(align_of(cfg), pdtype))  # checkpoints: the one-rank layout
+    if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
-    state = weights_state((f.name.removesuffix(".bin") for f in man.files), declare_states(on_storage(cfg), rt))
-    if state is None:
-        raise CheckpointError(f"checkpoint {path} holds no weights its config declares; it is damaged: use an "
-                              "earlier checkpoint")
-    name = f"{state.name}.bin"
+    name, dtype = man.weights, man.weights_dtype
+    if not name:
+        name, dtype = ("master.bin", "torch.float32") if man.entry("master.bin") else ("params.bin", man.param_dtype)
     entry = man.entry(name)
+    if entry is None:
+        raise CheckpointError(f"checkpoint {path} holds no weights file ({name}); it is damaged: use an earlier "
+                              "checkpoint")
     file = os.path.join(path, name)
     if not os.path.exists(file):
         raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
     if os.path.getsize(file) != entry.size:
         raise CheckpointError(f"checkpoint file {file} is truncated: {os.path.getsize(file)} bytes, the manifest "
                               f"says {entry.size}")
-    return cfg, rt, file, state.dtype, entry
+    return WeightsFile(cfg, model, layout, file, getattr(torch, dtype.removeprefix("torch.")), entry)
 
 
 def _write(path: str, man: Manifest, out: str) -> None:
-    cfg, rt, file, dtype, entry = weights_file(path, man)
-    model, layout = rt.model, rt.layout
+    w = weights_file(path, man)
+    cfg, model, layout, file, dtype, entry = w.cfg, w.model, w.layout, w.path, w.dtype, w.entry
     names = _hf_names(model) if model.hf_model is not None else {}
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
@@ -119,19 +134,6 @@ def _write(path: str, man: Manifest, out: str) -> None:
     with open(os.path.join(out, "tiertrain.json"), "w") as f:
         json.dump({"step": man.step, "config": man.config}, f, indent=1)
     _copy_tokenizer(cfg, out)
-
-
-class _Skeleton:
-    """What ``declare_states`` needs of a runtime, for a stored config (no device, no storage)."""
-
-    def __init__(self, cfg: Config, dtype: torch.dtype) -> None:
-        from ..runtime import align_of, hidden_size_of
-
-        self.cfg, self.dtype = cfg, dtype  # the checkpoint's dtype: a stored "auto" may have meant bf16 on a GPU
-        self.model, _ = build_model(cfg.model, param_dtype=dtype, seed=0)
-        self.align, self.hidden_size = align_of(cfg), hidden_size_of(self.model, cfg)
-        self.layout = FlatLayout(self.model, unit_align=chunk_align(self.align, dtype))
-        self.state_layout = self.layout  # checkpoints are in the one-rank layout, whatever wrote them
 
 
 def _copy_tokenizer(cfg: Config, out: str) -> None:

@@ -56,6 +56,8 @@ class Manifest:
     units: list[int]  # element count of every unit, the layout fingerprint
     param_dtype: str
     version: int = VERSION
+    weights: str = ""  # the file of the state that holds the weights ('' in older checkpoints)
+    weights_dtype: str = ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:

@@ -92,9 +92,11 @@ class CheckpointIO:
         return crc
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = ()) -> SaveResult:
+    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = (),
+             weights: str = "") -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
-        (checkpoints this one supersedes) and keep the last ``keep``."""
+        (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
+        that holds the weights (named in the manifest: what export and eval read)."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -107,7 +109,8 @@ class CheckpointIO:
             os.makedirs(tmp)
             entries = [self._save_region(tmp, name, regions[name], sizes[name]) for name in sizes]
             entries.append(_save_rng(tmp))
-            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(regions["params.bin"].dtype)).write(tmp)
+            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(regions["params.bin"].dtype),
+                     weights=weights, weights_dtype=str(regions[weights].dtype) if weights else "").write(tmp)
             _fsync_dir(tmp)
             _replace_dir(tmp, final)
         except OutOfSpaceError as exc:

@@ -89,8 +89,9 @@ class CheckpointWeights:
 
         self.path = find_checkpoint(path, "eval --checkpoint")
         man = Manifest.read(self.path)
-        cfg, rt, file, self.dtype, entry = weights_file(self.path, man)
-        self.config, self.layout = man.config, rt.layout
+        w = weights_file(self.path, man)
+        file, self.dtype, entry = w.path, w.dtype, w.entry
+        self.config, self.layout = man.config, w.layout
         self.source = WeightSource(describe=f"checkpoint {self.path} (step {man.step})", load=self.load)
         self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype)
         self._file = FileHandle(file, "r")

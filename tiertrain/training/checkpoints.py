@@ -31,8 +31,9 @@ class Checkpoints:
     (the files'); ``config()``: the user's config (where checkpoints go, how many are kept, and
     what they store), read at each save."""
 
-    def __init__(self, io: CheckpointIO, group, state_layout, canonical, config) -> None:
+    def __init__(self, io: CheckpointIO, group, state_layout, canonical, config, weights: str) -> None:
         self.io, self.group, self.state_layout, self.canonical, self.config = io, group, state_layout, canonical, config
+        self.weights_file = weights  # the region that holds the weights (the manifest names it)
         self._superseded: list[str] = []  # checkpoints of a later course of a resumed run
 
     @property
@@ -51,7 +52,8 @@ class Checkpoints:
         whole = g.gathered(regions, self.state_layout)
         res = None
         if g.leader:
-            res = self.io.save(whole, self.root, step, cfg.to_dict(), keep=cfg.checkpoint.keep, drop=self._superseded)
+            res = self.io.save(whole, self.root, step, cfg.to_dict(), keep=cfg.checkpoint.keep, drop=self._superseded,
+                               weights=self.weights_file)
         else:
             follow(whole, self.canonical)
         g.barrier()  # sync point: the checkpoint is in place before any rank goes on

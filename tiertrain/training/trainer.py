@@ -183,7 +183,7 @@ class Trainer:
                                            offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
         self.ckpt = self._part(CheckpointIO(rt.canonical_layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self.checkpoints = Checkpoints(self.ckpt, self.group, rt.state_layout, rt.canonical_layout,
-                                       lambda: self.user_cfg)
+                                       lambda: self.user_cfg, weights=f"{self._weights_state().name}.bin")
         self.meter = StepMeter(self.storage, self.dev, self.group, self._waits,
                                flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size))
         self.step = 0
@@ -273,12 +273,16 @@ class Trainer:
         if self.cfg.memory.trim_heap:
             trim_heap()  # the units' weights passed through the heap: none of it stays for the steps
 
+    def _weights_state(self):
+        """The declared state that holds the weights: master weights where kept, else the parameters."""
+        return next(d for d in self.plan.states if d.weights)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights by name, fp32 (the declared weights state: master weights where
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
         with self.state_regions() as regions:
-            state = next(d for d in self.plan.states if d.weights)
-            return self.checkpoints.weights(regions[f"{state.name}.bin"], self.layout, self.model.row_pieces)
+            return self.checkpoints.weights(regions[f"{self._weights_state().name}.bin"], self.layout,
+                                            self.model.row_pieces)
 
     # -- checkpoints --------------------------------------------------------------------------------
     @property
