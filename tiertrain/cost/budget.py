@@ -39,7 +39,7 @@ from ..update import UPDATES
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
     return accum_dtype_for(cfg.train.grad_accum_dtype, cfg.data.micro_batches, dtype)
 
-__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes", "on_storage",
+__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes",
            "plan_budget", "PIECES_TOLERANCE"]
 
 log = logging.getLogger("tiertrain")
@@ -60,14 +60,6 @@ PLANNED = {
 STATES_ON_STORAGE = dict(host_param_mib=0, grad_host_mib=256, optim_host_mib=0, stash_host_mib=256, keep_act_mib=512,
                          residual_host_mib=256)
 HOST_FRACTION = 0.5  # of the memory available at start, when memory.host_mib is unset
-
-
-def on_storage(cfg: Config) -> Config:
-    """``cfg`` with every unset ``*_mib`` field at 0: every state on the storage tier. For what
-    needs only the states' names and files (export reads a checkpoint's declared weights)."""
-    m = cfg.memory
-    return dataclasses.replace(cfg, memory=dataclasses.replace(
-        m, **{f: 0 for f in PLANNED if getattr(m, f) is None}))
 
 
 def default_host_bytes() -> tuple[int, str]:

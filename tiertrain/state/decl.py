@@ -20,7 +20,7 @@ import torch
 
 from ..io import IOFuture
 
-__all__ = ["FileDecl", "StateDecl", "SpacePlan", "Region", "checkpointed", "weights_state"]
+__all__ = ["FileDecl", "StateDecl", "SpacePlan", "Region", "checkpointed"]
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,6 @@ class Region(Protocol):
 
 def checkpointed(decls: Iterable[StateDecl]) -> list[StateDecl]:
     return [d for d in decls if d.checkpointed]
-
-
-def weights_state(names: Iterable[str], decls: Iterable[StateDecl]) -> StateDecl | None:
-    """The declared weights state, of those in ``names`` (a checkpoint's files), to export."""
-    have = set(names)
-    return next((d for d in decls if d.weights and d.name in have), None)
 
 
 @dataclass
