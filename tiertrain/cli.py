@@ -244,7 +244,7 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     """``--checkpoint``'s config (its own, the file and flags on top; its training text is not
     read) and its weights (``CheckpointWeights``, a context manager: checked, then read unit by
     unit)."""
-    from .inference.evaluate import CheckpointWeights
+    from .inference.weights import CheckpointWeights
 
     path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint")
     return cfg, CheckpointWeights(path)

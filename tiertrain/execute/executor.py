@@ -47,6 +47,7 @@ from ..device.core import Device
 from ..state.grads import GradStore
 from ..state.store import ParamStore
 from .loss import LossScale
+from .walk import UnitWalk
 from .vocab import VocabSteps, used_pieces
 
 __all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
@@ -122,15 +123,12 @@ class LayerMajorExecutor(VocabSteps):
         self.embed_pieces = [r for r in self.plan if r.role == "embed_piece"]
         self.head_pieces = [r for r in self.plan if r.role == "head_piece"]
         self.pieces_used: list[UnitRef] = []  # the embedding pieces the last step's tokens use
-        self._order: list[UnitRef] = visits(self.plan)  # this step's acquisitions
-        self._pos = 0
-        self.lookahead = len(params.slots) - 1
-        self._flats: dict[int, torch.Tensor] = {}  # bound units' flat parameter buffers
-        self.kept = KeptGraphs(keep_bytes, self._flats.__getitem__)
+        self.walk = UnitWalk(params, visits(self.plan))  # this step's acquisitions, in order
+        self.kept = KeptGraphs(keep_bytes, lambda u: self.walk.flats[u])
         self.policy = policy or KeepLast()
         self.offloaded = offloaded
         if offloaded is not None:
-            offloaded.bind(self._flats.__getitem__)
+            offloaded.bind(lambda u: self.walk.flats[u])
         self.recomputed = 0  # (block, micro-batch) pairs recomputed in the last step
         self.kept_pairs = 0  # pairs whose graph was kept in the last step
         self._rng: dict[tuple[int, int], _Rng] = {}
@@ -140,23 +138,14 @@ class LayerMajorExecutor(VocabSteps):
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
         """The units whose parameters ``ref`` uses: those it borrows (tied), then its own."""
-        return (*self.params.layout.units[ref.index].borrows, ref.index)
+        return self.walk.units(ref)
 
     def _acquire(self, ref: UnitRef) -> None:
         """Bind ``ref``'s units (the next visit of the step's order), then prefetch the next ones."""
-        want = self._order[self._pos] if self._pos < len(self._order) else None
-        if want is None or want.index != ref.index:
-            raise RuntimeError(f"executor out of order: acquiring unit {ref.index} ({ref.role}) where visit "
-                               f"{self._pos} is {want}")
-        self._pos += 1
-        for x in self._units(ref):
-            self._flats[x] = self.params.acquire(x)
-        self.params.prefetch([r.index for r in self._order[self._pos : self._pos + self.lookahead]])
+        self.walk.enter(ref)
 
     def _release(self, ref: UnitRef) -> None:
-        for x in reversed(self._units(ref)):
-            self.params.release(x)
-            self._flats.pop(x, None)
+        self.walk.leave(ref)
         if self.after_unit is not None:
             self.after_unit()
 
@@ -224,7 +213,7 @@ class LayerMajorExecutor(VocabSteps):
     def block_backward(self, ref: UnitRef, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
         self._acquire(ref)
         self.grads.begin(ref.index)
-        b, prev = ref.block, self._order[self._pos]  # the unit the backward reaches next
+        b, prev = ref.block, self.walk.upcoming  # the unit the backward reaches next
         off = self.offloaded
         for m, mb in enumerate(mbs):
             if prev.role == "block" and (prev.block, m) not in self.kept:
@@ -278,7 +267,7 @@ class LayerMajorExecutor(VocabSteps):
         mbs = self._micro_batches(batches, positions)
         self.scale = LossScale(len(batches), scored=scored)
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
-        self._order, self._pos = visits(self.plan, self.pieces_used, forward_only=True), 0
+        self.walk.restart(visits(self.plan, self.pieces_used, forward_only=True))
         was = self.model.training
         self.model.eval()  # no dropout
         try:
@@ -330,7 +319,7 @@ class LayerMajorExecutor(VocabSteps):
         mbs = self._micro_batches(batches, positions)
         self._rng = {}
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
-        self._order, self._pos = visits(self.plan, self.pieces_used), 0
+        self.walk.restart(visits(self.plan, self.pieces_used))
         self.kept.clear()  # nothing survives a step that failed half-way
         if self.offloaded is not None:
             self.offloaded.clear()

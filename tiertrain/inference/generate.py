@@ -42,6 +42,7 @@ from .kvcache import TieredKV
 from ..models.gpt_decode import GPTCache
 from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_shape, new_cache
+from ..execute.walk import UnitWalk
 from ..runtime import Runtime
 from .weights import forward_params
 
@@ -198,13 +199,13 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         log.info("key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
                  kv.host_bytes / 2**20, kv.spilled_bytes / 2**20, cfg.io.paths[0])
         gen = torch.Generator().manual_seed(sampling.seed)
-        units = [model.embed, *model.blocks, model.head]
+        walk = UnitWalk(store, model.plan, repeat=True)  # a pass over the model's units per token
         t0, steps = time.perf_counter(), 0
         with torch.no_grad():
             model.eval()
             for step in range(sampling.max_new_tokens):
                 more = step + 1 < sampling.max_new_tokens  # the last step prefetches nothing past itself
-                last = _step(store, rt.layout, units, groups, dec, step, rt.dev.device, more, kv)
+                last = _step(walk, groups, dec, step, rt.dev.device, more, kv)
                 picked = [_pick(logits.float(), sampling, gen) for logits in last]
                 steps += 1
                 if not _record(groups, picked, sampling, on_tokens):
@@ -250,11 +251,11 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
                           "tokenize with the model's own tokenizer")
 
 
-def _step(store, layout, units, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool,
+def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool,
           kv) -> list[torch.Tensor]:
-    """One decoding step over every micro-batch, unit by unit: the last logits of each. The
-    units ahead are prefetched, round into the next step's where there is one (``more``)."""
-    n = len(units)
+    """One decoding step over every micro-batch, unit by unit along the model's plan: the last
+    logits of each. The units ahead are prefetched, round into the next step's where there is
+    one (``more``)."""
     ins, masks, poss = [], [], []
     for g in groups:
         new = g.ids.shape[1] if step == 0 else 1
@@ -262,25 +263,22 @@ def _step(store, layout, units, groups: list[_Rows], dec: _Decoding, step: int, 
         ins.append(ids)
         poss.append(g.positions(new).to(device))
     h: list[torch.Tensor] = []
-    for k, unit in enumerate(units):
-        own = (*layout.units[k].borrows, k)  # a tied head uses the embedding's weights
-        for x in own:
-            store.acquire(x)
-        store.prefetch([(k + j) % n for j in range(1, len(store.slots)) if more or k + j < n])
-        if k == 0:
+    for ref in walk.order:
+        walk.enter(ref, more=more)  # a tied head binds the embedding's weights too
+        unit = ref.module
+        if ref.role == "embed":
             h = [unit.decode(x, p) for x, p in zip(ins, poss)]
             masks = [dec.mask(x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
-        elif k < n - 1:
+        elif ref.role == "block":
             out = []
             for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):
-                kv.bring(k - 1, i)  # block k - 1's keys and values of micro-batch i in memory
+                kv.bring(ref.block, i)  # the block's keys and values of micro-batch i in memory
                 out.append(unit.decode(x, m, p, g.cache))
-                kv.send(k - 1, i, x.shape[1])  # the positions this step added, written alone
+                kv.send(ref.block, i, x.shape[1])  # the positions this step added, written alone
             h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]
-        for x in reversed(own):
-            store.release(x)
+        walk.leave(ref)
     return h
 
 
