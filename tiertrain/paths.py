@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 
+from .errors import ConfigError
+
 __all__ = ["check_writable_dir", "check_input_file", "prepare_output_file"]
 
 
@@ -25,8 +27,6 @@ def _nearest_existing(path: str) -> str:
 def check_writable_dir(what: str, path: str, error: type[Exception] | None = None) -> None:
     """``path`` is a directory we can write, or can be made as one (``what`` names the
     setting, e.g. ``io.paths``)."""
-    from .config import ConfigError
-
     err = error or ConfigError
     p = os.path.abspath(path)
     if p.startswith(("/proc/", "/sys/")) or p in ("/proc", "/sys"):
@@ -55,8 +55,6 @@ def check_writable_dir(what: str, path: str, error: type[Exception] | None = Non
 
 def check_input_file(what: str, path: str, error: type[Exception] | None = None) -> None:
     """``path`` is an existing, readable regular file."""
-    from .config import ConfigError
-
     err = error or ConfigError
     if not os.path.exists(path):
         raise err(f"{what} = {path!r}: no such file")

@@ -5,7 +5,7 @@ and which are recomputed from their stashed input.
 A policy is asked once per pair, in forward order, right after the pair's graph is built,
 with the bytes that graph holds, only while the budget still holds that graph (``KeptGraphs``
 enforces the budget; a policy chooses among the graphs that fit). Replaceable: ``memory.activations`` names one of
-``POLICIES`` (an SSD tier for activations is one more policy at the same seam).
+``POLICIES``; activations on the storage tier are one more (``Tiered``, with ``offload.py``).
 
 - ``KeepLast`` (default): keep the pairs the backward reaches first. The backward walks the
   blocks in reverse, so the graphs it can use at once are the last ones built; keeping those

@@ -12,9 +12,9 @@ Contract of the unit kinds:
   its gradient does not depend on their values
 - ``block(hidden, positions=None, cache=None) -> hidden``: ``positions`` are the tokens'
   positions (``[T]``; None: ``0 .. T-1``), from which position tables (rotary, learned) are
-  made inside; the causal mask is the plain one for unpacked sequences; ``cache`` is the
-  block's key/value cache (the seam for generation: None in training, and refused until
-  generation exists)
+  made inside; the causal mask is the plain one for unpacked sequences; ``cache`` is None (a
+  block's ``forward`` takes none: generation calls its ``decode`` with the block's key/value
+  cache)
 - ``head.logits(hidden) -> logits``, which is ``getattr(head, head.PROJ)(head.hidden(h))``
   (final norm, then the output projection, without a bias); ``head.loss(logits, targets)
   -> loss`` (mean cross-entropy over the micro-batch's tokens); ``head(hidden, targets)``
