@@ -1,6 +1,8 @@
 # tiertrain: set-up, the default job, tests.
-#   make train   - create .venv, install, run the default main job
-#   make test    - create .venv if needed, run the test suite
+#   make train      - create .venv, install, run the default main job
+#   make test       - create .venv if needed, lint and type-check, run the whole test suite
+#   make test-fast  - the tests that spawn no process and take seconds (a couple of minutes)
+#   make lint       - ruff (lint and format) and mypy on the public seams
 PYTHON ?= python3
 VENV   ?= .venv
 # The CPU build here; on a CUDA machine: make setup TORCH_SPEC="torch>=2.11"
@@ -8,7 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test bench-io clean
+.PHONY: setup train test test-fast lint bench-io clean
+# test workers (pytest-xdist): one per CPU; the tests marked serial run after them, alone
+JOBS ?= auto
 
 # The torch spec the venv was set up with: rewritten (and the venv brought up to date) only
 # when TORCH_SPEC changes, so `make train TORCH_SPEC=...` on an existing .venv takes effect.
@@ -31,8 +35,17 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/tiertrain train $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+lint: $(STAMP)
+	$(BIN)/ruff check tiertrain tests bench examples
+	$(BIN)/ruff format --check tiertrain tests bench examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow and not serial" $(PYTEST_ARGS)
 
 bench-io: $(STAMP)
 	$(BIN)/tiertrain bench io --path ./tiertrain-scratch

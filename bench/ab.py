@@ -20,23 +20,34 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir  # noqa: E402
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir  # noqa: E402
 
 LINE = re.compile(r"^(?P<label>.+) M=(?P<M>\d+): (?P<s>[\d.]+) s/step")
 
 
 def worktree(rev: str, where: str) -> str:
     path = os.path.join(where, rev.replace("/", "_"))
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", path, rev], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", "-f", path, rev], check=True, capture_output=True, text=True
+    )
     return path
 
 
 def run(tree: str, args) -> dict[str, float]:
     """One bench/train.py run from ``tree``: s/step by row label."""
     env = dict(os.environ, PYTHONPATH=tree)
-    cmd = [sys.executable, os.path.join(tree, "bench", "train.py"), "--modes", args.modes, "--micro-batches",
-           args.micro_batches, "--steps", str(args.steps), "--scratch", os.path.join(args.scratch, "run")]
+    cmd = [
+        sys.executable,
+        os.path.join(tree, "bench", "train.py"),
+        "--modes",
+        args.modes,
+        "--micro-batches",
+        args.micro_batches,
+        "--steps",
+        str(args.steps),
+        "--scratch",
+        os.path.join(args.scratch, "run"),
+    ]
     r = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench/train.py of {tree} failed:\n{r.stderr[-3000:]}")
@@ -61,15 +72,19 @@ def main() -> int:
     args = ap.parse_args()
     if args.out:
         args.out = checked_out(args.out)
-    revs = {name: subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", rev], check=True, capture_output=True,
-                                 text=True).stdout.strip() for name, rev in (("base", args.base), ("head", args.head))}
+    revs = {
+        name: subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        for name, rev in (("base", args.base), ("head", args.head))
+    }
     with tempfile.TemporaryDirectory(prefix="tiertrain-ab-") as tmp, scratch_dir(args.scratch, "bench-ab") as scratch:
         args.scratch = scratch
         trees = {name: worktree(rev, tmp) for name, rev in revs.items()}
         times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
         try:
             for r in range(args.rounds):
-                for name in (("base", "head") if r % 2 == 0 else ("head", "base")):  # alternate who goes first
+                for name in ("base", "head") if r % 2 == 0 else ("head", "base"):  # alternate who goes first
                     print(f"round {r + 1}/{args.rounds}: {name} ({revs[name]})", flush=True)
                     for label, s in run(trees[name], args).items():
                         times[name].setdefault(label, []).append(s)
@@ -92,8 +107,10 @@ def main() -> int:
         if not b:
             continue
         mb, mh = statistics.median(b), statistics.median(h)
-        lines.append(f"| {label} | {mb:.2f} ({min(b):.2f}..{max(b):.2f}) | {mh:.2f} ({min(h):.2f}..{max(h):.2f}) |"
-                     f" {mh / mb:.2f} |")
+        lines.append(
+            f"| {label} | {mb:.2f} ({min(b):.2f}..{max(b):.2f}) | {mh:.2f} ({min(h):.2f}..{max(h):.2f}) |"
+            f" {mh / mb:.2f} |"
+        )
     report = "\n".join(lines) + "\n"
     publish(report, args.out)
     return 0

@@ -77,8 +77,13 @@ def config(args, scratch: str, activations: str, keep_mib: int | None) -> dict:
         "memory": memory,
         "update": {"mode": "baseline"},
         "checkpoint": {"at_end": False},
-        "train": {"steps": args.steps, "progress": False, "run_dir": os.path.join(scratch, "run"), "predict": True,
-                  "overwrite": True},
+        "train": {
+            "steps": args.steps,
+            "progress": False,
+            "run_dir": os.path.join(scratch, "run"),
+            "predict": True,
+            "overwrite": True,
+        },
     }
 
 
@@ -103,22 +108,35 @@ def _model_arg(s: str) -> dict:
 def summarize(runs: list[dict]) -> dict:
     steady = [s for r in runs for s in r["steps"][1:]]
     last = runs[-1]
-    return dict(step=statistics.median(steady), steps=steady, peak=max(r["peak"] for r in runs),
-                read=statistics.median(x for r in runs for x in r["read"][1:]),
-                write=statistics.median(x for r in runs for x in r["write"][1:]),
-                wait=statistics.median(x for r in runs for x in r["wait"][1:]), acts=last["extra"][-1],
-                act=last["act"], record=last["record"], kept_peak=last["kept_peak"], keep_mib=last["keep_mib"], pools=last["pools"],
-                read_gbps=statistics.median(r["read_gbps"] for r in runs if r["read_gbps"]) if any(
-                    r["read_gbps"] for r in runs) else None,
-                write_gbps=statistics.median(r["write_gbps"] for r in runs if r["write_gbps"]) if any(
-                    r["write_gbps"] for r in runs) else None,
-                predicted=[r["predicted"] for r in runs],
-                **{k: statistics.median(r[k] for r in runs) if all(r.get(k) for r in runs) else None
-                   for k in ("io_cpu", "crc_gbps", "io_slowdown", "cores")})
+    return dict(
+        step=statistics.median(steady),
+        steps=steady,
+        peak=max(r["peak"] for r in runs),
+        read=statistics.median(x for r in runs for x in r["read"][1:]),
+        write=statistics.median(x for r in runs for x in r["write"][1:]),
+        wait=statistics.median(x for r in runs for x in r["wait"][1:]),
+        acts=last["extra"][-1],
+        act=last["act"],
+        record=last["record"],
+        kept_peak=last["kept_peak"],
+        keep_mib=last["keep_mib"],
+        pools=last["pools"],
+        read_gbps=statistics.median(r["read_gbps"] for r in runs if r["read_gbps"])
+        if any(r["read_gbps"] for r in runs)
+        else None,
+        write_gbps=statistics.median(r["write_gbps"] for r in runs if r["write_gbps"])
+        if any(r["write_gbps"] for r in runs)
+        else None,
+        predicted=[r["predicted"] for r in runs],
+        **{
+            k: statistics.median(r[k] for r in runs) if all(r.get(k) for r in runs) else None
+            for k in ("io_cpu", "crc_gbps", "io_slowdown", "cores")
+        },
+    )
 
 
 def main() -> int:
-    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+    from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=_model_arg, default={}, help="overrides of the model, e.g. n_layers=8,d_model=1024")
@@ -127,7 +145,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--host-mib", type=int, default=16384, help="memory.host_mib of every configuration")
-    ap.add_argument("--keep-all-mib", type=int, default=4096, help="keep-all's memory.keep_act_mib (must hold them all)")
+    ap.add_argument(
+        "--keep-all-mib", type=int, default=4096, help="keep-all's memory.keep_act_mib (must hold them all)"
+    )
     ap.add_argument("--with-offload", action="store_true", help="also every pair not kept offloaded")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
@@ -172,13 +192,18 @@ def render(args, s: dict, quarter: int) -> str:
     m = {**MODEL, **args.model}
     pairs = m["n_layers"] * args.micro_batches
     total_act = keep["kept_peak"]
-    rows = ["| configuration | step s (median) | vs keep-all | peak RSS growth | SSD read / written per step | "
-            "I/O wait s | pairs kept / offloaded / recomputed |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | step s (median) | vs keep-all | peak RSS growth | SSD read / written per step | "
+        "I/O wait s | pairs kept / offloaded / recomputed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in s.items():
         a = r["acts"]
-        rows.append(f"| {name} | {r['step']:.2f} | {r['step'] / keep['step']:.2f}x | {r['peak'] / MIB:,.0f} MiB | "
-                    f"{r['read'] / 1e9:.2f} / {r['write'] / 1e9:.2f} GB | {r['wait']:.2f} | "
-                    f"{a.get('act_kept', 0)} / {a.get('act_offloaded', 0)} / {a.get('act_recomputed', 0)} |")
+        rows.append(
+            f"| {name} | {r['step']:.2f} | {r['step'] / keep['step']:.2f}x | {r['peak'] / MIB:,.0f} MiB | "
+            f"{r['read'] / 1e9:.2f} / {r['write'] / 1e9:.2f} GB | {r['wait']:.2f} | "
+            f"{a.get('act_kept', 0)} / {a.get('act_offloaded', 0)} / {a.get('act_recomputed', 0)} |"
+        )
     added = rec["step"] - keep["step"]
     saved = (rec["step"] - auto["step"]) / added if added > 0 else float("nan")
     off_bytes = auto["acts"].get("act_offload_bytes", 0)
@@ -207,10 +232,12 @@ def render(args, s: dict, quarter: int) -> str:
         f"(goal <= 1.1x: {'met' if goal1 else 'NOT met'}), at {auto['peak'] / keep['peak']:.2f}x its peak RSS growth.",
     ]
     if serial is not None:
-        lines.append(f"- Floor of auto's offload: {off_bytes / 1e9:.2f} GB written and read back per step at the disk's "
-                     f"measured {wb:.2f} GB/s write, {rb:.2f} GB/s read (probed at start) = {serial:.2f} s of I/O if "
-                     f"nothing overlapped, against a keep-all step of {keep['step']:.2f} s: the I/O must hide under "
-                     "compute, and the CPU it takes (copies, checksums, system calls) comes off the 2 cores.")
+        lines.append(
+            f"- Floor of auto's offload: {off_bytes / 1e9:.2f} GB written and read back per step at the disk's "
+            f"measured {wb:.2f} GB/s write, {rb:.2f} GB/s read (probed at start) = {serial:.2f} s of I/O if "
+            f"nothing overlapped, against a keep-all step of {keep['step']:.2f} s: the I/O must hide under "
+            "compute, and the CPU it takes (copies, checksums, system calls) comes off the 2 cores."
+        )
     if serial is not None and auto["io_cpu"]:
         gb = 2 * off_bytes / 1e9
         crc = gb / auto["crc_gbps"]
@@ -225,8 +252,11 @@ def render(args, s: dict, quarter: int) -> str:
             f"CPU taken by the I/O on {auto['cores']} cores: checksums {crc:.2f} s, the storage threads' system calls "
             f"and copies {io_cpu:.2f} s (probed {auto['io_cpu']:.2f} s/GB), the records' fill {copy:.2f} s, in all "
             f"{(crc + io_cpu + copy) / auto['cores']:.2f} s of the step if spread over the cores; compute slowed by the "
-            f"disk working beside it: x{auto['io_slowdown']:.2f} (probed); {recs} recompute(s) at ~{per_rec:.2f} s each.")
-    lines.append(f"- Predicted step at start (cost model), auto: {', '.join(f'{p:.2f} s' for p in auto['predicted'] if p)}.")
+            f"disk working beside it: x{auto['io_slowdown']:.2f} (probed); {recs} recompute(s) at ~{per_rec:.2f} s each."
+        )
+    lines.append(
+        f"- Predicted step at start (cost model), auto: {', '.join(f'{p:.2f} s' for p in auto['predicted'] if p)}."
+    )
     lines.append("- Steps (s): " + "; ".join(f"{n}: {', '.join(f'{x:.2f}' for x in r['steps'])}" for n, r in s.items()))
     return "\n".join(lines) + "\n"
 

@@ -29,7 +29,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
 SHAPE = dict(d_model=2560, n_layers=28, n_heads=20, vocab_size=32000)
 
@@ -38,16 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mode", default="engines", choices=["baseline", "overlap", "engines"])
-    ap.add_argument("--eager", action="store_true", help="update.eager (each unit as its gradient arrives; "
-                    "sets optim.grad_clip = 0, which it needs)")
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="update.eager (each unit as its gradient arrives; sets optim.grad_clip = 0, which it needs)",
+    )
     ap.add_argument("--host-mib", type=int, default=3300)
     ap.add_argument("--layers", type=int, default=SHAPE["n_layers"])
     ap.add_argument("--d-model", type=int, default=SHAPE["d_model"])
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--probe-mib", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=3, help="memory.device_slots")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="any other config field, e.g. --set memory.act_buffers=2 (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="any other config field, e.g. --set memory.act_buffers=2 (repeatable)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     out = checked_out(args.out) if args.out else None
@@ -63,13 +71,24 @@ def run(args, scratch: str) -> str:
     from tiertrain.training.trainer import Trainer
 
     s = dict(SHAPE, n_layers=args.layers, d_model=args.d_model, n_heads=args.d_model // 128)
-    flags = [f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--model.kind=llama",
-             *[f"--model.{k}={v}" for k, v in s.items()], "--model.max_seq_len=512", "--data.seq_len=512",
-             "--data.micro_batch_size=1", "--data.micro_batches=2", f"--train.steps={args.steps}",
-             "--train.progress=false", "--train.predict=false", f"--memory.host_mib={args.host_mib}",
-             f"--update.mode={args.mode}", f"--memory.device_slots={args.slots}",
-             *(["--update.eager=true", "--optim.grad_clip=0"] if args.eager else []),
-             *[f"--{x}" for x in args.set]]
+    flags = [
+        f"--io.paths={scratch}/ssd",
+        f"--train.run_dir={scratch}/run",
+        "--model.kind=llama",
+        *[f"--model.{k}={v}" for k, v in s.items()],
+        "--model.max_seq_len=512",
+        "--data.seq_len=512",
+        "--data.micro_batch_size=1",
+        "--data.micro_batches=2",
+        f"--train.steps={args.steps}",
+        "--train.progress=false",
+        "--train.predict=false",
+        f"--memory.host_mib={args.host_mib}",
+        f"--update.mode={args.mode}",
+        f"--memory.device_slots={args.slots}",
+        *(["--update.eager=true", "--optim.grad_clip=0"] if args.eager else []),
+        *[f"--{x}" for x in args.set],
+    ]
     cfg = load_config(None, flags)
     from tiertrain.cost.probe import DiskProbe
 
@@ -86,9 +105,18 @@ def run(args, scratch: str) -> str:
         trainer_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         engines_peak = max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)
         budget_lines = tr.budget.lines() if tr.budget else []
-        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size,
-                         kept=tr.executor.kept_pairs, offloaded=tr.acts.offloaded, record=tr.acts.record_bytes,
-                         used_pieces=tr.executor.pieces_used)
+        t = step_traffic(
+            tr.cfg,
+            tr.model,
+            tr.layout,
+            tr.dtype,
+            tr.rt.align,
+            hidden=tr.rt.hidden_size,
+            kept=tr.executor.kept_pairs,
+            offloaded=tr.acts.offloaded,
+            record=tr.acts.record_bytes,
+            used_pieces=tr.executor.pieces_used,
+        )
         n_params, L, M = tr.layout.n_params, len(tr.model.blocks), tr.cfg.data.micro_batches
         rates = measure_rates(tr.cfg, tr.rt, probe_mib=args.probe_mib)
         pred = predict_with(tr.cfg, tr.rt, rates)
@@ -118,9 +146,12 @@ def run(args, scratch: str) -> str:
         "",
         "| step | loss | s | forward s | backward s | update s | I/O wait s | read GB | written GB |",
         "|---|---|---|---|---|---|---|---|---|",
-        *[f"| {r.step} | {r.loss:.4f} | {r.step_s:.1f} | {r.forward_s:.1f} | {r.backward_s:.1f} | {r.update_s:.1f} | "
-          f"{r.io_wait_s:.1f} | {(r.ssd_read_bytes + r.extra.get('engine_read_bytes', 0)) / 1e9:.2f} | "
-          f"{(r.ssd_write_bytes + r.extra.get('engine_write_bytes', 0)) / 1e9:.2f} |" for r in recs],
+        *[
+            f"| {r.step} | {r.loss:.4f} | {r.step_s:.1f} | {r.forward_s:.1f} | {r.backward_s:.1f} | {r.update_s:.1f} | "
+            f"{r.io_wait_s:.1f} | {(r.ssd_read_bytes + r.extra.get('engine_read_bytes', 0)) / 1e9:.2f} | "
+            f"{(r.ssd_write_bytes + r.extra.get('engine_write_bytes', 0)) / 1e9:.2f} |"
+            for r in recs
+        ],
         "",
         f"- peak RSS: trainer {trainer_peak / 2**30:.2f} GiB + engines {engines_peak / 2**30:.2f} GiB = "
         f"**{peak / 2**30:.2f} GiB**",

@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from train import config  # noqa: E402
 
-from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir  # noqa: E402
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir  # noqa: E402
 from tiertrain.training.trainer import Trainer  # noqa: E402
 
 

@@ -101,8 +101,16 @@ def tune(work: str, size: int = 256 << 20) -> dict:
             h.sync_pread(buf, path)
             best_r = min(best_r, time.perf_counter() - t0)
         h.free_cpu_locked_tensor(buf)
-        results.append(dict(block_size=bs, queue_depth=qd, intra_op_parallelism=par,
-                            write_gbps=size / best_w / 1e9, read_gbps=size / best_r / 1e9, seconds=best_w + best_r))
+        results.append(
+            dict(
+                block_size=bs,
+                queue_depth=qd,
+                intra_op_parallelism=par,
+                write_gbps=size / best_w / 1e9,
+                read_gbps=size / best_r / 1e9,
+                seconds=best_w + best_r,
+            )
+        )
     os.remove(path)
     best = min(results, key=lambda r: r["seconds"])
     return dict(best=best, sweep=results)
@@ -113,8 +121,15 @@ def ds_config(spec: dict, nvme: str, largest: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": spec["micro_batch_size"],
         "gradient_accumulation_steps": spec["micro_batches"],
-        "optimizer": {"type": "AdamW", "params": {"lr": o["lr"], "betas": [o["beta1"], o["beta2"]], "eps": o["eps"],
-                                                  "weight_decay": o["weight_decay"]}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": o["lr"],
+                "betas": [o["beta1"], o["beta2"]],
+                "eps": o["eps"],
+                "weight_decay": o["weight_decay"],
+            },
+        },
         "gradient_clipping": o["grad_clip"],
         "bf16": {"enabled": spec.get("dtype") == "bfloat16"},  # fp32 master weights and moments, as tiertrain's
         "steps_per_print": 1 << 30,
@@ -125,10 +140,22 @@ def ds_config(spec: dict, nvme: str, largest: int) -> dict:
             # keep no parameter past its use: with max_in_cpu 0 every live one holds a swap buffer
             "stage3_max_live_parameters": largest,
             "stage3_max_reuse_distance": 0,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "max_in_cpu": 0,
-                              "buffer_count": 5, "buffer_size": largest},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4,
-                                  "pipeline_read": True, "pipeline_write": True},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "max_in_cpu": 0,
+                "buffer_count": 5,
+                "buffer_size": largest,
+            },
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "buffer_count": 4,
+                "pipeline_read": True,
+                "pipeline_write": True,
+            },
         },
         "aio": {**{k: spec["aio"][k] for k in AIO_SWEEP}, "single_submit": False, "overlap_events": True},
     }
@@ -161,7 +188,8 @@ def train(work: str, spec: dict) -> None:
     # partitioned to NVMe as it is created (in fp32; without a config, zero.Init picks bf16 on CPU).
     keep = HfDeepSpeedConfig(config)
     model = LlamaForCausalLM.from_pretrained(
-        spec["init_dir"], dtype=torch.bfloat16 if spec.get("dtype") == "bfloat16" else torch.float32)
+        spec["init_dir"], dtype=torch.bfloat16 if spec.get("dtype") == "bfloat16" else torch.float32
+    )
     model.config.use_cache = False
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.train()
@@ -179,9 +207,20 @@ def train(work: str, spec: dict) -> None:
             engine.step()
             losses.append(loss.item())
         io1 = meter.io()
-        print(json.dumps(dict(event="step", step=step + 1, step_s=time.perf_counter() - s0,
-                              loss=sum(losses) / len(losses), read_bytes=io1[0] - io0[0],
-                              write_bytes=io1[1] - io0[1], peak_rss=meter.peak_rss())), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    event="step",
+                    step=step + 1,
+                    step_s=time.perf_counter() - s0,
+                    loss=sum(losses) / len(losses),
+                    read_bytes=io1[0] - io0[0],
+                    write_bytes=io1[1] - io0[1],
+                    peak_rss=meter.peak_rss(),
+                )
+            ),
+            flush=True,
+        )
     del keep  # zero.Init stays configured until the end
 
 

@@ -45,9 +45,11 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, ou
         for mib in sizes:
             n = (mib << 20) // 4 // world * world  # float32 elements of the whole unit
             full, shard = torch.randn(n), torch.randn(n // world)
-            for name, fn in (("all_gather", lambda: g.all_gather(full, shard)),
-                             ("reduce_scatter (rank order)", lambda: g.reduce_scatter(full)),
-                             ("gloo reduce_scatter", lambda: rs_native(shard, full))):
+            for name, fn in (
+                ("all_gather", lambda full=full, shard=shard: g.all_gather(full, shard)),
+                ("reduce_scatter (rank order)", lambda full=full: g.reduce_scatter(full)),
+                ("gloo reduce_scatter", lambda full=full, shard=shard: rs_native(shard, full)),
+            ):
                 fn()  # warm-up
                 g.barrier()
                 before = g.traffic.sent + g.traffic.received
@@ -72,20 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.mib.split(",")]
-    lines = [f"# Collectives over Gloo (loopback), {time.strftime('%Y-%m-%d')}", "",
-             f"- machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"median of {args.repeats} calls after a warm-up, one thread per rank", "",
-             "| ranks | unit MiB | collective | s per call | MB sent + received per rank | GB/s per rank |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Collectives over Gloo (loopback), {time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"median of {args.repeats} calls after a warm-up, one thread per rank",
+        "",
+        "| ranks | unit MiB | collective | s per call | MB sent + received per rank | GB/s per rank |",
+        "|---|---|---|---|---|---|",
+    ]
     for world in [int(x) for x in args.worlds.split(",")]:
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_worker, args=(world, _port(), sizes, args.repeats, d), nprocs=world, join=True)
             res = torch.load(os.path.join(d, "0.pt"))
         for (mib, name), (s, moved) in res.items():
             lines.append(f"| {world} | {mib} | {name} | {s:.4f} | {moved / 1e6:.1f} | {moved / s / 1e9:.2f} |")
-    lines += ["", "A sharded step moves about 3 x parameter bytes x (N - 1) / N per rank, each way; at the "
-              "rates above that is the network term of its step (hidden under compute where the "
-              "gathers are prefetched)."]
+    lines += [
+        "",
+        "A sharded step moves about 3 x parameter bytes x (N - 1) / N per rank, each way; at the "
+        "rates above that is the network term of its step (hidden under compute where the "
+        "gathers are prefetched).",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

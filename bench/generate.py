@@ -36,9 +36,11 @@ from deepspeed_worker import ProcMeter  # noqa: E402
 
 from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir  # noqa: E402
 
-SYSTEMS = {"tiertrain": "tiertrain (weights from the storage tier, 3 slots)",
-           "accelerate": "accelerate disk offload (device_map auto, max_memory)",
-           "plain": "plain transformers generate, all in memory"}
+SYSTEMS = {
+    "tiertrain": "tiertrain (weights from the storage tier, 3 slots)",
+    "accelerate": "accelerate disk offload (device_map auto, max_memory)",
+    "plain": "plain transformers generate, all in memory",
+}
 
 
 def prompts_for(batch: int, length: int) -> list[list[int]]:
@@ -56,10 +58,18 @@ def worker(system: str, spec: dict) -> dict:
         from tiertrain.config import load_config
         from tiertrain.inference.generate import Sampling, generate
 
-        cfg = load_config(None, [f"--model.hf_dir={spec['model']}", f"--io.paths={spec['scratch']}",
-                                 "--io.weights=tier", f"--data.micro_batch_size={spec['batch']}",
-                                 "--train.device=cpu", "--memory.device_slots=3",
-                                 f"--memory.host_param_mib={spec['budget_mib']}"])
+        cfg = load_config(
+            None,
+            [
+                f"--model.hf_dir={spec['model']}",
+                f"--io.paths={spec['scratch']}",
+                "--io.weights=tier",
+                f"--data.micro_batch_size={spec['batch']}",
+                "--train.device=cpu",
+                "--memory.device_slots=3",
+                f"--memory.host_param_mib={spec['budget_mib']}",
+            ],
+        )
         generate(cfg, prompts[:1], Sampling(max_new_tokens=1))  # converts the weights once (not timed)
         meter.reset_peak()
         r0, t0 = meter.io()[0], time.perf_counter()
@@ -69,8 +79,11 @@ def worker(system: str, spec: dict) -> dict:
 
         kw = dict(dtype=torch.float32)
         if system == "accelerate":
-            kw.update(device_map="auto", max_memory={"cpu": f"{spec['budget_mib']}MiB"},
-                      offload_folder=os.path.join(spec["scratch"], "offload"))
+            kw.update(
+                device_map="auto",
+                max_memory={"cpu": f"{spec['budget_mib']}MiB"},
+                offload_folder=os.path.join(spec["scratch"], "offload"),
+            )
         model = AutoModelForCausalLM.from_pretrained(spec["model"], **kw).eval()
         ids = torch.tensor(prompts)
         with torch.no_grad():  # warm-up, as tiertrain's conversion call (not timed)
@@ -78,12 +91,19 @@ def worker(system: str, spec: dict) -> dict:
         meter.reset_peak()
         r0, t0 = meter.io()[0], time.perf_counter()
         with torch.no_grad():
-            got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-        out = got[:, ids.shape[1]:].tolist()
+            got = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        out = got[:, ids.shape[1] :].tolist()
     seconds = time.perf_counter() - t0
-    return dict(seconds=seconds, tokens=sum(map(len, out)), peak_rss=meter.peak_rss(), read=meter.io()[0] - r0,
-                first=out[0])
+    return dict(
+        seconds=seconds, tokens=sum(map(len, out)), peak_rss=meter.peak_rss(), read=meter.io()[0] - r0, first=out[0]
+    )
 
 
 class MemoryCgroup:
@@ -104,8 +124,10 @@ class MemoryCgroup:
             with open(os.path.join(self.path, knob), "w") as f:
                 f.write(str(limit_bytes))
         except OSError as exc:
-            raise SystemExit(f"--memory-limit-mib: cannot make a memory cgroup at {self.path} ({exc}); run as root, "
-                             "or leave the limit out") from None
+            raise SystemExit(
+                f"--memory-limit-mib: cannot make a memory cgroup at {self.path} ({exc}); run as root, "
+                "or leave the limit out"
+            ) from None
 
     def enter(self) -> None:
         with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
@@ -158,8 +180,17 @@ def make_model(directory: str, args) -> int:
     from tiertrain.models import hf_config_from
 
     torch.manual_seed(0)
-    cfg = hf_config_from(ModelConfig(kind="llama", n_layers=args.layers, d_model=args.d_model, n_heads=args.d_model // 128,
-                                     d_ff=args.d_ff, vocab_size=32000, max_seq_len=256))
+    cfg = hf_config_from(
+        ModelConfig(
+            kind="llama",
+            n_layers=args.layers,
+            d_model=args.d_model,
+            n_heads=args.d_model // 128,
+            d_ff=args.d_ff,
+            vocab_size=32000,
+            max_seq_len=256,
+        )
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
@@ -173,13 +204,21 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=1536)
     ap.add_argument("--d-ff", type=int, default=4096)
-    ap.add_argument("--budget-mib", type=int, default=512, help="weights kept in host memory: accelerate's max_memory "
-                    "(CPU), tiertrain's memory.host_param_mib")
+    ap.add_argument(
+        "--budget-mib",
+        type=int,
+        default=512,
+        help="weights kept in host memory: accelerate's max_memory (CPU), tiertrain's memory.host_param_mib",
+    )
     ap.add_argument("--systems", default="tiertrain,accelerate,plain")
-    ap.add_argument("--memory-limit-mib", type=int, default=None,
-                    help="run the offloading systems in a memory cgroup of this size (page cache included): a machine "
-                    "with less memory than the model, so that offloaded weights come from the disk (plain runs "
-                    "without: it needs the whole model)")
+    ap.add_argument(
+        "--memory-limit-mib",
+        type=int,
+        default=None,
+        help="run the offloading systems in a memory cgroup of this size (page cache included): a machine "
+        "with less memory than the model, so that offloaded weights come from the disk (plain runs "
+        "without: it needs the whole model)",
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -200,8 +239,14 @@ def main() -> int:
         rows = {}
         for b in map(int, args.batches.split(",")):
             for s in systems:
-                spec = dict(model=model, scratch=scratch, batch=b, new_tokens=args.new_tokens,
-                            prompt_len=args.prompt_len, budget_mib=args.budget_mib)
+                spec = dict(
+                    model=model,
+                    scratch=scratch,
+                    batch=b,
+                    new_tokens=args.new_tokens,
+                    prompt_len=args.prompt_len,
+                    budget_mib=args.budget_mib,
+                )
                 print(f"batch {b}: {s} ...", flush=True)
                 limit = args.memory_limit_mib << 20 if args.memory_limit_mib and s != "plain" else None
                 rows[b, s] = run(s, spec, limit)
@@ -227,7 +272,9 @@ def plot(rows: dict, systems: list[str], path: str) -> None:
         axes[0].bar(xs, [rows[b, s]["tokens"] / rows[b, s]["seconds"] for b in batches], width, label=s)
         axes[1].bar(xs, [rows[b, s]["peak_rss"] / 2**30 for b in batches], width, label=s)
     for ax, title in zip(axes, ("tokens/s (log)", "peak RSS, GiB")):
-        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_xticks(
+            [j + width * (len(systems) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches]
+        )
         ax.set_title(title)
     axes[0].set_yscale("log")
     axes[0].legend()
@@ -238,22 +285,29 @@ def plot(rows: dict, systems: list[str], path: str) -> None:
 
 def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float) -> str:
     weight_gb = n_params * 4 / 1e9
-    lines = [f"# Offloaded generation, {time.strftime('%Y-%m-%d')}", "",
-             f"- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU; storage tier read {read_gbps:.2f} GB/s "
-             "(measured in this run)",
-             f"- model: Llama, {n_params / 1e6:.0f} M parameters ({args.layers} layers, d {args.d_model}, ff {args.d_ff}), "
-             f"fp32 ({weight_gb:.2f} GB of weights), random; prompts of {args.prompt_len} tokens, {args.new_tokens} new "
-             "tokens, greedy",
-             f"- weight budget: {args.budget_mib} MiB of CPU memory for both (accelerate's max_memory, tiertrain's "
-             "memory.host_param_mib, loaded inside the timed call), the rest offloaded to disk; tiertrain: 3 slots of "
-             "the largest unit",
-             (f"- the offloading systems ran in a memory cgroup of {args.memory_limit_mib} MiB (page cache included): "
-              "a machine with less memory than the model, so what is offloaded is read from the disk (the weights' "
-              "page cache dropped before each run: pages cached outside a cgroup are not its to evict)"
-              if args.memory_limit_mib else "- no memory limit: accelerate's offloaded weights may be served from the "
-              "page cache (this machine's RAM holds them), not the disk"), "",
-             "| batch | system | tokens/s | vs accelerate | vs plain | peak RSS GiB | disk read GB | first row's tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Offloaded generation, {time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU; storage tier read {read_gbps:.2f} GB/s "
+        "(measured in this run)",
+        f"- model: Llama, {n_params / 1e6:.0f} M parameters ({args.layers} layers, d {args.d_model}, ff {args.d_ff}), "
+        f"fp32 ({weight_gb:.2f} GB of weights), random; prompts of {args.prompt_len} tokens, {args.new_tokens} new "
+        "tokens, greedy",
+        f"- weight budget: {args.budget_mib} MiB of CPU memory for both (accelerate's max_memory, tiertrain's "
+        "memory.host_param_mib, loaded inside the timed call), the rest offloaded to disk; tiertrain: 3 slots of "
+        "the largest unit",
+        (
+            f"- the offloading systems ran in a memory cgroup of {args.memory_limit_mib} MiB (page cache included): "
+            "a machine with less memory than the model, so what is offloaded is read from the disk (the weights' "
+            "page cache dropped before each run: pages cached outside a cgroup are not its to evict)"
+            if args.memory_limit_mib
+            else "- no memory limit: accelerate's offloaded weights may be served from the "
+            "page cache (this machine's RAM holds them), not the disk"
+        ),
+        "",
+        "| batch | system | tokens/s | vs accelerate | vs plain | peak RSS GiB | disk read GB | first row's tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for b in sorted({b for b, _ in rows}):
         base = rows.get((b, "accelerate"))
         plain = rows.get((b, "plain"))
@@ -262,24 +316,31 @@ def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float
             tps = r["tokens"] / r["seconds"]
             va = f"{tps / (base['tokens'] / base['seconds']):.2f}x" if base else "-"
             vp = f"{tps / (plain['tokens'] / plain['seconds']):.2f}x" if plain else "-"
-            lines.append(f"| {b} | {SYSTEMS[s]} | {tps:.1f} | {va} | {vp} | {r['peak_rss'] / 2**30:.2f} | "
-                         f"{r['read'] / 1e9:.2f} | {r['first']} |")
+            lines.append(
+                f"| {b} | {SYSTEMS[s]} | {tps:.1f} | {va} | {vp} | {r['peak_rss'] / 2**30:.2f} | "
+                f"{r['read'] / 1e9:.2f} | {r['first']} |"
+            )
     one = rows.get((1, "tiertrain"))
     if one:
         floor = weight_gb / read_gbps  # seconds per token at batch 1: every weight read once per token
         per_token = one["seconds"] / one["tokens"]
         streamed = max(0.0, weight_gb - args.budget_mib * 2**20 / 1e9)
-        lines += ["", f"At batch 1 the I/O floor is {weight_gb:.2f} GB per token / {read_gbps:.2f} GB/s = {floor:.2f} s per "
-                  f"token; tiertrain takes {per_token:.2f} s per token ({per_token / floor:.2f}x the floor; the prefill is "
-                  f"in it). Counting only the {streamed:.2f} GB outside the weight budget: floor "
-                  f"{streamed / read_gbps:.2f} s, tiertrain at {per_token / (streamed / read_gbps):.2f}x it. tiertrain's "
-                  f"reads ran at {one['read'] / one['seconds'] / 1e9:.2f} GB/s (disk read / time): where that is above "
-                  "the measured bandwidth, the floor's bandwidth is the pessimistic one (the disk is noisy)."]
+        lines += [
+            "",
+            f"At batch 1 the I/O floor is {weight_gb:.2f} GB per token / {read_gbps:.2f} GB/s = {floor:.2f} s per "
+            f"token; tiertrain takes {per_token:.2f} s per token ({per_token / floor:.2f}x the floor; the prefill is "
+            f"in it). Counting only the {streamed:.2f} GB outside the weight budget: floor "
+            f"{streamed / read_gbps:.2f} s, tiertrain at {per_token / (streamed / read_gbps):.2f}x it. tiertrain's "
+            f"reads ran at {one['read'] / one['seconds'] / 1e9:.2f} GB/s (disk read / time): where that is above "
+            "the measured bandwidth, the floor's bandwidth is the pessimistic one (the disk is noisy).",
+        ]
     for b in sorted({b for b, _ in rows}):
         per = {s: rows[b, s]["seconds"] / rows[b, s]["tokens"] for s in systems if (b, s) in rows}
         if "tiertrain" in per and "plain" in per:
-            line = (f"- batch {b}: tiertrain's time per token is {per['tiertrain'] / per['plain']:.2f}x in-memory "
-                    "generate's (goal at batch >= 16: <= 1.5x)")
+            line = (
+                f"- batch {b}: tiertrain's time per token is {per['tiertrain'] / per['plain']:.2f}x in-memory "
+                "generate's (goal at batch >= 16: <= 1.5x)"
+            )
             if "accelerate" in per:
                 line += f"; accelerate's is {per['accelerate'] / per['tiertrain']:.2f}x tiertrain's (goal: >= 10x)"
             lines.append(line)

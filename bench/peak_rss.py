@@ -55,8 +55,13 @@ def worker(cli: list[str]) -> dict:
         for _ in range(cfg.train.steps):
             n = len(samples)
             r = tr.train_step()
-            steps.append(dict(s=r.step_s, peak=max(samples[n:], default=rss_mib()), acts={
-                k: r.extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")}))
+            steps.append(
+                dict(
+                    s=r.step_s,
+                    peak=max(samples[n:], default=rss_mib()),
+                    acts={k: r.extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
+                )
+            )
             print(f"step {r.step}: {r.step_s:.1f} s, RSS peak {steps[-1]['peak']:.0f} MiB", file=sys.stderr, flush=True)
     stop.set()
     th.join()
@@ -64,7 +69,7 @@ def worker(cli: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+    from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -84,10 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
     with scratch_dir(args.scratch, "peak-rss") as scratch:
         cli = [f"--model.{k}={v}" for k, v in model.items()] + [
-            f"--model.max_seq_len={args.seq_len}", f"--data.seq_len={args.seq_len}", "--data.micro_batch_size=1",
-            f"--data.micro_batches={args.micro_batches}", f"--train.steps={args.steps}", "--train.progress=false",
-            f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--checkpoint.at_end=false",
-            f"--memory.host_mib={args.host_mib}", *[f"--{x}" for x in args.set]]
+            f"--model.max_seq_len={args.seq_len}",
+            f"--data.seq_len={args.seq_len}",
+            "--data.micro_batch_size=1",
+            f"--data.micro_batches={args.micro_batches}",
+            f"--train.steps={args.steps}",
+            "--train.progress=false",
+            f"--io.paths={scratch}/ssd",
+            f"--train.run_dir={scratch}/run",
+            "--checkpoint.at_end=false",
+            f"--memory.host_mib={args.host_mib}",
+            *[f"--{x}" for x in args.set],
+        ]
         p = subprocess.run([sys.executable, __file__, "--worker", *cli], check=True, capture_output=True, text=True)
         res = json.loads(p.stdout.strip().splitlines()[-1])
     allowed = args.host_mib + res["base"]
@@ -96,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM; fp32 on CPU",
-        "- model: Llama (" + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+        "- model: Llama ("
+        + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
         + f"), random weights; M = {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens; {args.steps} steps"
         + (f"; other settings: {', '.join(args.set)}" if args.set else ""),
         f"- budget memory.host_mib = {args.host_mib} MiB; before tiertrain takes anything the process holds "
@@ -106,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| step | s | peak RSS MiB | activations kept / offloaded / recomputed |",
         "|---|---|---|---|",
-        *[f"| {i + 1} | {s['s']:.1f} | {s['peak']:.0f} | {s['acts']['act_kept']} / {s['acts']['act_offloaded']} / "
-          f"{s['acts']['act_recomputed']} |" for i, s in enumerate(res["steps"])],
+        *[
+            f"| {i + 1} | {s['s']:.1f} | {s['peak']:.0f} | {s['acts']['act_kept']} / {s['acts']['act_offloaded']} / "
+            f"{s['acts']['act_recomputed']} |"
+            for i, s in enumerate(res["steps"])
+        ],
         "",
         f"- peak RSS {res['peak']:.0f} MiB against budget + baseline {allowed:.0f} MiB: "
         f"**{'within' if res['peak'] <= allowed else 'OVER'}** ({res['peak'] - allowed:+.0f} MiB)",

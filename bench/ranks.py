@@ -30,13 +30,26 @@ def run(n: int, args, scratch: str) -> list[list[dict]]:
     model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
     d = os.path.join(scratch, f"n{n}")
     flags = [f"--model.{k}={v}" for k, v in model.items()] + [
-        f"--model.max_seq_len={args.seq_len}", f"--data.seq_len={args.seq_len}", "--data.micro_batch_size=1",
-        f"--data.micro_batches={args.micro_batches // n}", f"--train.steps={args.steps}", "--train.progress=false",
-        f"--io.paths={d}/ssd", f"--train.run_dir={d}/run", "--checkpoint.at_end=false", "--train.predict=false",
-        f"--memory.host_mib={args.host_mib}", *[f"--{x}" for x in args.set]]
+        f"--model.max_seq_len={args.seq_len}",
+        f"--data.seq_len={args.seq_len}",
+        "--data.micro_batch_size=1",
+        f"--data.micro_batches={args.micro_batches // n}",
+        f"--train.steps={args.steps}",
+        "--train.progress=false",
+        f"--io.paths={d}/ssd",
+        f"--train.run_dir={d}/run",
+        "--checkpoint.at_end=false",
+        "--train.predict=false",
+        f"--memory.host_mib={args.host_mib}",
+        *[f"--{x}" for x in args.set],
+    ]
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tiertrain", "train", "--nproc", str(n), *flags], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "tiertrain", "train", "--nproc", str(n), *flags],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     print(f"{n} rank(s): {time.perf_counter() - t0:.0f} s", flush=True)
     out = []
     for r in range(n):
@@ -47,7 +60,7 @@ def run(n: int, args, scratch: str) -> list[list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+    from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -70,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, ranks in runs.items():
         for r, recs in enumerate(ranks):
-            rows.append(f"| {n} | {r} | {med(recs, 'step_s'):.2f} | {med(recs, 'ssd_read_bytes') / 1e9:.3f} / "
-                        f"{med(recs, 'ssd_write_bytes') / 1e9:.3f} | {net(recs, 'net_sent_bytes') / 1e9:.3f} / "
-                        f"{net(recs, 'net_received_bytes') / 1e9:.3f} | {max(x['peak_host_bytes'] for x in recs) / 2**30:.2f} | "
-                        + " ".join(f"{x['loss']:.4f}" for x in recs) + " |")
+            rows.append(
+                f"| {n} | {r} | {med(recs, 'step_s'):.2f} | {med(recs, 'ssd_read_bytes') / 1e9:.3f} / "
+                f"{med(recs, 'ssd_write_bytes') / 1e9:.3f} | {net(recs, 'net_sent_bytes') / 1e9:.3f} / "
+                f"{net(recs, 'net_received_bytes') / 1e9:.3f} | {max(x['peak_host_bytes'] for x in recs) / 2**30:.2f} | "
+                + " ".join(f"{x['loss']:.4f}" for x in recs)
+                + " |"
+            )
     one, many = runs[1][0], runs[args.ranks]
     disk1 = med(one, "ssd_read_bytes") + med(one, "ssd_write_bytes")
     diskn = statistics.mean(med(x, "ssd_read_bytes") + med(x, "ssd_write_bytes") for x in many)
@@ -84,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, one virtual disk shared by the ranks; Gloo on "
         "loopback; fp32 on CPU",
-        "- model: Llama (" + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+        "- model: Llama ("
+        + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
         + f"), random weights; global batch {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens "
         f"({args.micro_batches // args.ranks} per rank with {args.ranks}); memory.host_mib = {args.host_mib} per rank; "
-        f"{args.steps} steps, the first discarded; medians" + (f"; other settings: {', '.join(args.set)}" if args.set else ""),
+        f"{args.steps} steps, the first discarded; medians"
+        + (f"; other settings: {', '.join(args.set)}" if args.set else ""),
         "",
         "| ranks | rank | s/step | disk read / written GB per step | network sent / received GB per step | peak RSS GiB | losses |",
         "|---|---|---|---|---|---|---|",

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir  # noqa: E402
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, scratch_dir  # noqa: E402
 from tiertrain.config import load_config  # noqa: E402
 from tiertrain.training.trainer import Trainer  # noqa: E402
 
@@ -39,9 +39,18 @@ def main() -> int:
     curves = {}
     for label, flags in RUNS:
         with scratch_dir(args.scratch, "bench-topk") as scratch:
-            cfg = load_config(None, [f"--io.paths={scratch}", f"--train.run_dir={scratch}/run",
-                                     f"--train.steps={args.steps}", "--train.progress=false", "--update.mode=engines",
-                                     "--checkpoint.at_end=false", *flags])
+            cfg = load_config(
+                None,
+                [
+                    f"--io.paths={scratch}",
+                    f"--train.run_dir={scratch}/run",
+                    f"--train.steps={args.steps}",
+                    "--train.progress=false",
+                    "--update.mode=engines",
+                    "--checkpoint.at_end=false",
+                    *flags,
+                ],
+            )
             with Trainer(cfg) as tr:
                 tr.initialize(progress=False)
                 recs = [tr.train_step() for _ in range(args.steps)]

@@ -26,8 +26,7 @@ import time
 import torch
 
 from tiertrain.bench.io import run_io_bench
-from tiertrain.reference import reference_model, weights_of
-from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, scratch_dir
 from tiertrain.config import (
     CheckpointConfig,
     Config,
@@ -42,6 +41,7 @@ from tiertrain.config import (
 from tiertrain.cost.budget import STATES_ON_STORAGE
 from tiertrain.data import Corpus
 from tiertrain.models import build_model, tensor_source
+from tiertrain.reference import reference_model, weights_of
 from tiertrain.training.trainer import Trainer
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
@@ -60,7 +60,11 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
     "topk": ("engines + top-k 0.05", UpdateConfig(mode="engines", topk=0.05), {}),
     # activation policies within memory.keep_act_mib (see --keep-mib): the default keeps the blocks
     # the backward reaches first; these keep the first blocks, or none
-    "baseline-keep-first": ("baseline, keep first blocks", UpdateConfig(mode="baseline"), {"activations": "keep-first"}),
+    "baseline-keep-first": (
+        "baseline, keep first blocks",
+        UpdateConfig(mode="baseline"),
+        {"activations": "keep-first"},
+    ),
     "baseline-recompute": ("baseline, recompute all", UpdateConfig(mode="baseline"), {"activations": "recompute"}),
 }
 
@@ -68,15 +72,24 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
 DEVICE = {"device": "cpu", "dtype": "float32"}  # --device / --dtype
 
 
-def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline", checksum: bool = True,
-           keep_mib: int | None = None) -> Config:
+def config(
+    scratch: str,
+    micro_batches: int,
+    steps: int,
+    mode: str = "baseline",
+    checksum: bool = True,
+    keep_mib: int | None = None,
+) -> Config:
     _, update, memory = MODES[mode]
     # states on the storage tier, as DeepSpeed's (the budget would place this model in RAM)
     planned = memory.get("planned", False)
     clip = memory.get("grad_clip", OptimConfig().grad_clip)
     memory = {k: v for k, v in memory.items() if k not in ("planned", "grad_clip")}
-    memory = {**({} if planned else STATES_ON_STORAGE), **memory,
-              **({"keep_act_mib": keep_mib} if keep_mib is not None else {})}
+    memory = {
+        **({} if planned else STATES_ON_STORAGE),
+        **memory,
+        **({"keep_act_mib": keep_mib} if keep_mib is not None else {}),
+    }
     return Config(
         io=IOConfig(paths=[scratch], checksum=checksum),
         model=ModelConfig(**MODEL),
@@ -85,8 +98,13 @@ def config(scratch: str, micro_batches: int, steps: int, mode: str = "baseline",
         optim=OptimConfig(grad_clip=clip),
         memory=MemoryConfig(**memory),
         checkpoint=CheckpointConfig(at_end=False),
-        train=TrainConfig(steps=steps, progress=False, run_dir=os.path.join(scratch, "run"), device=DEVICE["device"],
-                          param_dtype=DEVICE["dtype"]),
+        train=TrainConfig(
+            steps=steps,
+            progress=False,
+            run_dir=os.path.join(scratch, "run"),
+            device=DEVICE["device"],
+            param_dtype=DEVICE["dtype"],
+        ),
     )
 
 
@@ -97,8 +115,9 @@ def plain_steps(cfg: Config, model: torch.nn.Module, in_place: bool = False) -> 
     m = model if in_place and dev.type == "cpu" else copy.deepcopy(model)
     m = m.to(dev, getattr(torch, DEVICE["dtype"]))
     o = cfg.optim
-    opt = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
     corpus, M, times = Corpus(cfg.data), cfg.data.micro_batches, []
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
@@ -127,8 +146,17 @@ def formula_bytes(tr: Trainer) -> tuple[int, int]:
     kept graphs (tiertrain.cost.step_traffic: in the trainer or in the engines)."""
     from tiertrain.cost import step_traffic
 
-    t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size,
-                     kept=tr.executor.kept_pairs, offloaded=tr.acts.offloaded, record=tr.acts.record_bytes)
+    t = step_traffic(
+        tr.cfg,
+        tr.model,
+        tr.layout,
+        tr.dtype,
+        tr.rt.align,
+        hidden=tr.rt.hidden_size,
+        kept=tr.executor.kept_pairs,
+        offloaded=tr.acts.offloaded,
+        record=tr.acts.record_bytes,
+    )
     return t.read, t.write
 
 
@@ -140,12 +168,18 @@ def main() -> int:
     ap.add_argument("--modes", default="baseline", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--checksums", default="on", help="'on', 'off' or 'on,off' (CRC32C of every block on disk)")
-    ap.add_argument("--keep-mib", type=int, default=None, help="memory.keep_act_mib for every row (default: the config's)")
+    ap.add_argument(
+        "--keep-mib", type=int, default=None, help="memory.keep_act_mib for every row (default: the config's)"
+    )
     ap.add_argument("--io-gib", type=float, default=1.0, help="GiB written and read to measure the disk")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters' dtype")
-    ap.add_argument("--model", default="", help="model fields to change, e.g. n_layers=8,d_model=1024,n_heads=16 "
-                    "(figures are to be checked on shapes other than the default)")
+    ap.add_argument(
+        "--model",
+        default="",
+        help="model fields to change, e.g. n_layers=8,d_model=1024,n_heads=16 "
+        "(figures are to be checked on shapes other than the default)",
+    )
     args = ap.parse_args()
     DEVICE.update(device=args.device, dtype=args.dtype)
     for kv in filter(None, args.model.split(",")):
@@ -206,7 +240,10 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     fr, fw = formula_bytes(tr)
     io_floor = rb / rbw + wb / wbw
     floor = max(plain, io_floor)
-    parts = {k: statistics.median(getattr(r, k) for r in steady) for k in ("forward_s", "backward_s", "update_s", "io_wait_s")}
+    parts = {
+        k: statistics.median(getattr(r, k) for r in steady)
+        for k in ("forward_s", "backward_s", "update_s", "io_wait_s")
+    }
     tokens = steady[0].tokens
     pools = sum(tr.pool_bytes.values())
     engines_rss = max(eng(r, "engine_peak_host_bytes") for r in recs)
@@ -215,10 +252,32 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch, exist_ok=True)
     label = MODES[mode][0] + ("" if checksum else ", no checksums")
-    print(f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x),"
-          f" {recomputed} block recomputes", flush=True)
-    return (mode, checksum, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, parts, sent, handed, pools, engines_rss,
-            engines_cpu, recomputed)
+    print(
+        f"{label} M={M}: {step:.2f} s/step, plain {plain:.2f} s, floor {floor:.2f} s ({step / floor:.2f}x),"
+        f" {recomputed} block recomputes",
+        flush=True,
+    )
+    return (
+        mode,
+        checksum,
+        M,
+        tokens,
+        plain,
+        step,
+        rb,
+        fr,
+        wb,
+        fw,
+        io_floor,
+        floor,
+        parts,
+        sent,
+        handed,
+        pools,
+        engines_rss,
+        engines_cpu,
+        recomputed,
+    )
 
 
 def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
@@ -246,10 +305,32 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
-    for mode, ck, M, tokens, plain, step, rb, fr, wb, fw, io_floor, floor, p, sent, handed, pools, ers, ecpu, rec in rows:
+    for (
+        mode,
+        ck,
+        M,
+        tokens,
+        plain,
+        step,
+        rb,
+        fr,
+        wb,
+        fw,
+        io_floor,
+        floor,
+        p,
+        sent,
+        handed,
+        pools,
+        ers,
+        ecpu,
+        rec,
+    ) in rows:
         if mode == "baseline":
-            speed = (f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden;"
-                     f" 1.5x needs {step / 1.5:.2f} s, {step / 1.5 / floor:.2f}x the floor)")
+            speed = (
+                f"1.00x (at most {step / (step - p['update_s']):.2f}x with the update hidden;"
+                f" 1.5x needs {step / 1.5:.2f} s, {step / 1.5 / floor:.2f}x the floor)"
+            )
         else:
             speed = f"{base[M, ck] / step:.2f}x" if (M, ck) in base else "-"
         label = MODES[mode][0] + ("" if ck else ", no checksums")

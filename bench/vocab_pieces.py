@@ -21,7 +21,7 @@ import resource
 import subprocess
 import sys
 
-from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
 MIB = 1 << 20
 
@@ -37,11 +37,24 @@ def run_one(args) -> dict:
     from tiertrain.cost.budget import STATES_ON_STORAGE
     from tiertrain.training.trainer import Trainer
 
-    flags = [f"--io.paths={args.scratch}", f"--train.run_dir={args.scratch}/run", "--model.kind=llama",
-             f"--model.d_model={args.d_model}", f"--model.n_layers={args.layers}", f"--model.n_heads={args.d_model // 64}",
-             "--model.vocab_size=128256", "--model.max_seq_len=256", "--data.seq_len=256", "--data.micro_batch_size=2",
-             "--data.micro_batches=2", f"--train.steps={args.steps}", "--train.progress=false", "--train.predict=false",
-             "--memory.host_mib=16384", *[f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()]]
+    flags = [
+        f"--io.paths={args.scratch}",
+        f"--train.run_dir={args.scratch}/run",
+        "--model.kind=llama",
+        f"--model.d_model={args.d_model}",
+        f"--model.n_layers={args.layers}",
+        f"--model.n_heads={args.d_model // 64}",
+        "--model.vocab_size=128256",
+        "--model.max_seq_len=256",
+        "--data.seq_len=256",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        f"--train.steps={args.steps}",
+        "--train.progress=false",
+        "--train.predict=false",
+        "--memory.host_mib=16384",
+        *[f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()],
+    ]
     if args.pieces == -1:  # as the planner cuts where the budget needs it
         from tiertrain.models import auto_pieces, build_model
 
@@ -54,14 +67,29 @@ def run_one(args) -> dict:
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         recs = [tr.train_step() for _ in range(args.steps)]
-        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=0,
-                         used_pieces=tr.executor.pieces_used)
-        return dict(pieces=len(tr.model.head_pieces), largest_unit=tr.layout.max_unit_numel,
-                    n_params=tr.layout.n_params, pools=sum(tr.pool_bytes.values()),
-                    step_s=statistics.median(r.step_s for r in recs[1:] or recs),
-                    read=recs[-1].ssd_read_bytes, write=recs[-1].ssd_write_bytes, model_read=t.read,
-                    model_write=t.write, losses=[r.loss for r in recs],
-                    peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        t = step_traffic(
+            tr.cfg,
+            tr.model,
+            tr.layout,
+            tr.dtype,
+            tr.rt.align,
+            hidden=tr.rt.hidden_size,
+            kept=0,
+            used_pieces=tr.executor.pieces_used,
+        )
+        return dict(
+            pieces=len(tr.model.head_pieces),
+            largest_unit=tr.layout.max_unit_numel,
+            n_params=tr.layout.n_params,
+            pools=sum(tr.pool_bytes.values()),
+            step_s=statistics.median(r.step_s for r in recs[1:] or recs),
+            read=recs[-1].ssd_read_bytes,
+            write=recs[-1].ssd_write_bytes,
+            model_read=t.read,
+            model_write=t.write,
+            losses=[r.loss for r in recs],
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +124,15 @@ def write_init(args, top: str) -> str:
     from tiertrain.config import ModelConfig
     from tiertrain.models import build_model, random_source
 
-    mc = ModelConfig(kind="llama", d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 64,
-                     vocab_size=128256, max_seq_len=256, vocab_pieces=1)
+    mc = ModelConfig(
+        kind="llama",
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.d_model // 64,
+        vocab_size=128256,
+        max_seq_len=256,
+        vocab_pieces=1,
+    )
     model, _ = build_model(mc, param_dtype=torch.float32, seed=0)
     src, tensors = random_source(model, 0), {}
     from tiertrain.models import unit_param_names
@@ -111,8 +146,16 @@ def write_init(args, top: str) -> str:
 
 def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
     with scratch_dir(top, "child") as scratch:
-        cmd = [sys.executable, __file__, "--child", f"--steps={args.steps}", f"--d-model={args.d_model}",
-               f"--layers={args.layers}", f"--scratch={scratch}", f"--init={init}"] + ([f"--pieces={pieces}"] if pieces else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            f"--steps={args.steps}",
+            f"--d-model={args.d_model}",
+            f"--layers={args.layers}",
+            f"--scratch={scratch}",
+            f"--init={init}",
+        ] + ([f"--pieces={pieces}"] if pieces else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
@@ -120,20 +163,31 @@ def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict
 
 
 def report(args, rows: dict, out: str | None) -> None:
-    lines = [f"# Vocabulary pieces: a {next(iter(rows.values()))['n_params'] / 1e6:.0f} M-parameter Llama, "
-             f"vocabulary 128,256, width {args.d_model}, {args.layers} blocks",
-             "", f"Machine: {platform.machine()}, {os.cpu_count()} cores; fp32 on CPU, every state on the storage tier; "
-             f"M = 2 micro-batches of 2 x 256 tokens; {args.steps} steps, median step of the last {max(1, args.steps - 1)}.",
-             "", "| setting | pieces | largest unit (M elements) | fixed pools (GiB) | peak RSS (GiB) | s/step | "
-             "read GB/step (model) | written GB/step (model) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Vocabulary pieces: a {next(iter(rows.values()))['n_params'] / 1e6:.0f} M-parameter Llama, "
+        f"vocabulary 128,256, width {args.d_model}, {args.layers} blocks",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; fp32 on CPU, every state on the storage tier; "
+        f"M = 2 micro-batches of 2 x 256 tokens; {args.steps} steps, median step of the last {max(1, args.steps - 1)}.",
+        "",
+        "| setting | pieces | largest unit (M elements) | fixed pools (GiB) | peak RSS (GiB) | s/step | "
+        "read GB/step (model) | written GB/step (model) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label, r in rows.items():
-        lines.append(f"| {label} | {r['pieces'] or '-'} | {r['largest_unit'] / 1e6:.1f} | {r['pools'] / 2**30:.2f} | "
-                     f"{r['peak_rss'] / 2**30:.2f} | {r['step_s']:.1f} | {r['read'] / 1e9:.2f} ({r['model_read'] / 1e9:.2f}) | "
-                     f"{r['write'] / 1e9:.2f} ({r['model_write'] / 1e9:.2f}) |")
+        lines.append(
+            f"| {label} | {r['pieces'] or '-'} | {r['largest_unit'] / 1e6:.1f} | {r['pools'] / 2**30:.2f} | "
+            f"{r['peak_rss'] / 2**30:.2f} | {r['step_s']:.1f} | {r['read'] / 1e9:.2f} ({r['model_read'] / 1e9:.2f}) | "
+            f"{r['write'] / 1e9:.2f} ({r['model_write'] / 1e9:.2f}) |"
+        )
     a, b = rows.values()
     rel = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
-    lines += ["", f"Losses uncut: {', '.join(f'{v:.6f}' for v in a['losses'])}; cut: "
-              f"{', '.join(f'{v:.6f}' for v in b['losses'])} (largest relative difference {rel:.1e}).", ""]
+    lines += [
+        "",
+        f"Losses uncut: {', '.join(f'{v:.6f}' for v in a['losses'])}; cut: "
+        f"{', '.join(f'{v:.6f}' for v in b['losses'])} (largest relative difference {rel:.1e}).",
+        "",
+    ]
     publish("\n".join(lines), out)
 
 

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from deepspeed_worker import ProcMeter  # noqa: E402
 
-from tiertrain.bench.output import checked_out, SCRATCH_HELP, scratch_dir  # noqa: E402
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, scratch_dir  # noqa: E402
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 OPTIM = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
@@ -52,22 +52,37 @@ SYSTEMS = {  # label, tiertrain update settings (None: DeepSpeed), exact math?
 
 
 def tiertrain_config(work: str, spec: dict, update: dict):
-    from tiertrain.config import (CheckpointConfig, Config, DataConfig, IOConfig, MemoryConfig, ModelConfig,
-                                  OptimConfig, TrainConfig, UpdateConfig)
+    from tiertrain.config import (
+        CheckpointConfig,
+        Config,
+        DataConfig,
+        IOConfig,
+        MemoryConfig,
+        ModelConfig,
+        OptimConfig,
+        TrainConfig,
+        UpdateConfig,
+    )
     from tiertrain.cost.budget import STATES_ON_STORAGE
 
     return Config(
         io=IOConfig(paths=[os.path.join(work, "tt-ssd")]),
         model=ModelConfig(kind="llama", hf_dir=spec["init_dir"]),
-        data=DataConfig(seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"],
-                        micro_batches=spec["micro_batches"]),
+        data=DataConfig(
+            seq_len=spec["seq_len"], micro_batch_size=spec["micro_batch_size"], micro_batches=spec["micro_batches"]
+        ),
         optim=OptimConfig(**OPTIM, warmup_steps=0, schedule="constant"),
         update=UpdateConfig(**update),
         # states on NVMe, as DeepSpeed's; or the one budget (--host-mib), placed by the planner
         memory=MemoryConfig(host_mib=spec["host_mib"]) if spec.get("host_mib") else MemoryConfig(**STATES_ON_STORAGE),
         checkpoint=CheckpointConfig(at_end=False),
-        train=TrainConfig(steps=spec["steps"], progress=False, run_dir=os.path.join(work, "tt-run"),
-                          device=spec.get("device", "cpu"), param_dtype=spec.get("dtype", "float32")),
+        train=TrainConfig(
+            steps=spec["steps"],
+            progress=False,
+            run_dir=os.path.join(work, "tt-run"),
+            device=spec.get("device", "cpu"),
+            param_dtype=spec.get("dtype", "float32"),
+        ),
     )
 
 
@@ -90,9 +105,20 @@ def tiertrain_worker(work: str, spec: dict, update: dict) -> None:
         # measured counts one update; the last update, finished after the loop, is not counted
         rec = tr.train_step()
         io1 = meter.io()
-        print(json.dumps(dict(event="step", step=rec.step, step_s=time.perf_counter() - s0, loss=rec.loss,
-                              read_bytes=io1[0] - io0[0], write_bytes=io1[1] - io0[1],
-                              peak_rss=meter.peak_rss())), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    event="step",
+                    step=rec.step,
+                    step_s=time.perf_counter() - s0,
+                    loss=rec.loss,
+                    read_bytes=io1[0] - io0[0],
+                    write_bytes=io1[1] - io0[1],
+                    peak_rss=meter.peak_rss(),
+                )
+            ),
+            flush=True,
+        )
     tr.close()
 
 
@@ -100,9 +126,15 @@ def prediction_event(pred) -> dict:
     """The cost model's view of the run, for the report's bound: each phase's compute and I/O,
     the update's bytes and the storage rates probed in this process."""
     t, r = pred.traffic, pred.rates
-    return dict(event="prediction", step_s=pred.step_s, update_read=t.update_read, update_write=t.update_write,
-                read_gbps=r.read_gbps, write_gbps=r.write_gbps,
-                phases={p.name.split(" ")[0]: dict(compute_s=p.compute_s, io_s=p.io_s) for p in pred.phases})
+    return dict(
+        event="prediction",
+        step_s=pred.step_s,
+        update_read=t.update_read,
+        update_write=t.update_write,
+        read_gbps=r.read_gbps,
+        write_gbps=r.write_gbps,
+        phases={p.name.split(" ")[0]: dict(compute_s=p.compute_s, io_s=p.io_s) for p in pred.phases},
+    )
 
 
 def plain_worker(spec: dict) -> None:
@@ -118,8 +150,14 @@ def plain_worker(spec: dict) -> None:
     model = LlamaForCausalLM.from_pretrained(spec["init_dir"], dtype=torch.float32).to(dev)  # fp32: the reference
     model.config.use_cache = False
     o, M = spec["optim"], spec["micro_batches"]
-    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
-                            weight_decay=o["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o["lr"],
+        betas=(o["beta1"], o["beta2"]),
+        eps=o["eps"],
+        weight_decay=o["weight_decay"],
+        fused=True,
+    )
     batches = load_file(spec["batches"])
     print(json.dumps(dict(event="ready", init_s=time.perf_counter() - t0, init_peak_rss=meter.peak_rss())), flush=True)
     meter.reset_peak()
@@ -134,9 +172,20 @@ def plain_worker(spec: dict) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         io1 = meter.io()
-        print(json.dumps(dict(event="step", step=step + 1, step_s=time.perf_counter() - s0,
-                              loss=sum(losses) / M, read_bytes=io1[0] - io0[0], write_bytes=io1[1] - io0[1],
-                              peak_rss=meter.peak_rss())), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    event="step",
+                    step=step + 1,
+                    step_s=time.perf_counter() - s0,
+                    loss=sum(losses) / M,
+                    read_bytes=io1[0] - io0[0],
+                    write_bytes=io1[1] - io0[1],
+                    peak_rss=meter.peak_rss(),
+                )
+            ),
+            flush=True,
+        )
 
 
 def prepare(work: str, args) -> dict:
@@ -152,9 +201,18 @@ def prepare(work: str, args) -> dict:
     torch.manual_seed(0)
     init_dir = os.path.join(work, "init")
     AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(**MODEL))).save_pretrained(init_dir)
-    spec = dict(init_dir=init_dir, seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches,
-                steps=args.steps, optim=OPTIM, batches=os.path.join(work, "batches.safetensors"),
-                device=args.device, dtype=args.dtype, host_mib=args.host_mib)
+    spec = dict(
+        init_dir=init_dir,
+        seq_len=64,
+        micro_batch_size=1,
+        micro_batches=args.micro_batches,
+        steps=args.steps,
+        optim=OPTIM,
+        batches=os.path.join(work, "batches.safetensors"),
+        device=args.device,
+        dtype=args.dtype,
+        host_mib=args.host_mib,
+    )
     data = DataConfig(seq_len=64, micro_batch_size=1, micro_batches=args.micro_batches)
     corpus, tensors = Corpus(data), {}
     for step in range(args.steps):
@@ -201,8 +259,10 @@ def ds_python(args) -> str:
     py = args.ds_python or sys.executable
     probe = subprocess.run([py, "-c", "import deepspeed"], capture_output=True, text=True)
     if probe.returncode != 0:
-        raise SystemExit(f"DeepSpeed is not importable by {py}: install it with `pip install -e .[bench]` "
-                         "(and `apt-get install libaio-dev`), or pass --ds-python PATH of an interpreter that has it")
+        raise SystemExit(
+            f"DeepSpeed is not importable by {py}: install it with `pip install -e .[bench]` "
+            "(and `apt-get install libaio-dev`), or pass --ds-python PATH of an interpreter that has it"
+        )
     return py
 
 
@@ -212,15 +272,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (each runs every system once)")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--systems", default="deepspeed,baseline,engines,topk")
-    ap.add_argument("--host-mib", type=int, default=None,
-                    help="tiertrain's memory.host_mib (the one budget; default: every state on the storage tier but "
-                    "for fixed host buffers)")
+    ap.add_argument(
+        "--host-mib",
+        type=int,
+        default=None,
+        help="tiertrain's memory.host_mib (the one budget; default: every state on the storage tier but "
+        "for fixed host buffers)",
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--ds-python", default=None, help="interpreter with DeepSpeed (default: this one)")
     ap.add_argument("--out", default=None, help="markdown report; a PNG plot and the raw events (JSON) go next to it")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both systems compute")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="parameter dtype of both (bfloat16: fp32 master weights and moments)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="parameter dtype of both (bfloat16: fp32 master weights and moments)",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("SYSTEM", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -256,8 +324,9 @@ def compare(args, systems: list[str], work: str) -> int:
     if dspy:
         clear_stale_locks()
         print("tuning DeepSpeed's aio on the scratch disk (first use compiles its ops: minutes)", flush=True)
-        out = subprocess.run([dspy, os.path.join(HERE, "deepspeed_worker.py"), "tune", work],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [dspy, os.path.join(HERE, "deepspeed_worker.py"), "tune", work], capture_output=True, text=True
+        )
         if out.returncode != 0:
             raise SystemExit(f"DeepSpeed aio tuning failed:\n{out.stderr[-4000:]}")
         spec["aio_sweep"] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -305,11 +374,17 @@ def summary(runs: list[list[dict]]) -> dict:
     times = [e["step_s"] for e in steps]
     last = [[e for e in r if e.get("event") == "step"][-1] for r in runs]
     preds = [e for r in runs for e in r if e.get("event") == "prediction"]
-    return dict(pred=preds[0] if preds else None,step=statistics.median(times), lo=min(times), hi=max(times),
-                read=statistics.median(e["read_bytes"] for e in steps),
-                write=statistics.median(e["write_bytes"] for e in steps),
-                rss=max(e["peak_rss"] for e in steps), loss=statistics.mean(e["loss"] for e in last),
-                n=len(times))
+    return dict(
+        pred=preds[0] if preds else None,
+        step=statistics.median(times),
+        lo=min(times),
+        hi=max(times),
+        read=statistics.median(e["read_bytes"] for e in steps),
+        write=statistics.median(e["write_bytes"] for e in steps),
+        rss=max(e["peak_rss"] for e in steps),
+        loss=statistics.mean(e["loss"] for e in last),
+        n=len(times),
+    )
 
 
 def render(runs: dict, spec: dict, env: dict) -> str:
@@ -335,14 +410,19 @@ def render(runs: dict, spec: dict, env: dict) -> str:
     ]
     if "aio" in spec:
         a = spec["aio"]
-        lines.append(f"- DeepSpeed: ZeRO-3, offload_param and offload_optimizer on nvme in the same folder, max_in_cpu 0,"
-                     f" pinned buffers; aio from a sweep of its own handle ({len(spec['aio_sweep']['sweep'])} settings):"
-                     f" block {a['block_size'] >> 10} KiB, queue depth {a['queue_depth']}, parallelism"
-                     f" {a['intra_op_parallelism']} (write {a['write_gbps']:.2f} GB/s, read {a['read_gbps']:.2f} GB/s)")
+        lines.append(
+            f"- DeepSpeed: ZeRO-3, offload_param and offload_optimizer on nvme in the same folder, max_in_cpu 0,"
+            f" pinned buffers; aio from a sweep of its own handle ({len(spec['aio_sweep']['sweep'])} settings):"
+            f" block {a['block_size'] >> 10} KiB, queue depth {a['queue_depth']}, parallelism"
+            f" {a['intra_op_parallelism']} (write {a['write_gbps']:.2f} GB/s, read {a['read_gbps']:.2f} GB/s)"
+        )
     lines += [
-        (f"- tiertrain: memory.host_mib = {spec['host_mib']} MiB (the one budget, placed by its planner; the interpreter "
-         "and torch are not in it), the rest on disk" if spec.get("host_mib") else
-         "- tiertrain: defaults (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM), states on disk"),
+        (
+            f"- tiertrain: memory.host_mib = {spec['host_mib']} MiB (the one budget, placed by its planner; the interpreter "
+            "and torch are not in it), the rest on disk"
+            if spec.get("host_mib")
+            else "- tiertrain: defaults (3 device slots, 256 MiB of gradients and 256 MiB of hidden states in RAM), states on disk"
+        ),
         "",
         "| system | exact math | s/step (spread) | tokens/s | speed vs DeepSpeed | peak RSS GiB | RSS vs DeepSpeed |"
         " disk read GB/step | disk write GB/step | loss at step " + str(spec["steps"]) + " | loss - DeepSpeed's |",
@@ -353,9 +433,11 @@ def render(runs: dict, spec: dict, env: dict) -> str:
         speed = f"{ds['step'] / f['step']:.2f}x" if ds else "-"
         rss = f"{f['rss'] / ds['rss']:.2f}" if ds else "-"
         gap = f"{f['loss'] - ds['loss']:+.1e}" if ds else "-"
-        lines.append(f"| {label} | {'yes' if exact else 'no'} | {f['step']:.2f} ({f['lo']:.2f}..{f['hi']:.2f}) |"
-                     f" {tokens / f['step']:.0f} | {speed} | {f['rss'] / 2**30:.2f} | {rss} | {f['read'] / 1e9:.2f} |"
-                     f" {f['write'] / 1e9:.2f} | {f['loss']:.4f} | {gap} |")
+        lines.append(
+            f"| {label} | {'yes' if exact else 'no'} | {f['step']:.2f} ({f['lo']:.2f}..{f['hi']:.2f}) |"
+            f" {tokens / f['step']:.0f} | {speed} | {f['rss'] / 2**30:.2f} | {rss} | {f['read'] / 1e9:.2f} |"
+            f" {f['write'] / 1e9:.2f} | {f['loss']:.4f} | {gap} |"
+        )
     lines += ["", *verdict(figs, spec), "", "Loss per step (first round):", ""]
     lines.append("| step | " + " | ".join(runs) + " |")
     lines.append("|---" * (len(runs) + 1) + "|")
@@ -375,16 +457,23 @@ def verdict(figs: dict, spec: dict | None = None) -> list[str]:
     f = figs[best]
     speed, rss = ds["step"] / f["step"], f["rss"] / ds["rss"]
     met = speed >= 2 and rss <= 0.5
-    out = [f"Goal (exact math, >= 2x DeepSpeed's speed at <= 0.5x its peak RSS): best exact tiertrain"
-           f" ({SYSTEMS[best][0]}) is {speed:.2f}x as fast at {rss:.2f}x the RSS: {'met' if met else 'NOT met'}."]
+    out = [
+        f"Goal (exact math, >= 2x DeepSpeed's speed at <= 0.5x its peak RSS): best exact tiertrain"
+        f" ({SYSTEMS[best][0]}) is {speed:.2f}x as fast at {rss:.2f}x the RSS: {'met' if met else 'NOT met'}."
+    ]
     if plain:  # what any exact system can reach here: plain PyTorch's in-RAM step, the same run
         four = ds["step"] / 4
-        out.append(f"Against the compute floor: plain PyTorch in RAM takes {plain['step']:.2f} s/step at "
-                   f"{plain['rss'] / 2**30:.2f} GiB; 4x DeepSpeed would be {four:.2f} s/step, "
-                   + ("below plain PyTorch's own step: no exact system reaches it on this machine in this run"
-                      if four < plain["step"] else "at or above plain PyTorch's step: reachable in principle")
-                   + f"; best exact tiertrain is {f['step'] / plain['step']:.2f}x plain's step at "
-                   f"{f['rss'] / plain['rss']:.2f}x its peak RSS.")
+        out.append(
+            f"Against the compute floor: plain PyTorch in RAM takes {plain['step']:.2f} s/step at "
+            f"{plain['rss'] / 2**30:.2f} GiB; 4x DeepSpeed would be {four:.2f} s/step, "
+            + (
+                "below plain PyTorch's own step: no exact system reaches it on this machine in this run"
+                if four < plain["step"]
+                else "at or above plain PyTorch's step: reachable in principle"
+            )
+            + f"; best exact tiertrain is {f['step'] / plain['step']:.2f}x plain's step at "
+            f"{f['rss'] / plain['rss']:.2f}x its peak RSS."
+        )
     if f.get("pred") and OPTIM["grad_clip"]:
         out.append(clipping_bound(f["pred"], ds["step"] / 4, (spec or {}).get("aio")))
     return out
@@ -403,20 +492,25 @@ def clipping_bound(pred: dict, four: float, aio: dict | None) -> str:
         return bwd + rd / (read_gbps * 1e9) + wr / (write_gbps * 1e9)
 
     here = least(pred["read_gbps"], pred["write_gbps"])
-    text = (f"Bound with clipping: a step holds the backward's compute ({bwd:.2f} s, probed) and then the update's "
-            f"I/O ({rd / 1e9:.2f} GB read, {wr / 1e9:.2f} GB written at this budget): at least {here:.2f} s at the "
-            f"rates tiertrain probed in this run ({pred['read_gbps']:.2f} GB/s read, {pred['write_gbps']:.2f} write)")
+    text = (
+        f"Bound with clipping: a step holds the backward's compute ({bwd:.2f} s, probed) and then the update's "
+        f"I/O ({rd / 1e9:.2f} GB read, {wr / 1e9:.2f} GB written at this budget): at least {here:.2f} s at the "
+        f"rates tiertrain probed in this run ({pred['read_gbps']:.2f} GB/s read, {pred['write_gbps']:.2f} write)"
+    )
     best = here
     if aio:
         best = least(aio["read_gbps"], aio["write_gbps"])
-        text += (f", {best:.2f} s at DeepSpeed's tuned aio rates ({aio['read_gbps']:.2f} read, "
-                 f"{aio['write_gbps']:.2f} write)")
+        text += (
+            f", {best:.2f} s at DeepSpeed's tuned aio rates ({aio['read_gbps']:.2f} read, "
+            f"{aio['write_gbps']:.2f} write)"
+        )
     if four < min(here, best):
-        tail = ("below the bound at every rate measured: no exact schedule of these bytes reaches it at this "
-                "budget here")
+        tail = "below the bound at every rate measured: no exact schedule of these bytes reaches it at this budget here"
     elif four < max(here, best):
-        tail = ("below the bound at one of the rates measured: reachable only at the disk's best rates, with "
-                "nothing else taking time")
+        tail = (
+            "below the bound at one of the rates measured: reachable only at the disk's best rates, with "
+            "nothing else taking time"
+        )
     else:
         tail = "above the bound: reachable in principle"
     return text + f". 4x DeepSpeed ({four:.2f} s/step) is {tail}."
@@ -449,14 +543,23 @@ def plot(runs: dict, path: str) -> None:
 def environment(dspy: str | None) -> dict:
     import torch
 
-    env = dict(cores=os.cpu_count(), ram_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
-               os=f"{platform.system()} {platform.release()}", torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"))
+    env = dict(
+        cores=os.cpu_count(),
+        ram_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        os=f"{platform.system()} {platform.release()}",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
     if torch.cuda.is_available():
         env["gpu"] = f"GPU {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
     if dspy:
-        env["deepspeed"] = subprocess.run([dspy, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        env["deepspeed"] = (
+            subprocess.run(
+                [dspy, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     return env
 
 

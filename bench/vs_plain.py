@@ -45,10 +45,17 @@ MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, voca
 def flags(args, scratch: str) -> list[str]:
     model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
     return [f"--model.{k}={v}" for k, v in model.items()] + [
-        f"--model.max_seq_len={args.seq_len}", f"--data.seq_len={args.seq_len}", "--data.micro_batch_size=1",
-        f"--data.micro_batches={args.micro_batches}", f"--train.steps={args.steps}", "--train.progress=false",
-        f"--io.paths={scratch}/ssd", f"--train.run_dir={scratch}/run", "--checkpoint.at_end=false",
-        *[f"--{x}" for x in args.set]]
+        f"--model.max_seq_len={args.seq_len}",
+        f"--data.seq_len={args.seq_len}",
+        "--data.micro_batch_size=1",
+        f"--data.micro_batches={args.micro_batches}",
+        f"--train.steps={args.steps}",
+        "--train.progress=false",
+        f"--io.paths={scratch}/ssd",
+        f"--train.run_dir={scratch}/run",
+        "--checkpoint.at_end=false",
+        *[f"--{x}" for x in args.set],
+    ]
 
 
 def peak_rss() -> int:
@@ -79,8 +86,9 @@ def worker_plain(cfg, path: str) -> dict:
         for k, v in inner.state_dict().items():
             v.copy_(f.get_tensor(k))
     o, M = cfg.optim, cfg.data.micro_batches
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
     from tiertrain.update.lr import lr_at
 
     corpus, times, losses = Corpus(cfg.data), [], []
@@ -117,12 +125,18 @@ def worker_tiertrain(cfg) -> dict:
         for _ in range(cfg.train.steps):
             recs.append(tr.train_step())
             print(recs[-1].line(cfg.train.steps), file=sys.stderr, flush=True)
-        return {"times": [r.step_s for r in recs], "losses": [r.loss for r in recs],
-                "read": [r.ssd_read_bytes for r in recs], "write": [r.ssd_write_bytes for r in recs],
-                "parts": [[r.forward_s, r.backward_s, r.update_s, r.io_wait_s] for r in recs],
-                "acts": {k: recs[-1].extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
-                "mode": tr.cfg.update.mode, "budget": budget, "predicted": pred.step_s if pred else float("nan"),
-                "pools": sum(tr.pool_bytes.values())}
+        return {
+            "times": [r.step_s for r in recs],
+            "losses": [r.loss for r in recs],
+            "read": [r.ssd_read_bytes for r in recs],
+            "write": [r.ssd_write_bytes for r in recs],
+            "parts": [[r.forward_s, r.backward_s, r.update_s, r.io_wait_s] for r in recs],
+            "acts": {k: recs[-1].extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
+            "mode": tr.cfg.update.mode,
+            "budget": budget,
+            "predicted": pred.step_s if pred else float("nan"),
+            "pools": sum(tr.pool_bytes.values()),
+        }
 
 
 def worker(argv: list[str]) -> int:
@@ -130,8 +144,11 @@ def worker(argv: list[str]) -> int:
     from tiertrain.config import load_config
 
     cfg = load_config(None, cli)
-    res = {"init": lambda: worker_init(cfg, path), "plain": lambda: worker_plain(cfg, path),
-           "tiertrain": lambda: worker_tiertrain(cfg)}[kind]()
+    res = {
+        "init": lambda: worker_init(cfg, path),
+        "plain": lambda: worker_plain(cfg, path),
+        "tiertrain": lambda: worker_tiertrain(cfg),
+    }[kind]()
     res["peak_rss"] = peak_rss()
     with open(out, "w") as f:
         json.dump(res, f)
@@ -141,28 +158,40 @@ def worker(argv: list[str]) -> int:
 def spawn(kind: str, scratch: str, cli: list[str]) -> dict:
     out = os.path.join(scratch, f"{kind}.json")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--worker", kind, out, os.path.join(scratch, "init.safetensors"), *cli],
-                   check=True)
+    subprocess.run(
+        [sys.executable, __file__, "--worker", kind, out, os.path.join(scratch, "init.safetensors"), *cli], check=True
+    )
     print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
     with open(out) as f:
         return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiertrain.bench.output import checked_out, publish, SCRATCH_HELP, scratch_dir
+    from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="", help="model fields to change, e.g. n_layers=16,d_model=2048,n_heads=16,d_ff=5632")
+    ap.add_argument(
+        "--model", default="", help="model fields to change, e.g. n_layers=16,d_model=2048,n_heads=16,d_ff=5632"
+    )
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
-    ap.add_argument("--fraction", type=float, default=5.0, help="tiertrain's memory.host_mib = plain's peak RSS / this "
-                    "(0: the default budget, half the available memory)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="any other config field for both systems (repeatable)")
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=5.0,
+        help="tiertrain's memory.host_mib = plain's peak RSS / this (0: the default budget, half the available memory)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="any other config field for both systems (repeatable)",
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -181,8 +210,15 @@ def run(args, scratch: str) -> str:
     init = spawn("init", scratch, cli)
     plain = spawn("plain", scratch, cli)
     host_mib = int(plain["peak_rss"] / 2**20 / args.fraction) if args.fraction else None
-    tt = spawn("tiertrain", scratch, [*cli, f"--model.init_from={scratch}/init.safetensors",
-                                      *([f"--memory.host_mib={host_mib}"] if host_mib else [])])
+    tt = spawn(
+        "tiertrain",
+        scratch,
+        [
+            *cli,
+            f"--model.init_from={scratch}/init.safetensors",
+            *([f"--memory.host_mib={host_mib}"] if host_mib else []),
+        ],
+    )
     io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
     steady = slice(1, None)
@@ -193,45 +229,58 @@ def run(args, scratch: str) -> str:
     floor = max(p_step, io_s)
     dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
     parts = [statistics.median(p[i] for p in tt["parts"][steady]) for i in range(4)]
-    budget = (f"budget {host_mib} MiB" if host_mib else "default budget")
+    budget = f"budget {host_mib} MiB" if host_mib else "default budget"
     M, model = args.micro_batches, dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
-    return "\n".join([
-        "# tiertrain "
-        + (f"at 1/{args.fraction:g} of plain PyTorch's peak RSS" if host_mib else "within its default memory budget")
-        + ", against plain PyTorch in memory, "
-        f"{time.strftime('%Y-%m-%d')}",
-        "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, one virtual disk "
-        f"(read {rbw:.2f} GB/s, write {wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
-        f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
-        + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
-        + f"); M = {M} micro-batches of 1 x {args.seq_len} tokens; {len(plain['times'])} steps, the first discarded; "
-        f"medians{'; other settings: ' + ', '.join(args.set) if args.set else ''}",
-        "- each system in a process of its own; tiertrain's "
-        + (f"memory.host_mib = {host_mib} (plain's peak RSS / {args.fraction:g})" if host_mib else
-           "memory.host_mib at its default (half the available memory)")
-        + f"; update path {tt['mode']}; activations: "
-        + ", ".join(f"{k[4:]} {v}" for k, v in tt["acts"].items()),
-        "",
-        *[f"    {x}" for x in tt["budget"]],
-        "",
-        "| system | s/step | vs plain | peak RSS | read / written GB per step | losses |",
-        "|---|---|---|---|---|---|",
-        f"| plain PyTorch, in memory | {p_step:.2f} | 1.00x | {plain['peak_rss'] / 2**30:.2f} GiB | 0 / 0 | "
-        + " ".join(f"{x:.4f}" for x in plain["losses"]) + " |",
-        f"| tiertrain, {budget} | {t_step:.2f} | **{t_step / p_step:.2f}x** | "
-        f"{tt['peak_rss'] / 2**30:.2f} GiB ({tt['peak_rss'] / plain['peak_rss']:.2f}x) | {rb / 1e9:.2f} / {wb / 1e9:.2f} | "
-        + " ".join(f"{x:.4f}" for x in tt["losses"]) + " |",
-        "",
-        "- tiertrain's phases (forward / backward / update / I/O wait): " + " / ".join(f"{x:.2f}" for x in parts) + " s",
-        f"- floor: max(plain's step {p_step:.2f} s, I/O {io_s:.2f} s) = {floor:.2f} s; tiertrain "
-        f"**{t_step / floor:.2f}x the floor**",
-        f"- the cost model's prediction at start: {tt['predicted']:.2f} s (measured / predicted "
-        f"{t_step / tt['predicted']:.2f})",
-        f"- losses: largest relative difference {dl:.1e}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# tiertrain "
+            + (
+                f"at 1/{args.fraction:g} of plain PyTorch's peak RSS"
+                if host_mib
+                else "within its default memory budget"
+            )
+            + ", against plain PyTorch in memory, "
+            f"{time.strftime('%Y-%m-%d')}",
+            "",
+            f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, one virtual disk "
+            f"(read {rbw:.2f} GB/s, write {wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
+            f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
+            + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+            + f"); M = {M} micro-batches of 1 x {args.seq_len} tokens; {len(plain['times'])} steps, the first discarded; "
+            f"medians{'; other settings: ' + ', '.join(args.set) if args.set else ''}",
+            "- each system in a process of its own; tiertrain's "
+            + (
+                f"memory.host_mib = {host_mib} (plain's peak RSS / {args.fraction:g})"
+                if host_mib
+                else "memory.host_mib at its default (half the available memory)"
+            )
+            + f"; update path {tt['mode']}; activations: "
+            + ", ".join(f"{k[4:]} {v}" for k, v in tt["acts"].items()),
+            "",
+            *[f"    {x}" for x in tt["budget"]],
+            "",
+            "| system | s/step | vs plain | peak RSS | read / written GB per step | losses |",
+            "|---|---|---|---|---|---|",
+            f"| plain PyTorch, in memory | {p_step:.2f} | 1.00x | {plain['peak_rss'] / 2**30:.2f} GiB | 0 / 0 | "
+            + " ".join(f"{x:.4f}" for x in plain["losses"])
+            + " |",
+            f"| tiertrain, {budget} | {t_step:.2f} | **{t_step / p_step:.2f}x** | "
+            f"{tt['peak_rss'] / 2**30:.2f} GiB ({tt['peak_rss'] / plain['peak_rss']:.2f}x) | {rb / 1e9:.2f} / {wb / 1e9:.2f} | "
+            + " ".join(f"{x:.4f}" for x in tt["losses"])
+            + " |",
+            "",
+            "- tiertrain's phases (forward / backward / update / I/O wait): "
+            + " / ".join(f"{x:.2f}" for x in parts)
+            + " s",
+            f"- floor: max(plain's step {p_step:.2f} s, I/O {io_s:.2f} s) = {floor:.2f} s; tiertrain "
+            f"**{t_step / floor:.2f}x the floor**",
+            f"- the cost model's prediction at start: {tt['predicted']:.2f} s (measured / predicted "
+            f"{t_step / tt['predicted']:.2f})",
+            f"- losses: largest relative difference {dl:.1e}",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

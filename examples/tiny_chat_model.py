@@ -14,8 +14,10 @@ import argparse
 import json
 import os
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 SPECIAL = ["</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
@@ -45,23 +47,35 @@ def main() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts(os.path.dirname(os.path.abspath(__file__))), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>",
-                                   additional_special_tokens=SPECIAL[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", pad_token="</s>", additional_special_tokens=SPECIAL[1:]
+    )
     fast.chat_template = TEMPLATE
     fast.save_pretrained(args.out)
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=args.d_model, intermediate_size=args.d_model * 8 // 3,
-                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.d_model // 64),
-                      max_position_embeddings=512, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                      bos_token_id=fast.eos_token_id, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=args.d_model,
+        intermediate_size=args.d_model * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.d_model // 64),
+        max_position_embeddings=512,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(args.out)
-    print(f"wrote a {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M-parameter Llama and a "
-          f"{len(fast)}-token tokenizer with a chat template to {args.out}")
+    print(
+        f"wrote a {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M-parameter Llama and a "
+        f"{len(fast)}-token tokenizer with a chat template to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,13 @@ import subprocess
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Every test prepares rows into a cache of its own (tests run in parallel: two preparing
+    the same rows into one cache entry at once would race)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """``tmpfs(name, size_kib, readonly=False)``: a small tmpfs mounted at ``tmp_path/name``

@@ -7,22 +7,26 @@ import threading
 
 import pytest
 import torch
-
 from reference import small_config
 from test_parity import assert_parity
-from tiertrain.device import AsyncCpuDevice
-from tiertrain.device import LagCpuDevice
+
+from tiertrain.device import AsyncCpuDevice, LagCpuDevice
 from tiertrain.training.trainer import Trainer
 
 
-@pytest.mark.parametrize("make_dev", [lambda: AsyncCpuDevice(delay=0.001), lambda: LagCpuDevice(lag=16)],
-                         ids=["threads", "clock"])
-@pytest.mark.parametrize("case", ["states on disk, recompute", "host params and grads, kept graphs",
-                                  "stash spilled, tied embedding", "engines"])
+@pytest.mark.parametrize(
+    "make_dev", [lambda: AsyncCpuDevice(delay=0.001), lambda: LagCpuDevice(lag=16)], ids=["threads", "clock"]
+)
+@pytest.mark.parametrize(
+    "case",
+    ["states on disk, recompute", "host params and grads, kept graphs", "stash spilled, tied embedding", "engines"],
+)
 def test_parity_under_asynchronous_copies(tmp_path, case, make_dev):
     kw = {
         "states on disk, recompute": dict(micro_batches=2),
-        "host params and grads, kept graphs": dict(micro_batches=2, host_param_mib=64, grad_host_mib=64, keep_act_mib=64),
+        "host params and grads, kept graphs": dict(
+            micro_batches=2, host_param_mib=64, grad_host_mib=64, keep_act_mib=64
+        ),
         "stash spilled, tied embedding": dict(micro_batches=1, tie=True, stash_host_mib=0),
         "engines": dict(micro_batches=2),
     }[case]

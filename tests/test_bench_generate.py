@@ -9,14 +9,17 @@ import generate as bench  # noqa: E402
 
 
 def test_report_ratios_floor_and_agreement():
-    rows = {(1, "tiertrain"): dict(seconds=4.0, tokens=8, peak_rss=1 << 30, read=8e9, first=[1, 2]),
-            (1, "accelerate"): dict(seconds=16.0, tokens=8, peak_rss=2 << 30, read=1e9, first=[1, 2]),
-            (1, "plain"): dict(seconds=2.0, tokens=8, peak_rss=3 << 30, read=0, first=[1, 2]),
-            (16, "tiertrain"): dict(seconds=8.0, tokens=128, peak_rss=1 << 30, read=8e9, first=[1, 3]),
-            (16, "accelerate"): dict(seconds=64.0, tokens=128, peak_rss=2 << 30, read=1e9, first=[1, 2]),
-            (16, "plain"): dict(seconds=4.0, tokens=128, peak_rss=3 << 30, read=0, first=[1, 2])}
-    args = SimpleNamespace(layers=16, d_model=1536, d_ff=4096, prompt_len=8, new_tokens=8, budget_mib=512,
-                           memory_limit_mib=None)
+    rows = {
+        (1, "tiertrain"): dict(seconds=4.0, tokens=8, peak_rss=1 << 30, read=8e9, first=[1, 2]),
+        (1, "accelerate"): dict(seconds=16.0, tokens=8, peak_rss=2 << 30, read=1e9, first=[1, 2]),
+        (1, "plain"): dict(seconds=2.0, tokens=8, peak_rss=3 << 30, read=0, first=[1, 2]),
+        (16, "tiertrain"): dict(seconds=8.0, tokens=128, peak_rss=1 << 30, read=8e9, first=[1, 3]),
+        (16, "accelerate"): dict(seconds=64.0, tokens=128, peak_rss=2 << 30, read=1e9, first=[1, 2]),
+        (16, "plain"): dict(seconds=4.0, tokens=128, peak_rss=3 << 30, read=0, first=[1, 2]),
+    }
+    args = SimpleNamespace(
+        layers=16, d_model=1536, d_ff=4096, prompt_len=8, new_tokens=8, budget_mib=512, memory_limit_mib=None
+    )
     text = bench.render(rows, ["tiertrain", "accelerate", "plain"], args, n_params=250_000_000, read_gbps=2.0)
     assert "| 1 | tiertrain (weights from the storage tier, 3 slots) | 2.0 | 4.00x | 0.50x | 1.00 | 8.00 |" in text
     assert "| 16 | tiertrain (weights from the storage tier, 3 slots) | 16.0 | 8.00x | 0.50x |" in text

@@ -59,8 +59,12 @@ def test_meter_counts_children_disk_bytes_and_peak_rss(tmp_path):
     meter = deepspeed_worker.ProcMeter()
     r0, w0 = meter.io()
     base_peak = meter.peak_rss()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, os.path.join(scratch, "f.bin"), "64"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, os.path.join(scratch, "f.bin"), "64"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         assert child.pid in meter.pids()
@@ -73,8 +77,12 @@ def test_meter_counts_children_disk_bytes_and_peak_rss(tmp_path):
 
 
 def test_ds_config_uses_nvme_only_with_the_same_optimizer():
-    spec = dict(micro_batch_size=1, micro_batches=4, optim=vs_deepspeed.OPTIM,
-                aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1))
+    spec = dict(
+        micro_batch_size=1,
+        micro_batches=4,
+        optim=vs_deepspeed.OPTIM,
+        aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1),
+    )
     cfg = deepspeed_worker.ds_config(spec, "/scratch/ds", 24_576_000)
     z = cfg["zero_optimization"]
     assert z["stage"] == 3 and z["stage3_prefetch_bucket_size"] == 0
@@ -90,9 +98,18 @@ def test_ds_config_uses_nvme_only_with_the_same_optimizer():
 def test_gpu_mode_puts_both_systems_on_cuda_in_bf16(tmp_path):
     """--device cuda --dtype bfloat16: DeepSpeed with bf16 on (fp32 master and moments, as
     tiertrain's), tiertrain's config on CUDA in bf16; the report says so."""
-    spec = dict(micro_batch_size=1, micro_batches=4, optim=vs_deepspeed.OPTIM, steps=3, seq_len=64,
-                aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1),
-                device="cuda", dtype="bfloat16", init_dir=str(tmp_path), n_params=1)
+    spec = dict(
+        micro_batch_size=1,
+        micro_batches=4,
+        optim=vs_deepspeed.OPTIM,
+        steps=3,
+        seq_len=64,
+        aio=dict(block_size=1 << 20, queue_depth=32, intra_op_parallelism=1),
+        device="cuda",
+        dtype="bfloat16",
+        init_dir=str(tmp_path),
+        n_params=1,
+    )
     assert deepspeed_worker.ds_config(spec, "/scratch/ds", 1)["bf16"] == {"enabled": True}
     assert deepspeed_worker.ds_config(dict(spec, dtype="float32"), "/scratch/ds", 1)["bf16"] == {"enabled": False}
     from tiertrain.config import ModelConfig
@@ -109,8 +126,10 @@ def test_gpu_mode_puts_both_systems_on_cuda_in_bf16(tmp_path):
 
 def _run(times, losses, rss, read=1e9, write=5e8):
     events = [dict(event="ready")]
-    events += [dict(event="step", step=i + 1, step_s=t, loss=l, read_bytes=read, write_bytes=write, peak_rss=rss)
-               for i, (t, l) in enumerate(zip(times, losses))]
+    events += [
+        dict(event="step", step=i + 1, step_s=t, loss=loss, read_bytes=read, write_bytes=write, peak_rss=rss)
+        for i, (t, loss) in enumerate(zip(times, losses))
+    ]
     return events
 
 
@@ -136,8 +155,10 @@ def test_report_and_verdict_are_computed_from_the_runs():
     # plain PyTorch, the compute floor: 4x DeepSpeed (16.5 / 4 = 4.12 s) below its 5 s step
     floor = vs_deepspeed.render(dict(runs, plain=[_run([6, 5, 5], losses, 2 << 30)] * 2), spec, env)
     assert "is 2.54x as fast" in floor  # plain is exact but not a tiertrain system
-    assert ("plain PyTorch in RAM takes 5.00 s/step at 2.00 GiB; 4x DeepSpeed would be 4.12 s/step, below plain "
-            "PyTorch's own step: no exact system reaches it") in floor
+    assert (
+        "plain PyTorch in RAM takes 5.00 s/step at 2.00 GiB; 4x DeepSpeed would be 4.12 s/step, below plain "
+        "PyTorch's own step: no exact system reaches it"
+    ) in floor
     assert "best exact tiertrain is 1.30x plain's step at 1.50x its peak RSS." in floor
     quick = vs_deepspeed.render(dict(runs, plain=[_run([6, 3, 3], losses, 2 << 30)] * 2), spec, env)
     assert "at or above plain PyTorch's step: reachable in principle" in quick
@@ -152,16 +173,22 @@ def test_missing_deepspeed_names_the_fix():
         vs_deepspeed.ds_python(Args())
 
 
-@pytest.mark.parametrize("script,args", [("vs_deepspeed.py", ["--systems", "baseline"]), ("train.py", []),
-                                         ("checkpoint.py", []), ("cost_model.py", [])])
+@pytest.mark.parametrize(
+    "script,args",
+    [("vs_deepspeed.py", ["--systems", "baseline"]), ("train.py", []), ("checkpoint.py", []), ("cost_model.py", [])],
+)
 def test_a_bad_out_fails_before_any_work(tmp_path, script, args):
     """`--out` is checked (and its directory made) first: a bad one costs a second, not the
     benchmark's minutes and its results."""
     f = tmp_path / "file"
     f.write_text("x")
     scratch = tmp_path / "scratch"
-    r = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, "--scratch", str(scratch),
-                        "--out", str(f / "report.md")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, os.path.join(BENCH, script), *args, "--scratch", str(scratch), "--out", str(f / "report.md")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and f"the directory of --out = '{f}' is a file" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not scratch.exists()
 
@@ -177,13 +204,25 @@ def test_the_clipping_bound_is_computed_from_the_prediction_and_both_rates():
     """The least step with clipping: the backward's compute, then the update's reads and
     writes at tiertrain's probed rates and at DeepSpeed's tuned ones; 4x DeepSpeed set
     against it."""
-    spec = dict(seq_len=64, micro_batch_size=1, micro_batches=4, steps=3, n_params=134_105_856,
-                aio=dict(block_size=4 << 20, queue_depth=32, intra_op_parallelism=1, read_gbps=2.0, write_gbps=4.0),
-                aio_sweep=dict(sweep=[{}] * 18))
+    spec = dict(
+        seq_len=64,
+        micro_batch_size=1,
+        micro_batches=4,
+        steps=3,
+        n_params=134_105_856,
+        aio=dict(block_size=4 << 20, queue_depth=32, intra_op_parallelism=1, read_gbps=2.0, write_gbps=4.0),
+        aio_sweep=dict(sweep=[{}] * 18),
+    )
     env = dict(cores=2, ram_gib=24, os="Linux", torch="2.13", deepspeed="0.19.8", date="2026-11-25")
-    pred = dict(event="prediction", step_s=3.6, update_read=int(2.0e9), update_write=int(1.6e9), read_gbps=1.6,
-                write_gbps=2.0, phases={"forward": dict(compute_s=0.8, io_s=2.5),
-                                        "backward": dict(compute_s=0.9, io_s=0.5)})
+    pred = dict(
+        event="prediction",
+        step_s=3.6,
+        update_read=int(2.0e9),
+        update_write=int(1.6e9),
+        read_gbps=1.6,
+        write_gbps=2.0,
+        phases={"forward": dict(compute_s=0.8, io_s=2.5), "backward": dict(compute_s=0.9, io_s=0.5)},
+    )
     losses = [10.0, 9.0, 8.0]
 
     def text(ds_times):

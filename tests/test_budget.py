@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
 from reference import small_config
 from test_parity import assert_parity
+
 from tiertrain.config import ConfigError
 from tiertrain.cost import Rates
 from tiertrain.cost.budget import PLANNED, demands, fixed_pools, resolve_budget
@@ -30,9 +30,21 @@ def planned_config(tmp_path, host_mib=None, **kw):
 
 
 def rates(**kw):
-    base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0, embed_bwd_s=0.0,
-                block_fwd_s=1e-3, block_bwd_s=2e-3, head_s=1e-3, act_bytes=1 << 20, update_elem_s=1e-9, cores=2,
-                io_slowdown=1.0)
+    base = dict(
+        read_gbps=1.0,
+        write_gbps=2.0,
+        crc_gbps=10.0,
+        io_cpu_s_per_gb=0.0,
+        embed_fwd_s=0.0,
+        embed_bwd_s=0.0,
+        block_fwd_s=1e-3,
+        block_bwd_s=2e-3,
+        head_s=1e-3,
+        act_bytes=1 << 20,
+        update_elem_s=1e-9,
+        cores=2,
+        io_slowdown=1.0,
+    )
     return Rates(**{**base, **kw})
 
 
@@ -81,8 +93,11 @@ def test_explicit_fields_are_taken_as_given_and_counted(tmp_path):
     out, plan = resolve_budget(cfg, rt, _no_probe, lambda: (1 << 20, 0))
     assert out.memory.optim_host_mib == 0 and "optim_host_mib" not in plan.planned
     cfg.memory.host_mib = 1
-    with pytest.raises(ConfigError, match=r"memory.host_mib: the budget \(1 MiB, memory.host_mib\) is less than the "
-                                          r"fixed pools"):
+    with pytest.raises(
+        ConfigError,
+        match=r"memory.host_mib: the budget \(1 MiB, memory.host_mib\) is less than the "
+        r"fixed pools",
+    ):
         resolve_budget(cfg, rt, _no_probe, lambda: (1 << 20, 0))
 
 
@@ -123,8 +138,12 @@ def test_the_budget_is_never_exceeded(tmp_path, host_mib):
     states stay within the budget, and the process (from before the Trainer) grows by at most
     the budget, whose fixed part reserves the working set (4 units, two micro-batches'
     activations, 128 MiB of slack)."""
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), os.path.dirname(__file__), str(host_mib)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), os.path.dirname(__file__), str(host_mib)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if "unsupported" in out:
@@ -139,10 +158,25 @@ def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
     """No *_mib flag: the budget is half the available memory, the small default model fits,
     so every state is in memory and the step touches no SSD; the plan is printed."""
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
-                        f"--train.run_dir={run}", "--train.steps=2", "--model.n_layers=2", "--model.d_model=64",
-                        "--data.seq_len=32", "--train.progress=false", "--train.predict=false"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain.cli",
+            "train",
+            f"--io.paths={tmp_path / 'ssd'}",
+            f"--train.run_dir={run}",
+            "--train.steps=2",
+            "--model.n_layers=2",
+            "--model.d_model=64",
+            "--data.seq_len=32",
+            "--train.progress=false",
+            "--train.predict=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "host memory budget" in r.stderr and "(half of the" in r.stderr
     assert "parameters: " in r.stderr and "(memory.host_param_mib, planned)" in r.stderr
@@ -222,8 +256,11 @@ def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
     cfg.io.chunk_kib, cfg.memory.update_buffer_kib = 16384, 32768  # the defaults
     rt = Runtime(cfg)
     at_default = sum(fixed_pools(cfg, rt, 1 << 20).values())
-    small = dataclasses.replace(cfg, io=dataclasses.replace(cfg.io, chunk_kib=4096),
-                                memory=dataclasses.replace(cfg.memory, update_buffer_kib=8192))
+    small = dataclasses.replace(
+        cfg,
+        io=dataclasses.replace(cfg.io, chunk_kib=4096),
+        memory=dataclasses.replace(cfg.memory, update_buffer_kib=8192),
+    )
     at_floor = sum(fixed_pools(small, rt, 1 << 20).values())
     assert at_default - at_floor == (4 * 12 + 2 * 12 + 3 * 24) * MIB  # 1 path: I/O 4, checkpoint 2 chunks; 3 sets
     cfg.memory.host_mib = (at_floor + at_default) // 2 // MIB  # halved once is enough
@@ -234,8 +271,9 @@ def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
     out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
     assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (4096, 8192)
     assert plan.host_used <= plan.host_bytes
-    assert any("io.chunk_kib 16384 -> 4096 KiB, memory.update_buffer_kib 32768 -> 8192 KiB" in line
-               for line in plan.lines())
+    assert any(
+        "io.chunk_kib 16384 -> 4096 KiB, memory.update_buffer_kib 32768 -> 8192 KiB" in line for line in plan.lines()
+    )
     cfg.memory.host_mib = at_default // MIB + 64  # fits at the defaults: nothing lowered
     out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
     assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (16384, 32768)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.checkpoint import CheckpointError, Manifest, latest_checkpoint, list_checkpoints
 from tiertrain.io.scratch import ScratchInUseError
 from tiertrain.training.trainer import Trainer
@@ -52,7 +52,12 @@ def test_checkpoint_contents_and_keep(tmp_path):
     found = list_checkpoints(root)
     assert [os.path.basename(p) for p in found] == ["step-00000003", "step-00000004"]
     man = Manifest.read(res.path)
-    assert man.step == 4 and {f.name for f in man.files} == {"params.bin", "exp_avg.bin", "exp_avg_sq.bin", "rng.safetensors"}
+    assert man.step == 4 and {f.name for f in man.files} == {
+        "params.bin",
+        "exp_avg.bin",
+        "exp_avg_sq.bin",
+        "rng.safetensors",
+    }
     for f in man.files:
         assert os.path.getsize(os.path.join(res.path, f.name)) == f.size
     assert man.config["model"]["n_layers"] == 3
@@ -70,12 +75,15 @@ def damage(path, how):
         os.truncate(path, os.path.getsize(path) - 4096)
 
 
-@pytest.mark.parametrize("name,how,match", [
-    ("exp_avg.bin", "flip", r"exp_avg\.bin is corrupt: crc32c 0x[0-9a-f]+, the manifest says 0x[0-9a-f]+"),
-    ("params.bin", "truncate", r"params\.bin is truncated or damaged: \d+ bytes, the manifest says \d+"),
-    ("rng.safetensors", "flip", r"rng\.safetensors is corrupt"),
-    ("manifest.json", "truncate", r"manifest\.json is corrupt"),
-])
+@pytest.mark.parametrize(
+    "name,how,match",
+    [
+        ("exp_avg.bin", "flip", r"exp_avg\.bin is corrupt: crc32c 0x[0-9a-f]+, the manifest says 0x[0-9a-f]+"),
+        ("params.bin", "truncate", r"params\.bin is truncated or damaged: \d+ bytes, the manifest says \d+"),
+        ("rng.safetensors", "flip", r"rng\.safetensors is corrupt"),
+        ("manifest.json", "truncate", r"manifest\.json is corrupt"),
+    ],
+)
 def test_damaged_checkpoints_are_named_never_loaded(tmp_path, name, how, match):
     cfg = small_config(tmp_path, steps=2)
     with Trainer(cfg) as tr:
@@ -123,9 +131,12 @@ def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):
         tr.train_step()
         first = tr.save_checkpoint()
         tr.train_step()
-        with pytest.raises(CheckpointError, match=rf"not enough space for the checkpoint of step 2 in {mnt}: "
-                           r"it needs [\d.]+ GiB, [\d.]+ GiB are free \([\d.]+ GiB missing\); "
-                           rf"the previous checkpoint {first.path} is intact"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"not enough space for the checkpoint of step 2 in {mnt}: "
+            r"it needs [\d.]+ GiB, [\d.]+ GiB are free \([\d.]+ GiB missing\); "
+            rf"the previous checkpoint {first.path} is intact",
+        ):
             tr.save_checkpoint()
         assert list_checkpoints(str(mnt)) == [first.path]
         assert [n for n in os.listdir(mnt) if n.startswith(".tmp")] == []
@@ -135,8 +146,11 @@ def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):
 def test_two_runs_on_one_scratch_directory(tmp_path):
     cfg = small_config(tmp_path, steps=1)
     with Trainer(cfg):
-        with pytest.raises(ScratchInUseError, match=rf"scratch directory .*ssd0 is in use by another tiertrain run "
-                           rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run other --io.paths"):
+        with pytest.raises(
+            ScratchInUseError,
+            match=rf"scratch directory .*ssd0 is in use by another tiertrain run "
+            rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run other --io.paths",
+        ):
             Trainer(cfg)
     with Trainer(cfg):  # released on close
         pass
@@ -160,13 +174,31 @@ def test_stale_files_of_a_dead_run_are_reported_and_cleaned(tmp_path, caplog):
 
 # -- faults in a real process -------------------------------------------------------------------
 
+
 def cli(tmp_path, *extra, env=None, **kw):
-    args = [sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
-            f"--train.run_dir={tmp_path / 'run'}", "--model.n_layers=3", "--model.d_model=64",
-            "--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=2", "--train.progress=false",
-            "--train.steps=4", "--checkpoint.every=2", "--io.chunk_kib=256", "--io.checksum_block_kib=64",
-            "--io.stripe_kib=64", "--memory.update_buffer_kib=64", "--memory.grad_host_mib=0", "--memory.stash_host_mib=0",
-            *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "tiertrain.cli",
+        "train",
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--model.n_layers=3",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        "--train.progress=false",
+        "--train.steps=4",
+        "--checkpoint.every=2",
+        "--io.chunk_kib=256",
+        "--io.checksum_block_kib=64",
+        "--io.stripe_kib=64",
+        "--memory.update_buffer_kib=64",
+        "--memory.grad_host_mib=0",
+        "--memory.stash_host_mib=0",
+        *extra,
+    ]
     e = dict(os.environ)
     e.pop("TIERTRAIN_KILL_AT", None)
     e.update(env or {})
@@ -197,18 +229,35 @@ def test_sigkill_anywhere_then_resume_loses_nothing(tmp_path, uninterrupted, poi
     exactly the state of a run that was never interrupted (same bytes in every file)."""
     r = cli(tmp_path, env={"TIERTRAIN_KILL_AT": point})
     assert r.returncode == -signal.SIGKILL, (point, r.stderr[-2000:])
-    resumed = cli(tmp_path, f"--resume={tmp_path / 'run'}") if list_checkpoints(str(tmp_path / "run" / "checkpoints")) \
-        else cli(tmp_path, "--train.overwrite=true")  # killed before the first checkpoint completed: start again
+    resumed = (
+        cli(tmp_path, f"--resume={tmp_path / 'run'}")
+        if list_checkpoints(str(tmp_path / "run" / "checkpoints"))
+        else cli(tmp_path, "--train.overwrite=true")
+    )  # killed before the first checkpoint completed: start again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert final_state(tmp_path) == uninterrupted
     assert [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.startswith(".tmp")] == []
 
 
 def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "tiertrain.cli", "train", f"--io.paths={tmp_path / 'ssd'}",
-                             f"--train.run_dir={tmp_path / 'run'}", "--model.n_layers=2", "--model.d_model=64",
-                             "--data.seq_len=32", "--train.steps=10000", "--train.progress=false"],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain.cli",
+            "train",
+            f"--io.paths={tmp_path / 'ssd'}",
+            f"--train.run_dir={tmp_path / 'run'}",
+            "--model.n_layers=2",
+            "--model.d_model=64",
+            "--data.seq_len=32",
+            "--train.steps=10000",
+            "--train.progress=false",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or metrics.stat().st_size == 0):
@@ -288,7 +337,9 @@ def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tok
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_text("old weights")
-    with pytest.raises(CheckpointError, match=rf"export --out {out} is not empty; give a new directory, or --overwrite"):
+    with pytest.raises(
+        CheckpointError, match=rf"export --out {out} is not empty; give a new directory, or --overwrite"
+    ):
         export_checkpoint(res.path, str(out))
     export_checkpoint(tr.cfg.train.run_dir, str(out), overwrite=True)  # a run directory: its latest checkpoint
     assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").exists()

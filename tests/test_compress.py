@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.compress import pack, payload_bytes, topk_decode, topk_encode, unpack
 from tiertrain.compress.topk import kept
 from tiertrain.config import ConfigError, load_config
@@ -48,7 +48,11 @@ def _periodic(n, period):
     "name,make,searched_whole",
     [
         ("gaussian", lambda n: torch.randn(n, generator=torch.Generator().manual_seed(0)), False),
-        ("mostly zero (an embedding's gradient)", lambda n: torch.where(torch.arange(n) % 10 == 0, torch.randn(n), torch.zeros(n)), True),
+        (
+            "mostly zero (an embedding's gradient)",
+            lambda n: torch.where(torch.arange(n) % 10 == 0, torch.randn(n), torch.zeros(n)),
+            True,
+        ),
         ("ties", lambda n: torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(2)).float(), False),
         ("periodic at the sample's stride", lambda n: _periodic(n, n // 4096), True),
     ],

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from reference import ON_SSD
 
 from tiertrain.cli import main
-from reference import ON_SSD
 from tiertrain.config import Config, ConfigError, IOConfig, config_reference, load_config, parse_overrides
 
 
@@ -20,8 +20,9 @@ def test_defaults_are_the_main_job():
 def test_toml_then_flags(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[optim]\nlr = 1e-3\n[io]\npaths = ["/a", "/b"]\n[model]\nkind = "llama"\n')
-    cfg = load_config(str(f), ["--optim.lr=5e-4", "--data.micro_batches", "8", "--train.progress=false",
-                               "--model.n_kv_heads=none"])
+    cfg = load_config(
+        str(f), ["--optim.lr=5e-4", "--data.micro_batches", "8", "--train.progress=false", "--model.n_kv_heads=none"]
+    )
     assert cfg.optim.lr == 5e-4 and cfg.io.paths == ["/a", "/b"] and cfg.model.kind == "llama"
     assert cfg.data.micro_batches == 8 and cfg.train.progress is False and cfg.model.n_kv_heads is None
     assert load_config(None, ["--io.paths=/x,/y"]).io.paths == ["/x", "/y"]
@@ -33,7 +34,10 @@ def test_toml_then_flags(tmp_path):
         (["--optim.lr=-1"], r"optim\.lr = -1(\.0)?: must be between 0.0 and 10.0"),
         (["--memory.device_slots=1"], r"memory\.device_slots = 1: must be between 2 and 64"),
         (["--model.kind=bert"], r"model\.kind = 'bert': must be one of 'auto', 'gpt', 'llama', 'gpt2'"),
-        (["--model.d_model=100", "--model.n_heads=3"], r"model\.d_model = 100: must be divisible by model\.n_heads \(3\)"),
+        (
+            ["--model.d_model=100", "--model.n_heads=3"],
+            r"model\.d_model = 100: must be divisible by model\.n_heads \(3\)",
+        ),
         (["--io.chunk_kib=10"], r"io\.chunk_kib = 10: must be a positive multiple of 4"),
         (["--io.checksum_block_kib=3072"], r"io\.checksum_block_kib = 3072: must divide io\.chunk_kib"),
         (["--data.seq_len=2048"], r"data\.seq_len = 2048 is longer than model\.max_seq_len = 1024"),
@@ -83,15 +87,31 @@ def test_cli_prints_resolved_config(capsys):
 
 def test_cli_trains_and_writes_metrics(tmp_path):
     run = tmp_path / "run"
-    args = ["train", f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={run}", "--train.steps=3",
-            "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batches=2",
-            "--train.progress=false", *ON_SSD]
+    args = [
+        "train",
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={run}",
+        "--train.steps=3",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batches=2",
+        "--train.progress=false",
+        *ON_SSD,
+    ]
     r = subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [d["step"] for d in lines] == [1, 2, 3]
-    for key in ("loss", "tokens_per_s", "ssd_read_bytes", "ssd_write_bytes", "ssd_read_gbps", "peak_host_bytes",
-                "io_wait_s"):
+    for key in (
+        "loss",
+        "tokens_per_s",
+        "ssd_read_bytes",
+        "ssd_write_bytes",
+        "ssd_read_gbps",
+        "peak_host_bytes",
+        "io_wait_s",
+    ):
         assert key in lines[0]
     # (the update path is auto: overlapped here, step k's update moves its bytes in step k+1's line)
     assert lines[0]["ssd_read_bytes"] > 0 and lines[1]["ssd_write_bytes"] > 0
@@ -113,7 +133,9 @@ def test_readme_reference_is_the_config_reference():
     """The README's configuration reference is `tiertrain config --reference`, to the letter
     (it ends the README): a changed default or doc string must be copied there."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert readme.endswith(config_reference().rstrip() + "\n"), "README reference out of date: paste `tiertrain config --reference`"
+    assert readme.endswith(config_reference().rstrip() + "\n"), (
+        "README reference out of date: paste `tiertrain config --reference`"
+    )
 
 
 def test_readme_links_resolve_and_docs_are_the_projects_own():
@@ -123,16 +145,24 @@ def test_readme_links_resolve_and_docs_are_the_projects_own():
     import subprocess
 
     root = os.path.join(os.path.dirname(__file__), "..")
-    docs = [os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(os.path.join(root, "docs"))
-            for n in names if n.endswith(".md")]
+    docs = [
+        os.path.relpath(os.path.join(d, n), root)
+        for d, _, names in os.walk(os.path.join(root, "docs"))
+        for n in names
+        if n.endswith(".md")
+    ]
     assert "docs/DESIGN.md" in docs
     for doc in ["README.md", *docs]:
         text = open(os.path.join(root, doc)).read()
         for target in re.findall(r"\]\(([^)#]+)\)", text):
             if "://" not in target:
                 assert os.path.exists(os.path.join(root, os.path.dirname(doc), target)), (doc, target)
-    r = subprocess.run(["git", "grep", "-n", "-I", "-E", r"\.\./shared|SYSTEM\.md", "--", ".", ":!tests/test_config_cli.py"],
-                       cwd=root, capture_output=True, text=True)
+    r = subprocess.run(
+        ["git", "grep", "-n", "-I", "-E", r"\.\./shared|SYSTEM\.md", "--", ".", ":!tests/test_config_cli.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode == 128:  # not a git checkout (an sdist): nothing to grep
         pytest.skip(f"git grep unavailable here: {r.stderr.strip()}")
     assert r.returncode == 1 and r.stdout == "", r.stdout  # 1: no match

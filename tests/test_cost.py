@@ -6,25 +6,28 @@ import subprocess
 import sys
 
 import pytest
-
 from reference import small_config, tiny_flags
+
 from tiertrain.cost import Rates, kept_pairs, predict, step_traffic
 from tiertrain.cost.probe import probe_act_bytes
 from tiertrain.cost.traffic import Traffic
 from tiertrain.training.trainer import Trainer
 
 
-@pytest.mark.parametrize("case", [
-    dict(layers=6, micro_batches=2, slots=2),
-    dict(layers=6, micro_batches=2, slots=3, tie=True),
-    dict(layers=5, micro_batches=3, slots=4, host_param_mib=1, grad_host_mib=1, optim_host_mib=1),
-    dict(kind="llama", layers=4, micro_batches=4, slots=3, keep_act_mib=1),
-    dict(layers=4, micro_batches=2, dtype="bfloat16", stash_host_mib=1),
-    dict(layers=4, micro_batches=3, keep_act_mib=1, activations="keep-first"),
-    dict(layers=3, micro_batches=2, slots=3, vocab_pieces=3),
-    dict(kind="llama", layers=3, micro_batches=3, slots=4, vocab_pieces=5, host_param_mib=1),
-    dict(kind="gpt2", layers=2, micro_batches=2, slots=2, vocab_pieces=4, tie=True),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(layers=6, micro_batches=2, slots=2),
+        dict(layers=6, micro_batches=2, slots=3, tie=True),
+        dict(layers=5, micro_batches=3, slots=4, host_param_mib=1, grad_host_mib=1, optim_host_mib=1),
+        dict(kind="llama", layers=4, micro_batches=4, slots=3, keep_act_mib=1),
+        dict(layers=4, micro_batches=2, dtype="bfloat16", stash_host_mib=1),
+        dict(layers=4, micro_batches=3, keep_act_mib=1, activations="keep-first"),
+        dict(layers=3, micro_batches=2, slots=3, vocab_pieces=3),
+        dict(kind="llama", layers=3, micro_batches=3, slots=4, vocab_pieces=5, host_param_mib=1),
+        dict(kind="gpt2", layers=2, micro_batches=2, slots=2, vocab_pieces=4, tie=True),
+    ],
+)
 def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
     """In all and by state, the model's bytes equal the counters of a real step. (Reads used to
     exceed them at M >= 3: the stash dropped prefetched entries and read them again.)"""
@@ -42,8 +45,16 @@ def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
         kept = len(tr.model.blocks) * cfg.data.micro_batches - tr.executor.recomputed
         act = probe_act_bytes(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
         assert kept_pairs(tr.cfg, len(tr.model.blocks), act) == kept  # the policy's count, predicted
-        t = step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=kept,
-                         used_pieces=tr.executor.pieces_used)
+        t = step_traffic(
+            tr.cfg,
+            tr.model,
+            tr.layout,
+            tr.dtype,
+            tr.rt.align,
+            hidden=tr.rt.hidden_size,
+            kept=kept,
+            used_pieces=tr.executor.pieces_used,
+        )
         assert len(tr.executor.head_pieces) == (pieces or 0) if pieces else not tr.executor.head_pieces
     assert t.write == rec.ssd_write_bytes
     assert t.read == rec.ssd_read_bytes
@@ -59,17 +70,34 @@ def test_kept_pairs_follow_the_budget_and_the_policy(tmp_path):
 
 
 def _rates(**kw):
-    base = dict(read_gbps=1.0, write_gbps=2.0, crc_gbps=10.0, io_cpu_s_per_gb=0.0, embed_fwd_s=0.0,
-                embed_bwd_s=0.0, block_fwd_s=0.1, block_bwd_s=0.2, head_s=0.05, act_bytes=1 << 20,
-                update_elem_s=1e-9, cores=2, io_slowdown=1.0)
+    base = dict(
+        read_gbps=1.0,
+        write_gbps=2.0,
+        crc_gbps=10.0,
+        io_cpu_s_per_gb=0.0,
+        embed_fwd_s=0.0,
+        embed_bwd_s=0.0,
+        block_fwd_s=0.1,
+        block_bwd_s=0.2,
+        head_s=0.05,
+        act_bytes=1 << 20,
+        update_elem_s=1e-9,
+        cores=2,
+        io_slowdown=1.0,
+    )
     return Rates(**{**base, **kw})
 
 
 def test_a_phase_is_the_slower_of_compute_and_io(tmp_path):
     cfg = small_config(tmp_path, layers=4, micro_batches=2)
     cfg.io.checksum = False
-    t = Traffic(forward_read=int(0.5e9), backward_read=int(3e9), backward_write=int(2e9),
-                update_read=int(4e9), update_write=int(2e9))
+    t = Traffic(
+        forward_read=int(0.5e9),
+        backward_read=int(3e9),
+        backward_write=int(2e9),
+        update_read=int(4e9),
+        update_write=int(2e9),
+    )
     p = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
     fwd, bwd, upd = p.phases
     assert fwd.compute_s == pytest.approx(2 * (4 * 0.1 + 0.05)) and fwd.bound == "compute"
@@ -88,15 +116,19 @@ def test_a_phase_is_the_slower_of_compute_and_io(tmp_path):
     assert p3.step_s == pytest.approx(disk) and p3.bound == "disk (whole step)"
 
 
-
 def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
     """update.mode = overlap: the update's own time (I/O here: 4 GB / 1 + 2 GB / 2 = 5 s)
     moves under the next forward, adding its bytes to that phase's disk time; eager, under
     the backward. Its CPU goes to the cores of a CPU device; its kernel runs in one thread."""
     cfg = small_config(tmp_path, layers=4, micro_batches=2)
     cfg.io.checksum = False
-    t = Traffic(forward_read=int(0.5e9), backward_read=int(3e9), backward_write=int(2e9),
-                update_read=int(4e9), update_write=int(2e9))
+    t = Traffic(
+        forward_read=int(0.5e9),
+        backward_read=int(3e9),
+        backward_write=int(2e9),
+        update_read=int(4e9),
+        update_write=int(2e9),
+    )
     cfg.update.mode = "overlap"
     p = predict(cfg, t, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
     fwd, bwd, upd = p.phases
@@ -114,19 +146,42 @@ def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
     cfg.optim.grad_clip = 1.0
     q = predict(cfg, small, _rates(), blocks=4, kept=8, n_params=10**8, first_read=0, cpu_compute=True)
     assert q.phase("forward").time_s == pytest.approx(0.9 + 0.1 / 2)  # compute + the kernel's CPU over 2 cores
-    tiny = predict(cfg, small, _rates(block_fwd_s=0.001, head_s=0.0), blocks=4, kept=8, n_params=10**8,
-                   first_read=0, cpu_compute=True)
+    tiny = predict(
+        cfg,
+        small,
+        _rates(block_fwd_s=0.001, head_s=0.0),
+        blocks=4,
+        kept=8,
+        n_params=10**8,
+        first_read=0,
+        cpu_compute=True,
+    )
     assert tiny.phase("forward").time_s == pytest.approx(0.2)  # the update thread's own kernel time
 
 
 def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     flags = [f for f in tiny_flags(tmp_path, layers=3) if not f.startswith("--train.steps")]
-    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    for want in ("placement:", "| exp_avg | update (baseline) |", "bytes per step on the storage tier: read",
-                 "| forward |", "| backward |", "| update", "| step |", "micro-batches:", "update path: baseline ", "overlap ", "engines "):
+    for want in (
+        "placement:",
+        "| exp_avg | update (baseline) |",
+        "bytes per step on the storage tier: read",
+        "| forward |",
+        "| backward |",
+        "| update",
+        "| step |",
+        "micro-batches:",
+        "update path: baseline ",
+        "overlap ",
+        "engines ",
+    ):
         assert want in out, want
     # update.mode = auto picks by the probe: the update phase is the baseline's or the overlap's
     assert ("| update |" in out) != ("| update (thread, under the next forward) |" in out)
@@ -134,15 +189,20 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
     assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files
     assert not any((tmp_path / "ssd").glob(".tiertrain-probe-*"))  # the probe's file is gone
-    bad = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=0", *flags],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--probe-mib = 0: measure at least 1 MiB" in bad.stderr
 
 
 def test_train_prints_the_prediction_then_predicted_against_measured(tmp_path):
     flags = [f for f in tiny_flags(tmp_path, steps=5) if f != "--train.predict=false"]
-    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", *flags], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain.cli", "train", *flags], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "predicted step: " in r.stderr and "`tiertrain plan` shows why" in r.stderr
     assert "step time: predicted " in r.stderr and "(median of the last 3 steps;" in r.stderr
@@ -169,6 +229,7 @@ def test_predictions_for_machines_we_do_not_have():
     for shape in SHAPES.values():
         for m in MACHINES.values():
             for M in (8, 64):
-                b, o, e = (predict_on(shape, m, micro_batches=M, system=s).step_s
-                           for s in ("baseline", "overlap", "engines"))
+                b, o, e = (
+                    predict_on(shape, m, micro_batches=M, system=s).step_s for s in ("baseline", "overlap", "engines")
+                )
                 assert e <= o * 1.0001 and o <= b * 1.0001, (shape.name, m.name, M, b, o, e)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.cli import main
 from tiertrain.config import ConfigError, DataConfig
 from tiertrain.data import ByteTokenizer, Corpus, TokenFileError, read_tokens, write_tokens

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from reference import assert_resume_exact, small_config
+
 from tiertrain.checkpoint import Manifest
 from tiertrain.state.machine import IllegalTransition
 from tiertrain.training.trainer import Trainer
@@ -118,8 +118,11 @@ def test_the_trainer_has_one_path_whatever_the_number_of_ranks():
     pkg = os.path.join(os.path.dirname(__file__), "..", "tiertrain", "training")
     for path in glob.glob(os.path.join(pkg, "*.py")):
         src = open(path).read()
-        found = re.findall(r".{0,30}(?:world\s*[=!<>]=?\s*1|world\s*>\s*\d|group is (?:not )?None|rank\s*==\s*0"
-                           r"|ShardedParams|ShardedGrads|GatheredRegion|ScatteredRegion).{0,10}", src)
+        found = re.findall(
+            r".{0,30}(?:world\s*[=!<>]=?\s*1|world\s*>\s*\d|group is (?:not )?None|rank\s*==\s*0"
+            r"|ShardedParams|ShardedGrads|GatheredRegion|ScatteredRegion).{0,10}",
+            src,
+        )
         assert not found, (os.path.basename(path), found)
 
 
@@ -128,7 +131,9 @@ def test_slot_and_engine_state_machines_refuse_illegal_moves():
     from tiertrain.update.engines.protocol import ENGINE, EngineState
 
     assert _SLOT.move(SlotState.FREE, SlotState.LOADING) == SlotState.LOADING
-    with pytest.raises(IllegalTransition, match=r"parameter slot 1: BOUND -> FREE is not allowed \(from BOUND: RESIDENT\)"):
+    with pytest.raises(
+        IllegalTransition, match=r"parameter slot 1: BOUND -> FREE is not allowed \(from BOUND: RESIDENT\)"
+    ):
         _SLOT.move(SlotState.BOUND, SlotState.FREE, "1")
     with pytest.raises(IllegalTransition, match=r"parameter slot: FREE -> BOUND is not allowed"):
         _SLOT.move(SlotState.FREE, SlotState.BOUND)
@@ -145,8 +150,19 @@ def test_engine_messages_are_frozen_and_reports_typed():
     m = P.Grad(unit=3, slot=1, step=7, lr=1e-3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.unit = 4
-    r = P.StepReport(seconds=1.0, read=2, written=3, wait_s=0.0, compute_s=0.5, ahead=0, chunks=4, cpu_s=0.9,
-                     peak_host=5, base_host=1, pool=2)
+    r = P.StepReport(
+        seconds=1.0,
+        read=2,
+        written=3,
+        wait_s=0.0,
+        compute_s=0.5,
+        ahead=0,
+        chunks=4,
+        cpu_s=0.9,
+        peak_host=5,
+        base_host=1,
+        pool=2,
+    )
     assert r["chunks"] == 4 and r.chunks == 4
     with pytest.raises(KeyError):
         r["nope"]
@@ -208,7 +224,7 @@ def test_the_import_graph_has_no_circle_and_the_runtime_no_update_path():
         stack.append(u)
         for v in sorted(graph[u]):
             if state.get(v) == 1:
-                circles.append(stack[stack.index(v):] + [v])
+                circles.append(stack[stack.index(v) :] + [v])
             elif v not in state:
                 visit(v)
         stack.pop()
@@ -239,7 +255,9 @@ def test_the_cost_model_names_no_update_path():
         named = re.findall(r"""["'](?:baseline|overlap|engines)["']|update\.mode\s*[=!]=\s*["'](?!auto)""", src)
         assert not named, (os.path.basename(path), named)
         mod = "tiertrain.cost." + os.path.basename(path)[:-3]
-        inner = [d for d in graph.get(mod.removesuffix(".__init__"), ())
-                 if d.startswith("tiertrain.update.")
-                 and d not in ("tiertrain.update.streamed", "tiertrain.update.kernels")]  # shared by every path
+        inner = [
+            d
+            for d in graph.get(mod.removesuffix(".__init__"), ())
+            if d.startswith("tiertrain.update.") and d not in ("tiertrain.update.streamed", "tiertrain.update.kernels")
+        ]  # shared by every path
         assert not inner, (mod, inner)

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from reference import small_config
+
 from tiertrain.data import Corpus
 from tiertrain.dist import RankError, RankGroup, env_world
 
@@ -104,6 +104,7 @@ def _dead_rank(rank, world, port, out_dir, how):
     os._exit(0)  # the group cannot be torn down cleanly with a peer gone
 
 
+@pytest.mark.serial  # bounds in seconds: measured alone
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_a_dead_or_hung_rank_stops_the_others_within_the_timeout(tmp_path, how):
     """Timeout 5 s: a dead peer is seen at once (its connection closes), a hung one when the
@@ -114,8 +115,11 @@ def test_a_dead_or_hung_rank_stops_the_others_within_the_timeout(tmp_path, how):
         pass
     res = torch.load(tmp_path / "0.pt")
     assert "rank 0 of 2: reduce_scatter failed (" in res["msg"] and "another rank died" in res["msg"], res["msg"]
-    named = ("rank 1 died: no sign of life for 2 s (last seen at step 0, after start)" if how == "dies" else
-             "rank 1 is alive but has not reached this collective: it is at step 0, after start (0 collectives")
+    named = (
+        "rank 1 died: no sign of life for 2 s (last seen at step 0, after start)"
+        if how == "dies"
+        else "rank 1 is alive but has not reached this collective: it is at step 0, after start (0 collectives"
+    )
     assert named in res["msg"], res["msg"]
     assert res["s"] < (7 if how == "dies" else 13), res["s"]  # + 2 s to tell which rank stopped
 

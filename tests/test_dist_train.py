@@ -8,15 +8,15 @@ import weakref
 
 import pytest
 import torch
-
 from reference import reference_model, small_config, weights_of
 from test_dist_group import spawn
 from test_parity import assert_same_weights, ref_name_map
+
 from tiertrain.config import Config
+from tiertrain.device import AsyncCpuDevice
 from tiertrain.dist import RankGroup
 from tiertrain.models import build_model, tensor_source
 from tiertrain.reference import reference_train
-from tiertrain.device import AsyncCpuDevice
 from tiertrain.training.trainer import Trainer
 
 
@@ -61,10 +61,17 @@ def _train(rank, world, port, out_dir, tree, init_path, separate=False):
             weights = tr.weights()  # every rank gathers
             p = tr.cfg.io.paths[0]  # every state file there (the engines make theirs themselves)
             files = {n: os.path.getsize(os.path.join(p, n)) for n in os.listdir(p) if n.endswith(".bin")}
-            res = dict(losses=[r.extra["losses"] for r in recs], loss=[r.loss for r in recs],
-                       norm=[r.grad_norm for r in recs], weights=weights if rank == 0 else None, files=files,
-                       state=tr.rt.state_layout.total_numel, full=tr.layout.total_numel,
-                       paths=tr.cfg.io.paths, mode=tr.update.name)
+            res = dict(
+                losses=[r.extra["losses"] for r in recs],
+                loss=[r.loss for r in recs],
+                norm=[r.grad_norm for r in recs],
+                weights=weights if rank == 0 else None,
+                files=files,
+                state=tr.rt.state_layout.total_numel,
+                full=tr.layout.total_numel,
+                paths=tr.cfg.io.paths,
+                mode=tr.update.name,
+            )
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
@@ -78,15 +85,24 @@ def run_ranks(tmp_path, cfg, world, separate=False):
     return ref_model, spawn(_train, world, out, cfg.to_dict(), str(init), separate)
 
 
-@pytest.mark.parametrize("world,mode,separate", [(2, "baseline", False), (3, "baseline", False),
-                                                 (2, "overlap", False), (2, "engines", False), (3, "overlap", True)])
+@pytest.mark.parametrize(
+    "world,mode,separate",
+    [
+        (2, "baseline", False),
+        (3, "baseline", False),
+        (2, "overlap", False),
+        (2, "engines", False),
+        (3, "overlap", True),
+    ],
+)
 def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, separate):
     """Every update path, each rank updating its shard: the overlapped one during the backward
     (eager), the engines in processes of each rank's own; and on a device with memory of its own
     (as CUDA: units gathered into staging buffers and uploaded, copies on streams whose progress
     differs between ranks; there with the parameters in host memory, read as the update finishes)."""
-    cfg = small_config(tmp_path, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0,
-                       host_param_mib=4 if separate else 0)
+    cfg = small_config(
+        tmp_path, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0, host_param_mib=4 if separate else 0
+    )
     cfg.update.mode, cfg.update.eager = mode, mode == "overlap"
     ref_model, out = run_ranks(tmp_path, cfg, world, separate)
     assert [o["mode"] for o in out] == [mode] * world
@@ -106,9 +122,19 @@ def test_ranks_in_bf16_sum_in_float32_the_same_on_a_separate_memory_device(tmp_p
     """bf16 with M = 2: each rank's gradient is summed in a float32 accumulator, reduced over the
     ranks in float32 on the host and rounded once. With separate device memory the float32 sum
     is copied down into pinned staging sized for it first: the same bits as with the host's."""
+
     def cfg_in(where):
-        return small_config(tmp_path / where, kind="llama", layers=2, d=64, micro_batches=2, steps=2, clip=0.0,
-                            dtype="bfloat16", host_param_mib=4)
+        return small_config(
+            tmp_path / where,
+            kind="llama",
+            layers=2,
+            d=64,
+            micro_batches=2,
+            steps=2,
+            clip=0.0,
+            dtype="bfloat16",
+            host_param_mib=4,
+        )
 
     _, host = run_ranks(tmp_path / "h", cfg_in("h"), 2)
     _, sep = run_ranks(tmp_path / "s", cfg_in("s"), 2, separate=True)
@@ -133,9 +159,15 @@ def _traffic(rank, world, port, out_dir, tree):
         for _ in range(cfg.train.steps):
             f0 = tr.params.stats.fetch_bytes
             r = tr.train_step()
-            steps.append(dict(sent=r.extra["net_sent_bytes"], received=r.extra["net_received_bytes"],
-                              fetched=tr.params.stats.fetch_bytes - f0, per_rank=r.extra["per_rank"],
-                              mine=(r.ssd_read_bytes, r.ssd_write_bytes, r.peak_host_bytes)))
+            steps.append(
+                dict(
+                    sent=r.extra["net_sent_bytes"],
+                    received=r.extra["net_received_bytes"],
+                    fetched=tr.params.stats.fetch_bytes - f0,
+                    per_rank=r.extra["per_rank"],
+                    mine=(r.ssd_read_bytes, r.ssd_write_bytes, r.peak_host_bytes),
+                )
+            )
         res = dict(steps=steps, param_bytes=tr.layout.total_numel * tr.dtype.itemsize)
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
@@ -207,8 +239,10 @@ def same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("first,then,mode", [(2, 1, "baseline"), (1, 3, "baseline"), (3, 2, "baseline"),
-                                             (2, 1, "engines"), (1, 2, "overlap")])
+@pytest.mark.parametrize(
+    "first,then,mode",
+    [(2, 1, "baseline"), (1, 3, "baseline"), (3, 2, "baseline"), (2, 1, "engines"), (1, 2, "overlap")],
+)
 def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then, mode):
     """A checkpoint written by ``first`` ranks is the same files as one rank's (the canonical
     layout) and loads, bit for bit, on ``then`` ranks; training goes on from it. The engines'
@@ -222,7 +256,9 @@ def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then, mode):
     cfg2.checkpoint.dir = cfg.checkpoint_root
     loaded = ckpt_run(tmp_path, "load", cfg2, then, resume=saved["path"], steps=1)
     same(loaded["restored"], saved["weights"])
-    assert loaded["step"] == 3 and any(not torch.equal(loaded["weights"][k], saved["weights"][k]) for k in saved["weights"])
+    assert loaded["step"] == 3 and any(
+        not torch.equal(loaded["weights"][k], saved["weights"][k]) for k in saved["weights"]
+    )
 
 
 def test_sharded_resume_is_bit_identical(tmp_path):
@@ -240,12 +276,29 @@ def _cli(tmp_path, *extra, env=None):
     import subprocess
     import sys
 
-    flags = [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", "--model.kind=llama",
-             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2",
-             "--data.micro_batches=2", "--train.steps=4", "--train.progress=false", "--io.checksum_block_kib=64",
-             "--train.predict=false", "--checkpoint.every=1", "--ranks.timeout_s=30"]
-    return subprocess.run([sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags, *extra],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    flags = [
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--model.kind=llama",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        "--train.steps=4",
+        "--train.progress=false",
+        "--io.checksum_block_kib=64",
+        "--train.predict=false",
+        "--checkpoint.every=1",
+        "--ranks.timeout_s=30",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _final(tmp_path):
@@ -285,8 +338,7 @@ def test_a_hung_rank_is_named_and_stops_the_run_within_the_timeout(tmp_path):
     import time
 
     t0 = time.monotonic()
-    hung = _cli(tmp_path, "--ranks.timeout_s=6",
-                env={"TIERTRAIN_SLOW_AT": "backward:12:9", "TIERTRAIN_SLOW_RANK": "1"})
+    hung = _cli(tmp_path, "--ranks.timeout_s=6", env={"TIERTRAIN_SLOW_AT": "backward:12:9", "TIERTRAIN_SLOW_RANK": "1"})
     took = time.monotonic() - t0
     assert hung.returncode != 0 and took < 120, (took, hung.stderr[-3000:])
     assert "rank 0 of 2:" in hung.stderr and "hangs past the 6 s timeout" in hung.stderr, hung.stderr[-3000:]
@@ -370,13 +422,28 @@ def _start_ranks(tmp_path, *extra, env=None):
     import subprocess
     import sys
 
-    flags = [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", "--model.kind=llama",
-             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2",
-             "--data.micro_batches=2", "--train.progress=false", "--io.checksum_block_kib=64",
-             "--train.predict=false", "--checkpoint.every=1", *extra]
-    return subprocess.Popen([sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    flags = [
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--model.kind=llama",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        "--train.progress=false",
+        "--io.checksum_block_kib=64",
+        "--train.predict=false",
+        "--checkpoint.every=1",
+        *extra,
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _steps_done(tmp_path):
@@ -403,6 +470,7 @@ def test_ctrl_c_to_ranks_saves_and_prints_one_hint_that_works(tmp_path):
     import signal
     import subprocess
     import sys
+
     from test_signals import wait_for
 
     proc = _start_ranks(tmp_path, "--train.steps=100000", env={"TIERTRAIN_SLOW_AT": "forward:0.2"})
@@ -417,12 +485,17 @@ def test_ctrl_c_to_ranks_saves_and_prints_one_hint_that_works(tmp_path):
     step, _ = _final(tmp_path)
     assert step == done
     cmd = shlex.split(hints[0])[1:]
-    r = subprocess.run([sys.executable, "-m", "tiertrain", *cmd, f"--train.steps={done + 1}"], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain", *cmd, f"--train.steps={done + 1}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert _final(tmp_path)[0] == done + 1
 
 
+@pytest.mark.serial  # a bound in seconds: measured alone
 def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path):
     """Rank 1 stopped with SIGSTOP (present, silent): rank 0's collective times out once
     (ranks.timeout_s = 6), it names rank 1 as not responding, stopped (it said "died"), and the
@@ -430,6 +503,7 @@ def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path
     torchrun much longer); the launcher kills the suspended rank."""
     import signal
     import time
+
     from test_signals import wait_for
 
     proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=6")
@@ -460,8 +534,11 @@ def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
     mid = tmpfs("mid", need * 3 // 4 // 1024)  # room for one rank's share, not for both
     r = _cli(tmp_path / "b", f"--io.paths={mid}", "--memory.host_param_mib=0", "--memory.optim_host_mib=0")
     assert r.returncode == 1, r.stderr[-3000:]
-    got = re.findall(r"not enough space on the filesystem of \S+: need (\d+) bytes \(.*?; the 2 ranks of this machine "
-                     r"share it: rank 0 ([\d.]+ \w+), rank 1 ([\d.]+ \w+)\)", r.stderr)
+    got = re.findall(
+        r"not enough space on the filesystem of \S+: need (\d+) bytes \(.*?; the 2 ranks of this machine "
+        r"share it: rank 0 ([\d.]+ \w+), rank 1 ([\d.]+ \w+)\)",
+        r.stderr,
+    )
     assert got and all(int(n) == need for n, _, _ in got), r.stderr[-3000:]
     unit = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     a, b = (float(x.split()[0]) * unit[x.split()[1]] for x in got[0][1:])

@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
-
 from reference import reference_model, reference_train, small_config, weights_of
 from test_parity import assert_parity, assert_same_weights, run_tiertrain
+
 from tiertrain.training.trainer import Trainer
 from tiertrain.update.engines import EngineError
 
@@ -19,8 +19,10 @@ def engine_config(tmp_path, **kw):
     return cfg
 
 
-@pytest.mark.parametrize("paths,kind,micro_batches,ahead_mib",
-                         [(1, "gpt", 1, 1024), (1, "llama", 4, 0), (3, "gpt", 4, 1024), (3, "llama", 2, 0)])
+@pytest.mark.parametrize(
+    "paths,kind,micro_batches,ahead_mib",
+    [(1, "gpt", 1, 1024), (1, "llama", 4, 0), (3, "gpt", 4, 1024), (3, "llama", 2, 0)],
+)
 def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro_batches, ahead_mib):
     """With the whole state read ahead during the backward (the default budget holds these
     models' state) and with no read-ahead."""
@@ -64,10 +66,14 @@ def test_bf16_engines_match_the_baseline_path_exactly(tmp_path):
 def test_eager_needs_clipping_off():
     from tiertrain.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0",
+    ):
         load_config(None, ["--update.mode=engines", "--update.eager=true"])
 
 
+@pytest.mark.serial  # a bound in seconds: measured alone
 def test_a_killed_engine_is_named_within_seconds_then_resume_works(tmp_path):
     cfg = engine_config(tmp_path, paths=2, steps=4, micro_batches=2)
     with Trainer(cfg) as tr:
@@ -78,8 +84,11 @@ def test_a_killed_engine_is_named_within_seconds_then_resume_works(tmp_path):
         victim = tr.engines.procs[1]
         os.kill(victim.pid, signal.SIGKILL)
         t0 = time.time()
-        with pytest.raises(EngineError, match=rf"update engine 1 \({tmp_path}/ssd1\) died \(exit code -9\) while .*"
-                           "resume from the last checkpoint"):
+        with pytest.raises(
+            EngineError,
+            match=rf"update engine 1 \({tmp_path}/ssd1\) died \(exit code -9\) while .*"
+            "resume from the last checkpoint",
+        ):
             tr.train_step()
         assert time.time() - t0 < 10
     with Trainer(cfg) as tr:  # new engines; the checkpoint brings the state back

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from reference import tiny_flags
+
 from tiertrain.cli import main
 
 
@@ -45,20 +45,29 @@ def copy_hf(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("damage,match", [
-    ("garbage", r"model\.safetensors is not a readable safetensors file \(.*\); it is truncated or damaged"),
-    ("truncated", r"model\.safetensors is not a readable safetensors file"),
-    ("header-only", r"model\.safetensors is not a readable safetensors file"),
-])
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        ("garbage", r"model\.safetensors is not a readable safetensors file \(.*\); it is truncated or damaged"),
+        ("truncated", r"model\.safetensors is not a readable safetensors file"),
+        ("header-only", r"model\.safetensors is not a readable safetensors file"),
+    ],
+)
 def test_damaged_safetensors(tmp_path, capsys, hf_dir, damage, match):
     d = copy_hf(hf_dir, tmp_path / "m")
     f = d / "model.safetensors"
     data = f.read_bytes()
-    f.write_bytes({"garbage": os.urandom(len(data)), "truncated": data[: len(data) // 2],
-                   "header-only": data[: 8 + int.from_bytes(data[:8], "little")]}[damage])
+    f.write_bytes(
+        {
+            "garbage": os.urandom(len(data)),
+            "truncated": data[: len(data) // 2],
+            "header-only": data[: 8 + int.from_bytes(data[:8], "little")],
+        }[damage]
+    )
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}")], 2)
     assert f"model.hf_dir = '{d}'" in line
     import re
+
     assert re.search(match, line), line
     nothing_left(tmp_path, "m")
 
@@ -70,8 +79,16 @@ def test_invalid_config_json_and_a_missing_shard(tmp_path, capsys, hf_dir):
     assert f"model.hf_dir = '{d}': {d}/config.json is not valid JSON" in line
     d2 = copy_hf(hf_dir, tmp_path / "sharded")
     (d2 / "model.safetensors").rename(d2 / "model-00001-of-00002.safetensors")
-    (d2 / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {  # a shard that is not there
-        "transformer.wte.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (d2 / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {  # a shard that is not there
+                    "transformer.wte.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={d2}")], 2)
     assert "model-00002-of-00002.safetensors, named in its index, is missing" in line
     nothing_left(tmp_path, "m", "sharded")
@@ -82,8 +99,10 @@ def test_kind_is_read_from_config_json_and_a_contradiction_is_refused(tmp_path, 
 
     assert load_config(None, [f"--model.hf_dir={hf_dir}", "--data.seq_len=32"]).model.kind == "gpt2"
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={hf_dir}", "--model.kind=llama")], 2)
-    assert f"model.kind = 'llama': model.hf_dir = '{hf_dir}' holds a 'gpt2' model (config.json), which is kind 'gpt2'; " \
-           "leave model.kind at 'auto' or set it to 'gpt2'" in line
+    assert (
+        f"model.kind = 'llama': model.hf_dir = '{hf_dir}' holds a 'gpt2' model (config.json), which is kind 'gpt2'; "
+        "leave model.kind at 'auto' or set it to 'gpt2'" in line
+    )
 
 
 @pytest.mark.parametrize("key", ["n_positions", "max_position_embeddings"])
@@ -93,8 +112,14 @@ def test_seq_len_beyond_the_models_position_limit(tmp_path, capsys, hf_dir, key)
     if key == "max_position_embeddings":  # a Llama
         from transformers import LlamaConfig
 
-        cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, max_position_embeddings=16).to_dict()
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+        ).to_dict()
     else:
         cfg["n_positions"] = 16
     (d / "config.json").write_text(json.dumps(cfg))
@@ -102,12 +127,15 @@ def test_seq_len_beyond_the_models_position_limit(tmp_path, capsys, hf_dir, key)
     assert f"data.seq_len = 32 is longer than the model in {d} supports ({key} = 16 in its config.json)" in line
 
 
-@pytest.mark.parametrize("content,match", [
-    (b"", "is not a tiertrain token file"),
-    (b"garbage" * 100, "is not a tiertrain token file"),
-    ("truncate", "is truncated: expected"),
-    ("trailing", "bytes after its"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (b"", "is not a tiertrain token file"),
+        (b"garbage" * 100, "is not a tiertrain token file"),
+        ("truncate", "is truncated: expected"),
+        ("trailing", "bytes after its"),
+    ],
+)
 def test_bad_token_files(tmp_path, capsys, content, match):
     from tiertrain.data import write_tokens
 
@@ -158,9 +186,12 @@ def test_unusable_directories(tmp_path, capsys, field, where, request):
         path = request.getfixturevalue("readonly_dir") / "sub"
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--{field}={path}"], 2)
     assert line.startswith(f"tiertrain: config error: {field} = '{path}'"), line
-    assert {"a file": "is a file, not a directory", "under a file": f"cannot be made: {f} is a file",
-            "/proc": "is inside /proc, a kernel filesystem", "read-only": "is on a read-only filesystem"}[where] in line \
-        or (where == "read-only" and "not writable" in line), line
+    assert {
+        "a file": "is a file, not a directory",
+        "under a file": f"cannot be made: {f} is a file",
+        "/proc": "is inside /proc, a kernel filesystem",
+        "read-only": "is on a read-only filesystem",
+    }[where] in line or (where == "read-only" and "not writable" in line), line
     nothing_left(tmp_path, "f", "ro")
 
 
@@ -211,8 +242,9 @@ def test_prepare_errors(tmp_path, capsys):
     line = one_line_error(capsys, ["prepare", f"--input={text}", f"--output={tmp_path / 'no' / 'o.tokens'}"], 1)
     assert f"directory {tmp_path / 'no'} does not exist; create it first" in line
     (tmp_path / "tok").mkdir()
-    line = one_line_error(capsys, ["prepare", f"--input={text}", f"--output={tmp_path / 'o'}",
-                                   f"--tokenizer={tmp_path / 'tok'}"], 2)
+    line = one_line_error(
+        capsys, ["prepare", f"--input={text}", f"--output={tmp_path / 'o'}", f"--tokenizer={tmp_path / 'tok'}"], 2
+    )
     assert f"prepare --tokenizer = '{tmp_path / 'tok'}' has no tokenizer files" in line
 
 
@@ -243,11 +275,15 @@ def test_messages_that_used_to_mislead(tmp_path, capsys):
 
     assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
     assert "done: 1 step:" in capsys.readouterr().err
-    line = one_line_error(capsys, ["train", f"--resume={tmp_path / 'run'}", "--model.d_model=128", "--train.steps=2"], 1)
+    line = one_line_error(
+        capsys, ["train", f"--resume={tmp_path / 'run'}", "--model.d_model=128", "--train.steps=2"], 1
+    )
     a, b = line.split("(")[1].split(")")[0], line.split("(")[2].split(")")[0]
     assert "written for another model or precision" in line and a != b, line
     save_file({"embed.wte.weight": torch.zeros(3, 3)}, str(tmp_path / "w.safetensors"))
-    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path / "x", f"--model.init_from={tmp_path / 'w.safetensors'}")], 2)
+    line = one_line_error(
+        capsys, ["train", *tiny_flags(tmp_path / "x", f"--model.init_from={tmp_path / 'w.safetensors'}")], 2
+    )
     assert f"model.init_from = '{tmp_path / 'w.safetensors'}': weight 'embed.wte.weight' has shape (3, 3)" in line
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -287,6 +323,7 @@ def test_careless_inputs_of_round_two(tmp_path, capsys):
 def test_a_config_object_edited_after_it_was_made_is_checked_as_flags_are(tmp_path):
     """Fields set on the objects skip their section's checks; every driver checks again."""
     from reference import small_config
+
     from tiertrain.config import ConfigError
     from tiertrain.inference.generate import Sampling, generate
     from tiertrain.training.trainer import Trainer

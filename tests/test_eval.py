@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.config import DataConfig, ModelConfig
 from tiertrain.data import EvalSet
 from tiertrain.inference.evaluate import evaluate
@@ -22,8 +22,9 @@ TEXT = "".join(f"{i} a held-out line of text, {i * 13 % 7} words long or so.\n" 
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tiertrain", "eval", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "tiertrain", "eval", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def _text(tmp_path) -> str:
@@ -38,15 +39,23 @@ def test_eval_of_a_hf_directory_is_transformers_loss(tmp_path, kind):
 
     torch.manual_seed(5)
     if kind == "llama":
-        hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
-                                                                         n_heads=4, vocab_size=256)))
+        hf = AutoModelForCausalLM.from_config(
+            hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+        )
     else:
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128))
     hf.save_pretrained(tmp_path / "hf")
     text = _text(tmp_path)
     data = ["--data.seq_len=32", "--data.micro_batch_size=2", "--data.micro_batches=3"]
-    r = _cli(f"--model.hf_dir={tmp_path / 'hf'}", f"--data.eval_corpus={text}", *data,
-             f"--io.paths={tmp_path / 'ssd'}", "--out", str(tmp_path / "res.json"), cwd=tmp_path)
+    r = _cli(
+        f"--model.hf_dir={tmp_path / 'hf'}",
+        f"--data.eval_corpus={text}",
+        *data,
+        f"--io.paths={tmp_path / 'ssd'}",
+        "--out",
+        str(tmp_path / "res.json"),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "res.json").read_text())
     es = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=0))
@@ -68,8 +77,15 @@ def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tm
     with Trainer(cfg) as tr:
         logged = tr.run()[-1].extra["eval_loss"]
     run = cfg.train.run_dir
-    r = _cli("--checkpoint", run, "--data.eval_micro_batches=4", f"--data.eval_corpus={_text(tmp_path)}",
-             "--out", str(tmp_path / "res.json"), cwd=tmp_path)
+    r = _cli(
+        "--checkpoint",
+        run,
+        "--data.eval_micro_batches=4",
+        f"--data.eval_corpus={_text(tmp_path)}",
+        "--out",
+        str(tmp_path / "res.json"),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "res.json").read_text())["loss"] == logged  # the same windows, the same weights
     ck = os.path.join(run, "checkpoints", "step-00000002")
@@ -89,8 +105,9 @@ def test_eval_bad_input_is_named(tmp_path):
         evaluate(cfg)
     r = _cli(f"--data.eval_corpus={tmp_path / 'missing.txt'}", cwd=tmp_path)
     assert r.returncode == 2 and "data.eval_corpus = " in r.stderr and "no such file" in r.stderr
-    from tiertrain.data import write_tokens
     import numpy as np
+
+    from tiertrain.data import write_tokens
 
     big = str(tmp_path / "big.bin")
     write_tokens(big, [np.arange(5000) % 4000], vocab_size=4000)
@@ -109,8 +126,9 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(2)
-    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
-                                                                     n_heads=4, vocab_size=256)))
+    hf = AutoModelForCausalLM.from_config(
+        hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+    )
     hf.save_pretrained(tmp_path / "hf")
     cfg = small_config(tmp_path)
     cfg.model, cfg.data.eval_corpus = ModelConfig(hf_dir=str(tmp_path / "hf")), _text(tmp_path)
@@ -138,8 +156,9 @@ def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
     from tiertrain.inference.generate import Sampling, generate
 
     torch.manual_seed(4)
-    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
-                                                                     n_heads=4, vocab_size=256)))
+    hf = AutoModelForCausalLM.from_config(
+        hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+    )
     hf.save_pretrained(tmp_path / "hf")
     cfg = small_config(tmp_path)
     cfg.model = ModelConfig(hf_dir=str(tmp_path / "hf"))

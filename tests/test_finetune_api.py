@@ -7,13 +7,16 @@ import subprocess
 import sys
 
 import pytest
-
 from reference import tiny_flags
 from test_finetune_data import CHAT, make_tokenizer, write_jsonl
+
 from tiertrain.cli import main
 
-TINY = {"model": {"n_layers": 2, "d_model": 64}, "data": {"seq_len": 32, "micro_batch_size": 2, "micro_batches": 2},
-        "train": {"steps": 3, "predict": False, "progress": False}}
+TINY = {
+    "model": {"n_layers": 2, "d_model": 64},
+    "data": {"seq_len": 32, "micro_batch_size": 2, "micro_batches": 2},
+    "train": {"steps": 3, "predict": False, "progress": False},
+}
 
 
 def _tree(tmp_path, **sections):
@@ -63,7 +66,9 @@ def test_the_readme_python_example_runs(tmp_path):
     start = readme.index("```python\n") + len("```python\n")
     code = readme[start : readme.index("```", start)]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "final loss" in run.stdout
 
@@ -94,7 +99,9 @@ def test_tensorboard_event_files_read_back(tmp_path):
 
     import tiertrain
 
-    recs = tiertrain.train(_tree(tmp_path, data={"eval_corpus": "bundled"}, train={"eval_every": 2, "tensorboard": True}))
+    recs = tiertrain.train(
+        _tree(tmp_path, data={"eval_corpus": "bundled"}, train={"eval_every": 2, "tensorboard": True})
+    )
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     acc.Reload()
     loss = acc.Scalars("loss/train")
@@ -110,9 +117,15 @@ def test_prepare_and_train_on_chat_rows_from_the_command_line(tmp_path, capsys):
     assert main(["prepare", "--input", rows, "--output", str(tmp_path / "prep"), "--tokenizer", tok]) == 0
     meta = json.loads((tmp_path / "prep" / "meta.json").read_text())
     assert meta["kind"] == "chat" and meta["examples"] == 6 and 0 < meta["scored"] < meta["tokens"]
-    flags = tiny_flags(tmp_path, f"--data.corpus={tmp_path / 'prep'}", f"--data.tokenizer={tok}",
-                       "--model.vocab_size=32", f"--data.eval_corpus={tmp_path / 'prep'}", "--train.eval_every=1",
-                       "--data.seq_len=16")
+    flags = tiny_flags(
+        tmp_path,
+        f"--data.corpus={tmp_path / 'prep'}",
+        f"--data.tokenizer={tok}",
+        "--model.vocab_size=32",
+        f"--data.eval_corpus={tmp_path / 'prep'}",
+        "--train.eval_every=1",
+        "--data.seq_len=16",
+    )
     assert main(["train", *flags]) == 0
     rec = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rec) == 2 and all("eval_loss" in r["extra"] and r["extra"]["epoch"] > 0 for r in rec)

@@ -8,16 +8,41 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from reference import assert_resume_exact, reference_model, small_config, weights_of
+
 from tiertrain.data.examples import IGNORE, ExampleBatches, PreparedExamples
 from tiertrain.data.formats import DataError
 from tiertrain.data.prepare import prepare_examples
 
-WORDS = ["[UNK]", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "world", "how", "are", "you",
-         "fine", "thanks", "say", "yes", "no", "be", "brief", "the", "sky", "is", "blue", "."]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+WORDS = [
+    "[UNK]",
+    "</s>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "hello",
+    "world",
+    "how",
+    "are",
+    "you",
+    "fine",
+    "thanks",
+    "say",
+    "yes",
+    "no",
+    "be",
+    "brief",
+    "the",
+    "sky",
+    "is",
+    "blue",
+    ".",
+]
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 
 
 def make_tokenizer(directory, chat=True):
@@ -27,8 +52,9 @@ def make_tokenizer(directory, chat=True):
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>",
-                                   additional_special_tokens=WORDS[2:6])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>", additional_special_tokens=WORDS[2:6]
+    )
     if chat:
         fast.chat_template = TEMPLATE
     fast.save_pretrained(directory)
@@ -44,9 +70,15 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-CHAT = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-                     {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "how are you"},
-                     {"role": "assistant", "content": "fine thanks"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hello world"},
+        {"role": "user", "content": "how are you"},
+        {"role": "assistant", "content": "fine thanks"},
+    ]
+}
 
 
 def _prepared(tmp_path, rows, name="d", **kw):
@@ -64,15 +96,18 @@ def _example(p, i):
 def test_text_completion_and_chat_masks_token_by_token(tmp_path):
     p, meta = _prepared(tmp_path, [{"text": "the sky is blue ."}], "t")
     assert meta["kind"] == "text" and _example(p, 0) == (ids("the sky is blue . </s>"), [1] * 6)
-    p, meta = _prepared(tmp_path, [{"prompt": "say yes", "completion": "yes"}, {"prompt": "say no", "completion": "no ."}],
-                        "c")
+    p, meta = _prepared(
+        tmp_path, [{"prompt": "say yes", "completion": "yes"}, {"prompt": "say no", "completion": "no ."}], "c"
+    )
     assert meta["kind"] == "completion" and meta["examples"] == 2
     assert _example(p, 0) == (ids("say yes yes </s>"), [0, 0, 1, 1])
     assert _example(p, 1) == (ids("say no no . </s>"), [0, 0, 1, 1, 1])
     p, meta = _prepared(tmp_path, [CHAT], "chat")
     got, mask = _example(p, 0)
-    want = ids("<|system|> be brief <|end|> <|user|> hello <|end|> <|assistant|> hello world <|end|> <|user|> how are "
-               "you <|end|> <|assistant|> fine thanks <|end|>")
+    want = ids(
+        "<|system|> be brief <|end|> <|user|> hello <|end|> <|assistant|> hello world <|end|> <|user|> how are "
+        "you <|end|> <|assistant|> fine thanks <|end|>"
+    )
     assert got == want
     scored = [w for w, m in zip(got, mask) if m]  # the replies and their end marks, not the headers
     assert scored == ids("hello world <|end|> fine thanks <|end|>")
@@ -90,8 +125,11 @@ def test_parquet_and_a_datasets_directory_give_the_jsonl_examples(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "r.parquet", row_group_size=2)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     out = {}
-    for name, src in [("jsonl", write_jsonl(tmp_path / "r.jsonl", rows)), ("parquet", str(tmp_path / "r.parquet")),
-                      ("datasets", str(tmp_path / "ds"))]:
+    for name, src in [
+        ("jsonl", write_jsonl(tmp_path / "r.jsonl", rows)),
+        ("parquet", str(tmp_path / "r.parquet")),
+        ("datasets", str(tmp_path / "ds")),
+    ]:
         prepare_examples([src], str(tmp_path / f"out-{name}"), tokenizer=tok, progress=False)
         p = PreparedExamples(str(tmp_path / f"out-{name}"))
         out[name] = [_example(p, i) for i in range(p.count)]
@@ -101,18 +139,24 @@ def test_parquet_and_a_datasets_directory_give_the_jsonl_examples(tmp_path):
         prepare_examples([str(tmp_path / "dd")], str(tmp_path / "x"), tokenizer=tok, progress=False)
 
 
-@pytest.mark.parametrize("rows, kw, match", [
-    (['{"text": "hello"}', '{"text": "hello"'], {}, r"b\.jsonl, line 2: invalid JSON"),
-    (['{"prompt": "say yes", "completion": "yes"}', '{"prompt": "say no"}'], {},
-     r"b\.jsonl, line 2: no 'completion' field \(completion data; the row has 'prompt'\)"),
-    (['{"prompt": "say yes", "completion": ""}'], {}, r"line 1: field 'completion' is empty"),
-    (['{"text": 5}'], {}, r"line 1: field 'text' must be a string, got int"),
-    (['{"question": "x"}'], {}, r"line 1: cannot tell the data's format from its fields \('question'\)"),
-    (['{"messages": [{"role": "user", "content": "hello"}]}'], {}, r"line 1: no assistant message with content"),
-    (['{"messages": [{"role": "bot", "content": "hello"}]}'], {}, r"messages\[0\] must be an object with 'role'"),
-    ([json.dumps(CHAT)], {"chat": False}, r"line 1: chat data needs a tokenizer with a chat template"),
-    (['{"text": "hello"}'], {"kind": "chat"}, r"line 1: no 'messages' field \(chat data"),
-])
+@pytest.mark.parametrize(
+    "rows, kw, match",
+    [
+        (['{"text": "hello"}', '{"text": "hello"'], {}, r"b\.jsonl, line 2: invalid JSON"),
+        (
+            ['{"prompt": "say yes", "completion": "yes"}', '{"prompt": "say no"}'],
+            {},
+            r"b\.jsonl, line 2: no 'completion' field \(completion data; the row has 'prompt'\)",
+        ),
+        (['{"prompt": "say yes", "completion": ""}'], {}, r"line 1: field 'completion' is empty"),
+        (['{"text": 5}'], {}, r"line 1: field 'text' must be a string, got int"),
+        (['{"question": "x"}'], {}, r"line 1: cannot tell the data's format from its fields \('question'\)"),
+        (['{"messages": [{"role": "user", "content": "hello"}]}'], {}, r"line 1: no assistant message with content"),
+        (['{"messages": [{"role": "bot", "content": "hello"}]}'], {}, r"messages\[0\] must be an object with 'role'"),
+        ([json.dumps(CHAT)], {"chat": False}, r"line 1: chat data needs a tokenizer with a chat template"),
+        (['{"text": "hello"}'], {"kind": "chat"}, r"line 1: no 'messages' field \(chat data"),
+    ],
+)
 def test_bad_data_is_named_by_file_line_and_field(tmp_path, rows, kw, match):
     tok = make_tokenizer(tmp_path / "tok", chat=kw.pop("chat", True))
     (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n")
@@ -168,8 +212,11 @@ def test_packed_rows_follow_each_epochs_order_with_the_mask_on_targets(tmp_path)
 def test_padded_rows_hold_one_example_and_long_ones_are_cut_or_dropped(tmp_path, caplog):
     import logging
 
-    rows = [{"prompt": "say yes", "completion": "yes"}, {"text": "the sky is blue . the sky is blue ."},
-            {"prompt": "say no", "completion": "no"}]
+    rows = [
+        {"prompt": "say yes", "completion": "yes"},
+        {"text": "the sky is blue . the sky is blue ."},
+        {"prompt": "say no", "completion": "no"},
+    ]
     tok = make_tokenizer(tmp_path / "tok")
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::2]))
     prepare_examples([str(tmp_path / "m.jsonl")], str(tmp_path / "pc"), tokenizer=tok, progress=False)
@@ -179,7 +226,7 @@ def test_padded_rows_hold_one_example_and_long_ones_are_cut_or_dropped(tmp_path,
     x, m = b._row(0)
     ex = _example(p, b._epoch(0)[0][0])
     assert list(x[: len(ex[0])]) == ex[0] and set(x[len(ex[0]) :]) == {1} and set(m[len(ex[1]) :]) == {0}
-    (xs, ys), = b.batches(0)
+    ((xs, ys),) = b.batches(0)
     assert (ys[0] == IGNORE).sum() == 6 - 2  # 6 targets: the completion and its EOS scored, not the rest
     # an 11-token text example in rows of 7: cut (its first 7 tokens) or dropped, and said
     p2, _ = _prepared(tmp_path, [rows[1], {"text": "hello world"}], "long")
@@ -198,8 +245,15 @@ def _finetune_cfg(tmp_path, corpus, tok_dir, micro_batches=2, micro_batch_size=2
     return cfg
 
 
-ROWS = ([{"prompt": "say yes", "completion": "yes"}, {"prompt": "how are you", "completion": "fine thanks ."},
-         {"text": "the sky is blue ."}, CHAT] * 4)[:-1]
+ROWS = (
+    [
+        {"prompt": "say yes", "completion": "yes"},
+        {"prompt": "how are you", "completion": "fine thanks ."},
+        {"text": "the sky is blue ."},
+        CHAT,
+    ]
+    * 4
+)[:-1]
 
 
 def _finetune_data(tmp_path):
@@ -308,9 +362,8 @@ def test_masked_targets_through_a_vocabulary_cut_into_pieces(tmp_path, kind, mon
     zeroed) against plain PyTorch on the same masked chat data, SGD at lr 0.5 (the loss falls
     to 0.08 in 3 steps, rounding grows with it): losses within 1e-5 relative, weights within 1e-5 of how far they moved (the cut head's stated tolerance,
     tests/test_pieces.py)."""
-    from test_pieces import _rel, _train_cut
-
     from reference import reference_train
+    from test_pieces import _rel, _train_cut
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tok, _, chat = _finetune_data(tmp_path)
@@ -364,8 +417,9 @@ def test_a_packed_micro_batchs_mask_is_made_once(tmp_path, monkeypatch):
     """Llama, packed rows with attention within documents, 2 micro-batches through 3 blocks
     (forward, recompute and backward): transformers builds the block-diagonal mask once per
     micro-batch (each build costs a device-to-host sync on a GPU), not once per block."""
-    import tiertrain.models.hf as hf
     from test_parity import run_tiertrain
+
+    import tiertrain.models.hf as hf
 
     made = []
     real = hf.create_causal_mask
@@ -429,13 +483,20 @@ def test_a_models_own_tokenizer_is_used_for_its_text(tmp_path):
 
     d = tmp_path / "m"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=1, d_model=32, n_heads=2,
-                                                                vocab_size=len(WORDS)))).save_pretrained(d)
+    AutoModelForCausalLM.from_config(
+        hf_config_from(ModelConfig(kind="llama", n_layers=1, d_model=32, n_heads=2, vocab_size=len(WORDS)))
+    ).save_pretrained(d)
     make_tokenizer(d)
     text = tmp_path / "t.txt"
     text.write_text(" ".join(["hello world how are you fine thanks"] * 20))
-    flags = [f"--model.hf_dir={d}", f"--data.eval_corpus={text}", "--data.seq_len=16", "--data.micro_batch_size=1",
-             "--data.eval_micro_batches=0", f"--io.paths={tmp_path / 's'}"]
+    flags = [
+        f"--model.hf_dir={d}",
+        f"--data.eval_corpus={text}",
+        "--data.seq_len=16",
+        "--data.micro_batch_size=1",
+        "--data.eval_micro_batches=0",
+        f"--io.paths={tmp_path / 's'}",
+    ]
     cfg = load_config(None, flags)
     assert cfg.data.tokenizer == str(d)
     res = evaluate(cfg)

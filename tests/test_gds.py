@@ -8,13 +8,13 @@ import os
 import crc32c
 import pytest
 import torch
-
 from reference import small_config
 from test_parity import assert_parity
+
+from tiertrain.device import AsyncCpuDevice
 from tiertrain.io import ChecksumError, FileHandle, IOWorkers, StorageError, TruncatedFileError, gds
 from tiertrain.io.devcrc import block_crcs
 from tiertrain.io.stripe import StripedFile
-from tiertrain.device import AsyncCpuDevice
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -64,8 +64,19 @@ def direct():
         gds.set_backend(None)
 
 
-@pytest.mark.parametrize("n,block", [(4 * KIB, 4 * KIB), (MIB, MIB), (3 * MIB + 12345, MIB), (5000, 8 * KIB),
-                                     (1, 4 * KIB), (70000, 12 * KIB), (0, 4 * KIB), (200 * KIB + 3, 64 * KIB)])
+@pytest.mark.parametrize(
+    "n,block",
+    [
+        (4 * KIB, 4 * KIB),
+        (MIB, MIB),
+        (3 * MIB + 12345, MIB),
+        (5000, 8 * KIB),
+        (1, 4 * KIB),
+        (70000, 12 * KIB),
+        (0, 4 * KIB),
+        (200 * KIB + 3, 64 * KIB),
+    ],
+)
 def test_device_crc_equals_crc32c(n, block):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     want = [crc32c.crc32c(data[i : i + block].numpy().tobytes()) for i in range(0, n, block)]
@@ -95,8 +106,7 @@ def test_direct_writes_and_reads_keep_checksums(tmp_path, direct):
     staging; the table is the host's: the file verifies on the host path afterwards."""
     size = 5 * 64 * KIB + 1000
     t = torch.randint(0, 256, (size,), dtype=torch.uint8)
-    with FileHandle(tmp_path / "f", "w", size=size, checksum=True, checksum_block=64 * KIB,
-                    chunk_bytes=128 * KIB) as f:
+    with FileHandle(tmp_path / "f", "w", size=size, checksum=True, checksum_block=64 * KIB, chunk_bytes=128 * KIB) as f:
         f.write(t)
         assert direct["w"] == 3  # chunks [0,128K) [128K,256K) [256K, end): the last ends at the file's end
         back = torch.empty_like(t)
@@ -156,8 +166,13 @@ def test_staged_device_copies_run_on_the_io_threads_side_stream(tmp_path, direct
     def copy_(dst, src, *a, **kw):
         for dev in (dst, src):
             if dev.untyped_storage().data_ptr() in (t.untyped_storage().data_ptr(), back.untyped_storage().data_ptr()):
-                copies.append((dst is dev, [p for p, _ in inside] == [dev.untyped_storage().data_ptr()],
-                               bool(inside) and inside[-1][1]))
+                copies.append(
+                    (
+                        dst is dev,
+                        [p for p, _ in inside] == [dev.untyped_storage().data_ptr()],
+                        bool(inside) and inside[-1][1],
+                    )
+                )
         return real_copy(dst, src, *a, **kw)
 
     monkeypatch.setattr(devcrc, "side_stream", spy)
@@ -186,7 +201,9 @@ def test_direct_writes_grow_an_unchecksummed_file(tmp_path, direct):
     assert torch.equal(back, t) and direct["w"] > 0 and direct["r"] > 0
 
 
-@pytest.mark.parametrize("paths,size,off", [(2, 3 * 64 * KIB + 5, 0), (3, 10 * 64 * KIB, 64 * KIB), (3, 7 * 64 * KIB, 0)])
+@pytest.mark.parametrize(
+    "paths,size,off", [(2, 3 * 64 * KIB + 5, 0), (3, 10 * 64 * KIB, 64 * KIB), (3, 7 * 64 * KIB, 0)]
+)
 def test_striped_files_take_device_tensors(tmp_path, direct, paths, size, off):
     """A device tensor is cut into one request per stripe piece; the bytes land where the
     host path puts them (read back through host buffers)."""
@@ -196,15 +213,24 @@ def test_striped_files_take_device_tensors(tmp_path, direct, paths, size, off):
     workers = [IOWorkers(d, threads=2, chunk_bytes=128 * KIB) for d in dirs]
     t = torch.randint(0, 256, (size,), dtype=torch.uint8)
     try:
-        with StripedFile(dirs, "s", "w", workers=workers, size=off + size, stripe_bytes=64 * KIB,
-                         checksum=True, checksum_block=64 * KIB) as f:
+        with StripedFile(
+            dirs,
+            "s",
+            "w",
+            workers=workers,
+            size=off + size,
+            stripe_bytes=64 * KIB,
+            checksum=True,
+            checksum_block=64 * KIB,
+        ) as f:
             f.write(t, file_offset=off)
             back = torch.empty_like(t)
             f.read(back, file_offset=off)
         assert torch.equal(back, t) and direct["w"] >= paths
         gds.set_backend(None)
-        with StripedFile(dirs, "s", "r", workers=workers, stripe_bytes=64 * KIB, checksum=True,
-                         checksum_block=64 * KIB) as f:
+        with StripedFile(
+            dirs, "s", "r", workers=workers, stripe_bytes=64 * KIB, checksum=True, checksum_block=64 * KIB
+        ) as f:
             host = bytearray(size)
             f.read(host, file_offset=off)
         assert bytes(host) == t.numpy().tobytes()
@@ -229,6 +255,7 @@ def test_gds_on_without_kvikio_is_refused_at_start(tmp_path):
 
     try:
         import kvikio  # noqa: F401
+
         pytest.skip("kvikio is installed here")
     except ImportError:
         pass
@@ -245,6 +272,9 @@ def test_a_kvikio_failure_names_the_file(tmp_path, direct):
     gds.set_backend(Broken, device_types=("cpu",))
     with FileHandle(tmp_path / "f", "w", size=64 * KIB) as f:
         f.write(torch.zeros(64 * KIB, dtype=torch.uint8))
-        with pytest.raises(StorageError, match=r"GPUDirect Storage pread of 65536 bytes at offset 0 of .*/f failed: "
-                                               r"cuFileRead failed"):
+        with pytest.raises(
+            StorageError,
+            match=r"GPUDirect Storage pread of 65536 bytes at offset 0 of .*/f failed: "
+            r"cuFileRead failed",
+        ):
             f.read(torch.empty(64 * KIB, dtype=torch.uint8))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.config import ConfigError, ModelConfig
 from tiertrain.inference.generate import Sampling, generate
 from tiertrain.inference.prompts import read_prompts
@@ -35,11 +35,13 @@ def _model_dir(kind, tmp_path_factory):
 
     torch.manual_seed(1)
     if kind == "llama":
-        hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64,
-                                                                         n_heads=4, vocab_size=256)))
+        hf = AutoModelForCausalLM.from_config(
+            hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64, n_heads=4, vocab_size=256))
+        )
     else:
-        hf = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                        bos_token_id=0, eos_token_id=0))
+        hf = GPT2LMHeadModel(
+            GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+        )
     d = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(d)
     return str(d), hf.eval()
@@ -55,8 +57,9 @@ def _hf_generate(hf, prompts, n):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                      eos_token_id=None)
+    out = hf.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     return out[:, width:].tolist()
 
 
@@ -99,8 +102,11 @@ def test_bad_input_is_named(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="every prompt needs at least one token"):
         generate(cfg, [[1, 2], []])
     limit = getattr(hf.config, "max_position_embeddings", None) or hf.config.n_positions
-    with pytest.raises(ConfigError, match=rf"the longest prompt plus max_new_tokens is {limit + 3} tokens, more than "
-                                          rf"the model's context \({limit}\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"the longest prompt plus max_new_tokens is {limit + 3} tokens, more than "
+        rf"the model's context \({limit}\)",
+    ):
         generate(cfg, [[1] * 7], Sampling(max_new_tokens=limit - 4))
     with pytest.raises(ConfigError, match=r"token id 300, outside the model's vocabulary \(256\)"):
         generate(cfg, [[1, 300]])
@@ -133,8 +139,13 @@ def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, llama_dir):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hi\nHello there\n")
     out = tmp_path / "out.jsonl"
-    many = subprocess.run([*base, "--prompts-file", str(prompts), "--out", str(out)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    many = subprocess.run(
+        [*base, "--prompts-file", str(prompts), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert many.returncode == 0, many.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["Hi", "Hello there"] and rows[0]["tokens"] == want
@@ -189,8 +200,10 @@ def test_the_kv_cache_spilled_to_the_storage_tier_gives_the_same_tokens(tmp_path
     if budget != "half":  # sampled too (the 'half' case's larger batch: greedy only)
         modes.append(Sampling(max_new_tokens=n, temperature=1.2, top_k=40, seed=4))
     want = [generate(cfg, prompts, m) for m in modes]
-    total = sum(kv_bytes(hf.config, len(prompts[i : i + 2]), max(map(len, prompts[i : i + 2])) + n, torch.float32)
-                for i in range(0, len(prompts), 2))
+    total = sum(
+        kv_bytes(hf.config, len(prompts[i : i + 2]), max(map(len, prompts[i : i + 2])) + n, torch.float32)
+        for i in range(0, len(prompts), 2)
+    )
     cfg.memory.kv_host_mib = {"none": None, "half": (total // 2) >> 20, "zero": 0}[budget]
     assert budget != "half" or cfg.memory.kv_host_mib > 0
     caplog.clear()  # the runs above may have logged too (where an earlier test set the level)
@@ -200,7 +213,9 @@ def test_the_kv_cache_spilled_to_the_storage_tier_gives_the_same_tokens(tmp_path
     line = next(r.message for r in caplog.records if r.message.startswith("key/value cache:"))
     import re
 
-    host, spilled = map(float, re.search(r"cache: ([\d.]+) MiB in host memory, ([\d.]+) MiB on the storage", line).groups())
+    host, spilled = map(
+        float, re.search(r"cache: ([\d.]+) MiB in host memory, ([\d.]+) MiB on the storage", line).groups()
+    )
     done = next(r.message for r in caplog.records if r.message.startswith("generated"))
     read, written = map(float, re.search(r"storage tier: ([\d.]+) MiB read, ([\d.]+) MiB written", done).groups())
     assert host + spilled == pytest.approx(total / 2**20, abs=2e-3)
@@ -245,15 +260,25 @@ def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pair
     keys and values in one step is what it finds there in the next, for 5 steps. On the
     simulated separate-memory device too (uploads and downloads on their streams, fresh device
     memory poisoned): the block works on the device twin, what it wrote reaches the file."""
-    from tiertrain.inference.kvcache import TieredKV
     from tiertrain.device import AsyncCpuDevice, Device
+    from tiertrain.inference.kvcache import TieredKV
 
     shape = (2, 2, 8, 4)  # rows, heads, max_len, head dim
     pair = 2 * torch.Size(shape).numel() * 4
     caches = [_Cache(2), _Cache(2)]
     dev = AsyncCpuDevice() if separate else Device()
-    with TieredKV(caches, [2, 2], [8, 8], kv_heads=2, head_dim=4, dtype=torch.float32, dev=dev,
-                  budget=budget_pairs * pair, path=str(tmp_path), checksum=True) as kv:
+    with TieredKV(
+        caches,
+        [2, 2],
+        [8, 8],
+        kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        dev=dev,
+        budget=budget_pairs * pair,
+        path=str(tmp_path),
+        checksum=True,
+    ) as kv:
         assert (kv.device_pool is not None) == (separate and budget_pairs < 4)
         assert kv.host_bytes == budget_pairs * pair and kv.spilled_bytes == (4 - budget_pairs) * pair
         for step in range(5):
@@ -296,11 +321,26 @@ def test_a_row_ends_at_the_models_end_of_sequence_token_as_in_transformers(tmp_p
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)[:, width:].tolist()
     for ours, t in zip(rows, theirs):  # transformers pads a row that ended; ours just ends
-        assert t[: len(ours)] == ours and all(x == 0 for x in t[len(ours):]), (ours, t)
+        assert t[: len(ours)] == ours and all(x == 0 for x in t[len(ours) :]), (ours, t)
     assert generate(cfg, PROMPTS, Sampling(max_new_tokens=10, stop_at_eos=False)) == free
     with pytest.raises(ConfigError, match=r"stop token id 300 is outside the model's vocabulary \(0 to 255\)"):
         generate(cfg, PROMPTS, Sampling(max_new_tokens=3, stop=(300,)))
-    r = subprocess.run([sys.executable, "-m", "tiertrain", "generate", f"--model.hf_dir={d}", "--prompt", "ab",
-                        "--max-new-tokens", "4", "--ignore-eos", f"--io.paths={tmp_path / 's'}"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "generate",
+            f"--model.hf_dir={d}",
+            "--prompt",
+            "ab",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            f"--io.paths={tmp_path / 's'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "end-of-sequence" not in r.stderr, r.stderr[-2000:]

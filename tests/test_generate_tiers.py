@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from reference import small_config
+
 from tiertrain.config import ModelConfig
 from tiertrain.inference.generate import Sampling, generate
 from tiertrain.models import hf_config_from
@@ -23,8 +23,9 @@ def _llama_dir(tmp_path, layers=2, d_model=64, vocab=256):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    hf = AutoModelForCausalLM.from_config(hf_config_from(ModelConfig(kind="llama", n_layers=layers, d_model=d_model,
-                                                                     n_heads=4, vocab_size=vocab)))
+    hf = AutoModelForCausalLM.from_config(
+        hf_config_from(ModelConfig(kind="llama", n_layers=layers, d_model=d_model, n_heads=4, vocab_size=vocab))
+    )
     d = tmp_path / f"llama{layers}"
     hf.save_pretrained(d)
     return str(d)
@@ -47,7 +48,9 @@ def test_weights_in_the_host_budget_are_read_once_and_give_the_same_tokens(tmp_p
     cfg.memory.host_param_mib = None  # the tests' config streams every unit
     caplog.set_level(logging.INFO, logger="tiertrain")
     kept = generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
-    assert "weights in host memory: 4 of 4 units" in _lines(caplog, "weights in host memory")[0]  # embedding, 2 blocks, head
+    assert (
+        "weights in host memory: 4 of 4 units" in _lines(caplog, "weights in host memory")[0]
+    )  # embedding, 2 blocks, head
     assert "weights: 0 unit loads, 0.000 GB read" in _lines(caplog, "generated")[0]
     caplog.clear()
     cfg.memory.host_param_mib = 0
@@ -79,8 +82,8 @@ class _Counting:
 def test_resident_weights_keep_the_units_that_fit_in_pass_order(tmp_path):
     """A budget of the first two units and a byte less than the third: the first two read once
     at start and used in place (their contents), the others left to the inner source."""
-    from tiertrain.runtime import Runtime
     from tiertrain.inference.weights import ResidentWeights
+    from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path)
     rt = Runtime(cfg)
@@ -118,8 +121,8 @@ def test_a_spilled_kv_cache_moves_only_the_positions_it_holds_and_adds(tmp_path,
     cross the file: per pair and step the positions held so far go up (what was read) and the
     positions the step added come down (what is written), never whole ``max_len`` buffers."""
     import tiertrain.inference.generate as generate_mod
-    from tiertrain.inference.kvcache import TieredKV
     from tiertrain.device import AsyncCpuDevice
+    from tiertrain.inference.kvcache import TieredKV
 
     made = []
 
@@ -230,8 +233,13 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
 
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.path.dirname(tests)}
-    run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), tests], capture_output=True,
-                         text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), tests],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     for weights in ("source", "tier"):
@@ -248,11 +256,21 @@ def test_generate_from_a_checkpoint_is_generate_from_its_export(tmp_path, capsys
     """A Llama fine-tuned 2 steps from its directory: `generate --checkpoint RUN` (weights read
     from the checkpoint's file, checksummed) prints what `generate` on the run's export prints."""
     from reference import tiny_flags
+
     from tiertrain.cli import main
 
     d = _llama_dir(tmp_path)
-    assert main(["train", *tiny_flags(tmp_path, f"--model.hf_dir={d}", "--model.kind=auto", "--optim.lr=0.02",
-                                      "--optim.warmup_steps=0")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *tiny_flags(
+                    tmp_path, f"--model.hf_dir={d}", "--model.kind=auto", "--optim.lr=0.02", "--optim.warmup_steps=0"
+                ),
+            ]
+        )
+        == 0
+    )
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exp")]) == 0
     capsys.readouterr()
     flags = ["--prompt", "hello", "--max-new-tokens", "6", f"--io.paths={tmp_path / 'gen'}"]
@@ -273,7 +291,7 @@ def _gpt_greedy(model, prompt, n):
             for blk in model.blocks:
                 h = blk(h)
             ids.append(int(model.head.logits(h)[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_the_built_in_gpt_generates_what_its_full_recompute_gives(tmp_path):
@@ -282,6 +300,7 @@ def test_the_built_in_gpt_generates_what_its_full_recompute_gives(tmp_path):
     the in-memory model recomputing the whole sequence for that prompt alone; with every block's
     cache on the storage tier too."""
     from reference import reference_model
+
     from tiertrain.models import build_model, tensor_source
 
     cfg = small_config(tmp_path)  # the built-in GPT, 3 layers, vocabulary 256
@@ -300,14 +319,43 @@ def test_the_built_in_gpt_generates_what_its_full_recompute_gives(tmp_path):
 def test_generate_from_the_default_jobs_checkpoint(tmp_path, capsys):
     """The built-in GPT trained a few steps on the bundled text, then `generate --checkpoint`."""
     from reference import tiny_flags
+
     from tiertrain.cli import main
 
     assert main(["train", *tiny_flags(tmp_path)]) == 0
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In the beginning",
-                 "--max-new-tokens", "8", f"--io.paths={tmp_path / 'gen'}"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--prompt",
+                "In the beginning",
+                "--max-new-tokens",
+                "8",
+                f"--io.paths={tmp_path / 'gen'}",
+            ]
+        )
+        == 0
+    )
     streamed = capsys.readouterr().out
-    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In the beginning",
-                 "--max-new-tokens", "8", f"--io.paths={tmp_path / 'gen'}", "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(tmp_path / "run"),
+                "--prompt",
+                "In the beginning",
+                "--max-new-tokens",
+                "8",
+                f"--io.paths={tmp_path / 'gen'}",
+                "--out",
+                str(tmp_path / "o.jsonl"),
+            ]
+        )
+        == 0
+    )
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert len(row["tokens"]) == 8 and streamed == row["completion"] + "\n"

@@ -3,9 +3,9 @@ ranks): the same runs as on CPU, checked against CPU runs and against themselves
 
 import pytest
 import torch
-
 from reference import small_config
 from test_parity import assert_same_weights, run_tiertrain
+
 from tiertrain.reference import reference_model, weights_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -21,7 +21,6 @@ import zipfile
 
 import pytest
 import torch
-
 from reference import small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +50,13 @@ def machine(tmp_path_factory):
     device tool sends them), .whl/ with the wheels it lacks, and an interpreter without crc32c."""
     base = tmp_path_factory.mktemp("gpu-window")
     repo = base / "checkout"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for f in filter(None, files):
         if os.path.isfile(os.path.join(ROOT, f)):
             os.makedirs(repo / os.path.dirname(f), exist_ok=True)
@@ -63,8 +67,13 @@ def machine(tmp_path_factory):
     hide = base / "hide"
     hide.mkdir()
     (hide / "crc32c.py").write_text("raise ImportError('No module named crc32c (not on this machine)')\n")
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(hide), TIERTRAIN_SITE=str(base / "site"),
-               TIERTRAIN_NVME=str(base / "nvme"))
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        PYTHONPATH=str(hide),
+        TIERTRAIN_SITE=str(base / "site"),
+        TIERTRAIN_NVME=str(base / "nvme"),
+    )
     return types.SimpleNamespace(repo=repo, env=env, base=base)
 
 
@@ -74,8 +83,13 @@ def _stage(machine, name: str, *args: str, wheels: bool = True):
         env["TIERTRAIN_WHEELS"], env["TIERTRAIN_SITE"] = str(machine.base / "no-wheels"), str(machine.base / "no-site")
     out = machine.base / "out" / name
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(machine.repo / "bench" / "gpu_window" / f"{name}.sh"), "--out", str(out), *args],
-                       capture_output=True, text=True, env=env, timeout=LIMIT_S + 60)
+    r = subprocess.run(
+        ["bash", str(machine.repo / "bench" / "gpu_window" / f"{name}.sh"), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=LIMIT_S + 60,
+    )
     results = out / f"{name}.md"
     return r, (results.read_text() if results.exists() else ""), time.monotonic() - t0
 
@@ -117,8 +131,12 @@ def test_a_stage_without_a_gpu_asks_for_the_dry_run(machine):
 
 def test_without_crc32c_tiertrain_says_how_to_carry_it(tmp_path):
     (tmp_path / "crc32c.py").write_text("raise ImportError('No module named crc32c')\n")
-    r = subprocess.run([sys.executable, "-c", "import tiertrain.training.trainer"], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{ROOT}"))
+    r = subprocess.run(
+        [sys.executable, "-c", "import tiertrain.training.trainer"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{ROOT}"),
+    )
     assert r.returncode == 1
     assert "tiertrain needs the crc32c package" in r.stderr and "bench/gpu_window/wheels.sh" in r.stderr
 
@@ -138,8 +156,9 @@ def test_sampling_draws_on_the_host_where_cuda_refuses_a_cpu_generator(monkeypat
 
     def as_cuda_does(probs, n, *, generator=None, **kw):
         if generator is not None and generator.device.type != probs.device.type:
-            raise RuntimeError(f"Expected a '{probs.device.type}' device type for generator but found "
-                               f"'{generator.device.type}'")
+            raise RuntimeError(
+                f"Expected a '{probs.device.type}' device type for generator but found '{generator.device.type}'"
+            )
         return real(probs, n, generator=generator, **kw)
 
     monkeypatch.setattr(torch, "multinomial", as_cuda_does)
@@ -151,7 +170,9 @@ def test_sampling_draws_on_the_host_where_cuda_refuses_a_cpu_generator(monkeypat
     # and on real tensors the same seed draws the same tokens from the same logits
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     s = Sampling(temperature=0.7, top_k=20)
-    assert torch.equal(_pick(logits, s, torch.Generator().manual_seed(3)), _pick(logits, s, torch.Generator().manual_seed(3)))
+    assert torch.equal(
+        _pick(logits, s, torch.Generator().manual_seed(3)), _pick(logits, s, torch.Generator().manual_seed(3))
+    )
 
 
 class _Event:
@@ -224,20 +245,27 @@ def test_the_gds_check_reads_the_parameters_through_kvikio(tmp_path):
     finally:
         sys.path.pop(0)
     from test_gds import FakeCuFile
-    from tiertrain.io import gds
+
     from tiertrain.device import AsyncCpuDevice
+    from tiertrain.io import gds
 
     small = ("--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32")
     gds.set_backend(FakeCuFile, device_types=("cpu",))
     try:
-        on = gds_check.train(gds_check.config(str(tmp_path), "on", device="cpu", steps=2, extra=small),
-                             device=AsyncCpuDevice(delay=0.0, direct=True))
-        default = gds_check.train(gds_check.config(str(tmp_path / "default"), "on", device="cpu", steps=2,
-                                                   extra=(*small, "--memory.host_param_mib=64")),
-                                  device=AsyncCpuDevice(delay=0.0, direct=True))
+        on = gds_check.train(
+            gds_check.config(str(tmp_path), "on", device="cpu", steps=2, extra=small),
+            device=AsyncCpuDevice(delay=0.0, direct=True),
+        )
+        default = gds_check.train(
+            gds_check.config(
+                str(tmp_path / "default"), "on", device="cpu", steps=2, extra=(*small, "--memory.host_param_mib=64")
+            ),
+            device=AsyncCpuDevice(delay=0.0, direct=True),
+        )
         gds.set_mode("off")
-        off = gds_check.train(gds_check.config(str(tmp_path), "off", device="cpu", steps=2, extra=small),
-                              device=AsyncCpuDevice(delay=0.0))
+        off = gds_check.train(
+            gds_check.config(str(tmp_path), "off", device="cpu", steps=2, extra=small), device=AsyncCpuDevice(delay=0.0)
+        )
     finally:
         gds.set_mode("auto")
         gds.set_backend(None)

@@ -210,7 +210,9 @@ def test_worker_errors_reach_the_future_with_errno_and_path(tmp_path, monkeypatc
 
         monkeypatch.setattr(handle_mod.os, "preadv", failing)
         fut = f.pread(torch.zeros(MIB, dtype=torch.uint8))
-        with pytest.raises(StorageError, match=rf"read of 65536 bytes at offset 524288 of {path} failed: Input/output") as ei:
+        with pytest.raises(
+            StorageError, match=rf"read of 65536 bytes at offset 524288 of {path} failed: Input/output"
+        ) as ei:
             fut.get(timeout=30)
         assert ei.value.errno == errno.EIO and ei.value.filename == str(path) and ei.value.offset == 512 * KIB
         assert fut.done()  # every chunk stopped before the error was raised
@@ -258,7 +260,7 @@ def test_close_waits_for_work_in_flight(tmp_path):
     with FileHandle(tmp_path / "cl", "r") as g:
         out = torch.zeros(32 * MIB, dtype=torch.uint8)
         g.read(out)
-    assert torch.equal(out[:16 * MIB], data) and torch.equal(out[16 * MIB :], data)
+    assert torch.equal(out[: 16 * MIB], data) and torch.equal(out[16 * MIB :], data)
 
 
 def test_close_with_cancel_drops_queued_chunks_cleanly(tmp_path):

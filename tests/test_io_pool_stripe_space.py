@@ -133,7 +133,9 @@ def test_storage_rejects_bad_paths(tmp_path):
 
 def test_full_disk_is_reported_at_start_with_numbers(tmp_path):
     free = shutil.disk_usage(tmp_path).free
-    with pytest.raises(OutOfSpaceError, match=rf"not enough space on the filesystem of {tmp_path}.*need \d+ bytes .* bytes free") as ei:
+    with pytest.raises(
+        OutOfSpaceError, match=rf"not enough space on the filesystem of {tmp_path}.*need \d+ bytes .* bytes free"
+    ) as ei:
         check_space([(str(tmp_path / "huge"), free * 4)])
     assert ei.value.needed == free * 4 and ei.value.errno == 28
     with pytest.raises(OutOfSpaceError, match="not enough space"):
@@ -168,11 +170,30 @@ def test_bench_io_command_reports_both_directions(tmp_path, capsys):
     from tiertrain.cli import main
 
     out = tmp_path / "report.md"
-    assert main(["bench", "io", "--path", str(tmp_path / "a"), "--size-gib", "0.01", "--repeats", "1",
-                 "--no-fio", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "io",
+                "--path",
+                str(tmp_path / "a"),
+                "--size-gib",
+                "0.01",
+                "--repeats",
+                "1",
+                "--no-fio",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "| write |" in text and "| read |" in text and "read + crc32c verify" in text
     assert "fio: skipped (--no-fio)" in text
-    assert re.search(r"Reads and writes at once \(4:3, as the update\): [0-9.]+ GB/s combined \([0-9.]+\); "
-                     r"[0-9.]+x the time of the same reads and writes one after the other", text), text
+    assert re.search(
+        r"Reads and writes at once \(4:3, as the update\): [0-9.]+ GB/s combined \([0-9.]+\); "
+        r"[0-9.]+x the time of the same reads and writes one after the other",
+        text,
+    ), text
     assert not list((tmp_path / "a").iterdir())  # the bench file is removed afterwards

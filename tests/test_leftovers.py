@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from reference import tiny_flags
+
 from tiertrain.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,9 +76,10 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
     kv.bin nor the directory made for it left (kv.bin stayed). A kv.bin a killed generation
     left is replaced with a word (it was reused silently)."""
     from test_generate_tiers import PROMPTS, _cfg, _llama_dir
+
     from tiertrain.inference.generate import Sampling, generate
-    from tiertrain.io import ChecksumError
     from tiertrain.inference.kvcache import NAME, TieredKV
+    from tiertrain.io import ChecksumError
 
     cfg = _cfg(tmp_path, _llama_dir(tmp_path))
     cfg.memory.kv_host_mib, cfg.io.paths = 0, [str(tmp_path / "fresh")]
@@ -107,20 +108,38 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
         assert generate(cfg, PROMPTS, Sampling(max_new_tokens=3))
     finally:
         logging.getLogger("tiertrain").removeHandler(lines)
-    assert any(f"replacing {tmp_path / 'fresh' / NAME}, left by a generation that did not finish" in ln
-               for ln in lines.lines), lines.lines
+    assert any(
+        f"replacing {tmp_path / 'fresh' / NAME}, left by a generation that did not finish" in ln for ln in lines.lines
+    ), lines.lines
     assert os.listdir(tmp_path / "fresh") == []
 
 
 def _cli(tmp_path, *extra, nproc=1, env=None):
-    flags = [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}", "--model.kind=llama",
-             "--model.n_layers=2", "--model.d_model=64", "--data.seq_len=32", "--data.micro_batch_size=2",
-             "--data.micro_batches=2", "--train.progress=false", "--io.checksum_block_kib=64",
-             "--train.predict=false", "--checkpoint.every=1", "--memory.host_param_mib=0",
-             "--memory.optim_host_mib=0", *extra]
-    return subprocess.run([sys.executable, "-m", "tiertrain", "train", *(["--nproc", str(nproc)] if nproc > 1 else []),
-                           *flags], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    flags = [
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--model.kind=llama",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        "--train.progress=false",
+        "--io.checksum_block_kib=64",
+        "--train.predict=false",
+        "--checkpoint.every=1",
+        "--memory.host_param_mib=0",
+        "--memory.optim_host_mib=0",
+        *extra,
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "tiertrain", "train", *(["--nproc", str(nproc)] if nproc > 1 else []), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.slow
@@ -133,10 +152,18 @@ def test_legs_on_other_rank_counts_leave_nothing_behind(tmp_path):
     one = _cli(tmp_path, "--train.steps=3", env={"TIERTRAIN_KILL_AT": "backward:6"})  # in step 2's backward
     assert one.returncode != 0
     assert (tmp_path / "ssd" / "params.bin").exists()  # the killed run's files
-    two = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2,
-               env={"TIERTRAIN_KILL_AT": "backward:6", "TIERTRAIN_KILL_RANK": "1"})
+    two = _cli(
+        tmp_path,
+        "--train.steps=4",
+        "--resume",
+        run,
+        nproc=2,
+        env={"TIERTRAIN_KILL_AT": "backward:6", "TIERTRAIN_KILL_RANK": "1"},
+    )
     assert two.returncode != 0
-    assert "removed a file a leg of this run on another number of ranks left" in two.stderr and "params.bin" in two.stderr, two.stderr[-3000:]
+    assert (
+        "removed a file a leg of this run on another number of ranks left" in two.stderr and "params.bin" in two.stderr
+    ), two.stderr[-3000:]
     assert not (tmp_path / "ssd" / "params.bin").exists()
     assert (tmp_path / "ssd" / "rank1").exists()  # the killed rank's, until the next leg
     end = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2)

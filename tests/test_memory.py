@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from reference import small_config
+
 from tiertrain.training.trainer import Trainer
 
 MIB = 1 << 20
@@ -52,8 +52,9 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     393 MiB. With kept graphs the allowance grows by their budget, and what they held stays
     within it."""
     here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), here, str(keep_mib)], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), here, str(keep_mib)], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if "unsupported" in out:
@@ -80,7 +81,9 @@ def test_pool_sizes_do_not_grow_with_depth(tmp_path):
             pools.pop("stash")  # one hidden state per block and micro-batch is stashed: grows with depth ...
             sizes[layers] = pools
             stash = tr.stash
-            assert stash.pool_bytes <= (cfg.memory.stash_host_mib * MIB) + 3 * stash.entry_bytes  # ... within its budget
+            assert (
+                stash.pool_bytes <= (cfg.memory.stash_host_mib * MIB) + 3 * stash.entry_bytes
+            )  # ... within its budget
     assert sizes[4] == sizes[16]
 
 
@@ -178,7 +181,9 @@ def test_rss_stops_growing_when_activations_exceed_their_budget(tmp_path):
     output packed as itself made a cycle through its grad_fn), peak RSS grew by ~28 MiB per
     step here. After the first step it stays within 16 MiB over 7 more steps."""
     here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-c", _STEADY, str(tmp_path), here], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _STEADY, str(tmp_path), here], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert 0 < out["kept_peak"] <= 8 * MIB  # some graphs kept ...
@@ -215,8 +220,12 @@ print(json.dumps(out))
 
 def _acts_run(tmp_path, mode: str, trim: bool) -> dict:
     here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, "-c", _ACTS, str(tmp_path / mode), here, mode, str(int(trim))],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _ACTS, str(tmp_path / mode), here, mode, str(int(trim))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if "unsupported" in out:

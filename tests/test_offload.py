@@ -16,13 +16,13 @@ import sys
 
 import pytest
 import torch
-
 from reference import assert_resume_exact, reference_model, small_config, weights_of
 from test_parity import assert_parity, run_tiertrain
+
 from tiertrain.activations.offload import ActivationPlanError, record_size
 from tiertrain.config import ConfigError, MemoryConfig
-from tiertrain.io import ChecksumError, OutOfSpaceError, TruncatedFileError
 from tiertrain.device import AsyncCpuDevice
+from tiertrain.io import ChecksumError, OutOfSpaceError, TruncatedFileError
 from tiertrain.training.trainer import Trainer
 
 MIB = 1 << 20
@@ -47,8 +47,14 @@ def test_offload_all_bit_identical(tmp_path, kind, micro_batches):
 def test_dropout_bit_identical_under_every_policy(tmp_path, activations):
     """Dropout in the embedding, attention and residuals: offloaded graphs need no replay,
     recomputed ones replay the forward's draws, kept ones keep their masks."""
-    cfg = small_config(tmp_path, kind="gpt", layers=3, activations=activations, dropout=0.1,
-                       keep_act_mib=64 if activations == "keep" else 0)
+    cfg = small_config(
+        tmp_path,
+        kind="gpt",
+        layers=3,
+        activations=activations,
+        dropout=0.1,
+        keep_act_mib=64 if activations == "keep" else 0,
+    )
     tr, losses = assert_parity(cfg)
     if activations == "offload":  # once: dropout did draw
         no_drop = assert_parity(small_config(tmp_path / "p0", kind="gpt", layers=3))[1]
@@ -58,25 +64,28 @@ def test_dropout_bit_identical_under_every_policy(tmp_path, activations):
 def test_a_mix_of_kept_offloaded_and_recomputed_pairs_bit_identical(tmp_path):
     """8 pairs: the last 2 kept (1 MiB of ~0.4 MiB graphs), the 3 before them offloaded, the
     first 3 recomputed; bit-identical, and the step says so."""
-    cfg = small_config(tmp_path, kind="llama", layers=4, micro_batches=2, activations="auto", keep_act_mib=1,
-                       offload_pairs=3)
+    cfg = small_config(
+        tmp_path, kind="llama", layers=4, micro_batches=2, activations="auto", keep_act_mib=1, offload_pairs=3
+    )
     tr, _ = assert_parity(cfg)
     assert (tr.acts.kept, tr.acts.offloaded) == (2, 3)
     assert tr.executor.kept_pairs == 2 and tr.executor.recomputed == 3
 
 
 def test_a_mix_with_dropout_at_one_micro_batch(tmp_path):
-    cfg = small_config(tmp_path, kind="gpt", layers=4, activations="auto", keep_act_mib=1, offload_pairs=1,
-                       dropout=0.2)
+    cfg = small_config(tmp_path, kind="gpt", layers=4, activations="auto", keep_act_mib=1, offload_pairs=1, dropout=0.2)
     tr, _ = assert_parity(cfg)
     assert tr.executor.kept_pairs == 2 and tr.executor.recomputed == 1 and tr.acts.offloaded == 1
 
 
 def test_dropout_at_several_micro_batches_same_under_every_policy(tmp_path):
     runs = []
-    for name, kw in {"recompute": dict(activations="recompute"), "offload": dict(activations="offload"),
-                     "keep": dict(keep_act_mib=64),
-                     "mix": dict(activations="auto", keep_act_mib=1, offload_pairs=2)}.items():
+    for name, kw in {
+        "recompute": dict(activations="recompute"),
+        "offload": dict(activations="offload"),
+        "keep": dict(keep_act_mib=64),
+        "mix": dict(activations="auto", keep_act_mib=1, offload_pairs=2),
+    }.items():
         cfg = small_config(tmp_path / name, kind="gpt", layers=3, micro_batches=2, dropout=0.1, **kw)
         runs.append(run_tiertrain(cfg, weights_of(reference_model(cfg))))
     for losses, weights, _ in runs[1:]:
@@ -200,8 +209,9 @@ def test_the_step_line_and_summary_say_where_activations_went(tmp_path):
     text = r.stderr
     assert "acts kept 0, ssd 4 (" in text and "recomputed 0" in text
     assert "activations per step: 0 pairs kept, 4 on the storage tier" in text
-    assert ("activations (memory.activations = 'offload'): 0 of 4 pairs kept in memory, the other 4 on the storage "
-            "tier") in text
+    assert (
+        "activations (memory.activations = 'offload'): 0 of 4 pairs kept in memory, the other 4 on the storage tier"
+    ) in text
     assert "activation records" in text  # a fixed pool, printed with the others
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert rows[-1]["extra"]["act_offloaded"] == 4 and rows[-1]["extra"]["act_offload_bytes"] > 0
@@ -221,7 +231,9 @@ def test_a_pair_saving_more_than_planned_stops_the_step(tmp_path):
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         tr.offloaded.record_bytes = 4096  # as if block 0 had saved less than the others
-        with pytest.raises(ActivationPlanError, match=r"block 0, micro-batch 0 saves more than the 4,096 bytes planned"):
+        with pytest.raises(
+            ActivationPlanError, match=r"block 0, micro-batch 0 saves more than the 4,096 bytes planned"
+        ):
             tr.train_step()
 
 
@@ -319,8 +331,12 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     here = os.path.dirname(__file__)
     out = {}
     for seq in (256, 1024):
-        r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / str(seq)), here, str(seq)],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(tmp_path / str(seq)), here, str(seq)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         out[seq] = json.loads(r.stdout.strip().splitlines()[-1])
         if "unsupported" in out[seq]:
@@ -338,13 +354,22 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
 def test_plan_shows_where_activations_go_and_their_bytes(tmp_path):
     from reference import tiny_flags
 
-    flags = [f for f in tiny_flags(tmp_path, "--memory.keep_act_mib=0", "--memory.activations=offload", layers=3)
-             if not f.startswith("--train.steps")]
-    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
-                       capture_output=True, text=True, timeout=300)
+    flags = [
+        f
+        for f in tiny_flags(tmp_path, "--memory.keep_act_mib=0", "--memory.activations=offload", layers=3)
+        if not f.startswith("--train.steps")
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain.cli", "plan", "--probe-mib=8", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    assert "activations (memory.activations = 'offload'): of 6 (block, micro-batch) pairs 0 kept, 6 on the storage " \
-           "tier (records of" in out
+    assert (
+        "activations (memory.activations = 'offload'): of 6 (block, micro-batch) pairs 0 kept, 6 on the storage "
+        "tier (records of" in out
+    )
     assert "| activations | activations on the storage tier |" in out  # its file, claimed at start
     assert "activations " in out.split("by state (read / write GB):")[1].splitlines()[0]

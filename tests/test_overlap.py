@@ -5,9 +5,9 @@ the baseline path in bf16."""
 
 import pytest
 import torch
-
 from reference import assert_resume_exact, reference_model, small_config, weights_of
 from test_parity import assert_parity, run_tiertrain
+
 from tiertrain.config import ConfigError, load_config
 from tiertrain.training.trainer import Trainer
 
@@ -33,9 +33,19 @@ def test_eager_overlap_without_clipping_is_bit_identical(tmp_path):
 def test_overlap_with_states_partly_in_host_memory(tmp_path):
     """Host-resident parameters are updated in place: the forward must wait for them."""
     for eager in (False, True):
-        cfg = overlap_config(tmp_path / str(eager), eager=eager, clip=0.0 if eager else 1.0, micro_batches=2,
-                             host_param_mib=1, grad_host_mib=1, optim_host_mib=1, stash_host_mib=1, paths=2,
-                             update_kib=256, slots=2)
+        cfg = overlap_config(
+            tmp_path / str(eager),
+            eager=eager,
+            clip=0.0 if eager else 1.0,
+            micro_batches=2,
+            host_param_mib=1,
+            grad_host_mib=1,
+            optim_host_mib=1,
+            stash_host_mib=1,
+            paths=2,
+            update_kib=256,
+            slots=2,
+        )
         assert_parity(cfg)
 
 
@@ -85,8 +95,10 @@ def test_bf16_overlap_matches_the_baseline_exactly(tmp_path):
 
 def test_resume_with_overlap_is_bit_identical(tmp_path):
     """A checkpoint waits for the update under way; a resumed run goes on exactly."""
-    assert_resume_exact(overlap_config(tmp_path / "a", micro_batches=2, steps=4),
-                        overlap_config(tmp_path / "b", micro_batches=2, steps=4))
+    assert_resume_exact(
+        overlap_config(tmp_path / "a", micro_batches=2, steps=4),
+        overlap_config(tmp_path / "b", micro_batches=2, steps=4),
+    )
 
 
 def test_an_error_in_the_update_thread_reaches_the_trainer(tmp_path, monkeypatch):
@@ -107,8 +119,11 @@ def test_an_error_in_the_update_thread_reaches_the_trainer(tmp_path, monkeypatch
 
 
 def test_eager_overlap_needs_clipping_off_and_baseline_cannot_be_eager():
-    with pytest.raises(ConfigError, match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and "
-                                          r"optim.grad_clip = 0 \(got mode 'overlap', grad_clip 1.0\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and "
+        r"optim.grad_clip = 0 \(got mode 'overlap', grad_clip 1.0\)",
+    ):
         load_config(None, ["--update.mode=overlap", "--update.eager=true"])
     with pytest.raises(ConfigError, match=r"got mode 'baseline', grad_clip 0.0"):
         load_config(None, ["--update.mode=baseline", "--update.eager=true", "--optim.grad_clip=0"])
@@ -122,8 +137,16 @@ def test_overlap_on_a_separate_device(tmp_path, eager):
     their home), ordered as on a GPU by the test device: still exact."""
     from tiertrain.device import AsyncCpuDevice
 
-    cfg = overlap_config(tmp_path, eager=eager, clip=0.0 if eager else 1.0, micro_batches=2, host_param_mib=1,
-                         grad_host_mib=1, paths=2, update_kib=256)
+    cfg = overlap_config(
+        tmp_path,
+        eager=eager,
+        clip=0.0 if eager else 1.0,
+        micro_batches=2,
+        host_param_mib=1,
+        grad_host_mib=1,
+        paths=2,
+        update_kib=256,
+    )
     assert_parity(cfg, device=AsyncCpuDevice(delay=0.001))
 
 
@@ -133,8 +156,12 @@ def test_the_command_line_runs_it_and_the_step_line_says_so(tmp_path):
 
     from reference import tiny_flags
 
-    r = subprocess.run([sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, steps=3),
-                        "--update.mode=overlap"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, steps=3), "--update.mode=overlap"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in (r.stdout + r.stderr).splitlines() if " | update thread " in x]
     assert len(lines) == 3 and "params handed over" in lines[-1]
@@ -149,6 +176,7 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
     import logging
 
     from test_cost import _rates
+
     from tiertrain.cost.choose import resolve_update
     from tiertrain.runtime import Runtime
 
@@ -161,6 +189,7 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
         def fn():
             calls.append(kw)
             return _rates(**kw)
+
         return fn
 
     got, why = resolve_update(cfg, rt, None)  # states on the disk, nothing measured
@@ -170,13 +199,15 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
     assert got.update.mode == "overlap" and "predicted" in why and calls
     fast_disk = rates(read_gbps=1e6, write_gbps=1e6, crc_gbps=1e6, update_elem_s=1e-15)  # nothing left to hide
     assert resolve_update(cfg, rt, fast_disk)[0].update.mode == "baseline"
-    in_memory = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, host_param_mib=64, grad_host_mib=64,
-                                                                    optim_host_mib=64))
+    in_memory = dataclasses.replace(
+        cfg, memory=dataclasses.replace(cfg.memory, host_param_mib=64, grad_host_mib=64, optim_host_mib=64)
+    )
     calls.clear()
     got, why = resolve_update(in_memory, rt, slow_disk)
     assert got.update.mode == "baseline" and "nothing to hide" in why and not calls
-    eager = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_clip=0.0),
-                                update=dataclasses.replace(cfg.update, eager=True))
+    eager = dataclasses.replace(
+        cfg, optim=dataclasses.replace(cfg.optim, grad_clip=0.0), update=dataclasses.replace(cfg.update, eager=True)
+    )
     assert resolve_update(eager, rt, None)[0].update.mode == "overlap"
     for mode in ("baseline", "engines"):
         fixed = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))

@@ -10,8 +10,8 @@ layer-major order accumulates the head's over all micro-batches first, (((h0 + h
 
 import pytest
 import torch
-
 from reference import reference_model, reference_train, small_config, weights_of
+
 from tiertrain.models import build_model, tensor_source
 from tiertrain.training.trainer import Trainer
 
@@ -97,8 +97,9 @@ def test_fp32_bit_identical_with_and_without_clipping(tmp_path, clip):
 
 def test_fp32_bit_identical_with_states_partly_in_host_memory(tmp_path):
     """Placement must not change the math: some units' params, grads and stash in RAM."""
-    cfg = small_config(tmp_path, micro_batches=3, host_param_mib=1, grad_host_mib=1, stash_host_mib=1, paths=3,
-                       update_kib=256, slots=2)
+    cfg = small_config(
+        tmp_path, micro_batches=3, host_param_mib=1, grad_host_mib=1, stash_host_mib=1, paths=3, update_kib=256, slots=2
+    )
     tr, losses = assert_parity(cfg)
 
 
@@ -148,8 +149,9 @@ def test_kept_graphs_bit_identical(tmp_path, kind, micro_batches, slots):
     """Every block's graph kept from the forward (parameters re-bound from wherever their
     unit sits in the backward, with 2 slots always elsewhere): same losses and weights.
     (A tied embedding is bit-identical only at M = 1: see the module docstring.)"""
-    cfg = small_config(tmp_path, kind=kind, micro_batches=micro_batches, slots=slots, keep_act_mib=64,
-                       tie=kind == "gpt2")
+    cfg = small_config(
+        tmp_path, kind=kind, micro_batches=micro_batches, slots=slots, keep_act_mib=64, tie=kind == "gpt2"
+    )
     tr, losses = assert_parity(cfg)
     assert tr.executor.recomputed == 0
     assert tr.executor.kept.peak_bytes > 0 and tr.executor.kept.kept_bytes == 0

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from reference import reference_model, reference_train, small_config, weights_of
+
 from tiertrain.checkpoint.export import export_checkpoint
 from tiertrain.config import ConfigError
 from tiertrain.cost import step_traffic
@@ -50,8 +50,11 @@ def test_cut_model_trains_as_plain_pytorch_within_rounding_sgd(tmp_path, kind, t
     ref_losses, ref_w = reference_train(cfg, ref)
     losses, w, names, tr = _train_cut(cfg, init, 3)
     assert len(tr.model.head_pieces) == 3  # units of their own, a third of the matrix each
-    assert all(tr.layout.units[r.index].used == 86 * 64 or tr.layout.units[r.index].used in (84 * 64, 0)
-               for r in tr.model.plan if r.role.endswith("piece"))
+    assert all(
+        tr.layout.units[r.index].used == 86 * 64 or tr.layout.units[r.index].used in (84 * 64, 0)
+        for r in tr.model.plan
+        if r.role.endswith("piece")
+    )
     assert _rel(losses, ref_losses) < 1e-6
     for n, t in w.items():  # whole matrices, by their names in the uncut model
         theirs = ref_w[names[n] if names else n]
@@ -90,7 +93,9 @@ def test_embedding_pieces_are_exact_forward_and_backward():
 def test_pieces_are_sized_by_a_block_and_only_used_rows_are_read(tmp_path):
     cfg = small_config(tmp_path, kind="llama", layers=2, steps=1)
     cfg.model.vocab_size = 4096  # 4096 x 64 = 262k elements against a block's ~49k
-    cfg.model.vocab_pieces = auto_pieces(build_model(cfg.model, param_dtype=torch.float32, seed=0)[0])  # as the planner cuts
+    cfg.model.vocab_pieces = auto_pieces(
+        build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]
+    )  # as the planner cuts
     with Trainer(cfg) as tr:
         block = max(u.numel for u in tr.layout.units[len(tr.model.embed_pieces) + 1 :][:2])
         assert len(tr.model.embed_pieces) == len(tr.model.head_pieces) > 1
@@ -101,8 +106,12 @@ def test_pieces_are_sized_by_a_block_and_only_used_rows_are_read(tmp_path):
         used = tr.executor.pieces_used
         assert 0 < len(used) < len(tr.model.embed_pieces)  # byte text uses the low ids only
         piece_bytes = tr.layout.units[0].numel * 4
-        traffic = lambda used: step_traffic(tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align,  # noqa: E731
-                                            hidden=tr.rt.hidden_size, kept=0, used_pieces=used)
+
+        def traffic(used):
+            return step_traffic(
+                tr.cfg, tr.model, tr.layout, tr.dtype, tr.rt.align, hidden=tr.rt.hidden_size, kept=0, used_pieces=used
+            )
+
         assert rec.ssd_read_bytes == traffic(used).read  # the forward read the used pieces only
         assert traffic(None).read - traffic(used).read == (len(tr.model.embed_pieces) - len(used)) * piece_bytes
     cfg.model.vocab_pieces = 1
@@ -197,8 +206,11 @@ def test_the_plan_cuts_the_vocabulary_only_where_the_budget_needs_it_and_says_so
     cfg = _gqa_llama(tmp_path)
     needed = []
     for pieces in (None, 4):  # what each needs at the least (buffers shrunk to their floors)
-        c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=pieces),
-                                memory=dataclasses.replace(cfg.memory, host_mib=1))
+        c = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, vocab_pieces=pieces),
+            memory=dataclasses.replace(cfg.memory, host_mib=1),
+        )
         rt = Runtime(c)
         with pytest.raises(PoolsOverBudget) as exc:
             resolve_budget(c, rt, None, lambda: (1 << 20, 0))

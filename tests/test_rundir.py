@@ -4,8 +4,8 @@ import json
 import os
 
 import pytest
-
 from reference import small_config, tiny_flags
+
 from tiertrain.checkpoint import Manifest, list_checkpoints
 from tiertrain.cli import main
 from tiertrain.training.rundir import RunDirError
@@ -25,8 +25,10 @@ def test_a_new_run_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path, cap
     assert main(["train", *tiny_flags(tmp_path)]) == 0
     assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 1
     err = capsys.readouterr().err
-    assert f"tiertrain: train.run_dir {run} already holds a run (step-00000002, metrics.jsonl, config.json); " \
-           f"continue it with `tiertrain train --resume {run}`, start over with --train.overwrite=true" in err
+    assert (
+        f"tiertrain: train.run_dir {run} already holds a run (step-00000002, metrics.jsonl, config.json); "
+        f"continue it with `tiertrain train --resume {run}`, start over with --train.overwrite=true" in err
+    )
     assert steps_in(run) == [1, 2] and names(run / "checkpoints") == ["step-00000002"]  # untouched
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
     assert steps_in(run) == [1] and names(run / "checkpoints") == ["step-00000001"]  # the old run is gone, not mixed in
@@ -37,9 +39,12 @@ def test_two_runs_into_one_run_dir_at_once(tmp_path):
     b = small_config(tmp_path / "b", steps=1)
     b.train.run_dir = a.train.run_dir
     with Trainer(a):
-        with pytest.raises(RunDirError, match=rf"train.run_dir {a.train.run_dir} is in use by another tiertrain run "
-                           rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run "
-                           "another --train.run_dir"):
+        with pytest.raises(
+            RunDirError,
+            match=rf"train.run_dir {a.train.run_dir} is in use by another tiertrain run "
+            rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run "
+            "another --train.run_dir",
+        ):
             Trainer(b)
     with Trainer(b):  # released on close
         pass
@@ -58,8 +63,10 @@ def test_resume_past_rotation_then_a_finished_run(tmp_path, capsys):
     assert steps_in(run) == list(range(1, 13))
     assert main(["train", f"--resume={run}"]) == 0
     err = capsys.readouterr().err
-    assert f"already at step 12 of train.steps = 12: nothing to train; to train further, raise it: tiertrain train " \
-           f"--resume {run} --train.steps=24" in err
+    assert (
+        f"already at step 12 of train.steps = 12: nothing to train; to train further, raise it: tiertrain train "
+        f"--resume {run} --train.steps=24" in err
+    )
 
 
 def test_metrics_continue_without_duplicates_and_a_later_course_is_replaced(tmp_path, capsys):

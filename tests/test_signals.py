@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from reference import small_config, tiny_flags
+
 from tiertrain.checkpoint import Manifest, latest_checkpoint
 from tiertrain.training.trainer import Trainer
 from tiertrain.update.engines import EngineError
@@ -25,9 +25,15 @@ def start(tmp_path, *flags, env=None, **kw):
     e.update(env or {})
     # Ctrl-C's default action in the child even where the suite runs as a background job (a
     # non-interactive shell starts those with SIGINT ignored, and Python keeps an inherited SIG_IGN)
-    return subprocess.Popen([sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, *flags)],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=e,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiertrain.cli", "train", *tiny_flags(tmp_path, *flags)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=e,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **kw,
+    )
 
 
 def wait_for(cond, timeout=120):
@@ -77,21 +83,27 @@ def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, how):
     assert engine_pids(tmp_path) == [] and not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")]
 
 
+@pytest.mark.serial  # /dev/shm is the machine's: another test's segments would come and go
 def test_ctrl_c_during_start_up_leaves_nothing(tmp_path):
     before = shm_names()
     proc = start(tmp_path, "--update.mode=engines", env={"TIERTRAIN_SLOW_AT": "start:60"})
     # the engines have connected once their socket directory is gone
-    wait_for(lambda: engine_pids(tmp_path) and not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")])
+    wait_for(
+        lambda: engine_pids(tmp_path) and not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")]
+    )
     time.sleep(1.0)  # the trainer sleeps at the end of its start-up
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130, err[-3000:]
     assert err.splitlines()[-1] == "tiertrain: interrupted" and "Traceback" not in err, err[-3000:]
     wait_for(lambda: engine_pids(tmp_path) == [], timeout=20)
-    assert sorted(os.listdir(tmp_path)) == ["tmp"] and not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")]
+    assert sorted(os.listdir(tmp_path)) == ["tmp"] and not [
+        n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")
+    ]
     assert shm_names() <= before
 
 
+@pytest.mark.serial  # /dev/shm is the machine's: another test's segments would come and go
 def test_sigkill_of_a_trainer_with_engines_leaves_nothing(tmp_path):
     """Its engines notice, exit without a traceback, and neither the socket directory nor a
     shared-memory segment is left."""
@@ -108,8 +120,11 @@ def test_sigkill_of_a_trainer_with_engines_leaves_nothing(tmp_path):
 def test_an_engine_failing_on_a_checksum_is_one_error_and_cleanup_still_runs(tmp_path):
     cfg = small_config(tmp_path, steps=4, micro_batches=2)
     cfg.update.mode = "engines"
-    with pytest.raises(EngineError, match=r"update engine 0 \(.*ssd0\) failed: ChecksumError: checksum mismatch in "
-                       r".*engine0\.exp_avg\.bin .*; resume from the last checkpoint$"):
+    with pytest.raises(
+        EngineError,
+        match=r"update engine 0 \(.*ssd0\) failed: ChecksumError: checksum mismatch in "
+        r".*engine0\.exp_avg\.bin .*; resume from the last checkpoint$",
+    ):
         with Trainer(cfg) as tr:
             tr.initialize(progress=False)
             tr.train_step()

@@ -5,9 +5,9 @@ import torch
 
 from tiertrain.activations.stash import HiddenStash
 from tiertrain.config import ModelConfig
+from tiertrain.device import AsyncCpuDevice, Device
 from tiertrain.io import FileHandle, Storage
 from tiertrain.models import build_model
-from tiertrain.device import AsyncCpuDevice, Device
 from tiertrain.state.grads import GradStore
 from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
 from tiertrain.state.regions import TieredRegions
@@ -19,8 +19,11 @@ KIB = 1 << 10
 
 @pytest.fixture
 def setup(tmp_path):
-    model, _ = build_model(ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=32),
-                           param_dtype=torch.float32, seed=0)
+    model, _ = build_model(
+        ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=32),
+        param_dtype=torch.float32,
+        seed=0,
+    )
     layout = FlatLayout(model)
     st = Storage([str(tmp_path / "s")], chunk_bytes=256 * KIB, stripe_bytes=64 * KIB, checksum_block=64 * KIB)
     yield model, layout, st
@@ -38,8 +41,9 @@ def test_layout_alignment(setup):
 
 
 def region(layout, st, name, dtype=torch.float32, host_bytes=0):
-    decl = TieredRegions.declare(layout, f"{name}.bin", dtype, host_bytes, st.record_align, name=name, owner="test",
-                                 checkpointed=False)
+    decl = TieredRegions.declare(
+        layout, f"{name}.bin", dtype, host_bytes, st.record_align, name=name, owner="test", checkpointed=False
+    )
     return TieredRegions(layout, st, decl)
 
 
@@ -100,8 +104,9 @@ DEVICES = {"cpu": lambda: Device(torch.device("cpu")), "async": lambda: AsyncCpu
 def test_stash_spills_and_returns_every_entry(tmp_path, host_entries, device):
     st = Storage([str(tmp_path / "s")], chunk_bytes=256 * KIB, checksum_block=64 * KIB)
     shape = (2, 8, 32)
-    stash = HiddenStash(st, DEVICES[device](), shape=shape, dtype=torch.float32, entries=12,
-                        host_bytes=host_entries * 4096)
+    stash = HiddenStash(
+        st, DEVICES[device](), shape=shape, dtype=torch.float32, entries=12, host_bytes=host_entries * 4096
+    )
     assert stash.host_slots == host_entries and stash.spilled == 12 - host_entries and stash.entry_bytes == 4096
     vals = [torch.randn(shape) for _ in range(12)]
     for i, v in enumerate(vals):

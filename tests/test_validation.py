@@ -7,14 +7,14 @@ import os
 
 import pytest
 import torch
-
 from reference import HFWrapper, reference_model, reference_train, small_config, weights_of
 from test_dist_group import spawn
+
 from tiertrain.config import Config, ConfigError, DataConfig
 from tiertrain.data import EvalSet
+from tiertrain.device import AsyncCpuDevice
 from tiertrain.dist import RankGroup
 from tiertrain.models import build_model, tensor_source
-from tiertrain.device import AsyncCpuDevice
 from tiertrain.training.trainer import Trainer
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}.\n" for i in range(60))
@@ -74,8 +74,14 @@ def test_validation_loss_is_plain_pytorchs_on_the_held_out_windows(tmp_path):
 
 
 def test_eval_set_windows_are_consecutive_and_split_over_ranks(tmp_path):
-    cfg = DataConfig(corpus="bundled", eval_corpus=_held_out(tmp_path), seq_len=16, micro_batch_size=3,
-                     micro_batches=2, eval_micro_batches=0)
+    cfg = DataConfig(
+        corpus="bundled",
+        eval_corpus=_held_out(tmp_path),
+        seq_len=16,
+        micro_batch_size=3,
+        micro_batches=2,
+        eval_micro_batches=0,
+    )
     es = EvalSet(cfg)
     tokens = torch.from_numpy(es.corpus.tokens.astype("int64"))
     assert es.count == ((len(tokens) - 1) // 16) // 3 and es.count >= 5
@@ -104,7 +110,9 @@ def test_bad_validation_settings_are_named(tmp_path):
         EvalSet(DataConfig(eval_corpus=str(short), seq_len=64))
     two = tmp_path / "two_windows.txt"
     two.write_text("y" * 70)  # two windows of 33 tokens (stride 32): no micro-batch of 4
-    with pytest.raises(ConfigError, match=r"too few for one micro-batch of 4 windows of 33; .*lower data.micro_batch_size"):
+    with pytest.raises(
+        ConfigError, match=r"too few for one micro-batch of 4 windows of 33; .*lower data.micro_batch_size"
+    ):
         EvalSet(DataConfig(eval_corpus=str(two), seq_len=32, micro_batch_size=4))
 
 

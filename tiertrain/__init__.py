@@ -10,9 +10,16 @@ import importlib
 __version__ = "0.1.0"
 __all__ = ["train", "Trainer", "Config", "load_config", "evaluate", "generate", "Sampling", "prepare_examples"]
 
-_WHERE = {"train": "api", "Trainer": "training.trainer", "Config": "config", "load_config": "config",
-          "evaluate": "inference.evaluate", "generate": "inference.generate", "Sampling": "inference.generate",
-          "prepare_examples": "data.prepare"}
+_WHERE = {
+    "train": "api",
+    "Trainer": "training.trainer",
+    "Config": "config",
+    "load_config": "config",
+    "evaluate": "inference.evaluate",
+    "generate": "inference.generate",
+    "Sampling": "inference.generate",
+    "prepare_examples": "data.prepare",
+}
 
 
 def __getattr__(name: str):

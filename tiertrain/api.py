@@ -30,7 +30,9 @@ def as_config(config: Config | dict | str | None = None, overrides: Sequence[str
     if config is None or isinstance(config, str):
         return load_config(config, overrides)
     if not isinstance(config, dict):
-        raise TypeError(f"config must be a Config, a dict of sections, a TOML path or None, not {type(config).__name__}")
+        raise TypeError(
+            f"config must be a Config, a dict of sections, a TOML path or None, not {type(config).__name__}"
+        )
     # copies of the sections (the caller's dict is left as it is); what is not a table is
     # refused by ``Config.from_dict`` as a TOML file's would be
     tree: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
@@ -41,8 +43,9 @@ def as_config(config: Config | dict | str | None = None, overrides: Sequence[str
     return Config.from_dict(tree)
 
 
-def train(config: Config | dict | str | None = None, *overrides: str, resume: str | None = None,
-          progress: bool | None = None) -> list[StepRecord]:
+def train(
+    config: Config | dict | str | None = None, *overrides: str, resume: str | None = None, progress: bool | None = None
+) -> list[StepRecord]:
     """Train as ``tiertrain train`` does (see the module docstring); ``resume``: a checkpoint
     or run directory (its latest checkpoint) to continue, with ``config`` or else the
     checkpoint's own config. The records of the steps run (``StepRecord``: loss, tokens/s,

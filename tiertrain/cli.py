@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import contextlib
 import logging
 import os
 import signal
@@ -77,8 +77,13 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     after them."""
     from .dist.launch import launch
 
-    cmd = [*(["-v"] if args.verbose else []), "train", *(["--config", args.config] if args.config else []),
-           *(["--resume", args.resume] if getattr(args, "resume", None) else []), *overrides]
+    cmd = [
+        *(["-v"] if args.verbose else []),
+        "train",
+        *(["--config", args.config] if args.config else []),
+        *(["--resume", args.resume] if getattr(args, "resume", None) else []),
+        *overrides,
+    ]
     log.info("starting %d ranks: tiertrain %s", args.nproc, " ".join(cmd))
     ranks_dir = os.path.join(cfg.train.run_dir, "ranks")
     fresh = [p for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) if not os.path.exists(p)]
@@ -131,7 +136,6 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
             trainer.run(resume=path)
     except Exception as exc:
-
         from .io.scratch import DirInUseError
 
         if not _user_facing(exc):
@@ -228,8 +232,11 @@ def _plan(args: argparse.Namespace, cfg, rt) -> int:
     from .cost.report import plan_report
     from .training.plan import plan_run
 
-    log.info("probing this machine where a choice needs it: the storage tier (%d MiB written and read), CRC32C, "
-             "one unit of each kind", args.probe_mib)
+    log.info(
+        "probing this machine where a choice needs it: the storage tier (%d MiB written and read), CRC32C, "
+        "one unit of each kind",
+        args.probe_mib,
+    )
     plan = plan_run(cfg, rt, probe_mib=args.probe_mib, measure=True)
     for line in plan.notes:
         log.info("%s", line)
@@ -275,8 +282,15 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
     stop = tuple(args.stop or ())
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, stop=stop, stop_at_eos=not args.ignore_eos)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=stop,
+        stop_at_eos=not args.ignore_eos,
+    )
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])
         with weights:
@@ -300,13 +314,22 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     rows = [is_rows_input(p) for p in args.input]
     if any(rows) and not all(rows):
-        raise UsageError("prepare: give either text files (.txt: a token file) or rows (.jsonl, .parquet, a datasets "
-                         "directory: prepared examples), not both")
+        raise UsageError(
+            "prepare: give either text files (.txt: a token file) or rows (.jsonl, .parquet, a datasets "
+            "directory: prepared examples), not both"
+        )
     if all(rows):
-        meta = prepare_examples(args.input, args.output, tokenizer=args.tokenizer, kind=args.format,
-                                mask_prompt=not args.no_mask_prompt)
-        log.info("wrote %d %s examples (%d tokens, %d of them scored) to %s", meta["examples"], meta["kind"],
-                 meta["tokens"], meta["scored"], args.output)
+        meta = prepare_examples(
+            args.input, args.output, tokenizer=args.tokenizer, kind=args.format, mask_prompt=not args.no_mask_prompt
+        )
+        log.info(
+            "wrote %d %s examples (%d tokens, %d of them scored) to %s",
+            meta["examples"],
+            meta["kind"],
+            meta["tokens"],
+            meta["scored"],
+            args.output,
+        )
         return 0
     n = prepare(args.input, args.output, tokenizer=args.tokenizer)
     log.info("wrote %d tokens to %s", n, args.output)
@@ -351,65 +374,116 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd")
 
-    t = sub.add_parser("train", help="train (no arguments: the default main job)", epilog=_OVERRIDES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser(
+        "train",
+        help="train (no arguments: the default main job)",
+        epilog=_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
-    t.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="train as N data-parallel ranks on this machine (started under torchrun; see [ranks])")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train as N data-parallel ranks on this machine (started under torchrun; see [ranks])",
+    )
 
-    pl = sub.add_parser("plan", help="placement, bytes per step and the predicted step time, without training",
-                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl = sub.add_parser(
+        "plan",
+        help="placement, bytes per step and the predicted step time, without training",
+        epilog=_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
     pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
 
-    ev = sub.add_parser("eval", help="loss and perplexity of a model on data.eval_corpus, forward only",
-                        epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ev.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
-                    "--model.init_from; the text: --data.eval_corpus)")
-    ev.add_argument("--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model, "
-                    "weights and tokenizer")
+    ev = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a model on data.eval_corpus, forward only",
+        epilog=_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ev.add_argument(
+        "--config",
+        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
+        "--model.init_from; the text: --data.eval_corpus)",
+    )
+    ev.add_argument(
+        "--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model, weights and tokenizer"
+    )
     ev.add_argument("--out", help="also write the result (JSON) here")
 
-    g = sub.add_parser("generate", help="generate text after prompts, layer-major over the batch",
-                       epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("--config", help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
-                   "prompts per micro-batch: --data.micro_batch_size)")
-    g.add_argument("--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model and "
-                   "weights (read directly, CRC32C checked first) and its model directory's tokenizer")
+    g = sub.add_parser(
+        "generate",
+        help="generate text after prompts, layer-major over the batch",
+        epilog=_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument(
+        "--config",
+        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
+        "prompts per micro-batch: --data.micro_batch_size)",
+    )
+    g.add_argument(
+        "--checkpoint",
+        help="a tiertrain checkpoint, or a run directory (its latest): its model and "
+        "weights (read directly, CRC32C checked first) and its model directory's tokenizer",
+    )
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--prompts-file", help="a text file (one prompt a line) or JSONL (a \"prompt\" field a line)")
+    g.add_argument("--prompts-file", help='a text file (one prompt a line) or JSONL (a "prompt" field a line)')
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence token (by "
-                   "default a row ends there, as in transformers' generate)")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past the model's end-of-sequence token (by default a row ends there, as in transformers' generate)",
+    )
     g.add_argument("--out", help="write JSONL (prompt, completion, tokens) here instead of printing")
 
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
-    ex.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)")
+    ex.add_argument(
+        "--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)"
+    )
     ex.add_argument("--out", required=True, help="output directory (new or empty)")
     ex.add_argument("--overwrite", action="store_true", help="replace what --out holds")
 
-    pr = sub.add_parser("prepare", help="tokenize text files into a token file, or JSONL/Parquet/datasets rows into "
-                        "prepared examples, for data.corpus")
-    pr.add_argument("--input", required=True, action="append", help="a .txt file, or .jsonl / .parquet / a datasets "
-                    "save_to_disk directory (repeat for several)")
+    pr = sub.add_parser(
+        "prepare",
+        help="tokenize text files into a token file, or JSONL/Parquet/datasets rows into "
+        "prepared examples, for data.corpus",
+    )
+    pr.add_argument(
+        "--input",
+        required=True,
+        action="append",
+        help="a .txt file, or .jsonl / .parquet / a datasets save_to_disk directory (repeat for several)",
+    )
     pr.add_argument("--output", required=True, help="the token file (text) or directory (rows) to write")
     pr.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (default: byte-level)")
-    pr.add_argument("--format", default="auto", help="rows: 'text', 'completion' (prompt/completion), 'chat' "
-                    "(messages) or 'auto' (from the first row's fields)")
+    pr.add_argument(
+        "--format",
+        default="auto",
+        help="rows: 'text', 'completion' (prompt/completion), 'chat' "
+        "(messages) or 'auto' (from the first row's fields)",
+    )
     pr.add_argument("--no-mask-prompt", action="store_true", help="rows: score prompt, system and user tokens too")
 
     pl = sub.add_parser("plot", help="draw loss (train, validation), tokens/s and peak memory of runs into a PNG")
     pl.add_argument("run_dir", nargs="+", help="run directories (train.run_dir), several on one plot")
     pl.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png of the first)")
 
-    c = sub.add_parser("config", help="print the resolved config (or --reference: every field)", epilog=_OVERRIDES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "config",
+        help="print the resolved config (or --reference: every field)",
+        epilog=_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("--config", help="TOML file")
     c.add_argument("--reference", action="store_true", help="print the documentation of every field")
 
@@ -431,6 +505,7 @@ def _parser() -> argparse.ArgumentParser:
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM (schedulers, ``docker stop``) interrupts like Ctrl-C, so what a run made is
     cleaned up; once training runs, both stop it at a step boundary instead."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 

@@ -34,8 +34,9 @@ def _parse_slow(spec: str | None) -> tuple[str, float, int]:
     try:
         return name, float(seconds), int(nth or 0)
     except ValueError:
-        raise ValueError(f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds or point:seconds:n, "
-                         "e.g. update:0.01") from None
+        raise ValueError(
+            f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds or point:seconds:n, e.g. update:0.01"
+        ) from None
 
 
 _target = _parse(os.environ.get("TIERTRAIN_KILL_AT"))

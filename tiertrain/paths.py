@@ -37,8 +37,10 @@ def check_writable_dir(what: str, path: str, error: type[Exception] | None = Non
     if not os.path.isdir(base):
         raise err(f"{what} = {path!r} cannot be made: {base} is a file; give a directory elsewhere")
     if not os.access(base, os.W_OK | os.X_OK):
-        raise err(f"{what} = {path!r}: {base} is not writable by this user; choose a writable directory "
-                  "or change its permissions")
+        raise err(
+            f"{what} = {path!r}: {base} is not writable by this user; choose a writable directory "
+            "or change its permissions"
+        )
     if base != p:
         return
     probe = os.path.join(p, f".tiertrain-probe-{os.getpid()}")

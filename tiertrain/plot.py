@@ -55,8 +55,13 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
         ax_speed.plot(steps, [r.get("tokens_per_s", 0.0) for r in recs], color=colour, label=name)
         ax_mem.plot(steps, [r["peak_host_bytes"] / 2**20 for r in recs], color=colour, label=f"{name} host")
         if any(r.get("peak_device_bytes") for r in recs):
-            ax_mem.plot(steps, [r["peak_device_bytes"] / 2**20 for r in recs], color=colour, linestyle=":",
-                        label=f"{name} device")
+            ax_mem.plot(
+                steps,
+                [r["peak_device_bytes"] / 2**20 for r in recs],
+                color=colour,
+                linestyle=":",
+                label=f"{name} device",
+            )
     for ax, title in ((ax_loss, "loss"), (ax_speed, "tokens/s"), (ax_mem, "peak memory, MiB")):
         ax.set_title(title)
         ax.set_xlabel("step")

@@ -34,8 +34,16 @@ def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     m = cfg.model
     if m.kind == "gpt":
-        return build_gpt(vocab_size=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                         d_ff=m.d_ff, max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings, dropout=m.dropout)
+        return build_gpt(
+            vocab_size=m.vocab_size,
+            d_model=m.d_model,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            d_ff=m.d_ff,
+            max_seq_len=m.max_seq_len,
+            tie_embeddings=m.tie_embeddings,
+            dropout=m.dropout,
+        )
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_config(hf_config_from(m))
@@ -48,8 +56,7 @@ def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 
-def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum_fp32: bool = False,
-                    ranks: int = 1):
+def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum_fp32: bool = False, ranks: int = 1):
     """Train ``model`` plainly: micro-batch-major accumulation, clip_grad_norm_, fused AdamW.
 
     ``mixed``: bf16 model with fp32 master weights (the reference for bf16 runs);
@@ -74,8 +81,9 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
     if o.name == "sgd":
         opt = torch.optim.SGD(opt_params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=True)
     else:
-        opt = torch.optim.AdamW(opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                weight_decay=o.weight_decay, fused=True)
+        opt = torch.optim.AdamW(
+            opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
     losses = []
     torch.manual_seed(cfg.train.seed)  # dropout's draws, as the trainer seeds them after initialising
     for step in range(cfg.train.steps):
@@ -122,8 +130,9 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                            fused=True)
+    opt = torch.optim.AdamW(
+        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
     losses = []
     torch.manual_seed(cfg.train.seed)
     for step in range(cfg.train.steps):

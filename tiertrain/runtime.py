@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from .config import Config, ConfigError
+from .device.core import Device, make_device, resolve_dtype
 from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
-from .device.core import Device, make_device, resolve_dtype
 from .state.layout import FlatLayout, chunk_align
 from .state.store import ParamStore
 
@@ -36,8 +36,15 @@ def hidden_size_of(model, cfg: Config) -> int:
 
 
 class Runtime:
-    def __init__(self, cfg: Config, *, weights: WeightSource | None = None, device: Device | None = None,
-                 rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        weights: WeightSource | None = None,
+        device: Device | None = None,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         """``rank`` of ``world`` data-parallel ranks: units are padded to ``world`` equal aligned
         shards and ``state_layout`` is this rank's (the whole layout with one rank)."""
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
@@ -65,8 +72,10 @@ class Runtime:
         before anything was sized from it. Weights given by the caller are tied to the first
         model's units: refused."""
         if self._given_weights is not None:
-            raise ConfigError("the vocabulary must be cut to fit the memory budget, but this run's weights were given "
-                              "for the whole model: set model.vocab_pieces (or raise memory.host_mib)")
+            raise ConfigError(
+                "the vocabulary must be cut to fit the memory budget, but this run's weights were given "
+                "for the whole model: set model.vocab_pieces (or raise memory.host_mib)"
+            )
         self.cfg = cfg
         self._build_model(cfg)
 
@@ -90,12 +99,14 @@ class Runtime:
         self.storage = Storage.from_config(io or self.cfg.io)
         return self.storage
 
-    def bind_params(self, source, *, slots: int | None = None,
-                    slot_tensors: list[torch.Tensor] | None = None) -> ParamStore:
+    def bind_params(
+        self, source, *, slots: int | None = None, slot_tensors: list[torch.Tensor] | None = None
+    ) -> ParamStore:
         """The parameter store over ``source`` (a ``ParamSource``) with ``slots`` slots (default:
         the configured ``memory.device_slots``)."""
-        self.params = ParamStore(self.layout, source, self.dev, slots=slots or self.cfg.memory.device_slots,
-                                 slot_tensors=slot_tensors)
+        self.params = ParamStore(
+            self.layout, source, self.dev, slots=slots or self.cfg.memory.device_slots, slot_tensors=slot_tensors
+        )
         return self.params
 
     def close(self) -> None:

@@ -28,21 +28,37 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    print(f"python {platform.python_version()} | torch {torch.__version__} | CUDA {torch.version.cuda} "
-          f"| cuDNN {torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}")
-    print(f"{os.cpu_count()} CPU cores | {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM "
-          f"| {platform.system()} {platform.release()}")
+    print(
+        f"python {platform.python_version()} | torch {torch.__version__} | CUDA {torch.version.cuda} "
+        f"| cuDNN {torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}"
+    )
+    print(
+        f"{os.cpu_count()} CPU cores | {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM "
+        f"| {platform.system()} {platform.release()}"
+    )
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        print(f"device {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}, "
-              f"{p.multi_processor_count} SMs; {torch.cuda.device_count()} visible")
+        print(
+            f"device {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}, "
+            f"{p.multi_processor_count} SMs; {torch.cuda.device_count()} visible"
+        )
         smi = shutil.which("nvidia-smi")
         if smi:
             print(subprocess.run([smi], capture_output=True, text=True).stdout)
     else:
         print("no CUDA device")
-    for name in ("numpy", "crc32c", "safetensors", "transformers", "accelerate", "tqdm", "psutil", "peft",
-                 "deepspeed", "kvikio"):
+    for name in (
+        "numpy",
+        "crc32c",
+        "safetensors",
+        "transformers",
+        "accelerate",
+        "tqdm",
+        "psutil",
+        "peft",
+        "deepspeed",
+        "kvikio",
+    ):
         print(f"{name}: {version(name)}")
     try:
         import kvikio.defaults

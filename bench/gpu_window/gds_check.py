@@ -29,11 +29,23 @@ from tiertrain.training.trainer import Trainer
 def config(scratch: str, gds_mode: str, *, device: str = "cuda", steps: int = 5, extra: tuple[str, ...] = ()) -> Config:
     """The run: the default job's model, its parameters on the storage tier (never in host
     memory), ``io.gds`` as given, checksums on."""
-    return load_config(None, [
-        f"--io.paths={os.path.join(scratch, gds_mode, 'ssd')}", f"--train.run_dir={os.path.join(scratch, gds_mode, 'run')}",
-        "--train.overwrite=true", f"--train.device={device}", f"--train.steps={steps}", "--train.progress=false",
-        "--train.predict=false", "--checkpoint.at_end=false", "--io.checksum=true", f"--io.gds={gds_mode}",
-        "--memory.host_param_mib=0", *extra])
+    return load_config(
+        None,
+        [
+            f"--io.paths={os.path.join(scratch, gds_mode, 'ssd')}",
+            f"--train.run_dir={os.path.join(scratch, gds_mode, 'run')}",
+            "--train.overwrite=true",
+            f"--train.device={device}",
+            f"--train.steps={steps}",
+            "--train.progress=false",
+            "--train.predict=false",
+            "--checkpoint.at_end=false",
+            "--io.checksum=true",
+            f"--io.gds={gds_mode}",
+            "--memory.host_param_mib=0",
+            *extra,
+        ],
+    )
 
 
 class DirectBytes:
@@ -79,8 +91,14 @@ def train(cfg: Config, device=None) -> dict:
         direct = tr.dev.direct
         recs = [tr.train_step() for _ in range(cfg.train.steps)]
         weights = tr.weights()
-    return dict(losses=[r.loss for r in recs], weights=weights, step_s=[r.step_s for r in recs],
-                read=sum(r.ssd_read_bytes for r in recs), direct=direct, direct_read=counter.read)
+    return dict(
+        losses=[r.loss for r in recs],
+        weights=weights,
+        step_s=[r.step_s for r in recs],
+        read=sum(r.ssd_read_bytes for r in recs),
+        direct=direct,
+        direct_read=counter.read,
+    )
 
 
 def compare(on: dict, off: dict) -> list[str]:
@@ -94,8 +112,10 @@ def compare(on: dict, off: dict) -> list[str]:
     differ = [k for k in off["weights"] if not torch.equal(on["weights"][k], off["weights"][k])]
     if differ:
         worst = max((on["weights"][k].float() - off["weights"][k].float()).abs().max().item() for k in differ)
-        bad.append(f"{len(differ)} of {len(off['weights'])} weights differ (first: {differ[0]}; largest "
-                   f"difference {worst:.3g})")
+        bad.append(
+            f"{len(differ)} of {len(off['weights'])} weights differ (first: {differ[0]}; largest "
+            f"difference {worst:.3g})"
+        )
     if not on["direct"]:
         bad.append("the device did not read files directly (io.gds = on did not take effect)")
     if on["direct_read"] == 0:
@@ -108,8 +128,13 @@ def main() -> int:
     ap.add_argument("--scratch", required=True)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="further config flags, e.g. model.n_layers=8")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="further config flags, e.g. model.n_layers=8",
+    )
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)  # the two runs may differ by the read path alone
     extra = tuple(f"--{s}" for s in args.set)
@@ -119,9 +144,11 @@ def main() -> int:
         runs[mode] = train(config(args.scratch, mode, device=args.device, steps=args.steps, extra=extra))
         r = runs[mode]
         steady = sorted(r["step_s"][1:]) or r["step_s"]
-        print(f"io.gds={mode}: {args.steps} steps in {time.perf_counter() - t0:.1f} s, median step "
-              f"{steady[len(steady) // 2]:.3f} s, {r['read'] / 1e9:.3f} GB read from the tier, "
-              f"{r['direct_read'] / 1e9:.3f} GB of it through kvikio; losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
+        print(
+            f"io.gds={mode}: {args.steps} steps in {time.perf_counter() - t0:.1f} s, median step "
+            f"{steady[len(steady) // 2]:.3f} s, {r['read'] / 1e9:.3f} GB read from the tier, "
+            f"{r['direct_read'] / 1e9:.3f} GB of it through kvikio; losses {', '.join(f'{x:.4f}' for x in r['losses'])}"
+        )
     bad = compare(runs["on"], runs["off"])
     print("direct and staged runs: " + ("the same losses and weights, bit for bit" if not bad else "; ".join(bad)))
     return 1 if bad else 0

@@ -18,8 +18,18 @@ import sys
 
 def train(scratch: str, name: str, nproc: int, steps: int, flags: list[str], resume: bool = False) -> None:
     run = os.path.join(scratch, f"{name}-run")
-    cmd = [sys.executable, "-m", "tiertrain", "train", "--nproc", str(nproc), f"--train.steps={steps}",
-           f"--io.paths={os.path.join(scratch, name)}", f"--train.run_dir={run}", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tiertrain",
+        "train",
+        "--nproc",
+        str(nproc),
+        f"--train.steps={steps}",
+        f"--io.paths={os.path.join(scratch, name)}",
+        f"--train.run_dir={run}",
+        *flags,
+    ]
     cmd += ["--resume", run] if resume else ["--train.overwrite=true"]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)

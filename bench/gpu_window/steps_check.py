@@ -31,12 +31,24 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = ap.parse_args()
-    cfg = load_config(None, [
-        f"--io.paths={os.path.join(args.scratch, 'ssd')}", f"--train.run_dir={os.path.join(args.scratch, 'run')}",
-        "--train.overwrite=true", f"--train.device={args.device}", f"--train.steps={args.steps}",
-        "--train.progress=false", "--train.predict=false", "--checkpoint.at_end=false", "--model.kind=llama",
-        "--model.n_layers=8", "--memory.host_param_mib=0", "--memory.stash_host_mib=0",
-        *(f"--{s}" for s in args.set)])
+    cfg = load_config(
+        None,
+        [
+            f"--io.paths={os.path.join(args.scratch, 'ssd')}",
+            f"--train.run_dir={os.path.join(args.scratch, 'run')}",
+            "--train.overwrite=true",
+            f"--train.device={args.device}",
+            f"--train.steps={args.steps}",
+            "--train.progress=false",
+            "--train.predict=false",
+            "--checkpoint.at_end=false",
+            "--model.kind=llama",
+            "--model.n_layers=8",
+            "--memory.host_param_mib=0",
+            "--memory.stash_host_mib=0",
+            *(f"--{s}" for s in args.set),
+        ],
+    )
     cuda = args.device == "cuda"
     peaks, syncs, reported = [], [], []
     with Trainer(cfg) as tr:

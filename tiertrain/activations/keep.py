@@ -104,8 +104,14 @@ class KeptGraphs:
         return self.views.view(obj) if isinstance(obj, _ParamRef) else obj
 
     # -- forward / backward ---------------------------------------------------------------------------
-    def forward(self, key: tuple[int, int], units: tuple[int, ...], fn: Callable, x: torch.Tensor,
-                keep: Callable[[int, int], bool]) -> tuple[torch.Tensor, bool]:
+    def forward(
+        self,
+        key: tuple[int, int],
+        units: tuple[int, ...],
+        fn: Callable,
+        x: torch.Tensor,
+        keep: Callable[[int, int], bool],
+    ) -> tuple[torch.Tensor, bool]:
         """Run ``fn(x)`` keeping its graph under ``key``; returns the output (detached) and
         whether the graph was kept. ``keep(nbytes, kept_bytes)`` decides once the graph is
         built (False: it is dropped, the caller recomputes it later). ``units``: those whose

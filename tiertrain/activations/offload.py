@@ -154,7 +154,8 @@ class _Packer:
                 raise ActivationPlanError(
                     f"block {self.key[0]}, micro-batch {self.key[1]} saves more than the {self.limit:,} bytes planned per "
                     f"record at start (a {tuple(t.shape)} {t.dtype} tensor at byte {at:,}): the block's saved tensors differ "
-                    "from block 0's; run it with memory.activations = 'keep' or 'recompute'")
+                    "from block 0's; run it with memory.activations = 'keep' or 'recompute'"
+                )
             if self.copy is not None:
                 self.copy(at, torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (n,), (1,)))
             self.seen[k] = at
@@ -192,8 +193,13 @@ def _run(views: UnitViews, packer: _Packer, unpack, units: tuple[int, ...], fn: 
     return y.detach(), root
 
 
-def measure_record(units: tuple[int, ...], bound: Callable[[int], torch.Tensor], fn: Callable, x: torch.Tensor,
-                   checksum_block: int = 1 << 20) -> int:
+def measure_record(
+    units: tuple[int, ...],
+    bound: Callable[[int], torch.Tensor],
+    fn: Callable,
+    x: torch.Tensor,
+    checksum_block: int = 1 << 20,
+) -> int:
     """The record bytes one pair of ``fn`` (a block's forward on input ``x``, units bound)
     needs, by one forward with the offload path's own pack hook counting (nothing copied)."""
     views = UnitViews(bound)
@@ -215,8 +221,16 @@ def record_size(saved_bytes: int, checksum_block: int = 1 << 20) -> int:
 
 
 class OffloadedGraphs:
-    def __init__(self, storage: Storage, dev, *, record_bytes: int, records: int, buffers: int,
-                 input_of: Callable[[tuple[int, int]], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        dev,
+        *,
+        record_bytes: int,
+        records: int,
+        buffers: int,
+        input_of: Callable[[tuple[int, int]], torch.Tensor],
+    ) -> None:
         """``records`` pairs of ``record_bytes`` each on the storage tier; ``buffers`` records in
         memory (>= 2); ``input_of(key)``: the pair's input from the stash, during its backward.
         ``bind`` says where units are bound before the first forward."""
@@ -246,7 +260,9 @@ class OffloadedGraphs:
     def declare(cls, dtype: torch.dtype, record_bytes: int, records: int, buffers: int) -> StateDecl:
         """The records' file (not checkpointed: rebuilt every step) and their pool."""
         files = (FileDecl(FILE, records * record_bytes),) if records else ()
-        return StateDecl("activations", dtype, OWNER, checkpointed=False, host_bytes=buffers * record_bytes, files=files)
+        return StateDecl(
+            "activations", dtype, OWNER, checkpointed=False, host_bytes=buffers * record_bytes, files=files
+        )
 
     @property
     def pool_bytes(self) -> int:
@@ -256,12 +272,15 @@ class OffloadedGraphs:
         return key in self._recs
 
     # -- forward ------------------------------------------------------------------------------------
-    def forward(self, key: tuple[int, int], slot: int, units: tuple[int, ...], fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, key: tuple[int, int], slot: int, units: tuple[int, ...], fn: Callable, x: torch.Tensor
+    ) -> torch.Tensor:
         """Run ``fn(x)`` with its saved tensors going to record ``slot`` of the file; returns the
         output (detached). The input ``x`` must be in the stash under ``key`` by the backward."""
         if not 0 <= slot < self.records:
-            raise ActivationPlanError(f"record {slot} of block {key[0]}, micro-batch {key[1]} is outside the "
-                                      f"{self.records} planned at start")
+            raise ActivationPlanError(
+                f"record {slot} of block {key[0]}, micro-batch {key[1]} is outside the {self.records} planned at start"
+            )
         buf = self._acquire()
         rec = _Record(key, slot, None, _Box(), buf)
         host = buf.tensor
@@ -289,8 +308,10 @@ class OffloadedGraphs:
                 return buf
             pending = [r for r in self._recs.values() if r.write is not None or (r.buf is not None and r.copied)]
             if not pending and not self._uploading:
-                raise RuntimeError(f"all {self._pool.count} activation record buffers are held by records being "
-                                   "back-propagated; release them after their backward")
+                raise RuntimeError(
+                    f"all {self._pool.count} activation record buffers are held by records being "
+                    "back-propagated; release them after their backward"
+                )
             self._reap(block=True)
 
     def _start_write(self, rec: _Record) -> None:
@@ -374,8 +395,10 @@ class OffloadedGraphs:
                 self._reap(block=True)
                 self.pump()
             if rec.read is None:  # every buffer is held by a record being back-propagated
-                raise RuntimeError(f"no activation record buffer free to read block {key[0]}, micro-batch {key[1]}: "
-                                   f"all {self._pool.count} are held; release them after their backward")
+                raise RuntimeError(
+                    f"no activation record buffer free to read block {key[0]}, micro-batch {key[1]}: "
+                    f"all {self._pool.count} are held; release them after their backward"
+                )
         t0 = time.perf_counter()
         rec.read.get()  # sync point: the record is back from the storage tier
         self.wait_s += time.perf_counter() - t0

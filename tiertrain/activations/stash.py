@@ -60,9 +60,18 @@ class HiddenStash:
         self.entry_bytes, self.host_slots, self.spilled = self.plan(shape, dtype, entries, host_bytes)
         self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.pin)
         block = storage.block_for(self.entry_bytes)  # entries sit on whole checksum blocks
-        self._file = storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
+        self._file = (
+            storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
+        )
         self._spill = (
-            BufferPool(spill_buffers or self.spill_buffers_for(micro_batches), self.entry_bytes, pin=dev.pin, name="stash-spill") if self.spilled else None
+            BufferPool(
+                spill_buffers or self.spill_buffers_for(micro_batches),
+                self.entry_bytes,
+                pin=dev.pin,
+                name="stash-spill",
+            )
+            if self.spilled
+            else None
         )
         self._writes: list[_Spill] = []  # spilled entries on their way to the file
         self._reads: dict[int, tuple[IOFuture, PoolBuffer]] = {}
@@ -106,9 +115,11 @@ class HiddenStash:
 
     def _host_view(self, i: int) -> torch.Tensor:
         j = i - self.spilled
-        return self._host[j * self.entry_bytes : j * self.entry_bytes + self.numel * self.dtype.itemsize].view(
-            self.dtype
-        ).view(self.shape)
+        return (
+            self._host[j * self.entry_bytes : j * self.entry_bytes + self.numel * self.dtype.itemsize]
+            .view(self.dtype)
+            .view(self.shape)
+        )
 
     @staticmethod
     def _buf_view(buf: PoolBuffer, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

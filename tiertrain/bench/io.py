@@ -38,7 +38,8 @@ class IOBenchResult:
     chunk_bytes: int
     repeats: int
     ours: dict[str, list[float]] = field(
-        default_factory=lambda: {"write": [], "read": [], "read_crc": [], "mixed": [], "mixed_vs_serial": []})
+        default_factory=lambda: {"write": [], "read": [], "read_crc": [], "mixed": [], "mixed_vs_serial": []}
+    )
     fio: dict[str, list[float]] = field(default_factory=lambda: {"write": [], "read": []})
     fio_version: str | None = None
     fio_note: str = "not installed (apt-get install fio)"
@@ -77,8 +78,9 @@ def _ours(st: Storage, name: str, buf: torch.Tensor, size: int, kind: str) -> fl
 MIXED_READ = 4 / 7  # the update's share of reads: g, p, m, v in; p, m, v out
 
 
-def _ours_mixed(st: Storage, name: str, buf: torch.Tensor, size: int, read_gbps: float,
-                write_gbps: float) -> tuple[float, float]:
+def _ours_mixed(
+    st: Storage, name: str, buf: torch.Tensor, size: int, read_gbps: float, write_gbps: float
+) -> tuple[float, float]:
     """(combined GB/s, time over the serial time) of reading the file's first 4/7 while
     rewriting the rest, every request queued at once, alternating as the update issues them."""
     step = buf.numel()
@@ -230,17 +232,24 @@ def format_io_bench(res: IOBenchResult) -> str:
         )
     crc = res.median("ours", "read_crc")
     if crc:
-        lines.append(f"| read + crc32c verify | {crc:.2f} ({', '.join(f'{v:.2f}' for v in res.ours['read_crc'])}) | | |")
+        lines.append(
+            f"| read + crc32c verify | {crc:.2f} ({', '.join(f'{v:.2f}' for v in res.ours['read_crc'])}) | | |"
+        )
     mixed = res.median("ours", "mixed")
     if mixed:
         ratio = res.median("ours", "mixed_vs_serial")
-        lines += ["", f"Reads and writes at once ({MIXED_READ * 7:.0f}:{7 - MIXED_READ * 7:.0f}, as the update): "
-                  f"{mixed:.2f} GB/s combined ({', '.join(f'{v:.2f}' for v in res.ours['mixed'])}); "
-                  f"{ratio:.2f}x the time of the same reads and writes one after the other "
-                  f"({', '.join(f'{v:.2f}' for v in res.ours['mixed_vs_serial'])}): "
-                  + ("the disk does not overlap them, as the cost model assumes (it adds read and write times)."
-                     if ratio > 0.85 else "the disk overlaps them; the cost model, which adds read and write "
-                     "times, is pessimistic here.")]
+        lines += [
+            "",
+            f"Reads and writes at once ({MIXED_READ * 7:.0f}:{7 - MIXED_READ * 7:.0f}, as the update): "
+            f"{mixed:.2f} GB/s combined ({', '.join(f'{v:.2f}' for v in res.ours['mixed'])}); "
+            f"{ratio:.2f}x the time of the same reads and writes one after the other "
+            f"({', '.join(f'{v:.2f}' for v in res.ours['mixed_vs_serial'])}): "
+            + (
+                "the disk does not overlap them, as the cost model assumes (it adds read and write times)."
+                if ratio > 0.85
+                else "the disk overlaps them; the cost model, which adds read and write times, is pessimistic here."
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -261,8 +270,9 @@ def run_sweep(
     for t in threads:
         cells = []
         for c in chunks_mib:
-            r = run_io_bench(paths, size_bytes=size_bytes, threads=t, chunk_bytes=c << 20, repeats=1,
-                             use_fio=False, progress=False)
+            r = run_io_bench(
+                paths, size_bytes=size_bytes, threads=t, chunk_bytes=c << 20, repeats=1, use_fio=False, progress=False
+            )
             cells.append(f"{r.median('ours', 'write'):.2f} / {r.median('ours', 'read'):.2f}")
             bar.update()
         rows.append(f"| {t} | " + " | ".join(cells) + " |")

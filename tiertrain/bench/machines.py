@@ -54,8 +54,17 @@ class LlamaShape:
 
 # Stated inputs (sources: vendor datasheets; the MFU a unit reaches is an assumption)
 MACHINES = {
-    f"H100 SXM, {n} NVMe": Machine(f"H100 SXM, {n} NVMe", gpu_tflops=989.0, mfu=0.5, pcie_gbps=50.0, drives=n,
-                                   drive_read_gbps=7.0, drive_write_gbps=5.0, cpu_cores=32, adam_gelem_per_core=1.0)
+    f"H100 SXM, {n} NVMe": Machine(
+        f"H100 SXM, {n} NVMe",
+        gpu_tflops=989.0,
+        mfu=0.5,
+        pcie_gbps=50.0,
+        drives=n,
+        drive_read_gbps=7.0,
+        drive_write_gbps=5.0,
+        cpu_cores=32,
+        adam_gelem_per_core=1.0,
+    )
     for n in (1, 2, 4)
 }
 SHAPES = {
@@ -76,8 +85,15 @@ class Predicted:
     update_s: float
 
 
-def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: int = 1, micro_batches: int = 8,
-               system: str = "baseline") -> Predicted:
+def predict_on(
+    shape: LlamaShape,
+    m: Machine,
+    *,
+    seq: int = 4096,
+    micro_batch: int = 1,
+    micro_batches: int = 8,
+    system: str = "baseline",
+) -> Predicted:
     """One step of ``shape`` on ``m``: ``system`` is 'baseline', 'overlap' or 'engines'
     (tiertrain's update paths) or 'zero-infinity' (DeepSpeed's schedule, same bytes per
     micro-batch). The forward is a third of the compute, the backward two thirds."""
@@ -93,10 +109,14 @@ def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: i
         train = max(compute, nvme_fb, pcie)
         upd = max(12 * n / rd + 12 * n / wr + 2 * n / wr, adam)  # after the backward, not overlapped
         step = train + upd
-        bound = "update" if upd > train else ("NVMe" if nvme_fb >= max(compute, pcie) else
-                                              "PCIe" if pcie >= compute else "compute")
-        return Predicted(system, step, 6 * n * tokens / step / (m.gpu_tflops * 1e12), bound, compute, nvme_fb,
-                         pcie, upd)
+        bound = (
+            "update"
+            if upd > train
+            else ("NVMe" if nvme_fb >= max(compute, pcie) else "PCIe" if pcie >= compute else "compute")
+        )
+        return Predicted(
+            system, step, 6 * n * tokens / step / (m.gpu_tflops * 1e12), bound, compute, nvme_fb, pcie, upd
+        )
     nvme_fb = 4 * n / rd + 2 * n / wr  # parameters twice, gradients out
     pcie = (4 * n + 2 * n) / (m.pcie_gbps * 1e9)
     upd_io = (2 + 12) * n / rd + (12 + 2) * n / wr  # gradients and states in, states and parameters out
@@ -119,19 +139,25 @@ def predict_on(shape: LlamaShape, m: Machine, *, seq: int = 4096, micro_batch: i
 def table(seq: int = 4096, micro_batches: tuple[int, ...] = (8, 64)) -> str:
     """PREDICTED step time and MFU, tiertrain's three update paths next to ZeRO-Infinity's
     schedule, for every shape, machine and number of micro-batches (of ``seq`` tokens)."""
-    rows = ["| model | machine | M (tokens/step) | tiertrain baseline s (MFU) | tiertrain overlap s (MFU) |"
-            " tiertrain engines s (MFU) | ZeRO-Infinity schedule s (MFU) | engines bound |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | machine | M (tokens/step) | tiertrain baseline s (MFU) | tiertrain overlap s (MFU) |"
+        " tiertrain engines s (MFU) | ZeRO-Infinity schedule s (MFU) | engines bound |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for shape in SHAPES.values():
         for m in MACHINES.values():
             for M in micro_batches:
-                p = {s: predict_on(shape, m, seq=seq, micro_batches=M, system=s)
-                     for s in ("baseline", "overlap", "engines", "zero-infinity")}
+                p = {
+                    s: predict_on(shape, m, seq=seq, micro_batches=M, system=s)
+                    for s in ("baseline", "overlap", "engines", "zero-infinity")
+                }
                 cell = lambda q: f"{q.step_s:.1f} ({100 * q.mfu:.0f}%)"  # noqa: E731
-                rows.append(f"| {shape.name} ({shape.params / 1e9:.1f} B) | {m.name} | {M} ({M * seq:,}) |"
-                            f" {cell(p['baseline'])} | {cell(p['overlap'])} | {cell(p['engines'])} |"
-                            f" {cell(p['zero-infinity'])} |"
-                            f" {p['engines'].bound} |")
+                rows.append(
+                    f"| {shape.name} ({shape.params / 1e9:.1f} B) | {m.name} | {M} ({M * seq:,}) |"
+                    f" {cell(p['baseline'])} | {cell(p['overlap'])} | {cell(p['engines'])} |"
+                    f" {cell(p['zero-infinity'])} |"
+                    f" {p['engines'].bound} |"
+                )
     return "\n".join(rows)
 
 

@@ -37,15 +37,15 @@ from .saver import _replace_dir
 __all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
 
 
-
 def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
     """Export checkpoint ``path`` (or a run directory's latest) into directory ``out``."""
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(f"export --out {out} is not empty; give a new directory, or --overwrite to replace "
-                              "what it holds")
+        raise CheckpointError(
+            f"export --out {out} is not empty; give a new directory, or --overwrite to replace what it holds"
+        )
     man = Manifest.read(path)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -87,14 +87,16 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
         name, dtype = ("master.bin", "torch.float32") if man.entry("master.bin") else ("params.bin", man.param_dtype)
     entry = man.entry(name)
     if entry is None:
-        raise CheckpointError(f"checkpoint {path} holds no weights file ({name}); it is damaged: use an earlier "
-                              "checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} holds no weights file ({name}); it is damaged: use an earlier checkpoint"
+        )
     file = os.path.join(path, name)
     if not os.path.exists(file):
         raise CheckpointError(f"checkpoint file {file} is missing; use an earlier checkpoint")
     if os.path.getsize(file) != entry.size:
-        raise CheckpointError(f"checkpoint file {file} is truncated: {os.path.getsize(file)} bytes, the manifest "
-                              f"says {entry.size}")
+        raise CheckpointError(
+            f"checkpoint file {file} is truncated: {os.path.getsize(file)} bytes, the manifest says {entry.size}"
+        )
     return WeightsFile(cfg, model, layout, file, getattr(torch, dtype.removeprefix("torch.")), entry)
 
 
@@ -127,8 +129,10 @@ def _write(path: str, man: Manifest, out: str) -> None:
                 weight_map[key] = shard
                 total += t.numel() * t.element_size()
     if crc != entry.crc32c:
-        raise CheckpointError(f"checkpoint file {file} is corrupt: crc32c {crc:#010x}, "
-                              f"the manifest says {entry.crc32c:#010x}; use an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint file {file} is corrupt: crc32c {crc:#010x}, "
+            f"the manifest says {entry.crc32c:#010x}; use an earlier checkpoint"
+        )
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out, "tiertrain.json"), "w") as f:

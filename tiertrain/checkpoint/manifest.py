@@ -23,8 +23,19 @@ import numpy as np
 from ..errors import TiertrainError
 from ..io.checksum import crc32c
 
-__all__ = ["Manifest", "FileEntry", "CheckpointError", "list_checkpoints", "latest_checkpoint", "find_checkpoint",
-           "step_of", "clean_incomplete", "verify_checkpoint", "intact_checkpoint", "MANIFEST"]
+__all__ = [
+    "Manifest",
+    "FileEntry",
+    "CheckpointError",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "find_checkpoint",
+    "step_of",
+    "clean_incomplete",
+    "verify_checkpoint",
+    "intact_checkpoint",
+    "MANIFEST",
+]
 
 log = logging.getLogger("tiertrain")
 MANIFEST = "manifest.json"
@@ -91,12 +102,17 @@ class Manifest:
         if version == VERSION:
             stored = d.pop("checksum", None)
             if not isinstance(stored, int) or stored != _canonical_crc(d):
-                raise CheckpointError(f"{path} is corrupt (its content does not match its checksum); "
-                                      "use an earlier checkpoint")
+                raise CheckpointError(
+                    f"{path} is corrupt (its content does not match its checksum); use an earlier checkpoint"
+                )
         elif version == 1:
-            log.warning("%s was written by an older tiertrain and has no checksum of its own: its values are trusted", path)
+            log.warning(
+                "%s was written by an older tiertrain and has no checksum of its own: its values are trusted", path
+            )
         else:
-            raise CheckpointError(f"{path}: checkpoint format version {version!r}, this tiertrain reads {VERSION} and 1")
+            raise CheckpointError(
+                f"{path}: checkpoint format version {version!r}, this tiertrain reads {VERSION} and 1"
+            )
         try:
             names = {f.name for f in fields(cls)}
             if set(d) - names:
@@ -105,13 +121,17 @@ class Manifest:
             d["files"] = [FileEntry(**e) for e in d["files"]]
             man = cls(**d)
         except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path} is corrupt (missing or bad field {exc}); use an earlier checkpoint") from None
+            raise CheckpointError(
+                f"{path} is corrupt (missing or bad field {exc}); use an earlier checkpoint"
+            ) from None
         if not isinstance(man.step, int) or man.step < 0:
             raise CheckpointError(f"{path} is corrupt (step {man.step!r}); use an earlier checkpoint")
         m = _NAME.match(os.path.basename(os.path.normpath(directory)))
         if m and int(m.group(1)) != man.step:
-            raise CheckpointError(f"{path} says step {man.step} but its directory is step {int(m.group(1))}; "
-                                  "the checkpoint was renamed or edited: use an earlier checkpoint")
+            raise CheckpointError(
+                f"{path} says step {man.step} but its directory is step {int(m.group(1))}; "
+                "the checkpoint was renamed or edited: use an earlier checkpoint"
+            )
         return man
 
 
@@ -161,8 +181,10 @@ def find_checkpoint(where: str, what: str = "checkpoint") -> str:
         raise CheckpointError(f"{what} {where}: no such directory; give a checkpoint or run directory")
     found = latest_checkpoint(os.path.join(where, "checkpoints")) or latest_checkpoint(where)
     if found is None:
-        raise CheckpointError(f"{what} {where}: no complete checkpoint there (a checkpoint directory has a {MANIFEST}; "
-                              "a run directory has them under checkpoints/)")
+        raise CheckpointError(
+            f"{what} {where}: no complete checkpoint there (a checkpoint directory has a {MANIFEST}; "
+            "a run directory has them under checkpoints/)"
+        )
     return found
 
 

@@ -92,8 +92,9 @@ class CheckpointIO:
         return crc
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = (),
-             weights: str = "") -> SaveResult:
+    def save(
+        self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = (), weights: str = ""
+    ) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
         (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
         that holds the weights (named in the manifest: what export and eval read)."""
@@ -109,8 +110,15 @@ class CheckpointIO:
             os.makedirs(tmp)
             entries = [self._save_region(tmp, name, regions[name], sizes[name]) for name in sizes]
             entries.append(_save_rng(tmp))
-            Manifest(step, entries, config, [u.numel for u in self.layout.units], str(regions["params.bin"].dtype),
-                     weights=weights, weights_dtype=str(regions[weights].dtype) if weights else "").write(tmp)
+            Manifest(
+                step,
+                entries,
+                config,
+                [u.numel for u in self.layout.units],
+                str(regions["params.bin"].dtype),
+                weights=weights,
+                weights_dtype=str(regions[weights].dtype) if weights else "",
+            ).write(tmp)
             _fsync_dir(tmp)
             _replace_dir(tmp, final)
         except OutOfSpaceError as exc:
@@ -172,7 +180,9 @@ class CheckpointIO:
             raise CheckpointError(f"checkpoint file {path} is missing")
         actual = os.path.getsize(path)
         if actual != entry.size:
-            raise CheckpointError(f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}")
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}"
+            )
         esize = region.esize
         with FileHandle(path, "r", workers=self.workers) as f:
             crc = self._copy(
@@ -202,8 +212,10 @@ class CheckpointIO:
 
 def _describe(units: list[int], dtype: str) -> str:
     """A layout in words, detailed enough that two different ones read differently."""
-    return f"{len(units)} units of {', '.join(f'{n:,}' for n in units[:3])}{', ...' if len(units) > 3 else ''} elements, " \
+    return (
+        f"{len(units)} units of {', '.join(f'{n:,}' for n in units[:3])}{', ...' if len(units) > 3 else ''} elements, "
         f"{sum(units):,} in all, {dtype.removeprefix('torch.')}"
+    )
 
 
 def _save_rng(directory: str) -> FileEntry:

@@ -26,8 +26,17 @@ class ErrorFeedback:
 
     @staticmethod
     def declare(layout, align: int, host_bytes: int) -> StateDecl:
-        return TieredRegions.declare(layout, "residual.bin", torch.float32, host_bytes, align, name="residual",
-                                     owner=OWNER, checkpointed=True, zero_if_absent=True)
+        return TieredRegions.declare(
+            layout,
+            "residual.bin",
+            torch.float32,
+            host_bytes,
+            align,
+            name="residual",
+            owner=OWNER,
+            checkpointed=True,
+            zero_if_absent=True,
+        )
 
     def __init__(self, layout, storage: Storage, decl: StateDecl) -> None:
         self.region = TieredRegions(layout, storage, decl)

@@ -83,14 +83,21 @@ class Config:
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
         if self.train.eval_every and self.data.eval_corpus is None:
-            raise ConfigError(f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
-                              "the validation loss is taken on); set it, or train.eval_every = 0")
+            raise ConfigError(
+                f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
+                "the validation loss is taken on); set it, or train.eval_every = 0"
+            )
         if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
                 "lower one or raise the other"
             )
-        if self.data.tokenizer is None and self.model.hf_dir is not None and env_checks() and has_tokenizer(self.model.hf_dir):
+        if (
+            self.data.tokenizer is None
+            and self.model.hf_dir is not None
+            and env_checks()
+            and has_tokenizer(self.model.hf_dir)
+        ):
             self.data.tokenizer = self.model.hf_dir  # the model's own: never its text in another tokenizer's ids
         limit = self.model.position_limit() if self.model.hf_dir is not None and env_checks() else None
         if limit is not None and self.data.seq_len > limit[0]:
@@ -162,7 +169,7 @@ def _section_class(name: str) -> type:
     return typing.get_type_hints(Config)[name]
 
 
-def _make_section(cls: type, values: dict[str, Any]) -> Any:
+def _make_section(cls: Any, values: dict[str, Any]) -> Any:  # a Section's dataclass
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kw = {}
@@ -198,9 +205,16 @@ def config_reference() -> str:
     lines = []
     for f in dataclasses.fields(Config):
         cls = _section_class(f.name)
-        lines += [f"### [{f.name}]", "", (cls.__doc__ or "").strip(), "", "| field | default | meaning |", "|---|---|---|"]
+        lines += [
+            f"### [{f.name}]",
+            "",
+            (cls.__doc__ or "").strip(),
+            "",
+            "| field | default | meaning |",
+            "|---|---|---|",
+        ]
         for sf in dataclasses.fields(cls):
-            default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()
+            default = sf.default if sf.default is not dataclasses.MISSING else sf.default_factory()  # type: ignore[operator]
             lines.append(f"| `{sf.name}` | `{default!r}` | {sf.metadata.get('doc', '')} |")
         lines.append("")
     return "\n".join(lines)

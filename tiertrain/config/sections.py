@@ -14,9 +14,23 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["Section", "IOConfig", "ModelConfig", "DataConfig", "OptimConfig", "MemoryConfig", "UpdateConfig",
-           "CheckpointConfig", "TrainConfig", "RanksConfig", "without_environment_checks", "has_tokenizer",
-           "TOKENIZER_MARKERS", "opt", "env_checks"]
+__all__ = [
+    "Section",
+    "IOConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "MemoryConfig",
+    "UpdateConfig",
+    "CheckpointConfig",
+    "TrainConfig",
+    "RanksConfig",
+    "without_environment_checks",
+    "has_tokenizer",
+    "TOKENIZER_MARKERS",
+    "opt",
+    "env_checks",
+]
 
 
 # Checks that look at the machine (files named by the config exist) run when a section is
@@ -80,21 +94,34 @@ class IOConfig(Section):
     """The storage tier: where states live on SSD and how they are read and written."""
 
     SECTION: ClassVar[str] = "io"
-    paths: list[str] = opt(None, "Scratch directories, one per SSD; files are striped over all of them.", factory=lambda: ["./tiertrain-scratch"])
+    paths: list[str] = opt(
+        None,
+        "Scratch directories, one per SSD; files are striped over all of them.",
+        factory=lambda: ["./tiertrain-scratch"],
+    )
     threads: int = opt(8, "I/O threads per path (measured here: 4-8 reach the disk's limit).")
-    chunk_kib: int = opt(16384, "Largest single request, KiB (a multiple of 4; 16 MiB measured best here). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 4096, and says so.")
+    chunk_kib: int = opt(
+        16384,
+        "Largest single request, KiB (a multiple of 4; 16 MiB measured best here). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 4096, and says so.",
+    )
     stripe_kib: int = opt(4096, "Stripe size over several paths, KiB (a multiple of checksum_block_kib).")
     direct: bool = opt(True, "Use O_DIRECT (falls back to buffered I/O, with a warning, where unsupported).")
     checksum: bool = opt(True, "Keep a CRC32C per block beside every state file and verify it on read.")
     checksum_block_kib: int = opt(1024, "Bytes covered by one checksum, KiB (a multiple of 4 dividing chunk_kib).")
-    weights: str = opt("source", "Forward-only commands (eval, generate): 'source' reads each unit from the model's "
-                       "own files (safetensors, a checkpoint) through the page cache; 'tier' converts them once, unit "
-                       "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, checksummed, "
-                       "kept for later runs) and reads units from it with O_DIRECT.")
-    gds: str = opt("auto", "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "
-                   "kvikio (checksums verified on the GPU). 'auto' (when kvikio is installed), 'on' (refuse to "
-                   "start without it), 'off' (through pinned host buffers). With ranks the reads go through "
-                   "host memory, where the ranks gather ('on' is refused).")
+    weights: str = opt(
+        "source",
+        "Forward-only commands (eval, generate): 'source' reads each unit from the model's "
+        "own files (safetensors, a checkpoint) through the page cache; 'tier' converts them once, unit "
+        "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, checksummed, "
+        "kept for later runs) and reads units from it with O_DIRECT.",
+    )
+    gds: str = opt(
+        "auto",
+        "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "
+        "kvikio (checksums verified on the GPU). 'auto' (when kvikio is installed), 'on' (refuse to "
+        "start without it), 'off' (through pinned host buffers). With ranks the reads go through "
+        "host memory, where the ranks gather ('on' is refused).",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -120,11 +147,16 @@ class ModelConfig(Section):
     """Which model to train. Sizes apply to a model built from scratch (random weights)."""
 
     SECTION: ClassVar[str] = "model"
-    kind: str = opt("auto", "'auto' (read from hf_dir's config.json, else 'gpt'), 'gpt' (built-in), 'llama' "
-                    "(transformers LlamaForCausalLM) or 'gpt2'.")
+    kind: str = opt(
+        "auto",
+        "'auto' (read from hf_dir's config.json, else 'gpt'), 'gpt' (built-in), 'llama' "
+        "(transformers LlamaForCausalLM) or 'gpt2'.",
+    )
     hf_dir: str | None = opt(None, "Local Hugging Face model directory (config.json + safetensors); never downloads.")
     from_scratch: bool = opt(False, "With hf_dir: use its config.json but start from random weights.")
-    init_from: str | None = opt(None, "Initial weights from safetensors (a file, or a directory written by `tiertrain export`).")
+    init_from: str | None = opt(
+        None, "Initial weights from safetensors (a file, or a directory written by `tiertrain export`)."
+    )
     n_layers: int = opt(4, "Transformer blocks (from-scratch models).")
     d_model: int = opt(256, "Hidden size (from-scratch models).")
     n_heads: int = opt(4, "Attention heads (from-scratch models).")
@@ -134,14 +166,20 @@ class ModelConfig(Section):
     max_seq_len: int = opt(1024, "Longest sequence the model supports (position table size).")
     tie_embeddings: bool = opt(False, "Share the input embedding with the output head (gpt2 ties by default).")
     init_std: float = opt(0.02, "Standard deviation of the random initial weights.")
-    dropout: float = opt(0.0, "Dropout probability of the built-in gpt (embedding, attention, residuals); recomputed "
-                         "blocks replay the forward's random draws, so every activation path gives the same masks.")
-    vocab_pieces: int | None = opt(None, "Pieces (row ranges) the token embedding and the output head are cut "
-                                   "into, each its own unit, so that slots and buffers are sized by a block, not by "
-                                   "a vocabulary-sized matrix. None: whole (exact), unless the memory budget cannot "
-                                   "hold whole vocabulary units: then the fewest pieces no larger than a block, said "
-                                   "at start; 1: never cut. A cut head's cross-entropy is an online log-sum-exp over "
-                                   "pieces: equal to the whole one up to rounding (docs/DESIGN.md).")
+    dropout: float = opt(
+        0.0,
+        "Dropout probability of the built-in gpt (embedding, attention, residuals); recomputed "
+        "blocks replay the forward's random draws, so every activation path gives the same masks.",
+    )
+    vocab_pieces: int | None = opt(
+        None,
+        "Pieces (row ranges) the token embedding and the output head are cut "
+        "into, each its own unit, so that slots and buffers are sized by a block, not by "
+        "a vocabulary-sized matrix. None: whole (exact), unless the memory budget cannot "
+        "hold whole vocabulary units: then the fewest pieces no larger than a block, said "
+        "at start; 1: never cut. A cut head's cross-entropy is an online log-sum-exp over "
+        "pieces: equal to the whole one up to rounding (docs/DESIGN.md).",
+    )
 
     def __post_init__(self) -> None:
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
@@ -158,14 +196,20 @@ class ModelConfig(Section):
         self._in_range("init_std", 0.0, 1.0)
         self._in_range("dropout", 0.0, 0.9)
         if self.dropout and self.kind not in ("auto", "gpt"):
-            self._fail("dropout", f"applies to the built-in gpt only (model.kind = {self.kind!r}); set it in the "
-                       "model's config.json instead")
+            self._fail(
+                "dropout",
+                f"applies to the built-in gpt only (model.kind = {self.kind!r}); set it in the "
+                "model's config.json instead",
+            )
         if self.hf_dir is None:
             if self.kind == "auto":
                 self.kind = "gpt"
         elif self.kind == "gpt":
-            self._fail("kind", f"the built-in model does not read model.hf_dir ({self.hf_dir}); leave model.kind at "
-                       "'auto' (the kind is read from config.json) or set 'llama' or 'gpt2'")
+            self._fail(
+                "kind",
+                f"the built-in model does not read model.hf_dir ({self.hf_dir}); leave model.kind at "
+                "'auto' (the kind is read from config.json) or set 'llama' or 'gpt2'",
+            )
         if not env_checks():
             return
         if self.init_from is not None and not os.path.exists(self.init_from):
@@ -175,6 +219,7 @@ class ModelConfig(Section):
 
     def hf_json(self) -> dict:
         """``hf_dir``'s config.json, parsed."""
+        assert self.hf_dir is not None  # asked only of a model with a directory
         path = os.path.join(self.hf_dir, "config.json")
         if not os.path.isfile(path):
             self._fail("hf_dir", "no config.json there; point it at a local Hugging Face model directory")
@@ -194,8 +239,11 @@ class ModelConfig(Section):
         if self.kind == "auto":
             self.kind = detected
         elif self.kind != detected:
-            self._fail("kind", f"model.hf_dir = {self.hf_dir!r} holds a {model_type!r} model (config.json), which is "
-                       f"kind {detected!r}; leave model.kind at 'auto' or set it to {detected!r}")
+            self._fail(
+                "kind",
+                f"model.hf_dir = {self.hf_dir!r} holds a {model_type!r} model (config.json), which is "
+                f"kind {detected!r}; leave model.kind at 'auto' or set it to {detected!r}",
+            )
 
     def position_limit(self) -> tuple[int, str] | None:
         """The longest sequence ``hf_dir``'s model supports, and the config.json key that says so."""
@@ -213,32 +261,60 @@ class DataConfig(Section):
     """Training data and batch shape."""
 
     SECTION: ClassVar[str] = "data"
-    corpus: str = opt("bundled", "'bundled' (small public-domain text shipped with tiertrain), a .txt file, a token file or "
-                      "an examples directory made by `tiertrain prepare`, or rows to fine-tune on (.jsonl, .parquet, a "
-                      "datasets save_to_disk directory: prepared once into ~/.cache/tiertrain/prepared).")
-    tokenizer: str | None = opt(None, "Local Hugging Face tokenizer directory for text and rows (None: model.hf_dir's "
-                                "tokenizer where it holds one, else byte-level; 'bytes': byte-level whatever the model "
-                                "directory holds).")
+    corpus: str = opt(
+        "bundled",
+        "'bundled' (small public-domain text shipped with tiertrain), a .txt file, a token file or "
+        "an examples directory made by `tiertrain prepare`, or rows to fine-tune on (.jsonl, .parquet, a "
+        "datasets save_to_disk directory: prepared once into ~/.cache/tiertrain/prepared).",
+    )
+    tokenizer: str | None = opt(
+        None,
+        "Local Hugging Face tokenizer directory for text and rows (None: model.hf_dir's "
+        "tokenizer where it holds one, else byte-level; 'bytes': byte-level whatever the model "
+        "directory holds).",
+    )
     seq_len: int = opt(128, "Tokens per sequence.")
     micro_batch_size: int = opt(4, "Sequences per micro-batch.")
-    micro_batches: int = opt(4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident.")
+    micro_batches: int = opt(
+        4, "Micro-batches per step (gradient accumulation); all go through a layer while it is resident."
+    )
     seed: int = opt(0, "Seed of the sampling order.")
-    eval_corpus: str | None = opt(None, "Held-out data for the validation loss (train.eval_every): any form data.corpus "
-                                  "takes (same tokenizer); text is cut into consecutive windows of seq_len + 1 tokens, "
-                                  "examples taken in order. None: no validation.")
-    eval_micro_batches: int = opt(8, "Micro-batches (of micro_batch_size windows) each validation reads from the start "
-                                  "of data.eval_corpus (fewer if it is shorter); 0: all of it.")
+    eval_corpus: str | None = opt(
+        None,
+        "Held-out data for the validation loss (train.eval_every): any form data.corpus "
+        "takes (same tokenizer); text is cut into consecutive windows of seq_len + 1 tokens, "
+        "examples taken in order. None: no validation.",
+    )
+    eval_micro_batches: int = opt(
+        8,
+        "Micro-batches (of micro_batch_size windows) each validation reads from the start "
+        "of data.eval_corpus (fewer if it is shorter); 0: all of it.",
+    )
 
-    format: str = opt("auto", "Rows (JSONL, Parquet, datasets): 'text' ({text}), 'completion' ({prompt, completion}), "
-                      "'chat' ({messages}, the tokenizer's chat template) or 'auto' (from the first row's fields).")
-    mask_prompt: bool = opt(True, "Rows: leave prompt, system and user tokens out of the loss (False: score every token).")
-    packing: bool = opt(True, "Examples: pack them into rows of seq_len + 1 tokens, EOS between them (attention: "
-                        "data.packed_attention); False: one example per row, padded (the padding not scored).")
-    packed_attention: str = opt("document", "Packed rows: 'document' (a token attends only to its own document; "
-                                "positions restart at each; a block-diagonal causal mask) or 'row' (the whole row, "
-                                "positions 0 .. seq_len - 1).")
-    long_examples: str = opt("truncate", "Examples longer than seq_len + 1 tokens: 'truncate' (keep their beginning) or "
-                             "'drop'; how many is logged at start.")
+    format: str = opt(
+        "auto",
+        "Rows (JSONL, Parquet, datasets): 'text' ({text}), 'completion' ({prompt, completion}), "
+        "'chat' ({messages}, the tokenizer's chat template) or 'auto' (from the first row's fields).",
+    )
+    mask_prompt: bool = opt(
+        True, "Rows: leave prompt, system and user tokens out of the loss (False: score every token)."
+    )
+    packing: bool = opt(
+        True,
+        "Examples: pack them into rows of seq_len + 1 tokens, EOS between them (attention: "
+        "data.packed_attention); False: one example per row, padded (the padding not scored).",
+    )
+    packed_attention: str = opt(
+        "document",
+        "Packed rows: 'document' (a token attends only to its own document; "
+        "positions restart at each; a block-diagonal causal mask) or 'row' (the whole row, "
+        "positions 0 .. seq_len - 1).",
+    )
+    long_examples: str = opt(
+        "truncate",
+        "Examples longer than seq_len + 1 tokens: 'truncate' (keep their beginning) or "
+        "'drop'; how many is logged at start.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "micro_batches"):
@@ -252,12 +328,20 @@ class DataConfig(Section):
             if path in (None, "bundled") or not env_checks():
                 continue
             if not os.path.exists(path):
-                self._fail(name, "no such file; use 'bundled', a .txt file, a token file or examples directory from "
-                           "`tiertrain prepare`, or .jsonl / .parquet rows")
-            if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in (
-                    "meta.json", "state.json", "dataset_info.json", "dataset_dict.json")):
-                self._fail(name, "is a directory but neither an examples directory from `tiertrain prepare` nor one "
-                           "saved by datasets' save_to_disk")
+                self._fail(
+                    name,
+                    "no such file; use 'bundled', a .txt file, a token file or examples directory from "
+                    "`tiertrain prepare`, or .jsonl / .parquet rows",
+                )
+            if os.path.isdir(path) and not any(
+                os.path.isfile(os.path.join(path, f))
+                for f in ("meta.json", "state.json", "dataset_info.json", "dataset_dict.json")
+            ):
+                self._fail(
+                    name,
+                    "is a directory but neither an examples directory from `tiertrain prepare` nor one "
+                    "saved by datasets' save_to_disk",
+                )
 
 
 @dataclass(kw_only=True)
@@ -296,22 +380,38 @@ class MemoryConfig(Section):
     """One memory budget, and (for experts) the size of each of its parts, fixed at start."""
 
     SECTION: ClassVar[str] = "memory"
-    host_mib: int | None = opt(None, "Host memory tiertrain may use for its pools and states, MiB (None: half of the "
-                               "memory available at start, printed). The fixed pools come first; parameters, "
-                               "gradients, optimizer state, hidden states (and, on CPU, kept activations) are placed "
-                               "in it by the step time a byte saves; the *_mib fields below that are set are taken as "
-                               "given.")
-    device_mib: int | None = opt(None, "CUDA: device memory for parameter slots, gradient buffers and kept activations, "
-                                 "MiB (None: 90% of what is free at start).")
+    host_mib: int | None = opt(
+        None,
+        "Host memory tiertrain may use for its pools and states, MiB (None: half of the "
+        "memory available at start, printed). The fixed pools come first; parameters, "
+        "gradients, optimizer state, hidden states (and, on CPU, kept activations) are placed "
+        "in it by the step time a byte saves; the *_mib fields below that are set are taken as "
+        "given.",
+    )
+    device_mib: int | None = opt(
+        None,
+        "CUDA: device memory for parameter slots, gradient buffers and kept activations, "
+        "MiB (None: 90% of what is free at start).",
+    )
     device_slots: int = opt(3, "Device buffers for layer parameters (>= 2: one computing, the rest prefetching).")
-    host_param_mib: int | None = opt(None, "Host memory for parameters kept off the SSD, MiB (None: planned within "
-                                     "host_mib; 0: every layer streams from SSD).")
-    grad_host_mib: int | None = opt(None, "Host memory where gradients wait for the update, MiB; the rest go to SSD "
-                                    "(None: planned within host_mib).")
-    optim_host_mib: int | None = opt(None, "Host memory for optimizer states (moments, master weights), MiB (None: "
-                                     "planned within host_mib; 0: all on SSD).")
-    stash_host_mib: int | None = opt(None, "Host memory for hidden states between layers, MiB; the rest spills to SSD "
-                                     "(None: planned within host_mib).")
+    host_param_mib: int | None = opt(
+        None,
+        "Host memory for parameters kept off the SSD, MiB (None: planned within "
+        "host_mib; 0: every layer streams from SSD).",
+    )
+    grad_host_mib: int | None = opt(
+        None,
+        "Host memory where gradients wait for the update, MiB; the rest go to SSD (None: planned within host_mib).",
+    )
+    optim_host_mib: int | None = opt(
+        None,
+        "Host memory for optimizer states (moments, master weights), MiB (None: "
+        "planned within host_mib; 0: all on SSD).",
+    )
+    stash_host_mib: int | None = opt(
+        None,
+        "Host memory for hidden states between layers, MiB; the rest spills to SSD (None: planned within host_mib).",
+    )
     keep_act_mib: int | None = opt(
         None,
         "Memory on the compute device for autograd activations kept from the forward for the backward, MiB:"
@@ -337,34 +437,55 @@ class MemoryConfig(Section):
         "Records of offloaded activations in memory (>= 2): in the forward, the one being filled and writes in"
         " flight; in the backward, the one back-propagated and act_buffers - 1 read ahead.",
     )
-    residual_host_mib: int | None = opt(None, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD "
-                                        "(None: planned within host_mib).")
+    residual_host_mib: int | None = opt(
+        None, "Host memory for top-k error-feedback residuals, MiB; the rest on SSD (None: planned within host_mib)."
+    )
     engine_read_ahead_mib: int = opt(
         0,
         "Host memory in which the update engines (together) read the optimizer state of the first chunks of"
         " the next update ahead, while the trainer is in its backward, MiB (update.mode = 'engines'; 0: none;"
         " never more than the engines' state).",
     )
-    mmap_threshold_kib: int = opt(0, "Blocks at least this large are mapped from the system and given back when freed "
-                                  "(glibc's M_MMAP_THRESHOLD, fixed for the process; 0: the C library's default, which "
-                                  "raises it as blocks are freed). 1024 keeps the peak RSS within the budget on long "
-                                  "sequences (freed activations otherwise fragment the heap: +150 MiB measured at 1024 "
-                                  "tokens) but every large tensor is then faulted in afresh: 15-25% slower steps here.")
-    trim_heap: bool = opt(True, "Give the C library's freed heap pages back to the system after every unit step "
-                          "(glibc malloc_trim): otherwise what one unit step freed stays in the process, fragmented, "
-                          "and the peak RSS exceeds the budget (measured: 150-200 MiB at d_model 2048, M = 32). "
-                          "About 10 ms per unit step here; no effect where the C library has no malloc_trim.")
-    kv_host_mib: int | None = opt(None, "Generation: host memory for the key/value cache, MiB, claimed at start from "
-                                  "the batch, the prompts' length and max_new_tokens (it never grows); what does not fit "
-                                  "goes to the storage tier (kv.bin on the first io.paths entry), read in and written back "
-                                  "each step, one (block, micro-batch) ahead. None: all of it in memory; 0: all of it on the "
-                                  "storage tier. On CUDA the memory is the device's.")
-    update_buffer_kib: int = opt(32768, "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.")
+    mmap_threshold_kib: int = opt(
+        0,
+        "Blocks at least this large are mapped from the system and given back when freed "
+        "(glibc's M_MMAP_THRESHOLD, fixed for the process; 0: the C library's default, which "
+        "raises it as blocks are freed). 1024 keeps the peak RSS within the budget on long "
+        "sequences (freed activations otherwise fragment the heap: +150 MiB measured at 1024 "
+        "tokens) but every large tensor is then faulted in afresh: 15-25% slower steps here.",
+    )
+    trim_heap: bool = opt(
+        True,
+        "Give the C library's freed heap pages back to the system after every unit step "
+        "(glibc malloc_trim): otherwise what one unit step freed stays in the process, fragmented, "
+        "and the peak RSS exceeds the budget (measured: 150-200 MiB at d_model 2048, M = 32). "
+        "About 10 ms per unit step here; no effect where the C library has no malloc_trim.",
+    )
+    kv_host_mib: int | None = opt(
+        None,
+        "Generation: host memory for the key/value cache, MiB, claimed at start from "
+        "the batch, the prompts' length and max_new_tokens (it never grows); what does not fit "
+        "goes to the storage tier (kv.bin on the first io.paths entry), read in and written back "
+        "each step, one (block, micro-batch) ahead. None: all of it in memory; 0: all of it on the "
+        "storage tier. On CUDA the memory is the device's.",
+    )
+    update_buffer_kib: int = opt(
+        32768,
+        "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.",
+    )
 
     def __post_init__(self) -> None:
         self._in_range("device_slots", 2, 64)
-        for name in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "residual_host_mib", "keep_act_mib",
-                     "engine_read_ahead_mib", "offload_pairs"):
+        for name in (
+            "host_param_mib",
+            "grad_host_mib",
+            "optim_host_mib",
+            "stash_host_mib",
+            "residual_host_mib",
+            "keep_act_mib",
+            "engine_read_ahead_mib",
+            "offload_pairs",
+        ):
             if getattr(self, name) is not None:
                 self._at_least(name, 0)
         for name in ("host_mib", "device_mib"):
@@ -377,8 +498,10 @@ class MemoryConfig(Section):
         self._one_of("activations", ("auto", "keep", "keep-first", "offload", "recompute"))
         self._in_range("act_buffers", 2, 64)
         if self.offload_pairs and self.activations not in ("auto", "offload"):
-            raise ConfigError(f"memory.offload_pairs = {self.offload_pairs} needs memory.activations = 'auto' or 'offload' "
-                              f"(it is {self.activations!r}); set one, or leave offload_pairs unset")
+            raise ConfigError(
+                f"memory.offload_pairs = {self.offload_pairs} needs memory.activations = 'auto' or 'offload' "
+                f"(it is {self.activations!r}); set one, or leave offload_pairs unset"
+            )
 
 
 @dataclass(kw_only=True)
@@ -386,21 +509,33 @@ class UpdateConfig(Section):
     """Where the optimizer step runs."""
 
     SECTION: ClassVar[str] = "update"
-    mode: str = opt("auto", "'auto': 'baseline' or 'overlap' (same states, memory and math): the baseline where the update "
-                    "moves nothing on the storage tier and the compute is on the CPU, else the one the cost model "
-                    "predicts faster (the overlap where nothing is measured); "
-                    "'baseline': the trainer streams states through its own buffers after the backward; "
-                    "'overlap': the same, in a background thread under the next forward (with update.eager, under the "
-                    "backward as gradients arrive): same math, same memory; "
-                    "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.")
+    mode: str = opt(
+        "auto",
+        "'auto': 'baseline' or 'overlap' (same states, memory and math): the baseline where the update "
+        "moves nothing on the storage tier and the compute is on the CPU, else the one the cost model "
+        "predicts faster (the overlap where nothing is measured); "
+        "'baseline': the trainer streams states through its own buffers after the backward; "
+        "'overlap': the same, in a background thread under the next forward (with update.eager, under the "
+        "backward as gradients arrive): same math, same memory; "
+        "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.",
+    )
     engines: int = opt(0, "Number of update engines (0: one per io.paths entry).")
-    eager: bool = opt(False, "Update each unit as its gradients arrive, under the backward (update.mode = 'engines' or "
-                      "'overlap'; needs optim.grad_clip = 0).")
+    eager: bool = opt(
+        False,
+        "Update each unit as its gradients arrive, under the backward (update.mode = 'engines' or "
+        "'overlap'; needs optim.grad_clip = 0).",
+    )
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
-    topk: float = opt(0.0, "Top-k gradient compression: fraction of each gradient kept and sent to the engines "
-                      "(0: off; up to 0.5). Changes the math: see the README.")
-    error_feedback: bool = opt(False, "With topk: add what was dropped to the next step's gradient "
-                               "(a fp32 residual per parameter, in RAM within memory.residual_host_mib, else on SSD).")
+    topk: float = opt(
+        0.0,
+        "Top-k gradient compression: fraction of each gradient kept and sent to the engines "
+        "(0: off; up to 0.5). Changes the math: see the README.",
+    )
+    error_feedback: bool = opt(
+        False,
+        "With topk: add what was dropped to the next step's gradient "
+        "(a fp32 residual per parameter, in RAM within memory.residual_host_mib, else on SSD).",
+    )
 
     def __post_init__(self) -> None:
         self._one_of("mode", ("auto", "baseline", "overlap", "engines"))
@@ -434,30 +569,48 @@ class TrainConfig(Section):
     seed: int = opt(0, "Seed of the model's initial weights and of dropout.")
     device: str = opt("auto", "'auto' (cuda when present, else cpu), 'cpu' or 'cuda'.")
     param_dtype: str = opt("auto", "'auto' (float32 on cpu, bfloat16 on cuda), 'float32' or 'bfloat16'.")
-    grad_accum_dtype: str = opt("float32", "What gradients of bfloat16 parameters are summed in over micro-batches: "
-                                "'float32' (one rounding per step, as FSDP2's reduce_dtype; a float32 buffer per "
-                                "gradient buffer on the device) or 'param' (bfloat16, as plain PyTorch does).")
+    grad_accum_dtype: str = opt(
+        "float32",
+        "What gradients of bfloat16 parameters are summed in over micro-batches: "
+        "'float32' (one rounding per step, as FSDP2's reduce_dtype; a float32 buffer per "
+        "gradient buffer on the device) or 'param' (bfloat16, as plain PyTorch does).",
+    )
     run_dir: str = opt("./runs/default", "Where metrics, logs and checkpoints of this run go.")
     log_every: int = opt(1, "Print the per-step line every N steps.")
-    eval_every: int = opt(0, "Validation loss on data.eval_corpus every N steps and after the last (0: never); "
-                          "shown in the per-step line and kept in the metrics as eval_loss.")
-    predict: bool = opt(True, "At start, probe this machine (a few seconds: 64 MiB through the storage tier, one "
-                        "unit of each kind) and print the predicted step time; after a few steps, predicted "
-                        "against measured (`tiertrain plan` prints the whole prediction).")
+    eval_every: int = opt(
+        0,
+        "Validation loss on data.eval_corpus every N steps and after the last (0: never); "
+        "shown in the per-step line and kept in the metrics as eval_loss.",
+    )
+    predict: bool = opt(
+        True,
+        "At start, probe this machine (a few seconds: 64 MiB through the storage tier, one "
+        "unit of each kind) and print the predicted step time; after a few steps, predicted "
+        "against measured (`tiertrain plan` prints the whole prediction).",
+    )
     progress: bool = opt(True, "Show a progress bar (only when stderr is a terminal).")
-    overwrite: bool = opt(False, "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
-                          "deleting them (without it such a run is refused; --resume continues one).")
-    tensorboard: bool = opt(False, "Also write TensorBoard event files (run_dir/tensorboard: loss, validation loss, lr, "
-                            "grad norm, tokens/s, step time, peak memory); needs the tensorboard package "
-                            "(pip install 'tiertrain[tensorboard]').")
+    overwrite: bool = opt(
+        False,
+        "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
+        "deleting them (without it such a run is refused; --resume continues one).",
+    )
+    tensorboard: bool = opt(
+        False,
+        "Also write TensorBoard event files (run_dir/tensorboard: loss, validation loss, lr, "
+        "grad norm, tokens/s, step time, peak memory); needs the tensorboard package "
+        "(pip install 'tiertrain[tensorboard]').",
+    )
 
     def __post_init__(self) -> None:
         if self.tensorboard and env_checks():
             import importlib.util
 
             if importlib.util.find_spec("tensorboard") is None:
-                self._fail("tensorboard", "needs the tensorboard package: pip install 'tiertrain[tensorboard]' (or "
-                           "pip install tensorboard), or leave it false")
+                self._fail(
+                    "tensorboard",
+                    "needs the tensorboard package: pip install 'tiertrain[tensorboard]' (or "
+                    "pip install tensorboard), or leave it false",
+                )
         self._at_least("steps", 1)
         self._one_of("device", ("auto", "cpu", "cuda"))
         self._one_of("param_dtype", ("auto", "float32", "bfloat16"))
@@ -471,12 +624,18 @@ class RanksConfig(Section):
     """Data-parallel ranks (`tiertrain train --nproc N`, or torchrun): each rank holds 1/N of every state."""
 
     SECTION: ClassVar[str] = "ranks"
-    timeout_s: float = opt(300.0, "Longest wait for another rank in any collective, seconds: a rank that died is "
-                           "seen at once, one that hangs after this long; every rank then stops with an error "
-                           "naming the collective and, from the ranks' signs of life, the rank that died or hangs.")
-    backend: str = opt("auto", "'auto' or 'gloo': the ranks' collectives run on host memory over Gloo, on CPU and "
-                       "CUDA alike (a unit is gathered into its staging buffer and uploaded whole); 'nccl' (gathering "
-                       "straight into device memory) is not built and is refused.")
+    timeout_s: float = opt(
+        300.0,
+        "Longest wait for another rank in any collective, seconds: a rank that died is "
+        "seen at once, one that hangs after this long; every rank then stops with an error "
+        "naming the collective and, from the ranks' signs of life, the rank that died or hangs.",
+    )
+    backend: str = opt(
+        "auto",
+        "'auto' or 'gloo': the ranks' collectives run on host memory over Gloo, on CPU and "
+        "CUDA alike (a unit is gathered into its staging buffer and uploaded whole); 'nccl' (gathering "
+        "straight into device memory) is not built and is refused.",
+    )
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -68,9 +68,10 @@ def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"unexpected argument {flag!r}: overrides look like --section.field=value")
         key, eq, value = flag[2:].partition("=")
         if not eq:
-            value = next(it, None)
-            if value is None:
+            following = next(it, None)
+            if following is None:
                 raise ConfigError(f"{flag} needs a value: {flag}=VALUE")
+            value = following
         section, _, name = key.partition(".")
         tree.setdefault(section, {})[name] = _literal(value)
     return tree

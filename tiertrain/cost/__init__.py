@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import os
 
+from ..execute.executor import visits
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
-from ..execute.executor import visits
 from .traffic import Traffic, kept_pairs, offloaded_pairs, step_traffic
 
-__all__ = ["Phase", "Prediction", "Rates", "Traffic", "estimate", "measure_rates", "predict", "predict_with", "kept_pairs", "offloaded_pairs",
-           "step_traffic"]
+__all__ = [
+    "Phase",
+    "Prediction",
+    "Rates",
+    "Traffic",
+    "estimate",
+    "measure_rates",
+    "predict",
+    "predict_with",
+    "kept_pairs",
+    "offloaded_pairs",
+    "step_traffic",
+]
 
 MIB = 1 << 20
 
@@ -33,9 +44,16 @@ def measure_rates(cfg, rt, *, probe_mib: int = 256) -> Rates:
             busy = probe_compute(*args, blocks_only=True)
     quiet = comp["block_fwd_s"] + comp["block_bwd_s"]
     slow = max(1.0, (busy["block_fwd_s"] + busy["block_bwd_s"]) / quiet) if quiet > 0 else 1.0
-    return Rates(read_gbps=read, write_gbps=write, crc_gbps=probe_crc(), io_cpu_s_per_gb=io_cpu, io_slowdown=slow,
-                 update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
-                 cores=len(os.sched_getaffinity(0)), **comp)
+    return Rates(
+        read_gbps=read,
+        write_gbps=write,
+        crc_gbps=probe_crc(),
+        io_cpu_s_per_gb=io_cpu,
+        io_slowdown=slow,
+        update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
+        cores=len(os.sched_getaffinity(0)),
+        **comp,
+    )
 
 
 def estimate(cfg, rt, rates: Rates | None = None, *, probe_mib: int = 256) -> Prediction:
@@ -49,9 +67,28 @@ def predict_with(cfg, rt, rates: Rates) -> Prediction:
     blocks = len(rt.model.blocks)
     kept = kept_pairs(cfg, blocks, rates.act_bytes)
     offloaded = offloaded_pairs(cfg, blocks, kept)
-    t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=kept,
-                     separate=rt.dev.separate, offloaded=offloaded, record=rates.record_bytes)
+    t = step_traffic(
+        cfg,
+        rt.model,
+        rt.layout,
+        rt.dtype,
+        rt.align,
+        hidden=rt.hidden_size,
+        kept=kept,
+        separate=rt.dev.separate,
+        offloaded=offloaded,
+        record=rates.record_bytes,
+    )
     first_unit = visits(rt.model.plan)[0].index  # the read nothing hides
     first = rt.layout.units[first_unit].numel * rt.dtype.itemsize if t.forward_read else 0
-    return predict(cfg, t, rates, blocks=blocks, kept=kept, n_params=rt.layout.n_params, first_read=first,
-                   cpu_compute=not rt.dev.cuda, offloaded=offloaded)
+    return predict(
+        cfg,
+        t,
+        rates,
+        blocks=blocks,
+        kept=kept,
+        n_params=rt.layout.n_params,
+        first_read=first,
+        cpu_compute=not rt.dev.cuda,
+        offloaded=offloaded,
+    )

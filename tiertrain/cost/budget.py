@@ -39,8 +39,16 @@ from ..update import UPDATES
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
     return accum_dtype_for(cfg.train.grad_accum_dtype, cfg.data.micro_batches, dtype)
 
-__all__ = ["PLANNED", "STATES_ON_STORAGE", "BudgetPlan", "resolve_budget", "default_host_bytes",
-           "plan_budget", "PIECES_TOLERANCE"]
+
+__all__ = [
+    "PLANNED",
+    "STATES_ON_STORAGE",
+    "BudgetPlan",
+    "resolve_budget",
+    "default_host_bytes",
+    "plan_budget",
+    "PIECES_TOLERANCE",
+]
 
 log = logging.getLogger("tiertrain")
 
@@ -57,8 +65,9 @@ PLANNED = {
 # Every state on the storage tier but for small host buffers of gradients, hidden states and
 # residuals, and 512 MiB of kept activations: the fixed settings before the one budget (the
 # benchmarks against DeepSpeed, whose states are all on NVMe, use them).
-STATES_ON_STORAGE = dict(host_param_mib=0, grad_host_mib=256, optim_host_mib=0, stash_host_mib=256, keep_act_mib=512,
-                         residual_host_mib=256)
+STATES_ON_STORAGE = dict(
+    host_param_mib=0, grad_host_mib=256, optim_host_mib=0, stash_host_mib=256, keep_act_mib=512, residual_host_mib=256
+)
 HOST_FRACTION = 0.5  # of the memory available at start, when memory.host_mib is unset
 
 
@@ -66,14 +75,18 @@ def default_host_bytes() -> tuple[int, str]:
     avail = psutil.virtual_memory().available
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this machine share it
     if ranks > 1:
-        return (int(avail * HOST_FRACTION / ranks),
-                f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks")
+        return (
+            int(avail * HOST_FRACTION / ranks),
+            f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks",
+        )
     return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
 
 
 # What cutting the vocabulary changes (measured in tests/test_pieces.py): said when the plan cuts.
-PIECES_TOLERANCE = ("the cut head's cross-entropy is an online log-sum-exp over the pieces: losses differ from plain "
-                    "PyTorch's by rounding (relative 1e-6), weights after a few steps by up to 1e-5")
+PIECES_TOLERANCE = (
+    "the cut head's cross-entropy is an online log-sum-exp over the pieces: losses differ from plain "
+    "PyTorch's by rounding (relative 1e-6), weights after a few steps by up to 1e-5"
+)
 
 
 def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
@@ -105,9 +118,11 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
     cut_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=pieces))
     rt.recut(cut_cfg)
     cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)
-    plan.notes.append(f"vocabulary cut into {pieces} pieces (model.vocab_pieces = {pieces}): whole vocabulary units "
-                      f"do not fit ({why or 'on rank 0'}); {PIECES_TOLERANCE}. A budget that holds them keeps the "
-                      "vocabulary whole and the math exact")
+    plan.notes.append(
+        f"vocabulary cut into {pieces} pieces (model.vocab_pieces = {pieces}): whole vocabulary units "
+        f"do not fit ({why or 'on rank 0'}); {PIECES_TOLERANCE}. A budget that holds them keeps the "
+        "vocabulary whole and the math exact"
+    )
     return cut_cfg, plan
 
 
@@ -117,13 +132,16 @@ def _device_short(cfg: Config, rt) -> str:
     if not rt.dev.cuda:
         return ""
     m, unit = cfg.memory, rt.layout.max_unit_numel * rt.dtype.itemsize
-    need = ((m.device_slots + GradStore.buffers_for(rt.layout)) * unit
-            + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype)))
+    need = (m.device_slots + GradStore.buffers_for(rt.layout)) * unit + GradStore.accum_bytes_for(
+        rt.layout, accum_dtype_of(cfg, rt.dtype)
+    )
     budget = m.device_mib * MIB if m.device_mib is not None else int(0.9 * torch.cuda.mem_get_info(rt.dev.device)[0])
     if need <= budget:
         return ""
-    return (f"the device's slots and gradient buffers need {need / GIB:.2f} GiB by the largest unit, "
-            f"{budget / GIB:.2f} GiB are there")
+    return (
+        f"the device's slots and gradient buffers need {need / GIB:.2f} GiB by the largest unit, "
+        f"{budget / GIB:.2f} GiB are there"
+    )
 
 
 def _warn_above_available(host: int) -> None:
@@ -131,9 +149,12 @@ def _warn_above_available(host: int) -> None:
     user may know better, say with memory to be freed), but said, with the figure."""
     avail = psutil.virtual_memory().available
     if host > avail:
-        log.warning("memory.host_mib = %s MiB is more than the %s MiB this machine has available now: the states "
-                    "placed in memory by it may not fit (leave memory.host_mib unset for half of what is available)",
-                    f"{host // MIB:,}", f"{avail // MIB:,}")
+        log.warning(
+            "memory.host_mib = %s MiB is more than the %s MiB this machine has available now: the states "
+            "placed in memory by it may not fit (leave memory.host_mib unset for half of what is available)",
+            f"{host // MIB:,}",
+            f"{avail // MIB:,}",
+        )
 
 
 @dataclass
@@ -154,14 +175,18 @@ class BudgetPlan:
 
     @property
     def host_used(self) -> int:
-        return sum(self.fixed.values()) + sum(v for k, v in self.given.items()
-                                              if not (self.device_acts and k == "keep_act_mib"))
+        return sum(self.fixed.values()) + sum(
+            v for k, v in self.given.items() if not (self.device_acts and k == "keep_act_mib")
+        )
 
     def lines(self) -> list[str]:
         used = self.host_used
-        out = [f"host memory budget {self.host_bytes / GIB:.2f} GiB ({self.host_source}); fixed pools "
-               f"{sum(self.fixed.values()) / GIB:.2f} GiB ("
-               + ", ".join(f"{k} {v / MIB:,.0f} MiB" for k, v in self.fixed.items() if v) + ")"]
+        out = [
+            f"host memory budget {self.host_bytes / GIB:.2f} GiB ({self.host_source}); fixed pools "
+            f"{sum(self.fixed.values()) / GIB:.2f} GiB ("
+            + ", ".join(f"{k} {v / MIB:,.0f} MiB" for k, v in self.fixed.items() if v)
+            + ")"
+        ]
         for f in sorted(self.given, key=lambda k: -self.value.get(k, 0.0)):
             need, got = self.demand.get(f, 0), self.given[f]
             if not need and not got:
@@ -178,8 +203,11 @@ def _act_bytes_estimate(cfg: Config, rt) -> int:
     34 s b h + 5 a s^2 b bytes at 2 bytes per value, scaled to the dtype)."""
     d, h = cfg.data, rt.hidden_size
     heads = getattr(getattr(rt.model, "hf_config", None), "num_attention_heads", None) or cfg.model.n_heads
-    return int((34 * d.seq_len * d.micro_batch_size * h + 5 * heads * d.seq_len**2 * d.micro_batch_size)
-               * rt.dtype.itemsize / 2)
+    return int(
+        (34 * d.seq_len * d.micro_batch_size * h + 5 * heads * d.seq_len**2 * d.micro_batch_size)
+        * rt.dtype.itemsize
+        / 2
+    )
 
 
 def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
@@ -223,7 +251,8 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         sharded = getattr(rt, "world", 1) > 1
         out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * GradStore.staging_unit_bytes(
-            layout, rt.dtype, accum_dtype_of(cfg, rt.dtype), sharded)
+            layout, rt.dtype, accum_dtype_of(cfg, rt.dtype), sharded
+        )
     else:
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
@@ -244,8 +273,14 @@ def values(cfg: Config, rt, rates) -> dict[str, float]:
     reads = 3 if rt.dtype == torch.float32 else 2
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
     keep = (r.block_fwd_s + entry * (rd + wr)) / max(r.act_bytes, 1)
-    return {"host_param_mib": reads * rd + wr, "grad_host_mib": rd + wr, "optim_host_mib": rd + wr,
-            "stash_host_mib": rd + wr, "keep_act_mib": keep, "residual_host_mib": rd + wr}
+    return {
+        "host_param_mib": reads * rd + wr,
+        "grad_host_mib": rd + wr,
+        "optim_host_mib": rd + wr,
+        "stash_host_mib": rd + wr,
+        "keep_act_mib": keep,
+        "residual_host_mib": rd + wr,
+    }
 
 
 def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, BudgetPlan]:
@@ -269,9 +304,11 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
             if cfg.memory.activations == "offload":
                 raise
             # auto: no room for the records' pool: what is not kept is recomputed
-            plan.notes.append(f"activations: no room in the budget for {cfg.memory.act_buffers} records of "
-                              f"{record / MIB:,.0f} MiB (memory.act_buffers): none offloaded, the pairs not kept are "
-                              "recomputed; raise memory.host_mib to offload them")
+            plan.notes.append(
+                f"activations: no room in the budget for {cfg.memory.act_buffers} records of "
+                f"{record / MIB:,.0f} MiB (memory.act_buffers): none offloaded, the pairs not kept are "
+                "recomputed; raise memory.host_mib to offload them"
+            )
             record = 0
     plan.act_bytes, plan.record_bytes = act, record
     return cfg_out, plan
@@ -303,7 +340,9 @@ def _halved_buffers(cfg: Config, given: Config) -> Config | None:
             changed.setdefault(section, {})[name] = max(floor, value // 2)
     if not changed:
         return None
-    return dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()})
+    return dataclasses.replace(
+        cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()}
+    )
 
 
 def _default(sec, name: str) -> int:
@@ -324,12 +363,16 @@ def _resolve_fitting(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[
                 raise
             cfg = smaller
             continue
-        lowered = [f"{sec}.{name} {getattr(getattr(given, sec), name)} -> {getattr(getattr(cfg, sec), name)} KiB"
-                   for sec, name, _ in SHRINKABLE
-                   if getattr(getattr(cfg, sec), name) != getattr(getattr(given, sec), name)]
+        lowered = [
+            f"{sec}.{name} {getattr(getattr(given, sec), name)} -> {getattr(getattr(cfg, sec), name)} KiB"
+            for sec, name, _ in SHRINKABLE
+            if getattr(getattr(cfg, sec), name) != getattr(getattr(given, sec), name)
+        ]
         if lowered:
-            plan.notes.append(f"buffers lowered from their defaults to fit the fixed pools in the budget: "
-                              f"{', '.join(lowered)} (smaller requests; set them to choose)")
+            plan.notes.append(
+                f"buffers lowered from their defaults to fit the fixed pools in the budget: "
+                f"{', '.join(lowered)} (smaller requests; set them to choose)"
+            )
         return cfg_out, plan
 
 
@@ -357,7 +400,8 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
             f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
             f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
             "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set",
-            needed=host - left)
+            needed=host - left,
+        )
     given = dict(explicit)
     if todo:
         host_todo = [f for f in todo if f in host_need]
@@ -389,6 +433,9 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
     else:  # the simulated device of the tests: separate, its memory the host's, no limit of its own
         return need
     unit = rt.layout.max_unit_numel * e
-    fixed = ((m.device_slots + GradStore.buffers_for(rt.layout)) * unit + 2 * act
-             + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype)))
+    fixed = (
+        (m.device_slots + GradStore.buffers_for(rt.layout)) * unit
+        + 2 * act
+        + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype))
+    )
     return max(0, min(need, budget - fixed))

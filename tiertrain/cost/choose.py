@@ -34,8 +34,12 @@ def with_mode(cfg: Config, mode: str) -> Config:
     return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))
 
 
-def resolve_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None,
-                   agree: Callable[[tuple[str, str]], tuple[str, str]] | None = None) -> tuple[Config, str | None]:
+def resolve_update(
+    cfg: Config,
+    rt,
+    rates_fn: Callable[[], Rates] | None,
+    agree: Callable[[tuple[str, str]], tuple[str, str]] | None = None,
+) -> tuple[Config, str | None]:
     """``cfg`` with ``update.mode = "auto"`` resolved, and why (None where it was not auto).
     ``agree`` (ranks: ``RankGroup.rank0s``) makes every rank take one rank's choice: each chose
     from its own measurements, which may differ."""
@@ -64,17 +68,30 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
         return with_mode(cfg, eager), f"{eager} (update.eager = true: each unit as its gradient arrives)"
     from . import predict_with, step_traffic
 
-    t = step_traffic(with_mode(cfg, simplest), rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size,
-                     kept=0, separate=rt.dev.separate)
+    t = step_traffic(
+        with_mode(cfg, simplest),
+        rt.model,
+        rt.layout,
+        rt.dtype,
+        rt.align,
+        hidden=rt.hidden_size,
+        kept=0,
+        separate=rt.dev.separate,
+    )
     if t.update_read + t.update_write == 0:
         mode = beside if rt.dev.cuda else simplest
-        why = ("the update moves nothing on the storage tier: its CPU work runs beside the device's" if rt.dev.cuda else
-               "the update moves nothing on the storage tier and the compute is on this CPU: nothing to hide")
+        why = (
+            "the update moves nothing on the storage tier: its CPU work runs beside the device's"
+            if rt.dev.cuda
+            else "the update moves nothing on the storage tier and the compute is on this CPU: nothing to hide"
+        )
         return with_mode(cfg, mode), f"{mode} ({why})"
     if rates_fn is None:
         moved = (t.update_read + t.update_write) / 1e9
-        return with_mode(cfg, beside), (f"{beside} (the update moves {moved:.2f} GB a step on the storage tier; "
-                                         "not measured here: hidden under the next forward)")
+        return with_mode(cfg, beside), (
+            f"{beside} (the update moves {moved:.2f} GB a step on the storage tier; "
+            "not measured here: hidden under the next forward)"
+        )
     rates = rates_fn()
     times = {name: predict_with(with_mode(cfg, name), rt, rates).step_s for name, _ in paths}
     mode = simplest  # a tie (within 2%) keeps the simpler path
@@ -95,8 +112,9 @@ def _candidates(rest: int, most: int = 48) -> list[int]:
     return sorted({round(i * rest / most) for i in range(most + 1)})
 
 
-def resolve_activations(cfg: Config, rt, act_bytes: int, record_bytes: int,
-                        rates_fn: Callable[[], Rates] | None) -> tuple[Config, str | None]:
+def resolve_activations(
+    cfg: Config, rt, act_bytes: int, record_bytes: int, rates_fn: Callable[[], Rates] | None
+) -> tuple[Config, str | None]:
     """``cfg`` with ``memory.offload_pairs`` planned (0 where nothing is offloaded), and why.
 
     The pairs the keep budget holds are kept; of the rest, in forward order just before the
@@ -128,4 +146,5 @@ def resolve_activations(cfg: Config, rt, act_bytes: int, record_bytes: int,
     n = min(k for k, t in times.items() if t <= 1.01 * best)  # within 1%: fewer bytes on the disk
     return _with_offload(cfg, n), head + (
         f"{n} on the storage tier, {rest - n} recomputed (predicted {times[n]:.2f} s/step; all recomputed "
-        f"{times[0]:.2f} s, all offloaded {times[rest]:.2f} s; {record_bytes / MIB:.1f} MiB per pair)")
+        f"{times[0]:.2f} s, all offloaded {times[rest]:.2f} s; {record_bytes / MIB:.1f} MiB per pair)"
+    )

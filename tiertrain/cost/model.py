@@ -52,8 +52,18 @@ class Prediction:
         return "\n".join(rows)
 
 
-def _phase(name: str, compute: float, read: int, write: int, r: Rates, checksum: bool, *, cpu_compute: bool,
-           extra_io: float = 0.0, extra_cpu: float = 0.0) -> Phase:
+def _phase(
+    name: str,
+    compute: float,
+    read: int,
+    write: int,
+    r: Rates,
+    checksum: bool,
+    *,
+    cpu_compute: bool,
+    extra_io: float = 0.0,
+    extra_cpu: float = 0.0,
+) -> Phase:
     io = read / (r.read_gbps * 1e9) + write / (r.write_gbps * 1e9) + extra_io
     crc = (read + write) / (r.crc_gbps * 1e9) if checksum else 0.0
     if cpu_compute:
@@ -91,18 +101,39 @@ class StepCosts:
     cpu_compute: bool  # the device is this CPU: the update takes its cores
     pcie_s: float  # seconds of host <-> device copies a phase waits for, per phase
 
-    def phase(self, name: str, compute: float, read: int, write: int, *, extra_io: float = 0.0,
-              extra_cpu: float = 0.0) -> Phase:
+    def phase(
+        self, name: str, compute: float, read: int, write: int, *, extra_io: float = 0.0, extra_cpu: float = 0.0
+    ) -> Phase:
         """A phase of ``compute`` seconds moving ``read`` / ``write`` bytes on the storage tier."""
-        return _phase(name, compute, read, write, self.rates, self.cfg.io.checksum, cpu_compute=self.cpu_compute,
-                      extra_io=extra_io, extra_cpu=extra_cpu)
+        return _phase(
+            name,
+            compute,
+            read,
+            write,
+            self.rates,
+            self.cfg.io.checksum,
+            cpu_compute=self.cpu_compute,
+            extra_io=extra_io,
+            extra_cpu=extra_cpu,
+        )
 
     def first_read_s(self) -> float:
         return self.first_read / (self.rates.read_gbps * 1e9)
 
 
-def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: int, n_params: int,
-            first_read: int, cpu_compute: bool, pcie_gbps: float | None = None, offloaded: int = 0) -> Prediction:
+def predict(
+    cfg: Config,
+    traffic: Traffic,
+    rates: Rates,
+    *,
+    blocks: int,
+    kept: int,
+    n_params: int,
+    first_read: int,
+    cpu_compute: bool,
+    pcie_gbps: float | None = None,
+    offloaded: int = 0,
+) -> Prediction:
     """The predicted step of a run of ``cfg`` (see the module docstring). ``first_read``:
     bytes of the forward's first unit read from the file (0 when in memory); ``offloaded``:
     pairs read back instead of recomputed (their bytes are in ``traffic``). How the update's
@@ -118,8 +149,16 @@ def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: i
     pcie_s = ((traffic.up + traffic.down) / (pcie_gbps * 1e9) if pcie_gbps else 0.0) / 2
     fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
     fwd.time_s += first_read / (r.read_gbps * 1e9)
-    bwd = _phase("backward", bwd_c, traffic.backward_read, traffic.backward_write, r, ck, cpu_compute=cpu_compute,
-                 extra_io=pcie_s)
+    bwd = _phase(
+        "backward",
+        bwd_c,
+        traffic.backward_read,
+        traffic.backward_write,
+        r,
+        ck,
+        cpu_compute=cpu_compute,
+        extra_io=pcie_s,
+    )
     upd = _phase("update", upd_c, traffic.update_read, traffic.update_write, r, ck, cpu_compute=True)
     u_bytes = traffic.update_read + traffic.update_write
     # CPU seconds of the update off the trainer's thread: its kernel, checksums, I/O threads
@@ -127,5 +166,3 @@ def predict(cfg: Config, traffic: Traffic, rates: Rates, *, blocks: int, kept: i
     c = StepCosts(cfg, traffic, rates, fwd, bwd, upd, fwd_c, bwd_c, upd_c, upd_cpu, first_read, cpu_compute, pcie_s)
     phases, step, bound, notes = UPDATES[cfg.update.mode].predict_step(c)
     return Prediction(phases, step, bound, traffic, rates, notes)
-
-

@@ -22,8 +22,8 @@ import torch
 
 from ..activations.keep import KeptGraphs
 from ..activations.offload import measure_record
-from ..execute.vocab import piece_backward, piece_logsumexp
 from ..config import Config, IOConfig
+from ..execute.vocab import piece_backward, piece_logsumexp
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
@@ -76,8 +76,14 @@ class DiskProbe:
         self.piece = min(probe_mib << 20, 16 << 20)  # the buffer: the probe's own memory stays small
         self.size = (probe_mib << 20) // self.piece * self.piece
         self.io = io
-        self.st = Storage(io.paths, threads=io.threads, chunk_bytes=io.chunk_kib << 10,
-                          stripe_bytes=io.stripe_kib << 10, direct=io.direct, checksum=False)
+        self.st = Storage(
+            io.paths,
+            threads=io.threads,
+            chunk_bytes=io.chunk_kib << 10,
+            stripe_bytes=io.stripe_kib << 10,
+            direct=io.direct,
+            checksum=False,
+        )
         self.buf = aligned_empty(self.piece)
         self.buf.numpy()[:] = np.random.default_rng(0).integers(0, 255, self.piece, dtype=np.uint8)
         self.name = f".tiertrain-probe-{os.getpid()}"
@@ -162,8 +168,17 @@ def probe_acts(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int)
     return out["act_bytes"], out["record_bytes"]
 
 
-def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, *, act_only: bool = False,
-                  blocks_only: bool = False) -> dict:
+def probe_compute(
+    cfg: Config,
+    model,
+    layout,
+    dev,
+    dtype: torch.dtype,
+    hidden: int,
+    *,
+    act_only: bool = False,
+    blocks_only: bool = False,
+) -> dict:
     """Run in a forked RNG: a probe never changes what the run draws (dropout, resume).
 
     Per micro-batch: seconds of the embedding's forward and backward, one block's forward
@@ -172,8 +187,9 @@ def probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: i
         return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only, blocks_only)
 
 
-def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool,
-                   blocks_only: bool) -> dict:
+def _probe_compute(
+    cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
+) -> dict:
     d = cfg.data
     plan = model.plan
     embed = next(r for r in plan if r.role == "embed")
@@ -185,9 +201,11 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         return sorted({x for u in us for x in (*layout.units[u].borrows, u)})
 
     # one group of units in memory at a time: the probe's peak is one kind's, not the model's few largest
-    groups = {"embed": with_borrows(embed.index, *[pieces[k] for k in ("embed_piece",) if k in pieces]),
-              "head": with_borrows(head.index, *[pieces[k] for k in ("head_piece",) if k in pieces]),
-              "block": with_borrows(block.index)}
+    groups = {
+        "embed": with_borrows(embed.index, *[pieces[k] for k in ("embed_piece",) if k in pieces]),
+        "head": with_borrows(head.index, *[pieces[k] for k in ("head_piece",) if k in pieces]),
+        "block": with_borrows(block.index),
+    }
     flats, grads = {}, {}
     saved = {u: [rec.param.data for rec in layout.units[u].params] for g in groups.values() for u in g}
 
@@ -216,6 +234,7 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         tok = torch.empty(*ids.shape, hidden, dtype=dtype, device=dev.device)
         model.embed_pieces[0].gather_into(tok, ids)
         return model.embed.finish(tok.requires_grad_(), pos)
+
     pos = torch.arange(d.seq_len, device=dev.device)
     sync = dev.synchronize
     kept = KeptGraphs(1 << 62, lambda u: flats[u])
@@ -301,8 +320,14 @@ def _probe_compute(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: 
         out_s["act_bytes"] = act = kept.kept_bytes
         out_s["record_bytes"] = record
         budget = cfg.memory.keep_act_mib
-        keep_n = (0 if cfg.memory.activations == "recompute" else  # None: still being planned: a few
-                  min(L, 4) if budget is None else min(L, (budget << 20) // max(act, 1)))
+        keep_n = (
+            0
+            if cfg.memory.activations == "recompute"
+            # None: still being planned: a few
+            else min(L, 4)
+            if budget is None
+            else min(L, (budget << 20) // max(act, 1))
+        )
         blocks_pass(max(keep_n, 1))  # warm-up
         runs = [blocks_pass(max(keep_n, 1)) for _ in range(2)]
         out_s["block_fwd_s"] = statistics.median(r[0] for r in runs)

@@ -39,12 +39,16 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
         if all(ph.bound != "I/O" for ph in p.phases[:2]):
             tok = m * cfg.data.micro_batch_size * cfg.data.seq_len
             same = " (this run's)" if m == M else ""
-            out.append(f"micro-batches: {m}{same} is the fewest at which the forward and backward hide their "
-                       f"I/O ({tok:,} tokens per step, {p.step_s:.2f} s predicted)")
+            out.append(
+                f"micro-batches: {m}{same} is the fewest at which the forward and backward hide their "
+                f"I/O ({tok:,} tokens per step, {p.step_s:.2f} s predicted)"
+            )
             break
     else:
-        out.append("micro-batches: the forward and backward stay I/O-bound up to 64; more host memory for "
-                   "parameters (memory.host_param_mib) or more storage paths would help")
+        out.append(
+            "micro-batches: the forward and backward stay I/O-bound up to 64; more host memory for "
+            "parameters (memory.host_param_mib) or more storage paths would help"
+        )
     # every update path with the same rates (eager ones only where clipping is off, as they need)
     from ..update import UPDATES
 
@@ -53,8 +57,10 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
         paths += [(m, True) for m, cls in UPDATES.items() if m != "auto" and cls.supports_eager]
     name = lambda mode, eager: mode + (" (eager)" if eager else "")  # noqa: E731
     this = name(cfg.update.mode, cfg.update.eager)
-    times = {name(m, e): (pred.step_s if name(m, e) == this else at(with_("update", mode=m, eager=e)).step_s)
-             for m, e in paths}
+    times = {
+        name(m, e): (pred.step_s if name(m, e) == this else at(with_("update", mode=m, eager=e)).step_s)
+        for m, e in paths
+    }
     best = min(times, key=times.get)
     listed = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
     if times[this] <= 1.02 * times[best]:
@@ -72,8 +78,10 @@ def _activations(cfg, rt, r) -> str:
     kept = kept_pairs(cfg, L, r.act_bytes)
     off = offloaded_pairs(cfg, L, kept)
     rec = f" (records of {r.record_bytes / MIB:.1f} MiB)" if off else ""
-    return (f"activations (memory.activations = {cfg.memory.activations!r}): of {L * M} (block, micro-batch) pairs "
-            f"{kept} kept, {off} on the storage tier{rec}, {L * M - kept - off} recomputed")
+    return (
+        f"activations (memory.activations = {cfg.memory.activations!r}): of {L * M} (block, micro-batch) pairs "
+        f"{kept} kept, {off} on the storage tier{rec}, {L * M - kept - off} recomputed"
+    )
 
 
 def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
@@ -91,7 +99,8 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f"bytes per step on the storage tier: read {t.read / GB:.3f} GB (forward {t.forward_read / GB:.3f},"
         f" backward {t.backward_read / GB:.3f}, update {t.update_read / GB:.3f}), write {t.write / GB:.3f} GB"
         f" (forward {t.forward_write / GB:.3f}, backward {t.backward_write / GB:.3f}, update {t.update_write / GB:.3f})",
-        "  by state (read / write GB): " + ", ".join(f"{k} {v[0] / GB:.3f}/{v[1] / GB:.3f}" for k, v in t.by_state.items()),
+        "  by state (read / write GB): "
+        + ", ".join(f"{k} {v[0] / GB:.3f}/{v[1] / GB:.3f}" for k, v in t.by_state.items()),
     ]
     if rt.dev.separate:
         lines.append(f"host <-> device per step: up {t.up / GB:.3f} GB, down {t.down / GB:.3f} GB")

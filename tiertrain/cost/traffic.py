@@ -138,9 +138,20 @@ def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int) -> set[int
     return {u for u, off in place(layout, dtype, host_bytes, align).items() if off is not None}
 
 
-def step_traffic(cfg: Config, model, layout, dtype: torch.dtype, align: int, *, hidden: int, kept: int,
-                 separate: bool = False, used_pieces: list | None = None, offloaded: int = 0,
-                 record: int = 0) -> Traffic:
+def step_traffic(
+    cfg: Config,
+    model,
+    layout,
+    dtype: torch.dtype,
+    align: int,
+    *,
+    hidden: int,
+    kept: int,
+    separate: bool = False,
+    used_pieces: list | None = None,
+    offloaded: int = 0,
+    record: int = 0,
+) -> Traffic:
     """Bytes per step of a baseline run of ``cfg`` (the update engines move the update's
     bytes themselves: the same totals, attributed to them). ``kept``: pairs kept in memory
     (``kept_pairs``); ``separate``: device memory is not host memory (CUDA); ``used_pieces``:

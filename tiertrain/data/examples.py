@@ -59,8 +59,9 @@ def is_prepared(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
 
 
-def write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int,
-                   describe: Callable[[], dict]) -> dict:
+def write_examples(
+    out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int, describe: Callable[[], dict]
+) -> dict:
     """Write ``examples`` (streamed) as a prepared directory; its metadata returned
     (``describe()``'s fields, asked once every example is written, added). A failure (bad data,
     no example, Ctrl-C) leaves none of what it wrote, nor the directory where it made it."""
@@ -78,8 +79,9 @@ def write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int
         raise
 
 
-def _write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int,
-                    describe: Callable[[], dict]) -> dict:
+def _write_examples(
+    out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int, describe: Callable[[], dict]
+) -> dict:
     if os.path.exists(os.path.join(out_dir, META)):
         os.remove(os.path.join(out_dir, META))  # incomplete until rewritten
     tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
@@ -87,6 +89,7 @@ def _write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: in
     scored = 0
     try:
         with open(tmp["mask.bin"], "wb") as fm, open(tmp["offsets.bin"], "wb") as fo:
+
             def put(name, f, arr):
                 data = arr.tobytes()
                 crcs[name] = crc32c(np.frombuffer(data, dtype=np.uint8), crcs[name])
@@ -114,8 +117,18 @@ def _write_examples(out_dir: str, examples: Iterable[Example], *, vocab_size: in
         for path in tmp.values():
             if os.path.exists(path):
                 os.remove(path)
-    meta = dict(format=FORMAT, version=1, examples=count[0], tokens=count[1], longest=longest, scored=scored,
-                vocab_size=vocab_size, eos=eos, crc32c=crcs, **describe())
+    meta = dict(
+        format=FORMAT,
+        version=1,
+        examples=count[0],
+        tokens=count[1],
+        longest=longest,
+        scored=scored,
+        vocab_size=vocab_size,
+        eos=eos,
+        crc32c=crcs,
+        **describe(),
+    )
     with open(os.path.join(out_dir, META + ".tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, META + ".tmp"), os.path.join(out_dir, META))
@@ -131,18 +144,22 @@ class PreparedExamples:
             with open(os.path.join(path, META)) as f:
                 self.meta = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"{what} = {path}: not a prepared examples directory ({exc}); make it with `tiertrain "
-                             "prepare`") from None
+            raise UsageError(
+                f"{what} = {path}: not a prepared examples directory ({exc}); make it with `tiertrain prepare`"
+            ) from None
         if self.meta.get("format") != FORMAT or self.meta.get("version") != 1:
-            raise UsageError(f"{what} = {path}: {META} is not tiertrain's (format {self.meta.get('format')!r}); "
-                             "prepare it again")
+            raise UsageError(
+                f"{what} = {path}: {META} is not tiertrain's (format {self.meta.get('format')!r}); prepare it again"
+            )
         self.ids, self.vocab_size = read_tokens(os.path.join(path, "ids.tokens"))
         n, t = self.meta["examples"], self.meta["tokens"]
         self.mask = self._raw("mask.bin", np.uint8, t, what)
         self.offsets = self._raw("offsets.bin", np.dtype("<i8"), n + 1, what)
         if len(self.ids) != t or self.offsets[-1] != t:
-            raise UsageError(f"{what} = {path}: its files disagree on the token count ({len(self.ids)} ids, "
-                             f"{int(self.offsets[-1])} in the offsets, {t} in {META}); prepare it again")
+            raise UsageError(
+                f"{what} = {path}: its files disagree on the token count ({len(self.ids)} ids, "
+                f"{int(self.offsets[-1])} in the offsets, {t} in {META}); prepare it again"
+            )
         self.eos, self.count = int(self.meta["eos"]), n
         self.lengths = np.diff(self.offsets)
 
@@ -150,12 +167,15 @@ class PreparedExamples:
         p = os.path.join(self.path, name)
         size = os.path.getsize(p) if os.path.exists(p) else -1
         if size != count * np.dtype(dtype).itemsize:
-            raise UsageError(f"{what} = {self.path}: {name} is {'missing' if size < 0 else f'{size} bytes'}, expected "
-                             f"{count * np.dtype(dtype).itemsize}; it is truncated or damaged: prepare it again")
+            raise UsageError(
+                f"{what} = {self.path}: {name} is {'missing' if size < 0 else f'{size} bytes'}, expected "
+                f"{count * np.dtype(dtype).itemsize}; it is truncated or damaged: prepare it again"
+            )
         arr = np.memmap(p, dtype=dtype, mode="r", shape=(count,))
         if crc32c(np.frombuffer(arr, dtype=np.uint8)) != self.meta["crc32c"][name]:
-            raise UsageError(f"{what} = {self.path}: {name} does not match its checksum; the file is corrupt: prepare "
-                             "it again")
+            raise UsageError(
+                f"{what} = {self.path}: {name} does not match its checksum; the file is corrupt: prepare it again"
+            )
         return arr
 
 
@@ -163,9 +183,19 @@ class ExampleBatches:
     """The rows of every step (see the module docstring): ``batches(step, rank, world)`` as
     ``Corpus.batches``, ``scored(step, world)`` the step's scored targets."""
 
-    def __init__(self, data: PreparedExamples, *, seq_len: int, micro_batch_size: int, micro_batches: int,
-                 seed: int, packing: bool, long_examples: str, shuffle: bool = True,
-                 by_document: bool = True) -> None:
+    def __init__(
+        self,
+        data: PreparedExamples,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        micro_batches: int,
+        seed: int,
+        packing: bool,
+        long_examples: str,
+        shuffle: bool = True,
+        by_document: bool = True,
+    ) -> None:
         self.data, self.T, self.B, self.M = data, seq_len, micro_batch_size, micro_batches
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.by_document = packing and by_document
@@ -175,17 +205,25 @@ class ExampleBatches:
         self.keep = np.flatnonzero(~too_long) if long_examples == "drop" else np.arange(data.count)
         self.lengths = np.minimum(lengths, seq_len + 1)  # 'truncate': the first seq_len + 1 tokens
         if too_long.any():
-            log.info("data: %d of %d examples are longer than seq_len + 1 = %d tokens: %s (data.long_examples)",
-                     int(too_long.sum()), data.count, seq_len + 1,
-                     "dropped" if long_examples == "drop" else "cut to that length")
+            log.info(
+                "data: %d of %d examples are longer than seq_len + 1 = %d tokens: %s (data.long_examples)",
+                int(too_long.sum()),
+                data.count,
+                seq_len + 1,
+                "dropped" if long_examples == "drop" else "cut to that length",
+            )
         if len(self.keep) == 0:
-            raise UsageError(f"data: every example of {data.path} is longer than seq_len + 1 = {seq_len + 1} tokens and "
-                             "data.long_examples = 'drop'; raise data.seq_len or set data.long_examples = 'truncate'")
+            raise UsageError(
+                f"data: every example of {data.path} is longer than seq_len + 1 = {seq_len + 1} tokens and "
+                "data.long_examples = 'drop'; raise data.seq_len or set data.long_examples = 'truncate'"
+            )
         self.epoch_tokens = int(self.lengths[self.keep].sum())
         self.rows_per_epoch = (self.epoch_tokens - 1) // seq_len if packing else len(self.keep)
         if self.rows_per_epoch < 1:
-            raise UsageError(f"data: {data.path} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
-                             f"{seq_len + 1}; lower data.seq_len or turn data.packing off")
+            raise UsageError(
+                f"data: {data.path} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
+                f"{seq_len + 1}; lower data.seq_len or turn data.packing off"
+            )
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: tuple | None = None  # the last step's rows (``_step_rows``)
 
@@ -264,6 +302,8 @@ class ExampleBatches:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
         n = sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))
         if n == 0:
-            raise UsageError(f"data: step {step + 1} has no scored token (every target masked); check the data's "
-                             "prompt/completion split, or raise data.seq_len")
+            raise UsageError(
+                f"data: step {step + 1} has no scored token (every target masked); check the data's "
+                "prompt/completion split, or raise data.seq_len"
+            )
         return n

@@ -54,8 +54,9 @@ def is_rows_input(path: str) -> bool:
 
 
 def _is_datasets_dir(path: str) -> bool:
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n))
-                                       for n in ("state.json", "dataset_dict.json", "dataset_info.json"))
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json", "dataset_info.json")
+    )
 
 
 def read_rows(path: str) -> Iterator[tuple[str, Any]]:
@@ -67,8 +68,9 @@ def read_rows(path: str) -> Iterator[tuple[str, Any]]:
     elif _is_datasets_dir(path):
         yield from _datasets(path)
     else:
-        raise DataError(f"{path}: not JSONL (.jsonl), Parquet (.parquet) or a directory saved by datasets' "
-                        "save_to_disk")
+        raise DataError(
+            f"{path}: not JSONL (.jsonl), Parquet (.parquet) or a directory saved by datasets' save_to_disk"
+        )
 
 
 def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
@@ -79,8 +81,10 @@ def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}, line {n}: not UTF-8 (byte {exc.start + 1} of the line: {exc.reason}); "
-                                "convert the file to UTF-8") from None
+                raise DataError(
+                    f"{path}, line {n}: not UTF-8 (byte {exc.start + 1} of the line: {exc.reason}); "
+                    "convert the file to UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -113,16 +117,19 @@ def _datasets(path: str) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: reading a datasets directory needs datasets: pip install 'tiertrain[data]'") from None
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
-        raise DataError(f"{path} holds several splits ({', '.join(ds)}); give one of them, e.g. "
-                        f"{os.path.join(path, next(iter(ds)))}")
+        raise DataError(
+            f"{path} holds several splits ({', '.join(ds)}); give one of them, e.g. "
+            f"{os.path.join(path, next(iter(ds)))}"
+        )
     for n, row in enumerate(ds, 1):  # memory-mapped Arrow: rows are read as they are asked for
         yield f"{path}, row {n}", row
 
 
 def _field(where: str, row: Any, name: str, kind: str) -> Any:
     if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be an object with a {name!r} field ({kind} data), got "
-                        f"{type(row).__name__}")
+        raise DataError(
+            f"{where}: a row must be an object with a {name!r} field ({kind} data), got {type(row).__name__}"
+        )
     if name not in row:
         raise DataError(f"{where}: no {name!r} field ({kind} data; the row has {', '.join(map(repr, row)) or 'none'})")
     return row[name]
@@ -147,8 +154,10 @@ def detect_kind(where: str, row: Any) -> str:
         if "text" in row:
             return "text"
     fields = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
-    raise DataError(f"{where}: cannot tell the data's format from its fields ({fields}): need 'text', 'prompt' and "
-                    "'completion', or 'messages' (or set data.format)")
+    raise DataError(
+        f"{where}: cannot tell the data's format from its fields ({fields}): need 'text', 'prompt' and "
+        "'completion', or 'messages' (or set data.format)"
+    )
 
 
 class Renderer:
@@ -182,14 +191,19 @@ class Renderer:
             raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) "
-                                "and 'content' (a string)")
+                raise DataError(
+                    f"{where}: messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) "
+                    "and 'content' (a string)"
+                )
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no assistant message with content: nothing to learn from")
         tok = getattr(self.tok, "tok", None)
         if tok is None or not getattr(tok, "chat_template", None):
-            raise DataError(f"{where}: chat data needs a tokenizer with a chat template (data.tokenizer / --tokenizer: a "
-                            "directory whose tokenizer_config.json has 'chat_template', or a chat_template.jinja)")
+            raise DataError(
+                f"{where}: chat data needs a tokenizer with a chat template (data.tokenizer / --tokenizer: a "
+                "directory whose tokenizer_config.json has 'chat_template', or a chat_template.jinja)"
+            )
+
         def render(ms: list, gen: bool = False) -> str:
             return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
 
@@ -200,8 +214,10 @@ class Renderer:
                 continue
             start, upto = render(msgs[:k], True) if k else "", render(msgs[: k + 1])
             if not (full.startswith(upto) and upto.startswith(start)):
-                raise DataError(f"{where}: the tokenizer's chat template does not render a conversation's beginning as "
-                                "a prefix of the whole; its assistant replies cannot be told apart")
+                raise DataError(
+                    f"{where}: the tokenizer's chat template does not render a conversation's beginning as "
+                    "a prefix of the whole; its assistant replies cannot be told apart"
+                )
             if self.mask_prompt:
                 spans.append((len(start), len(upto)))
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)

@@ -21,13 +21,30 @@ from ..config import ConfigError, DataConfig, has_tokenizer
 from ..errors import one_line
 from .tokens import read_tokens
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Corpus", "EvalSet", "bundled_corpus_path", "open_corpus", "TOKENIZER_FILES",
-           "tokenizer_fingerprint"]
+__all__ = [
+    "ByteTokenizer",
+    "load_tokenizer",
+    "Corpus",
+    "EvalSet",
+    "bundled_corpus_path",
+    "open_corpus",
+    "TOKENIZER_FILES",
+    "tokenizer_fingerprint",
+]
 
 log = logging.getLogger("tiertrain")
 # What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class ByteTokenizer:
@@ -70,13 +87,16 @@ def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
     if not os.path.isdir(directory):
         raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
     if not has_tokenizer(directory):
-        raise ConfigError(f"{what} = {directory!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); give "
-                          "the directory that holds them (a model directory usually does)")
+        raise ConfigError(
+            f"{what} = {directory!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); give "
+            "the directory that holds them (a model directory usually does)"
+        )
     try:
         return _HFTokenizer(directory)
     except Exception as exc:  # transformers raises several kinds for a broken directory
-        raise ConfigError(f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: "
-                          f"{one_line(exc)})") from None
+        raise ConfigError(
+            f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: {one_line(exc)})"
+        ) from None
 
 
 def tokenizer_fingerprint(directory: str | None) -> str:
@@ -112,16 +132,21 @@ class Corpus:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
             except UnicodeDecodeError as exc:
-                raise ConfigError(f"{what} = {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                  "convert it to UTF-8, or give a token file from `tiertrain prepare`") from None
+                raise ConfigError(
+                    f"{what} = {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                    "convert it to UTF-8, or give a token file from `tiertrain prepare`"
+                ) from None
             ids = tok.encode(text)
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
             self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
         else:
             if cfg.tokenizer not in (None, BYTES) and not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
                 # (a model directory's tokenizer is taken by default: said only when one was given)
-                log.warning("data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was "
-                            "prepared", cfg.tokenizer, path)
+                log.warning(
+                    "data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was prepared",
+                    cfg.tokenizer,
+                    path,
+                )
             self.tokens, self.vocab_size = read_tokens(path)
         self.path = path
         need = cfg.seq_len + 1
@@ -173,13 +198,16 @@ class EvalSet:
         if cfg.eval_corpus is None:
             raise ConfigError("data.eval_corpus is not set: there is no held-out text to take a validation loss on")
         self.cfg, self.scored, self.examples, self.corpus = cfg, None, None, None
-        data = open_corpus(dataclasses.replace(cfg, corpus=cfg.eval_corpus, micro_batches=1), what="data.eval_corpus",
-                           shuffle=False)
+        data = open_corpus(
+            dataclasses.replace(cfg, corpus=cfg.eval_corpus, micro_batches=1), what="data.eval_corpus", shuffle=False
+        )
         self.vocab_size, B = data.vocab_size, cfg.micro_batch_size
         if isinstance(data, Corpus):
             self.corpus, rows = data, (len(data.tokens) - 1) // cfg.seq_len
-            short = (f"{data.path} has {len(data.tokens)} tokens, too few for one micro-batch of {B} windows of "
-                     f"{cfg.seq_len + 1}; give a longer text")
+            short = (
+                f"{data.path} has {len(data.tokens)} tokens, too few for one micro-batch of {B} windows of "
+                f"{cfg.seq_len + 1}; give a longer text"
+            )
         else:  # examples: each micro-batch's loss summed over all the scored targets (``total_scored``)
             self.examples, rows = data, data.rows_per_epoch
             short = f"{data.data.path} gives {rows} rows, fewer than one micro-batch of {B}; give more examples"
@@ -210,8 +238,12 @@ class EvalSet:
         T, B = self.corpus.cfg.seq_len, self.corpus.cfg.micro_batch_size
         out = []
         for i in range(rank, self.count - self.count % world, world):
-            win = np.stack([np.asarray(self.corpus.tokens[(i * B + b) * T : (i * B + b + 1) * T + 1], dtype=np.int64)
-                            for b in range(B)])
+            win = np.stack(
+                [
+                    np.asarray(self.corpus.tokens[(i * B + b) * T : (i * B + b + 1) * T + 1], dtype=np.int64)
+                    for b in range(B)
+                ]
+            )
             t = torch.from_numpy(win)
             out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
         return out
@@ -230,10 +262,17 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
         path = prepared_cache(cfg, path, what)
     if path == "bundled" or not is_prepared(path):
         return Corpus(cfg, what)
-    return ExampleBatches(PreparedExamples(path, what), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                          micro_batches=cfg.micro_batches, seed=cfg.seed, packing=cfg.packing,
-                          long_examples=cfg.long_examples, shuffle=shuffle,
-                          by_document=cfg.packed_attention == "document")
+    return ExampleBatches(
+        PreparedExamples(path, what),
+        seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size,
+        micro_batches=cfg.micro_batches,
+        seed=cfg.seed,
+        packing=cfg.packing,
+        long_examples=cfg.long_examples,
+        shuffle=shuffle,
+        by_document=cfg.packed_attention == "document",
+    )
 
 
 def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
@@ -246,10 +285,13 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
 
     from .prepare import prepare_examples
 
-    st = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
-          for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))]
-    key = hashlib.sha256(json.dumps([st, tokenizer_fingerprint(cfg.tokenizer), cfg.format,
-                                     cfg.mask_prompt]).encode()).hexdigest()[:16]
+    st = [
+        (os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
+        for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))
+    ]
+    key = hashlib.sha256(
+        json.dumps([st, tokenizer_fingerprint(cfg.tokenizer), cfg.format, cfg.mask_prompt]).encode()
+    ).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     out = os.path.join(root, "tiertrain", "prepared", key)
     from .examples import is_prepared

@@ -33,8 +33,10 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None)
                     try:
                         text = f.read(_BLOCK)
                     except UnicodeDecodeError as exc:
-                        raise UsageError(f"prepare --input {path} is not UTF-8 text ({exc.reason} near byte "
-                                         f"{exc.start} of a block); convert it to UTF-8 or give a text file") from None
+                        raise UsageError(
+                            f"prepare --input {path} is not UTF-8 text ({exc.reason} near byte "
+                            f"{exc.start} of a block); convert it to UTF-8 or give a text file"
+                        ) from None
                     if not text:
                         break
                     text, carry = _split_at_whitespace(carry + text)
@@ -46,8 +48,15 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None)
     return write_tokens(output, chunks(), tok.vocab_size)
 
 
-def prepare_examples(inputs: Sequence[str], output: str, *, tokenizer: str | None = None, kind: str = "auto",
-                     mask_prompt: bool = True, progress: bool = True) -> dict:
+def prepare_examples(
+    inputs: Sequence[str],
+    output: str,
+    *,
+    tokenizer: str | None = None,
+    kind: str = "auto",
+    mask_prompt: bool = True,
+    progress: bool = True,
+) -> dict:
     """Render every row of ``inputs`` (in order) into the prepared directory ``output``; its
     metadata returned (examples, tokens, scored targets)."""
     from .examples import write_examples
@@ -71,21 +80,33 @@ def prepare_examples(inputs: Sequence[str], output: str, *, tokenizer: str | Non
                     bar.update(1)
 
     eos = render.eos if render.eos is not None else -1
-    return write_examples(output, examples(), vocab_size=tok.vocab_size, eos=eos,
-                          describe=lambda: dict(kind=render.kind, sources=[os.path.abspath(p) for p in inputs],
-                                        tokenizer=os.path.abspath(tokenizer) if tokenizer else "bytes",
-                                        tokenizer_sha=tokenizer_fingerprint(tokenizer), mask_prompt=mask_prompt))
+    return write_examples(
+        output,
+        examples(),
+        vocab_size=tok.vocab_size,
+        eos=eos,
+        describe=lambda: dict(
+            kind=render.kind,
+            sources=[os.path.abspath(p) for p in inputs],
+            tokenizer=os.path.abspath(tokenizer) if tokenizer else "bytes",
+            tokenizer_sha=tokenizer_fingerprint(tokenizer),
+            mask_prompt=mask_prompt,
+        ),
+    )
 
 
 def _check(inputs: Sequence[str], output: str) -> None:
     for path in inputs:
         check_input_file("prepare --input", path, UsageError)
         if os.path.exists(output) and os.path.samefile(path, output):
-            raise UsageError(f"prepare --output {output} is also an --input; it would overwrite the text: give another "
-                             "output file")
+            raise UsageError(
+                f"prepare --output {output} is also an --input; it would overwrite the text: give another output file"
+            )
     out_dir = os.path.dirname(os.path.abspath(output))
     if os.path.isdir(output):
-        raise UsageError(f"prepare --output {output} is a directory; give a file name, e.g. {os.path.join(output, 'corpus.tokens')}")
+        raise UsageError(
+            f"prepare --output {output} is a directory; give a file name, e.g. {os.path.join(output, 'corpus.tokens')}"
+        )
     if not os.path.isdir(out_dir):
         raise UsageError(f"prepare --output {output}: directory {out_dir} does not exist; create it first")
     if not os.access(out_dir, os.W_OK):

@@ -64,21 +64,28 @@ def read_tokens(path: str, *, verify: bool = False) -> tuple[np.ndarray, int]:
     except IsADirectoryError:
         raise TokenFileError(f"{path} is a directory, not a token file; make one with `tiertrain prepare`") from None
     if len(head) < HEADER_BYTES or head[:8] != _MAGIC:
-        raise TokenFileError(f"{path} is not a tiertrain token file (no TTTOKENS header): give a .txt file or make a "
-                             "token file with `tiertrain prepare`")
+        raise TokenFileError(
+            f"{path} is not a tiertrain token file (no TTTOKENS header): give a .txt file or make a "
+            "token file with `tiertrain prepare`"
+        )
     _, version, itemsize, count, vocab, crc = _HEAD.unpack_from(head)
     dtype = {2: "<u2", 4: "<u4"}.get(itemsize)
     if version != 1 or dtype is None:
-        raise TokenFileError(f"{path}: unsupported token file version {version} / item size {itemsize}; "
-                             "make it again with `tiertrain prepare`")
+        raise TokenFileError(
+            f"{path}: unsupported token file version {version} / item size {itemsize}; "
+            "make it again with `tiertrain prepare`"
+        )
     expected = HEADER_BYTES + count * itemsize
     actual = os.path.getsize(path)
     if actual < expected:
-        raise TokenFileError(f"{path} is truncated: expected {expected} bytes, found {actual}; make it again with "
-                             "`tiertrain prepare`")
+        raise TokenFileError(
+            f"{path} is truncated: expected {expected} bytes, found {actual}; make it again with `tiertrain prepare`"
+        )
     if actual > expected:
-        raise TokenFileError(f"{path} has {actual - expected} bytes after its {count} tokens (it was appended to or "
-                             "damaged); make it again with `tiertrain prepare`")
+        raise TokenFileError(
+            f"{path} has {actual - expected} bytes after its {count} tokens (it was appended to or "
+            "damaged); make it again with `tiertrain prepare`"
+        )
     if count == 0:
         raise TokenFileError(f"{path} holds no tokens; prepare it from a non-empty text")
     arr = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))

@@ -9,6 +9,19 @@ from .host import fix_mmap_threshold, host_peak_rss, host_rss, reset_peak_rss, t
 from .lag import LagCpuDevice
 from .simulated import AsyncCpuDevice, poison
 
-__all__ = ["Device", "CudaDevice", "AsyncCpuDevice", "LagCpuDevice", "make_device", "resolve_device",
-           "resolve_dtype", "cpu_has_fast_bf16", "host_rss", "host_peak_rss", "reset_peak_rss", "fix_mmap_threshold",
-           "trim_heap", "poison"]
+__all__ = [
+    "Device",
+    "CudaDevice",
+    "AsyncCpuDevice",
+    "LagCpuDevice",
+    "make_device",
+    "resolve_device",
+    "resolve_dtype",
+    "cpu_has_fast_bf16",
+    "host_rss",
+    "host_peak_rss",
+    "reset_peak_rss",
+    "fix_mmap_threshold",
+    "trim_heap",
+    "poison",
+]

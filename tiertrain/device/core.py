@@ -62,8 +62,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
-        log.warning("train.param_dtype = 'bfloat16' on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16): "
-                    "expect steps about 20x slower than with 'float32'")
+        log.warning(
+            "train.param_dtype = 'bfloat16' on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16): "
+            "expect steps about 20x slower than with 'float32'"
+        )
     return dtype
 
 
@@ -137,7 +139,9 @@ class Device:
     def reset_peak(self) -> None:
         pass
 
-    def check_capacity(self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib") -> None:
+    def check_capacity(
+        self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib"
+    ) -> None:
         """Raise ``ConfigError`` at start when the device cannot hold ``needs`` (bytes by
         what they are for; ``fix``: what to change, in the message). Host memory is the CPU's:
         its budgets are the config's."""
@@ -152,7 +156,7 @@ class CudaDevice(Device):
     def __init__(self, device: torch.device, *, direct: bool = False) -> None:
         super().__init__(device)
         self.direct = direct
-        _, high = torch.cuda.Stream.priority_range()  # a lower number is a higher priority
+        _, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a lower number is a higher priority
         self.up = torch.cuda.Stream(device, priority=high)
         self.down = torch.cuda.Stream(device, priority=high)
 
@@ -164,7 +168,7 @@ class CudaDevice(Device):
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _on(self, stream, after: Any, copy: Callable[[], None]) -> Any:
+    def _on(self, stream, after: Any, copy: Callable[[], object]) -> Any:
         for ev in _events(after):
             stream.wait_event(ev)
         with torch.cuda.stream(stream):
@@ -230,7 +234,9 @@ class CudaDevice(Device):
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def check_capacity(self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib") -> None:
+    def check_capacity(
+        self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib"
+    ) -> None:
         from ..config import ConfigError
 
         free, total = torch.cuda.mem_get_info(self.device)
@@ -260,9 +266,11 @@ def make_device(name: str, gds: str = "off", *, world: int = 1) -> Device:
     if world > 1 and gds == "on":
         from ..config import ConfigError
 
-        raise ConfigError(f"io.gds = 'on' with {world} ranks: ranks gather every unit over Gloo in host memory, "
-                          "which GPUDirect Storage reads into device memory would bypass; use --io.gds=off "
-                          "(or 'auto', which reads through pinned host memory with ranks)")
+        raise ConfigError(
+            f"io.gds = 'on' with {world} ranks: ranks gather every unit over Gloo in host memory, "
+            "which GPUDirect Storage reads into device memory would bypass; use --io.gds=off "
+            "(or 'auto', which reads through pinned host memory with ranks)"
+        )
     dev = resolve_device(name)
     if dev.type != "cuda":
         return Device(dev)
@@ -279,8 +287,10 @@ def _gds_usable(mode: str) -> bool:
         import kvikio  # noqa: F401
     except ImportError:
         if mode == "on":
-            raise ConfigError(f"io.gds='on' but kvikio is not installed: pip install {gds.kvikio_package()} "
-                              "(or carry its wheels to a machine without network: bench/gpu_window/wheels.sh), "
-                              "or set --io.gds=auto") from None
+            raise ConfigError(
+                f"io.gds='on' but kvikio is not installed: pip install {gds.kvikio_package()} "
+                "(or carry its wheels to a machine without network: bench/gpu_window/wheels.sh), "
+                "or set --io.gds=auto"
+            ) from None
         return False
     return gds.enabled()

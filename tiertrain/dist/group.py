@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,17 @@ class _Sharding:
 
     rank: int
     world: int
+    traffic: Traffic
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def all_objects(self, value: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _ranks(self) -> RankGroup:
+        """This group, as the sharded wrappers take it (called with several ranks only)."""
+        return typing.cast(RankGroup, self)
 
     @property
     def leader(self) -> bool:
@@ -96,7 +108,7 @@ class _Sharding:
             return source, sink
         from .shard import ShardedGrads, ShardedParams
 
-        return ShardedParams(source, layout, self), ShardedGrads(sink, layout, self)
+        return ShardedParams(source, layout, self._ranks()), ShardedGrads(sink, layout, self._ranks())
 
     def gathered(self, regions: dict, layout) -> dict:
         """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""
@@ -104,7 +116,7 @@ class _Sharding:
             return regions
         from .checkpoint import GatheredRegion
 
-        return {n: GatheredRegion(r, layout, self) for n, r in regions.items()}
+        return {n: GatheredRegion(r, layout, self._ranks()) for n, r in regions.items()}
 
     def scattered(self, regions: dict, layout) -> dict:
         """Regions every rank restores its shard of from the one-rank layout's files."""
@@ -132,7 +144,7 @@ class _Sharding:
 
         t = self.traffic
         return {"ranks": self.world, "net_sent_bytes": t.sent - before[0], "net_received_bytes": t.received - before[1],
-                "per_rank": per_rank_figures(self, rec)}
+                "per_rank": per_rank_figures(self._ranks(), rec)}
 
     def check_space(self, needs: list[tuple[str, int]]) -> None:
         """Refuse now unless every filesystem can hold what it is asked (``needs``: this rank's
@@ -163,7 +175,7 @@ class _Sharding:
             return cfg
         from .ranks import rank_config
 
-        return rank_config(cfg, self)
+        return rank_config(cfg, self._ranks())
 
 
 class SoloGroup(_Sharding):

@@ -42,13 +42,13 @@ from ..activations.keep import KeptGraphs
 from ..activations.offload import OffloadedGraphs
 from ..activations.policy import ActivationPolicy, KeepLast
 from ..activations.stash import HiddenStash
-from ..models.base import LayeredModel, UnitRef
 from ..device.core import Device
+from ..models.base import LayeredModel, UnitRef
 from ..state.grads import GradStore
 from ..state.store import ParamStore
 from .loss import LossScale
-from .walk import UnitWalk
 from .vocab import VocabSteps, used_pieces
+from .walk import UnitWalk
 
 __all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
 
@@ -257,9 +257,13 @@ class LayerMajorExecutor(VocabSteps):
         self._release(ref)
 
     # -- evaluation ------------------------------------------------------------------------------------
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 step_tokens: list[torch.Tensor] | None = None, scored: int | None = None,
-                 positions: list[torch.Tensor] | None = None) -> list[float]:
+    def evaluate(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        step_tokens: list[torch.Tensor] | None = None,
+        scored: int | None = None,
+        positions: list[torch.Tensor] | None = None,
+    ) -> list[float]:
         """The loss of every micro-batch of ``batches`` with the current parameters: a step's
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
@@ -292,22 +296,30 @@ class LayerMajorExecutor(VocabSteps):
         self._release(self.head)
         return losses
 
-    def _micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                       positions: list[torch.Tensor] | None = None) -> list[MicroBatch]:
+    def _micro_batches(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor] | None = None
+    ) -> list[MicroBatch]:
         """On the device; ``positions``: packed rows' ``[B, T]`` positions (attention within
         each document), else ``0 .. T-1``."""
         mbs = []
         for m, (x, y) in enumerate(batches):
             ids = x.to(self.dev.device, non_blocking=True)
-            pos = (torch.arange(ids.shape[1], device=self.dev.device) if positions is None
-                   else positions[m].to(self.dev.device, non_blocking=True))
+            pos = (
+                torch.arange(ids.shape[1], device=self.dev.device)
+                if positions is None
+                else positions[m].to(self.dev.device, non_blocking=True)
+            )
             mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True), pos))
         return mbs
 
     # -- one step --------------------------------------------------------------------------------------
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: LossScale | None = None,
-             step_tokens: list[torch.Tensor] | None = None,
-             positions: list[torch.Tensor] | None = None) -> StepOutput:
+    def step(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        scale: LossScale | None = None,
+        step_tokens: list[torch.Tensor] | None = None,
+        positions: list[torch.Tensor] | None = None,
+    ) -> StepOutput:
         """One step over ``batches`` (this rank's micro-batches); ``scale``: how their losses make
         the step's (default: the mean of these micro-batches'); ``step_tokens``: every rank's
         inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same

@@ -26,19 +26,23 @@ IGNORE = -100  # masked targets (data/examples.py)
 __all__ = ["VocabSteps", "used_pieces", "piece_logsumexp", "piece_backward"]
 
 
-def piece_logsumexp(piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                    picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def piece_logsumexp(
+    piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, picked: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 of one head piece on one micro-batch's normed hidden states ``x`` (``[N, d]``):
     the running log-sum-exp and target logits (``[N]``, fp32) with this piece's logits."""
     with torch.no_grad():
         logits = piece(x).float()
     inside, cols = _in_piece(piece, targets)
-    return (torch.logaddexp(lse, torch.logsumexp(logits, dim=-1)),
-            torch.where(inside, logits.gather(1, cols).squeeze(1), picked))
+    return (
+        torch.logaddexp(lse, torch.logsumexp(logits, dim=-1)),
+        torch.where(inside, logits.gather(1, cols).squeeze(1), picked),
+    )
 
 
-def piece_backward(piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, divisor: int,
-                   scored: torch.Tensor | None = None) -> torch.Tensor:
+def piece_backward(
+    piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, divisor: int, scored: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pass 2 of one head piece on one micro-batch: the gradient of ``sum(cross-entropy) /
     divisor`` into the piece's weights (their ``.grad``), and the one into ``x`` returned;
     ``scored``: which tokens count (masked targets: the others' rows of the gradient zero)."""
@@ -78,8 +82,10 @@ class VocabSteps:
             self._acquire(ref)
             piece = ref.module
             if not tokens:
-                tokens = [torch.empty(*mb.ids.shape, piece.embedding_dim, dtype=piece.weight.dtype,
-                                      device=mb.ids.device) for mb in mbs]
+                tokens = [
+                    torch.empty(*mb.ids.shape, piece.embedding_dim, dtype=piece.weight.dtype, device=mb.ids.device)
+                    for mb in mbs
+                ]
             for t, mb in zip(tokens, mbs):
                 piece.gather_into(t, mb.ids)
             self._release(ref)
@@ -110,8 +116,12 @@ class VocabSteps:
                 lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m])
             self._release(ref)
         if self.scale.divisor:  # masked targets (ignore index): the sum over the scored ones, over the step's count
-            return hn, targets, lse, [((a - b) * (t != IGNORE)).sum() / self.scale.divisor
-                                      for a, b, t in zip(lse, picked, targets)]
+            return (
+                hn,
+                targets,
+                lse,
+                [((a - b) * (t != IGNORE)).sum() / self.scale.divisor for a, b, t in zip(lse, picked, targets)],
+            )
         return hn, targets, lse, [(a - b).mean() for a, b in zip(lse, picked)]
 
     def _cut_head_loss(self, h: list[torch.Tensor], mbs) -> list[torch.Tensor]:

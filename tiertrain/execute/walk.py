@@ -49,7 +49,9 @@ class UnitWalk:
             self.pos = 0
         want = self.order[self.pos] if self.pos < len(self.order) else None
         if want is None or want.index != ref.index:
-            raise RuntimeError(f"unit walk out of order: unit {ref.index} ({ref.role}) where visit {self.pos} is {want}")
+            raise RuntimeError(
+                f"unit walk out of order: unit {ref.index} ({ref.role}) where visit {self.pos} is {want}"
+            )
         self.pos += 1
         for x in self.units(ref):
             self.flats[x] = self.store.acquire(x)

@@ -26,9 +26,9 @@ import torch
 
 from ..config import Config, ConfigError
 from ..data import EvalSet
+from ..execute.executor import LayerMajorExecutor
 from ..models import WeightSource, vocab_size_of
 from ..runtime import Runtime
-from ..execute.executor import LayerMajorExecutor
 from .validation import validation_loss
 
 __all__ = ["EvalResult", "evaluate"]
@@ -45,23 +45,29 @@ class EvalResult:
     seconds: float
 
     def line(self) -> str:
-        return (f"eval: {self.tokens:,} tokens in {self.micro_batches} micro-batches | loss {self.loss:.4f} | "
-                f"perplexity {self.perplexity:.2f} | {self.tokens / self.seconds:,.0f} tok/s")
+        return (
+            f"eval: {self.tokens:,} tokens in {self.micro_batches} micro-batches | loss {self.loss:.4f} | "
+            f"perplexity {self.perplexity:.2f} | {self.tokens / self.seconds:,.0f} tok/s"
+        )
 
 
 def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -> EvalResult:
     """The loss of ``cfg``'s model on ``cfg.data.eval_corpus`` (see the module docstring).
     ``weights`` overrides where the weights come from (tests)."""
     if cfg.data.eval_corpus is None:
-        raise ConfigError("data.eval_corpus is not set: give the text to evaluate on, e.g. "
-                          "--data.eval_corpus=held_out.txt (a .txt file, a token file, or 'bundled')")
+        raise ConfigError(
+            "data.eval_corpus is not set: give the text to evaluate on, e.g. "
+            "--data.eval_corpus=held_out.txt (a .txt file, a token file, or 'bundled')"
+        )
     evalset = EvalSet(cfg.data)
     rt = Runtime(cfg, weights=weights, device=device)
     vocab = vocab_size_of(rt.model, cfg)
     if evalset.vocab_size > vocab:
         rt.close()
-        raise ConfigError(f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
-                          f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)")
+        raise ConfigError(
+            f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
+            f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)"
+        )
     from .weights import forward_params
 
     try:

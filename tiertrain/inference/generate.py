@@ -37,13 +37,13 @@ from typing import Callable
 import torch
 
 from ..config import Config, ConfigError
+from ..execute.walk import UnitWalk
 from ..models import WeightSource
-from .kvcache import TieredKV
 from ..models.gpt_decode import GPTCache
 from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_shape, new_cache
-from ..execute.walk import UnitWalk
 from ..runtime import Runtime
+from .kvcache import TieredKV
 from .weights import forward_params
 
 __all__ = ["Sampling", "generate", "eos_ids"]
@@ -65,11 +65,15 @@ class Sampling:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens = {self.max_new_tokens}: generate at least 1 token")
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
-            raise ConfigError(f"temperature = {self.temperature}, top_p = {self.top_p}: sampling settings must be "
-                              "finite numbers (temperature >= 0, 0 < top_p <= 1)")
+            raise ConfigError(
+                f"temperature = {self.temperature}, top_p = {self.top_p}: sampling settings must be "
+                "finite numbers (temperature >= 0, 0 < top_p <= 1)"
+            )
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
-                              "temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+            raise ConfigError(
+                f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
+                "temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
+            )
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -159,10 +163,17 @@ class _Rows:
         return pos.masked_fill(self.mask == 0, 1)[:, -new:]
 
 
-def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Sampling(), *,
-             weights: WeightSource | None = None, device=None,
-             on_tokens: Callable[[list[int | None]], None] | None = None,
-             tokenizer_vocab: int | None = None, eos: tuple[int, ...] | None = None) -> list[list[int]]:
+def generate(
+    cfg: Config,
+    prompts: list[list[int]],
+    sampling: Sampling = Sampling(),
+    *,
+    weights: WeightSource | None = None,
+    device=None,
+    on_tokens: Callable[[list[int | None]], None] | None = None,
+    tokenizer_vocab: int | None = None,
+    eos: tuple[int, ...] | None = None,
+) -> list[list[int]]:
     """The tokens generated after each prompt (token ids; see the module docstring).
     ``on_tokens``: called after every step with each row's new token (None once it stopped);
     ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary;
@@ -179,8 +190,11 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         eos = tuple(eos) if eos is not None else dec.eos
         if sampling.stop_at_eos and eos:
             sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *eos))))
-            log.info("a row ends at the model's end-of-sequence token%s %s (--ignore-eos to go on to max_new_tokens)",
-                     "s" if len(eos) > 1 else "", ", ".join(map(str, eos)))
+            log.info(
+                "a row ends at the model's end-of-sequence token%s %s (--ignore-eos to go on to max_new_tokens)",
+                "s" if len(eos) > 1 else "",
+                ", ".join(map(str, eos)),
+            )
         groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
         kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
         source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
@@ -192,12 +206,24 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
         store = rt.bind_params(source)
         made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
         os.makedirs(cfg.io.paths[0], exist_ok=True)
-        kv = TieredKV([g.cache for g in groups], [len(g.out) for g in groups],
-                      [g.ids.shape[1] + sampling.max_new_tokens for g in groups], kv_heads=dec.kv_heads,
-                      head_dim=dec.head_dim, dtype=rt.dtype, dev=rt.dev, budget=budget,
-                      path=cfg.io.paths[0], checksum=cfg.io.checksum)
-        log.info("key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
-                 kv.host_bytes / 2**20, kv.spilled_bytes / 2**20, cfg.io.paths[0])
+        kv = TieredKV(
+            [g.cache for g in groups],
+            [len(g.out) for g in groups],
+            [g.ids.shape[1] + sampling.max_new_tokens for g in groups],
+            kv_heads=dec.kv_heads,
+            head_dim=dec.head_dim,
+            dtype=rt.dtype,
+            dev=rt.dev,
+            budget=budget,
+            path=cfg.io.paths[0],
+            checksum=cfg.io.checksum,
+        )
+        log.info(
+            "key/value cache: %.3f MiB in host memory, %.3f MiB on the storage tier (%s), claimed at start",
+            kv.host_bytes / 2**20,
+            kv.spilled_bytes / 2**20,
+            cfg.io.paths[0],
+        )
         gen = torch.Generator().manual_seed(sampling.seed)
         walk = UnitWalk(store, model.plan, repeat=True)  # a pass over the model's units per token
         t0, steps = time.perf_counter(), 0
@@ -212,10 +238,20 @@ def generate(cfg: Config, prompts: list[list[int]], sampling: Sampling = Samplin
                     break
         out = [row for g in groups for row in g.out]
         s = time.perf_counter() - t0
-        log.info("generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "
-                 "%.3f GB read, %.2f s waited; key/value cache on the storage tier: %.3f MiB read, %.3f MiB written",
-                 sum(map(len, out)), len(out), steps, s, sum(map(len, out)) / s, store.stats.fetches,
-                 store.stats.fetch_bytes / 1e9, store.stats.wait_s, kv.read_bytes / 2**20, kv.written_bytes / 2**20)
+        log.info(
+            "generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "
+            "%.3f GB read, %.2f s waited; key/value cache on the storage tier: %.3f MiB read, %.3f MiB written",
+            sum(map(len, out)),
+            len(out),
+            steps,
+            s,
+            sum(map(len, out)) / s,
+            store.stats.fetches,
+            store.stats.fetch_bytes / 1e9,
+            store.stats.wait_s,
+            kv.read_bytes / 2**20,
+            kv.written_bytes / 2**20,
+        )
         done = True
         return out
     finally:
@@ -237,22 +273,27 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
     """Refuse prompts the model cannot take, naming why."""
     longest = max(len(p) for p in prompts) + sampling.max_new_tokens
     if dec.limit is not None and longest > dec.limit:
-        raise ConfigError(f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
-                          f"model's context ({dec.limit}); shorten the prompt or lower max_new_tokens")
+        raise ConfigError(
+            f"generate: the longest prompt plus max_new_tokens is {longest} tokens, more than the "
+            f"model's context ({dec.limit}); shorten the prompt or lower max_new_tokens"
+        )
     if tokenizer_vocab is not None and tokenizer_vocab > dec.vocab:
-        raise ConfigError(f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
-                          f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)")
+        raise ConfigError(
+            f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
+            f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)"
+        )
     bad = [t for t in sampling.stop if not 0 <= t < dec.vocab]
     if bad:
         raise ConfigError(f"generate: stop token id {bad[0]} is outside the model's vocabulary (0 to {dec.vocab - 1})")
     top = max(max(p) for p in prompts)
     if top >= dec.vocab:
-        raise ConfigError(f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "
-                          "tokenize with the model's own tokenizer")
+        raise ConfigError(
+            f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "
+            "tokenize with the model's own tokenizer"
+        )
 
 
-def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool,
-          kv) -> list[torch.Tensor]:
+def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device, more: bool, kv) -> list[torch.Tensor]:
     """One decoding step over every micro-batch, unit by unit along the model's plan: the last
     logits of each. The units ahead are prefetched, round into the next step's where there is
     one (``more``)."""

@@ -60,8 +60,20 @@ class TieredKV:
     micro-batch; ``budget``: bytes in host memory (None: all); ``path``: the directory of the
     file for the rest. A context manager (closing removes the file)."""
 
-    def __init__(self, caches: list, rows: list[int], max_len: list[int], *, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, dev, budget: int | None, path: str, checksum: bool) -> None:
+    def __init__(
+        self,
+        caches: list,
+        rows: list[int],
+        max_len: list[int],
+        *,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        dev,
+        budget: int | None,
+        path: str,
+        checksum: bool,
+    ) -> None:
         self.caches, self.dtype, self.dev, self.device = caches, dtype, dev, dev.device
         layers = len(caches[0].layers)
         self.pairs: dict[tuple[int, int], _Pair] = {}
@@ -78,8 +90,10 @@ class TieredKV:
         self.host_bytes, self.spilled_bytes, self.file_bytes = used, spilled, offset  # the file: regions block-aligned
         biggest = round_up(max((p.nbytes for p in self.pairs.values() if p.offset is not None), default=0), 4096)
         if dev.separate:  # the pairs in the budget and the spilled pairs' two buffers and their twins
-            dev.check_capacity({"key/value cache": used, "key/value buffers": 2 * 2 * biggest},
-                               "lower memory.kv_host_mib (the rest of the cache goes to the storage tier)")
+            dev.check_capacity(
+                {"key/value cache": used, "key/value buffers": 2 * 2 * biggest},
+                "lower memory.kv_host_mib (the rest of the cache goes to the storage tier)",
+            )
         for p in self.pairs.values():
             if p.offset is None:
                 self._install(p, torch.zeros(2, *p.shape, dtype=dtype, device=self.device))
@@ -99,10 +113,14 @@ class TieredKV:
             self._free = [0, 1]
             stale = os.path.join(path, NAME)
             if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's
-                log.warning("replacing %s, left by a generation that did not finish (%.1f MiB)", stale,
-                            os.path.getsize(stale) / 2**20)
-            self.file = FileHandle(stale, "w", size=offset, checksum=checksum,
-                                   checksum_block=_BLOCK)  # nothing is read from a region before it is written
+                log.warning(
+                    "replacing %s, left by a generation that did not finish (%.1f MiB)",
+                    stale,
+                    os.path.getsize(stale) / 2**20,
+                )
+            self.file = FileHandle(
+                stale, "w", size=offset, checksum=checksum, checksum_block=_BLOCK
+            )  # nothing is read from a region before it is written
         self.order = [k for k in self.pairs if self.pairs[k].offset is not None]  # unit order: layer, micro-batch
 
     def _layer(self, p: _Pair):
@@ -179,8 +197,9 @@ class TieredKV:
         layer_.keys = layer_.values = None
         f, step, separate = p.filled, self._pos_bytes(p), self.device_pool is not None
         if f + new > p.shape[2]:
-            raise ValueError(f"key/value cache of block {layer}, micro-batch {m}: {f} + {new} positions, more than "
-                             f"its {p.shape[2]}")
+            raise ValueError(
+                f"key/value cache of block {layer}, micro-batch {m}: {f} + {new} positions, more than its {p.shape[2]}"
+            )
         added = self._staged(p, device=separate)[f : f + new]
         added.copy_(self._view(p, device=separate)[:, :, :, f : f + new].permute(3, 0, 1, 2, 4))
         if separate:  # the new positions alone cross; sync point: on the host before they are written

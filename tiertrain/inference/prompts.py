@@ -33,7 +33,7 @@ def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
                     except json.JSONDecodeError as exc:
                         raise ConfigError(f"--prompts-file {path}, line {n}: not JSON ({exc.msg})") from None
                     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                        raise ConfigError(f"--prompts-file {path}, line {n}: no \"prompt\" string field")
+                        raise ConfigError(f'--prompts-file {path}, line {n}: no "prompt" string field')
                     out.append(row["prompt"])
                 else:
                     out.append(line.rstrip("\n"))
@@ -50,8 +50,9 @@ def _tokenizer(cfg: Config):
     return load_tokenizer(cfg.data.tokenizer)
 
 
-def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | None = None, *,
-                 weights=None) -> list[str]:
+def run_generate(
+    cfg: Config, texts: list[str], sampling: Sampling, out: str | None = None, *, weights=None
+) -> list[str]:
     """Generate after every prompt; print (or write) the results; return the completions.
     ``weights``: a ``WeightSource`` (a checkpoint's) instead of the model directory's."""
     tok = _tokenizer(cfg)
@@ -68,8 +69,15 @@ def run_generate(cfg: Config, texts: list[str], sampling: Sampling, out: str | N
 
     # the built-in GPT has no model directory to name its end-of-sequence token: its tokenizer's
     eos = None if cfg.model.hf_dir else tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
-    rows = generate(cfg, prompts, sampling, weights=weights, on_tokens=show if stream else None,
-                    tokenizer_vocab=tok.vocab_size, eos=eos)
+    rows = generate(
+        cfg,
+        prompts,
+        sampling,
+        weights=weights,
+        on_tokens=show if stream else None,
+        tokenizer_vocab=tok.vocab_size,
+        eos=eos,
+    )
     texts_out = [tok.decode(r) for r in rows]
     if stream:
         sys.stdout.write("\n")

@@ -29,8 +29,15 @@ from ..models import WeightSource
 from ..state.layout import FlatLayout
 from ..state.sources import ParamSource
 
-__all__ = ["WeightParams", "CheckpointWeights", "ResidentWeights", "TierWeights", "forward_params", "resident_budget",
-           "weights_key"]
+__all__ = [
+    "WeightParams",
+    "CheckpointWeights",
+    "ResidentWeights",
+    "TierWeights",
+    "forward_params",
+    "resident_budget",
+    "weights_key",
+]
 
 log = logging.getLogger("tiertrain")
 
@@ -38,8 +45,9 @@ log = logging.getLogger("tiertrain")
 def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: list[str], describe: str) -> str:
     """What the converted weights depend on, hashed (see the module docstring)."""
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in sorted(files)]
-    blob = json.dumps([model_cfg, str(dtype), [u.numel for u in layout.units], stats, describe], sort_keys=True,
-                      default=str)
+    blob = json.dumps(
+        [model_cfg, str(dtype), [u.numel for u in layout.units], stats, describe], sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -52,10 +60,19 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     if cfg.io.weights == "source":
         inner: ParamSource = WeightParams(rt.layout, rt.weights, rt.dtype)
     else:
-        key = weights_key(dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model),
-                          rt.weights.describe)
-        inner = TierWeights(rt.layout, rt.weights, rt.dtype, path=cfg.io.paths[0], key=key,
-                            checksum=cfg.io.checksum, block=rt.align, progress=progress)
+        key = weights_key(
+            dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model), rt.weights.describe
+        )
+        inner = TierWeights(
+            rt.layout,
+            rt.weights,
+            rt.dtype,
+            path=cfg.io.paths[0],
+            key=key,
+            checksum=cfg.io.checksum,
+            block=rt.align,
+            progress=progress,
+        )
     budget, why = resident_budget(cfg, rt, other_bytes)
     if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
         log.info("weights in host memory: none (%s); every unit read at every pass", why)
@@ -76,8 +93,11 @@ def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:
 
     if cfg.memory.host_param_mib is not None:
         return cfg.memory.host_param_mib << 20, f"memory.host_param_mib = {cfg.memory.host_param_mib}"
-    host, src = ((cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}")
-                 if cfg.memory.host_mib is not None else default_host_bytes())
+    host, src = (
+        (cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}")
+        if cfg.memory.host_mib is not None
+        else default_host_bytes()
+    )
     unit = rt.layout.max_unit_numel * rt.dtype.itemsize
     fixed = (0 if rt.dev.separate else cfg.memory.device_slots * unit) + unit + other_bytes
     return max(0, host - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
@@ -91,8 +111,9 @@ class ResidentWeights(ParamSource):
 
     file_backed = True
 
-    def __init__(self, inner: ParamSource, layout: FlatLayout, budget: int, *, pin: bool, why: str,
-                 progress: bool = True) -> None:
+    def __init__(
+        self, inner: ParamSource, layout: FlatLayout, budget: int, *, pin: bool, why: str, progress: bool = True
+    ) -> None:
         from tqdm import tqdm
 
         self.inner, self.layout, self.dtype = inner, layout, inner.dtype
@@ -106,10 +127,20 @@ class ResidentWeights(ParamSource):
             used += unit.numel * e
         self._bytes = used
         total = layout.total_numel * e
-        log.info("weights in host memory: %d of %d units (%.3f of %.3f GB), read once (%s); the rest read at "
-                 "every pass", len(self.resident), len(layout.units), used / 1e9, total / 1e9, why)
-        for u, buf in tqdm(self.resident.items(), desc="load resident weights", unit="unit",
-                           disable=not progress or len(self.resident) < 2):
+        log.info(
+            "weights in host memory: %d of %d units (%.3f of %.3f GB), read once (%s); the rest read at every pass",
+            len(self.resident),
+            len(layout.units),
+            used / 1e9,
+            total / 1e9,
+            why,
+        )
+        for u, buf in tqdm(
+            self.resident.items(),
+            desc="load resident weights",
+            unit="unit",
+            disable=not progress or len(self.resident) < 2,
+        ):
             inner.load(u, buf).get()  # sync point: before the first pass
 
     @property
@@ -146,8 +177,18 @@ class TierWeights(ParamSource):
 
     file_backed = True
 
-    def __init__(self, layout: FlatLayout, source: WeightSource, dtype: torch.dtype, *, path: str, key: str,
-                 checksum: bool, block: int, progress: bool = True) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        source: WeightSource,
+        dtype: torch.dtype,
+        *,
+        path: str,
+        key: str,
+        checksum: bool,
+        block: int,
+        progress: bool = True,
+    ) -> None:
         self.layout, self.dtype = layout, dtype
         self.path = os.path.join(path, f"weights-{key}.bin")
         size = layout.total_numel * dtype.itemsize
@@ -223,8 +264,9 @@ class WeightParams(ParamSource):
         for rec in unit.params:
             t = values[rec.name]
             if tuple(t.shape) != tuple(rec.shape):
-                raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects "
-                                  f"{tuple(rec.shape)}")
+                raise ConfigError(
+                    f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
+                )
             out[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
         return unit.numel * out.element_size()
 
@@ -272,8 +314,10 @@ class CheckpointWeights:
         for u in range(len(self.layout.units)):  # as export chains it: unit by unit, in order
             crc = crc32c(self._read(u).view(torch.uint8).numpy(), crc)
         if crc != entry.crc32c:
-            raise CheckpointError(f"checkpoint {self.path}: its weights are corrupt (crc32c {crc:#010x}, the manifest "
-                                  f"says {entry.crc32c:#010x}); use an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint {self.path}: its weights are corrupt (crc32c {crc:#010x}, the manifest "
+                f"says {entry.crc32c:#010x}); use an earlier checkpoint"
+            )
 
     def load(self, u: int, names: list[str]) -> dict[str, torch.Tensor]:
         view = self._read(u)  # one reader thread (WeightParams): the buffer is reused unit after unit

@@ -55,8 +55,10 @@ def pin_in_place(t: torch.Tensor):
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed (error {int(err)}); lower the host budgets "
-                           "(memory.*_mib) or raise the locked-memory limit (ulimit -l)")
+        raise RuntimeError(
+            f"cudaHostRegister of {size} bytes failed (error {int(err)}); lower the host budgets "
+            "(memory.*_mib) or raise the locked-memory limit (ulimit -l)"
+        )
     return lambda: torch.cuda.cudart().cudaHostUnregister(ptr)
 
 

@@ -21,7 +21,8 @@ try:
 except ImportError as _exc:  # one message wherever tiertrain is first imported
     raise ImportError(
         "tiertrain needs the crc32c package (its checksums): pip install crc32c; on a machine without a "
-        "network, carry its wheel along (bench/gpu_window/wheels.sh downloads it into .whl/)") from _exc
+        "network, carry its wheel along (bench/gpu_window/wheels.sh downloads it into .whl/)"
+    ) from _exc
 
 from .align import ALIGN
 from .errors import StorageError

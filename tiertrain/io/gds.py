@@ -77,8 +77,9 @@ def enabled() -> bool:
         return False
     ok = _available()
     if _mode == "on" and not ok:
-        raise RuntimeError(f"gds='on' but kvikio is not importable or no CUDA device is present; "
-                           f"pip install {kvikio_package()}")
+        raise RuntimeError(
+            f"gds='on' but kvikio is not importable or no CUDA device is present; pip install {kvikio_package()}"
+        )
     return ok
 
 

@@ -106,9 +106,7 @@ class FileHandle(PositionalIO):
         self._own_workers = workers is None
         self.workers = workers or IOWorkers(self.path, threads=threads, chunk_bytes=chunk_bytes)
         if checksum and self.workers.chunk_bytes % checksum_block:
-            raise ValueError(
-                f"checksum_block ({checksum_block}) must divide chunk_bytes ({self.workers.chunk_bytes})"
-            )
+            raise ValueError(f"checksum_block ({checksum_block}) must divide chunk_bytes ({self.workers.chunk_bytes})")
         self.mode, self.writable = mode, mode != "r"
         if mode == "w" and size:
             check_space([(self.path, size)])
@@ -231,9 +229,7 @@ class FileHandle(PositionalIO):
         if size is None:
             size = len(arr) - buf_offset
         if buf_offset < 0 or size < 0 or buf_offset + size > len(arr):
-            raise ValueError(
-                f"buffer range [{buf_offset}, {buf_offset + size}) is outside the {len(arr)}-byte buffer"
-            )
+            raise ValueError(f"buffer range [{buf_offset}, {buf_offset + size}) is outside the {len(arr)}-byte buffer")
         return IOFuture(self._submit(kind, file_offset, [arr[buf_offset : buf_offset + size]]))
 
     def _check(self, kind: str, off: int, n: int) -> int:
@@ -491,8 +487,11 @@ class FileHandle(PositionalIO):
         try:
             return getattr(self._cufile, op)(dev, dev.numel(), off).get()
         except Exception as exc:  # noqa: BLE001 - kvikio raises RuntimeError subclasses without the path
-            raise StorageError(errno.EIO, self.path, f"GPUDirect Storage {op} of {dev.numel()} bytes at offset "
-                               f"{off} of {self.path} failed: {exc}") from exc
+            raise StorageError(
+                errno.EIO,
+                self.path,
+                f"GPUDirect Storage {op} of {dev.numel()} bytes at offset {off} of {self.path} failed: {exc}",
+            ) from exc
 
     def _direct(self, kind: str, dev: torch.Tensor, off: int) -> int:
         """One chunk between the file and device memory through kvikio (on an I/O thread);
@@ -515,8 +514,9 @@ class FileHandle(PositionalIO):
                 for i, actual in enumerate(devcrc.block_crcs(dev, self._table.block)):
                     if actual != self._table.expected(first + i):
                         blen = self._table.block_len(first + i)
-                        raise ChecksumError(self.path, (first + i) * self._table.block, blen,
-                                            self._table.expected(first + i), actual)
+                        raise ChecksumError(
+                            self.path, (first + i) * self._table.block, blen, self._table.expected(first + i), actual
+                        )
             return n
         finally:
             self.workers.stats.end(kind, n)

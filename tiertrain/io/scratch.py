@@ -25,8 +25,17 @@ log = logging.getLogger("tiertrain")
 LOCK = ".tiertrain.lock"
 # Lock records name the files their run made (``ScratchLock.record_files``); records written
 # before they did are read with the names those versions used.
-_UNRECORDED = ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin", "momentum.bin", "master.bin", "stash.bin",
-               "residual.bin", "engine*.bin")
+_UNRECORDED = (
+    "params.bin",
+    "grads.bin",
+    "exp_avg.bin",
+    "exp_avg_sq.bin",
+    "momentum.bin",
+    "master.bin",
+    "stash.bin",
+    "residual.bin",
+    "engine*.bin",
+)
 
 
 class DirInUseError(TiertrainError, RuntimeError):
@@ -185,8 +194,11 @@ def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
     for path in paths:
         if not os.path.isdir(path):
             continue
-        dirs = ([path] if world > 1 else
-                [os.path.join(path, n) for n in sorted(os.listdir(path)) if fnmatch.fnmatchcase(n, "rank[0-9]*")])
+        dirs = (
+            [path]
+            if world > 1
+            else [os.path.join(path, n) for n in sorted(os.listdir(path)) if fnmatch.fnmatchcase(n, "rank[0-9]*")]
+        )
         for d in dirs:
             if not os.path.isfile(os.path.join(d, LOCK)):
                 continue

@@ -43,8 +43,9 @@ def hf_config_from(cfg: ModelConfig) -> Any:
         try:
             hf_cfg = AutoConfig.from_pretrained(cfg.hf_dir, local_files_only=True)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for a bad config.json
-            raise ConfigError(f"model.hf_dir = {cfg.hf_dir!r}: its config.json does not load ({type(exc).__name__}: "
-                              f"{one_line(exc)})") from None
+            raise ConfigError(
+                f"model.hf_dir = {cfg.hf_dir!r}: its config.json does not load ({type(exc).__name__}: {one_line(exc)})"
+            ) from None
     elif cfg.kind == "llama":
         hf_cfg = LlamaConfig(
             vocab_size=cfg.vocab_size,
@@ -145,8 +146,10 @@ def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
     if cfg.vocab_pieces is None:
         return
     if cfg.vocab_pieces > vocab:
-        raise ConfigError(f"model.vocab_pieces = {cfg.vocab_pieces} is more than the vocabulary's {vocab} rows; "
-                          "use at most that many (or leave it unset)")
+        raise ConfigError(
+            f"model.vocab_pieces = {cfg.vocab_pieces} is more than the vocabulary's {vocab} rows; "
+            "use at most that many (or leave it unset)"
+        )
     rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, _block_numel(model))
     if rows < vocab:
         cut_vocab(model, rows)
@@ -176,8 +179,7 @@ def random_source(model: LayeredModel, seed: int, *, whole: Callable[[], Layered
     that the initial weights never depend on the cut (a budget that cuts keeps the model)."""
     if not model.row_pieces:
         owned = unit_param_names(model)
-        return WeightSource(f"random init (seed {seed})",
-                            lambda u, names: _init_values(model, owned, u, seed, names))
+        return WeightSource(f"random init (seed {seed})", lambda u, names: _init_values(model, owned, u, seed, names))
     canon: list = []
     last: dict = {}  # the canonical unit initialised last: {index: its values}
 
@@ -237,8 +239,10 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
     elif os.path.exists(single):
         where = {}
     else:
-        raise ConfigError(f"{what} = {directory!r}: no model.safetensors(.index.json) there; "
-                          "convert the weights to safetensors or set model.from_scratch = true")
+        raise ConfigError(
+            f"{what} = {directory!r}: no model.safetensors(.index.json) there; "
+            "convert the weights to safetensors or set model.from_scratch = true"
+        )
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(where.values()) or {single}):
         if not os.path.isfile(file):
@@ -249,8 +253,10 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
                     where.setdefault(k, file)
                     shapes[k] = tuple(f.get_slice(k).get_shape())
         except (SafetensorError, OSError, ValueError) as exc:
-            raise ConfigError(f"{what} = {directory!r}: {file} is not a readable safetensors file ({exc}); "
-                              "it is truncated or damaged: copy it again") from None
+            raise ConfigError(
+                f"{what} = {directory!r}: {file} is not a readable safetensors file ({exc}); "
+                "it is truncated or damaged: copy it again"
+            ) from None
     hf_names = _hf_names(model) if model.hf_model is not None else {}
     prefix = getattr(model.hf_model, "base_model_prefix", "")
 
@@ -268,8 +274,10 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
             rp = model.row_pieces.get(name)
             key, shape = (find(rp.whole), rp.whole_shape) if rp else (find(name), tuple(p.shape))
             if shapes.get(key) is not None and tuple(shapes[key]) != shape:
-                raise ConfigError(f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
-                                  f"{shape}; the weights are of another model")
+                raise ConfigError(
+                    f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
+                    f"{shape}; the weights are of another model"
+                )
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
@@ -280,8 +288,10 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
                 with safe_open(where[key], "pt") as f:
                     out[name] = f.get_slice(key)[rp.start : rp.stop] if rp else f.get_tensor(key)
             except (SafetensorError, OSError) as exc:
-                raise ConfigError(f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
-                                  "the file is damaged: copy it again") from None
+                raise ConfigError(
+                    f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
+                    "the file is damaged: copy it again"
+                ) from None
         return out
 
     return WeightSource(f"safetensors from {directory}", load)

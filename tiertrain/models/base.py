@@ -35,8 +35,15 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["LayeredModel", "WeightSource", "UnitRef", "materialize_placeholders", "unit_param_names",
-           "default_positions", "no_cache"]
+__all__ = [
+    "LayeredModel",
+    "WeightSource",
+    "UnitRef",
+    "materialize_placeholders",
+    "unit_param_names",
+    "default_positions",
+    "no_cache",
+]
 
 
 def default_positions(x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +133,13 @@ class LayeredModel(nn.Module):
         out += [UnitRef(u + 1 + k, "head_piece", m, piece=k) for k, m in enumerate(self.head_pieces)]
         return out
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, divisor: int | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: int | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         h = self.embed(input_ids, positions)
         for block in self.blocks:
             h = block(h, positions)
@@ -136,8 +148,11 @@ class LayeredModel(nn.Module):
     def full_name(self, unit: int, local: str) -> str:
         """The ``state_dict`` name (of the whole ``LayeredModel``) of a unit's parameter."""
         ref = self.plan[unit]
-        prefix = {"embed_piece": f"embed_pieces.{ref.piece}", "head_piece": f"head_pieces.{ref.piece}",
-                  "block": f"blocks.{ref.block}"}.get(ref.role, ref.role)
+        prefix = {
+            "embed_piece": f"embed_pieces.{ref.piece}",
+            "head_piece": f"head_pieces.{ref.piece}",
+            "block": f"blocks.{ref.block}",
+        }.get(ref.role, ref.role)
         return f"{prefix}.{local}"
 
 

@@ -75,8 +75,9 @@ class GPTBlock(nn.Module):
         past = layer.cumulative_length  # a host int (gpt_decode.GPTCache): no device sync
         layer.keys[:, :, past : past + t], layer.values[:, :, past : past + t] = k, v
         layer.cumulative_length += t
-        y = F.scaled_dot_product_attention(q, layer.keys[:, :, : past + t], layer.values[:, :, : past + t],
-                                           attn_mask=mask)
+        y = F.scaled_dot_product_attention(
+            q, layer.keys[:, :, : past + t], layer.values[:, :, : past + t], attn_mask=mask
+        )
         x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.resid_drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 

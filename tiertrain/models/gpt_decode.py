@@ -36,7 +36,7 @@ def decode_mask(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
     past = total - new
     i = torch.arange(new, device=attention_mask.device)[:, None]
     j = torch.arange(total, device=attention_mask.device)[None, :]
-    allowed = (attention_mask[:, None, :].bool() & (j <= past + i)[None])  # [B, new, total]
+    allowed = attention_mask[:, None, :].bool() & (j <= past + i)[None]  # [B, new, total]
     alone = ~allowed.any(-1, keepdim=True)  # a padded query: itself only (no NaN from an empty row)
     allowed = allowed | (alone & (j == past + i)[None])
     return allowed[:, None]

@@ -78,8 +78,14 @@ class LlamaBlock(nn.Module):
         """Generation: the new positions ``h`` attend to themselves and to ``cache`` (updated
         with their keys and values), ``mask`` from ``decode_mask``."""
         rope = self._rotary(h, position_ids=position_ids)
-        return self.layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=rope,
-                          use_cache=True, **{_CACHE: cache})
+        return self.layer(
+            h,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=rope,
+            use_cache=True,
+            **{_CACHE: cache},
+        )
 
 
 class CausalLMHead(nn.Module):
@@ -103,8 +109,9 @@ class CausalLMHead(nn.Module):
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
         """transformers' loss: the mean over the targets, or with ``divisor`` their sum over it
         (its ``num_items_in_batch``)."""
-        return self._loss(logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets,
-                          num_items_in_batch=divisor)
+        return self._loss(
+            logits=logits, labels=targets, vocab_size=self.vocab_size, shift_labels=targets, num_items_in_batch=divisor
+        )
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
         return self.loss(self.logits(h), targets, divisor)
@@ -178,8 +185,9 @@ def decode_mask(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, posi
     """The attention mask of a generation step: ``attention_mask`` (``[B, past + T]``, 0 at
     left padding) with causality, for the new positions ``h`` against ``cache`` as it is
     before the step (made before any block adds the step's keys)."""
-    return create_causal_mask(config=config, inputs_embeds=h, attention_mask=attention_mask,
-                              position_ids=position_ids, **{_CACHE: cache})
+    return create_causal_mask(
+        config=config, inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, **{_CACHE: cache}
+    )
 
 
 def new_cache(config: Any, max_len: int):

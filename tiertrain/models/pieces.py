@@ -30,8 +30,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["RowPiece", "EmbedPiece", "HeadPiece", "PiecedEmbedding", "PiecedLinear", "rows_per_piece",
-           "cut_vocab", "WholeTensors"]
+__all__ = [
+    "RowPiece",
+    "EmbedPiece",
+    "HeadPiece",
+    "PiecedEmbedding",
+    "PiecedLinear",
+    "rows_per_piece",
+    "cut_vocab",
+    "WholeTensors",
+]
 
 
 @dataclass(frozen=True)
@@ -140,12 +148,17 @@ def cut_vocab(model, rows: int) -> None:
             h.weight = e.weight
         emb_pieces.append(e)
         head_pieces.append(h)
-        model.row_pieces[f"embed_pieces.{k}.weight"] = RowPiece(f"embed.{embed.TOKENS}.weight", a, b, (vocab, dim), whole_emb)
+        model.row_pieces[f"embed_pieces.{k}.weight"] = RowPiece(
+            f"embed.{embed.TOKENS}.weight", a, b, (vocab, dim), whole_emb
+        )
         if not tied:
-            model.row_pieces[f"head_pieces.{k}.weight"] = RowPiece(f"head.{head.PROJ}.weight", a, b,
-                                                                  tuple(whole_out.weight.shape), whole_out)
-    for owner, attr, plain in ((embed, embed.TOKENS, PiecedEmbedding(emb_pieces, dim)),
-                               (head, head.PROJ, PiecedLinear(head_pieces))):
+            model.row_pieces[f"head_pieces.{k}.weight"] = RowPiece(
+                f"head.{head.PROJ}.weight", a, b, tuple(whole_out.weight.shape), whole_out
+            )
+    for owner, attr, plain in (
+        (embed, embed.TOKENS, PiecedEmbedding(emb_pieces, dim)),
+        (head, head.PROJ, PiecedLinear(head_pieces)),
+    ):
         owner._modules.pop(attr)
         object.__setattr__(owner, attr, plain)  # not a submodule: its pieces are units of their own
     model.embed_pieces = nn.ModuleList(emb_pieces)

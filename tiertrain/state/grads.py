@@ -38,16 +38,18 @@ class _Handoff:
     """A buffer on its way home: (separate device memory) download to host, then (file)
     write, then the buffer is free again."""
 
-    def __init__(self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None,
-                 in_place: int | None = None) -> None:
+    def __init__(
+        self, base: torch.Tensor, copied=None, write: IOFuture | None = None, staging=None, in_place: int | None = None
+    ) -> None:
         self.base, self.copied, self.write, self.staging = base, copied, write, staging
         self.keep: torch.Tensor | None = None  # a reduced shard sent instead of the buffer: alive until home
         self.in_place = in_place  # the unit whose host-resident home the download fills
 
 
 class GradStore:
-    def __init__(self, layout: FlatLayout, sink, dev, *, buffers: int = 2,
-                 accum_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, layout: FlatLayout, sink, dev, *, buffers: int = 2, accum_dtype: torch.dtype | None = None
+    ) -> None:
         self.layout, self.dev, self.dtype = layout, dev, sink.dtype
         dtype = self.dtype
         self.home = sink  # where gradients go after the backward (the update path's GradSink)
@@ -58,14 +60,21 @@ class GradStore:
         # this thread could free (with a tied embedding three buffers are in flight).
         self.accum_dtype = accum_dtype if accum_dtype not in (None, dtype) else None
         self._staging = (
-            BufferPool(self._count, self.staging_unit_bytes(layout, dtype, self.accum_dtype, sink.sharded),
-                       pin=dev.pin, name="grad-staging")
+            BufferPool(
+                self._count,
+                self.staging_unit_bytes(layout, dtype, self.accum_dtype, sink.sharded),
+                pin=dev.pin,
+                name="grad-staging",
+            )
             if dev.separate and sink.file_backed and not sink.takes_device_tensors
             else None
         )
         self._live: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # unit -> (view, pool buffer)
-        self._acc_free = ([dev.empty(layout.max_unit_numel, self.accum_dtype) for _ in range(self._count)]
-                          if self.accum_dtype is not None else [])
+        self._acc_free = (
+            [dev.empty(layout.max_unit_numel, self.accum_dtype) for _ in range(self._count)]
+            if self.accum_dtype is not None
+            else []
+        )
         self.accum_bytes = len(self._acc_free) * layout.max_unit_numel * (self.accum_dtype or dtype).itemsize
         self._acc: dict[int, torch.Tensor] = {}  # live unit -> its accumulator
         self._pending: list[_Handoff] = []
@@ -78,8 +87,9 @@ class GradStore:
         return buffers + len({o for unit in layout.units for o in unit.borrows})
 
     @staticmethod
-    def staging_unit_bytes(layout: FlatLayout, dtype: torch.dtype, accum_dtype: torch.dtype | None,
-                           sharded: bool) -> int:
+    def staging_unit_bytes(
+        layout: FlatLayout, dtype: torch.dtype, accum_dtype: torch.dtype | None, sharded: bool
+    ) -> int:
         """Bytes of one pinned staging buffer (separate device memory): a unit's gradient, or with
         ranks its sum in the accumulators' dtype where there are accumulators (it is reduced on
         the host, then rounded once)."""
@@ -89,12 +99,18 @@ class GradStore:
     @staticmethod
     def accum_bytes_for(layout: FlatLayout, accum_dtype: torch.dtype | None, buffers: int = 2) -> int:
         """Bytes of the accumulators (``accum_dtype``; None: none), one per gradient buffer."""
-        return GradStore.buffers_for(layout, buffers) * layout.max_unit_numel * accum_dtype.itemsize if accum_dtype else 0
+        return (
+            GradStore.buffers_for(layout, buffers) * layout.max_unit_numel * accum_dtype.itemsize if accum_dtype else 0
+        )
 
     @property
     def pool_bytes(self) -> int:
-        return (self.buffer_bytes + self.accum_bytes + self.home.host_bytes
-                + (self._staging.size_bytes if self._staging else 0))
+        return (
+            self.buffer_bytes
+            + self.accum_bytes
+            + self.home.host_bytes
+            + (self._staging.size_bytes if self._staging else 0)
+        )
 
     # -- backward side --------------------------------------------------------------------------
     def begin(self, u: int) -> None:

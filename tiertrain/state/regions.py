@@ -63,18 +63,36 @@ class TieredRegions:
         self.file = storage.create(self.file_name, self.file_bytes) if self.file_bytes else None
 
     @staticmethod
-    def declare(layout, file: str, dtype: torch.dtype, host_bytes: int, align: int, *, name: str, owner: str,
-                checkpointed: bool, path: str | None = None, weights: bool = False,
-                zero_if_absent: bool = False) -> StateDecl:
+    def declare(
+        layout,
+        file: str,
+        dtype: torch.dtype,
+        host_bytes: int,
+        align: int,
+        *,
+        name: str,
+        owner: str,
+        checkpointed: bool,
+        path: str | None = None,
+        weights: bool = False,
+        zero_if_absent: bool = False,
+    ) -> StateDecl:
         """The state a ``TieredRegions`` of these arguments holds: the host memory its units
         take within ``host_bytes`` and its file (``file`` on every path, or on ``path``)."""
         offs = place(layout, dtype, host_bytes, align)
         end = max((off + layout.units[u].numel for u, off in offs.items() if off is not None), default=0)
         held = sum(layout.units[u].numel * dtype.itemsize for u, off in offs.items() if off is None)
         size = end * dtype.itemsize
-        return StateDecl(name, dtype, owner, checkpointed, host_bytes=held if held else 0,
-                         files=(FileDecl(file, size, path),) if size else (), weights=weights,
-                         zero_if_absent=zero_if_absent)
+        return StateDecl(
+            name,
+            dtype,
+            owner,
+            checkpointed,
+            host_bytes=held if held else 0,
+            files=(FileDecl(file, size, path),) if size else (),
+            weights=weights,
+            zero_if_absent=zero_if_absent,
+        )
 
     def on_host(self, u: int) -> bool:
         return u in self._host

@@ -42,12 +42,15 @@ class SlotState(str, enum.Enum):
     BOUND = "bound"
 
 
-_SLOT = Machine("parameter slot", {
-    SlotState.FREE: {SlotState.LOADING},
-    SlotState.LOADING: {SlotState.RESIDENT, SlotState.FREE},
-    SlotState.RESIDENT: {SlotState.BOUND, SlotState.FREE},
-    SlotState.BOUND: {SlotState.RESIDENT},
-})
+_SLOT = Machine(
+    "parameter slot",
+    {
+        SlotState.FREE: {SlotState.LOADING},
+        SlotState.LOADING: {SlotState.RESIDENT, SlotState.FREE},
+        SlotState.RESIDENT: {SlotState.BOUND, SlotState.FREE},
+        SlotState.BOUND: {SlotState.RESIDENT},
+    },
+)
 
 
 @dataclass
@@ -196,8 +199,9 @@ class ParamStore:
             buf = self._staging.try_acquire()
             if buf is not None:
                 return buf
-            uploading = sorted((s for s in self.slots if s.staging is not None and s.read is None),
-                               key=lambda s: s.last_use)
+            uploading = sorted(
+                (s for s in self.slots if s.staging is not None and s.read is None), key=lambda s: s.last_use
+            )
             if not uploading:  # one staging buffer per slot: the slot being loaded holds none
                 raise RuntimeError("parameter store: every staging buffer is held by a read in flight")
             self.dev.sync(uploading[0].loaded)  # sync point: rare, the slots outnumber the units in flight
@@ -223,7 +227,9 @@ class ParamStore:
             slot.read = None
         if slot.staging is not None and upload:
             n = self.layout.units[slot.unit].numel
-            slot.loaded = self.dev.upload(slot.tensor[:n], slot.staging.tensor.view(self.dtype)[:n], after=slot.released)
+            slot.loaded = self.dev.upload(
+                slot.tensor[:n], slot.staging.tensor.view(self.dtype)[:n], after=slot.released
+            )
 
     def poll(self) -> None:
         """Progress without blocking: uploads of reads that completed start, staging buffers
@@ -253,9 +259,16 @@ class ParamStore:
             # evicting a slot still uploading would block, as would a direct read into one still
             # read; an ordered source's loads must not depend on the copies' progress (ranks: each
             # load is a collective, issued in the same order on every rank): it waits instead
-            idle = [s for s in self.slots if s.state == SlotState.RESIDENT and s.unit not in units
-                    and (self.source.ordered or (self.dev.done(s.loaded)
-                                                 and (not self.dev.direct or self.dev.done(s.released))))]
+            idle = [
+                s
+                for s in self.slots
+                if s.state == SlotState.RESIDENT
+                and s.unit not in units
+                and (
+                    self.source.ordered
+                    or (self.dev.done(s.loaded) and (not self.dev.direct or self.dev.done(s.released)))
+                )
+            ]
             if free:
                 slot = free[0]
             elif idle:
@@ -305,8 +318,10 @@ class ParamStore:
         for s in self.slots:
             if s.state != SlotState.FREE and (u is None or s.unit == u):
                 if s.state == SlotState.BOUND:
-                    raise IllegalTransition(f"unit {s.unit} is still bound; release it before rewriting it "
-                                            f"(parameter slot {s.index}: BOUND -> FREE is not allowed)")
+                    raise IllegalTransition(
+                        f"unit {s.unit} is still bound; release it before rewriting it "
+                        f"(parameter slot {s.index}: BOUND -> FREE is not allowed)"
+                    )
                 self._drop(s)
 
     def close(self) -> None:

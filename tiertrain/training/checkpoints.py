@@ -52,15 +52,23 @@ class Checkpoints:
         whole = g.gathered(regions, self.state_layout)
         res = None
         if g.leader:
-            res = self.io.save(whole, self.root, step, cfg.to_dict(), keep=cfg.checkpoint.keep, drop=self._superseded,
-                               weights=self.weights_file)
+            res = self.io.save(
+                whole,
+                self.root,
+                step,
+                cfg.to_dict(),
+                keep=cfg.checkpoint.keep,
+                drop=self._superseded,
+                weights=self.weights_file,
+            )
         else:
             follow(whole, self.canonical)
         g.barrier()  # sync point: the checkpoint is in place before any rank goes on
         self._superseded = []
         if res is not None:
-            log.info("saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds,
-                     res.gbps)
+            log.info(
+                "saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps
+            )
         return res
 
     def restore(self, regions: dict, path: str, zero_if_absent: set[str]) -> Manifest:
@@ -75,8 +83,11 @@ class Checkpoints:
         its first save."""
         self._superseded = [p for p in list_checkpoints(self.root) if step_of(p) > step]
         if self._superseded:
-            log.warning("%s hold(s) a later course of this run than step %d; replaced by this run's first "
-                        "checkpoint", ", ".join(map(os.path.basename, self._superseded)), step)
+            log.warning(
+                "%s hold(s) a later course of this run than step %d; replaced by this run's first checkpoint",
+                ", ".join(map(os.path.basename, self._superseded)),
+                step,
+            )
 
     def weights(self, region, layout, row_pieces: dict) -> dict[str, torch.Tensor]:
         """Every weight of ``region`` (the weights state) by name, fp32, vocabulary pieces as
@@ -87,7 +98,9 @@ class Checkpoints:
         for unit in layout.units:
             self.group.read_unit(region, unit.index, buf, self.state_layout)
             for rec in unit.params:
-                out.update(whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone()))
+                out.update(
+                    whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone())
+                )
         return out
 
     def close(self) -> None:

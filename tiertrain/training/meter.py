@@ -31,8 +31,9 @@ class StepMeter:
         self.net0 = (t.sent, t.received)
         self.dev.reset_peak()  # the record's device peak is this step's
 
-    def record(self, *, step: int, out, lr: float, norm: float, update_s: float, update_wait_s: float,
-               extra: dict) -> StepRecord:
+    def record(
+        self, *, step: int, out, lr: float, norm: float, update_s: float, update_wait_s: float, extra: dict
+    ) -> StepRecord:
         step_s = time.perf_counter() - self.t0
         io1 = self.storage.stats()
         rb = sum(io1[k].read_bytes - self.io0[k].read_bytes for k in io1)

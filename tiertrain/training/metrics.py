@@ -14,8 +14,16 @@ log = logging.getLogger("tiertrain")
 
 # Dense bf16 peak FLOP/s of devices whose MFU we can state (per device), most specific
 # name first: an H100 PCIe is not an H100 SXM.
-_PEAKS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12), ("H200", 989e12),
-          ("A100", 312e12), ("L40S", 362e12), ("4090", 165e12))
+_PEAKS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("4090", 165e12),
+)
 
 
 def peak_flops(device_name: str | None) -> float | None:
@@ -66,7 +74,8 @@ class StepRecord:
         return (
             f"step {self.step:>{len(str(steps))}}/{steps} | loss {self.loss:.4f}"
             + (f" val {self.extra['eval_loss']:.4f}" if "eval_loss" in self.extra else "")
-            + (f" | epoch {self.extra['epoch']:.2f}" if "epoch" in self.extra else "") + " | "
+            + (f" | epoch {self.extra['epoch']:.2f}" if "epoch" in self.extra else "")
+            + " | "
             f"{self.tokens_per_s:,.0f} tok/s | mfu {mfu} | "
             f"ssd r {self.ssd_read_bytes / 1e9:.2f} GB {self.ssd_read_gbps:.2f} GB/s "
             f"w {self.ssd_write_bytes / 1e9:.2f} GB {self.ssd_write_gbps:.2f} GB/s | "
@@ -89,9 +98,11 @@ class StepRecord:
             + (
                 f" | ranks {self.extra['ranks']}: net sent {self.extra['net_sent_bytes'] / 1e9:.3f} GB "
                 f"received {self.extra['net_received_bytes'] / 1e9:.3f} GB per rank"
-                + "".join(f"; rank {i}: ssd r {x['ssd_read_bytes'] / 1e9:.2f} w {x['ssd_write_bytes'] / 1e9:.2f} GB, "
-                          f"io wait {x['io_wait_s']:.2f} s, peak host {x['peak_host_bytes'] / 2**20:,.0f} MiB"
-                          for i, x in enumerate(self.extra.get("per_rank", ())))
+                + "".join(
+                    f"; rank {i}: ssd r {x['ssd_read_bytes'] / 1e9:.2f} w {x['ssd_write_bytes'] / 1e9:.2f} GB, "
+                    f"io wait {x['io_wait_s']:.2f} s, peak host {x['peak_host_bytes'] / 2**20:,.0f} MiB"
+                    for i, x in enumerate(self.extra.get("per_rank", ()))
+                )
                 if "ranks" in self.extra
                 else ""
             )
@@ -158,15 +169,25 @@ class MetricsLog:
         wr = statistics.median(r.ssd_write_bytes for r in steady)
         return (
             f"{len(recs)} step{'s' if len(recs) != 1 else ''}: loss {recs[0].loss:.4f} -> {recs[-1].loss:.4f}"
-            + (f", validation loss {vals[0]:.4f} -> {vals[-1]:.4f}" if (vals := [r.extra["eval_loss"] for r in recs
-                                                                            if "eval_loss" in r.extra]) else "")
+            + (
+                f", validation loss {vals[0]:.4f} -> {vals[-1]:.4f}"
+                if (vals := [r.extra["eval_loss"] for r in recs if "eval_loss" in r.extra])
+                else ""
+            )
             + f"; median step {med:.2f} s, "
             f"{tok:,.0f} tok/s; per step ssd read {rd / 1e9:.2f} GB, written {wr / 1e9:.2f} GB; "
             f"peak host {max(r.peak_host_bytes for r in recs) / 2**20:,.0f} MiB"
-            + (f" (+ engines {eng / 2**20:,.0f} MiB)" if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)) else "")
-            + (f"; activations per step: {last['act_kept']} pairs kept, {last['act_offloaded']} on the storage tier "
-               f"({last['act_offload_bytes'] / 1e9:.2f} GB), {last['act_recomputed']} recomputed"
-               if "act_kept" in (last := recs[-1].extra) else "")
+            + (
+                f" (+ engines {eng / 2**20:,.0f} MiB)"
+                if (eng := max(r.extra.get("engine_peak_host_bytes", 0) for r in recs))
+                else ""
+            )
+            + (
+                f"; activations per step: {last['act_kept']} pairs kept, {last['act_offloaded']} on the storage tier "
+                f"({last['act_offload_bytes'] / 1e9:.2f} GB), {last['act_recomputed']} recomputed"
+                if "act_kept" in (last := recs[-1].extra)
+                else ""
+            )
         )
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..activations.offload import OffloadedGraphs
 from ..activations.stash import HiddenStash
@@ -20,6 +21,9 @@ from ..config import Config
 from ..dist.group import SoloGroup
 from ..state.decl import StateDecl
 from ..update import UPDATES
+
+if TYPE_CHECKING:
+    from ..cost.budget import BudgetPlan
 
 __all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states"]
 
@@ -33,8 +37,12 @@ def declare_states(cfg: Config, rt, record_bytes: int = 0) -> list[StateDecl]:
     offloaded (``memory.offload_pairs`` of ``record_bytes`` each), the activation records'."""
     update = UPDATES[cfg.update.mode].declare(cfg, rt.state_layout, rt.dtype, rt.align, cfg.io.paths)
     d, m = cfg.data, cfg.memory
-    stash = HiddenStash.declare((d.micro_batch_size, d.seq_len, rt.hidden_size), rt.dtype,
-                                len(rt.model.blocks) * d.micro_batches, m.stash_host_mib * MIB)
+    stash = HiddenStash.declare(
+        (d.micro_batch_size, d.seq_len, rt.hidden_size),
+        rt.dtype,
+        len(rt.model.blocks) * d.micro_batches,
+        (m.stash_host_mib or 0) * MIB,
+    )
     acts = []
     if m.offload_pairs and record_bytes:
         acts = [OffloadedGraphs.declare(rt.dtype, record_bytes, m.offload_pairs, m.act_buffers)]
@@ -65,7 +73,7 @@ class RunPlan:
     """What a run of the user's config is, on this machine (see the module docstring)."""
 
     cfg: Config  # every planned field set: memory.*_mib, update.mode, memory.offload_pairs, model.vocab_pieces
-    budget: object  # cost.budget.BudgetPlan: the placement by memory budget, its lines
+    budget: BudgetPlan  # the placement by memory budget, its lines
     acts: ActivationPlan
     states: list[StateDecl]
     notes: list[str] = field(default_factory=list)  # the choices made, and why (logged at start)
@@ -75,8 +83,7 @@ class RunPlan:
         return [*self.budget.lines(), *self.notes]
 
 
-def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool | None = None,
-             rates=None) -> RunPlan:
+def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool | None = None, rates=None) -> RunPlan:
     """The plan of ``cfg`` on the runtime ``rt`` (its model may be cut again: ``Runtime.recut``).
     ``group``: the ranks, every one of which takes rank 0's choices (each measured its own
     machine). ``measure``: whether the update path's choice may measure the machine (default:
@@ -111,4 +118,3 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     acts = ActivationPlan.of(planned, rt, budget.act_bytes, budget.record_bytes)
     states = declare_states(planned, rt, acts.record_bytes)
     return RunPlan(planned, budget, acts, states, notes, measured[0] if measured else None)
-

@@ -31,6 +31,7 @@ from ..config import Config, ConfigError
 from ..data import EvalSet, open_corpus
 from ..device.host import fix_mmap_threshold, trim_heap
 from ..dist.group import SoloGroup
+from ..dist.launch import resume_command
 from ..errors import one_line
 from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
@@ -43,7 +44,6 @@ from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
 from ..update import UPDATES, Update
 from ..update.lr import lr_at
-from ..dist.launch import resume_command
 from .checkpoints import Checkpoints
 from .interrupt import StopFlag
 from .meter import StepMeter
@@ -70,8 +70,9 @@ class Trainer:
     builds its own Trainer with the same config, see ``dist/ranks.py``), by default one.
     """
 
-    def __init__(self, cfg: Config | dict, *, weights: WeightSource | None = None, device=None,
-                 group: Group | None = None) -> None:
+    def __init__(
+        self, cfg: Config | dict, *, weights: WeightSource | None = None, device=None, group: Group | None = None
+    ) -> None:
         if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
             cfg = Config.from_dict(cfg)
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
@@ -94,14 +95,19 @@ class Trainer:
                 raise ConfigError(
                     f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the {what} vocabulary "
                     f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
-                    "own tokenizer")
+                    "own tokenizer"
+                )
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
         self.lock = ScratchLock(cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths)
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
             for info in self.lock.unclean:
-                log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
-                            info["path"], info.get("pid"), info.get("started"))
+                log.warning(
+                    "scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
+                    info["path"],
+                    info.get("pid"),
+                    info.get("started"),
+                )
             self._plan()
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
@@ -135,8 +141,9 @@ class Trainer:
         checkpoint, a leg of this run on another number of ranks (rank 0 for the shared ones)."""
         if self.group.leader:
             for path, size in clean_other_legs(self.user_cfg.io.paths, self.group.world):
-                log.info("removed a file a leg of this run on another number of ranks left: %s (%.1f MiB)",
-                         path, size / MIB)
+                log.info(
+                    "removed a file a leg of this run on another number of ranks left: %s (%.1f MiB)", path, size / MIB
+                )
             for path in clean_incomplete(self.checkpoint_root):
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
         for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
@@ -149,43 +156,80 @@ class Trainer:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
         unit = self.layout.max_unit_numel * self.dtype.itemsize
         accum = self._accum_dtype()
-        self.dev.check_capacity({"parameter slots (memory.device_slots)": m.device_slots * unit,
-                                 "gradient buffers": GradStore.buffers_for(self.layout) * unit,
-                                 "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(
-                                     self.layout, accum),
-                                 "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB})
-        self.update: Update = self._part(UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype,
-                                                                  pin=self.dev.pin))
+        self.dev.check_capacity(
+            {
+                "parameter slots (memory.device_slots)": m.device_slots * unit,
+                "gradient buffers": GradStore.buffers_for(self.layout) * unit,
+                "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(self.layout, accum),
+                "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB,
+            }
+        )
+        self.update: Update = self._part(
+            UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype, pin=self.dev.pin)
+        )
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")
         # slots the update can write into: where device memory is host memory and the update's
         # units are the slots' (a rank's update has its shard of a unit, a slot the whole unit)
-        shared = (self.update.share_slots(m.device_slots, self.layout.max_unit_numel)
-                  if rt.update_writes_slots else None)
+        shared = self.update.share_slots(m.device_slots, self.layout.max_unit_numel) if rt.update_writes_slots else None
         # with ranks, whole units gathered from the shards and gradients summed over the ranks
         source, sink = self.group.wrap_stores(self.update.params, self.update.grads, rt.state_layout)
-        self.params = self._part(rt.bind_params(source, slots=m.device_slots, slot_tensors=shared))  # closed before the update
+        self.params = self._part(
+            rt.bind_params(source, slots=m.device_slots, slot_tensors=shared)
+        )  # closed before the update
         self.grads = self._part(GradStore(self.layout, sink, self.dev, accum_dtype=accum))
         d = cfg.data
-        self.stash = self._part(HiddenStash(
-            self.storage, self.dev, shape=(d.micro_batch_size, d.seq_len, rt.hidden_size), dtype=self.dtype,
-            entries=len(self.model.blocks) * d.micro_batches, host_bytes=m.stash_host_mib * MIB,
-            micro_batches=d.micro_batches))
+        self.stash = self._part(
+            HiddenStash(
+                self.storage,
+                self.dev,
+                shape=(d.micro_batch_size, d.seq_len, rt.hidden_size),
+                dtype=self.dtype,
+                entries=len(self.model.blocks) * d.micro_batches,
+                host_bytes=m.stash_host_mib * MIB,
+                micro_batches=d.micro_batches,
+            )
+        )
         a = self.acts
         self.offloaded = None
         if a.offloaded:
-            self.offloaded = self._part(OffloadedGraphs(self.storage, self.dev, record_bytes=a.record_bytes,
-                                                        records=a.offloaded, buffers=m.act_buffers,
-                                                        input_of=self.stash.get))
-        self.executor = LayerMajorExecutor(self.model, self.params, self.grads, self.stash, self.dev,
-                                           keep_bytes=m.keep_act_mib * MIB,
-                                           policy=policy_for(m.activations, a.kept, a.offloaded),
-                                           offloaded=self.offloaded, after_unit=trim_heap if m.trim_heap else None)
+            self.offloaded = self._part(
+                OffloadedGraphs(
+                    self.storage,
+                    self.dev,
+                    record_bytes=a.record_bytes,
+                    records=a.offloaded,
+                    buffers=m.act_buffers,
+                    input_of=self.stash.get,
+                )
+            )
+        self.executor = LayerMajorExecutor(
+            self.model,
+            self.params,
+            self.grads,
+            self.stash,
+            self.dev,
+            keep_bytes=m.keep_act_mib * MIB,
+            policy=policy_for(m.activations, a.kept, a.offloaded),
+            offloaded=self.offloaded,
+            after_unit=trim_heap if m.trim_heap else None,
+        )
         self.ckpt = self._part(CheckpointIO(rt.canonical_layout, chunk_bytes=cfg.io.chunk_kib << 10))
-        self.checkpoints = Checkpoints(self.ckpt, self.group, rt.state_layout, rt.canonical_layout,
-                                       lambda: self.user_cfg, weights=f"{self._weights_state().name}.bin")
-        self.meter = StepMeter(self.storage, self.dev, self.group, self._waits,
-                               flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size))
+        self.checkpoints = Checkpoints(
+            self.ckpt,
+            self.group,
+            rt.state_layout,
+            rt.canonical_layout,
+            lambda: self.user_cfg,
+            weights=f"{self._weights_state().name}.bin",
+        )
+        self.meter = StepMeter(
+            self.storage,
+            self.dev,
+            self.group,
+            self._waits,
+            flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size),
+        )
         self.step = 0
 
     def _part(self, obj):
@@ -247,7 +291,9 @@ class Trainer:
         with self.update.regions() as regions:
             want = {d.name for d in checkpointed(self.plan.states)}
             if set(regions) != want:
-                raise RuntimeError(f"checkpointed states declared {sorted(want)} but the update gives {sorted(regions)}")
+                raise RuntimeError(
+                    f"checkpointed states declared {sorted(want)} but the update gives {sorted(regions)}"
+                )
             yield {f"{name}.bin": r for name, r in regions.items()}
 
     # -- weights ------------------------------------------------------------------------------------
@@ -263,7 +309,9 @@ class Trainer:
             for rec in unit.params:
                 t = values[rec.name]
                 if tuple(t.shape) != tuple(rec.shape):
-                    raise ConfigError(f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}")
+                    raise ConfigError(
+                        f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
+                    )
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
             self.update.init_unit(unit.index, self.rt.state_layout.shard(unit.index, view))  # this rank's share
         self.update.finish_init()
@@ -281,8 +329,9 @@ class Trainer:
         """Current weights by name, fp32 (the declared weights state: master weights where
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
         with self.state_regions() as regions:
-            return self.checkpoints.weights(regions[f"{self._weights_state().name}.bin"], self.layout,
-                                            self.model.row_pieces)
+            return self.checkpoints.weights(
+                regions[f"{self._weights_state().name}.bin"], self.layout, self.model.row_pieces
+            )
 
     # -- checkpoints --------------------------------------------------------------------------------
     @property
@@ -328,9 +377,15 @@ class Trainer:
         self.params.invalidate()  # slot copies are stale: the update rewrote (or is rewriting) every unit
         update_s = time.perf_counter() - t0
         self.step += 1
-        rec = self.meter.record(step=self.step, out=out, lr=lr, norm=float(norm), update_s=update_s,
-                                update_wait_s=upd.wait_s,
-                                extra={"losses": out.losses, **self.update.record(), **self._act_record()})
+        rec = self.meter.record(
+            step=self.step,
+            out=out,
+            lr=lr,
+            norm=float(norm),
+            update_s=update_s,
+            update_wait_s=upd.wait_s,
+            extra={"losses": out.losses, **self.update.record(), **self._act_record()},
+        )
         epoch = self.corpus.epoch_of(self.step - 1, self.group.world)  # examples: epochs done (raw text: None)
         if epoch is not None:
             rec.extra["epoch"] = epoch
@@ -348,21 +403,32 @@ class Trainer:
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
             every = [x for r in range(g.world) for x, _ in self.corpus.batches(step, rank=r, world=g.world)]
-        out = self.executor.step(self.corpus.batches(step, rank=g.rank, world=g.world), scale, every,
-                                 self.corpus.positions(step, rank=g.rank, world=g.world))
+        out = self.executor.step(
+            self.corpus.batches(step, rank=g.rank, world=g.world),
+            scale,
+            every,
+            self.corpus.positions(step, rank=g.rank, world=g.world),
+        )
         out.loss = scale.mean(float(g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))))
         out.tokens *= g.world
         return out
 
     def _waits(self) -> float:
         """Seconds the compute thread has waited for the storage tier so far (sync points)."""
-        return (self.params.stats.wait_s + self.stash.wait_s
-                + (self.offloaded.wait_s if self.offloaded is not None else 0.0))
+        return (
+            self.params.stats.wait_s
+            + self.stash.wait_s
+            + (self.offloaded.wait_s if self.offloaded is not None else 0.0)
+        )
 
     def _act_record(self) -> dict:
         pairs, written = self.offloaded.take_stats() if self.offloaded is not None else (0, 0)
-        return {"act_kept": self.executor.kept_pairs, "act_offloaded": pairs,
-                "act_recomputed": self.executor.recomputed, "act_offload_bytes": written}
+        return {
+            "act_kept": self.executor.kept_pairs,
+            "act_offloaded": pairs,
+            "act_recomputed": self.executor.recomputed,
+            "act_offload_bytes": written,
+        }
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
@@ -383,9 +449,14 @@ class Trainer:
                 self.initialize(progress=progress)
             first = self.step
             if first >= cfg.train.steps:
-                log.warning("the run is already at step %d of train.steps = %d: nothing to train; to train further, "
-                            "raise it: %s --train.steps=%d", first, cfg.train.steps, self.resume_command,
-                            cfg.train.steps + first)
+                log.warning(
+                    "the run is already at step %d of train.steps = %d: nothing to train; to train further, "
+                    "raise it: %s --train.steps=%d",
+                    first,
+                    cfg.train.steps,
+                    self.resume_command,
+                    cfg.train.steps + first,
+                )
                 return []
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
@@ -411,8 +482,12 @@ class Trainer:
                     log.info(rec.line(cfg.train.steps))
                 if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
                     measured = statistics.median(r.step_s for r in metrics.records[-3:])
-                    log.info("step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; "
-                             "%.2fx)", pred.step_s, measured, measured / pred.step_s)
+                    log.info(
+                        "step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; %.2fx)",
+                        pred.step_s,
+                        measured,
+                        measured / pred.step_s,
+                    )
                 if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
                     self.save_checkpoint()
         if stop.set:

@@ -9,10 +9,24 @@ from .baseline import BaselineUpdate
 from .engines import EngineError, EngineUpdate
 from .overlap import OverlapUpdate
 
-__all__ = ["Update", "ParamSource", "GradSink", "UpdateStats", "BaselineUpdate", "EngineUpdate", "OverlapUpdate", "EngineError", "UPDATES"]
+__all__ = [
+    "Update",
+    "ParamSource",
+    "GradSink",
+    "UpdateStats",
+    "BaselineUpdate",
+    "EngineUpdate",
+    "OverlapUpdate",
+    "EngineError",
+    "UPDATES",
+]
 
 # update.mode -> its implementation; a new path is one more entry. 'auto' is resolved before a
 # run is built (cost/choose.py) to the baseline or the overlap, which declare the same states:
 # where a saved config is only read (export), it declares as the baseline.
-UPDATES: dict[str, type[Update]] = {"baseline": BaselineUpdate, "overlap": OverlapUpdate, "engines": EngineUpdate,
-                                    "auto": BaselineUpdate}
+UPDATES: dict[str, type[Update]] = {
+    "baseline": BaselineUpdate,
+    "overlap": OverlapUpdate,
+    "engines": EngineUpdate,
+    "auto": BaselineUpdate,
+}

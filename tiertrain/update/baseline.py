@@ -72,16 +72,27 @@ class BaselineUpdate(Update):
         return {"update buffers": 3 * (cfg.memory.update_buffer_kib << 10)}  # the streamed optimizer's sets
 
     @classmethod
-    def declare(cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
-                paths: list[str]) -> list[StateDecl]:
+    def declare(
+        cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
+    ) -> list[StateDecl]:
         m = cfg.memory
         weights_first = pdtype == torch.float32  # without a master copy the parameters are the weights
         return [
             *optimizer_states(cfg.optim, layout, pdtype, align, m.optim_host_mib * MIB, owner=OWNER),
-            TieredRegions.declare(layout, "params.bin", pdtype, m.host_param_mib * MIB, align, name="params", owner=OWNER,
-                                  checkpointed=True, weights=weights_first),
-            TieredRegions.declare(layout, "grads.bin", pdtype, m.grad_host_mib * MIB, align, name="grads", owner=OWNER,
-                                  checkpointed=False),
+            TieredRegions.declare(
+                layout,
+                "params.bin",
+                pdtype,
+                m.host_param_mib * MIB,
+                align,
+                name="params",
+                owner=OWNER,
+                checkpointed=True,
+                weights=weights_first,
+            ),
+            TieredRegions.declare(
+                layout, "grads.bin", pdtype, m.grad_host_mib * MIB, align, name="grads", owner=OWNER, checkpointed=False
+            ),
         ]
 
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
@@ -91,9 +102,15 @@ class BaselineUpdate(Update):
         self._params = TieredRegions(layout, storage, by["params"], pin=pin)
         self._grads = TieredRegions(layout, storage, by["grads"], pin=pin)
         self.params, self.grads = RegionParams(self._params), RegionGrads(self._grads)
-        self.optim = StreamedOptimizer(layout, storage, self._params, self._grads, cfg.optim,
-                                       [d for d in self.states if d.name not in ("params", "grads")],
-                                       buffer_bytes=cfg.memory.update_buffer_kib << 10)
+        self.optim = StreamedOptimizer(
+            layout,
+            storage,
+            self._params,
+            self._grads,
+            cfg.optim,
+            [d for d in self.states if d.name not in ("params", "grads")],
+            buffer_bytes=cfg.memory.update_buffer_kib << 10,
+        )
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         self.optim.init_unit(u, flat32)

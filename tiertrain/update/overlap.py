@@ -55,11 +55,14 @@ class UnitState(enum.Enum):
     UPDATING = "updating"  # chunks of it are computed: too late to hand the whole unit over
 
 
-UNIT = Machine("overlapped update, unit", {
-    UnitState.CURRENT: {UnitState.QUEUED},
-    UnitState.QUEUED: {UnitState.UPDATING, UnitState.CURRENT},  # a unit with no chunks goes straight back
-    UnitState.UPDATING: {UnitState.CURRENT},
-})
+UNIT = Machine(
+    "overlapped update, unit",
+    {
+        UnitState.CURRENT: {UnitState.QUEUED},
+        UnitState.QUEUED: {UnitState.UPDATING, UnitState.CURRENT},  # a unit with no chunks goes straight back
+        UnitState.UPDATING: {UnitState.CURRENT},
+    },
+)
 
 
 class _Load:
@@ -139,8 +142,14 @@ class OverlapUpdate(BaselineUpdate):
         extra_cpu = c.upd_cpu if c.cpu_compute else 0.0
         if c.cfg.update.eager:  # under the backward, in its order: the embedding's update is left for the next forward
             f = c.fwd
-            b = c.phase("backward", c.bwd_c, t.backward_read, t.backward_write, extra_io=c.pcie_s + c.upd.io_s,
-                        extra_cpu=extra_cpu)
+            b = c.phase(
+                "backward",
+                c.bwd_c,
+                t.backward_read,
+                t.backward_write,
+                extra_io=c.pcie_s + c.upd.io_s,
+                extra_cpu=extra_cpu,
+            )
             b.time_s = max(b.time_s, own)
             u = Phase("update (thread, under the backward)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
             note = "overlap (eager): the update streams under the backward as each unit's gradient is home"
@@ -149,8 +158,10 @@ class OverlapUpdate(BaselineUpdate):
             f.time_s = max(f.time_s, own) + c.first_read_s()
             b = c.bwd
             u = Phase("update (thread, under the next forward)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
-            note = (f"overlap: the update ({own:.2f} s on its own) streams under the next forward, which waits for "
-                    "each unit's new parameters")
+            note = (
+                f"overlap: the update ({own:.2f} s on its own) streams under the next forward, which waits for "
+                "each unit's new parameters"
+            )
         return [f, b, u], f.time_s + b.time_s + u.time_s, max((f, b), key=lambda p: p.time_s).bound, [note]
 
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
@@ -198,8 +209,9 @@ class OverlapUpdate(BaselineUpdate):
             self._pending += 1
         self._jobs.put(job)
 
-    def _stream(self, lr: float, coef: torch.Tensor | None, step: int, units: list[int] | None,
-                wait: IOFuture | None = None) -> None:
+    def _stream(
+        self, lr: float, coef: torch.Tensor | None, step: int, units: list[int] | None, wait: IOFuture | None = None
+    ) -> None:
         if wait is not None:
             wait.get()  # the gradient is home (its checksums too: committed by the write itself)
         st = self.optim.step(lr, coef, step=step, units=units, on_unit_done=self._unit_done, on_chunk=self._chunk)

@@ -49,15 +49,28 @@ class _BufferSet:
         self.nbytes = total
 
 
-def optimizer_states(cfg: OptimConfig, layout, pdtype: torch.dtype, align: int, host_bytes: int, *,
-                     owner: str, file=lambda name: f"{name}.bin", path: str | None = None) -> list[StateDecl]:
+def optimizer_states(
+    cfg: OptimConfig,
+    layout,
+    pdtype: torch.dtype,
+    align: int,
+    host_bytes: int,
+    *,
+    owner: str,
+    file=lambda name: f"{name}.bin",
+    path: str | None = None,
+) -> list[StateDecl]:
     """The optimizer's states: fp32 master weights (when parameters are lower precision),
     then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; SGD: ``momentum``), each within an
     equal share of ``host_bytes``. ``file(name)``: the file a state lives in on ``path``."""
     names = (["master"] if pdtype != F32 else []) + (["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"])
     share = host_bytes // len(names)
-    return [TieredRegions.declare(layout, file(n), F32, share, align, name=n, owner=owner, checkpointed=True,
-                                  path=path, weights=n == "master") for n in names]
+    return [
+        TieredRegions.declare(
+            layout, file(n), F32, share, align, name=n, owner=owner, checkpointed=True, path=path, weights=n == "master"
+        )
+        for n in names
+    ]
 
 
 class StreamedOptimizer:
@@ -128,7 +141,9 @@ class StreamedOptimizer:
 
     def _chunks(self, units: list[int] | None = None) -> list[tuple[int, int, int]]:
         todo = self.layout.units if units is None else [self.layout.units[u] for u in units]
-        return [(unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)]
+        return [
+            (unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)
+        ]
 
     def read_ahead(self) -> int:
         """Start reading the state (moments, parameters or master) of the first chunks of
@@ -276,4 +291,3 @@ def _wait(futs: list[IOFuture]) -> float:
     for f in futs:
         f.get()
     return time.perf_counter() - t0
-

@@ -39,9 +39,9 @@ from ...io.align import pin_in_place
 from ...state.decl import FileDecl, Region, StateDecl
 from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import TieredRegions, place
+from ...state.slices import SliceLayout, partition, unit_records
 from ..base import Update, UpdateStats
 from ..shm import SharedSegment
-from ...state.slices import SliceLayout, partition, unit_records
 from ..streamed import optimizer_states
 from . import protocol as P
 from .protocol import ENGINE, EngineState
@@ -62,6 +62,8 @@ def slot_bytes_of(views) -> int:
 def engine_slot_bytes(layout: FlatLayout, engines: int, align: int, pdtype: torch.dtype) -> int:
     """All engines' shared gradient slots (``SLOTS`` each), before any engine exists."""
     return engines * SLOTS * slot_bytes_of(_views(layout, engines, chunk_align(align, pdtype))[1])
+
+
 OWNER = "update engines"
 
 
@@ -99,8 +101,9 @@ class EngineUpdate(Update):
 
     # -- declarations ----------------------------------------------------------------------------------
     @staticmethod
-    def engine_states(cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
-                      paths: list[str]) -> list[list[StateDecl]]:
+    def engine_states(
+        cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
+    ) -> list[list[StateDecl]]:
         """Per engine, the states it keeps in its files on its path (built by the worker)."""
         n = cfg.update.engines or len(paths)
         _, views = _views(layout, n, chunk_align(align, pdtype))
@@ -108,18 +111,40 @@ class EngineUpdate(Update):
         for i, v in enumerate(views):
             path = paths[i % len(paths)]
             own = lambda name, i=i: engine_file(i, name)  # noqa: E731
-            out.append([
-                *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path),
-                TieredRegions.declare(v, own("params"), pdtype, 0, align, name="params", owner=OWNER,
-                                      checkpointed=True, path=path, weights=pdtype == torch.float32),
-                TieredRegions.declare(v, own("grads"), pdtype, cfg.memory.grad_host_mib * MIB // n, align,
-                                      name="grads", owner=OWNER, checkpointed=False, path=path),
-            ])
+            out.append(
+                [
+                    *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path),
+                    TieredRegions.declare(
+                        v,
+                        own("params"),
+                        pdtype,
+                        0,
+                        align,
+                        name="params",
+                        owner=OWNER,
+                        checkpointed=True,
+                        path=path,
+                        weights=pdtype == torch.float32,
+                    ),
+                    TieredRegions.declare(
+                        v,
+                        own("grads"),
+                        pdtype,
+                        cfg.memory.grad_host_mib * MIB // n,
+                        align,
+                        name="grads",
+                        owner=OWNER,
+                        checkpointed=False,
+                        path=path,
+                    ),
+                ]
+            )
         return out
 
     @classmethod
-    def declare(cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int,
-                paths: list[str]) -> list[StateDecl]:
+    def declare(
+        cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
+    ) -> list[StateDecl]:
         """Every state, over all engines' files, and (error feedback) the top-k residual."""
         per = cls.engine_states(cfg, layout, pdtype, align, paths)
         merged = []
@@ -202,26 +227,33 @@ class EngineUpdate(Update):
         for i in range(self.n):
             shm = SharedSegment(SLOTS * self.slot_bytes)
             self.shms.append(shm)
-            specs.append(dict(
-                records=unit_records(self.layout),
-                slices=[(s.unit, s.start, s.end) for s in self.slices[i]],
-                param_dtype=str(self.pdtype).removeprefix("torch."),
-                io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
-                optim=dataclasses.asdict(cfg.optim),
-                states=self._engine_states[i],
-                shm=shm.name,
-                shm_bytes=shm.size,
-                slot_bytes=self.slot_bytes,
-                threads=1,
-                eager=self.eager,
-                topk=cfg.update.topk > 0,
-                buffer_bytes=cfg.memory.update_buffer_kib << 10,
-                ahead_bytes=cfg.memory.engine_read_ahead_mib * MIB // self.n,
-            ))
+            specs.append(
+                dict(
+                    records=unit_records(self.layout),
+                    slices=[(s.unit, s.start, s.end) for s in self.slices[i]],
+                    param_dtype=str(self.pdtype).removeprefix("torch."),
+                    io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
+                    optim=dataclasses.asdict(cfg.optim),
+                    states=self._engine_states[i],
+                    shm=shm.name,
+                    shm_bytes=shm.size,
+                    slot_bytes=self.slot_bytes,
+                    threads=1,
+                    eager=self.eager,
+                    topk=cfg.update.topk > 0,
+                    buffer_bytes=cfg.memory.update_buffer_kib << 10,
+                    ahead_bytes=cfg.memory.engine_read_ahead_mib * MIB // self.n,
+                )
+            )
             # A session of its own: Ctrl-C at the terminal reaches the trainer only, which stops
             # at a step boundary and then stops the engines itself.
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain.update.engines.worker", address, str(i)],
-                                               env=env, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tiertrain.update.engines.worker", address, str(i)],
+                    env=env,
+                    start_new_session=True,
+                )
+            )
         self.conns = [None] * self.n
         accepted: list = []
 
@@ -246,7 +278,9 @@ class EngineUpdate(Update):
             _, i = conn.recv()
             conn.send((self.paths[i], specs[i]))
             self.conns[i] = conn
-        self._pump(lambda: all(s == EngineState.READY for s in self.state), "starting", timeout=max(120.0, self.timeout))
+        self._pump(
+            lambda: all(s == EngineState.READY for s in self.state), "starting", timeout=max(120.0, self.timeout)
+        )
         for shm in self.shms:  # every engine has mapped its slots
             shm.unlink()
         if self._pin:  # gradients come from a CUDA device: page-lock the slots for asynchronous copies
@@ -258,8 +292,14 @@ class EngineUpdate(Update):
         st = self.storage
         if not next(d for d in self._engine_states[i] if d.name == kind).files:
             return None
-        return FileHandle(os.path.join(self.paths[i], engine_file(i, kind)), mode, direct=st.direct,
-                          checksum=st.checksum, checksum_block=st.checksum_block, workers=st.workers[self.path_of[i]])
+        return FileHandle(
+            os.path.join(self.paths[i], engine_file(i, kind)),
+            mode,
+            direct=st.direct,
+            checksum=st.checksum,
+            checksum_block=st.checksum_block,
+            workers=st.workers[self.path_of[i]],
+        )
 
     def _open_readers(self) -> None:
         self._readers = [self._open(i, "params", "r", self.pdtype) for i in range(self.n)]
@@ -289,7 +329,9 @@ class EngineUpdate(Update):
             self.peak_host[i] = msg.report.peak_host  # the engine's VmHWM: already its peak so far
         elif isinstance(msg, P.Failed):
             log.debug("update engine %d failed:\n%s", i, msg.traceback)
-            raise EngineError(f"update engine {i} ({self.paths[i]}) failed: {msg.line}; resume from the last checkpoint")
+            raise EngineError(
+                f"update engine {i} ({self.paths[i]}) failed: {msg.line}; resume from the last checkpoint"
+            )
         elif isinstance(msg, P.Ready):
             self._move(i, EngineState.READY)
         elif isinstance(msg, P.Released):
@@ -364,8 +406,12 @@ class EngineUpdate(Update):
 
     def wait_all(self, what: str = "updating") -> None:
         """Until every engine has finished every unit and reported its last step."""
-        self._pump(lambda: all(len(d) == self.n for d in self._done.values())
-                   and len(self.stepped) == self._steps_sent * self.n, what)
+        self._pump(
+            lambda: (
+                all(len(d) == self.n for d in self._done.values()) and len(self.stepped) == self._steps_sent * self.n
+            ),
+            what,
+        )
 
     def ready(self, u: int) -> bool:
         self._drain()
@@ -374,8 +420,18 @@ class EngineUpdate(Update):
     def wait_ready(self, u: int) -> None:
         self._pump(lambda: len(self._done[u]) == self.n, f"updating unit {u}")
 
-    def slice_io(self, files: list, place_: list[dict], esize: int, write: bool, u: int, buf: torch.Tensor,
-                 start: int, end: int | None, engines: list[int] | None = None) -> IOFuture:
+    def slice_io(
+        self,
+        files: list,
+        place_: list[dict],
+        esize: int,
+        write: bool,
+        u: int,
+        buf: torch.Tensor,
+        start: int,
+        end: int | None,
+        engines: list[int] | None = None,
+    ) -> IOFuture:
         """Elements ``[start, end)`` of unit ``u``, split by owner: each engine's part (of
         ``engines``, default all) read from (or written to) its file ``files[i]`` at the
         unit's place there."""
@@ -390,8 +446,9 @@ class EngineUpdate(Update):
                 futs.append(op(buf[a - start : b - start], (b - a) * esize, off))
         return IOFuture.gather(futs)
 
-    def read_params(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None,
-                    engines: list[int] | None = None) -> IOFuture:
+    def read_params(
+        self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None, engines: list[int] | None = None
+    ) -> IOFuture:
         return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end, engines)
 
     def share_slots(self, count: int, numel: int) -> list[torch.Tensor] | None:
@@ -529,7 +586,7 @@ class EngineUpdate(Update):
         }
         seen, self._seen_counters = self._seen_counters, counters
         since = {k: v - seen.get(k, 0) for k, v in counters.items()}
-        reports = self.stepped[len(self.stepped) - since.pop("reports"):]
+        reports = self.stepped[len(self.stepped) - since.pop("reports") :]
         return {
             **since,
             "engine_read_bytes": sum(r.read for r in reports),

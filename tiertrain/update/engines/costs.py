@@ -19,10 +19,14 @@ def engine_pools(cfg: Config, rt) -> dict[str, int]:
 
     m, chunk = cfg.memory, cfg.io.chunk_kib << 10
     n = cfg.update.engines or len(cfg.io.paths)
-    return {"engine slots (shared)": engine_slot_bytes(rt.layout, n, rt.align, rt.dtype),
-            "engine buffers": n * (3 * (m.update_buffer_kib << 10) + (m.engine_read_ahead_mib << 20)
-                                   + 2 * 2 * 2 * chunk),  # update sets, read-ahead, two I/O queues
-            "engine interpreters": n * ENGINE_PROCESS}
+    return {
+        "engine slots (shared)": engine_slot_bytes(rt.layout, n, rt.align, rt.dtype),
+        "engine buffers": n
+        * (
+            3 * (m.update_buffer_kib << 10) + (m.engine_read_ahead_mib << 20) + 2 * 2 * 2 * chunk
+        ),  # update sets, read-ahead, two I/O queues
+        "engine interpreters": n * ENGINE_PROCESS,
+    }
 
 
 def predict_engines(c):
@@ -36,14 +40,25 @@ def predict_engines(c):
     share = c.upd_cpu * c.fwd.compute_s / max(c.fwd.compute_s + c.bwd.compute_s, 1e-9)
     fwd = c.phase("forward", c.fwd_c, t.forward_read, t.forward_write, extra_cpu=share if c.cpu_compute else 0.0)
     fwd.time_s += c.first_read_s()
-    bwd = c.phase("backward", c.bwd_c, t.backward_read, t.backward_write, extra_io=c.pcie_s,
-                  extra_cpu=c.upd_cpu - share if c.cpu_compute else 0.0)
+    bwd = c.phase(
+        "backward",
+        c.bwd_c,
+        t.backward_read,
+        t.backward_write,
+        extra_io=c.pcie_s,
+        extra_cpu=c.upd_cpu - share if c.cpu_compute else 0.0,
+    )
     disk = t.read / (r.read_gbps * 1e9) + t.write / (r.write_gbps * 1e9)
     trainer = fwd.time_s + bwd.time_s
     step = max(trainer, disk, c.upd_c)
-    bound = "trainer's forward+backward" if step == trainer else ("disk (whole step)" if step == disk else "update kernel")
+    bound = (
+        "trainer's forward+backward" if step == trainer else ("disk (whole step)" if step == disk else "update kernel")
+    )
     upd = Phase("update (engines, overlapped)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
-    note = (f"engines: the update's bytes move during the next forward and backward; their CPU ({c.upd_cpu:.2f} s a "
-            "step) shares the cores with the trainer" if c.cpu_compute else
-            "engines: the update's bytes move during the next forward and backward")
+    note = (
+        f"engines: the update's bytes move during the next forward and backward; their CPU ({c.upd_cpu:.2f} s a "
+        "step) shares the cores with the trainer"
+        if c.cpu_compute
+        else "engines: the update's bytes move during the next forward and backward"
+    )
     return [fwd, bwd, upd], step, bound, [note]

@@ -22,9 +22,25 @@ from dataclasses import dataclass, fields
 from ...state.machine import Machine
 
 __all__ = [
-    "Init", "Grad", "Step", "Slots", "Release", "Reopen", "Stop",
-    "Ready", "Free", "Done", "Stepped", "Attached", "Released", "Reopened", "Alive", "Failed",
-    "StepReport", "EngineState", "ENGINE",
+    "Init",
+    "Grad",
+    "Step",
+    "Slots",
+    "Release",
+    "Reopen",
+    "Stop",
+    "Ready",
+    "Free",
+    "Done",
+    "Stepped",
+    "Attached",
+    "Released",
+    "Reopened",
+    "Alive",
+    "Failed",
+    "StepReport",
+    "EngineState",
+    "ENGINE",
 ]
 
 
@@ -157,9 +173,12 @@ class EngineState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-ENGINE = Machine("update engine", {
-    EngineState.STARTING: {EngineState.READY, EngineState.STOPPED},
-    EngineState.READY: {EngineState.RELEASED, EngineState.STOPPED},
-    EngineState.RELEASED: {EngineState.READY, EngineState.STOPPED},
-    EngineState.STOPPED: set(),
-})
+ENGINE = Machine(
+    "update engine",
+    {
+        EngineState.STARTING: {EngineState.READY, EngineState.STOPPED},
+        EngineState.READY: {EngineState.RELEASED, EngineState.STOPPED},
+        EngineState.RELEASED: {EngineState.READY, EngineState.STOPPED},
+        EngineState.STOPPED: set(),
+    },
+)

@@ -25,13 +25,13 @@ import torch
 
 from ...compress.topk import topk_decode, unpack
 from ...config import IOConfig, OptimConfig
+from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...errors import one_line
 from ...io import IOFuture, Storage
-from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...state.regions import TieredRegions
+from ...state.slices import Slice, SliceLayout
 from ..base import UpdateStats
 from ..shm import attach
-from ...state.slices import Slice, SliceLayout
 from ..streamed import StreamedOptimizer
 from . import protocol as P
 
@@ -83,9 +83,14 @@ class Engine:
         n_dense = max(1, self.layout.max_unit_numel) if spec["topk"] else 0
         self.dense = torch.empty(n_dense, dtype=self.pdtype)  # decoded top-k gradients
         self.optim = StreamedOptimizer(
-            self.layout, self.storage, self.params, self.slot_grads if self.eager else self.grads,
-            OptimConfig(**spec["optim"]), list(states.values()),
-            buffer_bytes=spec["buffer_bytes"], ahead_bytes=0 if self.eager else spec["ahead_bytes"],
+            self.layout,
+            self.storage,
+            self.params,
+            self.slot_grads if self.eager else self.grads,
+            OptimConfig(**spec["optim"]),
+            list(states.values()),
+            buffer_bytes=spec["buffer_bytes"],
+            ahead_bytes=0 if self.eager else spec["ahead_bytes"],
         )
         self._cpu_mark = time.process_time()  # CPU seconds of all the engine's threads, reported per step
         self._io_mark = self.io_total()  # storage bytes are reported from one step's end to the next
@@ -95,8 +100,12 @@ class Engine:
         self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
         self._eager: list[tuple[float, UpdateStats]] = []  # eager mode: the units of the step updated so far
         self._handlers = {
-            P.Init: self.init, P.Grad: self.grad, P.Step: self.step, P.Slots: self.attach_slots,
-            P.Release: self.release, P.Reopen: self.reopen,
+            P.Init: self.init,
+            P.Grad: self.grad,
+            P.Step: self.step,
+            P.Slots: self.attach_slots,
+            P.Release: self.release,
+            P.Reopen: self.reopen,
         }
 
     @property
@@ -104,8 +113,14 @@ class Engine:
         """Memory the engine holds by design: the update's buffer sets and read-ahead, host-
         resident gradients, the top-k decode buffer and the I/O bounce buffers (made on first use)."""
         dense = self.dense.numel() * self.dense.element_size()
-        return (self.optim.pool_bytes + self.grads.host_bytes + self.params.host_bytes + dense
-                + self.storage.pool_bytes + self.grad_storage.pool_bytes)
+        return (
+            self.optim.pool_bytes
+            + self.grads.host_bytes
+            + self.params.host_bytes
+            + dense
+            + self.storage.pool_bytes
+            + self.grad_storage.pool_bytes
+        )
 
     def io_total(self):
         """Bytes this engine has moved on its storage, both queues."""
@@ -195,9 +210,14 @@ class Engine:
         self.send(P.Free(k))
         if self.eager and len(self._eager) == len(self.layout.units):  # every unit of the step is updated
             parts, self._eager = self._eager, []
-            self.report(sum(t for t, _ in parts), UpdateStats(wait_s=sum(st.wait_s for _, st in parts),
-                                                              compute_s=sum(st.compute_s for _, st in parts),
-                                                              chunks=sum(st.chunks for _, st in parts)))
+            self.report(
+                sum(t for t, _ in parts),
+                UpdateStats(
+                    wait_s=sum(st.wait_s for _, st in parts),
+                    compute_s=sum(st.compute_s for _, st in parts),
+                    chunks=sum(st.chunks for _, st in parts),
+                ),
+            )
 
     def step(self, msg: P.Step) -> None:
         t0 = time.perf_counter()
@@ -211,10 +231,23 @@ class Engine:
         io, self._io_mark = now - self._io_mark, now  # with this step's gradients and read-ahead
         cpu_now = time.process_time()
         cpu, self._cpu_mark = cpu_now - self._cpu_mark, cpu_now
-        self.send(P.Stepped(P.StepReport(
-            seconds=seconds, read=io.read_bytes, written=io.write_bytes, wait_s=st.wait_s, compute_s=st.compute_s,
-            ahead=st.ahead, chunks=st.chunks, cpu_s=cpu, peak_host=host_peak_rss(), base_host=self.base_rss,
-            pool=self.pool_bytes)))
+        self.send(
+            P.Stepped(
+                P.StepReport(
+                    seconds=seconds,
+                    read=io.read_bytes,
+                    written=io.write_bytes,
+                    wait_s=st.wait_s,
+                    compute_s=st.compute_s,
+                    ahead=st.ahead,
+                    chunks=st.chunks,
+                    cpu_s=cpu,
+                    peak_host=host_peak_rss(),
+                    base_host=self.base_rss,
+                    pool=self.pool_bytes,
+                )
+            )
+        )
 
     def release(self, msg: P.Release) -> None:
         self.optim.drop_ahead()
