@@ -4,7 +4,7 @@ ranks): the same runs as on CPU, checked against CPU runs and against themselves
 import pytest
 import torch
 from reference import small_config
-from test_parity import assert_same_weights, run_tiertrain
+from test_parity import _key_bias, run_tiertrain
 
 from tiertrain.reference import reference_model, weights_of
 
@@ -17,12 +17,29 @@ def cfg_on(tmp_path, device, **kw):
     return cfg
 
 
-def same_weights_across_devices(tr, ours, theirs, atol=1e-5):
-    """Two tiertrain runs of one model on different devices: every weight within ``atol``,
-    but a parameter whose gradient is zero in exact arithmetic (the key bias) to the parity
-    suite's bound for it, since device rounding gives it AdamW steps of about the learning
-    rate (``test_parity.assert_same_weights``)."""
-    assert_same_weights(tr, ours, theirs, exact=False, atol=atol, names={n: n for n in ours})
+def same_weights_across_devices(tr, ours, theirs, atol=1e-5, rare=1e-3):
+    """Two tiertrain runs of one model on different devices: every weight within ``atol``, but
+    for elements whose gradient is as small as the devices' rounding. AdamW's first steps are
+    about lr x sign(gradient), so where the two devices' kernels round a near-zero gradient to
+    opposite signs, the weight moves by lr one way and the other: such elements may differ by up
+    to 2 x lr x steps, and must be rare (at most ``rare`` of a tensor; the key bias, whose
+    gradient is zero in exact arithmetic, all of it, as the parity suite holds it). Seen on an
+    H200: a Llama's gate projection after 3 fp32 steps."""
+    bound = 2 * tr.cfg.optim.lr * tr.cfg.train.steps
+    assert set(ours) == set(theirs)
+    for name, a in ours.items():
+        b = theirs[name]
+        d = (a.float() - b.float()).abs()
+        k = _key_bias(name, b)
+        if k is not None:
+            assert d[k].max().item() <= bound, f"{name} (key bias): max diff {d[k].max().item():.3g} > {bound:.3g}"
+            d[k] = 0
+        off = d > atol
+        assert d.max().item() <= bound, f"{name}: max diff {d.max().item():.3g} > 2 x lr x steps = {bound:.3g}"
+        assert off.sum().item() <= max(1, rare * d.numel()), (
+            f"{name}: {off.sum().item()} of {d.numel()} elements differ by more than {atol:g} "
+            f"(largest {d.max().item():.3g}): more than rounding of near-zero gradients"
+        )
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])

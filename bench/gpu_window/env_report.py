@@ -63,7 +63,10 @@ def main() -> int:
     try:
         import kvikio.defaults
 
-        print("kvikio compatibility mode:", kvikio.defaults.compat_mode())
+        d = kvikio.defaults  # 24.x has compat_mode(); 25.x on get("compat_mode") and the preference
+        mode = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
+        preferred = d.is_compat_mode_preferred() if hasattr(d, "is_compat_mode_preferred") else "?"
+        print(f"kvikio compatibility mode: {mode} (preferred: {preferred}; True means POSIX reads, no GDS)")
     except Exception as exc:  # noqa: BLE001
         print("kvikio compatibility mode: -", type(exc).__name__)
     import tiertrain

@@ -33,6 +33,15 @@ class _Event:
             raise self.error
 
 
+class _Mark(_Event):
+    """A point of the compute stream (``event()``): compute runs on the calling thread, so it
+    has been reached; uploads use it to order themselves after the compute stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._done.set()
+
+
 class _Stream:
     """A worker thread running submitted copies in order, each after its ``after`` event
     and a delay."""
@@ -88,22 +97,44 @@ class AsyncCpuDevice(Device):
         self.delay, self.direct = delay, direct
         self.up, self.down = _Stream("upload", delay), _Stream("download", delay)
         self.waits = 0  # compute-stream waits on an event not yet done (no host sync on a GPU)
+        self._compute_owned: set[int] = set()  # storages allocated by the compute stream (empty)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = super().empty(numel, dtype)
         poison(t)  # fresh device memory holds garbage
+        self._compute_owned.add(t.untyped_storage().data_ptr())
         return t
 
     def empty_like(self, host: torch.Tensor) -> torch.Tensor:
         t = torch.empty_like(host)
         poison(t)
+        self._compute_owned.add(t.untyped_storage().data_ptr())
         return t
+
+    def event(self) -> Any:
+        return _Mark()
+
+    def upload_new(self, src: torch.Tensor, *, after: Any = None) -> tuple[torch.Tensor, Any]:
+        d = torch.empty_like(src)  # the upload stream's memory (as on CUDA): no order needed
+        poison(d)
+        with self._call():
+            return d, self.up.submit(lambda: d.copy_(src), after)
 
     def _call(self) -> contextlib.AbstractContextManager:
         """Around every call from the host (the logical-clock device ticks here)."""
         return contextlib.nullcontext()
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Any:
+        # What CUDA (and its sanitizer) refuses: writing, on the upload stream, memory that the
+        # compute stream allocated and may still be using, without waiting for a point of it.
+        if dst.untyped_storage().data_ptr() in self._compute_owned and not any(
+            isinstance(e, _Mark) for e in _events(after)
+        ):
+            raise RuntimeError(
+                "an upload into device memory of the compute stream with no event of the compute "
+                "stream in `after`: on CUDA the copy may overwrite what queued kernels still read "
+                "(the CUDA sanitizer reports a race); pass after=dev.event() or the buffer's release event"
+            )
         with self._call():
             return self.up.submit(lambda: dst.copy_(src), after)
 

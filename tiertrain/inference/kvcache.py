@@ -180,7 +180,9 @@ class TieredKV:
         p.read = None
         f, separate = p.filled, self.device_pool is not None
         if separate and f:  # the positions held cross, position-major; the compute stream waits, the host does not
-            self.dev.wait(self.dev.upload(self._staged(p, device=True)[:f], self._staged(p)[:f]))
+            # after the compute stream's last read of the device buffer (the previous pair's copy)
+            dst = self._staged(p, device=True)[:f]
+            self.dev.wait(self.dev.upload(dst, self._staged(p)[:f], after=self.dev.event()))
         view = self._view(p, device=separate)
         view[:, :, :, :f].copy_(self._staged(p, device=separate)[:f].permute(1, 2, 3, 0, 4))
         view[:, :, :, f:].zero_()

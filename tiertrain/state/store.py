@@ -106,6 +106,11 @@ class ParamStore:
             _Slot(i, slot_tensors[i] if slot_tensors is not None else dev.empty(layout.max_unit_numel, self.dtype))
             for i in range(slots)
         ]
+        # The slots are the compute stream's allocations (its caching allocator may hand out a
+        # block its queued kernels still use): the first upload into each waits for this point.
+        born = dev.event()
+        for slot in self.slots:
+            slot.released = born
         self.slot_bytes = slots * layout.max_unit_numel * self.esize
         self._staging = (
             BufferPool(slots, layout.max_unit_numel * self.esize, pin=dev.pin, name="param-staging")
