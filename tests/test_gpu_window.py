@@ -114,6 +114,27 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
 
 
 @pytest.mark.slow
+def test_the_whole_window_runs_in_one_command_within_its_seconds(machine):
+    """all.sh: the stages in the order given, each with what is left of the time, a stage that
+    does not exist or has no time left named, and everything packed into DIR.tgz."""
+    out = machine.base / "out-all"
+    run = lambda *a: subprocess.run(  # noqa: E731
+        ["bash", str(machine.repo / "bench" / "gpu_window" / "all.sh"), "--out", str(out), "--dry", *a],
+        capture_output=True,
+        text=True,
+        env=machine.env,
+        timeout=300,
+    )
+    r = run("--seconds", "200", "--stages", "4 9")
+    assert r.returncode == 2 and "all.sh: no stage 9" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "== stage4-deepspeed.sh with 190 s" in r.stdout or "== stage4-deepspeed.sh with 18" in r.stdout
+    assert "# GPU window, stage4-deepspeed" in r.stdout and "0 step(s) failed" in r.stdout
+    assert (out / "stage4-deepspeed.md").exists() and (machine.base / "out-all.tgz").exists()
+    r = run("--seconds", "50", "--stages", "4")
+    assert r.returncode == 1 and "stage4-deepspeed.sh: not run (40 s left of 50)" in r.stdout
+
+
+@pytest.mark.slow
 def test_a_stage_names_what_the_machine_lacks_and_how_to_carry_it(machine):
     r, text, _ = _stage(machine, "stage1-cuda", "--dry", wheels=False)
     assert r.returncode == 3

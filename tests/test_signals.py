@@ -1,6 +1,7 @@
 """Signals and crashes: Ctrl-C and SIGTERM finish the step and save; nothing is left behind
 by a stop, a failed start or a SIGKILL, with or without update engines."""
 
+import hashlib
 import json
 import os
 import signal
@@ -18,9 +19,18 @@ from tiertrain.update.engines import EngineError
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
-def start(tmp_path, *flags, env=None, **kw):
-    e = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+def private_tmp(tmp_path):
+    """A TMPDIR of the test's own, short enough for the engines' Unix socket (107 bytes) even where
+    pytest's folders are deep (xdist workers): a link from /tmp to the test's folder."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
+    link = f"/tmp/tt-{hashlib.sha1(str(tmp_path).encode()).hexdigest()[:12]}"
+    if not os.path.islink(link):
+        os.symlink(tmp_path / "tmp", link)
+    return link
+
+
+def start(tmp_path, *flags, env=None, **kw):
+    e = dict(os.environ, TMPDIR=private_tmp(tmp_path))
     e.pop("TIERTRAIN_KILL_AT", None)
     e.update(env or {})
     # Ctrl-C's default action in the child even where the suite runs as a background job (a
@@ -51,7 +61,7 @@ def engine_pids(tmp_path):
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
         except OSError:
             continue
-        if "tiertrain" in cmd and str(tmp_path / "tmp") in cmd:
+        if "tiertrain" in cmd and private_tmp(tmp_path) in cmd:
             found.append(int(pid))
     return found
 

@@ -52,6 +52,7 @@ __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
 SLOTS = 2
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path on Linux, less the terminating NUL
 
 
 def slot_bytes_of(views) -> int:
@@ -221,6 +222,12 @@ class EngineUpdate(Update):
         key = secrets.token_bytes(16)
         self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-")
         address = os.path.join(self._sockdir, "socket")
+        if len(os.fsencode(address)) > _SUN_PATH_MAX:
+            # a Unix socket's path has at most 107 bytes: a long TMPDIR (a test's, a deep home)
+            # falls back to /tmp rather than failing the run
+            os.rmdir(self._sockdir)
+            self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-", dir="/tmp")
+            address = os.path.join(self._sockdir, "socket")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, TIERTRAIN_ENGINE_KEY=key.hex())
         specs = []
