@@ -6,7 +6,7 @@ tier (a small memory.host_mib per rank); N ranks get data.micro_batches = M / N 
 run sees the same sequences. On one machine the ranks share its cores and its disk, so N
 ranks are not faster here: what this shows is what each rank moves and holds (1/N of the
 states, of the disk traffic, and the network bytes of the formula), from which a machine with
-a GPU and an SSD per rank is predicted in the README.
+a GPU and an SSD per rank is predicted in docs/guide/ranks.md.
 
     python bench/ranks.py --ranks 2 --out bench/results/ranks-cpu-vm.md
 """

@@ -529,7 +529,7 @@ class UpdateConfig(Section):
     topk: float = opt(
         0.0,
         "Top-k gradient compression: fraction of each gradient kept and sent to the engines "
-        "(0: off; up to 0.5). Changes the math: see the README.",
+        "(0: off; up to 0.5). Changes the math: see docs/guide/update-paths.md.",
     )
     error_feedback: bool = opt(
         False,
