@@ -4,6 +4,7 @@
 engine process, ``protocol.py`` the messages between them and the engine's lifecycle.
 """
 
-from .client import EngineError, EngineUpdate, engine_file
+from .client import EngineError, EngineUpdate
+from .decl import engine_file
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]

@@ -36,51 +36,25 @@ from ...config import Config
 from ...errors import TiertrainError
 from ...io import FileHandle, IOFuture, Storage, round_up
 from ...io.align import pin_in_place
-from ...state.decl import FileDecl, Region, StateDecl
+from ...state.decl import Region, StateDecl
 from ...state.layout import FlatLayout, chunk_align
-from ...state.regions import TieredRegions, place
-from ...state.slices import SliceLayout, partition, unit_records
+from ...state.regions import place
+from ...state.slices import unit_records
 from ..base import Update, UpdateStats
 from ..shm import SharedSegment
-from ..streamed import optimizer_states
 from . import protocol as P
+from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, slice_views, slot_bytes_of
 from .protocol import ENGINE, EngineState
 from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 
 log = logging.getLogger("tiertrain")
-MIB = 1 << 20
-SLOTS = 2
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path on Linux, less the terminating NUL
-
-
-def slot_bytes_of(views) -> int:
-    """Bytes of each engine's gradient slot: the largest slice of a unit, in fp32."""
-    return max(4096, round_up(max(v.max_unit_numel for v in views) * 4, 4096))
-
-
-def engine_slot_bytes(layout: FlatLayout, engines: int, align: int, pdtype: torch.dtype) -> int:
-    """All engines' shared gradient slots (``SLOTS`` each), before any engine exists."""
-    return engines * SLOTS * slot_bytes_of(_views(layout, engines, chunk_align(align, pdtype))[1])
-
-
-OWNER = "update engines"
 
 
 class EngineError(TiertrainError, RuntimeError):
     """An update engine died, hung or failed."""
-
-
-def engine_file(index: int, kind: str) -> str:
-    """Name of engine ``index``'s file of one kind of state (engines may share a path)."""
-    return f"engine{index}.{kind}.bin"
-
-
-def _views(layout: FlatLayout, n: int, align: int) -> tuple[list, list[SliceLayout]]:
-    slices = partition(layout, n, align)
-    records = unit_records(layout)
-    return slices, [SliceLayout(records, s) for s in slices]
 
 
 class EngineUpdate(Update):
@@ -100,62 +74,14 @@ class EngineUpdate(Update):
 
         return predict_engines(c)
 
-    # -- declarations ----------------------------------------------------------------------------------
-    @staticmethod
-    def engine_states(
-        cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
-    ) -> list[list[StateDecl]]:
-        """Per engine, the states it keeps in its files on its path (built by the worker)."""
-        n = cfg.update.engines or len(paths)
-        _, views = _views(layout, n, chunk_align(align, pdtype))
-        out = []
-        for i, v in enumerate(views):
-            path = paths[i % len(paths)]
-            own = lambda name, i=i: engine_file(i, name)  # noqa: E731
-            out.append(
-                [
-                    *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path),
-                    TieredRegions.declare(
-                        v,
-                        own("params"),
-                        pdtype,
-                        0,
-                        align,
-                        name="params",
-                        owner=OWNER,
-                        checkpointed=True,
-                        path=path,
-                        weights=pdtype == torch.float32,
-                    ),
-                    TieredRegions.declare(
-                        v,
-                        own("grads"),
-                        pdtype,
-                        cfg.memory.grad_host_mib * MIB // n,
-                        align,
-                        name="grads",
-                        owner=OWNER,
-                        checkpointed=False,
-                        path=path,
-                    ),
-                ]
-            )
-        return out
+    # -- declarations (decl.py) ---------------------------------------------------------------------
+    engine_states = staticmethod(engine_states)
 
     @classmethod
     def declare(
         cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
     ) -> list[StateDecl]:
-        """Every state, over all engines' files, and (error feedback) the top-k residual."""
-        per = cls.engine_states(cfg, layout, pdtype, align, paths)
-        merged = []
-        for j, first in enumerate(per[0]):
-            parts = [states[j] for states in per]
-            files: tuple[FileDecl, ...] = tuple(f for d in parts for f in d.files)
-            merged.append(dataclasses.replace(first, host_bytes=sum(d.host_bytes for d in parts), files=files))
-        if cfg.update.error_feedback:
-            merged.append(ErrorFeedback.declare(layout, align, cfg.memory.residual_host_mib * MIB))
-        return merged
+        return declare_states(cfg, layout, pdtype, align, paths)
 
     # -- construction ------------------------------------------------------------------------------------
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
@@ -164,7 +90,7 @@ class EngineUpdate(Update):
         self.path_of = [i % len(storage.paths) for i in range(self.n)]
         self.paths = [storage.paths[j] for j in self.path_of]
         self.align = storage.record_align
-        self.slices, self.views = _views(layout, self.n, chunk_align(self.align, pdtype))
+        self.slices, self.views = slice_views(layout, self.n, chunk_align(self.align, pdtype))
         self.states = self.declare(cfg, layout, pdtype, self.align, storage.paths)
         self._engine_states = self.engine_states(cfg, layout, pdtype, self.align, storage.paths)
         self.slot_bytes = slot_bytes_of(self.views)
@@ -294,7 +220,7 @@ class EngineUpdate(Update):
             for shm in self.shms:  # one at a time: close() unpins what was pinned if one fails
                 self._pinned.append(pin_in_place(shm.tensor))
 
-    def _open(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
+    def open_file(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
         """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
         st = self.storage
         if not next(d for d in self._engine_states[i] if d.name == kind).files:
@@ -309,7 +235,7 @@ class EngineUpdate(Update):
         )
 
     def _open_readers(self) -> None:
-        self._readers = [self._open(i, "params", "r", self.pdtype) for i in range(self.n)]
+        self._readers = [self.open_file(i, "params", "r", self.pdtype) for i in range(self.n)]
 
     def _send(self, i: int, msg) -> None:
         try:
@@ -485,6 +411,23 @@ class EngineUpdate(Update):
             return None
         self._want[u] = slot + 1  # seen by an engine when it starts the unit, or not at all
         return Handoff(self, u, slot, out)
+
+    def take_handoff(self, u: int, slot: int, out: torch.Tensor) -> int:
+        """Bytes of unit ``u`` in shared slot ``slot`` once every engine has updated it: the
+        engines that wrote the slot served theirs; the slices of those that had started the unit
+        before the request are read from their files into ``out``."""
+        self.wait_ready(u)  # sync point: every engine has finished unit u
+        self._want[u] = 0
+        late = [i for i in range(self.n) if self._served[u][i] != slot]
+        served = sum(self.slices[i][u].numel for i in range(self.n) if i not in late) * self.pdtype.itemsize
+        self.handoff_bytes += served
+        read = self.read_params(u, out, engines=late) if late else None
+        return served + (read.get() if read is not None else 0)
+
+    @property
+    def shares_slots(self) -> bool:
+        """Whether the parameter slots are shared with the engines (``share_slots``)."""
+        return self._want is not None
 
     def begin_step(self, step: int, lr: float) -> None:
         """Engines that update as gradients arrive need the step and learning rate with the

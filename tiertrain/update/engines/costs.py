@@ -15,7 +15,7 @@ ENGINE_PROCESS = 320 * MIB  # an engine's interpreter with torch loaded, before 
 
 def engine_pools(cfg: Config, rt) -> dict[str, int]:
     """Host memory of the engines for a run of ``cfg`` on the runtime ``rt``."""
-    from .client import engine_slot_bytes
+    from .decl import engine_slot_bytes
 
     m, chunk = cfg.memory, cfg.io.chunk_kib << 10
     n = cfg.update.engines or len(cfg.io.paths)

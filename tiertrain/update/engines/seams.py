@@ -36,14 +36,7 @@ class Handoff:
     def get(self) -> int:
         if self._result is not None:
             return self._result
-        g, u = self.g, self.u
-        g.wait_ready(u)  # sync point: every engine has finished unit u
-        g._want[u] = 0
-        late = [i for i in range(g.n) if g._served[u][i] != self.slot]
-        served = sum(g.slices[i][u].numel for i in range(g.n) if i not in late) * g.pdtype.itemsize
-        g.handoff_bytes += served
-        read = g.read_params(u, self.out, engines=late) if late else None
-        self._result = served + (read.get() if read is not None else 0)
+        self._result = self.g.take_handoff(self.u, self.slot, self.out)
         return self._result
 
 
@@ -84,7 +77,7 @@ class EngineParams(ParamSource):
         raise KeyError(u)
 
     def can_prefetch(self, u: int) -> bool:
-        return self.g._want is not None or self.g.ready(u)
+        return self.g.shares_slots or self.g.ready(u)
 
     def load(self, u: int, out: torch.Tensor, slot: int | None = None):
         g = self.g
@@ -124,7 +117,7 @@ class EngineRegion:
     def __init__(self, group: "EngineUpdate", kind: str, dtype: torch.dtype) -> None:
         self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
         self.place = [place(v, dtype, 0, group.align) for v in group.views]
-        self.files = [group._open(i, kind, "r+", dtype) for i in range(group.n)]
+        self.files = [group.open_file(i, kind, "r+", dtype) for i in range(group.n)]
 
     def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
         return self.g.slice_io(self.files, self.place, self.esize, False, u, out, start, end)
