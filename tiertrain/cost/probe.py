@@ -3,9 +3,9 @@ write bandwidth, CRC32C speed, and the compute time of one unit of each kind.
 
 The disk probe writes and reads one file of ``probe_mib`` through the run's own storage
 settings (paths, threads, chunks, O_DIRECT), checksums off (their CPU cost is measured on
-its own). The compute probe runs the model's embedding, first block and head on a
-micro-batch of the run's shape, with parameters and gradients in temporary buffers, through
-the same kept-graph path the executor uses (which also gives one pair's activation bytes).
+its own). The compute probe times the executor's own unit steps on a micro-batch of the run's
+shape (``unit_timing.py``), and measures one pair's activation bytes, kept and offloaded, by
+one forward of the first block through the kept-graph and record paths.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 from ..activations.keep import KeptGraphs
 from ..activations.offload import measure_record
 from ..config import Config, IOConfig
-from ..execute.vocab import piece_backward, piece_logsumexp
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
+from .unit_timing import time_unit_steps
 
 __all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_acts", "probe_crc"]
 
@@ -190,150 +190,34 @@ def probe_compute(
 def _probe_compute(
     cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
 ) -> dict:
+    block = next(r for r in model.plan if r.role == "block")
+    units = (*layout.units[block.index].borrows, block.index)
+    saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}
+    flats = {u: (torch.randn(layout.units[u].numel, device=dev.device) * 0.02).to(dtype) for u in units}
     d = cfg.data
-    plan = model.plan
-    embed = next(r for r in plan if r.role == "embed")
-    block = next(r for r in plan if r.role == "block")
-    head = next(r for r in plan if r.role == "head")
-    pieces = {r.role: r.index for r in plan if r.role in ("embed_piece", "head_piece") and r.piece == 0}  # K alike
-
-    def with_borrows(*us: int) -> list[int]:
-        return sorted({x for u in us for x in (*layout.units[u].borrows, u)})
-
-    # one group of units in memory at a time: the probe's peak is one kind's, not the model's few largest
-    groups = {
-        "embed": with_borrows(embed.index, *[pieces[k] for k in ("embed_piece",) if k in pieces]),
-        "head": with_borrows(head.index, *[pieces[k] for k in ("head_piece",) if k in pieces]),
-        "block": with_borrows(block.index),
-    }
-    flats, grads = {}, {}
-    saved = {u: [rec.param.data for rec in layout.units[u].params] for g in groups.values() for u in g}
-
-    def bind(group: str) -> None:
-        for u in groups[group]:
-            n = layout.units[u].numel
-            flats[u] = (torch.randn(n, device=dev.device) * 0.02).to(dtype)
-            grads[u] = torch.zeros(n, device=dev.device, dtype=dtype)
-            layout.bind(u, flats[u])
-            layout.bind_grads(u, grads[u])
-
-    def unbind() -> None:  # put the placeholders back, free the group's memory
-        for u in list(flats):
-            layout.bind_grads(u, None)
-            for rec, data in zip(layout.units[u].params, saved[u]):
-                rec.param.data = data
-            del flats[u], grads[u]
-
-    cut = len(model.head_pieces)
-    vocab = model.embed_pieces[0].num_embeddings if cut else getattr(model.embed, model.embed.TOKENS).num_embeddings
-    ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len), device=dev.device)  # in piece 0 if cut
-
-    def embed_call():
-        if not cut:
-            return model.embed(ids, pos)
-        tok = torch.empty(*ids.shape, hidden, dtype=dtype, device=dev.device)
-        model.embed_pieces[0].gather_into(tok, ids)
-        return model.embed.finish(tok.requires_grad_(), pos)
-
+    x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
     pos = torch.arange(d.seq_len, device=dev.device)
-    sync = dev.synchronize
-    kept = KeptGraphs(1 << 62, lambda u: flats[u])
-    block_units = (*layout.units[block.index].borrows, block.index)
-    bind("embed")
-    x = embed_call().detach()
-    dh = torch.randn_like(x) * 1e-3
-    out: dict = {}
-
-    def embed_fwd():
-        with torch.enable_grad():
-            out["e"] = embed_call()
-        sync()
-
-    def embed_bwd():
-        with torch.enable_grad():
-            e = embed_call()
-        torch.autograd.backward(e, dh)
-        if cut:
-            p0 = model.embed_pieces[0]
-            p0.add_grad(p0.weight.grad, ids, dh)
-        sync()
-
-    L = min(len(model.blocks), 4)  # a few blocks time one as well as all do, at a fraction of the cost
     fwd = lambda t: block.module(t, pos)  # noqa: E731
-
-    def blocks_pass(keep_n: int) -> tuple[float, float]:
-        """The forward of ``L`` (at most 4) blocks (block 0's parameters each time), the first
-        ``keep_n`` graphs kept as the executor keeps them (memory allocated and freed as in a
-        step), then the backward of the kept ones in reverse: (forward s, backward s) per block."""
-        kept.clear()
-        h = x
-        t0 = time.perf_counter()
-        for i in range(L):
-            h, _ = kept.forward((i, 0), block_units, fwd, h, lambda n, k, i=i: i < keep_n)
-        sync()
-        t1 = time.perf_counter()
-        g = dh
-        for i in reversed(range(keep_n)):
-            g = kept.backward((i, 0), g)
-        sync()
-        t2 = time.perf_counter()
-        return (t1 - t0) / L, (t2 - t1) / max(keep_n, 1)
-
-    def head_fb():
-        h = x.detach().requires_grad_()
-        if cut:  # the norm, then pass 1 and pass 2 of piece 0 for each of the K pieces, the norm's backward
-            with torch.enable_grad():
-                y = head.module.hidden(h)
-            hn, t = y.detach().reshape(-1, hidden), ids.reshape(-1)
-            lse = torch.full((t.numel(),), float("-inf"), device=dev.device)
-            picked = torch.zeros(t.numel(), device=dev.device)
-            dhn = torch.zeros(hn.shape, device=dev.device)
-            for _ in range(cut):
-                lse, picked = piece_logsumexp(model.head_pieces[0], hn, t, lse, picked)
-            for _ in range(cut):
-                dhn += piece_backward(model.head_pieces[0], hn, t, lse, t.numel())
-            torch.autograd.backward(y, dhn.view(y.shape).to(y.dtype))
-            sync()
-            return
-        with torch.enable_grad():
-            loss = head.module.loss(head.module.logits(h), ids)
-        loss.backward()
-        sync()
-
+    kept = KeptGraphs(1 << 62, flats.__getitem__)
     was = model.training
     model.train()  # dropout as in training
     try:
-        out_s = {}
-        if not (act_only or blocks_only):
-            out_s.update(embed_fwd_s=_timed(embed_fwd), embed_bwd_s=max(0.0, _timed(embed_bwd) - _timed(embed_fwd)))
-            unbind()
-            bind("head")
-            out_s["head_s"] = _timed(head_fb)
-        unbind()
-        bind("block")
-        record = measure_record(block_units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10)
-        if act_only:
-            kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
-            return {"act_bytes": kept.kept_bytes, "record_bytes": record}
-        kept.clear()
-        kept.forward((0, 0), block_units, fwd, x, lambda n, k: True)
-        out_s["act_bytes"] = act = kept.kept_bytes
-        out_s["record_bytes"] = record
-        budget = cfg.memory.keep_act_mib
-        keep_n = (
-            0
-            if cfg.memory.activations == "recompute"
-            # None: still being planned: a few
-            else min(L, 4)
-            if budget is None
-            else min(L, (budget << 20) // max(act, 1))
-        )
-        blocks_pass(max(keep_n, 1))  # warm-up
-        runs = [blocks_pass(max(keep_n, 1)) for _ in range(2)]
-        out_s["block_fwd_s"] = statistics.median(r[0] for r in runs)
-        out_s["block_bwd_s"] = statistics.median(r[1] for r in runs)
-        return out_s
+        for u in units:
+            layout.bind(u, flats[u])
+        record = measure_record(units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10)
+        kept.forward((0, 0), units, fwd, x, lambda n, k: True)
+        act = kept.kept_bytes
     finally:
         model.train(was)
         kept.clear()
-        unbind()
+        for u in units:
+            layout.bind_grads(u, None)
+            for rec, data in zip(layout.units[u].params, saved[u]):
+                rec.param.data = data
+    if act_only:
+        return {"act_bytes": act, "record_bytes": record}
+    L = min(len(model.blocks), 4)  # a few blocks time one as well as all do, at a fraction of the cost
+    budget = cfg.memory.keep_act_mib
+    keep = L if budget is None else min(L, (budget << 20) // max(act, 1))  # None: still being planned
+    out = time_unit_steps(cfg, model, layout, dev, dtype, hidden, blocks=L, keep=keep, blocks_only=blocks_only)
+    return {**out, "act_bytes": act, "record_bytes": record}

@@ -1,0 +1,204 @@
+"""The compute probe's clock on the executor's own unit steps.
+
+``time_unit_steps`` runs ``LayerMajorExecutor.embed_forward``, ``block_forward``,
+``head_step``, ``block_backward`` and ``embed_backward`` (the methods a training step calls,
+the cut vocabulary's pieces and the activation policy included) on one micro-batch of the
+run's shape, through stand-ins for the stores: random parameters made on first use, gradient
+buffers that are zeroed and normed as the gradient store does, a stash in memory. What the
+cost model predicts from is then the time of the code that runs, not of a copy of it.
+
+Units alike in size share one parameter buffer and one gradient buffer (the blocks timed,
+the vocabulary's pieces): the probe holds one unit of each kind, never a whole model or a
+whole vocabulary matrix.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..activations.policy import ActivationPolicy
+from ..execute.executor import LayerMajorExecutor, MicroBatch, used_pieces, visits
+from ..execute.loss import LossScale
+
+__all__ = ["time_unit_steps"]
+
+
+class _Params:
+    """The calls the unit walker makes on a parameter store, over random parameters."""
+
+    def __init__(self, layout, dev, dtype: torch.dtype) -> None:
+        self.layout, self.dev, self.dtype = layout, dev, dtype
+        self.slots = (None, None)  # the walker looks one visit ahead; nothing is fetched here
+        self._buf: dict[int, torch.Tensor] = {}
+        self._saved: dict[int, list[torch.Tensor]] = {}
+
+    def acquire(self, u: int) -> torch.Tensor:
+        rec = self.layout.units[u]
+        if u not in self._saved:
+            self._saved[u] = [p.param.data for p in rec.params]
+        n = rec.numel
+        if n not in self._buf:
+            self._buf[n] = (torch.randn(n, device=self.dev.device) * 0.02).to(self.dtype)
+        self.layout.bind(u, self._buf[n])
+        return self._buf[n]
+
+    def prefetch(self, units: list[int]) -> None:
+        pass
+
+    def release(self, u: int) -> None:
+        pass
+
+    def close(self) -> None:
+        """Put the model's placeholders back (no parameter memory, no gradient)."""
+        for u, data in self._saved.items():
+            self.layout.bind_grads(u, None)
+            for rec, d in zip(self.layout.units[u].params, data):
+                rec.param.data = d
+        self._saved.clear()
+        self._buf.clear()
+
+
+class _Grads:
+    """The gradient store's calls: buffers bound zeroed at ``begin``, normed at ``end``."""
+
+    def __init__(self, layout, dev, dtype: torch.dtype) -> None:
+        self.layout, self.dev, self.dtype = layout, dev, dtype
+        self._buf: dict[int, torch.Tensor] = {}
+
+    def begin(self, u: int) -> None:
+        for x in (u, *self.layout.units[u].borrows):
+            n = self.layout.units[x].numel
+            buf = self._buf.get(n)
+            if buf is None:
+                buf = self._buf[n] = torch.zeros(n, device=self.dev.device, dtype=self.dtype)
+            buf.zero_()
+            self.layout.bind_grads(x, buf)
+
+    def fold(self, units: tuple[int, ...]) -> None:
+        pass
+
+    def end(self, u: int) -> None:
+        buf = self._buf[self.layout.units[u].numel]
+        views = [rec.view(buf) for rec in self.layout.units[u].params]
+        if views:
+            torch._foreach_norm(views, 2, dtype=None if self.dtype == torch.float32 else torch.float32)
+        self.layout.bind_grads(u, None)
+
+
+class _Stash:
+    """Block inputs kept for the recompute, in memory."""
+
+    def __init__(self) -> None:
+        self._d: dict = {}
+
+    def put(self, key, x: torch.Tensor) -> None:
+        self._d[key] = x
+
+    def get(self, key) -> torch.Tensor:
+        return self._d[key]
+
+    def free(self, key) -> None:
+        self._d.pop(key, None)
+
+    def prefetch(self, key) -> None:
+        pass
+
+
+class _KeepFirst(ActivationPolicy):
+    """The first ``n`` blocks keep their graphs (their backward is timed); the rest recompute."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @property
+    def wants_graphs(self) -> bool:
+        return self.n > 0
+
+    def keep(self, block: int, micro_batch: int, nbytes: int, kept_bytes: int) -> bool:
+        return block < self.n
+
+
+def time_unit_steps(
+    cfg,
+    model,
+    layout,
+    dev,
+    dtype: torch.dtype,
+    hidden: int,
+    *,
+    blocks: int,
+    keep: int,
+    blocks_only: bool = False,
+    repeats: int = 2,
+) -> dict[str, float]:
+    """Seconds per micro-batch of the embedding's forward and backward, one block's forward and
+    (graph kept) backward, and the head's forward + backward, as the executor runs them: the
+    medians of ``repeats`` passes after one warm-up. ``blocks``: how many blocks a pass runs
+    (a few time one as well as all do); ``keep``: how many of them keep their graph (at least
+    one). ``blocks_only``: the blocks alone (no embedding or head times)."""
+    d = cfg.data
+    refs = [r for r in model.plan if r.role == "block"][:blocks]
+    timed_blocks = {r.index for r in refs}
+    sub = [r for r in model.plan if r.role != "block" or r.index in timed_blocks]
+    params, grads = _Params(layout, dev, dtype), _Grads(layout, dev, dtype)
+    ex = LayerMajorExecutor(model, params, grads, _Stash(), dev, keep_bytes=1 << 62, policy=_KeepFirst(max(keep, 1)))
+    vocab = (
+        ex.embed_pieces[0].module.num_embeddings
+        if ex.embed_pieces
+        else getattr(model.embed, model.embed.TOKENS).num_embeddings
+    )
+    ids = torch.randint(0, vocab, (d.micro_batch_size, d.seq_len))  # in the first piece if cut
+    mb = MicroBatch(ids.to(dev.device), ids.to(dev.device), torch.arange(d.seq_len, device=dev.device))
+    ex.scale = LossScale(1)
+    ex.pieces_used = used_pieces(ex.embed_pieces, [ids])
+    order = visits(sub, ex.pieces_used)
+    if blocks_only:  # the blocks forward, then backward (the embedding's visit only ends the walk)
+        order = [*refs, *reversed(refs), ex.embed]
+    ex.policy.begin_step(len(refs), 1, ex.kept.budget)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        dev.synchronize()
+        return out, time.perf_counter() - t0
+
+    def one_pass() -> dict[str, float]:
+        ex.walk.restart(order)
+        ex.kept.clear()
+        t: dict[str, float] = {"block_fwd_s": 0.0, "block_bwd_s": 0.0}
+        if blocks_only:
+            h = [torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)]
+        else:
+            h, t["embed_fwd_s"] = timed(lambda: ex.embed_forward([mb]))
+        for ref in refs:
+            h, s = timed(lambda ref=ref, h=h: ex.block_forward(ref, h, [mb]))
+            t["block_fwd_s"] += s / len(refs)
+        if blocks_only:
+            dh = [torch.randn_like(h[0]) * 1e-3]
+        else:
+            (dh, _), t["head_s"] = timed(lambda: ex.head_step(h, [mb]))
+        kept = 0
+        for ref in reversed(refs):
+            was_kept = (ref.block, 0) in ex.kept
+            dh, s = timed(lambda ref=ref, dh=dh: ex.block_backward(ref, dh, [mb]))
+            if was_kept:  # a recomputed block's backward holds its forward again: not timed here
+                t["block_bwd_s"] += s
+                kept += 1
+        t["block_bwd_s"] /= max(kept, 1)
+        if not blocks_only:
+            _, t["embed_bwd_s"] = timed(lambda: ex.embed_backward(dh, [mb]))
+        return t
+
+    was = model.training
+    model.train()  # dropout as in training
+    try:
+        one_pass()  # warm-up (allocator, kernels)
+        runs = [one_pass() for _ in range(repeats)]
+        return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    finally:
+        model.train(was)
+        ex.kept.clear()
+        params.close()
