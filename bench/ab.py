@@ -3,7 +3,7 @@ from each revision's own checkout (a git worktree), alternating, so both see the
 cache and load. Prints each revision's medians, their spread over the rounds and the ratio.
 
 Usage: python bench/ab.py --base REV [--head REV] [--rounds 3] [--modes baseline,engines]
-                          [--micro-batches 4] [--steps 4] [--out FILE]
+                          [--micro-batches 4] [--steps 4] [--model K=V,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def run(tree: str, args) -> dict[str, float]:
         str(args.steps),
         "--scratch",
         os.path.join(args.scratch, "run"),
+        *(["--model", args.model] if args.model else []),
     ]
     r = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if r.returncode != 0:
@@ -67,6 +68,7 @@ def main() -> int:
     ap.add_argument("--modes", default="baseline,engines")
     ap.add_argument("--micro-batches", default="4")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--model", default=None, help="bench/train.py's --model (e.g. n_layers=8,d_model=512)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -95,7 +97,7 @@ def main() -> int:
         f"# Step time before and after, {time.strftime('%Y-%m-%d')}",
         "",
         f"- base {revs['base']} vs head {revs['head']}: `bench/train.py --modes {args.modes} --micro-batches "
-        f"{args.micro_batches} --steps {args.steps}` from each revision's checkout, {args.rounds} alternating rounds"
+        f"{args.micro_batches} --steps {args.steps}{' --model ' + args.model if args.model else ''}` from each revision's checkout, {args.rounds} alternating rounds"
         " on the same machine; each run's figure is the median of its steps after the first",
         f"- machine: {os.cpu_count()} cores; same disk for both",
         "",

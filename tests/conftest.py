@@ -1,8 +1,19 @@
 """Fixtures shared by the test files."""
 
+import os
 import subprocess
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread per test worker (make test runs one worker per core): two workers'
+    # OpenMP pools of a thread per core each would spin against each other on the same cores.
+    # The processes a test starts inherit it. Results do not change (each test compares runs
+    # made with the same thread count); the serial tests, run alone, keep every core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

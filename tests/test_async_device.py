@@ -21,6 +21,7 @@ from tiertrain.training.trainer import Trainer
     "case",
     ["states on disk, recompute", "host params and grads, kept graphs", "stash spilled, tied embedding", "engines"],
 )
+@pytest.mark.slow
 def test_parity_under_asynchronous_copies(tmp_path, case, make_dev):
     kw = {
         "states on disk, recompute": dict(micro_batches=2),

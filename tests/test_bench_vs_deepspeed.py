@@ -177,6 +177,7 @@ def test_missing_deepspeed_names_the_fix():
     "script,args",
     [("vs_deepspeed.py", ["--systems", "baseline"]), ("train.py", []), ("checkpoint.py", []), ("cost_model.py", [])],
 )
+@pytest.mark.slow
 def test_a_bad_out_fails_before_any_work(tmp_path, script, args):
     """`--out` is checked (and its directory made) first: a bad one costs a second, not the
     benchmark's minutes and its results."""

@@ -132,6 +132,7 @@ with Trainer(cfg) as tr:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_mib", [300])
 def test_the_budget_is_never_exceeded(tmp_path, host_mib):
     """A 25 M-parameter model (~400 MiB of states) under 300 MiB (measured here also at 500): the pools and placed
@@ -154,6 +155,7 @@ def test_the_budget_is_never_exceeded(tmp_path, host_mib):
     assert sum(out["given"].values()) <= host_mib  # what was placed, in MiB, before the pools
 
 
+@pytest.mark.slow
 def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
     """No *_mib flag: the budget is half the available memory, the small default model fits,
     so every state is in memory and the step touches no SSD; the plan is printed."""
@@ -184,6 +186,7 @@ def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
     assert all(d["ssd_read_bytes"] == 0 and d["ssd_write_bytes"] == 0 for d in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paths", [1, 3])
 def test_engines_processes_are_counted_in_the_fixed_part(tmp_path, paths):
     """The engines' shared slots (mapped by the trainer too), their buffers and interpreters

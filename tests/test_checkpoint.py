@@ -19,6 +19,7 @@ from tiertrain.training.trainer import Trainer
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     """2N steps straight vs N steps, checkpoint, a new trainer resumes, N more steps."""
     cfg = small_config(tmp_path / "a", micro_batches=2, steps=6)
@@ -222,6 +223,7 @@ def uninterrupted(tmp_path_factory):
 # one save is ~18 checkpoint chunks (3 files x 6). Steps 1-2, save, steps 3-4, save.
 # (backward:15 and checkpoint:5 were two more points; cut for the suite's time: the kill
 # points below still cover a step's three phases and a save)
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["forward:15", "update:45", "checkpoint:25"])
 def test_sigkill_anywhere_then_resume_loses_nothing(tmp_path, uninterrupted, point):
     """Killed mid-forward, mid-backward, mid-update (all in step 3, after the step-2
@@ -239,6 +241,7 @@ def test_sigkill_anywhere_then_resume_loses_nothing(tmp_path, uninterrupted, poi
     assert [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.startswith(".tmp")] == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_at_a_step_boundary_and_saves(tmp_path):
     proc = subprocess.Popen(
         [
@@ -314,6 +317,7 @@ def test_export_builtin_then_init_from(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tokenizer(tmp_path):
     """Into a directory that holds an old model.safetensors: refused; with overwrite the
     directory is replaced whole (from_pretrained would otherwise load the old file). The
@@ -351,6 +355,7 @@ def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tok
     assert sorted(os.listdir(out)) == before and not [n for n in os.listdir(tmp_path) if "export" in n]
 
 
+@pytest.mark.slow
 def test_every_single_bit_flip_of_a_manifest_is_refused(tmp_path):
     """The manifest's own checksum: over every single-bit flip of a real manifest, none is
     accepted with a changed value (a flip in whitespace may be accepted: nothing changed).

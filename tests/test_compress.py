@@ -94,6 +94,7 @@ def run(tmp_path, steps, **update):
     return recs
 
 
+@pytest.mark.slow
 def test_bytes_to_the_engines_fall_by_the_stated_factor(tmp_path):
     """fp32: each kept entry costs 8 B (index + value) instead of 4 B per entry: 2 * k of
     the dense bytes (plus the rounding up of each chunk)."""
@@ -106,6 +107,7 @@ def test_bytes_to_the_engines_fall_by_the_stated_factor(tmp_path):
     assert 2 * 0.05 <= ratio < 2 * 0.05 * 1.05, ratio
 
 
+@pytest.mark.slow
 def test_compressed_training_stays_close(tmp_path):
     """The one mode that changes the math, measured: 20 steps of the small test model from
     the same start, lr 3e-3. Measured here: final loss dense 3.28, top-k 5 % 4.10 (+0.83),

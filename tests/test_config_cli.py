@@ -85,6 +85,7 @@ def test_cli_prints_resolved_config(capsys):
     assert "[optim]" in out and "lr = 0.01" in out
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_metrics(tmp_path):
     run = tmp_path / "run"
     args = [

@@ -159,6 +159,7 @@ def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
     assert tiny.phase("forward").time_s == pytest.approx(0.2)  # the update thread's own kernel time
 
 
+@pytest.mark.slow
 def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     flags = [f for f in tiny_flags(tmp_path, layers=3) if not f.startswith("--train.steps")]
     r = subprocess.run(
@@ -198,6 +199,7 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     assert bad.returncode == 2 and "--probe-mib = 0: measure at least 1 MiB" in bad.stderr
 
 
+@pytest.mark.slow
 def test_train_prints_the_prediction_then_predicted_against_measured(tmp_path):
     flags = [f for f in tiny_flags(tmp_path, steps=5) if f != "--train.predict=false"]
     r = subprocess.run(

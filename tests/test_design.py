@@ -42,6 +42,7 @@ def region_bytes(tr) -> dict[str, list[bytes]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_declared_checkpointed_state_survives_save_and_restore(tmp_path, name):
     """A state that is declared checkpointed but not saved, or saved but not restored, fails
@@ -92,6 +93,7 @@ def test_a_forgotten_region_is_refused(tmp_path, monkeypatch):
             tr.save_checkpoint()
 
 
+@pytest.mark.slow
 def test_resume_with_error_feedback_is_bit_identical(tmp_path):
     """The residual is checkpointed: 2 + 2 steps across a save and a fresh trainer give the
     losses and weights of 4 straight steps (before, the residual restarted at zero)."""

@@ -55,6 +55,7 @@ def spawn(fn, world, tmp_path, *args):
     return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_are_exact_in_rank_order_and_count_their_bytes(tmp_path, world):
     out = spawn(_collectives, world, tmp_path)
@@ -136,6 +137,7 @@ def _disagree(rank, world, port, out_dir):
         torch.save({"msg": msg, "chosen": chosen}, os.path.join(out_dir, f"{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_are_refused_by_name(tmp_path):
     out = spawn(_disagree, 3, tmp_path)
     for r in range(3):

@@ -95,6 +95,7 @@ def run_ranks(tmp_path, cfg, world, separate=False):
         (3, "overlap", True),
     ],
 )
+@pytest.mark.slow
 def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, separate):
     """Every update path, each rank updating its shard: the overlapped one during the backward
     (eager), the engines in processes of each rank's own; and on a device with memory of its own
@@ -118,6 +119,7 @@ def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, se
         assert moments >= 4 * o["state"] and moments < 4 * o["full"] / world + (1 << 20)
 
 
+@pytest.mark.slow
 def test_ranks_in_bf16_sum_in_float32_the_same_on_a_separate_memory_device(tmp_path):
     """bf16 with M = 2: each rank's gradient is summed in a float32 accumulator, reduced over the
     ranks in float32 on the host and rounded once. With separate device memory the float32 sum
@@ -172,6 +174,7 @@ def _traffic(rank, world, port, out_dir, tree):
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3])  # the formula at N = 3 (N = 2, the same formula, left out for the suite's time)
 def test_traffic_per_step_is_the_formula_whatever_the_micro_batches(tmp_path, world):
     """Bytes a rank sends (and receives) in a step: (N-1)/N of every unit fetched (a gather
@@ -243,6 +246,7 @@ def same(a, b):
     "first,then,mode",
     [(2, 1, "baseline"), (1, 3, "baseline"), (3, 2, "baseline"), (2, 1, "engines"), (1, 2, "overlap")],
 )
+@pytest.mark.slow
 def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then, mode):
     """A checkpoint written by ``first`` ranks is the same files as one rank's (the canonical
     layout) and loads, bit for bit, on ``then`` ranks; training goes on from it. The engines'
@@ -261,6 +265,7 @@ def test_checkpoints_load_on_any_number_of_ranks(tmp_path, first, then, mode):
     )
 
 
+@pytest.mark.slow
 def test_sharded_resume_is_bit_identical(tmp_path):
     """2 ranks: 4 steps straight, or 2, a checkpoint and 2 more in new processes: the same
     bits (the same grouping of the sums), clipping on."""
@@ -308,6 +313,7 @@ def _final(tmp_path):
     return man.step, {e.name: e.crc32c for e in man.files if e.name.endswith(".bin")}
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path):
     """`tiertrain train --nproc 2`, a checkpoint every step; rank 1 is killed (SIGKILL) in the
     backward of step 3: the run stops with an error within the timeout, step 2's checkpoint is
@@ -331,6 +337,7 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     assert _final(tmp_path / "b") == _final(tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_and_stops_the_run_within_the_timeout(tmp_path):
     """Rank 1 hangs (sleeps 12 s) in the backward of step 3, alive: rank 0's collective
     times out after ranks.timeout_s = 6 s and its error names rank 1 as the one that has
@@ -360,6 +367,7 @@ def _mismatch(rank, world, port, out_dir, tree):
     torch.save({"msg": msg}, os.path.join(out_dir, f"{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_are_refused_at_start(tmp_path):
     cfg = small_config(tmp_path, layers=2, d=64)
     out = spawn(_mismatch, 2, tmp_path, cfg.to_dict())
@@ -367,6 +375,7 @@ def test_ranks_with_different_configs_are_refused_at_start(tmp_path):
         assert "the config differs between ranks" in o["msg"] and "rank(s) 1 another" in o["msg"], o["msg"]
 
 
+@pytest.mark.slow
 def test_ranks_with_clipping_train_the_one_rank_model_within_tolerance(tmp_path):
     """2 ranks of M = 2 against 1 rank of M = 4 (the same sequences), clipping on: the sums
     are grouped differently ((g0 + g1) + (g2 + g3) against ((g0 + g1) + g2) + g3) and the norm
@@ -460,6 +469,7 @@ def _rank_pid(proc, rank):
     raise AssertionError(f"rank {rank} not found")
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_ranks_saves_and_prints_one_hint_that_works(tmp_path):
     """Ctrl-C (SIGINT to the terminal's foreground group: the launcher) to a 2-rank run: every
     rank finishes its step and saves, the run exits 130 with one line and one resume command,
@@ -522,6 +532,7 @@ def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow
 def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
     """Two ranks of one machine on one small filesystem: the space check adds both ranks' needs
     (each checked its own: told to free too little, or passed and failed while claiming)."""

@@ -23,6 +23,7 @@ def engine_config(tmp_path, **kw):
     "paths,kind,micro_batches,ahead_mib",
     [(1, "gpt", 1, 1024), (1, "llama", 4, 0), (3, "gpt", 4, 1024), (3, "llama", 2, 0)],
 )
+@pytest.mark.slow
 def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro_batches, ahead_mib):
     """With the whole state read ahead during the backward (the default budget holds these
     models' state) and with no read-ahead."""
@@ -37,6 +38,7 @@ def test_engines_are_bit_identical_to_plain_pytorch(tmp_path, paths, kind, micro
     assert_same_weights(tr, weights, ref_weights)
 
 
+@pytest.mark.slow
 def test_more_engines_than_paths_and_baseline_agree(tmp_path):
     cfg = engine_config(tmp_path / "e", micro_batches=2, steps=3)
     cfg.update.engines = 2  # two engines share the one path
@@ -47,6 +49,7 @@ def test_more_engines_than_paths_and_baseline_agree(tmp_path):
     assert l_e == l_b and all(torch.equal(w_e[k], w_b[k]) for k in w_b)
 
 
+@pytest.mark.slow
 def test_eager_engines_without_clipping(tmp_path):
     """With clipping off, engines update each unit as its gradient arrives: still exact."""
     cfg = engine_config(tmp_path, micro_batches=2, clip=0.0, steps=3)
@@ -54,6 +57,7 @@ def test_eager_engines_without_clipping(tmp_path):
     tr, losses = assert_parity(cfg)
 
 
+@pytest.mark.slow
 def test_bf16_engines_match_the_baseline_path_exactly(tmp_path):
     base = small_config(tmp_path / "b", micro_batches=2, steps=3, dtype="bfloat16")
     eng = engine_config(tmp_path / "e", micro_batches=2, steps=3, dtype="bfloat16", paths=2)
@@ -97,6 +101,7 @@ def test_a_killed_engine_is_named_within_seconds_then_resume_works(tmp_path):
         assert tr.step == 2
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_with_engines_is_bit_identical(tmp_path):
     cfg = engine_config(tmp_path / "a", paths=2, steps=4, micro_batches=2)
     with Trainer(cfg) as tr:
@@ -117,12 +122,14 @@ def test_checkpoint_resume_with_engines_is_bit_identical(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_sgd_engines_bit_identical(tmp_path):
     cfg = engine_config(tmp_path, paths=2, micro_batches=2, steps=3, lr=0.05)
     cfg.optim.name = "sgd"
     tr, losses = assert_parity(cfg)
 
 
+@pytest.mark.slow
 def test_new_parameters_handed_straight_to_the_forward_with_read_ahead(tmp_path, monkeypatch):
     """Engines slower than the forward (a sleep per update chunk, in the engines only): the
     forward asks for units still being updated and the engines write them into its shared

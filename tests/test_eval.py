@@ -33,6 +33,7 @@ def _text(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_eval_of_a_hf_directory_is_transformers_loss(tmp_path, kind):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -69,6 +70,7 @@ def test_eval_of_a_hf_directory_is_transformers_loss(tmp_path, kind):
     assert not os.path.exists(tmp_path / "ssd")  # forward only: no state file, nothing written
 
 
+@pytest.mark.slow
 def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tmp_path):
     from tiertrain.training.trainer import Trainer
 
@@ -99,6 +101,7 @@ def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tm
     assert bad.returncode != 0 and "its weights are corrupt" in bad.stderr and "use an earlier checkpoint" in bad.stderr
 
 
+@pytest.mark.slow
 def test_eval_bad_input_is_named(tmp_path):
     cfg = small_config(tmp_path)
     with pytest.raises(Exception, match="data.eval_corpus is not set: give the text to evaluate on"):

@@ -60,6 +60,7 @@ def test_the_trainer_runs_step_by_step(tmp_path):
         assert tr.train_step().loss == losses[0]
 
 
+@pytest.mark.slow
 def test_the_readme_python_example_runs(tmp_path):
     """The README's first ```python block, as it is, in a fresh process in an empty directory."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
@@ -73,6 +74,7 @@ def test_the_readme_python_example_runs(tmp_path):
     assert "final loss" in run.stdout
 
 
+@pytest.mark.slow
 def test_plot_draws_several_runs_with_validation(tmp_path):
     import tiertrain
 

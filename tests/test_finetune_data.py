@@ -115,6 +115,7 @@ def test_text_completion_and_chat_masks_token_by_token(tmp_path):
     assert _example(p, 0)[1] == [1] * len(want)
 
 
+@pytest.mark.slow
 def test_parquet_and_a_datasets_directory_give_the_jsonl_examples(tmp_path):
     import datasets
     import pyarrow as pa
@@ -311,6 +312,7 @@ def test_the_loss_and_gradients_do_not_depend_on_the_micro_batch_split(tmp_path)
             torch.testing.assert_close(g, g0, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical(tmp_path):
     """Packed prompt/completion examples, 3 rows per epoch and 4 rows a step: the checkpoint at
     step 2 falls inside the third epoch; the resumed run's losses and weights equal the

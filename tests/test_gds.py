@@ -239,6 +239,7 @@ def test_striped_files_take_device_tensors(tmp_path, direct, paths, size, off):
             w.shutdown()
 
 
+@pytest.mark.slow
 def test_training_reads_parameters_straight_into_device_slots(tmp_path, direct):
     """With a device that reads files directly (GPUDirect Storage), the parameter store has no
     staging and its reads land in the slots, checksums verified on the device: the run is

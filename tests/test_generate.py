@@ -70,6 +70,7 @@ def test_greedy_is_transformers_generate_token_for_token(tmp_path, model_dir, pr
     assert ours == _hf_generate(hf, prompts, 10)
 
 
+@pytest.mark.slow
 def test_sampling_repeats_by_seed_and_top_k_1_is_greedy(tmp_path, model_dir):
     path, _ = model_dir
     cfg = _cfg(tmp_path, path)
@@ -129,6 +130,7 @@ def test_bad_input_is_named(tmp_path, model_dir):
         read_prompts(None, str(empty))
 
 
+@pytest.mark.slow
 def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, llama_dir):
     path, hf = llama_dir
     base = [sys.executable, "-m", "tiertrain", "generate", f"--model.hf_dir={path}", "--max-new-tokens", "5"]
@@ -184,6 +186,7 @@ def test_the_kv_cache_bytes_are_its_formula(model_dir):
     assert held == kv_bytes(hf.config, 2, 12, torch.float32) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["none", "half", "zero"])
 def test_the_kv_cache_spilled_to_the_storage_tier_gives_the_same_tokens(tmp_path, model_dir, budget, caplog):
     """memory.kv_host_mib = 0 (every block's keys and values on the storage tier, read in and
@@ -298,6 +301,7 @@ def test_tiered_kv_keeps_what_each_pair_wrote_across_steps(tmp_path, budget_pair
     assert not (tmp_path / "kv.bin").exists()
 
 
+@pytest.mark.slow
 def test_a_row_ends_at_the_models_end_of_sequence_token_as_in_transformers(tmp_path, llama_dir):
     """The end-of-sequence ids of generation_config.json (a list, as chat models have) end a row
     by default, as transformers' generate does (same tokens, row by row); --ignore-eos goes on

@@ -219,6 +219,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
     """Weights streamed (host_param_mib = 0) and the cache spilled (kv_host_mib = 0): a
     generation's peak host memory over what the process held before it is within 3 slots of

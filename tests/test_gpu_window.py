@@ -150,6 +150,7 @@ def test_a_stage_without_a_gpu_asks_for_the_dry_run(machine):
     assert r.returncode == 2 and "unknown argument --nvem" in r.stderr
 
 
+@pytest.mark.slow
 def test_without_crc32c_tiertrain_says_how_to_carry_it(tmp_path):
     (tmp_path / "crc32c.py").write_text("raise ImportError('No module named crc32c')\n")
     r = subprocess.run(

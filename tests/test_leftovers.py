@@ -54,6 +54,7 @@ def test_an_interrupted_preparation_leaves_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_plan_leaves_no_scratch_directory(tmp_path, monkeypatch):
     """`tiertrain plan` with the default io.paths (./tiertrain-scratch): the probe's directory,
     made for it, is gone after (it stayed, empty)."""

@@ -42,6 +42,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_mib", [0, 16])
 def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     """A model whose states (params, grads, moments: ~16 B/param) are far larger than the
@@ -113,6 +114,7 @@ def test_host_budgets_move_states_off_disk(tmp_path):
         assert not os.path.exists(tmp_path / "ssd0" / "params.bin")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead_mib", [0, 4096])
 def test_engine_memory_is_its_pools(tmp_path, ahead_mib):
     """An engine's RSS grows (from before its pools were made to its peak) by at most its
@@ -175,6 +177,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_rss_stops_growing_when_activations_exceed_their_budget(tmp_path):
     """Activations several times ``memory.keep_act_mib``: some graphs are kept, the rest are
     dropped at once and recomputed. A dropped graph must be freed: before the fix (a saved
@@ -233,6 +236,7 @@ def _acts_run(tmp_path, mode: str, trim: bool) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_offloaded_activations_hold_only_their_record_pool(tmp_path):
     """32 (block, micro-batch) pairs of ~3 MiB saved tensors each, all sent to the storage
     tier: the peak RSS of a steady step exceeds the same step recomputed by at most the record
@@ -263,6 +267,7 @@ print(json.dumps(dict(ok=ok, freed=freed, trimmed=host_rss())))
 """
 
 
+@pytest.mark.slow
 def test_trim_heap_gives_freed_heap_pages_back():
     """200 MiB freed in the middle of glibc's heap stays in the process until ``trim_heap``
     (what ``memory.trim_heap`` calls after every unit step) gives it back."""

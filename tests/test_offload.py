@@ -78,6 +78,7 @@ def test_a_mix_with_dropout_at_one_micro_batch(tmp_path):
     assert tr.executor.kept_pairs == 2 and tr.executor.recomputed == 1 and tr.acts.offloaded == 1
 
 
+@pytest.mark.slow
 def test_dropout_at_several_micro_batches_same_under_every_policy(tmp_path):
     runs = []
     for name, kw in {
@@ -94,6 +95,7 @@ def test_dropout_at_several_micro_batches_same_under_every_policy(tmp_path):
             assert torch.equal(t, runs[0][1][n]), n
 
 
+@pytest.mark.slow
 def test_offload_through_a_separate_device_memory(tmp_path):
     """The CUDA path on the test device: saved tensors go down on the download stream, the
     record's write starts after them, the record comes back up as one upload."""
@@ -102,6 +104,7 @@ def test_offload_through_a_separate_device_memory(tmp_path):
     assert_parity(cfg, device=dev)
 
 
+@pytest.mark.slow
 def test_offload_bf16_same_as_recompute(tmp_path):
     runs = {}
     for act in ("recompute", "offload"):
@@ -112,6 +115,7 @@ def test_offload_bf16_same_as_recompute(tmp_path):
         assert torch.equal(t, runs["offload"][1][name]), name
 
 
+@pytest.mark.slow
 def test_resume_exact_with_offloaded_activations(tmp_path):
     kw = dict(kind="llama", micro_batches=2, activations="auto", keep_act_mib=1, offload_pairs=2)
     assert_resume_exact(small_config(tmp_path / "a", **kw), small_config(tmp_path / "b", **kw))
@@ -199,6 +203,7 @@ def test_auto_offloads_what_its_prediction_says(tmp_path):
         assert tr.acts.offloaded == pairs  # not measured at start (train.predict = false): all of them
 
 
+@pytest.mark.slow
 def test_the_step_line_and_summary_say_where_activations_went(tmp_path):
     from reference import tiny_flags
 
@@ -321,6 +326,7 @@ with Trainer(cfg) as tr:
 """
 
 
+@pytest.mark.slow
 def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     """Every pair's activations on the storage tier: peak RSS grows by the fixed pools (the
     records' among them) plus the working set of one micro-batch's block (its activations
@@ -351,6 +357,7 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     assert big["pairs"] * big["act"] > 2 * (big["peak"] - big["base"])  # the activations were never all in memory
 
 
+@pytest.mark.slow
 def test_plan_shows_where_activations_go_and_their_bytes(tmp_path):
     from reference import tiny_flags
 

@@ -49,6 +49,7 @@ def test_overlap_with_states_partly_in_host_memory(tmp_path):
         assert_parity(cfg)
 
 
+@pytest.mark.slow
 def test_overlap_with_vocabulary_pieces_the_forward_does_not_read(tmp_path):
     """With the embedding cut, pieces no token of a step uses are not loaded by its forward:
     their next gradients must wait for their update instead. Same weights as the baseline."""
@@ -150,6 +151,7 @@ def test_overlap_on_a_separate_device(tmp_path, eager):
     assert_parity(cfg, device=AsyncCpuDevice(delay=0.001))
 
 
+@pytest.mark.slow
 def test_the_command_line_runs_it_and_the_step_line_says_so(tmp_path):
     import subprocess
     import sys

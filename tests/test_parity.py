@@ -103,6 +103,7 @@ def test_fp32_bit_identical_with_states_partly_in_host_memory(tmp_path):
     tr, losses = assert_parity(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "gpt2"])
 def test_tied_embeddings(tmp_path, kind):
     # M = 1: one sum per step, bit-identical. M = 4: see the module docstring.
@@ -157,6 +158,7 @@ def test_kept_graphs_bit_identical(tmp_path, kind, micro_batches, slots):
     assert tr.executor.kept.peak_bytes > 0 and tr.executor.kept.kept_bytes == 0
 
 
+@pytest.mark.slow
 def test_kept_graphs_within_budget_rest_recomputed(tmp_path):
     """A budget for about half the graphs: those kept never exceed it, the rest are
     recomputed, and the result is still bit-identical."""
@@ -178,6 +180,7 @@ def test_kept_graphs_within_budget_rest_recomputed(tmp_path):
     assert_same_weights(tr, weights, ref_weights)
 
 
+@pytest.mark.slow
 def test_kept_graphs_bf16_same_as_recompute(tmp_path):
     """bf16: keeping the graph gives exactly what recomputing it gives (same kernels)."""
     runs = {}

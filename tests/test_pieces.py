@@ -182,6 +182,7 @@ def _gqa_llama(tmp_path, vocab=6400):
     return cfg
 
 
+@pytest.mark.slow
 def test_a_vocabulary_larger_than_a_block_stays_whole_and_exact_by_default(tmp_path):
     """With model.vocab_pieces unset and a budget that holds whole vocabulary units, nothing is
     cut: every tensor bit-identical to plain PyTorch + AdamW (cut by default, all 39 differed)."""
@@ -194,6 +195,7 @@ def test_a_vocabulary_larger_than_a_block_stays_whole_and_exact_by_default(tmp_p
     assert not any("vocabulary cut" in n for n in tr.budget.notes)
 
 
+@pytest.mark.slow
 def test_the_plan_cuts_the_vocabulary_only_where_the_budget_needs_it_and_says_so(tmp_path):
     """A host budget between the fixed pools of whole vocabulary units and those of the pieces:
     the planner cuts, says so with what it changes, and the config a checkpoint keeps names

@@ -70,6 +70,7 @@ def shm_names():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C to the group, engines"])
 def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, how):
     engines = how.endswith("engines")
@@ -127,6 +128,7 @@ def test_sigkill_of_a_trainer_with_engines_leaves_nothing(tmp_path):
     assert shm_names() <= before
 
 
+@pytest.mark.slow
 def test_an_engine_failing_on_a_checksum_is_one_error_and_cleanup_still_runs(tmp_path):
     cfg = small_config(tmp_path, steps=4, micro_batches=2)
     cfg.update.mode = "engines"
@@ -153,6 +155,7 @@ def test_an_engine_failing_on_a_checksum_is_one_error_and_cleanup_still_runs(tmp
     assert not (tmp_path / "ssd0").exists()
 
 
+@pytest.mark.slow
 def test_eager_engines_report_their_work_and_shut_down_quietly(tmp_path):
     proc = start(tmp_path, "--update.mode=engines", "--update.eager=true", "--optim.grad_clip=0", "--train.steps=3")
     err = proc.communicate(timeout=120)[1]
@@ -162,6 +165,7 @@ def test_eager_engines_report_their_work_and_shut_down_quietly(tmp_path):
     assert all(r["extra"]["engine_read_bytes"] > 0 and r["extra"]["engine_update_s"] > 0 for r in recs[1:]), recs
 
 
+@pytest.mark.slow
 def test_a_dead_engine_is_one_line_naming_it_and_the_checkpoint(tmp_path):
     proc = start(tmp_path, "--update.mode=engines", "--train.steps=100000", "--checkpoint.every=1")
     metrics = tmp_path / "run" / "metrics.jsonl"

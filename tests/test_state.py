@@ -145,6 +145,7 @@ def test_grad_store_hands_off_and_reuses_buffers(setup, device):
     grads.close()
 
 
+@pytest.mark.slow
 def test_checksummed_reads_never_see_half_written_blocks(tmp_path):
     """Writers keep patching small pieces of shared 64 KiB checksum blocks while readers keep
     reading other pieces of the same blocks (verifying whole blocks): no spurious checksum

@@ -127,6 +127,7 @@ def _ranks(rank, world, port, out_dir, tree, init_path):
     torch.save({"vals": vals}, os.path.join(out_dir, f"{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_ranks_take_the_one_rank_validation_loss(tmp_path):
     """2 ranks, each its share of the held-out micro-batches, summed in rank order: the
     validation loss of one rank training the same global batch (within the rounding of
