@@ -39,6 +39,9 @@ stop_after_first_step() {  # stop_after_first_step SIGNAL GROUP(0/1) LOG command
 say "== clone into $dir"
 rm -rf "$dir"
 git clone -q "$repo" "$dir" && cd "$dir" || exit 2
+# a TMPDIR of the walk's own: "nothing left behind" then means by this walk, not by whatever
+# else ran on the machine before
+rm -rf "$dir.tmp" && mkdir -p "$dir.tmp" && export TMPDIR="$dir.tmp"
 
 say "== the README's two commands (the test command is run by CI; here the first one)"
 make train > walk-train.log 2>&1
