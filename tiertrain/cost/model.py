@@ -16,20 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Config
+from ..update.base import Phase
 from .probe import Rates
 from .traffic import Traffic
 
 __all__ = ["Phase", "Prediction", "StepCosts", "predict"]
-
-
-@dataclass
-class Phase:
-    name: str
-    compute_s: float
-    io_s: float
-    crc_s: float  # CPU seconds of CRC32C (one core)
-    time_s: float
-    bound: str
 
 
 @dataclass

@@ -12,13 +12,12 @@ import dataclasses
 import logging
 import os
 from importlib import resources
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig, has_tokenizer
-from ..errors import one_line
+from ..config import ConfigError, DataConfig
+from .tokenizer import BYTES, TOKENIZER_FILES, ByteTokenizer, load_tokenizer, tokenizer_fingerprint
 from .tokens import read_tokens
 
 __all__ = [
@@ -33,87 +32,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("tiertrain")
-# What a Hugging Face tokenizer directory may hold (export copies these beside the weights).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no files needed. Its EOS (ending each example of
-    prepared rows) is byte 0, NUL, which text does not hold."""
-
-    vocab_size = 256
-    eos_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-class _HFTokenizer:
-    def __init__(self, directory: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        self.vocab_size = len(self.tok)
-        self.eos_token_id = self.tok.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids)
-
-
-BYTES = "bytes"  # data.tokenizer's name for the byte-level tokenizer
-
-
-def load_tokenizer(directory: str | None, what: str = "data.tokenizer") -> Any:
-    """The byte-level tokenizer, or a Hugging Face tokenizer from a local directory
-    (``what`` names the setting in errors)."""
-    if directory is None or directory == BYTES:
-        return ByteTokenizer()
-    if not os.path.isdir(directory):
-        raise ConfigError(f"{what} = {directory!r}: not a directory; give a local Hugging Face tokenizer dir")
-    if not has_tokenizer(directory):
-        raise ConfigError(
-            f"{what} = {directory!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}); give "
-            "the directory that holds them (a model directory usually does)"
-        )
-    try:
-        return _HFTokenizer(directory)
-    except Exception as exc:  # transformers raises several kinds for a broken directory
-        raise ConfigError(
-            f"{what} = {directory!r}: the tokenizer there does not load ({type(exc).__name__}: {one_line(exc)})"
-        ) from None
-
-
-def tokenizer_fingerprint(directory: str | None) -> str:
-    """What identifies a tokenizer: a hash of its directory's files' contents ("bytes" for the
-    byte-level one). A tokenizer replaced at the same path has another."""
-    import hashlib
-
-    if directory is None or directory == BYTES:
-        return "bytes"
-    h = hashlib.sha256()
-    for name in sorted(TOKENIZER_FILES):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            h.update(name.encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def bundled_corpus_path() -> str:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..errors import UsageError
 from ..paths import check_input_file
-from .loader import load_tokenizer, tokenizer_fingerprint
+from .tokenizer import load_tokenizer, tokenizer_fingerprint
 from .tokens import write_tokens
 
 __all__ = ["prepare", "prepare_examples"]

@@ -19,12 +19,13 @@ ones: a 1-rank run resumes a 2-rank checkpoint and the other way round).
 
 from __future__ import annotations
 
+
 import torch
 
 from ..io import IOFuture, aligned_empty
 from ..state.layout import FlatLayout
-from .group import RankGroup
 from .shard import ShardLayout
+
 
 __all__ = ["GatheredRegion", "ScatteredRegion", "follow"]
 
@@ -33,7 +34,7 @@ class GatheredRegion:
     """A rank's shard region (``read``/``write`` per unit, as ``TieredRegions``) seen as the
     whole state, for the checkpoint writer: reads gather."""
 
-    def __init__(self, region, layout: ShardLayout, group: RankGroup) -> None:
+    def __init__(self, region, layout: ShardLayout, group) -> None:
         self.region, self.layout, self.group = region, layout, group
         self.dtype, self.esize = region.dtype, region.dtype.itemsize
         self._buf = aligned_empty(layout.full.max_unit_numel * self.esize).view(self.dtype)

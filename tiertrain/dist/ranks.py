@@ -24,18 +24,19 @@ a rank that differs is named.
 
 from __future__ import annotations
 
+
 import dataclasses
 import os
 
 import torch
 
 from ..config import Config, ConfigError
-from .group import RankGroup
+
 
 __all__ = ["rank_config", "per_rank_figures"]
 
 
-def rank_config(cfg: Config, group: RankGroup) -> Config:
+def rank_config(cfg: Config, group) -> Config:
     """``cfg`` (the same on every rank, refused otherwise) as rank ``group.rank`` runs it."""
     shared = cfg.to_dict()
     group.check_same("the config", shared)
@@ -53,7 +54,7 @@ def rank_config(cfg: Config, group: RankGroup) -> Config:
     return dataclasses.replace(cfg, io=io, train=train)
 
 
-def per_rank_figures(group: RankGroup, rec) -> list[dict]:
+def per_rank_figures(group, rec) -> list[dict]:
     """Every rank's disk bytes, I/O wait and peak RSS of the step ``rec`` (a ``StepRecord``),
     gathered on every rank (rank 0 prints them). Sync point; after the step's traffic was
     counted, before the next's."""

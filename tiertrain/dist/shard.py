@@ -37,6 +37,7 @@ memory, is not built.
 
 from __future__ import annotations
 
+
 from collections import deque
 import torch
 
@@ -44,7 +45,7 @@ from ..io import IOFuture
 from ..state.layout import FlatLayout
 from ..state.sources import GradSink, ParamSource
 from ..state.slices import Slice, SliceLayout, unit_records
-from .group import RankGroup
+
 
 __all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]
 
@@ -123,7 +124,7 @@ class ShardedParams(ParamSource):
     file_backed = True
     ordered = True  # the parameter store's loads in the schedule's order alone (module docstring)
 
-    def __init__(self, inner: ParamSource, layout: ShardLayout, group: RankGroup) -> None:
+    def __init__(self, inner: ParamSource, layout: ShardLayout, group) -> None:
         self.inner, self.layout, self.group = inner, layout, group
         self.dtype = inner.dtype
         self._fifo: deque[_Gather] = deque()  # issued in load order: the same on every rank
@@ -189,7 +190,7 @@ class ShardedGrads(GradSink):
     file_backed = True
     sharded = True
 
-    def __init__(self, inner: GradSink, layout: ShardLayout, group: RankGroup) -> None:
+    def __init__(self, inner: GradSink, layout: ShardLayout, group) -> None:
         self.inner, self.layout, self.group = inner, layout, group
         self.dtype = inner.dtype
 

@@ -47,6 +47,7 @@ from ..models.base import LayeredModel, UnitRef
 from ..state.grads import GradStore
 from ..state.store import ParamStore
 from .loss import LossScale
+from .rng import UnitRng as _Rng
 from .vocab import VocabSteps, used_pieces
 from .walk import UnitWalk
 
@@ -83,21 +84,6 @@ class MicroBatch:
     ids: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor
-
-
-class _Rng:
-    """The RNG state(s) before a unit's forward, to replay dropout in the recompute (the
-    compute device's own generator on CUDA, whichever index it has)."""
-
-    def __init__(self, dev: Device) -> None:
-        self.device = dev.device if dev.cuda else None
-        self.cpu = torch.get_rng_state()
-        self.gpu = torch.cuda.get_rng_state(self.device) if self.device is not None else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.gpu is not None:
-            torch.cuda.set_rng_state(self.gpu, self.device)
 
 
 class LayerMajorExecutor(VocabSteps):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .rng import UnitRng
+
 IGNORE = -100  # masked targets (data/examples.py)
 
 __all__ = ["VocabSteps", "used_pieces", "piece_logsumexp", "piece_backward"]
@@ -75,8 +77,6 @@ class VocabSteps:
     ``embed_backward`` for a cut model."""
 
     def _cut_embed_forward(self, mbs) -> list[torch.Tensor]:
-        from .executor import _Rng
-
         tokens: list[torch.Tensor] = []
         for ref in self.pieces_used:
             self._acquire(ref)
@@ -92,7 +92,7 @@ class VocabSteps:
         ref, out = self.embed, []
         self._acquire(ref)
         for m, (t, mb) in enumerate(zip(tokens, mbs)):
-            self._rng[ref.index, m] = _Rng(self.dev)
+            self._rng[ref.index, m] = UnitRng(self.dev)
             with torch.enable_grad():
                 out.append(self.model.embed.finish(t, mb.positions).detach())
         self._release(ref)

@@ -37,6 +37,19 @@ __all__ = ["ParamSource", "GradSink", "Update", "UpdateStats"]
 
 
 @dataclass
+@dataclass
+class Phase:
+    """One phase of a predicted step (what ``Update.predict_step`` returns, and the cost
+    model's table rows)."""
+
+    name: str
+    compute_s: float
+    io_s: float
+    crc_s: float  # CPU seconds of CRC32C (one core)
+    time_s: float
+    bound: str
+
+
 class UpdateStats:
     seconds: float = 0.0
     wait_s: float = 0.0  # blocked on reads or writes

@@ -134,7 +134,7 @@ class OverlapUpdate(BaselineUpdate):
         device), plus its bytes on the same disk and its CPU on the same cores. An upper bound
         on bytes: units the forward asks for before the update reaches them are handed over
         instead of read back (fewer reads than counted)."""
-        from ..cost.model import Phase
+        from .base import Phase
 
         t, r = c.traffic, c.rates
         one = c.upd_c * (r.cores if c.cpu_compute else 1)  # the kernel in one thread (CPU device) or all

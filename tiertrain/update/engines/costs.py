@@ -34,7 +34,7 @@ def predict_engines(c):
     (on a CPU device) the same cores: their kernel, checksums and I/O threads' CPU. The step is
     bound by the slower of the trainer's forward and backward and the disk's work of the whole
     step."""
-    from ...cost.model import Phase
+    from ..base import Phase
 
     t, r = c.traffic, c.rates
     share = c.upd_cpu * c.fwd.compute_s / max(c.fwd.compute_s + c.bwd.compute_s, 1e-9)

@@ -7,16 +7,11 @@ engines themselves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ...io import IOFuture
 from ...state.regions import place
 from ...state.sources import GradSink, ParamSource
-
-if TYPE_CHECKING:
-    from .client import EngineUpdate
 
 __all__ = ["EngineParams", "EngineGrads", "EngineRegion", "Handoff", "Deferred"]
 
@@ -26,7 +21,7 @@ class Handoff:
     then reads from the files the slices of the engines that did not write the slot (they
     had started the unit before the request). Used as the slot's read future."""
 
-    def __init__(self, group: "EngineUpdate", u: int, slot: int, out: torch.Tensor) -> None:
+    def __init__(self, group, u: int, slot: int, out: torch.Tensor) -> None:
         self.g, self.u, self.slot, self.out = group, u, slot, out
         self._result: int | None = None
 
@@ -44,7 +39,7 @@ class Deferred:
     """A unit's load from the engines' files once they have written it (slots not shared):
     the read starts when the unit is ready (``get`` waits for that)."""
 
-    def __init__(self, group: "EngineUpdate", u: int, out: torch.Tensor) -> None:
+    def __init__(self, group, u: int, out: torch.Tensor) -> None:
         self.g, self.u, self.out = group, u, out
         self._read: IOFuture | None = None
 
@@ -66,7 +61,7 @@ class Deferred:
 class EngineParams(ParamSource):
     """The engines' parameter files as the parameter store's source."""
 
-    def __init__(self, group: "EngineUpdate") -> None:
+    def __init__(self, group) -> None:
         self.g, self.dtype = group, group.pdtype
         self.file = True  # on the storage tier
 
@@ -96,7 +91,7 @@ class EngineGrads(GradSink):
     file_backed = False
     takes_device_tensors = True  # copies into shared memory itself
 
-    def __init__(self, group: "EngineUpdate") -> None:
+    def __init__(self, group) -> None:
         self.g, self.dtype = group, group.pdtype
         self.file = None
 
@@ -114,7 +109,7 @@ class EngineRegion:
     """One kind of state across all engines' files, read and written by the trainer while
     the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
 
-    def __init__(self, group: "EngineUpdate", kind: str, dtype: torch.dtype) -> None:
+    def __init__(self, group, kind: str, dtype: torch.dtype) -> None:
         self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
         self.place = [place(v, dtype, 0, group.align) for v in group.views]
         self.files = [group.open_file(i, kind, "r+", dtype) for i in range(group.n)]
