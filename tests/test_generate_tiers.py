@@ -325,38 +325,10 @@ def test_generate_from_the_default_jobs_checkpoint(tmp_path, capsys):
 
     assert main(["train", *tiny_flags(tmp_path)]) == 0
     capsys.readouterr()
-    assert (
-        main(
-            [
-                "generate",
-                "--checkpoint",
-                str(tmp_path / "run"),
-                "--prompt",
-                "In the beginning",
-                "--max-new-tokens",
-                "8",
-                f"--io.paths={tmp_path / 'gen'}",
-            ]
-        )
-        == 0
-    )
+    gen = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In the beginning"]
+    gen += ["--max-new-tokens", "8", f"--io.paths={tmp_path / 'gen'}"]
+    assert main(gen) == 0
     streamed = capsys.readouterr().out
-    assert (
-        main(
-            [
-                "generate",
-                "--checkpoint",
-                str(tmp_path / "run"),
-                "--prompt",
-                "In the beginning",
-                "--max-new-tokens",
-                "8",
-                f"--io.paths={tmp_path / 'gen'}",
-                "--out",
-                str(tmp_path / "o.jsonl"),
-            ]
-        )
-        == 0
-    )
+    assert main([*gen, "--out", str(tmp_path / "o.jsonl")]) == 0
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert len(row["tokens"]) == 8 and streamed == row["completion"] + "\n"
