@@ -37,7 +37,6 @@ __all__ = ["ParamSource", "GradSink", "Update", "UpdateStats"]
 
 
 @dataclass
-@dataclass
 class Phase:
     """One phase of a predicted step (what ``Update.predict_step`` returns, and the cost
     model's table rows)."""
@@ -50,6 +49,7 @@ class Phase:
     bound: str
 
 
+@dataclass
 class UpdateStats:
     seconds: float = 0.0
     wait_s: float = 0.0  # blocked on reads or writes
