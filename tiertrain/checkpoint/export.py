@@ -27,11 +27,12 @@ from ..data.loader import TOKENIZER_FILES
 from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
+from ..models.base import LayeredModel
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir
 from ..runtime import align_of
 from ..state.layout import FlatLayout, chunk_align
-from .manifest import CheckpointError, Manifest, find_checkpoint
+from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
 __all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
@@ -65,11 +66,11 @@ class WeightsFile:
     skeleton: no weight memory), the layout of one rank, the file, its dtype and manifest entry."""
 
     cfg: Config
-    model: object
+    model: LayeredModel
     layout: FlatLayout
     path: str
     dtype: torch.dtype
-    entry: object
+    entry: FileEntry
 
 
 def weights_file(path: str, man: Manifest) -> WeightsFile:

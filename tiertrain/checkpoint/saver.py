@@ -87,8 +87,8 @@ class CheckpointIO:
                 if w is not None:
                     w.get()
         finally:
-            for b in bufs:
-                b.release()
+            for buf in bufs:
+                buf.release()
         return crc
 
     # -- save ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable
 
 from ..config import Config
+from ..update.base import Update
 from .probe import Rates
 
 __all__ = ["resolve_update", "resolve_activations", "with_mode"]
@@ -22,7 +23,7 @@ __all__ = ["resolve_update", "resolve_activations", "with_mode"]
 MIB = 1 << 20
 
 
-def _candidates_of_auto() -> list[tuple[str, type]]:
+def _candidates_of_auto() -> list[tuple[str, type[Update]]]:
     """The paths ``auto`` chooses from, the simplest first (the registry's order)."""
     from ..update import UPDATES
 

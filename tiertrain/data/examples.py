@@ -256,16 +256,16 @@ class ExampleBatches:
             return ids, mask
         lo, hi = j * self.T, j * self.T + self.T + 1
         k = int(np.searchsorted(starts, lo, side="right")) - 1
-        ids, mask, pos = [], [], []
+        id_parts, mask_parts, pos = [], [], []
         while lo < hi:
             ex = order[k]
             a = int(d.offsets[ex]) + lo - int(starts[k])
             n = min(hi, int(starts[k + 1])) - lo
-            ids.append(d.ids[a : a + n])
-            mask.append(d.mask[a : a + n])
+            id_parts.append(d.ids[a : a + n])
+            mask_parts.append(d.mask[a : a + n])
             pos.append(np.arange(n))
             lo, k = lo + n, k + 1
-        out = np.concatenate(ids).astype(np.int64), np.concatenate(mask)
+        out = np.concatenate(id_parts).astype(np.int64), np.concatenate(mask_parts)
         return (*out, np.concatenate(pos)[: self.T]) if with_positions else out
 
     def _step_rows(self, step: int, world: int) -> list[tuple]:

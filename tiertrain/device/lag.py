@@ -79,6 +79,9 @@ class LagCpuDevice(AsyncCpuDevice):
     """``AsyncCpuDevice``'s semantics on a logical clock (see the module docstring).
     ``lag``: calls into the device after which an issued copy has run by itself."""
 
+    up: _LagStream  # type: ignore[assignment]  # the parent's streams' interface, run on the clock
+    down: _LagStream  # type: ignore[assignment]
+
     def __init__(self, lag: int = 4) -> None:
         if lag < 1:
             raise ValueError(f"lag={lag}: a copy must take at least one tick (lag >= 1)")

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from .rng import UnitRng
@@ -75,6 +77,22 @@ def used_pieces(pieces: list, ids: list[torch.Tensor]) -> list:
 class VocabSteps:
     """Mixed into ``LayerMajorExecutor``: its ``embed_forward``, ``head_step`` and
     ``embed_backward`` for a cut model."""
+
+    if TYPE_CHECKING:  # what the executor it is mixed into provides (executor.py)
+        model: Any
+        dev: Any
+        grads: Any
+        embed: Any
+        head: Any
+        embed_pieces: list[Any]
+        head_pieces: list[Any]
+        pieces_used: list[Any]
+        scale: Any
+        _rng: dict[tuple[int, int], Any]
+
+        def _units(self, ref: Any) -> tuple[int, ...]: ...
+        def _acquire(self, ref: Any) -> None: ...
+        def _release(self, ref: Any) -> None: ...
 
     def _cut_embed_forward(self, mbs) -> list[torch.Tensor]:
         tokens: list[torch.Tensor] = []

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from .space import check_space
 from .stats import StatsSnapshot
 from .stripe import StripedFile, local_size
 from .workers import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, IOWorkers
+
+if TYPE_CHECKING:  # the I/O layer reads the config section, never imports the config at run time
+    from ..config import IOConfig
 
 __all__ = ["Storage", "record_align"]
 
@@ -51,7 +54,7 @@ class Storage:
         ]
 
     @classmethod
-    def from_config(cls, cfg: "IOConfig", paths: Sequence[str] | None = None) -> "Storage":  # noqa: F821
+    def from_config(cls, cfg: IOConfig, paths: Sequence[str] | None = None) -> Storage:
         return cls(
             paths if paths is not None else cfg.paths,
             threads=cfg.threads,

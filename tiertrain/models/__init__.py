@@ -180,6 +180,8 @@ def random_source(model: LayeredModel, seed: int, *, whole: Callable[[], Layered
     if not model.row_pieces:
         owned = unit_param_names(model)
         return WeightSource(f"random init (seed {seed})", lambda u, names: _init_values(model, owned, u, seed, names))
+    if whole is None:
+        raise ValueError("random_source: a model whose vocabulary is cut needs whole= (the same model uncut)")
     canon: list = []
     last: dict = {}  # the canonical unit initialised last: {index: its values}
 
@@ -205,6 +207,8 @@ def _init_values(model: LayeredModel, owned, u: int, seed: int, names: list[str]
     """Unit ``u``'s initial values (of ``names``; None: all it owns), from the generator of
     (seed, u), in fp32 scratch tensors."""
     unit = model.units[u]
+    if model.init_unit is None:
+        raise ValueError(f"model {type(model).__name__} has no init_unit: it cannot be initialised at random")
     saved = {id(p): p.data for p in unit.parameters()}
     scratch = {}
     try:

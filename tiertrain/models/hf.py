@@ -174,7 +174,11 @@ def _causal_mask(config: Any, h: torch.Tensor, packed: torch.Tensor | None = Non
         return hit[5]
     mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=packed, **_NO_CACHE)
     k = id(packed)
-    _packed_masks[k] = (weakref.ref(packed, lambda _, k=k: _packed_masks.pop(k, None)), *key, mask)
+
+    def forget(_: object, k: int = k) -> None:
+        _packed_masks.pop(k, None)
+
+    _packed_masks[k] = (weakref.ref(packed, forget), *key, mask)
     return mask
 
 

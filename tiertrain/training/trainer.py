@@ -86,7 +86,9 @@ class Trainer:
         self.acts = ActivationPlan(0, 0, 0, 0)
         self.budget = None
         self._parts: list = []
-        self.lock = self.rundir = self.plan = None
+        self.lock: ScratchLock | None = None
+        self.rundir: RunDir | None = None
+        self.plan: SpacePlan | None = None  # set by _plan(), before anything reads it
         self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
@@ -108,7 +110,7 @@ class Trainer:
                     info.get("pid"),
                     info.get("started"),
                 )
-            self._plan()
+            self.plan = self._plan()
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
@@ -125,8 +127,9 @@ class Trainer:
             raise
 
     # -- construction -------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        """The run's plan (``plan.py``): memory budget, update path, activations, states; logged."""
+    def _plan(self) -> SpacePlan:
+        """The run's plan (``plan.py``): memory budget, update path, activations, states; logged;
+        the states' space plan returned."""
         plan = plan_run(self.cfg, self.rt, self.group)
         self._rates = plan.rates
         if plan.cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
@@ -134,7 +137,7 @@ class Trainer:
         for line in plan.lines():
             log.info("%s", line)
         self.cfg, self.budget, self.acts = plan.cfg, plan.budget, plan.acts
-        self.plan = SpacePlan(plan.states)
+        return SpacePlan(plan.states)
 
     def _clean_leftovers(self) -> None:
         """What an earlier run left in this run's directories: stale scratch files, an interrupted

@@ -75,6 +75,11 @@ class Update(abc.ABC):
     supports_eager: bool = False
     states_in_trainer: bool = True
 
+    @abc.abstractmethod
+    def __init__(self, cfg, layout, storage, pdtype: torch.dtype, *, pin: bool) -> None:
+        """The path for a run of ``cfg`` on the state layout ``layout``, its files on
+        ``storage``, parameters in ``pdtype``; ``pin``: page-lock its host buffers."""
+
     @classmethod
     def fixed_pools(cls, cfg, rt) -> dict[str, int]:
         """Host memory the path needs whatever the placement, by pool, for a run of ``cfg`` on

@@ -35,6 +35,15 @@ F32 = torch.float32
 class _BufferSet:
     """Aligned buffers for one chunk: params, grads (and an fp32 copy), moments, master."""
 
+    # views into one aligned slab, set below by name (``v`` only with two moments, ``g32`` and
+    # ``w`` only for lower-precision parameters)
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    g32: torch.Tensor
+    w: torch.Tensor
+
     def __init__(self, chunk: int, pdtype: torch.dtype, master: bool, moments: int = 2) -> None:
         parts = [("p", pdtype), ("g", pdtype), ("m", F32)] + ([("v", F32)] if moments == 2 else [])
         if pdtype != F32:
