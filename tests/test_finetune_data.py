@@ -424,13 +424,13 @@ def test_a_packed_micro_batchs_mask_is_made_once(tmp_path, monkeypatch):
     import tiertrain.models.hf as hf
 
     made = []
-    real = hf.create_causal_mask
+    real, keyword = hf._masks()
 
     def counting(**kw):
         made.append(kw["position_ids"] is not None)
         return real(**kw)
 
-    monkeypatch.setattr(hf, "create_causal_mask", counting)
+    monkeypatch.setattr(hf, "_masks", lambda: (counting, keyword))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tok, _, chat = _finetune_data(tmp_path)
     cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama", layers=3)

@@ -8,13 +8,13 @@ what ``model(input_ids, labels=..., shift_labels=targets)`` computes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from transformers.masking_utils import create_causal_mask
 
 from .base import LayeredModel, default_positions, no_cache
 
@@ -84,7 +84,7 @@ class LlamaBlock(nn.Module):
             position_ids=position_ids,
             position_embeddings=rope,
             use_cache=True,
-            **{_CACHE: cache},
+            **{_masks()[1]: cache},
         )
 
 
@@ -152,9 +152,28 @@ class GPT2Block(nn.Module):
         return self.block(h, cache, mask, None, use_cache=True, position_ids=position_ids)
 
 
-# transformers renamed create_causal_mask's `past_key_values` to `cache` (5.x; the old name
-# warns): pass no cache under whichever name this version takes
-_NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
+@functools.cache
+def _masks() -> tuple[Callable[..., Any], str]:
+    """transformers' ``create_causal_mask`` and its key/value cache keyword. Imported on first
+    use: transformers takes seconds to import, and the built-in models never need it (every
+    process of a run, engines and ranks included, would pay them).
+
+    transformers renamed the keyword ``past_key_values`` to ``cache`` (5.x; the old name warns):
+    whichever this version takes."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask, "cache" if "cache" in inspect.signature(
+        create_causal_mask
+    ).parameters else "past_key_values"
+
+
+def _mask(
+    config: Any, h: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, cache=None
+):
+    create_causal_mask, keyword = _masks()
+    return create_causal_mask(
+        config=config, inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, **{keyword: cache}
+    )
 
 
 # id(packed positions) -> (a weak reference to them, config, shape, dtype, device, mask): a
@@ -167,12 +186,12 @@ def _causal_mask(config: Any, h: torch.Tensor, packed: torch.Tensor | None = Non
     block-diagonal one, made once per micro-batch (transformers finds the documents with a
     device-to-host sync) and reused by every block, recompute and backward of it."""
     if packed is None:
-        return create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=None, **_NO_CACHE)
+        return _mask(config, h, None, None)
     key = (config, h.shape, h.dtype, h.device)
     hit = _packed_masks.get(id(packed))
     if hit is not None and hit[0]() is packed and hit[1] is config and hit[2:5] == key[1:]:
         return hit[5]
-    mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, position_ids=packed, **_NO_CACHE)
+    mask = _mask(config, h, None, packed)
     k = id(packed)
 
     def forget(_: object, k: int = k) -> None:
@@ -182,16 +201,11 @@ def _causal_mask(config: Any, h: torch.Tensor, packed: torch.Tensor | None = Non
     return mask
 
 
-_CACHE = next(iter(_NO_CACHE))  # the key/value cache's keyword in this transformers
-
-
 def decode_mask(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache):
     """The attention mask of a generation step: ``attention_mask`` (``[B, past + T]``, 0 at
     left padding) with causality, for the new positions ``h`` against ``cache`` as it is
     before the step (made before any block adds the step's keys)."""
-    return create_causal_mask(
-        config=config, inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids, **{_CACHE: cache}
-    )
+    return _mask(config, h, attention_mask, position_ids, cache)
 
 
 def new_cache(config: Any, max_len: int):
