@@ -1,7 +1,5 @@
 """``python -m tiertrain`` (what ``torchrun ... -m tiertrain train`` starts on every rank)."""
 
-import sys
+from .cli import console
 
-from .cli import main
-
-sys.exit(main())
+console()

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..errors import one_line
-from .base import LayeredModel, WeightSource, materialize_placeholders, unit_param_names
+from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
 from .gpt import build_gpt
 from .hf import layer_gpt2, layer_llama
 from .pieces import cut_vocab, rows_per_piece
@@ -86,7 +86,7 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     from transformers import AutoModelForCausalLM
 
     hf_cfg = hf_config_from(cfg)
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary) real
+    with init_empty_weights(include_buffers=False), skeleton_init():  # parameters on meta, buffers (rotary) real
         hf = AutoModelForCausalLM.from_config(hf_cfg)
     # accelerate re-creates parameters assigned inside its context, which unties them
     hf.tie_weights()
@@ -110,7 +110,7 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
     if cfg.kind == "gpt":
         if cfg.hf_dir is not None:
             raise ConfigError("model.hf_dir is set but model.kind = 'gpt' (built-in); use kind 'llama' or 'gpt2'")
-        with init_empty_weights(include_buffers=False):
+        with init_empty_weights(include_buffers=False), skeleton_init():
             model = build_gpt(
                 vocab_size=cfg.vocab_size,
                 d_model=cfg.d_model,

@@ -29,8 +29,9 @@ executors walk it instead of doing index arithmetic. Composing the units
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -172,6 +173,34 @@ def unit_param_names(model: LayeredModel) -> list[list[tuple[str, nn.Parameter]]
                 own.append((model.full_name(u, name), p))
         out.append(own)
     return out
+
+
+# torch.nn.init's in-place initialisers the modules' constructors call
+_INITIALISERS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def skeleton_init() -> Iterator[None]:
+    """Module constructors called within skip their default initialisation (``torch.nn.init``'s
+    in-place initialisers return the tensor untouched). For skeletons only: their parameters
+    are placeholders on ``meta`` whose values come from the weight source. Initialising them
+    there would cost no memory, but torch's meta kernels import ``torch._dynamo`` (about 3 s
+    of every process's start on this machine). Not thread-safe: build skeletons on one thread."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(nn.init, name, _untouched)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def materialize_placeholders(model: nn.Module, dtype: torch.dtype) -> None:
