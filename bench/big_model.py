@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, scratch: str) -> str:
     from tiertrain.config import load_config
-    from tiertrain.cost import measure_rates, predict_with, step_traffic
+    from tiertrain.cost import measure_rates, predict_with, run_traffic
     from tiertrain.training.trainer import Trainer
 
     s = dict(SHAPE, n_layers=args.layers, d_model=args.d_model, n_heads=args.d_model // 128)
@@ -105,18 +105,7 @@ def run(args, scratch: str) -> str:
         trainer_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         engines_peak = max(r.extra.get("engine_peak_host_bytes", 0) for r in recs)
         budget_lines = tr.budget.lines() if tr.budget else []
-        t = step_traffic(
-            tr.cfg,
-            tr.model,
-            tr.layout,
-            tr.dtype,
-            tr.rt.align,
-            hidden=tr.rt.hidden_size,
-            kept=tr.executor.kept_pairs,
-            offloaded=tr.acts.offloaded,
-            record=tr.acts.record_bytes,
-            used_pieces=tr.executor.pieces_used,
-        )
+        t = run_traffic(tr)
         n_params, L, M = tr.layout.n_params, len(tr.model.blocks), tr.cfg.data.micro_batches
         rates = measure_rates(tr.cfg, tr.rt, probe_mib=args.probe_mib)
         pred = predict_with(tr.cfg, tr.rt, rates)

@@ -144,19 +144,9 @@ def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer]:
 def formula_bytes(tr: Trainer) -> tuple[int, int]:
     """Bytes per step by the cost model (docs/DESIGN.md) for this run's placement, slot hits and
     kept graphs (tiertrain.cost.step_traffic: in the trainer or in the engines)."""
-    from tiertrain.cost import step_traffic
+    from tiertrain.cost import run_traffic
 
-    t = step_traffic(
-        tr.cfg,
-        tr.model,
-        tr.layout,
-        tr.dtype,
-        tr.rt.align,
-        hidden=tr.rt.hidden_size,
-        kept=tr.executor.kept_pairs,
-        offloaded=tr.acts.offloaded,
-        record=tr.acts.record_bytes,
-    )
+    t = run_traffic(tr)
     return t.read, t.write
 
 

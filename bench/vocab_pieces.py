@@ -33,7 +33,7 @@ def run_one(args) -> dict:
     import torch
 
     from tiertrain.config import load_config
-    from tiertrain.cost import step_traffic
+    from tiertrain.cost import run_traffic
     from tiertrain.cost.budget import STATES_ON_STORAGE
     from tiertrain.training.trainer import Trainer
 
@@ -67,16 +67,7 @@ def run_one(args) -> dict:
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         recs = [tr.train_step() for _ in range(args.steps)]
-        t = step_traffic(
-            tr.cfg,
-            tr.model,
-            tr.layout,
-            tr.dtype,
-            tr.rt.align,
-            hidden=tr.rt.hidden_size,
-            kept=0,
-            used_pieces=tr.executor.pieces_used,
-        )
+        t = run_traffic(tr, kept=0)
         return dict(
             pieces=len(tr.model.head_pieces),
             largest_unit=tr.layout.max_unit_numel,

@@ -91,6 +91,26 @@ def small_config(
 ON_SSD = [f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()]
 
 
+def llama_rank_flags(tmp_path, *extra: str) -> list[str]:
+    """``tiertrain train`` flags of the small Llama the rank tests run (with or without
+    ``--nproc``): scratch and run directory under ``tmp_path``, a checkpoint every step."""
+    return [
+        f"--io.paths={tmp_path / 'ssd'}",
+        f"--train.run_dir={tmp_path / 'run'}",
+        "--model.kind=llama",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+        "--data.seq_len=32",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        "--train.progress=false",
+        "--io.checksum_block_kib=64",
+        "--train.predict=false",
+        "--checkpoint.every=1",
+        *extra,
+    ]
+
+
 def tiny_flags(tmp_path, *extra: str, steps: int = 2, layers: int = 2) -> list[str]:
     """``tiertrain train`` flags of a run that takes about a second: scratch and run directory
     under ``tmp_path``, small chunks so that checksums and chunking are exercised."""

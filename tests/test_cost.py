@@ -8,7 +8,7 @@ import sys
 import pytest
 from reference import small_config, tiny_flags
 
-from tiertrain.cost import Rates, kept_pairs, predict, step_traffic
+from tiertrain.cost import Rates, kept_pairs, predict, run_traffic
 from tiertrain.cost.probe import probe_act_bytes
 from tiertrain.cost.traffic import Traffic
 from tiertrain.training.trainer import Trainer
@@ -45,16 +45,7 @@ def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
         kept = len(tr.model.blocks) * cfg.data.micro_batches - tr.executor.recomputed
         act = probe_act_bytes(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
         assert kept_pairs(tr.cfg, len(tr.model.blocks), act) == kept  # the policy's count, predicted
-        t = step_traffic(
-            tr.cfg,
-            tr.model,
-            tr.layout,
-            tr.dtype,
-            tr.rt.align,
-            hidden=tr.rt.hidden_size,
-            kept=kept,
-            used_pieces=tr.executor.pieces_used,
-        )
+        t = run_traffic(tr, kept=kept)
         assert len(tr.executor.head_pieces) == (pieces or 0) if pieces else not tr.executor.head_pieces
     assert t.write == rec.ssd_write_bytes
     assert t.read == rec.ssd_read_bytes

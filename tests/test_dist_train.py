@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from reference import reference_model, small_config, weights_of
+from reference import llama_rank_flags, reference_model, small_config, weights_of
 from test_dist_group import spawn
 from test_parity import assert_same_weights, ref_name_map
 
@@ -281,22 +281,7 @@ def _cli(tmp_path, *extra, env=None):
     import subprocess
     import sys
 
-    flags = [
-        f"--io.paths={tmp_path / 'ssd'}",
-        f"--train.run_dir={tmp_path / 'run'}",
-        "--model.kind=llama",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--data.seq_len=32",
-        "--data.micro_batch_size=2",
-        "--data.micro_batches=2",
-        "--train.steps=4",
-        "--train.progress=false",
-        "--io.checksum_block_kib=64",
-        "--train.predict=false",
-        "--checkpoint.every=1",
-        "--ranks.timeout_s=30",
-    ]
+    flags = llama_rank_flags(tmp_path, "--train.steps=4", "--ranks.timeout_s=30")
     return subprocess.run(
         [sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags, *extra],
         capture_output=True,
@@ -431,21 +416,7 @@ def _start_ranks(tmp_path, *extra, env=None):
     import subprocess
     import sys
 
-    flags = [
-        f"--io.paths={tmp_path / 'ssd'}",
-        f"--train.run_dir={tmp_path / 'run'}",
-        "--model.kind=llama",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--data.seq_len=32",
-        "--data.micro_batch_size=2",
-        "--data.micro_batches=2",
-        "--train.progress=false",
-        "--io.checksum_block_kib=64",
-        "--train.predict=false",
-        "--checkpoint.every=1",
-        *extra,
-    ]
+    flags = llama_rank_flags(tmp_path, *extra)
     return subprocess.Popen(
         [sys.executable, "-m", "tiertrain", "train", "--nproc", "2", *flags],
         stderr=subprocess.PIPE,

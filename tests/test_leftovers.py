@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from reference import tiny_flags
+from reference import llama_rank_flags, tiny_flags
 
 from tiertrain.cli import main
 
@@ -116,23 +116,7 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
 
 
 def _cli(tmp_path, *extra, nproc=1, env=None):
-    flags = [
-        f"--io.paths={tmp_path / 'ssd'}",
-        f"--train.run_dir={tmp_path / 'run'}",
-        "--model.kind=llama",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--data.seq_len=32",
-        "--data.micro_batch_size=2",
-        "--data.micro_batches=2",
-        "--train.progress=false",
-        "--io.checksum_block_kib=64",
-        "--train.predict=false",
-        "--checkpoint.every=1",
-        "--memory.host_param_mib=0",
-        "--memory.optim_host_mib=0",
-        *extra,
-    ]
+    flags = llama_rank_flags(tmp_path, "--memory.host_param_mib=0", "--memory.optim_host_mib=0", *extra)
     return subprocess.run(
         [sys.executable, "-m", "tiertrain", "train", *(["--nproc", str(nproc)] if nproc > 1 else []), *flags],
         capture_output=True,

@@ -13,7 +13,7 @@ import os
 from ..execute.executor import visits
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update
-from .traffic import Traffic, kept_pairs, offloaded_pairs, step_traffic
+from .traffic import Traffic, kept_pairs, offloaded_pairs, run_traffic, step_traffic
 
 __all__ = [
     "Phase",
@@ -27,6 +27,7 @@ __all__ = [
     "kept_pairs",
     "offloaded_pairs",
     "step_traffic",
+    "run_traffic",
 ]
 
 MIB = 1 << 20

@@ -31,7 +31,7 @@ from ..execute.executor import visits
 from ..state.regions import place
 from ..update.streamed import optimizer_states
 
-__all__ = ["Traffic", "step_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
+__all__ = ["Traffic", "step_traffic", "run_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
 
 MIB = 1 << 20
 
@@ -219,3 +219,21 @@ def step_traffic(
         t.down += stashed * h + offloaded * record
         t.up += stashed * h + offloaded * record
     return t
+
+
+def run_traffic(tr, *, kept: int | None = None) -> Traffic:
+    """``step_traffic`` of a built run (a ``Trainer``: its config, model, layout, runtime and
+    executor, read, never named here): the pairs its executor kept, the pieces its last step's
+    tokens used and the activations it offloads, unless ``kept`` says otherwise."""
+    return step_traffic(
+        tr.cfg,
+        tr.model,
+        tr.layout,
+        tr.dtype,
+        tr.rt.align,
+        hidden=tr.rt.hidden_size,
+        kept=tr.executor.kept_pairs if kept is None else kept,
+        used_pieces=tr.executor.pieces_used,
+        offloaded=tr.acts.offloaded,
+        record=tr.acts.record_bytes,
+    )
