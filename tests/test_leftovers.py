@@ -163,3 +163,30 @@ def test_a_failed_start_of_ranks_leaves_no_ranks_directory(tmp_path):
     r = _cli(tmp_path, "--train.steps=2", "--memory.host_mib=1", nproc=2)
     assert r.returncode == 1 and "memory.host_mib" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "run").exists() and not (tmp_path / "ssd").exists(), os.listdir(tmp_path)
+
+
+def test_a_socket_directory_left_by_a_killed_start_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A trainer SIGKILLed while its engines connect leaves its socket directory in the temp
+    directory (nothing of it runs to remove it); the next start removes those whose trainer is
+    gone, and leaves a running trainer's alone."""
+    import subprocess
+    import tempfile
+
+    from tiertrain.update.engines.sockets import socket_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f"tiertrain-engines-{dead.pid}-abcdefgh"
+    left.mkdir()
+    (left / "socket").write_text("")
+    running = tmp_path / f"tiertrain-engines-{os.getppid()}-abcdefgh"
+    running.mkdir()
+    other = tmp_path / "tiertrain-engines-notapid"
+    other.mkdir()
+    made = socket_dir()
+    assert os.path.dirname(made) == str(tmp_path) and os.path.basename(made).startswith(
+        f"tiertrain-engines-{os.getpid()}-"
+    )
+    assert not left.exists() and running.exists() and other.exists()

@@ -22,7 +22,6 @@ import os
 import secrets
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Listener
@@ -46,11 +45,11 @@ from . import protocol as P
 from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, slice_views, slot_bytes_of
 from .protocol import ENGINE, EngineState
 from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
+from .sockets import socket_dir
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 
 log = logging.getLogger("tiertrain")
-_SUN_PATH_MAX = 107  # sockaddr_un.sun_path on Linux, less the terminating NUL
 
 
 class EngineError(TiertrainError, RuntimeError):
@@ -146,14 +145,8 @@ class EngineUpdate(Update):
         # multiprocessing's spawn, nothing of the trainer's own script is re-run in them, and
         # unlike fork, no thread or lock is copied.
         key = secrets.token_bytes(16)
-        self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-")
+        self._sockdir = socket_dir()
         address = os.path.join(self._sockdir, "socket")
-        if len(os.fsencode(address)) > _SUN_PATH_MAX:
-            # a Unix socket's path has at most 107 bytes: a long TMPDIR (a test's, a deep home)
-            # falls back to /tmp rather than failing the run
-            os.rmdir(self._sockdir)
-            self._sockdir = tempfile.mkdtemp(prefix="tiertrain-engines-", dir="/tmp")
-            address = os.path.join(self._sockdir, "socket")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, TIERTRAIN_ENGINE_KEY=key.hex())
         specs = []
