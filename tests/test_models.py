@@ -48,3 +48,30 @@ def test_random_init_is_per_unit_and_seeded():
     assert all(torch.equal(a[k], b[k]) for k in a) and not all(torch.equal(a[k], c[k]) for k in a)
     std = a["blocks.1.qkv.weight"].std().item()
     assert 0.015 < std < 0.025  # init_std 0.02
+
+
+@pytest.mark.slow
+def test_a_fresh_process_builds_the_skeleton_without_dynamo_and_transformers_still_initialises():
+    """The built-in skeleton skips the modules' default initialisation (on meta it imported
+    torch._dynamo: seconds of every process's start); torch's initialisers are back afterwards,
+    for transformers too, imported later in the same process (it keeps the ones it finds)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from tiertrain.config import ModelConfig
+from tiertrain.models import build_model
+build_model(ModelConfig(kind="gpt", n_layers=2, d_model=32, n_heads=2, vocab_size=100), param_dtype=torch.float32, seed=0)
+assert "torch._dynamo" not in sys.modules, "dynamo imported"
+from tiertrain.models import unit_param_names
+for kind in ("llama", "gpt2"):
+    model, source = build_model(
+        ModelConfig(kind=kind, n_layers=1, d_model=32, n_heads=2, vocab_size=100), param_dtype=torch.float32, seed=0
+    )
+    names = [n for n, _ in unit_param_names(model)[1] if n.endswith("weight")]
+    values = source.load(1, names)  # the block, initialised as transformers does
+    assert all(0.01 < values[n].std().item() < 0.03 for n in names if values[n].dim() == 2), kind
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -86,7 +86,9 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     from transformers import AutoModelForCausalLM
 
     hf_cfg = hf_config_from(cfg)
-    with init_empty_weights(include_buffers=False), skeleton_init():  # parameters on meta, buffers (rotary) real
+    # parameters on meta, buffers (rotary) real. Not within skeleton_init: transformers keeps
+    # torch's initialisers as it finds them when its modules are first imported (here, lazily)
+    with init_empty_weights(include_buffers=False):
         hf = AutoModelForCausalLM.from_config(hf_cfg)
     # accelerate re-creates parameters assigned inside its context, which unties them
     hf.tie_weights()

@@ -188,7 +188,9 @@ def skeleton_init() -> Iterator[None]:
     in-place initialisers return the tensor untouched). For skeletons only: their parameters
     are placeholders on ``meta`` whose values come from the weight source. Initialising them
     there would cost no memory, but torch's meta kernels import ``torch._dynamo`` (about 3 s
-    of every process's start on this machine). Not thread-safe: build skeletons on one thread."""
+    of every process's start on this machine). Not thread-safe: build skeletons on one thread.
+    Nothing may be imported within that keeps ``torch.nn.init``'s functions (transformers does):
+    the built-in models only."""
     saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
     try:
         for name in _INITIALISERS:
