@@ -1,4 +1,4 @@
-"""The configuration tree: one kw-only dataclass per component (``sections.py``), loaded from
+"""The configuration tree: one kw-only dataclass per component (``sections.py``, ``memory.py``), loaded from
 TOML and overridden by ``--section.field=value`` flags (``values.py``). Every field has a doc
 string (shown by ``tiertrain config``) and is validated when the section is made, with errors
 that name the field, the value and what would be accepted.
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import ConfigError
+from .memory import MemoryConfig
 from .sections import (
     TOKENIZER_MARKERS,
     CheckpointConfig,
     DataConfig,
     IOConfig,
-    MemoryConfig,
     ModelConfig,
     OptimConfig,
     RanksConfig,
