@@ -72,12 +72,14 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
     corpus = open_corpus(cfg.data)
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
+    _freeze(model, cfg.train.freeze)
+    trained = [p for p in model.parameters() if p.requires_grad]  # train.freeze: the rest stays
     if mixed:
-        master = [p.detach().clone().float() for p in model.parameters()]
+        master = [p.detach().clone().float() for p in trained]
         model.to(torch.bfloat16)
         opt_params = [nn.Parameter(w) for w in master]
     else:
-        opt_params = list(model.parameters())
+        opt_params = trained
     if o.name == "sgd":
         opt = torch.optim.SGD(opt_params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=True)
     else:
@@ -96,17 +98,17 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
             (loss if scored else loss / M).backward()
             step_losses.append(loss.item())
             if accum_fp32:
-                grads = [p.grad.float() for p in model.parameters()]
+                grads = [p.grad.float() for p in trained]
                 acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
                 model.zero_grad(set_to_none=True)
         losses.append(step_losses)
         if accum_fp32:
-            for p, a in zip(model.parameters(), acc):
+            for p, a in zip(trained, acc):
                 p.grad = a.to(p.dtype)
         if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trained, o.grad_clip)
         if mixed:
-            for p, w in zip(model.parameters(), opt_params):
+            for p, w in zip(trained, opt_params):
                 w.grad = p.grad.float()
         for g in opt.param_groups:
             g["lr"] = lr_at(step + 1, o, cfg.train.steps)
@@ -115,13 +117,29 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         model.zero_grad(set_to_none=True)
         if mixed:
             with torch.no_grad():
-                for p, w in zip(model.parameters(), opt_params):
+                for p, w in zip(trained, opt_params):
                     p.copy_(w)
     inner = model.hf if isinstance(model, HFWrapper) else model
     if mixed:
-        names = [n for n, _ in inner.named_parameters()]
-        return losses, {n: w.detach() for n, w in zip(names, opt_params)}
+        master_of = {id(p): w for p, w in zip(trained, opt_params)}  # frozen: their own, upcast
+        return losses, {n: master_of.get(id(p), p).detach().float() for n, p in inner.named_parameters()}
     return losses, {k: v.detach().float() for k, v in inner.state_dict().items()}
+
+
+def _freeze(model: nn.Module, selectors: list[str]) -> None:
+    """``train.freeze`` on the reference: its units' parameters stop requiring gradients, found
+    through the same unit view of the model tiertrain takes."""
+    if not selectors:
+        return
+    from .models.freeze import apply_freeze
+    from .models.hf import layer_gpt2, layer_llama
+
+    if isinstance(model, HFWrapper):
+        hf = model.hf
+        layered = layer_llama(hf) if hasattr(hf, "model") and hasattr(hf.model, "layers") else layer_gpt2(hf)
+        apply_freeze(layered, selectors)
+    else:
+        apply_freeze(model, selectors)  # the built-in GPT: a LayeredModel already
 
 
 def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):

@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence
 
@@ -430,6 +431,24 @@ class CheckpointConfig(Section):
         self._at_least("keep", 1)
 
 
+# a ``train.freeze`` selector (models/freeze.py): embed, head, blocks, blocks:N, blocks:A-B
+FREEZE_SELECTOR = re.compile(r"^(embed|head|blocks)(?::(\d+)(?:-(\d+))?)?$")
+
+
+def check_freeze(selectors: list[str]) -> None:
+    """Refuse a ``train.freeze`` selector that is not one of its forms (whatever the model)."""
+    for s in selectors:
+        m = FREEZE_SELECTOR.match(s)
+        if m is None or (m.group(2) is not None and m.group(1) != "blocks"):
+            raise ConfigError(
+                f"train.freeze: {s!r} is not a unit selector: use 'embed', 'head', 'blocks', 'blocks:N' or 'blocks:A-B'"
+            )
+        if m.group(3) is not None and int(m.group(3)) < int(m.group(2)):
+            raise ConfigError(
+                f"train.freeze: {s!r} is an empty range: write the first block first ('blocks:A-B', A <= B)"
+            )
+
+
 @dataclass(kw_only=True)
 class TrainConfig(Section):
     """The run."""
@@ -464,6 +483,15 @@ class TrainConfig(Section):
         "Start a new run in a run_dir that holds another run's checkpoints and metrics, "
         "deleting them (without it such a run is refused; --resume continues one).",
     )
+    freeze: list[str] = opt(
+        None,
+        "Units to keep as they are: read in the forward and the backward, never trained "
+        "(no gradient, no optimizer step, never written). 'embed', 'head', 'blocks', "
+        "'blocks:N' or 'blocks:A-B' (from 0, inclusive); e.g. --train.freeze=embed,blocks:0-3. "
+        "As plain PyTorch with requires_grad=False on them. One process, the baseline and "
+        "overlapped update paths, a whole vocabulary for now.",
+        factory=list,
+    )
     tensorboard: bool = opt(
         False,
         "Also write TensorBoard event files (run_dir/tensorboard: loss, validation loss, lr, "
@@ -487,6 +515,7 @@ class TrainConfig(Section):
         self._one_of("grad_accum_dtype", ("float32", "param"))
         self._at_least("log_every", 1)
         self._at_least("eval_every", 0)
+        check_freeze(self.freeze)
 
 
 @dataclass(kw_only=True)

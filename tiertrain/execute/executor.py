@@ -54,17 +54,21 @@ from .walk import UnitWalk
 __all__ = ["LayerMajorExecutor", "StepOutput", "MicroBatch", "visits"]
 
 
-def visits(plan: list[UnitRef], used: list[UnitRef] | None = None, *, forward_only: bool = False) -> list[UnitRef]:
+def visits(
+    plan: list[UnitRef], used: list[UnitRef] | None = None, *, forward_only: bool = False, embed_backward: bool = True
+) -> list[UnitRef]:
     """The units one step acquires, in order; ``used``: the embedding's pieces the step's
     tokens use (None: all). Embedding pieces are not acquired in the backward (a gather's
-    gradient needs no weights). ``forward_only``: an evaluation's (``evaluate``)."""
+    gradient needs no weights). ``forward_only``: an evaluation's (``evaluate``);
+    ``embed_backward`` False: the embedding is frozen, the backward ends at the first block."""
     role = {}
     for r in plan:
         role.setdefault(r.role, []).append(r)
     embed, head, blocks = role["embed"][0], role["head"][0], role.get("block", [])
     pieces = role.get("head_piece", [])
     if not pieces:
-        return [embed, *blocks, head] + ([] if forward_only else [*reversed(blocks), embed])
+        backward = [*reversed(blocks), *([embed] if embed_backward else [])]
+        return [embed, *blocks, head] + ([] if forward_only else backward)
     used = role.get("embed_piece", []) if used is None else used
     forward = [*used, embed, *blocks, head, *pieces]
     return forward if forward_only else [*forward, *reversed(pieces), head, *reversed(blocks), embed]
@@ -109,7 +113,9 @@ class LayerMajorExecutor(VocabSteps):
         self.embed_pieces = [r for r in self.plan if r.role == "embed_piece"]
         self.head_pieces = [r for r in self.plan if r.role == "head_piece"]
         self.pieces_used: list[UnitRef] = []  # the embedding pieces the last step's tokens use
-        self.walk = UnitWalk(params, visits(self.plan))  # this step's acquisitions, in order
+        # train.freeze: a frozen embedding forms no gradient, and nothing before it needs one
+        self.embed_trains = any(p.requires_grad for p in self.embed.module.parameters())
+        self.walk = UnitWalk(params, visits(self.plan, embed_backward=self.embed_trains))  # acquisitions, in order
         self.kept = KeptGraphs(keep_bytes, lambda u: self.walk.flats[u])
         self.policy = policy or KeepLast()
         self.offloaded = offloaded
@@ -202,7 +208,7 @@ class LayerMajorExecutor(VocabSteps):
         b, prev = ref.block, self.walk.upcoming  # the unit the backward reaches next
         off = self.offloaded
         for m, mb in enumerate(mbs):
-            if prev.role == "block" and (prev.block, m) not in self.kept:
+            if prev is not None and prev.role == "block" and (prev.block, m) not in self.kept:
                 self.stash.prefetch((prev.block, m))
             if off is not None:
                 off.pump()
@@ -231,6 +237,8 @@ class LayerMajorExecutor(VocabSteps):
     def embed_backward(self, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
         if self.head_pieces:
             return self._cut_embed_backward(dh, mbs)
+        if not self.embed_trains:
+            return
         ref = self.embed
         self._acquire(ref)
         self.grads.begin(ref.index)
@@ -317,7 +325,7 @@ class LayerMajorExecutor(VocabSteps):
         mbs = self._micro_batches(batches, positions)
         self._rng = {}
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
-        self.walk.restart(visits(self.plan, self.pieces_used))
+        self.walk.restart(visits(self.plan, self.pieces_used, embed_backward=self.embed_trains))
         self.kept.clear()  # nothing survives a step that failed half-way
         if self.offloaded is not None:
             self.offloaded.clear()

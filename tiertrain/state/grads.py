@@ -114,10 +114,11 @@ class GradStore:
 
     # -- backward side --------------------------------------------------------------------------
     def begin(self, u: int) -> None:
-        """Bind zeroed gradient buffers for unit ``u`` and the owners of what it borrows."""
+        """Bind zeroed gradient buffers for unit ``u`` and the owners of what it borrows (not
+        for a frozen one: its parameters form no gradient)."""
         for x in (u, *self.layout.units[u].borrows):
-            if x in self._live:
-                continue  # an owner already live since its borrower's backward
+            if x in self._live or self.layout.units[x].frozen:
+                continue  # an owner already live since its borrower's backward, or frozen
             numel = self.layout.units[x].numel
             self.home.claim(x)  # sync point where the previous update still reads the old gradient
             if not self.dev.separate and self.home.on_host(x):
@@ -145,7 +146,10 @@ class GradStore:
             view.zero_()
 
     def end(self, u: int) -> None:
-        """Unit ``u``'s gradients are complete: take their norms and send them home."""
+        """Unit ``u``'s gradients are complete: take their norms and send them home (a frozen
+        unit has none)."""
+        if self.layout.units[u].frozen:
+            return
         buf, base = self._live.pop(u)
         acc = self._acc.pop(u, None)
         self.layout.bind_grads(u, None)

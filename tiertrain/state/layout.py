@@ -80,6 +80,7 @@ class UnitLayout:
     numel: int  # padded to UNIT_ALIGN
     offset: int  # elements from the start of the whole layout
     borrows: tuple[int, ...]  # units whose (tied) parameters this unit also uses
+    frozen: bool = False  # none of its parameters requires a gradient (train.freeze): never trained
 
     @property
     def used(self) -> int:
@@ -107,7 +108,8 @@ class FlatLayout:
                 pos = _up(pos + p.numel(), PARAM_ALIGN)
             numel = max(_up(pos, unit_align), unit_align)
             borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))
-            units.append(UnitLayout(u, tuple(recs), numel, offset, borrows))
+            frozen = bool(own) and not any(p.requires_grad for _, p in own)
+            units.append(UnitLayout(u, tuple(recs), numel, offset, borrows, frozen))
             offset += numel
         self.units: list[UnitLayout] = units
         self.total_numel = offset
@@ -134,6 +136,15 @@ class FlatLayout:
         """This process's share of unit ``u``'s flat buffer ``full``: all of it (one rank; a
         rank's share of a sharded layout is ``dist.shard.ShardLayout.shard``)."""
         return full[: self.units[u].numel]
+
+    def describe_frozen(self, selectors: list[str]) -> str:
+        """The frozen units and their parameters (``train.freeze``), in one line."""
+        frozen = [u for u in self.units if u.frozen]
+        n = sum(u.used for u in frozen)
+        return (
+            f"frozen (train.freeze = {', '.join(selectors)}): {len(frozen)} of {len(self.units)} units, "
+            f"{n / 1e6:.2f} M of {self.n_params / 1e6:.2f} M parameters: read, never trained or written"
+        )
 
     def describe(self) -> str:
         return (

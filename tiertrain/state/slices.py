@@ -58,6 +58,7 @@ class _UnitView:
     index: int
     numel: int
     params: tuple[Piece, ...]
+    frozen: bool = False  # train.freeze is not taken with engines or ranks (yet): never frozen here
 
 
 class SliceLayout:

@@ -115,6 +115,8 @@ class Trainer:
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
+            if self.rt.frozen:
+                log.info("%s", self.layout.describe_frozen(cfg.train.freeze))
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             # a full disk is reported here, before any work: with ranks, for every rank of this
             # machine at once (they share its drives: each alone would fit where all do not)

@@ -300,7 +300,7 @@ class OverlapUpdate(BaselineUpdate):
         self._raise_now()
         if not self.eager:
             self.wait_all()  # the previous step's is long done (the forward loaded every unit): no wait
-            self._mark_updating(range(len(self._state)))
+            self._mark_updating([u.index for u in self.optim.trainable])  # a frozen unit is never updated
             self._submit(lambda: self._stream(lr, clip_coef, step, None))
         return UpdateStats()
 

@@ -120,6 +120,7 @@ class StreamedOptimizer:
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
         # Never more sets than the step has chunks: a budget larger than the state holds all of it.
+        self.trainable = [u for u in layout.units if not u.frozen]  # a full step's units (train.freeze: not all)
         self._all_chunks = self._chunks()  # a full step's chunks, in order (the layout is fixed)
         n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._all_chunks))
         self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(n_ahead)]
@@ -149,7 +150,7 @@ class StreamedOptimizer:
             f.get()
 
     def _chunks(self, units: list[int] | None = None) -> list[tuple[int, int, int]]:
-        todo = self.layout.units if units is None else [self.layout.units[u] for u in units]
+        todo = self.trainable if units is None else [self.layout.units[u] for u in units]
         return [
             (unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)
         ]
@@ -191,7 +192,7 @@ class StreamedOptimizer:
         coef = clip_coef.to("cpu") if clip_coef is not None else None  # sync point on CUDA: one scalar
         chunks = self._all_chunks if units is None else self._chunks(units)
         unit_writes: list[IOFuture] = []
-        order = [u.index for u in self.layout.units] if units is None else list(units)
+        order = [u.index for u in self.trainable] if units is None else list(units)
         announced = 0  # units of `order` reported done (empty ones included: an engine may own nothing of a unit)
 
         def report_until(u: int | None) -> None:

@@ -1,0 +1,124 @@
+"""Frozen units (``train.freeze``): the same losses and weights as plain PyTorch with
+``requires_grad=False`` on the frozen units' parameters and AdamW over the rest, bit for bit
+in fp32; frozen parameters never change and never form a gradient; bad selectors named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import reference_model, reference_train, small_config, weights_of
+from test_parity import assert_same_weights, run_tiertrain
+
+from tiertrain.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize(
+    "kind,freeze,mode,micro_batches,tie",
+    [
+        ("gpt", ["embed", "blocks:0"], "baseline", 2, False),
+        ("gpt", ["blocks:1-2", "head"], "overlap", 1, False),
+        ("gpt", ["embed", "head"], "baseline", 2, True),
+        ("llama", ["embed", "blocks:1"], "overlap", 2, False),
+        ("gpt2", ["blocks"], "baseline", 1, True),
+    ],
+)
+def test_frozen_units_train_as_plain_pytorch_with_requires_grad_false(tmp_path, kind, freeze, mode, micro_batches, tie):
+    cfg = small_config(tmp_path, kind=kind, micro_batches=micro_batches, tie=tie, steps=3, clip=0.05)
+    cfg.train.freeze = freeze
+    cfg.update.mode = mode
+    ref_model = reference_model(cfg)
+    init = weights_of(ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, init)
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+    frozen = {n for u in tr.rt.frozen for n, _ in _owned(tr)[u]}
+    assert frozen and all(torch.equal(weights[n], _initial(tr, init, n)) for n in frozen)  # never written
+    trained = set(weights) - frozen
+    assert trained and any(not torch.equal(weights[n], _initial(tr, init, n)) for n in trained)
+
+
+def _owned(tr):
+    from tiertrain.models import unit_param_names
+
+    return unit_param_names(tr.model)
+
+
+def _initial(tr, init, name):
+    from test_parity import ref_name_map
+
+    return init[ref_name_map(tr, [name])[name]].float()
+
+
+def test_the_clip_norm_is_over_the_trained_parameters_only(tmp_path):
+    """A clip that acts every step (norm over the trained parameters, as clip_grad_norm_ over
+    the optimizer's parameters): a frozen unit's gradient would change every update."""
+    cfg = small_config(tmp_path, layers=2, micro_batches=2, steps=3, clip=1e-3)
+    cfg.train.freeze = ["blocks:0"]
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--train.freeze=embedding"], "'embedding' is not a unit selector"),
+        (["--train.freeze=blocks:3-1"], "is an empty range"),
+        (["--train.freeze=head:0"], "'head:0' is not a unit selector"),
+        (["--train.freeze=blocks", "--update.mode=engines"], "with update.mode = 'engines' is not supported yet"),
+    ],
+)
+def test_bad_selectors_and_combinations_are_named(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, flags)
+
+
+@pytest.mark.parametrize(
+    "freeze,tie,message",
+    [
+        (["blocks:9"], False, r"names block 9, but the model has 3 blocks \(0 to 2\)"),
+        (["embed"], True, "share their weight"),
+        (["embed", "blocks", "head"], False, "every unit is frozen"),
+    ],
+)
+def test_what_the_model_cannot_freeze_is_named(tmp_path, freeze, tie, message):
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, tie=tie)
+    cfg.train.freeze = freeze
+    with pytest.raises(ConfigError, match=message):
+        Runtime(cfg)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "overlap"])
+def test_a_run_with_frozen_units_resumes_bit_for_bit(tmp_path, mode):
+    from reference import assert_resume_exact
+
+    cfgs = []
+    for name in ("straight", "split"):
+        cfg = small_config(tmp_path / name, layers=2, micro_batches=2, clip=0.05)
+        cfg.train.freeze, cfg.update.mode = ["embed", "blocks:1"], mode
+        cfgs.append(cfg)
+    assert_resume_exact(*cfgs)
+
+
+@pytest.mark.slow
+def test_the_command_trains_with_frozen_units_and_says_so(tmp_path):
+    """tiertrain train --train.freeze=...: the plan line names the frozen units and their
+    parameters; the run ends as any other."""
+    import subprocess
+    import sys
+
+    from reference import tiny_flags
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain", "train", *tiny_flags(tmp_path, "--train.freeze=embed,blocks:0")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "frozen (train.freeze = embed, blocks:0): 2 of 4 units" in r.stderr, r.stderr[-3000:]
