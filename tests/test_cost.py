@@ -26,6 +26,8 @@ from tiertrain.training.trainer import Trainer
         dict(layers=3, micro_batches=2, slots=3, vocab_pieces=3),
         dict(kind="llama", layers=3, micro_batches=3, slots=4, vocab_pieces=5, host_param_mib=1),
         dict(kind="gpt2", layers=2, micro_batches=2, slots=2, vocab_pieces=4, tie=True),
+        dict(layers=4, micro_batches=2, slots=2, freeze=["embed", "blocks:0-1"]),  # no backward to embed
+        dict(kind="llama", layers=3, micro_batches=2, slots=3, freeze=["blocks:1", "head"], grad_host_mib=1),
     ],
 )
 def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
@@ -34,7 +36,9 @@ def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
     optim_host = case.pop("optim_host_mib", 0)
     policy = case.pop("activations", "keep")
     pieces = case.pop("vocab_pieces", None)
+    freeze = case.pop("freeze", [])
     cfg = small_config(tmp_path, steps=3, **case)
+    cfg.train.freeze = freeze
     cfg.model.vocab_pieces = pieces
     cfg.memory.optim_host_mib = optim_host
     cfg.memory.activations = policy

@@ -170,8 +170,10 @@ def step_traffic(
 
     # parameters: every fetch of the step's unit visits, replayed against the store's slots;
     # phases as the executor times them: the head's forward and backward end the forward
-    order = visits(plan, used_pieces)
-    n_forward = len(order) - len(blocks) - 1  # the backward: the blocks in reverse, the embed unit
+    frozen = {u.index for u in layout.units if u.frozen}  # train.freeze: no gradient, no update
+    embed_trains = next(r for r in plan if r.role == "embed").index not in frozen
+    order = visits(plan, used_pieces, embed_backward=embed_trains)
+    n_forward = len(order) - len(blocks) - embed_trains  # the backward: the blocks in reverse, the embed unit
     on_host = (lambda u: False) if separate else (lambda u: u not in params_file)
     for pos, u in slot_fetches(order, layout, m.device_slots, on_host):
         phase = "forward" if pos < n_forward else "backward"
@@ -184,6 +186,8 @@ def step_traffic(
     # forward), read by the update
     head_side = {head.index, *(r.index for r in plan if r.role == "head_piece")}
     for u in range(len(layout.units)):
+        if u in frozen:
+            continue
         if u in grads_file:
             t._add("grads", "forward" if u in head_side else "backward", "write", nbytes[u])
             t._add("grads", "update", "read", nbytes[u])
@@ -194,12 +198,12 @@ def step_traffic(
     states = optimizer_states(cfg.optim, layout, dtype, align, m.optim_host_mib * MIB, owner="")
     share = m.optim_host_mib * MIB // len(states)
     for st in states:
-        for u in _on_file(layout, st.dtype, share, align):
+        for u in _on_file(layout, st.dtype, share, align) - frozen:
             n = layout.units[u].numel * st.dtype.itemsize
             t._add(st.name, "update", "read", n)
             t._add(st.name, "update", "write", n)
     has_master = dtype != torch.float32
-    for u in params_file:
+    for u in params_file - frozen:
         if not has_master:
             t._add("params", "update", "read", nbytes[u])
         t._add("params", "update", "write", nbytes[u])
