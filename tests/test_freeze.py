@@ -122,3 +122,20 @@ def test_the_command_trains_with_frozen_units_and_says_so(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "frozen (train.freeze = embed, blocks:0): 2 of 4 units" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,eager", [("baseline", False), ("overlap", True)])
+def test_ranks_with_frozen_units_train_the_grouped_reference_bit_for_bit(tmp_path, mode, eager):
+    """2 ranks, each updating its shard of the trained units only (the overlapped path as each
+    unit's gradient arrives), against plain PyTorch's grouped sum with the same units frozen."""
+    from test_dist_train import _Named, run_ranks
+
+    cfg = small_config(tmp_path, kind="llama", layers=2, d=64, micro_batches=2, steps=3, clip=0.0)
+    cfg.update.mode, cfg.update.eager = mode, eager
+    cfg.train.freeze = ["embed", "blocks:0"]
+    ref_model, out = run_ranks(tmp_path, cfg, 2)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)

@@ -147,7 +147,8 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
     corpus = open_corpus(cfg.data)
     o, M = cfg.optim, cfg.data.micro_batches
     model = copy.deepcopy(model)
-    params = list(model.parameters())
+    _freeze(model, cfg.train.freeze)
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
     )

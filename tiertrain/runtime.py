@@ -58,8 +58,6 @@ class Runtime:
 
     def _build_model(self, cfg: Config) -> None:
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
-        if cfg.train.freeze and self.world > 1:
-            raise ConfigError("train.freeze with ranks is not supported yet: run one process, or leave it empty")
         self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
         self.weights = self._given_weights or source
         align = chunk_align(align_of(cfg), self.dtype)

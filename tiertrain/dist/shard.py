@@ -63,7 +63,7 @@ class ShardLayout(SliceLayout):
                                  f"{align}; build the layout with unit_align = {world} x {align}")
             per = unit.numel // world
             slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
-        super().__init__(unit_records(full), slices)
+        super().__init__(unit_records(full), slices, {u.index for u in full.units if u.frozen})
         self.full, self.rank, self.world = full, rank, world
         self.total_numel = sum(u.numel for u in self.units)
 

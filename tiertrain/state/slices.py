@@ -58,7 +58,7 @@ class _UnitView:
     index: int
     numel: int
     params: tuple[Piece, ...]
-    frozen: bool = False  # train.freeze is not taken with engines or ranks (yet): never frozen here
+    frozen: bool = False  # train.freeze keeps the unit: never updated
 
 
 class SliceLayout:
@@ -69,13 +69,17 @@ class SliceLayout:
     places, relative to each parameter's start, as on the whole unit.
     """
 
-    def __init__(self, records: list[list[tuple[int, int]]], slices: list[Slice]) -> None:
+    def __init__(
+        self, records: list[list[tuple[int, int]]], slices: list[Slice], frozen: set[int] = frozenset()
+    ) -> None:
+        """``frozen``: the units ``train.freeze`` keeps (never updated)."""
         self.slices = slices
         self.units = [
             _UnitView(
                 s.unit,
                 s.numel,
                 tuple(Piece(o - s.start, n) for o, n in records[s.unit] if o < s.end and o + n > s.start),
+                s.unit in frozen,
             )
             for s in slices
         ]
