@@ -20,6 +20,8 @@ from tiertrain.config import ConfigError, load_config
         ("gpt", ["embed", "head"], "baseline", 2, True),
         ("llama", ["embed", "blocks:1"], "overlap", 2, False),
         ("gpt2", ["blocks"], "baseline", 1, True),
+        ("gpt", ["embed", "blocks:1"], "engines", 2, False),
+        ("llama", ["blocks:0", "head"], "engines", 1, False),
     ],
 )
 def test_frozen_units_train_as_plain_pytorch_with_requires_grad_false(tmp_path, kind, freeze, mode, micro_batches, tie):
@@ -50,6 +52,20 @@ def _initial(tr, init, name):
     return init[ref_name_map(tr, [name])[name]].float()
 
 
+@pytest.mark.slow
+def test_engines_updating_each_unit_as_it_arrives_skip_the_frozen_ones(tmp_path):
+    """update.eager with the engines (no clip): each engine's step report waits for the trained
+    units only (it waited for every unit, frozen ones included, and never came)."""
+    cfg = small_config(tmp_path, layers=3, micro_batches=2, steps=3, clip=0.0)
+    cfg.train.freeze = ["blocks:0-1"]
+    cfg.update.mode, cfg.update.eager = "engines", True
+    ref_model = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+
+
 def test_the_clip_norm_is_over_the_trained_parameters_only(tmp_path):
     """A clip that acts every step (norm over the trained parameters, as clip_grad_norm_ over
     the optimizer's parameters): a frozen unit's gradient would change every update."""
@@ -68,7 +84,6 @@ def test_the_clip_norm_is_over_the_trained_parameters_only(tmp_path):
         (["--train.freeze=embedding"], "'embedding' is not a unit selector"),
         (["--train.freeze=blocks:3-1"], "is an empty range"),
         (["--train.freeze=head:0"], "'head:0' is not a unit selector"),
-        (["--train.freeze=blocks", "--update.mode=engines"], "with update.mode = 'engines' is not supported yet"),
     ],
 )
 def test_bad_selectors_and_combinations_are_named(flags, message):

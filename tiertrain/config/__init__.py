@@ -80,11 +80,6 @@ class Config:
                 f"update.topk = {self.update.topk} / update.error_feedback = {self.update.error_feedback} compress what "
                 "is sent to the update engines: set update.mode = 'engines'"
             )
-        if self.train.freeze and self.update.mode == "engines":
-            raise ConfigError(
-                f"train.freeze = {self.train.freeze} with update.mode = 'engines' is not supported yet: "
-                "use update.mode = 'baseline', 'overlap' or 'auto'"
-            )
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
         if self.train.eval_every and self.data.eval_corpus is None:

@@ -42,7 +42,7 @@ from ...state.slices import unit_records
 from ..base import Update, UpdateStats
 from ..shm import SharedSegment
 from . import protocol as P
-from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, slice_views, slot_bytes_of
+from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, frozen_of, slice_views, slot_bytes_of
 from .protocol import ENGINE, EngineState
 from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
 from .sockets import socket_dir
@@ -157,6 +157,7 @@ class EngineUpdate(Update):
                 dict(
                     records=unit_records(self.layout),
                     slices=[(s.unit, s.start, s.end) for s in self.slices[i]],
+                    frozen=sorted(frozen_of(self.layout)),
                     param_dtype=str(self.pdtype).removeprefix("torch."),
                     io={**dataclasses.asdict(cfg.io), "paths": [self.paths[i]]},
                     optim=dataclasses.asdict(cfg.optim),
@@ -474,7 +475,8 @@ class EngineUpdate(Update):
         if self.eager:
             return UpdateStats()  # already applied as gradients arrived
         for u in self._done:
-            self._done[u] = set()
+            if not self.layout.units[u].frozen:  # a frozen unit is never updated: always current
+                self._done[u] = set()
         if self._want is not None:
             self._want.zero_()  # no engine reads it until it gets Step
         c = None if clip_coef is None else float(clip_coef.to("cpu"))  # exact: a float32 widened to double

@@ -46,7 +46,12 @@ def engine_file(index: int, kind: str) -> str:
 def slice_views(layout: FlatLayout, n: int, align: int) -> tuple[list, list[SliceLayout]]:
     slices = partition(layout, n, align)
     records = unit_records(layout)
-    return slices, [SliceLayout(records, s) for s in slices]
+    return slices, [SliceLayout(records, s, frozen_of(layout)) for s in slices]
+
+
+def frozen_of(layout: FlatLayout) -> set[int]:
+    """The units ``train.freeze`` keeps: no engine updates them."""
+    return {u.index for u in layout.units if u.frozen}
 
 
 def engine_states(

@@ -67,7 +67,7 @@ class Engine:
         self.index, self.conn = index, conn
         self._send_lock = threading.Lock()
         self.progress = 0
-        self.layout = SliceLayout(spec["records"], [Slice(*s) for s in spec["slices"]])
+        self.layout = SliceLayout(spec["records"], [Slice(*s) for s in spec["slices"]], set(spec["frozen"]))
         self.pdtype = getattr(torch, spec["param_dtype"])
         io = IOConfig(**spec["io"])
         self.storage = Storage.from_config(io, paths=[path])
@@ -209,7 +209,7 @@ class Engine:
             self.grads.write(u, g).get()
         self.progress += 1
         self.send(P.Free(k))
-        if self.eager and len(self._eager) == len(self.layout.units):  # every unit of the step is updated
+        if self.eager and len(self._eager) == len(self.optim.trainable):  # every trained unit of the step is updated
             parts, self._eager = self._eager, []
             self.report(
                 sum(t for t, _ in parts),
