@@ -197,3 +197,27 @@ def test_bench_io_command_reports_both_directions(tmp_path, capsys):
         text,
     ), text
     assert not list((tmp_path / "a").iterdir())  # the bench file is removed afterwards
+
+
+def test_space_is_checked_where_a_directory_goes_meanwhile(tmp_path, monkeypatch):
+    """Another process (a rank failing at start) may remove a directory between finding it and
+    asking its filesystem: the check goes one level up instead of failing with a traceback."""
+    import shutil as sh
+
+    from tiertrain.io import space
+
+    gone = tmp_path / "rank1"
+    gone.mkdir()
+    real = sh.disk_usage
+
+    def racing(d):
+        if os.path.basename(d) == "rank1" and gone.exists():
+            gone.rmdir()  # removed after existing_dir found it, before the filesystem is asked
+        return real(d)
+
+    monkeypatch.setattr(space.shutil, "disk_usage", racing)
+    assert space.free_bytes(str(gone / "params.bin")) > 0 and not gone.exists()  # raced, answered
+    gone.mkdir()
+    space.check_space([(str(gone / "f.bin"), 1)])  # raced again inside the check: no error
+    assert not gone.exists()
+    assert space.device_of(str(tmp_path / "x" / "y")) == os.stat(tmp_path).st_dev

@@ -154,7 +154,7 @@ class _Sharding:
 
         from ..io import check_space
         from ..io.errors import OutOfSpaceError, human_bytes
-        from ..io.space import existing_dir
+        from ..io.space import device_of
 
         if self.world == 1:
             check_space(needs)
@@ -164,8 +164,8 @@ class _Sharding:
         try:
             check_space([n for ns in mine.values() for n in ns])
         except OutOfSpaceError as exc:
-            dev = os.stat(existing_dir(exc.filename)).st_dev
-            share = {r: sum(b for p, b in ns if os.stat(existing_dir(p)).st_dev == dev) for r, ns in mine.items()}
+            dev = device_of(exc.filename)  # (another rank may be removing its directories meanwhile)
+            share = {r: sum(b for p, b in ns if device_of(p) == dev) for r, ns in mine.items()}
             raise OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share "
                                   "it: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items())) from None
 

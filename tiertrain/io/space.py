@@ -6,11 +6,13 @@ import errno
 import os
 import shutil
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable, TypeVar
 
 from .errors import OutOfSpaceError, StorageError
 
-__all__ = ["check_space", "preallocate", "free_bytes", "existing_dir"]
+__all__ = ["check_space", "preallocate", "free_bytes", "existing_dir", "device_of"]
+
+T = TypeVar("T")
 
 
 def existing_dir(path: str) -> str:
@@ -21,9 +23,32 @@ def existing_dir(path: str) -> str:
     return d if os.path.isdir(d) else os.path.dirname(d)
 
 
+def _at_existing(path: str, fn: Callable[[str], T]) -> T:
+    """``fn`` of the nearest existing directory at or above ``path``; again one level up where
+    that directory goes meanwhile (another process's clean-up: ranks failing at start)."""
+    while True:
+        d = existing_dir(path)
+        try:
+            return fn(d)
+        except FileNotFoundError:
+            path = os.path.dirname(d)
+
+
 def free_bytes(path: str) -> int:
     """Bytes free to this user on the filesystem that holds ``path`` (or would hold it)."""
-    return shutil.disk_usage(existing_dir(path)).free
+    return _at_existing(path, lambda d: shutil.disk_usage(d).free)
+
+
+def device_of(path: str) -> int:
+    """The filesystem (``st_dev``) that holds ``path``, or would hold it."""
+    return _at_existing(path, lambda d: os.stat(d).st_dev)
+
+
+def _allocated(path: str) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def check_space(needs: Iterable[tuple[str, int]], *, reserve: int = 0) -> None:
@@ -35,9 +60,8 @@ def check_space(needs: Iterable[tuple[str, int]], *, reserve: int = 0) -> None:
     """
     per_fs: dict[int, list] = defaultdict(lambda: [None, 0])
     for path, nbytes in needs:
-        existing = os.stat(path).st_blocks * 512 if os.path.exists(path) else 0
-        dev = os.stat(existing_dir(path)).st_dev
-        entry = per_fs[dev]
+        existing = _allocated(path)
+        entry = per_fs[device_of(path)]
         entry[0] = entry[0] or path
         entry[1] += max(0, nbytes - existing)
     for path, needed in per_fs.values():
