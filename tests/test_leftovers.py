@@ -165,15 +165,18 @@ def test_a_failed_start_of_ranks_leaves_no_ranks_directory(tmp_path):
     assert not (tmp_path / "run").exists() and not (tmp_path / "ssd").exists(), os.listdir(tmp_path)
 
 
-def test_a_socket_directory_left_by_a_killed_start_is_removed_by_the_next(tmp_path, monkeypatch):
+def test_a_socket_directory_left_by_a_killed_start_is_removed_by_the_next(monkeypatch):
     """A trainer SIGKILLed while its engines connect leaves its socket directory in the temp
     directory (nothing of it runs to remove it); the next start removes those whose trainer is
     gone, and leaves a running trainer's alone."""
+    import shutil
     import subprocess
     import tempfile
+    from pathlib import Path
 
     from tiertrain.update.engines.sockets import socket_dir
 
+    tmp_path = Path(tempfile.mkdtemp(prefix="tt-", dir="/tmp"))  # short: a socket's path has 107 bytes at most
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     dead = subprocess.Popen(["true"])
@@ -190,3 +193,4 @@ def test_a_socket_directory_left_by_a_killed_start_is_removed_by_the_next(tmp_pa
         f"tiertrain-engines-{os.getpid()}-"
     )
     assert not left.exists() and running.exists() and other.exists()
+    shutil.rmtree(tmp_path)
