@@ -133,6 +133,8 @@ class Trainer:
         """The run's plan (``plan.py``): memory budget, update path, activations, states; logged;
         the states' space plan returned."""
         plan = plan_run(self.cfg, self.rt, self.group)
+        if plan.cfg.memory.trim_heap:
+            trim_heap()  # the probes' tensors passed through the heap: given back before the pools are made
         self._rates = plan.rates
         if plan.cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
             self.user_cfg.model.vocab_pieces = plan.cfg.model.vocab_pieces  # a checkpoint resumes with the same units
