@@ -50,8 +50,27 @@ def _collectives(rank, world, port, out_dir):
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 
 
+# Ranks start from a fork server that imported torch and tiertrain once (per test worker):
+# a fresh interpreter per rank spent seconds of CPU importing them, most of what a small rank
+# test costs. The ranks run the same code; `tiertrain train --nproc` (its own launcher, fresh
+# interpreters) is tested through the command.
+_PRELOAD = ["torch", "tiertrain.training.trainer", "tiertrain.dist.group", "reference", "test_dist_group"]
+
+
+def _with_env(rank, env, fn, *args):
+    """In the rank: the environment the test had when it started the ranks (the fork server
+    keeps the one it started with), then ``fn``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
+
+
 def spawn(fn, world, tmp_path, *args):
-    mp.spawn(fn, args=(world, free_port(), str(tmp_path), *args), nprocs=world, join=True)
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    args = (dict(os.environ), fn, world, free_port(), str(tmp_path), *args)
+    mp.start_processes(_with_env, args=args, nprocs=world, join=True, start_method="forkserver")
     return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
 
