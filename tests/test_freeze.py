@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import reference_model, reference_train, small_config, weights_of
-from test_parity import assert_same_weights, run_tiertrain
+from test_parity import assert_parity, assert_same_weights, run_tiertrain
 
 from tiertrain.config import ConfigError, load_config
 
@@ -59,11 +59,7 @@ def test_engines_updating_each_unit_as_it_arrives_skip_the_frozen_ones(tmp_path)
     cfg = small_config(tmp_path, layers=3, micro_batches=2, steps=3, clip=0.0)
     cfg.train.freeze = ["blocks:0-1"]
     cfg.update.mode, cfg.update.eager = "engines", True
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    assert_parity(cfg)
 
 
 def test_the_clip_norm_is_over_the_trained_parameters_only(tmp_path):
@@ -71,11 +67,7 @@ def test_the_clip_norm_is_over_the_trained_parameters_only(tmp_path):
     the optimizer's parameters): a frozen unit's gradient would change every update."""
     cfg = small_config(tmp_path, layers=2, micro_batches=2, steps=3, clip=1e-3)
     cfg.train.freeze = ["blocks:0"]
-    ref_model = reference_model(cfg)
-    ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
-    assert losses == ref_losses
-    assert_same_weights(tr, weights, ref_weights)
+    assert_parity(cfg)
 
 
 @pytest.mark.parametrize(
