@@ -58,6 +58,31 @@ def test_cuda_fp32_matches_the_cpu_run(tmp_path, kind):
     same_weights_across_devices(tr, w_gpu, w_cpu)
 
 
+@pytest.mark.parametrize("mode", ["baseline", "overlap"])
+def test_cuda_frozen_units_match_the_cpu_run_and_stay_unwritten(tmp_path, mode):
+    """``train.freeze`` on CUDA: a frozen unit is uploaded and read in the forward and backward
+    but forms no gradient and is never updated: its weights stay bit for bit the initial ones,
+    and the trained rest matches the same run on CPU as the unfrozen runs do."""
+    from test_freeze import _initial, _owned
+
+    def cfg(where, device):
+        c = cfg_on(tmp_path / where, device, kind="llama", dtype="float32", clip=0.05)
+        c.train.freeze, c.update.mode = ["embed", "blocks:0"], mode
+        return c
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        init = weights_of(reference_model(cfg("r", "cpu")))
+        l_cpu, w_cpu, _ = run_tiertrain(cfg("c", "cpu"), init)
+        l_gpu, w_gpu, tr = run_tiertrain(cfg("g", "cuda"), init)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
+    same_weights_across_devices(tr, w_gpu, w_cpu)
+    frozen = {n for u in tr.rt.frozen for n, _ in _owned(tr)[u]}
+    assert frozen and all(torch.equal(w_gpu[n], _initial(tr, init, n)) for n in frozen)
+
+
 def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     """bf16 on CUDA: both update paths run the same fused kernels on the host: identical."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))

@@ -8,19 +8,29 @@
 #   crc32c                       tiertrain's checksums (required)
 #   kvikio-cu13, libkvikio-cu13,
 #   rapids-logger                GPUDirect Storage (stage 6; the stage is skipped without them)
+# and, with --deepspeed (stage 4; skipped without them):
+#   deepspeed                    published as source only: built here into a pure-Python wheel,
+#                                its ops left to build on first use there (the image has nvcc and
+#                                ninja); needs torch here to build (PYTHON with torch)
+#   hjson, pydantic(-core), annotated-types, typing-inspection
+#                                its requirements the image lacks
+#   libaio1, libaio-dev (.deb)   its NVMe path compiles against libaio; stage 4 unpacks them into a
+#                                private prefix (apt-get download, Debian's x86_64 packages)
 #
-#   bench/gpu_window/wheels.sh [--dest DIR] [--python-version 3.12] [--cuda 13]
+#   bench/gpu_window/wheels.sh [--dest DIR] [--python-version 3.12] [--cuda 13] [--deepspeed]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.whl
 pyver=3.12
 cuda=13
+deepspeed=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dest) dest=$2; shift ;;
     --python-version) pyver=$2; shift ;;
     --cuda) cuda=$2; shift ;;
-    *) echo "wheels.sh: unknown argument $1 (use --dest DIR, --python-version X.Y, --cuda N)" >&2; exit 2 ;;
+    --deepspeed) deepspeed=1 ;;
+    *) echo "wheels.sh: unknown argument $1 (use --dest DIR, --python-version X.Y, --cuda N, --deepspeed)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -33,8 +43,17 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
 done
 # pinned: one version of each (two of one package stop the install there)
 wanted=(crc32c==2.9.post0 "kvikio-cu$cuda==26.10.0" "libkvikio-cu$cuda==26.10.0" rapids-logger==0.3.0)
+[ "$deepspeed" = 1 ] && wanted+=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+                                   typing-inspection==0.4.5)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   "${platforms[@]}" -d "$dest" "${wanted[@]}"
+if [ "$deepspeed" = 1 ]; then
+  build=$(mktemp -d)
+  "$PY" -m pip download -q --no-deps --no-binary=:all: -d "$build" deepspeed==0.19.8
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$dest" "$build"/deepspeed-*.tar.gz
+  rm -rf "$build"
+  (cd "$dest" && apt-get download libaio1 libaio-dev)
+fi
 # with --no-deps nothing checked that the carried wheels agree: each one's requirements on another
 # carried one must be met (a libkvikio built for another rapids-logger fails only at import there)
 "$PY" - "$dest" <<'EOF'
