@@ -304,7 +304,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, merge=args.merge)
     log.info("exported %s to %s", args.checkpoint, out)
     return 0
 
@@ -453,6 +453,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--out", required=True, help="output directory (new or empty)")
     ex.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    ex.add_argument(
+        "--merge",
+        action="store_true",
+        help="a run with adapters: the base's weights with the adapters merged in (default: a peft adapter directory)",
+    )
 
     pr = sub.add_parser(
         "prepare",

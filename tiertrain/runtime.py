@@ -20,7 +20,7 @@ from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
-from .models.freeze import apply_freeze
+from .models.freeze import apply_freeze, freeze_all
 from .state.layout import FlatLayout, chunk_align
 from .state.store import ParamStore
 
@@ -58,7 +58,28 @@ class Runtime:
 
     def _build_model(self, cfg: Config) -> None:
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
-        self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
+        self.adapters = None
+        if cfg.adapter.on:  # the base frozen whole, the adapters beside it on the compute device
+            from .adapters import LoRA
+
+            self.frozen = freeze_all(self.model)
+            if self.world > 1:
+                raise ConfigError(
+                    f"adapter.kind = {cfg.adapter.kind!r} with {self.world} ranks is not supported yet: train it "
+                    "in one process (--nproc 1)"
+                )
+            if self.model.row_pieces:
+                raise ConfigError(
+                    "adapter.kind = 'lora' with the vocabulary cut into pieces is not supported yet: set "
+                    "model.vocab_pieces=1 (and memory for the whole embedding)"
+                )
+            self.adapters = LoRA(self.model, cfg.adapter, seed=cfg.train.seed, device=self.dev.device)
+            if cfg.adapter.init_from is not None:  # continue a peft adapter
+                from .adapters.peft_io import load_peft
+
+                load_peft(self.model, self.adapters, cfg.adapter.init_from)
+        else:
+            self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
         self.weights = self._given_weights or source
         align = chunk_align(align_of(cfg), self.dtype)
         world, rank = self.world, self.rank

@@ -11,7 +11,7 @@ from .manifest import (
     step_of,
     verify_checkpoint,
 )
-from .saver import CheckpointIO, SaveResult
+from .saver import CheckpointIO, SaveResult, read_tensors, write_tensors
 
 __all__ = [
     "CheckpointError",
@@ -25,4 +25,6 @@ __all__ = [
     "list_checkpoints",
     "step_of",
     "verify_checkpoint",
+    "read_tensors",
+    "write_tensors",
 ]

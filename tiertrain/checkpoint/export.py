@@ -38,8 +38,10 @@ from .saver import _replace_dir
 __all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
 
 
-def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
-    """Export checkpoint ``path`` (or a run directory's latest) into directory ``out``."""
+def export_checkpoint(path: str, out: str, *, overwrite: bool = False, merge: bool = False) -> str:
+    """Export checkpoint ``path`` (or a run directory's latest) into directory ``out``. A run
+    with adapters: a peft adapter directory (``adapters/peft_io.py``), or with ``merge`` the
+    base's weights with the adapters merged in (peft's ``merge_and_unload``)."""
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
@@ -52,7 +54,13 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        _write(path, man, tmp)
+        adapters = _adapters(path, man)
+        if adapters is not None and not merge:
+            _write_adapter(path, man, tmp, adapters)
+        else:
+            if merge and adapters is None:
+                raise CheckpointError(f"export --merge: checkpoint {path} holds no adapters (adapter.kind = 'none')")
+            _write(path, man, tmp, adapters)
         _replace_dir(tmp, out)  # as checkpoints are: the old directory goes once the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,10 +109,54 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
     return WeightsFile(cfg, model, layout, file, getattr(torch, dtype.removeprefix("torch.")), entry)
 
 
-def _write(path: str, man: Manifest, out: str) -> None:
+def _adapters(path: str, man: Manifest):
+    """The checkpoint's adapters on its model's skeleton, (model, LoRA), or None without any."""
+    from ..adapters import ADAPTER_FILE, LoRA
+    from .saver import read_tensors
+
+    entry = man.entry(ADAPTER_FILE)
+    if entry is None:
+        return None
+    tensors, _ = read_tensors(path, ADAPTER_FILE, entry)
+    cfg = Config.from_dict(man.config, environment=False)
+    model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
+    with torch.no_grad():
+        for name, p in lora.named():
+            p.copy_(tensors[name])
+    return model, lora
+
+
+def _write_adapter(path: str, man: Manifest, out: str, adapters) -> None:
+    from ..adapters.peft_io import export_peft
+
+    model, lora = adapters
+    cfg = Config.from_dict(man.config, environment=False)
+    export_peft(model, lora, out, base_path=cfg.model.hf_dir)
+    with open(os.path.join(out, "tiertrain.json"), "w") as f:
+        json.dump({"step": man.step, "config": man.config}, f, indent=1)
+    _copy_tokenizer(cfg, out)
+
+
+def _merged(adapters) -> dict[str, torch.Tensor]:
+    """Per target weight name, the delta peft's merge adds: ``transpose(B @ A, fan_in_fan_out) * scaling``."""
+    if adapters is None:
+        return {}
+    _, lora = adapters
+    out = {}
+    for t, p in zip(lora.targets, lora.adapters):
+        delta = p.lora_B.weight @ p.lora_A.weight
+        if type(t.module).__name__ == "Conv1D":
+            delta = delta.T
+        out[f"{t.name}.weight"] = delta * lora.scaling
+    return out
+
+
+def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     w = weights_file(path, man)
     cfg, model, layout, file, dtype, entry = w.cfg, w.model, w.layout, w.path, w.dtype, w.entry
     names = _hf_names(model) if model.hf_model is not None else {}
+    deltas = _merged(adapters)
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
     weight_map, total, crc = {}, 0, 0
@@ -122,6 +174,8 @@ def _write(path: str, man: Manifest, out: str) -> None:
             tensors = {}
             for r in unit.params:  # a vocabulary piece's rows go into its whole matrix, saved with its last rows
                 for key, t in whole.add(r.name, view[r.offset : r.offset + r.numel].view(r.shape).clone()):
+                    if key in deltas:  # --merge: the adapter folded into its base weight
+                        t = (t + deltas[key].to(t.dtype)).contiguous()
                     tensors[names.get(key, key)] = t
             if not tensors:
                 continue

@@ -26,7 +26,7 @@ from ..state.layout import FlatLayout
 from ..state.regions import TieredRegions
 from .manifest import CheckpointError, FileEntry, Manifest, latest_checkpoint, list_checkpoints
 
-__all__ = ["CheckpointIO", "SaveResult"]
+__all__ = ["CheckpointIO", "SaveResult", "write_tensors", "read_tensors"]
 
 log = logging.getLogger("tiertrain")
 RNG = "rng.safetensors"  # safetensors: the same state always gives the same bytes
@@ -93,11 +93,21 @@ class CheckpointIO:
 
     # -- save ------------------------------------------------------------------------------------
     def save(
-        self, regions: dict, root: str, step: int, config: dict, *, keep: int, drop: list[str] = (), weights: str = ""
+        self,
+        regions: dict,
+        root: str,
+        step: int,
+        config: dict,
+        *,
+        keep: int,
+        drop: list[str] = (),
+        weights: str = "",
+        extra: dict[str, tuple[dict, dict]] | None = None,
     ) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
         (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
-        that holds the weights (named in the manifest: what export and eval read)."""
+        that holds the weights (named in the manifest: what export and eval read); ``extra``:
+        small files by name, (tensors, metadata) each (the adapters), checked as the rest."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -110,6 +120,7 @@ class CheckpointIO:
             os.makedirs(tmp)
             entries = [self._save_region(tmp, name, regions[name], sizes[name]) for name in sizes]
             entries.append(_save_rng(tmp))
+            entries += [write_tensors(tmp, name, t, meta) for name, (t, meta) in (extra or {}).items()]
             Manifest(
                 step,
                 entries,
@@ -218,31 +229,48 @@ def _describe(units: list[int], dtype: str) -> str:
     )
 
 
-def _save_rng(directory: str) -> FileEntry:
+def write_tensors(directory: str, name: str, tensors: dict, metadata: dict | None = None) -> FileEntry:
+    """A small safetensors file of the checkpoint (the RNG, the adapters), durable, with its
+    manifest entry (size and CRC32C)."""
     from safetensors.torch import save
 
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    data = save(state)
-    path = os.path.join(directory, RNG)
+    data = save(tensors, metadata=metadata)
+    path = os.path.join(directory, name)
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return FileEntry(RNG, len(data), crc32c(np.frombuffer(data, dtype=np.uint8)))
+    return FileEntry(name, len(data), crc32c(np.frombuffer(data, dtype=np.uint8)))
 
 
-def _restore_rng(directory: str, entry: FileEntry | None) -> None:
-    path = os.path.join(directory, RNG)
+def read_tensors(directory: str, name: str, entry: FileEntry | None, needed: str = "") -> tuple[dict, dict]:
+    """``write_tensors``' file, checked against its manifest entry: (tensors, metadata).
+    ``needed``: why this run needs it (named in the error where it is absent)."""
+    import json
+    import struct
+
+    path = os.path.join(directory, name)
     if entry is None or not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {directory} has no {RNG}")
+        raise CheckpointError(f"checkpoint {directory} has no {name}{needed}")
     data = open(path, "rb").read()
     if len(data) != entry.size or crc32c(np.frombuffer(data, dtype=np.uint8)) != entry.crc32c:
         raise CheckpointError(f"checkpoint file {path} is corrupt (size or crc32c differ from the manifest)")
     from safetensors.torch import load
 
-    state = load(data)
+    (n,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + n]).get("__metadata__", {})
+    return load(data), meta
+
+
+def _save_rng(directory: str) -> FileEntry:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return write_tensors(directory, RNG, state)
+
+
+def _restore_rng(directory: str, entry: FileEntry | None) -> None:
+    state, _ = read_tensors(directory, RNG, entry)
     torch.set_rng_state(state["cpu"])
     cuda = [state[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in state]
     if cuda and torch.cuda.is_available():

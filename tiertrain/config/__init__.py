@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import ConfigError
+from .adapter import AdapterConfig
 from .memory import MemoryConfig
 from .sections import (
     TOKENIZER_MARKERS,
@@ -41,6 +42,7 @@ __all__ = [
     "DataConfig",
     "OptimConfig",
     "MemoryConfig",
+    "AdapterConfig",
     "TrainConfig",
     "RanksConfig",
     "UpdateConfig",
@@ -67,6 +69,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ranks: RanksConfig = field(default_factory=RanksConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
         if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
@@ -82,6 +85,11 @@ class Config:
             )
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
+        if self.adapter.on and self.train.freeze:
+            raise ConfigError(
+                f"train.freeze = {self.train.freeze!r} with adapter.kind = {self.adapter.kind!r}: adapters freeze the "
+                "whole model already; leave train.freeze empty"
+            )
         if self.train.eval_every and self.data.eval_corpus is None:
             raise ConfigError(
                 f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
@@ -130,7 +138,13 @@ class Config:
         out = Config.from_dict(self.to_dict())
         out.io.paths = [ab(p) for p in out.io.paths]
         out.train.run_dir = ab(out.train.run_dir)
-        for sec, name in (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("checkpoint", "dir")):
+        for sec, name in (
+            ("model", "hf_dir"),
+            ("model", "init_from"),
+            ("data", "tokenizer"),
+            ("checkpoint", "dir"),
+            ("adapter", "init_from"),
+        ):
             value = getattr(getattr(out, sec), name)
             if value is not None and (sec, value) != ("data", "bytes"):
                 setattr(getattr(out, sec), name, ab(value))

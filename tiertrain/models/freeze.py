@@ -15,7 +15,7 @@ from ..config.sections import FREEZE_SELECTOR, check_freeze
 from ..errors import ConfigError
 from .base import LayeredModel
 
-__all__ = ["frozen_units", "apply_freeze"]
+__all__ = ["frozen_units", "apply_freeze", "freeze_all"]
 
 
 def frozen_units(model: LayeredModel, selectors: list[str]) -> set[int]:
@@ -69,3 +69,10 @@ def apply_freeze(model: LayeredModel, selectors: list[str]) -> set[int]:
         for p in model.units[u].parameters():
             p.requires_grad_(False)
     return units
+
+
+def freeze_all(model: LayeredModel) -> set[int]:
+    """Every unit frozen (adapters train beside the model, ``adapters/``): the indices of all."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return {r.index for r in model.plan}

@@ -275,6 +275,8 @@ class GradStore:
         """The global 2-norm, over per-parameter norms in model parameter order (as
         ``torch.nn.utils.clip_grad_norm_`` computes it)."""
         norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
+        if not norms:  # every unit frozen (adapters train beside them): no gradient here
+            return torch.zeros(())
         if self.home.sharded:  # over the ranks' shards: sqrt of the rank-ordered sum of squares
             return torch.sqrt(self.home.sum_over_ranks(torch.stack(norms).float().square().sum()))
         return torch.linalg.vector_norm(torch.stack(norms), 2)

@@ -45,9 +45,10 @@ class Checkpoints:
     def pool_bytes(self) -> int:
         return self.io.pool_bytes
 
-    def save(self, regions: dict, step: int) -> SaveResult | None:
+    def save(self, regions: dict, step: int, extra: dict | None = None) -> SaveResult | None:
         """A complete checkpoint of ``step`` from ``regions``. Every rank calls it; rank 0 writes
-        and returns the result, the others take part in its gathers and return None."""
+        and returns the result, the others take part in its gathers and return None. ``extra``:
+        small files by name, ``(tensors, metadata)`` (the adapters)."""
         g, cfg = self.group, self.config()
         whole = g.gathered(regions, self.state_layout)
         res = None
@@ -60,6 +61,7 @@ class Checkpoints:
                 keep=cfg.checkpoint.keep,
                 drop=self._superseded,
                 weights=self.weights_file,
+                extra=extra,
             )
         else:
             follow(whole, self.canonical)

@@ -26,7 +26,8 @@ from .. import faults
 from ..activations.offload import OffloadedGraphs
 from ..activations.policy import policy_for
 from ..activations.stash import HiddenStash
-from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints
+from ..adapters import ADAPTER_FILE, AdapterUpdate
+from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, read_tensors
 from ..config import Config, ConfigError
 from ..data import EvalSet, open_corpus
 from ..device.host import fix_mmap_threshold, trim_heap
@@ -115,7 +116,9 @@ class Trainer:
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
             log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
-            if self.rt.frozen:
+            if self.rt.adapters is not None:
+                log.info("adapters: %s; the base frozen (read, never written)", self.rt.adapters.describe())
+            elif self.rt.frozen:
                 log.info("%s", self.layout.describe_frozen(cfg.train.freeze))
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             # a full disk is reported here, before any work: with ranks, for every rank of this
@@ -237,6 +240,7 @@ class Trainer:
             self._waits,
             flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size),
         )
+        self.adapter_update = AdapterUpdate(rt.adapters, cfg.optim) if rt.adapters is not None else None
         self.step = 0
 
     def _part(self, obj):
@@ -349,14 +353,26 @@ class Trainer:
     def save_checkpoint(self) -> SaveResult | None:
         """A complete checkpoint of the current step (after the last finished step). Ranks:
         every rank calls it; rank 0 writes and returns the result, the others None."""
+        extra = None
+        if self.adapter_update is not None:
+            extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)}
         with self.state_regions() as regions:
-            return self.checkpoints.save(regions, self.step)
+            return self.checkpoints.save(regions, self.step, extra)
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
+        if self.adapter_update is not None:
+            need = ": it was made without adapters; start a new run from its weights (model.init_from)"
+            tensors, meta = read_tensors(path, ADAPTER_FILE, man.entry(ADAPTER_FILE), need)
+            self.adapter_update.load(tensors, meta, self.user_cfg, f"checkpoint {path}")
+        elif man.entry(ADAPTER_FILE) is not None:
+            raise ConfigError(
+                f"checkpoint {path} holds adapters (adapter.kind = 'lora'), this run has none: resume with its "
+                "[adapter] config"
+            )
         self.params.invalidate()
         self.step = man.step
         self.update.restored(man.step)
@@ -377,10 +393,14 @@ class Trainer:
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
         norm = self.grads.total_norm()
+        if self.adapter_update is not None:  # the only trained parameters: the base forms no gradient
+            norm = self.adapter_update.total_norm()
         coef = None
         if cfg.optim.grad_clip > 0:
             coef = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
         upd = self.update.step(self.step + 1, lr, coef)
+        if self.adapter_update is not None:
+            self.adapter_update.step(lr, norm)
         self.params.invalidate()  # slot copies are stale: the update rewrote (or is rewriting) every unit
         update_s = time.perf_counter() - t0
         self.step += 1

@@ -1,0 +1,259 @@
+"""LoRA on a frozen, streamed base (``[adapter]``): the same losses and adapter weights as peft's
+LoRA on plain PyTorch + AdamW, bit for bit in fp32, from the same initial adapters; the base
+never written; checkpoints resumed bit for bit; bad adapter configs named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import reference_model, reference_train, small_config, weights_of
+from test_parity import run_tiertrain
+
+from tiertrain.adapters import LoRA
+from tiertrain.config import ConfigError
+from tiertrain.reference import HFWrapper
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt": ["qkv", "out"],
+}
+
+
+def lora_config(tmp_path, kind, *, rank=4, mode="baseline", host_param_mib=0, **kw):
+    kw.setdefault("micro_batches", 2)
+    kw.setdefault("steps", 3)
+    kw.setdefault("clip", 0.05)
+    cfg = small_config(tmp_path, kind=kind, host_param_mib=host_param_mib, **kw)
+    if kind == "llama":
+        cfg.model.n_kv_heads = 2  # grouped-query attention: k_proj and v_proj narrower than q_proj
+    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.alpha = "lora", rank, 2.0 * rank + 1
+    cfg.adapter.target = TARGETS[kind]
+    cfg.update.mode = mode
+    return cfg
+
+
+def peft_reference(cfg, ref_model):
+    """``ref_model`` with peft's LoRA injected (the config's rank, alpha, dropout, targets),
+    its adapters set to the ones tiertrain starts from (its seeded initialisation). Returns
+    the model and peft's name for each of our adapter names."""
+    inner = ref_model.hf if isinstance(ref_model, HFWrapper) else ref_model
+    layered = copy.deepcopy(ref_model) if inner is ref_model else _layered(cfg, inner)
+    ours = LoRA(layered, cfg.adapter, seed=cfg.train.seed, device="cpu")
+    ours.model_ref = layered
+    a = cfg.adapter
+    pc = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target))
+    inner = peft.inject_adapter_in_model(pc, inner)
+    if isinstance(ref_model, HFWrapper):
+        ref_model.hf = inner
+    names = _peft_names(cfg, ours)
+    state = dict(inner.named_parameters())
+    with torch.no_grad():
+        for name, p in ours.named():
+            state[names[name]].copy_(p)
+    return ref_model, names
+
+
+def _layered(cfg, hf):
+    """Our layered view of an HF model (its modules, so targets are found by identity)."""
+    from tiertrain.models.hf import layer_gpt2, layer_llama
+
+    return layer_llama(copy.deepcopy(hf)) if cfg.model.kind == "llama" else layer_gpt2(copy.deepcopy(hf))
+
+
+def _peft_names(cfg, ours):
+    """Our adapter names -> peft's (``<module>.lora_A.default.weight``) in the reference model."""
+    from tiertrain.adapters.peft_io import module_names
+
+    paths = module_names(ours.model_ref, ours)
+    out = {}
+    for name, _ in ours.named():
+        module, ab, w = name.rsplit(".", 2)
+        out[name] = f"{paths[module]}.{ab}.default.{w}"
+    return out
+
+
+def assert_lora_parity(cfg):
+    ref_model = reference_model(cfg)
+    init = weights_of(ref_model)
+    ref_model, names = peft_reference(cfg, ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, weights, tr = run_tiertrain(cfg, init)
+    assert losses == ref_losses
+    adapters = dict(tr.rt.adapters.named())
+    assert len(adapters) == 2 * len(tr.rt.adapters.targets) > 0
+    for name, p in adapters.items():
+        assert torch.equal(p.detach(), ref_weights[names[name]]), name
+    moved = [n for n, p in adapters.items() if "lora_B" in n and p.abs().sum() > 0]
+    assert moved, "the adapters did not train"
+    for name, w in weights.items():  # the base: never written
+        assert torch.equal(w, _initial(tr, init, name)), f"{name} was written"
+    return tr
+
+
+def _initial(tr, init, name):
+    from test_parity import ref_name_map
+
+    return init[ref_name_map(tr, [name])[name]].float()
+
+
+@pytest.mark.parametrize(
+    "kind,mode,host_param_mib",
+    [
+        ("llama", "baseline", 0),  # GQA, every projection, the base on the tier
+        ("llama", "overlap", 64),  # the base in memory
+        ("gpt2", "baseline", 0),  # Conv1D layers, tied embeddings
+        ("gpt", "engines", 0),
+    ],
+)
+def test_lora_trains_as_peft_on_plain_pytorch(tmp_path, kind, mode, host_param_mib):
+    assert_lora_parity(lora_config(tmp_path, kind, mode=mode, host_param_mib=host_param_mib))
+
+
+def test_lora_without_clipping_and_one_micro_batch(tmp_path):
+    assert_lora_parity(lora_config(tmp_path, "llama", clip=0.0, micro_batches=1, rank=8))
+
+
+def test_lora_starts_at_the_base_models_loss(tmp_path):
+    """B starts at zero: step 1's loss is the base model's, whatever A is."""
+    cfg = lora_config(tmp_path / "a", "llama", steps=1)
+    base = small_config(tmp_path / "b", kind="llama", micro_batches=2, steps=1, clip=0.05)
+    base.model.n_kv_heads = 2
+    init = weights_of(reference_model(cfg))
+    assert run_tiertrain(cfg, init)[0] == run_tiertrain(base, init)[0]
+
+
+def test_the_frozen_base_is_never_written_and_read_twice_a_step(tmp_path):
+    """The storage tier's counters of a step: nothing written; the base read in the forward and
+    again in the backward (less the units still in a device slot from the forward's end), as the
+    cost model's bytes say."""
+    from tiertrain.cost import run_traffic
+    from tiertrain.training.trainer import Trainer
+
+    cfg = lora_config(tmp_path, "llama", layers=4, slots=2, micro_batches=2, stash_host_mib=64)  # hidden states in RAM
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        rec = tr.train_step()
+        t = run_traffic(tr, kept=len(tr.model.blocks) * 2 - tr.executor.recomputed)
+        base = tr.layout.total_numel * tr.dtype.itemsize
+        resident = sum(sorted(u.numel for u in tr.layout.units)[-2:]) * tr.dtype.itemsize  # 2 slots at most
+    assert rec.ssd_write_bytes == 0 == t.write
+    assert rec.ssd_read_bytes == t.read
+    params_read = t.by_state["params"][0]
+    assert rec.ssd_read_bytes == params_read  # the base alone: no optimizer state, no gradients
+    assert 2 * base - resident <= params_read <= 2 * base
+
+
+def test_bad_adapter_configs_are_named(tmp_path):
+    from tiertrain.config import load_config
+    from tiertrain.training.trainer import Trainer
+
+    cfg = lora_config(tmp_path, "llama")
+    cfg.adapter.target = ["q_proj", "qkv"]
+    with pytest.raises(ConfigError, match=r"'qkv' matches no linear layer.*it has .*q_proj"):
+        Trainer(cfg)
+    cfg = lora_config(tmp_path, "gpt")
+    cfg.adapter.rank = 65
+    with pytest.raises(ConfigError, match=r"adapter.rank = 65 is above the width"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match=r"adapter.kind"):
+        load_config(None, ["--adapter.kind=qlora"])
+    with pytest.raises(ConfigError, match=r"adapter.rank = 0"):
+        load_config(None, ["--adapter.kind=lora", "--adapter.rank=0"])
+    with pytest.raises(ConfigError, match=r"train.freeze .* adapters freeze the whole model"):
+        load_config(None, ["--adapter.kind=lora", "--train.freeze=embed"])
+
+
+def _train(cfg, init, steps, *, resume=None):
+    from test_parity import build_model, tensor_source
+
+    from tiertrain.training.trainer import Trainer
+
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    with Trainer(cfg, weights=tensor_source(skeleton, init)) as tr:
+        tr.initialize(progress=False)
+        if resume is not None:
+            tr.restore(resume)
+        losses = [tr.train_step().extra["losses"] for _ in range(steps)]
+        path = tr.save_checkpoint().path
+        return losses, {n: p.detach().clone() for n, p in tr.rt.adapters.named()}, path
+
+
+def test_a_resumed_lora_run_is_the_straight_run_bit_for_bit(tmp_path):
+    cfg = lora_config(tmp_path / "a", "llama", steps=4)
+    init = weights_of(reference_model(cfg))
+    straight, w_straight, _ = _train(cfg, init, 4)
+    cfg2 = lora_config(tmp_path / "b", "llama", steps=4)
+    first, _, ckpt = _train(cfg2, init, 2)
+    second, w_resumed, _ = _train(cfg2, init, 2, resume=ckpt)
+    assert first + second == straight
+    assert all(torch.equal(w_straight[n], w_resumed[n]) for n in w_straight)
+    # another adapter config, or none, cannot continue it
+    other = lora_config(tmp_path / "c", "llama", steps=4, rank=8)
+    with pytest.raises(ConfigError, match=r"made with adapter rank 4.*this run has rank 8"):
+        _train(other, init, 1, resume=ckpt)
+    plain = small_config(tmp_path / "d", kind="llama", steps=4)
+    plain.model.n_kv_heads = 2
+    with pytest.raises(ConfigError, match=r"holds adapters"):
+        _train(plain, init, 1, resume=ckpt)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_export_gives_a_peft_adapter_that_transformers_loads_with_the_same_logits(tmp_path, kind):
+    """The exported directory, loaded by ``PeftModel.from_pretrained`` on the original base,
+    computes the logits of the base with our trained adapters, bit for bit; ``--merge`` gives
+    full weights that ``from_pretrained`` loads, within rounding of the merge."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    cfg = lora_config(tmp_path / "run", kind, steps=2)
+    ref = reference_model(cfg)
+    init = weights_of(ref)
+    _, trained, ckpt = _train(cfg, init, 2)
+    out = export_checkpoint(ckpt, str(tmp_path / "adapter"))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    base = copy.deepcopy(ref.hf).eval()
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), out).eval()
+    ours_model = _layered(cfg, base)
+    ours = LoRA(ours_model, cfg.adapter, seed=0, device="cpu")
+    with torch.no_grad():
+        for name, p in ours.named():
+            p.copy_(trained[name])
+        want = ours_model.hf_model(input_ids=x).logits
+        got = loaded(input_ids=x).logits
+        assert torch.equal(got, want)
+        assert not torch.equal(want, base(input_ids=x).logits)  # the adapters change the model
+    merged_dir = export_checkpoint(ckpt, str(tmp_path / "merged"), merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
+    """``adapter.init_from``: the exported adapter read back as the starting point; a directory
+    made with another rank is refused, naming it."""
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    cfg = lora_config(tmp_path / "a", "llama", steps=2)
+    init = weights_of(reference_model(cfg))
+    _, trained, ckpt = _train(cfg, init, 2)
+    out = export_checkpoint(ckpt, str(tmp_path / "adapter"))
+    cont = lora_config(tmp_path / "b", "llama", steps=1)
+    cont.adapter.init_from = out
+    from test_parity import build_model, tensor_source
+
+    from tiertrain.training.trainer import Trainer
+
+    skeleton, _ = build_model(cont.model, param_dtype=torch.float32, seed=0)
+    with Trainer(cont, weights=tensor_source(skeleton, init)) as tr:
+        assert all(torch.equal(p, trained[n]) for n, p in tr.rt.adapters.named())
+    bad = lora_config(tmp_path / "c", "llama", steps=1, rank=8)
+    bad.adapter.init_from = out
+    with pytest.raises(ConfigError, match=r"was made with rank 4 \(here 8\)"):
+        Trainer(bad)

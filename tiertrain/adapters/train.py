@@ -1,0 +1,103 @@
+"""The adapters' update and checkpointed state: torch's own optimizer over the resident adapters.
+
+The adapters are the only trained parameters of a LoRA run (the base is frozen): their norm is
+the step's global norm and clipping is ``clip_grad_norm_``'s (``get_total_norm`` then
+``clip_grads_with_norm_``, the two halves it is made of), and the step is torch's fused AdamW
+(or SGD) over them, the kernels plain PyTorch runs: the same math by construction.
+
+Checkpointed as ``adapter.safetensors`` (weights, the optimizer's per-parameter state, the
+adapter config it was made with); a resumed run must have the same adapter config.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..config import Config, ConfigError, OptimConfig
+from .lora import LoRA
+
+__all__ = ["AdapterUpdate", "ADAPTER_FILE", "same_adapter_config"]
+
+ADAPTER_FILE = "adapter.safetensors"
+_KEYS = ("kind", "rank", "alpha", "dropout", "target")  # what must match on resume
+
+
+def same_adapter_config(ours: dict, theirs: dict | None, where: str) -> None:
+    """Refuse to continue a run whose adapters were configured otherwise (``theirs``: the
+    ``[adapter]`` section stored with the checkpoint, None where it has none)."""
+    theirs = theirs or {"kind": "none"}
+    diff = [k for k in _KEYS if (ours.get(k) if ours.get("kind") != "none" else None) != (
+        theirs.get(k) if theirs.get("kind", "none") != "none" else None)]  # fmt: skip
+    if diff:
+        got = ", ".join(f"{k} {theirs.get(k)!r}" for k in diff)
+        want = ", ".join(f"{k} {ours.get(k)!r}" for k in diff)
+        raise ConfigError(
+            f"{where} was made with adapter {got}; this run has {want}: resume with the adapter config it was "
+            "made with (or start a new run from its weights)"
+        )
+
+
+class AdapterUpdate:
+    """The optimizer of ``lora``'s parameters, as ``optim`` configures it."""
+
+    def __init__(self, lora: LoRA, optim: OptimConfig) -> None:
+        self.lora, self.o = lora, optim
+        ps = lora.params()
+        if optim.name == "sgd":
+            self.opt: torch.optim.Optimizer = torch.optim.SGD(
+                ps, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay, fused=True
+            )
+        else:
+            self.opt = torch.optim.AdamW(
+                ps, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
+                fused=True,
+            )  # fmt: skip
+
+    def total_norm(self) -> torch.Tensor:
+        """The global gradient norm (the adapters are every trained parameter), as
+        ``clip_grad_norm_`` computes it."""
+        grads = [p.grad for p in self.lora.params() if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+
+    def step(self, lr: float, norm: torch.Tensor) -> None:
+        """Clip with ``norm`` (``optim.grad_clip``, if on), step, drop the gradients."""
+        ps = [p for p in self.lora.params() if p.grad is not None]
+        if self.o.grad_clip > 0 and ps:
+            torch.nn.utils.clip_grads_with_norm_(ps, self.o.grad_clip, norm)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state(self, cfg: Config) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Tensors and metadata of ``adapter.safetensors``."""
+        out = {name: p.detach().cpu().contiguous() for name, p in self.lora.named()}
+        for i, p in enumerate(self.lora.params()):
+            for k, v in self.opt.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    out[f"optimizer.{i}.{k}"] = v.detach().cpu().contiguous()
+        return out, {"adapter": json.dumps(_section(cfg))}
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], cfg: Config, where: str) -> None:
+        """Restore ``state``'s output (``where``: the checkpoint, for errors)."""
+        same_adapter_config(_section(cfg), json.loads(meta.get("adapter", "null")), where)
+        with torch.no_grad():
+            for name, p in self.lora.named():
+                if name not in tensors or tuple(tensors[name].shape) != tuple(p.shape):
+                    raise ConfigError(f"{where}: {name} is missing or has another shape than this run's adapter")
+                p.copy_(tensors[name])
+        self.opt.state.clear()
+        for i, p in enumerate(self.lora.params()):
+            state = {k.split(".", 2)[2]: v.to(p.device) for k, v in tensors.items() if k.startswith(f"optimizer.{i}.")}
+            if state:
+                self.opt.state[p] = state
+
+
+def _section(cfg: Config) -> dict:
+    a = cfg.adapter
+    return {"kind": a.kind, "rank": a.rank, "alpha": a.alpha, "dropout": a.dropout, "target": list(a.target)}

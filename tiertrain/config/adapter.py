@@ -1,0 +1,60 @@
+"""The ``[adapter]`` section: low-rank adapters (LoRA) trained on a frozen base (``adapters/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .sections import Section, opt
+
+__all__ = ["AdapterConfig"]
+
+
+@dataclass(kw_only=True)
+class AdapterConfig(Section):
+    """Low-rank adapters on a frozen base: the base is streamed from its tier read-only (no
+    gradient, no optimizer state, never written); the adapters and their AdamW state stay in
+    the compute device's memory."""
+
+    SECTION: ClassVar[str] = "adapter"
+    kind: str = opt("none", "'none' (train the model itself) or 'lora' (adapters on the frozen model).")
+    rank: int = opt(16, "LoRA rank r: A is r x in, B is out x r.")
+    alpha: float = opt(32.0, "LoRA alpha: the adapters' output is scaled by alpha / rank (as peft).")
+    dropout: float = opt(
+        0.0,
+        "Dropout on the adapters' input (as peft's lora_dropout). Above 0 the draws come in the "
+        "layer-major order, not plain PyTorch's: runs stay reproducible but not bit-equal to peft's.",
+    )
+    target: list[str] = opt(
+        None,
+        "Modules that get adapters, by their last name as peft spells them (Llama: q_proj, k_proj, v_proj, "
+        "o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; the built-in gpt: qkv, proj, fc, "
+        "out). Empty: every linear layer of the blocks.",
+        factory=list,
+    )
+    init_from: str | None = opt(
+        None,
+        "A peft adapter directory (adapter_model.safetensors, adapter_config.json) to start from instead of "
+        "the seeded initialisation; its rank, alpha and targets are taken as given here.",
+    )
+
+    def __post_init__(self) -> None:
+        self._one_of("kind", ("none", "lora"))
+        self._at_least("rank", 1)
+        if not self.alpha > 0:
+            self._fail("alpha", "must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            self._fail("dropout", "must be >= 0 and < 1")
+        if isinstance(self.target, str):
+            self.target = [self.target]
+        bad = [t for t in self.target if not isinstance(t, str) or not t or not t.replace("_", "").isalnum()]
+        if bad:
+            self._fail("target", f"{bad!r} are not module names (letters, digits and '_', such as 'q_proj')")
+
+    @property
+    def on(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
