@@ -24,7 +24,7 @@ TARGETS = {
 }
 
 
-def lora_config(tmp_path, kind, *, rank=4, mode="baseline", host_param_mib=0, **kw):
+def lora_config(tmp_path, kind, *, rank=4, host_param_mib=0, **kw):
     kw.setdefault("micro_batches", 2)
     kw.setdefault("steps", 3)
     kw.setdefault("clip", 0.05)
@@ -33,7 +33,7 @@ def lora_config(tmp_path, kind, *, rank=4, mode="baseline", host_param_mib=0, **
         cfg.model.n_kv_heads = 2  # grouped-query attention: k_proj and v_proj narrower than q_proj
     cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.alpha = "lora", rank, 2.0 * rank + 1
     cfg.adapter.target = TARGETS[kind]
-    cfg.update.mode = mode
+    cfg.update.mode = "auto"  # resolved to 'frozen': nothing of the model is updated
     return cfg
 
 
@@ -102,16 +102,17 @@ def _initial(tr, init, name):
 
 
 @pytest.mark.parametrize(
-    "kind,mode,host_param_mib",
+    "kind,host_param_mib",
     [
-        ("llama", "baseline", 0),  # GQA, every projection, the base on the tier
-        ("llama", "overlap", 64),  # the base in memory
-        ("gpt2", "baseline", 0),  # Conv1D layers, tied embeddings
-        ("gpt", "engines", 0),
+        ("llama", 0),  # GQA, every projection, the base on the tier
+        ("llama", 64),  # the base in memory
+        ("gpt2", 0),  # Conv1D layers, tied embeddings
+        ("gpt", 0),
     ],
 )
-def test_lora_trains_as_peft_on_plain_pytorch(tmp_path, kind, mode, host_param_mib):
-    assert_lora_parity(lora_config(tmp_path, kind, mode=mode, host_param_mib=host_param_mib))
+def test_lora_trains_as_peft_on_plain_pytorch(tmp_path, kind, host_param_mib):
+    tr = assert_lora_parity(lora_config(tmp_path, kind, host_param_mib=host_param_mib))
+    assert tr.update.name == "frozen" and [d.name for d in tr.update.states] == ["params"]  # no optimizer state
 
 
 def test_lora_without_clipping_and_one_micro_batch(tmp_path):
@@ -142,6 +143,13 @@ def test_the_frozen_base_is_never_written_and_read_twice_a_step(tmp_path):
         t = run_traffic(tr, kept=len(tr.model.blocks) * 2 - tr.executor.recomputed)
         base = tr.layout.total_numel * tr.dtype.itemsize
         resident = sum(sorted(u.numel for u in tr.layout.units)[-2:]) * tr.dtype.itemsize  # 2 slots at most
+        n = sum(p.numel() for p in tr.rt.adapters.params())
+        # memory: the adapters' weights, gradients and two moments in fp32, and no gradient buffer,
+        # gradient file or optimizer state of the model
+        assert tr.budget.fixed["adapters"] == 4 * 4 * n
+        assert tr.grads.pool_bytes == 0 and "gradients" not in tr.budget.fixed
+        assert tr.budget.demand["grad_host_mib"] == tr.budget.demand["optim_host_mib"] == 0
+        assert sorted(f.name for d in tr.plan.states for f in d.files) == ["params.bin"]
     assert rec.ssd_write_bytes == 0 == t.write
     assert rec.ssd_read_bytes == t.read
     params_read = t.by_state["params"][0]
@@ -167,6 +175,10 @@ def test_bad_adapter_configs_are_named(tmp_path):
         load_config(None, ["--adapter.kind=lora", "--adapter.rank=0"])
     with pytest.raises(ConfigError, match=r"train.freeze .* adapters freeze the whole model"):
         load_config(None, ["--adapter.kind=lora", "--train.freeze=embed"])
+    with pytest.raises(ConfigError, match=r"update.mode = 'engines' and adapter.kind = 'lora': the model is frozen"):
+        load_config(None, ["--adapter.kind=lora", "--update.mode=engines"])
+    with pytest.raises(ConfigError, match=r"update.mode = 'frozen' is chosen for adapter runs"):
+        load_config(None, ["--update.mode=frozen"])
 
 
 def _train(cfg, init, steps, *, resume=None):
@@ -199,7 +211,7 @@ def test_a_resumed_lora_run_is_the_straight_run_bit_for_bit(tmp_path):
         _train(other, init, 1, resume=ckpt)
     plain = small_config(tmp_path / "d", kind="llama", steps=4)
     plain.model.n_kv_heads = 2
-    with pytest.raises(ConfigError, match=r"holds adapters"):
+    with pytest.raises(ConfigError, match=r"made with adapter kind 'lora'.*this run has kind 'none'"):
         _train(plain, init, 1, resume=ckpt)
 
 

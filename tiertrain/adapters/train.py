@@ -27,14 +27,18 @@ _KEYS = ("kind", "rank", "alpha", "dropout", "target")  # what must match on res
 def same_adapter_config(ours: dict, theirs: dict | None, where: str) -> None:
     """Refuse to continue a run whose adapters were configured otherwise (``theirs``: the
     ``[adapter]`` section stored with the checkpoint, None where it has none)."""
-    theirs = theirs or {"kind": "none"}
-    diff = [k for k in _KEYS if (ours.get(k) if ours.get("kind") != "none" else None) != (
-        theirs.get(k) if theirs.get("kind", "none") != "none" else None)]  # fmt: skip
+
+    def norm(d: dict | None) -> dict:
+        d = d or {}
+        return {k: d.get(k) for k in _KEYS} if d.get("kind", "none") != "none" else {"kind": "none"}
+
+    a, b = norm(theirs), norm(ours)
+    diff = [k for k in _KEYS if a.get(k) != b.get(k)]
     if diff:
-        got = ", ".join(f"{k} {theirs.get(k)!r}" for k in diff)
-        want = ", ".join(f"{k} {ours.get(k)!r}" for k in diff)
+        got = ", ".join(f"{k} {a.get(k)!r}" for k in diff if k in a)
+        want = ", ".join(f"{k} {b.get(k)!r}" for k in diff if k in b)
         raise ConfigError(
-            f"{where} was made with adapter {got}; this run has {want}: resume with the adapter config it was "
+            f"{where} was made with adapter {got}; this run has {want}: resume with the [adapter] config it was "
             "made with (or start a new run from its weights)"
         )
 

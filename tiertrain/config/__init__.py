@@ -85,6 +85,17 @@ class Config:
             )
         if self.update.error_feedback and self.update.topk == 0:
             raise ConfigError("update.error_feedback = true needs update.topk > 0")
+        if self.adapter.on and (self.update.mode not in ("auto", "frozen") or self.update.eager):
+            raise ConfigError(
+                f"update.mode = {self.update.mode!r}{' with update.eager' if self.update.eager else ''} and adapter.kind = "
+                f"{self.adapter.kind!r}: the model is frozen, no unit of it is updated (the adapters update in the "
+                "trainer); leave update.mode = 'auto' and update.eager = false"
+            )
+        if self.update.mode == "frozen" and not self.adapter.on:
+            raise ConfigError(
+                "update.mode = 'frozen' is chosen for adapter runs (adapter.kind = 'lora'), where nothing of the model "
+                "is updated; use 'auto', 'baseline', 'overlap' or 'engines'"
+            )
         if self.adapter.on and self.train.freeze:
             raise ConfigError(
                 f"train.freeze = {self.train.freeze!r} with adapter.kind = {self.adapter.kind!r}: adapters freeze the "

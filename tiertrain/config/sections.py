@@ -388,7 +388,8 @@ class UpdateConfig(Section):
         "'baseline': the trainer streams states through its own buffers after the backward; "
         "'overlap': the same, in a background thread under the next forward (with update.eager, under the "
         "backward as gradients arrive): same math, same memory; "
-        "'engines': one worker process per storage path updates its slice next to its storage, under the next forward.",
+        "'engines': one worker process per storage path updates its slice next to its storage, under the next forward; "
+        "'frozen' (chosen with adapters: nothing of the model is updated, its parameters are the only state).",
     )
     engines: int = opt(0, "Number of update engines (0: one per io.paths entry).")
     eager: bool = opt(
@@ -409,7 +410,7 @@ class UpdateConfig(Section):
     )
 
     def __post_init__(self) -> None:
-        self._one_of("mode", ("auto", "baseline", "overlap", "engines"))
+        self._one_of("mode", ("auto", "baseline", "overlap", "engines", "frozen"))
         self._in_range("engines", 0, 256)
         self._in_range("engine_timeout_s", 1.0, 86400.0)
         self._in_range("topk", 0.0, 0.5)

@@ -218,10 +218,11 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     master = 1 if rt.dtype != torch.float32 else 0
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
+    trained = 0 if cfg.adapter.on else 1  # adapters: the model forms no gradient and has no optimizer state
     out = {
         "host_param_mib": n * e if own else 0,
-        "grad_host_mib": n * e,
-        "optim_host_mib": n * 4 * (moments + master) if own else 0,
+        "grad_host_mib": n * e * trained,
+        "optim_host_mib": n * 4 * (moments + master) * trained if own else 0,
         "stash_host_mib": L * M * entry,
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
@@ -247,7 +248,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
-    out.update(UPDATES[cfg.update.mode].fixed_pools(cfg, rt))  # the update path's own
+    out.update(UPDATES["frozen" if cfg.adapter.on else cfg.update.mode].fixed_pools(cfg, rt))  # the update path's own
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         sharded = getattr(rt, "world", 1) > 1
         out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * GradStore.staging_unit_bytes(
@@ -257,6 +258,9 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
         out["gradient accumulators"] = GradStore.accum_bytes_for(layout, accum_dtype_of(cfg, rt.dtype))
+    adapters = getattr(rt, "adapters", None)
+    if adapters is not None and not rt.dev.separate:  # weights, gradients and AdamW's two moments, fp32
+        out["adapters"] = 4 * adapters.nbytes
     entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     if record_bytes:

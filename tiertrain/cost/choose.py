@@ -59,6 +59,8 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     device's); on a CPU device it would take cores from it. Otherwise the prediction decides,
     from ``rates_fn()`` (the machine's measured rates; called only then), or, where nothing is
     to be measured (``rates_fn`` None), the overlap, which hides the update's I/O."""
+    if cfg.adapter.on:  # nothing of the model is updated: its parameters are the only state
+        return with_mode(cfg, "frozen"), "frozen (adapters on a frozen model: the adapters update in the trainer)"
     if cfg.update.mode != "auto":
         return cfg, None
     paths = _candidates_of_auto()

@@ -52,7 +52,10 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     # every update path with the same rates (eager ones only where clipping is off, as they need)
     from ..update import UPDATES
 
-    paths = [(m, False) for m in UPDATES if m != "auto"]
+    if cfg.adapter.on:
+        out.append("update path: frozen (adapters on a frozen model: nothing of it is updated)")
+        return out
+    paths = [(m, False) for m in UPDATES if m not in ("auto", "frozen")]
     if cfg.optim.grad_clip == 0:
         paths += [(m, True) for m, cls in UPDATES.items() if m != "auto" and cls.supports_eager]
     name = lambda mode, eager: mode + (" (eager)" if eager else "")  # noqa: E731

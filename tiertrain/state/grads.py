@@ -83,7 +83,10 @@ class GradStore:
     @staticmethod
     def buffers_for(layout: FlatLayout, buffers: int = 2) -> int:
         """Device gradient buffers: ``buffers`` in flight, plus one per unit whose parameters a
-        later unit borrows (it stays live from the borrower's backward to its own)."""
+        later unit borrows (it stays live from the borrower's backward to its own); none where
+        every unit is frozen (adapters: no unit forms a gradient)."""
+        if all(unit.frozen for unit in layout.units):
+            return 0
         return buffers + len({o for unit in layout.units for o in unit.borrows})
 
     @staticmethod

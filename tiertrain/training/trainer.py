@@ -27,6 +27,7 @@ from ..activations.offload import OffloadedGraphs
 from ..activations.policy import policy_for
 from ..activations.stash import HiddenStash
 from ..adapters import ADAPTER_FILE, AdapterUpdate
+from ..adapters.train import same_adapter_config
 from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, read_tensors
 from ..config import Config, ConfigError
 from ..data import EvalSet, open_corpus
@@ -172,6 +173,7 @@ class Trainer:
                 "gradient buffers": GradStore.buffers_for(self.layout) * unit,
                 "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(self.layout, accum),
                 "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB,
+                **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
             }
         )
         self.update: Update = self._part(
@@ -362,17 +364,15 @@ class Trainer:
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
+        # adapters or none, and which: named before any state is read (the files differ too)
+        same_adapter_config(
+            self.user_cfg.to_dict()["adapter"], Manifest.read(path).config.get("adapter"), f"checkpoint {path}"
+        )
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:
-            need = ": it was made without adapters; start a new run from its weights (model.init_from)"
-            tensors, meta = read_tensors(path, ADAPTER_FILE, man.entry(ADAPTER_FILE), need)
+            tensors, meta = read_tensors(path, ADAPTER_FILE, man.entry(ADAPTER_FILE))
             self.adapter_update.load(tensors, meta, self.user_cfg, f"checkpoint {path}")
-        elif man.entry(ADAPTER_FILE) is not None:
-            raise ConfigError(
-                f"checkpoint {path} holds adapters (adapter.kind = 'lora'), this run has none: resume with its "
-                "[adapter] config"
-            )
         self.params.invalidate()
         self.step = man.step
         self.update.restored(man.step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import BaselineUpdate
 from .engines import EngineError, EngineUpdate
+from .frozen import FrozenUpdate
 from .overlap import OverlapUpdate
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "BaselineUpdate",
     "EngineUpdate",
     "OverlapUpdate",
+    "FrozenUpdate",
     "EngineError",
     "UPDATES",
 ]
@@ -28,5 +30,6 @@ UPDATES: dict[str, type[Update]] = {
     "baseline": BaselineUpdate,
     "overlap": OverlapUpdate,
     "engines": EngineUpdate,
+    "frozen": FrozenUpdate,  # every unit frozen (adapters): chosen by the planner, never by hand
     "auto": BaselineUpdate,
 }
