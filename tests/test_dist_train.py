@@ -71,6 +71,7 @@ def _train(rank, world, port, out_dir, tree, init_path, separate=False):
                 full=tr.layout.total_numel,
                 paths=tr.cfg.io.paths,
                 mode=tr.update.name,
+                adapters={n: p.detach().clone() for n, p in tr.rt.adapters.named()} if tr.rt.adapters else None,
             )
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
 

@@ -269,3 +269,86 @@ def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
     bad.adapter.init_from = out
     with pytest.raises(ConfigError, match=r"was made with rank 4 \(here 8\)"):
         Trainer(bad)
+
+
+def _hf_base(tmp_path, kind):
+    """A saved transformers model (random weights): the base an adapter is trained on."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.config import ModelConfig
+    from tiertrain.models import hf_config_from
+
+    torch.manual_seed(5)
+    mc = ModelConfig(kind=kind, n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64)
+    if kind == "llama":
+        mc.n_kv_heads = 2
+    hf = AutoModelForCausalLM.from_config(hf_config_from(mc))
+    hf.save_pretrained(tmp_path / "base")
+    return str(tmp_path / "base"), hf.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_eval_and_generate_apply_the_adapters_of_a_checkpoint_or_a_peft_directory(tmp_path, kind):
+    """A LoRA run on a transformers directory, then: ``evaluate`` of its checkpoint is the run's
+    logged validation loss (the adapters applied, not merged); ``generate`` from the checkpoint
+    and from the exported peft directory on the base both give transformers' greedy tokens of
+    ``PeftModel.from_pretrained`` on that base."""
+    from test_eval import _text
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.config import Config, ModelConfig
+    from tiertrain.inference.evaluate import evaluate
+    from tiertrain.inference.generate import Sampling, generate
+    from tiertrain.inference.weights import CheckpointWeights
+    from tiertrain.training.trainer import Trainer
+
+    base_dir, base = _hf_base(tmp_path, kind)
+    cfg = lora_config(tmp_path / "run", kind, steps=2)
+    cfg.model = ModelConfig(hf_dir=base_dir)
+    cfg.optim.lr = 2e-2  # adapters that move the tokens
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 2, 2
+    with Trainer(cfg) as tr:
+        logged = tr.run()[-1].extra["eval_loss"]
+    ck = tr.checkpoints.root
+    with CheckpointWeights(ck) as w:
+        ecfg = Config.from_dict(w.config, environment=False)
+        ecfg.train.run_dir = str(tmp_path / "eval-run")
+        assert evaluate(ecfg, weights=w.source).loss == logged
+    out = export_checkpoint(ck, str(tmp_path / "adapter"))
+    prompts = [[3, 17, 42, 9], [5, 8]]
+    want = []
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), out).eval()
+    plain = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            want.append(loaded.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[0, len(p) :].tolist())
+            plain.append(base.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[0, len(p) :].tolist())
+    assert want != plain  # the adapters change the tokens
+    s = Sampling(max_new_tokens=8, stop_at_eos=False)
+    with CheckpointWeights(ck) as w:
+        gcfg = Config.from_dict(w.config, environment=False)
+        assert generate(gcfg, prompts, s, weights=w.source) == want
+    pcfg = lora_config(tmp_path / "gen", kind)
+    pcfg.model = ModelConfig(hf_dir=base_dir)
+    pcfg.adapter.init_from = out
+    assert generate(pcfg, prompts, s) == want
+
+
+@pytest.mark.slow
+def test_lora_on_ranks_trains_the_grouped_peft_reference_bit_for_bit(tmp_path):
+    """2 ranks, the frozen base sharded over their tiers and gathered per unit, each rank's
+    adapter gradients summed in rank order: peft's LoRA trained on the same grouping of
+    micro-batches in one process, bit for bit; the same adapters on every rank."""
+    from test_dist_train import run_ranks
+
+    cfg = lora_config(tmp_path, "llama", layers=2, micro_batches=2, steps=3)
+    ref_model, out = run_ranks(tmp_path / "ranks", cfg, 2)
+    ref_model, names = peft_reference(cfg, ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert [o["mode"] for o in out] == ["frozen", "frozen"]
+    for name, p in out[0]["adapters"].items():
+        assert torch.equal(p, ref_weights[names[name]]), name
+        assert torch.equal(p, out[1]["adapters"][name])

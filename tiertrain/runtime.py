@@ -58,16 +58,12 @@ class Runtime:
 
     def _build_model(self, cfg: Config) -> None:
         self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
+        self.weights = self._given_weights or source
         self.adapters = None
         if cfg.adapter.on:  # the base frozen whole, the adapters beside it on the compute device
             from .adapters import LoRA
 
             self.frozen = freeze_all(self.model)
-            if self.world > 1:
-                raise ConfigError(
-                    f"adapter.kind = {cfg.adapter.kind!r} with {self.world} ranks is not supported yet: train it "
-                    "in one process (--nproc 1)"
-                )
             if self.model.row_pieces:
                 raise ConfigError(
                     "adapter.kind = 'lora' with the vocabulary cut into pieces is not supported yet: set "
@@ -78,9 +74,10 @@ class Runtime:
                 from .adapters.peft_io import load_peft
 
                 load_peft(self.model, self.adapters, cfg.adapter.init_from)
+            if self.weights.adapters is not None:  # a checkpoint's: evaluation and generation with them
+                self.adapters.load_named(self.weights.adapters)
         else:
             self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
-        self.weights = self._given_weights or source
         align = chunk_align(align_of(cfg), self.dtype)
         world, rank = self.world, self.rank
         self.layout = FlatLayout(self.model, unit_align=world * align)

@@ -140,6 +140,19 @@ class LoRA(nn.Module):
             yield f"{t.name}.lora_A.weight", p.lora_A.weight
             yield f"{t.name}.lora_B.weight", p.lora_B.weight
 
+    def load_named(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set every adapter from ``tensors`` by ``named()``'s names (a checkpoint's); each one
+        must be there with this run's shape."""
+        with torch.no_grad():
+            for name, p in self.named():
+                t = tensors.get(name)
+                if t is None or tuple(t.shape) != tuple(p.shape):
+                    raise ConfigError(
+                        f"the adapter {name} is {'missing' if t is None else f'of shape {tuple(t.shape)}'} in the "
+                        f"given adapters; this run's is {tuple(p.shape)} (the [adapter] config they were made with?)"
+                    )
+                p.copy_(t)
+
     @property
     def nbytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in self.params())

@@ -59,6 +59,19 @@ class AdapterUpdate:
                 fused=True,
             )  # fmt: skip
 
+    def reduce(self, group) -> None:
+        """With ranks: every adapter's gradient summed over the ranks, in rank order (as the
+        model's gradients are), the same bits on every rank. Sync point."""
+        if group.world == 1:
+            return
+        ps = self.lora.params()
+        flat = torch.cat([p.grad.reshape(-1) for p in ps]).cpu()  # collectives on host memory (Gloo)
+        total = group.sum_in_rank_order(flat)
+        a = 0
+        for p in ps:
+            p.grad.copy_(total[a : a + p.numel()].view_as(p.grad))
+            a += p.numel()
+
     def total_norm(self) -> torch.Tensor:
         """The global gradient norm (the adapters are every trained parameter), as
         ``clip_grad_norm_`` computes it."""
@@ -90,11 +103,7 @@ class AdapterUpdate:
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], cfg: Config, where: str) -> None:
         """Restore ``state``'s output (``where``: the checkpoint, for errors)."""
         same_adapter_config(_section(cfg), json.loads(meta.get("adapter", "null")), where)
-        with torch.no_grad():
-            for name, p in self.lora.named():
-                if name not in tensors or tuple(tensors[name].shape) != tuple(p.shape):
-                    raise ConfigError(f"{where}: {name} is missing or has another shape than this run's adapter")
-                p.copy_(tensors[name])
+        self.lora.load_named(tensors)
         self.opt.state.clear()
         for i, p in enumerate(self.lora.params()):
             state = {k.split(".", 2)[2]: v.to(p.device) for k, v in tensors.items() if k.startswith(f"optimizer.{i}.")}

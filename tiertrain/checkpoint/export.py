@@ -121,9 +121,7 @@ def _adapters(path: str, man: Manifest):
     cfg = Config.from_dict(man.config, environment=False)
     model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
     lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
-    with torch.no_grad():
-        for name, p in lora.named():
-            p.copy_(tensors[name])
+    lora.load_named(tensors)
     return model, lora
 
 

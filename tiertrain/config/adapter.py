@@ -35,7 +35,8 @@ class AdapterConfig(Section):
     init_from: str | None = opt(
         None,
         "A peft adapter directory (adapter_model.safetensors, adapter_config.json) to start from instead of "
-        "the seeded initialisation; its rank, alpha and targets are taken as given here.",
+        "the seeded initialisation (or, in eval and generate, to apply); adapter.rank, alpha and target must be "
+        "its own (a difference is named).",
     )
 
     def __post_init__(self) -> None:

@@ -291,7 +291,9 @@ class CheckpointWeights:
         w = weights_file(self.path, man)
         file, self.dtype, entry = w.path, w.dtype, w.entry
         self.config, self.layout = man.config, w.layout
-        self.source = WeightSource(describe=f"checkpoint {self.path} (step {man.step})", load=self.load)
+        self.source = WeightSource(
+            describe=f"checkpoint {self.path} (step {man.step})", load=self.load, adapters=_adapters_of(self.path, man)
+        )
         self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype)
         self._file = FileHandle(file, "r")
         try:
@@ -331,3 +333,12 @@ class CheckpointWeights:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _adapters_of(path: str, man) -> dict[str, torch.Tensor] | None:
+    """The trained adapters of a checkpoint of an adapter run (checked), else None."""
+    from ..adapters import ADAPTER_FILE
+    from ..checkpoint import read_tensors
+
+    entry = man.entry(ADAPTER_FILE)
+    return None if entry is None else read_tensors(path, ADAPTER_FILE, entry)[0]

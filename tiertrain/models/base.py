@@ -94,6 +94,8 @@ class WeightSource:
 
     describe: str
     load: Callable[[int, list[str]], dict[str, torch.Tensor]]
+    # the trained adapters that go with these weights (a checkpoint of an adapter run), by name
+    adapters: dict[str, torch.Tensor] | None = None
 
 
 class LayeredModel(nn.Module):

@@ -394,6 +394,7 @@ class Trainer:
         self.grads.flush()  # sync point: every gradient home before the update reads it
         norm = self.grads.total_norm()
         if self.adapter_update is not None:  # the only trained parameters: the base forms no gradient
+            self.adapter_update.reduce(self.group)
             norm = self.adapter_update.total_norm()
         coef = None
         if cfg.optim.grad_clip > 0:
