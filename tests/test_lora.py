@@ -5,6 +5,7 @@ never written; checkpoints resumed bit for bit; bad adapter configs named."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -352,3 +353,52 @@ def test_lora_on_ranks_trains_the_grouped_peft_reference_bit_for_bit(tmp_path):
     for name, p in out[0]["adapters"].items():
         assert torch.equal(p, ref_weights[names[name]]), name
         assert torch.equal(p, out[1]["adapters"][name])
+
+
+@pytest.mark.parametrize("host_param_mib", [0, 64])  # the base on the tier / in memory
+def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_reads_half(tmp_path, host_param_mib):
+    """``model.base_dtype = 'bfloat16'`` with fp32 compute: the frozen model is kept in bf16 and
+    upcast per unit as it is loaded, so a run is peft's on plain PyTorch with the base's weights
+    rounded to bf16, bit for bit; the storage tier reads half the bytes (the cost model's too);
+    the checkpoint holds the base in bf16 and resumes."""
+    from tiertrain.cost import run_traffic
+    from tiertrain.training.trainer import Trainer
+
+    cfg = lora_config(tmp_path / "a", "llama", steps=3, stash_host_mib=64, host_param_mib=host_param_mib)
+    cfg.model.base_dtype = "bfloat16"
+    ref_model = reference_model(cfg)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # the base as the run keeps it
+    init = weights_of(ref_model)
+    ref_model, names = peft_reference(cfg, ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, _, trained_path = _train(cfg, init, 3)
+    full = lora_config(tmp_path / "b", "llama", steps=3, stash_host_mib=64, host_param_mib=host_param_mib)  # in fp32
+    with Trainer(cfg) as tr, Trainer(full) as tf:
+        recs = []
+        for t in (tr, tf):
+            t.initialize(progress=False)
+            t.train_step()
+            recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
+        assert tr.update.states[0].dtype == torch.bfloat16
+    (half, t_half), (whole, t_whole) = recs
+    assert half.ssd_read_bytes == t_half.read and whole.ssd_read_bytes == t_whole.read
+    if host_param_mib == 0:
+        assert 0.47 < half.ssd_read_bytes / whole.ssd_read_bytes < 0.53  # half, but for units' aligned ends
+    else:
+        assert half.ssd_read_bytes == whole.ssd_read_bytes == 0
+    assert losses == ref_losses
+    from safetensors.torch import load_file
+
+    got = load_file(os.path.join(trained_path, "adapter.safetensors"))
+    for name, ref_name in names.items():
+        assert torch.equal(got[name], ref_weights[ref_name]), name
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    merged = export_checkpoint(trained_path, str(tmp_path / "merged"), merge=True)  # the bf16 layout read back
+    assert any(n.endswith(".safetensors") for n in os.listdir(merged))
+    with pytest.raises(ConfigError, match=r"model.base_dtype = 'bfloat16' is for a frozen model under adapters"):
+        from tiertrain.config import load_config
+
+        load_config(None, ["--model.base_dtype=bfloat16"])

@@ -51,6 +51,12 @@ class Runtime:
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
+        self.base_dtype = getattr(torch, cfg.model.base_dtype) if cfg.model.base_dtype else self.dtype
+        if self.base_dtype.itemsize > self.dtype.itemsize:
+            raise ConfigError(
+                f"model.base_dtype = {cfg.model.base_dtype!r} is wider than the compute dtype ({self.dtype}): it would "
+                "read more and compute nothing finer; leave it unset or use a narrower dtype"
+            )
         self._given_weights = weights
         self._build_model(cfg)
         self.storage: Storage | None = None
@@ -78,7 +84,8 @@ class Runtime:
                 self.adapters.load_named(self.weights.adapters)
         else:
             self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
-        align = chunk_align(align_of(cfg), self.dtype)
+        # units start where a record of the narrowest dtype kept starts (the frozen model's may be narrower)
+        align = chunk_align(align_of(cfg), self.base_dtype)
         world, rank = self.world, self.rank
         self.layout = FlatLayout(self.model, unit_align=world * align)
         self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)

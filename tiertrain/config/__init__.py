@@ -96,6 +96,11 @@ class Config:
                 "update.mode = 'frozen' is chosen for adapter runs (adapter.kind = 'lora'), where nothing of the model "
                 "is updated; use 'auto', 'baseline', 'overlap' or 'engines'"
             )
+        if self.model.base_dtype is not None and not self.adapter.on:
+            raise ConfigError(
+                f"model.base_dtype = {self.model.base_dtype!r} is for a frozen model under adapters (adapter.kind = "
+                "'lora'); a trained model keeps its parameters in train.param_dtype: unset it"
+            )
         if self.adapter.on and self.train.freeze:
             raise ConfigError(
                 f"train.freeze = {self.train.freeze!r} with adapter.kind = {self.adapter.kind!r}: adapters freeze the "

@@ -181,7 +181,16 @@ class ModelConfig(Section):
         "pieces: equal to the whole one up to rounding (docs/DESIGN.md).",
     )
 
+    base_dtype: str | None = opt(
+        None,
+        "With adapters: the dtype the frozen model's weights are kept in on the storage tier and in "
+        "memory ('bfloat16' or 'float16' halve the bytes a step reads); each unit is upcast to the compute "
+        "dtype (train.param_dtype) as it is loaded. None: the compute dtype.",
+    )
+
     def __post_init__(self) -> None:
+        if self.base_dtype is not None:
+            self._one_of("base_dtype", ("float32", "bfloat16", "float16"))
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
         if self.vocab_pieces is not None:
             self._at_least("vocab_pieces", 1)

@@ -220,7 +220,7 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
     trained = 0 if cfg.adapter.on else 1  # adapters: the model forms no gradient and has no optimizer state
     out = {
-        "host_param_mib": n * e if own else 0,
+        "host_param_mib": n * getattr(rt, "base_dtype", rt.dtype).itemsize if own else 0,
         "grad_host_mib": n * e * trained,
         "optim_host_mib": n * 4 * (moments + master) * trained if own else 0,
         "stash_host_mib": L * M * entry,

@@ -162,7 +162,8 @@ def step_traffic(
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
     nbytes = [u.numel * e for u in layout.units]
-    params_file = _on_file(layout, dtype, m.host_param_mib * MIB, align)
+    pdt = getattr(torch, cfg.model.base_dtype) if cfg.model.base_dtype else dtype  # the frozen model's, if narrower
+    params_file = _on_file(layout, pdt, m.host_param_mib * MIB, align)
     grads_file = _on_file(layout, dtype, m.grad_host_mib * MIB, align)
     plan = model.plan
     head = next(r for r in plan if r.role == "head")
@@ -174,11 +175,12 @@ def step_traffic(
     embed_trains = next(r for r in plan if r.role == "embed").index not in frozen
     order = visits(plan, used_pieces, embed_backward=embed_trains)
     n_forward = len(order) - len(blocks) - embed_trains  # the backward: the blocks in reverse, the embed unit
-    on_host = (lambda u: False) if separate else (lambda u: u not in params_file)
+    # host-resident units are bound in place, unless they cross to the device or are converted
+    on_host = (lambda u: False) if separate or pdt != dtype else (lambda u: u not in params_file)
     for pos, u in slot_fetches(order, layout, m.device_slots, on_host):
         phase = "forward" if pos < n_forward else "backward"
         if u in params_file:
-            t._add("params", phase, "read", nbytes[u])
+            t._add("params", phase, "read", layout.units[u].numel * pdt.itemsize)
         if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
             t.up += nbytes[u]
 

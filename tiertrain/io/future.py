@@ -41,6 +41,12 @@ class IOFuture:
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
 
+    def then(self, fn: Callable[[], object]) -> "IOFuture":
+        """A future over the same chunks whose ``get`` also runs this one's finishing step,
+        then ``fn()`` (in the getter's thread, once): work on the bytes read, such as a
+        conversion. Use it instead of this one."""
+        return IOFuture(self._parts, finish=lambda _: (self.get(), fn())[0])
+
     def watch(self) -> "IOFuture":
         """A future over the same chunks for a second waiter (another thread): its ``get``
         waits for them and raises their errors, without this future's finishing step (which
