@@ -116,6 +116,37 @@ def test_lora_trains_as_peft_on_plain_pytorch(tmp_path, kind, host_param_mib):
     assert tr.update.name == "frozen" and [d.name for d in tr.update.states] == ["params"]  # no optimizer state
 
 
+@pytest.mark.parametrize("activations", ["keep", "offload"])
+def test_lora_with_kept_or_offloaded_activations(tmp_path, activations):
+    """The blocks' autograd graphs kept from the forward (the adapters' saved tensors in them), or
+    written to the storage tier and read back for the backward: peft's bits still."""
+    kw = dict(keep_act_mib=64) if activations == "keep" else dict(activations="offload")
+    cfg = lora_config(tmp_path, "llama", **kw)
+    tr = assert_lora_parity(cfg)
+    if activations == "keep":
+        assert tr.executor.kept_pairs > 0 and tr.executor.recomputed == 0
+    else:
+        assert tr.offloaded is not None
+
+
+def test_lora_through_the_python_api(tmp_path):
+    """``tiertrain.train`` with an ``adapter`` section: trains, checkpoints the adapters."""
+    import tiertrain
+
+    recs = tiertrain.train(
+        {
+            "model": {"kind": "llama", "n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256},
+            "data": {"seq_len": 32, "micro_batch_size": 2, "micro_batches": 2},
+            "train": {"steps": 2, "run_dir": str(tmp_path / "run"), "predict": False, "progress": False},
+            "io": {"paths": [str(tmp_path / "scratch")]},
+            "adapter": {"kind": "lora", "rank": 4, "target": ["q_proj", "v_proj"]},
+        }
+    )
+    assert len(recs) == 2 and recs[-1].ssd_write_bytes == 0
+    ck = os.path.join(str(tmp_path / "run"), "checkpoints", "step-00000002")
+    assert os.path.exists(os.path.join(ck, "adapter.safetensors"))
+
+
 def test_lora_without_clipping_and_one_micro_batch(tmp_path):
     assert_lora_parity(lora_config(tmp_path, "llama", clip=0.0, micro_batches=1, rank=8))
 

@@ -99,7 +99,8 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
     with them)."""
     from ..models import auto_pieces
 
-    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None else None
+    # adapters: the vocabulary stays whole (not cut under adapters yet); a short budget is named
+    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None and not cfg.adapter.on else None
     resolved, why = None, ""
     if pieces is not None:
         why = _device_short(cfg, rt)

@@ -1,0 +1,282 @@
+"""LoRA on a frozen model larger than memory: tiertrain against its I/O floor and against plain
+peft in memory.
+
+1. **The big model**: a Llama of ``--big`` shape (default about 2.4 B parameters) made with
+   transformers' ``save_pretrained`` in bf16 (4.9 GB; in fp32 training with AdamW it would need
+   39 GB, 1.6x this machine's RAM). tiertrain trains LoRA (rank 16 on every projection) on it,
+   the base kept in bf16 on the storage tier (``model.base_dtype``), fp32 compute, within a host
+   budget of ``--host-mib``. Reported: peak RSS of the training process, s/step, bytes read per
+   step, and the floors: I/O = two reads of the base at the rate probed in the same process
+   before training; compute = a forward and backward of every unit in memory at this batch (the
+   cost model's unit timings). tiertrain's step against max(I/O, compute).
+2. **The peer**: a smaller Llama (``--peer``) that plain PyTorch + peft trains in memory (fp32,
+   ``inject_adapter_in_model``, fused AdamW): its s/step and peak RSS; then tiertrain on the
+   same model, data shape and LoRA with a host budget of a fifth of peft's peak RSS (the base
+   in fp32, the same math). Each run in its own process (peak RSS is per process).
+
+DeepSpeed ZeRO-3 with NVMe parameter offload + peft is not run here: DeepSpeed is not installed
+on this machine's project environment (its ZeRO-3 does not partition parameters that require no
+gradient, which is the case the issue names); ``bench/vs_deepspeed.py`` compares full training.
+
+Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out FILE]
+                            [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SEQ, MBS, M = 64, 1, 2  # tokens per micro-batch row, rows, micro-batches per step
+
+
+def shape(spec: str) -> dict:
+    layers, d = (int(x) for x in spec.lower().split("x"))
+    return dict(
+        num_hidden_layers=layers,
+        hidden_size=d,
+        intermediate_size=256 * ((int(8 * d / 3) + 255) // 256),
+        num_attention_heads=d // 128,
+        num_key_value_heads=max(1, d // 512),
+        vocab_size=32000,
+        max_position_embeddings=512,
+    )
+
+
+def make_base(path: str, spec: str) -> dict:
+    """A random Llama of ``spec`` saved with ``save_pretrained`` in bf16 (once per scratch)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**shape(spec), tie_word_embeddings=False)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(path, max_shard_size="2GB")
+        del model
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    return {"bytes_bf16": sum(os.path.getsize(f) for f in files)}
+
+
+def tiertrain_worker(spec: dict) -> dict:
+    from tiertrain.config import load_config
+    from tiertrain.cost import measure_rates
+    from tiertrain.cost.probe import DiskProbe
+    from tiertrain.training.trainer import Trainer
+
+    flags = [
+        f"--model.hf_dir={spec['base']}",
+        f"--io.paths={spec['scratch']}/ssd",
+        f"--train.run_dir={spec['scratch']}/run",
+        f"--data.seq_len={SEQ}",
+        f"--data.micro_batch_size={MBS}",
+        f"--data.micro_batches={M}",
+        "--data.tokenizer=bytes",
+        f"--train.steps={spec['steps']}",
+        "--train.progress=false",
+        "--train.predict=false",
+        "--train.overwrite=true",
+        "--checkpoint.at_end=false",
+        f"--memory.host_mib={spec['host_mib']}",
+        "--adapter.kind=lora",
+        "--adapter.rank=16",
+        f"--adapter.target={','.join(TARGETS)}",
+        *([f"--model.base_dtype={spec['base_dtype']}"] if spec["base_dtype"] else []),
+    ]
+    from tiertrain.cost.budget import PoolsOverBudget
+
+    cfg = load_config(None, flags)
+    os.makedirs(f"{spec['scratch']}/ssd", exist_ok=True)
+    with DiskProbe(cfg.io, 1024) as d:
+        write = d.write()
+        read = d.read()
+    asked = spec["host_mib"]
+    try:
+        tr = Trainer(cfg)
+    except PoolsOverBudget as exc:  # the fixed pools alone exceed it: the least budget that runs, said
+        cfg.memory.host_mib = -(-exc.needed // 2**20) + 32
+        print(f"budget {asked} MiB refused ({exc}); running at {cfg.memory.host_mib} MiB", file=sys.stderr)
+        tr = Trainer(cfg)
+    with tr:
+        tr.initialize(progress=False)
+        recs = []
+        for _ in range(spec["steps"]):
+            recs.append(tr.train_step())
+            print(recs[-1].line(spec["steps"]), file=sys.stderr, flush=True)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rates = measure_rates(tr.cfg, tr.rt, probe_mib=256)
+        L = len(tr.model.blocks)
+        compute = M * (rates.embed_fwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s)
+        base_bytes = tr.layout.total_numel * tr.rt.base_dtype.itemsize
+        out = {
+            "steps": [r.step_s for r in recs],
+            "read": [r.ssd_read_bytes for r in recs],
+            "write": [r.ssd_write_bytes for r in recs],
+            "losses": [r.loss for r in recs],
+            "peak": peak,
+            "read_gbps": read,
+            "write_gbps": write,
+            "compute_s": compute,
+            "base_bytes": base_bytes,
+            "params": tr.layout.n_params,
+            "adapters": sum(p.numel() for p in tr.rt.adapters.params()),
+            "budget": tr.budget.lines() if tr.budget else [],
+            "asked_mib": asked,
+            "host_mib": cfg.memory.host_mib,
+        }
+    return out
+
+
+def peft_worker(spec: dict) -> dict:
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=3e-4, weight_decay=0.1, fused=True)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        for _ in range(M):
+            x = torch.randint(0, 256, (MBS, SEQ), generator=g)
+            (model(input_ids=x, labels=x).loss / M).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return {"steps": times, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def spawn(kind: str, spec: dict) -> dict:
+    """A worker in its own process: its peak RSS is its own."""
+    r = subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(spec)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} worker failed:\n{r.stderr[-4000:]}")
+    sys.stderr.write(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs[1:] or xs)  # the first step warms up
+
+
+def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None) -> str:
+    gib = 2**30
+    step = med(big["steps"])
+    io = 2 * big["base_bytes"] / (big["read_gbps"] * 1e9)
+    floor = max(io, big["compute_s"])
+    fp32_states = 16 * big["params"]
+    lines = [
+        f"# LoRA on a frozen {big['params'] / 1e9:.2f} B-parameter Llama larger than memory",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / gib:.1f} GiB RAM, one virtual disk. "
+        f"Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
+        f"({base['bytes_bf16'] / 1e9:.2f} GB); full fp32 training with AdamW would need {fp32_states / 1e9:.0f} GB. "
+        f"LoRA rank 16, alpha 32, on {', '.join(TARGETS)}: {big['adapters'] / 1e6:.1f} M trainable parameters. "
+        f"fp32 compute on CPU, the base kept in bf16 (model.base_dtype); {M} micro-batches of {MBS} x {SEQ} tokens; "
+        f"host budget {args.host_mib} MiB; {args.steps} steps, the first not counted.",
+        "",
+        *[f"    {x}" for x in big["budget"]],
+        "",
+        "| step | s | read GB | written GB | loss |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {i + 1} | {s:.1f} | {r / 1e9:.2f} | {w / 1e9:.2f} | {loss:.4f} |"
+            for i, (s, r, w, loss) in enumerate(zip(big["steps"], big["read"], big["write"], big["losses"]))
+        ],
+        "",
+        f"- peak RSS of the training process: **{big['peak'] / gib:.2f} GiB** (budget {big['host_mib'] / 1024:.2f} GiB"
+        + (
+            f"; {big['asked_mib']} MiB was refused: the fixed pools alone take more, so the least budget that runs"
+            if big["host_mib"] != big["asked_mib"]
+            else ""
+        )
+        + ")",
+        f"- disk probed in the same process before training: read {big['read_gbps']:.2f} GB/s, write "
+        f"{big['write_gbps']:.2f} GB/s",
+        f"- I/O floor: two reads of the base, {2 * big['base_bytes'] / 1e9:.2f} GB at {big['read_gbps']:.2f} GB/s = "
+        f"{io:.1f} s; compute floor (forward and backward of every unit in memory at this batch, measured): "
+        f"{big['compute_s']:.1f} s",
+        f"- step (median of steps 2..): {step:.1f} s = **{step / io:.2f}x the I/O floor**, "
+        f"{step / floor:.2f}x max(I/O, compute); nothing written ({max(big['write']) / 1e9:.2f} GB a step at most)",
+        "",
+    ]
+    if peer is not None and peer_tt is not None:
+        ps, ts = med(peer["steps"]), med(peer_tt["steps"])
+        lines += [
+            f"## Against plain peft in memory ({args.peer if args.peer != 'same' else args.big}, "
+            f"{peer_tt['params'] / 1e9:.2f} B parameters, fp32, the "
+            "same LoRA and batch shape)",
+            "",
+            "| system | s/step | peak RSS GiB |",
+            "|---|---|---|",
+            f"| plain PyTorch + peft, in memory | {ps:.2f} | {peer['peak'] / gib:.2f} |",
+            f"| tiertrain, budget {peer_tt['host_mib']} MiB (asked: {args.peer_mib} MiB, a fifth of peft's peak), "
+            f"base fp32 on the tier | {ts:.2f} | {peer_tt['peak'] / gib:.2f} |",
+            "",
+            f"tiertrain: **{ts / ps:.2f}x peft's step at {peer_tt['peak'] / peer['peak']:.2f}x its peak RSS** "
+            f"(goal: within 1.2x at a fifth); it read {med(peer_tt['read']) / 1e9:.2f} GB a step "
+            f"(I/O floor {2 * peer_tt['base_bytes'] / (peer_tt['read_gbps'] * 1e9):.1f} s at "
+            f"{peer_tt['read_gbps']:.2f} GB/s).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--host-mib", type=int, default=2048)
+    ap.add_argument("--big", default="32x2560", help="the big model: LAYERSxWIDTH (default: 2.43 B parameters)")
+    ap.add_argument(
+        "--peer", default="same", help="the model peft trains in memory (LAYERSxWIDTH; 'same': the big model, in fp32)"
+    )
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        kind, spec = args.worker[0], json.loads(args.worker[1])
+        fn = {"tiertrain": tiertrain_worker, "peft": peft_worker, "base": lambda s: make_base(s["path"], s["shape"])}
+        print(json.dumps(fn[kind](spec)))
+        return 0
+    out = checked_out(args.out) if args.out else None
+    with scratch_dir(args.scratch, "lora") as scratch:
+        base = spawn("base", {"path": f"{scratch}/big-base", "shape": args.big})
+        big = spawn(
+            "tiertrain",
+            dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
+                 base_dtype="bfloat16"),
+        )  # fmt: skip
+        peer = peer_tt = None
+        if not args.skip_peer:
+            pbase = f"{scratch}/big-base" if args.peer == "same" else f"{scratch}/peer-base"
+            if args.peer != "same":
+                spawn("base", {"path": pbase, "shape": args.peer})
+            peer = spawn("peft", dict(base=pbase, steps=args.steps))
+            args.peer_mib = int(peer["peak"] / 5 / 2**20)
+            peer_tt = spawn(
+                "tiertrain",
+                dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, host_mib=args.peer_mib, base_dtype=None),
+            )  # fmt: skip
+    publish(report(args, big, base, peer, peer_tt), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""bench/lora.py: the report's figures are computed from the runs (floors, ratios, the budget a
+run needed), and the script runs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import lora  # noqa: E402
+
+
+def _run(**kw):
+    out = dict(
+        steps=[9.0, 4.0, 5.0],
+        read=[2e9, 2e9, 2e9],
+        write=[0, 0, 0],
+        losses=[10.0, 9.0, 8.0],
+        peak=3 << 30,
+        read_gbps=1.0,
+        write_gbps=2.0,
+        compute_s=3.0,
+        base_bytes=2e9,
+        params=1_000_000_000,
+        adapters=1_000_000,
+        budget=["host memory budget ..."],
+        asked_mib=2048,
+        host_mib=2048,
+    )
+    out.update(kw)
+    return out
+
+
+def test_report_puts_the_step_against_both_floors_and_peft():
+    args = argparse.Namespace(big="2x64", peer="same", host_mib=2048, steps=3, peer_mib=400)
+    big = _run(steps=[9.0, 4.0, 5.0])  # median of steps 2.. = 4.5 s; I/O floor 2 x 2 GB at 1 GB/s = 4 s
+    peer = dict(steps=[5.0, 3.0, 3.0], peak=2 << 30)
+    peer_tt = _run(steps=[7.0, 3.6, 3.6], peak=1 << 29, host_mib=700, asked_mib=400)
+    text = lora.report(args, big, {"bytes_bf16": 2e9}, peer, peer_tt)
+    assert "4.5 s = **1.12x the I/O floor**" in text and "1.12x max(I/O, compute)" in text
+    assert "**1.20x peft's step at 0.25x its peak RSS**" in text
+    assert "budget 700 MiB (asked: 400 MiB" in text
+    refused = lora.report(args, _run(host_mib=2500), {"bytes_bf16": 2e9}, None, None)
+    assert "2048 MiB was refused" in refused and "Against plain peft" not in refused
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_a_tiny_model(tmp_path):
+    out = tmp_path / "lora.md"
+    r = subprocess.run(
+        [sys.executable, lora.__file__, "--big", "2x256", "--steps", "2", "--host-mib", "1024", "--skip-peer",
+         "--scratch", str(tmp_path), "--out", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert "the I/O floor" in text and "nothing written (0.00 GB" in text
