@@ -78,12 +78,12 @@ def _peft_names(cfg, ours):
     return out
 
 
-def assert_lora_parity(cfg):
+def assert_lora_parity(cfg, device=None):
     ref_model = reference_model(cfg)
     init = weights_of(ref_model)
     ref_model, names = peft_reference(cfg, ref_model)
     ref_losses, ref_weights = reference_train(cfg, ref_model)
-    losses, weights, tr = run_tiertrain(cfg, init)
+    losses, weights, tr = run_tiertrain(cfg, init, device)
     assert losses == ref_losses
     adapters = dict(tr.rt.adapters.named())
     assert len(adapters) == 2 * len(tr.rt.adapters.targets) > 0
@@ -145,6 +145,31 @@ def test_lora_through_the_python_api(tmp_path):
     assert len(recs) == 2 and recs[-1].ssd_write_bytes == 0
     ck = os.path.join(str(tmp_path / "run"), "checkpoints", "step-00000002")
     assert os.path.exists(os.path.join(ck, "adapter.safetensors"))
+
+
+@pytest.mark.parametrize("base_dtype", [None, "bfloat16"])
+def test_lora_on_a_device_with_memory_of_its_own(tmp_path, base_dtype):
+    """As on CUDA (the simulated device: copies on streams that complete later, memory poisoned
+    when given back): the base's units staged, upcast where kept narrower, and uploaded; the
+    adapters on the device. peft's bits (a bf16 base: on the bf16-rounded model)."""
+    from tiertrain.device.simulated import AsyncCpuDevice
+
+    cfg = lora_config(tmp_path, "llama", host_param_mib=1)  # some units in host memory, the rest read
+    cfg.model.base_dtype = base_dtype
+    if base_dtype is None:
+        assert_lora_parity(cfg, AsyncCpuDevice(delay=0.001))
+        return
+    ref_model = reference_model(cfg)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    init = weights_of(ref_model)
+    ref_model, names = peft_reference(cfg, ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model)
+    losses, _, tr = run_tiertrain(cfg, init, AsyncCpuDevice(delay=0.001))
+    assert losses == ref_losses
+    for name, p in tr.rt.adapters.named():
+        assert torch.equal(p.detach(), ref_weights[names[name]]), name
 
 
 def test_lora_without_clipping_and_one_micro_batch(tmp_path):
