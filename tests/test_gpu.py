@@ -83,6 +83,31 @@ def test_cuda_frozen_units_match_the_cpu_run_and_stay_unwritten(tmp_path, mode):
     assert frozen and all(torch.equal(w_gpu[n], _initial(tr, init, n)) for n in frozen)
 
 
+@pytest.mark.parametrize("base_dtype", [None, "bfloat16"])
+def test_cuda_lora_matches_the_cpu_run(tmp_path, base_dtype):
+    """LoRA on CUDA (adapters on the device, the frozen base streamed and uploaded, upcast from
+    bf16 where kept so): the CPU run's losses and adapters within 1e-5 in fp32."""
+    from test_lora import lora_config
+
+    def cfg(where, device):
+        c = lora_config(tmp_path / where, "llama")
+        c.train.device, c.train.param_dtype, c.model.base_dtype = device, "float32", base_dtype
+        return c
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        init = weights_of(reference_model(cfg("r", "cpu")))
+        l_cpu, _, t_cpu = run_tiertrain(cfg("c", "cpu"), init)
+        a_cpu = {n: p.detach().cpu() for n, p in t_cpu.rt.adapters.named()}
+        l_gpu, _, t_gpu = run_tiertrain(cfg("g", "cuda"), init)
+        a_gpu = {n: p.detach().cpu() for n, p in t_gpu.rt.adapters.named()}
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
+    assert t_gpu.update.name == "frozen" and set(a_gpu) == set(a_cpu)
+    same_weights_across_devices(t_gpu, a_gpu, a_cpu)
+
+
 def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     """bf16 on CUDA: both update paths run the same fused kernels on the host: identical."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))
