@@ -45,13 +45,12 @@ def peft_reference(cfg, ref_model):
     inner = ref_model.hf if isinstance(ref_model, HFWrapper) else ref_model
     layered = copy.deepcopy(ref_model) if inner is ref_model else _layered(cfg, inner)
     ours = LoRA(layered, cfg.adapter, seed=cfg.train.seed, device="cpu")
-    ours.model_ref = layered
     a = cfg.adapter
     pc = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target))
     inner = peft.inject_adapter_in_model(pc, inner)
     if isinstance(ref_model, HFWrapper):
         ref_model.hf = inner
-    names = _peft_names(cfg, ours)
+    names = _peft_names(layered, ours)
     state = dict(inner.named_parameters())
     with torch.no_grad():
         for name, p in ours.named():
@@ -66,11 +65,11 @@ def _layered(cfg, hf):
     return layer_llama(copy.deepcopy(hf)) if cfg.model.kind == "llama" else layer_gpt2(copy.deepcopy(hf))
 
 
-def _peft_names(cfg, ours):
+def _peft_names(layered, ours):
     """Our adapter names -> peft's (``<module>.lora_A.default.weight``) in the reference model."""
     from tiertrain.adapters.peft_io import module_names
 
-    paths = module_names(ours.model_ref, ours)
+    paths = module_names(layered, ours)
     out = {}
     for name, _ in ours.named():
         module, ab, w = name.rsplit(".", 2)
@@ -438,6 +437,9 @@ def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_r
             t.train_step()
             recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
         assert tr.update.states[0].dtype == torch.bfloat16
+        # the pools: a bf16 staging buffer per slot to upcast from, none with the base in fp32
+        assert tr.budget.fixed["upcast staging"] == cfg.memory.device_slots * tr.layout.max_unit_numel * 2
+        assert "upcast staging" not in tf.budget.fixed
     (half, t_half), (whole, t_whole) = recs
     assert half.ssd_read_bytes == t_half.read and whole.ssd_read_bytes == t_whole.read
     if host_param_mib == 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .config import Config, ConfigError
-from .device.core import Device, make_device, resolve_dtype
+from .device.core import Device, base_dtype_of, make_device, resolve_dtype
 from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
@@ -51,7 +51,7 @@ class Runtime:
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
-        self.base_dtype = getattr(torch, cfg.model.base_dtype) if cfg.model.base_dtype else self.dtype
+        self.base_dtype = base_dtype_of(cfg.model.base_dtype, self.dtype)
         if self.base_dtype.itemsize > self.dtype.itemsize:
             raise ConfigError(
                 f"model.base_dtype = {cfg.model.base_dtype!r} is wider than the compute dtype ({self.dtype}): it would "

@@ -38,10 +38,9 @@ SEED_SALT = 0x10_4A  # the adapters' generator: the run's seed + this (not the b
 @dataclass(frozen=True)
 class Target:
     """A linear layer that gets an adapter: ``name`` (full, as in the model's state dict
-    without ``.weight``), ``block`` number, ``module``, and its ``in_features`` / ``out_features``."""
+    without ``.weight``), ``module``, and its ``in_features`` / ``out_features``."""
 
     name: str
-    block: int
     module: nn.Module
     in_features: int
     out_features: int
@@ -73,7 +72,7 @@ def find_targets(model: LayeredModel, names: list[str]) -> list[Target]:
             last = local.rsplit(".", 1)[-1]
             have[last] = None
             if not names or last in names:
-                out.append(Target(f"blocks.{i}.{local}", i, module, *shape))
+                out.append(Target(f"blocks.{i}.{local}", module, *shape))
     missing = [n for n in names if n not in have]
     if missing or not out:
         raise ConfigError(
@@ -99,8 +98,6 @@ class LoRA(nn.Module):
 
     def __init__(self, model: LayeredModel, cfg: AdapterConfig, *, seed: int, device: torch.device | str) -> None:
         super().__init__()
-        if cfg.rank < 1:
-            raise ConfigError(f"adapter.rank = {cfg.rank}: must be at least 1")
         self.cfg = cfg
         self.targets = find_targets(model, cfg.target)
         too_big = [t.name for t in self.targets if cfg.rank > min(t.in_features, t.out_features)]
@@ -119,8 +116,9 @@ class LoRA(nn.Module):
         self._hooks = [t.module.register_forward_hook(self._hook(p)) for t, p in zip(self.targets, self.adapters)]
 
     @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.targets]
+    def kinds(self) -> list[str]:
+        """The targeted layers' last names (peft's ``target_modules``), sorted."""
+        return sorted({t.name.rsplit(".", 1)[-1] for t in self.targets})
 
     def reset(self, seed: int) -> None:
         """peft's initialisation from ``seed``: A Kaiming-uniform (a = sqrt(5)), B zero."""
@@ -167,17 +165,10 @@ class LoRA(nn.Module):
 
         return hook
 
-    def remove(self) -> None:
-        """Take the hooks off the model (it computes as the base again)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     def describe(self) -> str:
         n = sum(w.numel() for w in self.params())
-        kinds = sorted({t.name.rsplit(".", 1)[-1] for t in self.targets})
         return (
             f"LoRA rank {self.cfg.rank}, alpha {self.cfg.alpha:g}, dropout {self.cfg.dropout:g} on "
-            f"{len(self.targets)} layers ({', '.join(kinds)}): {n:,} trainable parameters, "
+            f"{len(self.targets)} layers ({', '.join(self.kinds)}): {n:,} trainable parameters, "
             f"{4 * n / 2**20:.1f} MiB of weights (x4 with gradients and AdamW moments), on the compute device"
         )

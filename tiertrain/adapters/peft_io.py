@@ -50,7 +50,6 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
 
     os.makedirs(out_dir, exist_ok=True)
     cfg = lora.cfg
-    names = module_names(model, lora)
     fan_in_fan_out = any(type(t.module).__name__ == "Conv1D" for t in lora.targets)
     config = {
         "peft_type": "LORA",
@@ -59,7 +58,7 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in names.values()}),
+        "target_modules": lora.kinds,
         "fan_in_fan_out": fan_in_fan_out,
         "bias": "none",
         "use_rslora": False,
@@ -100,8 +99,7 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
     the same rank and targets: each tensor's name and shape checked)."""
     from safetensors.torch import load_file
 
-    theirs, ours = read_peft_config(directory), lora.cfg
-    kinds = sorted({t.name.rsplit(".", 1)[-1] for t in lora.targets})
+    theirs, ours, kinds = read_peft_config(directory), lora.cfg, lora.kinds
     diff = [
         f"{k} {a!r} (here {b!r})"
         for k, a, b in (("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha), ("target", theirs.target, kinds))
@@ -124,10 +122,11 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
             f"adapter.init_from = {directory!r}: {len(missing)} adapters this model needs are not in it (first: "
             f"{missing[0]}); it was made for another model or other targets"
         )
+    names = module_names(model, lora)
     with torch.no_grad():
         for t, p in zip(lora.targets, lora.adapters):
             for ab, w in (("lora_A", p.lora_A.weight), ("lora_B", p.lora_B.weight)):
-                key = f"base_model.model.{module_names(model, lora)[t.name]}.{ab}.weight"
+                key = f"base_model.model.{names[t.name]}.{ab}.weight"
                 if tuple(have[key].shape) != tuple(w.shape):
                     raise ConfigError(
                         f"adapter.init_from = {directory!r}: {key} has shape {tuple(have[key].shape)}, this run's "

@@ -110,7 +110,7 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
 
 
 def _adapters(path: str, man: Manifest):
-    """The checkpoint's adapters on its model's skeleton, (model, LoRA), or None without any."""
+    """The checkpoint's adapters on its model's skeleton, (model, LoRA, config), or None without any."""
     from ..adapters import ADAPTER_FILE, LoRA
     from .saver import read_tensors
 
@@ -122,14 +122,13 @@ def _adapters(path: str, man: Manifest):
     model, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
     lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
     lora.load_named(tensors)
-    return model, lora
+    return model, lora, cfg
 
 
 def _write_adapter(path: str, man: Manifest, out: str, adapters) -> None:
     from ..adapters.peft_io import export_peft
 
-    model, lora = adapters
-    cfg = Config.from_dict(man.config, environment=False)
+    model, lora, cfg = adapters
     export_peft(model, lora, out, base_path=cfg.model.hf_dir)
     with open(os.path.join(out, "tiertrain.json"), "w") as f:
         json.dump({"step": man.step, "config": man.config}, f, indent=1)
@@ -140,7 +139,7 @@ def _merged(adapters) -> dict[str, torch.Tensor]:
     """Per target weight name, the delta peft's merge adds: ``transpose(B @ A, fan_in_fan_out) * scaling``."""
     if adapters is None:
         return {}
-    _, lora = adapters
+    _, lora, _ = adapters
     out = {}
     for t, p in zip(lora.targets, lora.adapters):
         delta = p.lora_B.weight @ p.lora_A.weight

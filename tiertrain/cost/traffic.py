@@ -27,6 +27,7 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config
+from ..device.core import base_dtype_of
 from ..execute.executor import visits
 from ..state.regions import place
 from ..update.streamed import optimizer_states
@@ -162,7 +163,7 @@ def step_traffic(
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
     nbytes = [u.numel * e for u in layout.units]
-    pdt = getattr(torch, cfg.model.base_dtype) if cfg.model.base_dtype else dtype  # the frozen model's, if narrower
+    pdt = base_dtype_of(cfg.model.base_dtype, dtype)  # the frozen model's, if narrower
     params_file = _on_file(layout, pdt, m.host_param_mib * MIB, align)
     grads_file = _on_file(layout, dtype, m.grad_host_mib * MIB, align)
     plan = model.plan

@@ -56,6 +56,11 @@ def cpu_has_fast_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def base_dtype_of(name: str | None, compute: torch.dtype) -> torch.dtype:
+    """The dtype a frozen model is kept in (``model.base_dtype``; None: the compute dtype)."""
+    return getattr(torch, name) if name else compute
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 matrix products on CPU are two orders of magnitude slower than fp32 here

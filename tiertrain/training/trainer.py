@@ -392,10 +392,11 @@ class Trainer:
         out = self._run_step()
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
-        norm = self.grads.total_norm()
         if self.adapter_update is not None:  # the only trained parameters: the base forms no gradient
             self.adapter_update.reduce(self.group)
             norm = self.adapter_update.total_norm()
+        else:
+            norm = self.grads.total_norm()
         coef = None
         if cfg.optim.grad_clip > 0:
             coef = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from ..config import Config
+from ..device.core import base_dtype_of
 from ..io import IOFuture, Storage, aligned_empty
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
@@ -25,26 +26,24 @@ from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import RegionParams
 
-__all__ = ["FrozenUpdate", "base_dtype_of"]
+__all__ = ["FrozenUpdate"]
 
 MIB = 1 << 20
 OWNER = "update (frozen)"
 
 
-def base_dtype_of(cfg: Config, pdtype: torch.dtype) -> torch.dtype:
-    """The dtype the frozen model is kept in (``model.base_dtype``; default the compute's)."""
-    return getattr(torch, cfg.model.base_dtype) if cfg.model.base_dtype else pdtype
-
-
 class _Upcast(ParamSource):
     """The frozen model kept in a narrower dtype than the compute's: each unit is read into a
-    buffer of its own dtype and upcast into the slot once the read is done (in the thread that
-    waits for it). Never zero-copy: a host-resident unit is converted like a read one."""
+    staging buffer of its own dtype and upcast into the slot once the read is done (in the thread
+    that waits for it). Never zero-copy: a host-resident unit is converted like a read one. The
+    staging buffers (one per load in flight, at most one per slot) are made once and reused:
+    ``FrozenUpdate.fixed_pools`` counts them."""
 
     file_backed = True
 
-    def __init__(self, inner: RegionParams, dtype: torch.dtype) -> None:
-        self.inner, self.dtype = inner, dtype
+    def __init__(self, inner: RegionParams, dtype: torch.dtype, max_numel: int) -> None:
+        self.inner, self.dtype, self.max_numel = inner, dtype, max_numel
+        self._free: list[torch.Tensor] = []
 
     def on_host(self, u: int) -> bool:
         return False  # its bytes are not the slot's dtype: always loaded, converted
@@ -52,14 +51,24 @@ class _Upcast(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         raise RuntimeError("a converted unit has no host view")
 
+    def _take(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        src = self.inner.dtype  # aligned: O_DIRECT reads into it
+        return aligned_empty(self.max_numel * src.itemsize).view(src)
+
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
-        src = self.inner.dtype
-        buf = aligned_empty(out.numel() * src.itemsize).view(src)  # aligned: O_DIRECT reads into it
-        if self.inner.on_host(u):
-            buf.copy_(self.inner.host_view(u))
+        if self.inner.on_host(u):  # upcast straight from host memory
+            out.copy_(self.inner.host_view(u))
+            return IOFuture.completed(out.numel() * self.inner.dtype.itemsize)
+        staging = self._take()
+        buf = staging[: out.numel()]
+
+        def upcast() -> None:
             out.copy_(buf)
-            return IOFuture.completed(buf.numel() * src.itemsize)
-        return self.inner.load(u, buf).then(lambda: out.copy_(buf))
+            self._free.append(staging)
+
+        return self.inner.load(u, buf).then(upcast)
 
 
 class _NoGrads(GradSink):
@@ -82,6 +91,14 @@ class FrozenUpdate(Update):
     name = "frozen"
 
     @classmethod
+    def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
+        """With the model kept narrower than the compute: a staging buffer per slot to upcast from."""
+        base = base_dtype_of(cfg.model.base_dtype, rt.dtype)
+        if base == rt.dtype:
+            return {}
+        return {"upcast staging": cfg.memory.device_slots * rt.layout.max_unit_numel * base.itemsize}
+
+    @classmethod
     def declare(
         cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
     ) -> list[StateDecl]:
@@ -89,7 +106,7 @@ class FrozenUpdate(Update):
             TieredRegions.declare(
                 layout,
                 "params.bin",
-                base_dtype_of(cfg, pdtype),
+                base_dtype_of(cfg.model.base_dtype, pdtype),
                 cfg.memory.host_param_mib * MIB,
                 align,
                 name="params",
@@ -104,7 +121,7 @@ class FrozenUpdate(Update):
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         self._params = TieredRegions(layout, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
-        self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
+        self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype, layout.max_unit_numel)
         self.grads = _NoGrads()
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
