@@ -437,9 +437,8 @@ def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_r
             t.train_step()
             recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
         assert tr.update.states[0].dtype == torch.bfloat16
-        # the pools: a bf16 staging buffer per slot to upcast from, none with the base in fp32
-        assert tr.budget.fixed["upcast staging"] == cfg.memory.device_slots * tr.layout.max_unit_numel * 2
-        assert "upcast staging" not in tf.budget.fixed
+        # the pools: the bf16 base is widened inside the slots, no staging memory of its own
+        assert tr.budget.fixed == tf.budget.fixed
     (half, t_half), (whole, t_whole) = recs
     assert half.ssd_read_bytes == t_half.read and whole.ssd_read_bytes == t_whole.read
     if host_param_mib == 0:
@@ -460,3 +459,19 @@ def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_r
         from tiertrain.config import load_config
 
         load_config(None, ["--model.base_dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 4097, (1 << 20) + 3, (5 << 20) + 12345])
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_a_unit_is_widened_inside_its_own_slot(n, narrow):
+    """The narrow unit read into the back of its fp32 slot and widened in place is the plain
+    conversion, bit for bit, at every size (tails, units smaller than one aligned block)."""
+    from tiertrain.io.align import round_down
+    from tiertrain.update.frozen import widen_in_place
+
+    src = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(narrow)
+    out = torch.full((n,), float("nan"))
+    offset = round_down(n * 2)
+    out.view(torch.uint8)[offset : offset + 2 * n].view(narrow).copy_(src)
+    widen_in_place(out, offset, narrow)
+    assert torch.equal(out, src.float())

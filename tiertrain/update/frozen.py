@@ -19,7 +19,8 @@ import torch
 
 from ..config import Config
 from ..device.core import base_dtype_of
-from ..io import IOFuture, Storage, aligned_empty
+from ..io import IOFuture, Storage
+from ..io.align import round_down
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
 from ..state.regions import TieredRegions
@@ -32,18 +33,39 @@ MIB = 1 << 20
 OWNER = "update (frozen)"
 
 
+WIDEN_TAIL = 1 << 20  # elements: below this the rest of a unit is widened through a copy
+
+
+def widen_in_place(out: torch.Tensor, narrow_offset: int, dtype: torch.dtype) -> None:
+    """Widen a unit read in ``dtype`` into the back of ``out``'s own bytes (from byte
+    ``narrow_offset``) into ``out``, front to back. Element ``i`` of ``out`` ends at byte
+    ``e_out * (i + 1)`` and the narrow elements not yet read start at ``narrow_offset + e_in * i``,
+    so each chunk is taken as large as keeps its destination before its source: the chunks
+    halve (fp32 from bf16), and the last ``WIDEN_TAIL`` elements go through a small copy."""
+    n, e_out, e_in = out.numel(), out.element_size(), dtype.itemsize
+    raw = out.view(torch.uint8)
+    narrow = raw[narrow_offset : narrow_offset + n * e_in].view(dtype)
+    a = 0
+    while a < n:
+        b = min(n, (narrow_offset + e_in * a) // e_out)
+        if n - a <= WIDEN_TAIL or b - a < WIDEN_TAIL // 4:
+            out[a:].copy_(narrow[a:].clone())
+            return
+        out[a:b].copy_(narrow[a:b])  # destination bytes [e_out*a, e_out*b) end before the source's
+        a = b
+
+
 class _Upcast(ParamSource):
-    """The frozen model kept in a narrower dtype than the compute's: each unit is read into a
-    staging buffer of its own dtype and upcast into the slot once the read is done (in the thread
-    that waits for it). Never zero-copy: a host-resident unit is converted like a read one. The
-    staging buffers (one per load in flight, at most one per slot) are made once and reused:
-    ``FrozenUpdate.fixed_pools`` counts them."""
+    """The frozen model kept in a narrower dtype than the compute's: each unit is read into the
+    back half of its own slot (its narrow bytes fit there, at an aligned offset, so O_DIRECT
+    reads into it) and widened in place once the read is done (``widen_in_place``, in the thread
+    that waits for it): no staging memory beyond the slots. Never zero-copy: a host-resident unit
+    is converted like a read one."""
 
     file_backed = True
 
-    def __init__(self, inner: RegionParams, dtype: torch.dtype, max_numel: int) -> None:
-        self.inner, self.dtype, self.max_numel = inner, dtype, max_numel
-        self._free: list[torch.Tensor] = []
+    def __init__(self, inner: RegionParams, dtype: torch.dtype) -> None:
+        self.inner, self.dtype = inner, dtype
 
     def on_host(self, u: int) -> bool:
         return False  # its bytes are not the slot's dtype: always loaded, converted
@@ -51,24 +73,15 @@ class _Upcast(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         raise RuntimeError("a converted unit has no host view")
 
-    def _take(self) -> torch.Tensor:
-        if self._free:
-            return self._free.pop()
-        src = self.inner.dtype  # aligned: O_DIRECT reads into it
-        return aligned_empty(self.max_numel * src.itemsize).view(src)
-
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        src = self.inner.dtype
         if self.inner.on_host(u):  # upcast straight from host memory
             out.copy_(self.inner.host_view(u))
-            return IOFuture.completed(out.numel() * self.inner.dtype.itemsize)
-        staging = self._take()
-        buf = staging[: out.numel()]
-
-        def upcast() -> None:
-            out.copy_(buf)
-            self._free.append(staging)
-
-        return self.inner.load(u, buf).then(upcast)
+            return IOFuture.completed(out.numel() * src.itemsize)
+        n = out.numel()
+        offset = round_down(n * (out.element_size() - src.itemsize))  # aligned, as the slot's start
+        buf = out.view(torch.uint8)[offset : offset + n * src.itemsize].view(src)
+        return self.inner.load(u, buf).then(lambda: widen_in_place(out, offset, src))
 
 
 class _NoGrads(GradSink):
@@ -92,11 +105,8 @@ class FrozenUpdate(Update):
 
     @classmethod
     def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
-        """With the model kept narrower than the compute: a staging buffer per slot to upcast from."""
-        base = base_dtype_of(cfg.model.base_dtype, rt.dtype)
-        if base == rt.dtype:
-            return {}
-        return {"upcast staging": cfg.memory.device_slots * rt.layout.max_unit_numel * base.itemsize}
+        """None: a narrower model is widened inside the slots (``widen_in_place``)."""
+        return {}
 
     @classmethod
     def declare(
@@ -121,7 +131,7 @@ class FrozenUpdate(Update):
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         self._params = TieredRegions(layout, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
-        self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype, layout.max_unit_numel)
+        self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
         self.grads = _NoGrads()
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
