@@ -253,9 +253,9 @@ def test_no_room_for_the_record_pool_recomputes_under_auto_and_is_refused_under_
 
 def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
     """Request and update buffers at their defaults (16 MiB, 3 x 32 MiB) are lowered, down to
-    4 MiB and 3 x 8 MiB, where the fixed pools would not fit otherwise; a value the user set
-    is kept, and then the budget is refused as before."""
-    cfg = planned_config(tmp_path / "a", layers=4, micro_batches=2, activations="keep")
+    4 MiB and 3 x 8 MiB, where the fixed pools would not fit otherwise, and then the parameter
+    slots from 3 to 2; a value the user set is kept, and then the budget is refused as before."""
+    cfg = planned_config(tmp_path / "a", layers=2, d=512, heads=8, micro_batches=2, activations="keep")
     cfg.io.chunk_kib, cfg.memory.update_buffer_kib = 16384, 32768  # the defaults
     rt = Runtime(cfg)
     at_default = sum(fixed_pools(cfg, rt, 1 << 20).values())
@@ -281,11 +281,24 @@ def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
     out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
     assert (out.io.chunk_kib, out.memory.update_buffer_kib) == (16384, 32768)
     assert not any("lowered" in line for line in plan.lines())
-    cfg.memory.host_mib = at_floor // MIB - 1  # below even the lowered pools
+    # below the lowered buffers' pools: then (only then) the parameter slots, 3 -> 2
+    two = dataclasses.replace(small, memory=dataclasses.replace(small.memory, device_slots=2))
+    at_two = sum(fixed_pools(two, rt, 1 << 20).values())
+    assert at_floor - at_two == rt.layout.max_unit_numel * 4 > 2 * MIB  # a slot
+    cfg.memory.host_mib = (at_floor - 1) // MIB
+    assert cfg.memory.host_mib * MIB >= at_two
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    assert (out.io.chunk_kib, out.memory.update_buffer_kib, out.memory.device_slots) == (4096, 8192, 2)
+    assert any("memory.update_buffer_kib 32768 -> 8192 KiB, memory.device_slots 3 -> 2 slots" in x for x in plan.lines())
+    cfg.memory.host_mib = at_two // MIB - 1  # below even the lowered pools
     with pytest.raises(ConfigError, match=r"memory.host_mib: the budget .* is less than the fixed pools"):
         resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
-    cfg.memory.host_mib = at_floor // MIB + 2
-    cfg.io.chunk_kib = 8192  # set by the user: kept; the update buffers alone do not make room
+    cfg.memory.host_mib = at_two // MIB + 2
+    cfg.io.chunk_kib = 8192  # set by the user: kept; the update buffers and slots alone do not make room
+    with pytest.raises(ConfigError, match=r"less than the fixed pools"):
+        resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    cfg.io.chunk_kib, cfg.memory.device_slots = 16384, 4  # slots set by the user: kept
+    cfg.memory.host_mib = at_floor // MIB - 1
     with pytest.raises(ConfigError, match=r"less than the fixed pools"):
         resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
 

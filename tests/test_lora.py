@@ -16,6 +16,8 @@ from tiertrain.adapters import LoRA
 from tiertrain.config import ConfigError
 from tiertrain.reference import HFWrapper
 
+MIB = 1 << 20
+
 peft = pytest.importorskip("peft")
 
 TARGETS = {
@@ -475,3 +477,64 @@ def test_a_unit_is_widened_inside_its_own_slot(n, narrow):
     out.view(torch.uint8)[offset : offset + 2 * n].view(narrow).copy_(src)
     widen_in_place(out, offset, narrow)
     assert torch.equal(out, src.float())
+
+
+_MEMORY_CHILD = r"""
+import json, os, sys, torch
+import transformers.models.llama.modeling_llama  # a library's code, not the run's memory
+from transformers import AutoModelForCausalLM, LlamaConfig
+from tiertrain.config import load_config
+from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
+from tiertrain.training.trainer import Trainer
+d, mib = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+hf = LlamaConfig(num_hidden_layers=2, hidden_size=512, intermediate_size=1536, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False)
+AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16).save_pretrained(f"{d}/base")
+cfg = load_config(None, [f"--model.hf_dir={d}/base", f"--io.paths={d}/ssd", f"--train.run_dir={d}/run",
+    "--data.seq_len=64", "--data.micro_batch_size=1", "--data.micro_batches=2", "--data.tokenizer=bytes",
+    "--train.steps=2", "--train.progress=false", "--train.predict=false", "--checkpoint.at_end=false",
+    f"--memory.host_mib={mib}", "--adapter.kind=lora", "--adapter.target=q_proj,v_proj,down_proj",
+    "--model.base_dtype=bfloat16"])
+os.makedirs(f"{d}/ssd")
+if not reset_peak_rss():
+    print(json.dumps({"unsupported": "cannot reset the peak RSS"})); sys.exit(0)
+base = host_rss()
+with Trainer(cfg) as tr:
+    tr.initialize(progress=False)
+    losses = [tr.train_step().loss for _ in range(2)]
+    print(json.dumps(dict(growth=host_peak_rss() - base, used=tr.budget.host_used, fixed=tr.budget.fixed,
+                          unit=tr.layout.max_unit_numel * 4, slots=tr.cfg.memory.device_slots, losses=losses,
+                          lines=tr.budget.lines())))
+"""
+
+
+@pytest.mark.slow
+def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot(tmp_path):
+    """A LoRA run's working set is two units (initialisation holds a unit in the base's dtype and
+    its source's tensor; no gradient of the model is ever formed), not training's four; a bf16
+    base is widened inside its slots (no staging pool); a budget short of the default pools
+    lowers the buffers, then the slots to two, and says so. Measured: the process grows by less
+    than the budget (from after the libraries' imports), on a model whose largest unit is its
+    32000 x 512 vocabulary matrix."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _MEMORY_CHILD, str(tmp_path), "420"], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if "unsupported" in out:
+        pytest.skip(out["unsupported"])
+    unit, fixed = out["unit"], out["fixed"]
+    assert unit >= 32000 * 512 * 4  # the vocabulary matrix, its end aligned
+    assert fixed["parameter slots"] == 2 * unit and out["slots"] == 2
+    from tiertrain.cost.budget import WORKING_SLACK
+
+    assert 2 * unit < fixed["working set"] - WORKING_SLACK < 3 * unit  # two units and two micro-batches' activations
+    assert "upcast staging" not in fixed and fixed["gradient buffers"] == 0
+    assert any("memory.device_slots 3 -> 2 slots" in line for line in out["lines"])
+    assert out["used"] <= 420 * MIB and out["growth"] <= 420 * MIB, out["growth"] / MIB
+    assert all(l == l for l in out["losses"])

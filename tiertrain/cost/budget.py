@@ -249,7 +249,8 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
-    out.update(UPDATES["frozen" if cfg.adapter.on else cfg.update.mode].fixed_pools(cfg, rt))  # the update path's own
+    path = UPDATES["frozen" if cfg.adapter.on else cfg.update.mode]
+    out.update(path.fixed_pools(cfg, rt))  # the update path's own
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         sharded = getattr(rt, "world", 1) > 1
         out["staging"] = m.device_slots * unit + GradStore.buffers_for(layout) * GradStore.staging_unit_bytes(
@@ -266,7 +267,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     if record_bytes:
         out["activation records"] = m.act_buffers * record_bytes
-    out["working set"] = 4 * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
+    out["working set"] = path.working_units * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
     return out
 
 
@@ -328,26 +329,33 @@ class PoolsOverBudget(ConfigError):
         self.needed = needed
 
 
-# Buffers that a small budget may lower from their defaults, down to these sizes (KiB): 4 MiB
-# requests and 8 MiB update sets, the sizes the 1/5-of-plain benchmarks ran at.
-SHRINKABLE = (("io", "chunk_kib", 4096), ("memory", "update_buffer_kib", 8192))
+# Buffers that a small budget may lower from their defaults, in stages, down to these floors:
+# first the I/O requests and update sets (4 MiB requests and 8 MiB update sets, the sizes the
+# 1/5-of-plain benchmarks ran at), then the parameter slots to two (one computing, one loading:
+# no deeper prefetch). Each: section, field, floor, unit.
+SHRINKABLE = (
+    (("io", "chunk_kib", 4096, "KiB"), ("memory", "update_buffer_kib", 8192, "KiB")),
+    (("memory", "device_slots", 2, "slots"),),
+)
 
 
 def _halved_buffers(cfg: Config, given: Config) -> Config | None:
-    """``cfg`` with each buffer of ``SHRINKABLE`` that ``given`` leaves at its default, and
-    that is above its floor, halved; None when none can shrink. A value other than the
-    default was set by the user and is kept."""
-    changed = {}
-    for section, name, floor in SHRINKABLE:
-        sec = getattr(cfg, section)
-        value = getattr(sec, name)
-        if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and value % 2 == 0:
-            changed.setdefault(section, {})[name] = max(floor, value // 2)
-    if not changed:
-        return None
-    return dataclasses.replace(
-        cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()}
-    )
+    """``cfg`` with the first stage of ``SHRINKABLE`` that can shrink shrunk: each field that
+    ``given`` leaves at its default and that is above its floor, halved (down to the floor);
+    None when none can shrink. A value other than the default was set by the user and is kept."""
+    for stage in SHRINKABLE:
+        changed: dict[str, dict[str, int]] = {}
+        for section, name, floor, unit in stage:
+            sec = getattr(cfg, section)
+            value = getattr(sec, name)
+            even = unit != "KiB" or value % 2 == 0  # KiB buffers stay whole blocks
+            if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and even:
+                changed.setdefault(section, {})[name] = max(floor, value // 2)
+        if changed:
+            return dataclasses.replace(
+                cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()}
+            )
+    return None
 
 
 def _default(sec, name: str) -> int:
@@ -357,7 +365,8 @@ def _default(sec, name: str) -> int:
 
 def _resolve_fitting(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, BudgetPlan]:
     """``_resolve``; where the fixed pools do not fit, first with the request and update
-    buffers lowered from their defaults (noted in the plan), then the error."""
+    buffers, then the parameter slots, lowered from their defaults (noted in the plan), then
+    the error."""
     given = cfg
     while True:
         try:
@@ -369,8 +378,9 @@ def _resolve_fitting(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[
             cfg = smaller
             continue
         lowered = [
-            f"{sec}.{name} {getattr(getattr(given, sec), name)} -> {getattr(getattr(cfg, sec), name)} KiB"
-            for sec, name, _ in SHRINKABLE
+            f"{sec}.{name} {getattr(getattr(given, sec), name)} -> {getattr(getattr(cfg, sec), name)} {unit}"
+            for stage in SHRINKABLE
+            for sec, name, _, unit in stage
             if getattr(getattr(cfg, sec), name) != getattr(getattr(given, sec), name)
         ]
         if lowered:

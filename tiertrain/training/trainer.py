@@ -314,7 +314,8 @@ class Trainer:
         """Write initial weights (and optimizer state) unit by unit: memory of one unit."""
         from tqdm import tqdm
 
-        flat = aligned_empty(self.layout.max_unit_numel * 4).view(torch.float32)
+        dtype = self.update.init_dtype  # fp32, or a frozen base's own: converted as it is copied in
+        flat = aligned_empty(self.layout.max_unit_numel * dtype.itemsize).view(dtype)
         for unit in tqdm(self.layout.units, desc="init weights", disable=not progress, unit="unit"):
             values = self.source.load(unit.index, [r.name for r in unit.params])
             view = flat[: unit.numel]

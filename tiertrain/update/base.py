@@ -74,6 +74,12 @@ class Update(abc.ABC):
     beside_compute: bool = False
     supports_eager: bool = False
     states_in_trainer: bool = True
+    # Units (of the compute dtype) that initialisation and autograd hold at once beyond the
+    # pools: the budget's working set. Training: the initial unit, its fp32 source and the
+    # update's copies, or a unit's weights and the gradients autograd forms for them.
+    working_units: int = 4
+    # The dtype ``init_unit`` takes its weights in (the trainer's initialisation buffer).
+    init_dtype: torch.dtype = torch.float32
 
     @abc.abstractmethod
     def __init__(self, cfg, layout, storage, pdtype: torch.dtype, *, pin: bool) -> None:

@@ -102,6 +102,9 @@ class _NoGrads(GradSink):
 
 class FrozenUpdate(Update):
     name = "frozen"
+    # No gradient of the model is formed: initialisation holds the most, a unit in the base's
+    # dtype and its source's tensors.
+    working_units = 2
 
     @classmethod
     def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
@@ -133,10 +136,11 @@ class FrozenUpdate(Update):
         params = RegionParams(self._params)
         self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
         self.grads = _NoGrads()
+        self.init_dtype = self._params.dtype  # initial weights go straight into the base's dtype
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         d = self._params.dtype
-        self._params.write(u, flat32 if d == torch.float32 else flat32.to(d)).get()
+        self._params.write(u, flat32 if flat32.dtype == d else flat32.to(d)).get()
 
     def step(self, step: int, lr: float, clip_coef: torch.Tensor | None) -> UpdateStats:
         return UpdateStats()
