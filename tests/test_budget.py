@@ -289,7 +289,9 @@ def test_a_budget_below_the_default_buffers_lowers_them_and_says_so(tmp_path):
     assert cfg.memory.host_mib * MIB >= at_two
     out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
     assert (out.io.chunk_kib, out.memory.update_buffer_kib, out.memory.device_slots) == (4096, 8192, 2)
-    assert any("memory.update_buffer_kib 32768 -> 8192 KiB, memory.device_slots 3 -> 2 slots" in x for x in plan.lines())
+    assert any(
+        "memory.update_buffer_kib 32768 -> 8192 KiB, memory.device_slots 3 -> 2 slots" in x for x in plan.lines()
+    )
     cfg.memory.host_mib = at_two // MIB - 1  # below even the lowered pools
     with pytest.raises(ConfigError, match=r"memory.host_mib: the budget .* is less than the fixed pools"):
         resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
