@@ -7,6 +7,8 @@ the same way for both systems.
 
     python bench/deepspeed_worker.py tune  WORK_DIR            -> prints the best aio settings (JSON)
     python bench/deepspeed_worker.py train WORK_DIR SPEC_JSON  -> prints one JSON line per step
+    python bench/deepspeed_worker.py lora  WORK_DIR SPEC_JSON  -> LoRA (peft) on a frozen base, ZeRO-3
+                                                                  with the parameters on NVMe (bench/lora.py)
 """
 
 from __future__ import annotations
@@ -224,15 +226,95 @@ def train(work: str, spec: dict) -> None:
     del keep  # zero.Init stays configured until the end
 
 
+def lora(work: str, spec: dict) -> None:
+    """peft's LoRA on the frozen base ``spec['base']`` under ZeRO-3 with every parameter on NVMe
+    (the base built inside zero.Init from its safetensors, fp32; the adapters' AdamW in host
+    memory: they are small), clipping at 1.0; random tokens as bench/lora.py's peft worker
+    draws them. One JSON line per step, or the error where it does not run."""
+    os.environ.update(MASTER_ADDR="localhost", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29519)))
+    import deepspeed
+    import peft
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    meter = ProcMeter()
+    deepspeed.init_distributed(dist_backend="gloo")
+    hf = AutoConfig.from_pretrained(spec["base"])
+    h = hf.hidden_size
+    largest = max(hf.vocab_size * h, hf.intermediate_size * h, h * h)
+    nvme = os.path.join(work, "ds-nvme")
+    os.makedirs(nvme, exist_ok=True)
+    M = spec["micro_batches"]
+    config = {
+        "train_micro_batch_size_per_gpu": spec["micro_batch_size"],
+        "gradient_accumulation_steps": M,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1 << 30,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": 0,  # as bench/vs_deepspeed.py: 0.19.8 asserts when it prefetches on NVMe
+            "stage3_max_live_parameters": largest,
+            "stage3_max_reuse_distance": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "max_in_cpu": 0,
+                "buffer_count": 5,
+                "buffer_size": largest,
+            },
+        },
+    }
+    t0 = time.perf_counter()
+    keep = HfDeepSpeedConfig(config)  # from_pretrained partitions each parameter to NVMe as it is made
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    model.config.use_cache = False
+    lc = peft.LoraConfig(r=spec["rank"], lora_alpha=2 * spec["rank"], target_modules=spec["targets"])
+    model = peft.get_peft_model(model, lc)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+    engine.train()
+    print(json.dumps(dict(event="ready", init_s=time.perf_counter() - t0, init_peak_rss=meter.peak_rss())), flush=True)
+    meter.reset_peak()
+    g = torch.Generator().manual_seed(0)
+    for step in range(spec["steps"]):
+        io0, s0, losses = meter.io(), time.perf_counter(), []
+        for _ in range(M):
+            x = torch.randint(0, 256, (spec["micro_batch_size"], spec["seq"]), generator=g)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        io1 = meter.io()
+        print(
+            json.dumps(
+                dict(
+                    event="step",
+                    step=step + 1,
+                    step_s=time.perf_counter() - s0,
+                    loss=sum(losses) / len(losses),
+                    read_bytes=io1[0] - io0[0],
+                    write_bytes=io1[1] - io0[1],
+                    peak_rss=meter.peak_rss(),
+                )
+            ),
+            flush=True,
+        )
+    del keep
+
+
 def main(argv: list[str]) -> int:
     cmd, work = argv[0], argv[1]
     if cmd == "tune":
         print(json.dumps(tune(work)), flush=True)
-    elif cmd == "train":
+    elif cmd in ("train", "lora"):
         with open(argv[2]) as f:
-            train(work, json.load(f))
+            (train if cmd == "train" else lora)(work, json.load(f))
     else:
-        raise SystemExit(f"unknown command {cmd!r}: use 'tune' or 'train'")
+        raise SystemExit(f"unknown command {cmd!r}: use 'tune', 'train' or 'lora'")
     return 0
 
 

@@ -115,6 +115,32 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
     assert os.listdir(tmp_path / "fresh") == []
 
 
+def test_a_generation_does_not_take_the_kv_cache_of_a_live_one(tmp_path):
+    """Two generations spilling their key/value caches into one directory: the second is
+    refused, naming the directory and the holder, and the live one's kv.bin is left alone (it
+    was replaced as a killed one's, and both failed their checksums)."""
+    from test_generate_tiers import PROMPTS, _cfg, _llama_dir
+
+    from tiertrain.inference.generate import Sampling, generate
+    from tiertrain.inference.kvcache import NAME
+    from tiertrain.io.scratch import ScratchInUseError, ScratchLock
+
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path))
+    shared = tmp_path / "kvs"
+    cfg.memory.kv_host_mib, cfg.io.paths = 0, [str(shared)]
+    live = ScratchLock([str(shared)])  # the first generation, running
+    (shared / NAME).write_bytes(b"\1" * 4096)
+    try:
+        with pytest.raises(ScratchInUseError, match=rf"scratch directory {shared} is in use .*pid {os.getpid()}"):
+            generate(cfg, PROMPTS, Sampling(max_new_tokens=2))
+        assert (shared / NAME).read_bytes() == b"\1" * 4096
+    finally:
+        live.release(remove=True)
+    (shared / NAME).unlink()
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=2))  # once it is done: the directory is free
+    assert os.listdir(shared) == []  # its file and lock gone (the directory was there before it)
+
+
 def _cli(tmp_path, *extra, nproc=1, env=None):
     flags = llama_rank_flags(tmp_path, "--memory.host_param_mib=0", "--memory.optim_host_mib=0", *extra)
     return subprocess.run(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
+from ..io.scratch import ScratchLock
 
 __all__ = ["TieredKV"]
 
@@ -101,6 +102,7 @@ class TieredKV:
                 self._prepare(p)
         self.read_bytes = self.written_bytes = 0
         self.file = self.pool = self.device_pool = self.device_stage = None
+        self.lock: ScratchLock | None = None
         self._writing: list[_Pair] = []  # written back, oldest first: their buffers come back in this order
         if offset:
             # position-major, as in the file (pinned where they cross to the device)
@@ -111,6 +113,9 @@ class TieredKV:
             else:  # the compute reads the cache in host memory
                 self.pool = [aligned_empty(biggest) for _ in range(2)]
             self._free = [0, 1]
+            # one user of the directory at a time: a second generation (or a run) sharing it would
+            # take this one's file for a killed one's and replace it under it
+            self.lock = ScratchLock([path])
             stale = os.path.join(path, NAME)
             if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's
                 log.warning(
@@ -118,9 +123,13 @@ class TieredKV:
                     stale,
                     os.path.getsize(stale) / 2**20,
                 )
-            self.file = FileHandle(
-                stale, "w", size=offset, checksum=checksum, checksum_block=_BLOCK
-            )  # nothing is read from a region before it is written
+            try:
+                self.file = FileHandle(
+                    stale, "w", size=offset, checksum=checksum, checksum_block=_BLOCK
+                )  # nothing is read from a region before it is written
+            except BaseException:
+                self.lock.release(remove=True)
+                raise
         self.order = [k for k in self.pairs if self.pairs[k].offset is not None]  # unit order: layer, micro-batch
 
     def _layer(self, p: _Pair):
@@ -237,14 +246,19 @@ class TieredKV:
             self._writing = []
             for p in self.pairs.values():
                 p.read = None
-            if self.file is not None:
-                path, f, self.file = self.file.path, self.file, None
-                try:
-                    f.close()
-                finally:
-                    for name in (path, path + ".crc"):
-                        if os.path.exists(name):
-                            os.remove(name)
+            try:
+                if self.file is not None:
+                    path, f, self.file = self.file.path, self.file, None
+                    try:
+                        f.close()
+                    finally:
+                        for name in (path, path + ".crc"):
+                            if os.path.exists(name):
+                                os.remove(name)
+            finally:
+                if self.lock is not None:
+                    self.lock.release(remove=True)
+                    self.lock = None
 
     def __enter__(self) -> "TieredKV":
         return self
