@@ -498,7 +498,7 @@ def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path
     assert proc.returncode == 1, err[-3000:]
     assert f"rank 1 is not responding: its process {pid} is stopped" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert took < 6 + 2 + 6, (took, err[-3000:])  # measured 9.5-11 s: the timeout, 2 s to name it, exits
+    assert took < 6 + 2 + 6, (took, err[-3000:])  # measured 8.4-11 s: the timeout, 2 s to name it, exits
     import psutil
 
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -507,7 +507,8 @@ def test_a_suspended_rank_is_named_as_not_responding_within_one_timeout(tmp_path
 @pytest.mark.slow
 def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
     """Two ranks of one machine on one small filesystem: the space check adds both ranks' needs
-    (each checked its own: told to free too little, or passed and failed while claiming)."""
+    (each checked its own: told to free too little, or passed and failed while claiming), and
+    the first rank alone says so (each said it, their lines run together)."""
     import re
 
     tiny = tmpfs("tiny", 64)
@@ -522,7 +523,8 @@ def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
         r"share it: rank 0 ([\d.]+ \w+), rank 1 ([\d.]+ \w+)\)",
         r.stderr,
     )
-    assert got and all(int(n) == need for n, _, _ in got), r.stderr[-3000:]
+    assert len(got) == 1 and int(got[0][0]) == need, r.stderr[-3000:]  # said once, by the first rank
+    assert r.stderr.count("tiertrain: not enough space") == 1, r.stderr[-3000:]
     unit = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     a, b = (float(x.split()[0]) * unit[x.split()[1]] for x in got[0][1:])
     assert abs(a + b - need) < 0.01 * need and max(a, b) < need * 3 // 4  # each rank's share alone fits

@@ -332,3 +332,22 @@ def test_generate_from_the_default_jobs_checkpoint(tmp_path, capsys):
     assert main([*gen, "--out", str(tmp_path / "o.jsonl")]) == 0
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert len(row["tokens"]) == 8 and streamed == row["completion"] + "\n"
+
+
+def test_a_model_larger_than_the_byte_tokenizer_generates_with_a_word(tmp_path, capsys):
+    """A built-in Llama made with a vocabulary of 6,400 and trained on bytes: `generate` says the
+    model's vocabulary is larger than the tokenizer's and shows tokens past the bytes as U+FFFD
+    (it ended in a traceback from bytes())."""
+    from reference import tiny_flags
+
+    from tiertrain.cli import main
+
+    flags = [*tiny_flags(tmp_path), "--model.kind=llama", "--model.vocab_size=6400", "--train.steps=1"]
+    assert main(["train", *flags]) == 0
+    capsys.readouterr()
+    gen = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "In", "--max-new-tokens", "12"]
+    assert main([*gen, f"--io.paths={tmp_path / 'gen'}", "--out", str(tmp_path / "o.jsonl")]) == 0
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert any(t >= 256 for t in row["tokens"]), row["tokens"]  # random-ish weights pick past the bytes
+    assert row["completion"].count("\ufffd") >= sum(t >= 256 for t in row["tokens"])
+    assert "the model's vocabulary (6400) is larger than the tokenizer's (256)" in capsys.readouterr().err

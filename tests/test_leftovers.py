@@ -48,19 +48,37 @@ def test_an_interrupted_preparation_leaves_nothing(tmp_path):
                 raise KeyboardInterrupt
             yield Example(np.array([1, 2, 3], dtype=np.int64), np.array([0, 1, 1], dtype=bool))
 
-    out = tmp_path / "out"
+    out = tmp_path / "sub" / "dir" / "out"
     with pytest.raises(KeyboardInterrupt):
         write_examples(str(out), examples(), vocab_size=256, eos=0, describe=dict)
-    assert not out.exists()
+    assert os.listdir(tmp_path) == []  # nor the parents made for it (sub/dir stayed)
+
+
+def test_a_failed_prepare_leaves_no_directory_it_made(tmp_path, capsys):
+    """`tiertrain prepare` of rows into directories that are not there yet, failing on bad rows:
+    neither the output nor the parents made for it stay; of text that is not UTF-8 (into a
+    directory that must exist): no token file, whole or partial."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n{"text": "two"\n')
+    assert main(["prepare", "--input", str(bad), "--output", str(tmp_path / "rows" / "dir" / "out")]) == 1
+    assert "bad.jsonl, line 2: invalid JSON" in capsys.readouterr().err
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"fine\n\xff\xfe not utf-8\n")
+    assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "out.tokens")]) == 1
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "bad.txt"]
 
 
 @pytest.mark.slow
 def test_plan_leaves_no_scratch_directory(tmp_path, monkeypatch):
-    """`tiertrain plan` with the default io.paths (./tiertrain-scratch): the probe's directory,
-    made for it, is gone after (it stayed, empty)."""
+    """`tiertrain plan` with the default io.paths (./tiertrain-scratch), and with a path whose
+    parents are not there: the probe's directories, made for it, are gone after (they stayed,
+    empty)."""
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--probe-mib=1", "--model.n_layers=2", "--memory.host_mib=300"]) == 0
     assert not (tmp_path / "tiertrain-scratch").exists()
+    assert main(["plan", "--probe-mib=1", "--model.n_layers=2", "--memory.host_mib=300", "--io.paths=a/b/c"]) == 0
+    assert os.listdir(tmp_path) == []  # nor the parents made for it (a/b stayed)
 
 
 class _Lines(logging.Handler):
@@ -185,9 +203,11 @@ def test_legs_on_other_rank_counts_leave_nothing_behind(tmp_path):
 @pytest.mark.slow
 def test_a_failed_start_of_ranks_leaves_no_ranks_directory(tmp_path):
     """Ranks that fail at start (here: their shard of a model the budget cannot hold): no
-    `<run_dir>/ranks/` (it stayed), no run directory, no scratch made for them."""
+    `<run_dir>/ranks/` (it stayed), no run directory, no scratch made for them; the error said
+    once (every rank said it)."""
     r = _cli(tmp_path, "--train.steps=2", "--memory.host_mib=1", nproc=2)
     assert r.returncode == 1 and "memory.host_mib" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("tiertrain: config error: memory.host_mib") == 1, r.stderr[-3000:]  # rank 0 says it
     assert not (tmp_path / "run").exists() and not (tmp_path / "ssd").exists(), os.listdir(tmp_path)
 
 

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 from .config import ConfigError, config_reference, load_config
 from .errors import TiertrainError, UsageError, one_line
+from .paths import missing_dirs, remove_empty_dirs
 
 __all__ = ["main"]
 
@@ -87,12 +88,13 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     ]
     log.info("starting %d ranks: tiertrain %s", args.nproc, " ".join(cmd))
     ranks_dir = os.path.join(cfg.train.run_dir, "ranks")
-    fresh = [p for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) if not os.path.exists(p)]
+    fresh = [d for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) for d in missing_dirs(p)]
     try:
         return launch(cmd, args.nproc, grace_s=cfg.ranks.timeout_s + 5)
     finally:
         for p in reversed(fresh):  # the run directory's ranks/ before the run directory
             _remove_empty_tree(p)
+        remove_empty_dirs(fresh)  # and the parents made for them
 
 
 def _remove_empty_tree(path: str) -> None:
@@ -143,7 +145,9 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        raise _Reported(f"{one_line(exc)}{_resume_hint(exc, cfg, path)}") from None
+        reported = _Reported(f"{one_line(exc)}{_resume_hint(exc, cfg, path)}")
+        reported.quiet = getattr(exc, "quiet", False)
+        raise reported from None
     return 0
 
 
@@ -217,7 +221,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.probe_mib < 1:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
-    fresh = [p for p in cfg.io.paths if not os.path.exists(p)]  # the probe makes them: gone again after
+    fresh = [d for p in cfg.io.paths for d in missing_dirs(p)]  # the probe makes them: gone again after
     rt = Runtime(cfg)
     try:
         return _plan(args, cfg, rt)
@@ -225,6 +229,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         rt.close()
         for p in fresh:
             _remove_empty_tree(p)
+        remove_empty_dirs(fresh)
 
 
 def _plan(args: argparse.Namespace, cfg, rt) -> int:
@@ -561,18 +566,32 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         parser.print_help()
         return 2
     except ConfigError as exc:
-        print(f"tiertrain: config error: {one_line(exc)}", file=sys.stderr)
+        if not exc.quiet:  # (with ranks: another rank of this machine says the same)
+            _say(f"tiertrain: config error: {one_line(exc)}")
         return 2
     except Exception as exc:
         if not _user_facing(exc):
             raise
-        print(f"tiertrain: {one_line(exc)}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # another rank of this machine says the same
+            _say(f"tiertrain: {one_line(exc)}")
         log.debug("details", exc_info=True)
         return 1
     except KeyboardInterrupt as exc:
         if os.environ.get("RANK", "0") == "0":  # with ranks, rank 0 speaks for them
             print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
         return 130
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: ranks share the terminal, and their lines must not run
+    into each other."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured): one write to it
+        sys.stderr.write(line + "\n")
+        return
+    os.write(fd, (line + "\n").encode(errors="replace"))
 
 
 def console() -> None:

@@ -12,6 +12,8 @@ __all__ = ["ConfigError", "TiertrainError", "UsageError", "one_line"]
 class TiertrainError(Exception):
     """An error the user can act on; its message says how."""
 
+    quiet = False  # with ranks: another rank of this machine reports the same, this one need not
+
 
 class UsageError(TiertrainError, ValueError):
     """A command-line argument or an input file is not acceptable."""

@@ -1,6 +1,7 @@
-"""Checks of the directories and files a run will write, made before any work.
+"""Checks of the directories and files a run will write, made before any work, and the
+clean-up of the directories a command made when it leaves nothing in them.
 
-Side-effect free: nothing is created here. Each check raises ``ConfigError`` (or the
+The checks are side-effect free: nothing is created here. Each check raises ``ConfigError`` (or the
 given error class) naming the setting, the path, what is wrong and what to do.
 """
 
@@ -11,7 +12,7 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["check_writable_dir", "check_input_file", "prepare_output_file"]
+__all__ = ["check_writable_dir", "check_input_file", "prepare_output_file", "missing_dirs", "remove_empty_dirs"]
 
 
 def _nearest_existing(path: str) -> str:
@@ -79,3 +80,25 @@ def prepare_output_file(what: str, path: str) -> str:
     os.makedirs(directory, exist_ok=True)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
     return path
+
+
+def missing_dirs(path: str) -> list[str]:
+    """The directories of ``path`` (itself included) that do not exist yet, outermost first:
+    what making it makes, so that a command that fails can remove them again."""
+    out = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out[::-1]
+
+
+def remove_empty_dirs(dirs: list[str]) -> None:
+    """Remove each of ``dirs`` (``missing_dirs``' list, or several) that is a directory and holds
+    nothing once those inside it are gone: the deepest first. What holds a file stays."""
+    for d in sorted(set(dirs), key=lambda p: p.count(os.sep), reverse=True):
+        if os.path.isdir(d) and not os.path.islink(d) and not os.listdir(d):
+            os.rmdir(d)

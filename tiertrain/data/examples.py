@@ -44,6 +44,7 @@ import torch
 
 from ..errors import UsageError
 from ..io.checksum import crc32c
+from ..paths import missing_dirs, remove_empty_dirs
 from .formats import Example
 from .tokens import read_tokens, write_tokens
 
@@ -65,7 +66,7 @@ def write_examples(
     """Write ``examples`` (streamed) as a prepared directory; its metadata returned
     (``describe()``'s fields, asked once every example is written, added). A failure (bad data,
     no example, Ctrl-C) leaves none of what it wrote, nor the directory where it made it."""
-    made = not os.path.exists(out_dir)
+    made = missing_dirs(out_dir)  # it and its parents that are not there yet
     os.makedirs(out_dir, exist_ok=True)
     try:
         return _write_examples(out_dir, examples, vocab_size=vocab_size, eos=eos, describe=describe)
@@ -74,8 +75,7 @@ def write_examples(
             path = os.path.join(out_dir, name)
             if made and os.path.exists(path):  # (in a directory it did not make, the files may be an earlier run's)
                 os.remove(path)
-        if made and not os.listdir(out_dir):
-            os.rmdir(out_dir)
+        remove_empty_dirs(made)
         raise
 
 

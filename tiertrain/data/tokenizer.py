@@ -36,7 +36,15 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        """Ids past the bytes (a model with a larger vocabulary) have no text: U+FFFD each."""
+        out, run = [], bytearray()
+        for i in map(int, ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace") + "\ufffd")
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
 
 
 class _HFTokenizer:

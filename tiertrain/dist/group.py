@@ -166,8 +166,10 @@ class _Sharding:
         except OutOfSpaceError as exc:
             dev = device_of(exc.filename)  # (another rank may be removing its directories meanwhile)
             share = {r: sum(b for p, b in ns if device_of(p) == dev) for r, ns in mine.items()}
-            raise OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share "
-                                  "it: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items())) from None
+            err = OutOfSpaceError(exc.filename, exc.needed, exc.free, f"the {len(mine)} ranks of this machine share "
+                                  "it: " + ", ".join(f"rank {r} {human_bytes(b)}" for r, b in share.items()))
+            err.quiet = self.rank != min(mine)  # every rank here found the same: the first of them says it
+            raise err from None
 
     def rank_config(self, cfg):
         """``cfg`` as this rank runs it (``ranks.py``: its own scratch and run subdirectories)."""

@@ -282,6 +282,13 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
             f"generate: the tokenizer has {tokenizer_vocab} tokens, more than the model's vocabulary "
             f"({dec.vocab}); use the model's own tokenizer (data.tokenizer, or the one in model.hf_dir)"
         )
+    if tokenizer_vocab is not None and tokenizer_vocab < dec.vocab:  # (a built-in model made larger than bytes)
+        log.warning(
+            "generate: the model's vocabulary (%d) is larger than the tokenizer's (%d): a token above it has no "
+            "text and is shown as U+FFFD",
+            dec.vocab,
+            tokenizer_vocab,
+        )
     bad = [t for t in sampling.stop if not 0 <= t < dec.vocab]
     if bad:
         raise ConfigError(f"generate: stop token id {bad[0]} is outside the model's vocabulary (0 to {dec.vocab - 1})")

@@ -20,6 +20,8 @@ def human_bytes(n: float) -> str:
 class StorageError(OSError):
     """An I/O request failed. ``errno`` and ``filename`` are those of the failing call."""
 
+    quiet = False  # with ranks: another rank of this machine reports the same, this one need not
+
     def __init__(self, err: int, path: str, message: str, offset: int | None = None) -> None:
         super().__init__(err, message, path)
         self.offset = offset

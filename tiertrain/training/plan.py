@@ -89,7 +89,7 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     machine). ``measure``: whether the update path's choice may measure the machine (default:
     where ``train.predict`` will anyway); ``rates``: measured already."""
     from ..cost import measure_rates
-    from ..cost.budget import plan_budget
+    from ..cost.budget import PoolsOverBudget, plan_budget
     from ..cost.choose import resolve_activations, resolve_update
     from ..cost.probe import probe_acts
 
@@ -105,7 +105,11 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     def act() -> tuple[int, int]:  # a dry run of block 0: bytes kept, bytes of an offloaded record
         return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
 
-    planned, budget = plan_budget(cfg, rt, rates_fn, act, agree=group.rank0s)
+    try:
+        planned, budget = plan_budget(cfg, rt, rates_fn, act, agree=group.rank0s)
+    except PoolsOverBudget as exc:  # every rank plans the same budget: rank 0 says it
+        exc.quiet = not group.leader
+        raise
     notes = []
     measure = cfg.train.predict if measure is None else measure
     choose_rates = rates_fn if measure or measured else None
