@@ -78,6 +78,12 @@ def test_corpus_vocab_larger_than_model_is_refused(tmp_path):
     cfg.data = DataConfig(corpus=path, seq_len=16, micro_batch_size=1, micro_batches=1)
     with pytest.raises(ConfigError, match=r"model.vocab_size = 256 is smaller than the corpus vocabulary \(5000\)"):
         Trainer(cfg)
+    small = str(tmp_path / "small.bin")  # the training corpus fits; the evaluation corpus does not
+    write_tokens(small, [np.arange(200)], vocab_size=256)
+    cfg.data = DataConfig(corpus=small, eval_corpus=path, seq_len=16, micro_batch_size=1, micro_batches=1)
+    cfg.train.eval_every = 1
+    with pytest.raises(ConfigError, match=r"smaller than the evaluation corpus vocabulary \(5000\)"):
+        Trainer(cfg)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -292,8 +292,9 @@ def test_messages_that_used_to_mislead(tmp_path, capsys):
 
 def test_careless_inputs_of_round_two(tmp_path, capsys):
     """--nproc 0 and -2 are refused (they ran one process); a dict section that is not a table
-    is refused by the API as TOML's is (it was a raw TypeError); `eval --checkpoint` of a
-    directory without one names --checkpoint (it said --resume); memory.kv_host_mib = 0 (the
+    is refused by the API as TOML's is (it was a raw TypeError); `eval --checkpoint` and
+    `generate --checkpoint` of a directory without one name --checkpoint (they said --resume);
+    non-finite sampling settings are refused by the command; memory.kv_host_mib = 0 (the
     whole cache on the storage tier, as documented) is taken from a flag as from an object; a
     host budget above the available memory is said, with the figure."""
     import psutil
@@ -308,8 +309,13 @@ def test_careless_inputs_of_round_two(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"\[data\] must be a table of fields, got 5"):
         tiertrain.train({"data": 5})
     (tmp_path / "empty").mkdir()
-    line = one_line_error(capsys, ["eval", "--checkpoint", str(tmp_path / "empty")], 1)
-    assert line.startswith(f"tiertrain: --checkpoint {tmp_path / 'empty'}: no complete checkpoint there"), line
+    for cmd in (["eval"], ["generate", "--prompt", "hi"]):
+        line = one_line_error(capsys, [*cmd, "--checkpoint", str(tmp_path / "empty")], 1)
+        assert line.startswith(f"tiertrain: --checkpoint {tmp_path / 'empty'}: no complete checkpoint there"), line
+    for flag in ("--temperature", "--top-p"):
+        for bad in ("nan", "inf"):  # refused before any model is built (a traceback from torch.multinomial)
+            line = one_line_error(capsys, ["generate", "--prompt", "hi", flag, bad, *tiny_flags(tmp_path)], 2)
+            assert "sampling settings must be finite numbers" in line, line
     assert load_config(None, ["--memory.kv_host_mib=0"]).memory.kv_host_mib == 0
     with pytest.raises(ConfigError, match=r"memory.kv_host_mib = -1: must be >= 0"):
         load_config(None, ["--memory.kv_host_mib=-1"])
