@@ -280,16 +280,25 @@ def test_trim_heap_gives_freed_heap_pages_back():
 
 
 @pytest.mark.parametrize("trim", [True, False])
-def test_heap_is_trimmed_after_every_unit_step(tmp_path, trim, monkeypatch):
+def test_the_heap_is_trimmed_after_a_unit_step_once_the_process_nears_its_budget(tmp_path, trim, monkeypatch):
+    """memory.trim_heap: after a unit step where the process has grown past its budget less the
+    working set, never where the budget has room (trimming after every unit step cost 20-40% of
+    a small in-memory step: the next one faults the pages in again); off: never."""
     from tiertrain.execute import executor as ex
 
-    cfg = small_config(tmp_path, layers=3, d=64, micro_batches=2, steps=1)
+    cfg = small_config(tmp_path, layers=3, d=64, micro_batches=2, steps=2)
     cfg.memory.trim_heap = trim
     calls = []
-    monkeypatch.setattr("tiertrain.training.trainer.trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr("tiertrain.device.host.trim_heap", lambda: calls.append(1) or True)
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         calls.clear()
         tr.train_step()
+        assert calls == []  # the budget has room
         n = len(ex.visits(tr.model.plan, tr.executor.pieces_used))
+        if trim:
+            b = tr.budget
+            assert tr.heap_trim.limit == tr._rss_at_start + b.host_bytes - b.fixed["working set"]
+            tr.heap_trim.limit = 0  # the process past its limit: every unit step gives the heap back
+        tr.train_step()
     assert len(calls) == (n if trim else 0)

@@ -31,7 +31,7 @@ from ..adapters.train import same_adapter_config
 from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, read_tensors
 from ..config import Config, ConfigError
 from ..data import EvalSet, open_corpus
-from ..device.host import fix_mmap_threshold, trim_heap
+from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
 from ..dist.group import SoloGroup
 from ..dist.launch import resume_command
 from ..errors import one_line
@@ -79,6 +79,7 @@ class Trainer:
             cfg = Config.from_dict(cfg)
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         self.group = group or SoloGroup()
+        self._rss_at_start = host_rss()  # the budget bounds the growth from here
         self.user_cfg = cfg  # as given (checkpoints keep it: a resumed run plans its memory again)
         cfg = self.group.rank_config(cfg)  # with ranks: this rank's scratch and run subdirectories
         fix_mmap_threshold(cfg.memory.mmap_threshold_kib << 10)  # before any large tensor of the run
@@ -160,6 +161,14 @@ class Trainer:
         for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
             log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
 
+    def _heap_trim(self) -> HeapTrim:
+        """Trim the heap after a unit step once the process has grown past its budget less the
+        working set the budget reserves (every unit step where there is no budget)."""
+        b = self.budget
+        limit = None if b is None else self._rss_at_start + b.host_bytes - b.fixed.get("working set", 0)
+        self.heap_trim = HeapTrim(limit)
+        return self.heap_trim
+
     def _accum_dtype(self) -> torch.dtype | None:
         return accum_dtype_for(self.cfg.train.grad_accum_dtype, self.cfg.data.micro_batches, self.dtype)
 
@@ -224,7 +233,7 @@ class Trainer:
             keep_bytes=m.keep_act_mib * MIB,
             policy=policy_for(m.activations, a.kept, a.offloaded),
             offloaded=self.offloaded,
-            after_unit=trim_heap if m.trim_heap else None,
+            after_unit=self._heap_trim() if m.trim_heap else None,
         )
         self.ckpt = self._part(CheckpointIO(rt.canonical_layout, chunk_bytes=cfg.io.chunk_kib << 10))
         self.checkpoints = Checkpoints(
