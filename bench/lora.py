@@ -14,12 +14,13 @@ peft in memory.
    same model, data shape and LoRA with a host budget of a fifth of peft's peak RSS (the base
    in fp32, the same math). Each run in its own process (peak RSS is per process).
 
-DeepSpeed ZeRO-3 with NVMe parameter offload + peft is not run here: DeepSpeed is not installed
-on this machine's project environment (its ZeRO-3 does not partition parameters that require no
-gradient, which is the case the issue names); ``bench/vs_deepspeed.py`` compares full training.
+3. **DeepSpeed** ZeRO-3 with every parameter on NVMe + peft's LoRA on the big model (fp32, the
+   same LoRA, batch shape and clipping; ``bench/deepspeed_worker.py lora``), where an interpreter
+   with DeepSpeed is given (``--ds-python``; DeepSpeed is an optional benchmark dependency):
+   s/step, peak RSS, bytes read a step; or what happened where it does not run.
 
 Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out FILE]
-                            [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer]
+                            [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
 """
 
 from __future__ import annotations
@@ -169,11 +170,35 @@ def spawn(kind: str, spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def deepspeed_run(python: str, spec: dict, work: str) -> dict:
+    """DeepSpeed ZeRO-3 (parameters on NVMe) + peft in its own process under ``python``: its
+    steps, or ``error`` with the last line it printed."""
+    os.makedirs(work, exist_ok=True)
+    path = os.path.join(work, "spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_worker.py")
+    r = subprocess.run([python, worker, "lora", work, path], capture_output=True, text=True)
+    events = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    steps = [e for e in events if e.get("event") == "step"]
+    if r.returncode != 0 or not steps:
+        last = [x for x in r.stderr.strip().splitlines() if x.strip()][-1:] or [f"exit {r.returncode}"]
+        return {"error": last[0][-400:], "ran_steps": len(steps)}
+    ready = next(e for e in events if e.get("event") == "ready")
+    return {
+        "steps": [e["step_s"] for e in steps],
+        "read": [e["read_bytes"] for e in steps],
+        "peak": max(e["peak_rss"] for e in steps),
+        "init_s": ready["init_s"],
+        "losses": [e["loss"] for e in steps],
+    }
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs[1:] or xs)  # the first step warms up
 
 
-def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None) -> str:
+def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None, ds: dict | None = None) -> str:
     gib = 2**30
     step = med(big["steps"])
     io = 2 * big["base_bytes"] / (big["read_gbps"] * 1e9)
@@ -234,6 +259,22 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None)
             f"{peer_tt['read_gbps']:.2f} GB/s).",
             "",
         ]
+    lines += ["## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, fp32, the same LoRA and batch)", ""]
+    if ds is None:
+        lines.append("Not run: no interpreter with DeepSpeed given (--ds-python).")
+    elif "error" in ds:
+        lines.append(f"Did not run through ({ds['ran_steps']} steps): `{ds['error']}`")
+    else:
+        d = med(ds["steps"])
+        lines += [
+            "| system | s/step | peak RSS GiB | read GB/step |",
+            "|---|---|---|---|",
+            f"| DeepSpeed ZeRO-3 NVMe + peft | {d:.1f} | {ds['peak'] / gib:.2f} | {med(ds['read']) / 1e9:.1f} |",
+            f"| tiertrain (above) | {step:.1f} | {big['peak'] / gib:.2f} | {med(big['read']) / 1e9:.1f} |",
+            "",
+            f"tiertrain: **{d / step:.2f}x faster than DeepSpeed at {big['peak'] / ds['peak']:.2f}x its peak RSS**; "
+            f"DeepSpeed's start (its ops built or loaded, the base partitioned to NVMe) {ds['init_s']:.0f} s.",
+        ]
     return "\n".join(lines)
 
 
@@ -246,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         "--peer", default="same", help="the model peft trains in memory (LAYERSxWIDTH; 'same': the big model, in fp32)"
     )
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument(
+        "--ds-python", default=None, help="an interpreter with DeepSpeed: run ZeRO-3 + peft on the big model"
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -274,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
                 "tiertrain",
                 dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, host_mib=args.peer_mib, base_dtype=None),
             )  # fmt: skip
-    publish(report(args, big, base, peer, peer_tt), out)
+        ds = None
+        if args.ds_python:
+            ds = deepspeed_run(
+                args.ds_python,
+                dict(base=f"{scratch}/big-base", micro_batch_size=MBS, micro_batches=M, seq=SEQ, steps=args.steps,
+                     rank=16, targets=TARGETS),
+                f"{scratch}/deepspeed",
+            )  # fmt: skip
+    publish(report(args, big, base, peer, peer_tt, ds), out)
     return 0
 
 

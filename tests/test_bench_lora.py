@@ -46,6 +46,12 @@ def test_report_puts_the_step_against_both_floors_and_peft():
     assert "budget 700 MiB (asked: 400 MiB" in text
     refused = lora.report(args, _run(host_mib=2500), {"bytes_bf16": 2e9}, None, None)
     assert "2048 MiB was refused" in refused and "Against plain peft" not in refused
+    assert "Not run: no interpreter with DeepSpeed given" in refused
+    ds = dict(steps=[20.0, 9.0, 9.0], read=[8e9] * 3, peak=6 << 30, init_s=100.0, losses=[1.0] * 3)
+    text = lora.report(args, big, {"bytes_bf16": 2e9}, None, None, ds)
+    assert "**2.00x faster than DeepSpeed at 0.50x its peak RSS**" in text  # 9 s against 4.5 s, 3 against 6 GiB
+    failed = lora.report(args, big, {"bytes_bf16": 2e9}, None, None, {"error": "AssertionError: x", "ran_steps": 0})
+    assert "Did not run through (0 steps): `AssertionError: x`" in failed
 
 
 @pytest.mark.slow
