@@ -171,6 +171,19 @@ print(repr(tok.decode(model.generate(ids, max_new_tokens=20, do_sample=False)[0,
 check "transformers loads the export and generates" rc_is $? 0
 $tt generate --model.hf_dir=runs/chat-export --prompt "In the beginning" --max-new-tokens 12 > walk-generate.log 2>&1
 check "tiertrain generate on the export exits 0" rc_is $? 0
+XDG_CACHE_HOME=$PWD/cache $tt train --model.hf_dir=runs/tiny-llama --data.corpus=examples/chat.jsonl \
+    --adapter.kind=lora --adapter.rank=8 --model.base_dtype=bfloat16 \
+    --data.seq_len=128 --train.steps=30 --optim.lr=1e-3 --train.run_dir=runs/chat-lora > walk-lora.log 2>&1
+check "LoRA on the frozen model exits 0" rc_is $? 0
+check "... the base frozen (read, never written)" grep -q "the base frozen (read, never written)" walk-lora.log
+$tt export --checkpoint runs/chat-lora --out runs/chat-lora-adapter > walk-lora-export.log 2>&1
+check "the adapters export as a peft directory" test -f runs/chat-lora-adapter/adapter_model.safetensors -a -f runs/chat-lora-adapter/adapter_config.json
+awk '/^\.venv\/bin\/python -c "from peft/{f=1} f{print} f&&/\)\)"$/{exit}' README.md | sed 's/^\.venv\/bin\/python -c "//; s/"$//' > peft_load.py
+$py peft_load.py > walk-peft.log 2>&1
+check "peft loads the adapter on the original model and generates (the README's line)" rc_is $? 0
+check "... printing the prompt and its continuation" grep -q "In the beginning" walk-peft.log
+$tt generate --checkpoint runs/chat-lora --prompt "In the beginning" --max-new-tokens 12 > walk-lora-generate.log 2>&1
+check "tiertrain generate with the run's adapters exits 0" rc_is $? 0
 
 say "== the README's Python example"
 mkdir -p api && (cd api && awk '/^```python$/{f=1;next} /^```$/{if(f){exit}} f' ../README.md > example.py && PYTHONPATH=.. ../.venv/bin/python example.py > ../walk-api.log 2>&1)
