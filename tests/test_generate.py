@@ -94,7 +94,8 @@ def test_a_stop_token_ends_its_row_only(tmp_path, model_dir):
     for r in (0, 2):
         want = greedy[r][: greedy[r].index(stop) + 1] if stop in greedy[r] else greedy[r]
         assert rows[r] == want
-    assert all(step[1] is None for step in seen[first + 1 :])
+    assert all(step[1] is None for step in seen[first + 1 : -1])
+    assert seen[-1] == []  # the end, said once (a streamed line is ended before the summary is logged)
 
 
 def test_bad_input_is_named(tmp_path, model_dir):

@@ -225,6 +225,7 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
         with Trainer(cfg) as tr:
             assert tr.update.name == "overlap" and tr.cfg.update.mode == "overlap"
     assert "update path (auto): overlap" in caplog.text
+    assert "taken by every rank" not in caplog.text  # one process: no other rank to take it (it said so)
 
 
 def test_a_units_state_moves_only_along_the_design():

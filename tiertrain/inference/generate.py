@@ -175,7 +175,8 @@ def generate(
     eos: tuple[int, ...] | None = None,
 ) -> list[list[int]]:
     """The tokens generated after each prompt (token ids; see the module docstring).
-    ``on_tokens``: called after every step with each row's new token (None once it stopped);
+    ``on_tokens``: called after every step with each row's new token (None once it stopped),
+    and once at the end with no tokens;
     ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary;
     ``eos``: the end-of-sequence ids (default: the model directory's, see ``eos_ids``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -237,6 +238,8 @@ def generate(
                 if not _record(groups, picked, sampling, on_tokens):
                     break
         out = [row for g in groups for row in g.out]
+        if on_tokens is not None:
+            on_tokens([])  # the end: a streamed line is ended before the summary below is logged
         s = time.perf_counter() - t0
         log.info(
             "generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "

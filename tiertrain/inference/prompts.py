@@ -63,7 +63,10 @@ def run_generate(
     stream = len(prompts) == 1 and out is None
 
     def show(tokens):
-        if tokens[0] is not None:
+        if not tokens:  # the end: the line ended before generate logs its summary
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        elif tokens[0] is not None:
             sys.stdout.write(tok.decode([tokens[0]]))
             sys.stdout.flush()
 
@@ -80,7 +83,7 @@ def run_generate(
     )
     texts_out = [tok.decode(r) for r in rows]
     if stream:
-        sys.stdout.write("\n")
+        pass  # ended by show
     elif out is None:
         for t, c in zip(texts, texts_out):
             print(f"{t}{c}\n")
