@@ -21,6 +21,7 @@ peft in memory.
 
 Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out FILE]
                             [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
+                            [--seq 64] [--micro-batches 2]
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def tiertrain_worker(spec: dict) -> dict:
         f"--model.hf_dir={spec['base']}",
         f"--io.paths={spec['scratch']}/ssd",
         f"--train.run_dir={spec['scratch']}/run",
-        f"--data.seq_len={SEQ}",
+        f"--data.seq_len={spec.get('seq', SEQ)}",
         f"--data.micro_batch_size={MBS}",
-        f"--data.micro_batches={M}",
+        f"--data.micro_batches={spec.get('micro_batches', M)}",
         "--data.tokenizer=bytes",
         f"--train.steps={spec['steps']}",
         "--train.progress=false",
@@ -117,7 +118,9 @@ def tiertrain_worker(spec: dict) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         rates = measure_rates(tr.cfg, tr.rt, probe_mib=256)
         L = len(tr.model.blocks)
-        compute = M * (rates.embed_fwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s)
+        compute = spec.get("micro_batches", M) * (
+            rates.embed_fwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s
+        )
         base_bytes = tr.layout.total_numel * tr.rt.base_dtype.itemsize
         out = {
             "steps": [r.step_s for r in recs],
@@ -151,9 +154,10 @@ def peft_worker(spec: dict) -> dict:
     times = []
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
-        for _ in range(M):
-            x = torch.randint(0, 256, (MBS, SEQ), generator=g)
-            (model(input_ids=x, labels=x).loss / M).backward()
+        m = spec.get("micro_batches", M)
+        for _ in range(m):
+            x = torch.randint(0, 256, (MBS, spec.get("seq", SEQ)), generator=g)
+            (model(input_ids=x, labels=x).loss / m).backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -212,7 +216,7 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
         f"Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB); full fp32 training with AdamW would need {fp32_states / 1e9:.0f} GB. "
         f"LoRA rank 16, alpha 32, on {', '.join(TARGETS)}: {big['adapters'] / 1e6:.1f} M trainable parameters. "
-        f"fp32 compute on CPU, the base kept in bf16 (model.base_dtype); {M} micro-batches of {MBS} x {SEQ} tokens; "
+        f"fp32 compute on CPU, the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
         f"host budget {args.host_mib} MiB; {args.steps} steps, the first not counted.",
         "",
         *[f"    {x}" for x in big["budget"]],
@@ -287,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "--peer", default="same", help="the model peft trains in memory (LAYERSxWIDTH; 'same': the big model, in fp32)"
     )
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per micro-batch (one row each)")
+    ap.add_argument("--micro-batches", type=int, default=M)
     ap.add_argument(
         "--ds-python", default=None, help="an interpreter with DeepSpeed: run ZeRO-3 + peft on the big model"
     )
@@ -305,24 +311,25 @@ def main(argv: list[str] | None = None) -> int:
         big = spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
-                 base_dtype="bfloat16"),
+                 base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches),
         )  # fmt: skip
         peer = peer_tt = None
         if not args.skip_peer:
             pbase = f"{scratch}/big-base" if args.peer == "same" else f"{scratch}/peer-base"
             if args.peer != "same":
                 spawn("base", {"path": pbase, "shape": args.peer})
-            peer = spawn("peft", dict(base=pbase, steps=args.steps))
+            peer = spawn("peft", dict(base=pbase, steps=args.steps, seq=args.seq, micro_batches=args.micro_batches))
             args.peer_mib = int(peer["peak"] / 5 / 2**20)
             peer_tt = spawn(
                 "tiertrain",
-                dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, host_mib=args.peer_mib, base_dtype=None),
+                dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, host_mib=args.peer_mib, base_dtype=None,
+                     seq=args.seq, micro_batches=args.micro_batches),
             )  # fmt: skip
         ds = None
         if args.ds_python:
             ds = deepspeed_run(
                 args.ds_python,
-                dict(base=f"{scratch}/big-base", micro_batch_size=MBS, micro_batches=M, seq=SEQ, steps=args.steps,
+                dict(base=f"{scratch}/big-base", micro_batch_size=MBS, micro_batches=args.micro_batches, seq=args.seq, steps=args.steps,
                      rank=16, targets=TARGETS),
                 f"{scratch}/deepspeed",
             )  # fmt: skip
