@@ -525,6 +525,7 @@ def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
     )
     assert len(got) == 1 and int(got[0][0]) == need, r.stderr[-3000:]  # said once, by the first rank
     assert r.stderr.count("tiertrain: not enough space") == 1, r.stderr[-3000:]
+    assert "update path (auto): " in r.stderr and "(rank 0's choice, taken by every rank)" in r.stderr
     unit = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     a, b = (float(x.split()[0]) * unit[x.split()[1]] for x in got[0][1:])
     assert abs(a + b - need) < 0.01 * need and max(a, b) < need * 3 // 4  # each rank's share alone fits

@@ -49,9 +49,9 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     host budgets: the process's peak RSS grows by at most the fixed pools, plus 4 times the
     largest unit (initialisation holds one unit's tensors and a flat copy; autograd holds one
     unit's gradients and temporaries), plus 96 MiB (activations of a micro-batch, allocator
-    slack, I/O thread arenas). Measured here: growth 119-171 MiB, allowance ~210 MiB, states
-    393 MiB. With kept graphs the allowance grows by their budget, and what they held stays
-    within it."""
+    slack, I/O thread arenas). Measured here: growth 119-197 MiB (the heap trimmed only near the
+    budget, here half the machine's memory), allowance ~210 MiB, states 393 MiB. With kept
+    graphs the allowance grows by their budget, and what they held stays within it."""
     here = os.path.dirname(__file__)
     r = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path), here, str(keep_mib)], capture_output=True, text=True, timeout=600
@@ -70,7 +70,8 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     allowance = out["pools"] + 4 * out["unit"] + 96 * MIB + keep_mib * MIB
     assert growth <= allowance, (growth / MIB, allowance / MIB, stages)
     assert out["kept_peak"] <= keep_mib * MIB and (out["kept_peak"] > 0) == (keep_mib > 0)
-    assert growth < state_bytes / 2  # ... and most of it never was in memory at once
+    # ... and most of it never was in memory at once (the kept graphs are not states)
+    assert growth < state_bytes / 2 + keep_mib * MIB, (growth / MIB, state_bytes / MIB, stages)
 
 
 def test_pool_sizes_do_not_grow_with_depth(tmp_path):

@@ -219,7 +219,7 @@ def test_auto_picks_the_update_path_by_what_it_would_hide(tmp_path, caplog):
     asked = []
     got, why = resolve_update(cfg, rt, slow_disk, agree=lambda c: asked.append(c) or ("baseline", "rank 0's why"))
     assert asked[0][0] == "overlap" and got.update.mode == "baseline"
-    assert why == "rank 0's why (rank 0's choice, taken by every rank)"
+    assert why == "rank 0's why"  # (the plan adds the group's choice_note: ranks say whose choice it was)
     # the trainer resolves it at start and says so
     with caplog.at_level(logging.INFO, logger="tiertrain"):
         with Trainer(cfg) as tr:

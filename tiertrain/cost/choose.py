@@ -47,7 +47,7 @@ def resolve_update(
     cfg, why = _choose_update(cfg, rt, rates_fn)
     if why is not None and agree is not None:
         mode, why = agree((cfg.update.mode, why))
-        cfg, why = with_mode(cfg, mode), why + " (rank 0's choice, taken by every rank)"
+        cfg = with_mode(cfg, mode)  # (the group says whose choice it was: ``choice_note``)
     return cfg, why
 
 

@@ -213,6 +213,8 @@ class SoloGroup(_Sharding):
     def max(self, value: int) -> int:
         return value
 
+    choice_note = ""  # one process: its choices are its own
+
     def rank0s(self, value: Any) -> Any:
         return value
 
@@ -330,6 +332,8 @@ class RankGroup(_Sharding):
         t = torch.tensor([value], dtype=torch.int64)
         self._run("max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t.item())
+
+    choice_note = " (rank 0's choice, taken by every rank)"  # said after a choice ``rank0s`` agreed on
 
     def rank0s(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank: a choice each rank made from its own measurements,

@@ -106,16 +106,16 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
         return probe_acts(cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
 
     try:
-        planned, budget = plan_budget(cfg, rt, rates_fn, act, agree=group.rank0s if group.world > 1 else None)
+        planned, budget = plan_budget(cfg, rt, rates_fn, act, agree=group.rank0s)
     except PoolsOverBudget as exc:  # every rank plans the same budget: rank 0 says it
         exc.quiet = not group.leader
         raise
     notes = []
     measure = cfg.train.predict if measure is None else measure
     choose_rates = rates_fn if measure or measured else None
-    planned, why = resolve_update(planned, rt, choose_rates, agree=group.rank0s if group.world > 1 else None)
+    planned, why = resolve_update(planned, rt, choose_rates, agree=group.rank0s)
     if why:
-        notes.append(f"update path (auto): {why}")
+        notes.append(f"update path (auto): {why}{group.choice_note}")
     planned, why = resolve_activations(planned, rt, budget.act_bytes, budget.record_bytes, choose_rates)
     if why:
         notes.append(why)
