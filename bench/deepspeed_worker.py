@@ -118,6 +118,26 @@ def tune(work: str, size: int = 256 << 20) -> dict:
     return dict(best=best, sweep=results)
 
 
+def zero3_params(nvme: str, largest: int) -> dict:
+    """ZeRO-3 with every parameter on NVMe (``largest``: the largest parameter's elements)."""
+    return {
+        "stage": 3,
+        # 0.19.8 asserts in its swap buffers when it prefetches on NVMe; 0 turns prefetch off
+        "stage3_prefetch_bucket_size": 0,
+        # keep no parameter past its use: with max_in_cpu 0 every live one holds a swap buffer
+        "stage3_max_live_parameters": largest,
+        "stage3_max_reuse_distance": 0,
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": nvme,
+            "pin_memory": True,
+            "max_in_cpu": 0,
+            "buffer_count": 5,
+            "buffer_size": largest,
+        },
+    }
+
+
 def ds_config(spec: dict, nvme: str, largest: int) -> dict:
     o = spec["optim"]
     return {
@@ -136,20 +156,7 @@ def ds_config(spec: dict, nvme: str, largest: int) -> dict:
         "bf16": {"enabled": spec.get("dtype") == "bfloat16"},  # fp32 master weights and moments, as tiertrain's
         "steps_per_print": 1 << 30,
         "zero_optimization": {
-            "stage": 3,
-            # 0.19.8 asserts in its swap buffers when it prefetches on NVMe; 0 turns prefetch off
-            "stage3_prefetch_bucket_size": 0,
-            # keep no parameter past its use: with max_in_cpu 0 every live one holds a swap buffer
-            "stage3_max_live_parameters": largest,
-            "stage3_max_reuse_distance": 0,
-            "offload_param": {
-                "device": "nvme",
-                "nvme_path": nvme,
-                "pin_memory": True,
-                "max_in_cpu": 0,
-                "buffer_count": 5,
-                "buffer_size": largest,
-            },
+            **zero3_params(nvme, largest),
             "offload_optimizer": {
                 "device": "nvme",
                 "nvme_path": nvme,
@@ -197,14 +204,25 @@ def train(work: str, spec: dict) -> None:
     engine.train()
     batches = load_file(spec["batches"])
     print(json.dumps(dict(event="ready", init_s=time.perf_counter() - t0, init_peak_rss=meter.peak_rss())), flush=True)
+
+    def batch(step: int, m: int) -> dict:
+        x, y = batches[f"x{step}_{m}"], batches[f"y{step}_{m}"]
+        if cuda:
+            x, y = x.cuda(), y.cuda()
+        return dict(input_ids=x, labels=y, shift_labels=y)  # the same loss as tiertrain's head
+
+    _steps(engine, meter, spec["steps"], spec["micro_batches"], batch)
+    del keep  # zero.Init stays configured until the end
+
+
+def _steps(engine, meter: ProcMeter, steps: int, micro_batches: int, batch) -> None:
+    """``steps`` steps of ``micro_batches`` batches (``batch(step, m)``: the model's arguments),
+    one JSON line each: seconds, mean loss, disk bytes, peak RSS."""
     meter.reset_peak()
-    for step in range(spec["steps"]):
+    for step in range(steps):
         io0, s0, losses = meter.io(), time.perf_counter(), []
-        for m in range(spec["micro_batches"]):
-            x, y = batches[f"x{step}_{m}"], batches[f"y{step}_{m}"]
-            if cuda:
-                x, y = x.cuda(), y.cuda()
-            loss = engine(input_ids=x, labels=y, shift_labels=y).loss  # the same loss as tiertrain's head
+        for m in range(micro_batches):
+            loss = engine(**batch(step, m)).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -223,7 +241,6 @@ def train(work: str, spec: dict) -> None:
             ),
             flush=True,
         )
-    del keep  # zero.Init stays configured until the end
 
 
 def lora(work: str, spec: dict) -> None:
@@ -253,20 +270,7 @@ def lora(work: str, spec: dict) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
         "steps_per_print": 1 << 30,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_prefetch_bucket_size": 0,  # as bench/vs_deepspeed.py: 0.19.8 asserts when it prefetches on NVMe
-            "stage3_max_live_parameters": largest,
-            "stage3_max_reuse_distance": 0,
-            "offload_param": {
-                "device": "nvme",
-                "nvme_path": nvme,
-                "pin_memory": True,
-                "max_in_cpu": 0,
-                "buffer_count": 5,
-                "buffer_size": largest,
-            },
-        },
+        "zero_optimization": zero3_params(nvme, largest),
     }
     t0 = time.perf_counter()
     keep = HfDeepSpeedConfig(config)  # from_pretrained partitions each parameter to NVMe as it is made
@@ -278,31 +282,13 @@ def lora(work: str, spec: dict) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     engine.train()
     print(json.dumps(dict(event="ready", init_s=time.perf_counter() - t0, init_peak_rss=meter.peak_rss())), flush=True)
-    meter.reset_peak()
     g = torch.Generator().manual_seed(0)
-    for step in range(spec["steps"]):
-        io0, s0, losses = meter.io(), time.perf_counter(), []
-        for _ in range(M):
-            x = torch.randint(0, 256, (spec["micro_batch_size"], spec["seq"]), generator=g)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        io1 = meter.io()
-        print(
-            json.dumps(
-                dict(
-                    event="step",
-                    step=step + 1,
-                    step_s=time.perf_counter() - s0,
-                    loss=sum(losses) / len(losses),
-                    read_bytes=io1[0] - io0[0],
-                    write_bytes=io1[1] - io0[1],
-                    peak_rss=meter.peak_rss(),
-                )
-            ),
-            flush=True,
-        )
+
+    def batch(step: int, m: int) -> dict:  # as bench/lora.py's peft worker draws them
+        x = torch.randint(0, 256, (spec["micro_batch_size"], spec["seq"]), generator=g)
+        return dict(input_ids=x, labels=x)
+
+    _steps(engine, meter, spec["steps"], M, batch)
     del keep
 
 
