@@ -538,3 +538,21 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
     assert any("memory.device_slots 3 -> 2 slots" in line for line in out["lines"])
     assert out["used"] <= 420 * MIB and out["growth"] <= 420 * MIB, out["growth"] / MIB
     assert all(x == x for x in out["losses"])  # finite losses: none is NaN
+
+
+def test_the_planners_probes_leave_nothing_in_the_adapters(tmp_path):
+    """Where the planner measures the machine (a budget to fill), its unit timings run the blocks, and with them the adapters' hooks: the gradients they left
+    were added to step 1's (such a run differed from peft's by about 1e-6, and from run to run).
+    None stay."""
+    from tiertrain.cost.budget import PLANNED
+    from tiertrain.training.trainer import Trainer
+
+    cfg = lora_config(tmp_path, "llama", steps=2)
+    for f in PLANNED:
+        setattr(cfg.memory, f, None)
+    with Trainer(cfg) as tr:  # everything fits: nothing measured; the figures for a budget that does not
+        fixed, demand = sum(tr.budget.fixed.values()), sum(tr.budget.demand.values())
+    cfg.memory.host_mib = (fixed + demand // 2) // MIB
+    with Trainer(cfg) as tr:
+        assert tr._rates is not None  # measured
+        assert all(p.grad is None for p in tr.rt.adapters.params())
