@@ -320,37 +320,3 @@ def test_device_tensors_roundtrip(tmp_path, gds_mode):
         assert torch.equal(back, t)
     finally:
         gds.set_mode("auto")
-
-
-def test_work_after_a_read_runs_in_the_io_thread_that_finished_it(tmp_path):
-    """``IOFuture.then``: the conversion of the bytes read runs once, as soon as the last chunk
-    is done, in an I/O thread (overlapping the waiter), before ``get`` returns; its error, and a
-    chunk's, reach ``get``; on a future already done it runs at once."""
-    import threading
-
-    import torch
-
-    from tiertrain.io import FileHandle, IOFuture
-
-    data = torch.arange(1 << 18, dtype=torch.float32)
-    path = str(tmp_path / "f.bin")
-    with FileHandle(path, "w", size=data.numel() * 4, chunk_bytes=64 << 10) as f:
-        f.write(data.view(torch.uint8).numpy())
-    seen = []
-    with FileHandle(path, "r", chunk_bytes=64 << 10) as f:
-        buf = torch.zeros_like(data)
-        fut = f.pread(buf.view(torch.uint8).numpy()).then(
-            lambda: seen.append((threading.current_thread().name, buf.sum().item()))
-        )
-        assert fut.get() == data.numel() * 4 and fut.get() == data.numel() * 4
-    assert len(seen) == 1 and seen[0][0] != threading.current_thread().name
-    assert seen[0][1] == data.sum().item()  # every chunk was there when it ran
-
-    def boom():
-        raise ValueError("conversion failed")
-
-    with pytest.raises(ValueError, match="conversion failed"):
-        IOFuture.completed(8).then(boom).get()
-    ran = []
-    assert IOFuture.completed(8).then(lambda: ran.append(threading.current_thread().name)).get() == 8
-    assert ran == [threading.current_thread().name]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import threading
 from typing import Any, Callable, Sequence
 
 __all__ = ["IOFuture", "PositionalIO"]
@@ -43,37 +42,10 @@ class IOFuture:
         return all(p.done() for p in self._parts)
 
     def then(self, fn: Callable[[], object]) -> "IOFuture":
-        """A future over the same chunks that also runs this one's finishing step, then
-        ``fn()``, once, as soon as the last chunk is done, in the I/O thread that did it (or
-        here, if all are done already): work on the bytes read, such as a conversion, that
-        overlaps the waiter's own. Its ``get`` waits for it and raises the chunks' error, or
-        ``fn``'s. Use it instead of this one."""
-        done, lock = threading.Event(), threading.Lock()
-        box: dict[str, Any] = {"left": len(self._parts)}
-
-        def last(_: cf.Future) -> None:
-            with lock:
-                box["left"] -= 1
-                if box["left"]:
-                    return
-            try:
-                box["n"] = self.get()
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - raised by the waiter's get
-                box["error"] = exc
-            finally:
-                done.set()
-
-        def finish(_: int) -> int:
-            done.wait()  # sync point: the conversion done
-            if "error" in box:
-                raise box["error"]
-            return box["n"]
-
-        out = IOFuture(self._parts, finish=finish)
-        for p in self._parts:
-            p.add_done_callback(last)
-        return out
+        """A future over the same chunks whose ``get`` also runs this one's finishing step,
+        then ``fn()`` (in the getter's thread, once): work on the bytes read, such as a
+        conversion. Use it instead of this one."""
+        return IOFuture(self._parts, finish=lambda _: (self.get(), fn())[0])
 
     def watch(self) -> "IOFuture":
         """A future over the same chunks for a second waiter (another thread): its ``get``

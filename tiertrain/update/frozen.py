@@ -58,9 +58,10 @@ def widen_in_place(out: torch.Tensor, narrow_offset: int, dtype: torch.dtype) ->
 class _Upcast(ParamSource):
     """The frozen model kept in a narrower dtype than the compute's: each unit is read into the
     back half of its own slot (its narrow bytes fit there, at an aligned offset, so O_DIRECT
-    reads into it) and widened in place once the read is done (``widen_in_place``, in the I/O
-    thread that finished the read, overlapping the compute): no staging memory beyond the slots. Never zero-copy: a host-resident unit
-    is converted like a read one."""
+    reads into it) and widened in place once the read is done (``widen_in_place``, in the thread
+    that waits for it: in an I/O thread it took the reads' CPU on 2 cores, measured slower).
+    No staging memory beyond the slots. Never zero-copy: a host-resident unit is converted like
+    a read one."""
 
     file_backed = True
 
@@ -81,15 +82,7 @@ class _Upcast(ParamSource):
         n = out.numel()
         offset = round_down(n * (out.element_size() - src.itemsize))  # aligned, as the slot's start
         buf = out.view(torch.uint8)[offset : offset + n * src.itemsize].view(src)
-
-        def widen() -> None:
-            # in the I/O thread that read the unit's last bytes, while the compute runs: its
-            # kernels on one core (torch's intra-op threads are set per thread)
-            if torch.get_num_threads() != 1:
-                torch.set_num_threads(1)
-            widen_in_place(out, offset, src)
-
-        return self.inner.load(u, buf).then(widen)
+        return self.inner.load(u, buf).then(lambda: widen_in_place(out, offset, src))
 
 
 class _NoGrads(GradSink):
