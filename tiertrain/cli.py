@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 from .config import ConfigError, config_reference, load_config
 from .errors import TiertrainError, UsageError, one_line
-from .paths import missing_dirs, remove_empty_dirs
+from .paths import missing_dirs
 
 __all__ = ["main"]
 
@@ -92,9 +92,8 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     try:
         return launch(cmd, args.nproc, grace_s=cfg.ranks.timeout_s + 5)
     finally:
-        for p in reversed(fresh):  # the run directory's ranks/ before the run directory
+        for p in reversed(fresh):  # the run directory's ranks/ before it, each before the parents made for it
             _remove_empty_tree(p)
-        remove_empty_dirs(fresh)  # and the parents made for them
 
 
 def _remove_empty_tree(path: str) -> None:
@@ -227,9 +226,8 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         return _plan(args, cfg, rt)
     finally:
         rt.close()
-        for p in fresh:
+        for p in reversed(fresh):  # each before the parents made for it
             _remove_empty_tree(p)
-        remove_empty_dirs(fresh)
 
 
 def _plan(args: argparse.Namespace, cfg, rt) -> int:

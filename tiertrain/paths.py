@@ -1,8 +1,8 @@
 """Checks of the directories and files a run will write, made before any work, and the
 clean-up of the directories a command made when it leaves nothing in them.
 
-The checks are side-effect free: nothing is created here. Each check raises ``ConfigError`` (or the
-given error class) naming the setting, the path, what is wrong and what to do.
+The checks are side-effect free: nothing is created here. Each check raises ``ConfigError``
+(or the given error class) naming the setting, the path, what is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -85,14 +85,11 @@ def prepare_output_file(what: str, path: str) -> str:
 def missing_dirs(path: str) -> list[str]:
     """The directories of ``path`` (itself included) that do not exist yet, outermost first:
     what making it makes, so that a command that fails can remove them again."""
-    out = []
+    top, out = _nearest_existing(path), []
     p = os.path.abspath(path)
-    while not os.path.lexists(p):
+    while p != top:
         out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
+        p = os.path.dirname(p)
     return out[::-1]
 
 

@@ -82,12 +82,10 @@ def run_generate(
         eos=eos,
     )
     texts_out = [tok.decode(r) for r in rows]
-    if stream:
-        pass  # ended by show
-    elif out is None:
+    if out is None and not stream:  # (a streamed row was printed as it came)
         for t, c in zip(texts, texts_out):
             print(f"{t}{c}\n")
-    else:
+    elif out is not None:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:
             for t, c, r in zip(texts, texts_out, rows):

@@ -114,9 +114,6 @@ class Trainer:
                     info.get("started"),
                 )
             self.plan = self._plan()
-            if self.rt.adapters is not None:  # the planner's probes ran the adapters' hooks: drop what they left
-                for p in self.rt.adapters.params():
-                    p.grad = None
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
