@@ -116,6 +116,7 @@ def tiertrain_worker(spec: dict) -> dict:
             recs.append(tr.train_step())
             print(recs[-1].line(spec["steps"]), file=sys.stderr, flush=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        walks = [io_walk(tr) for _ in range(2)]
         rates = measure_rates(tr.cfg, tr.rt, probe_mib=256)
         L = len(tr.model.blocks)
         compute = spec.get("micro_batches", M) * (
@@ -131,6 +132,7 @@ def tiertrain_worker(spec: dict) -> dict:
             "read_gbps": read,
             "write_gbps": write,
             "compute_s": compute,
+            "walk_s": walks,
             "base_bytes": base_bytes,
             "params": tr.layout.n_params,
             "adapters": sum(p.numel() for p in tr.rt.adapters.params()),
@@ -139,6 +141,23 @@ def tiertrain_worker(spec: dict) -> dict:
             "host_mib": cfg.memory.host_mib,
         }
     return out
+
+
+def io_walk(tr) -> float:
+    """Seconds of one step's unit visits with no compute: every read, its checksum and the
+    widen of a narrower base, through the same slots, prefetch and threads as the step (the
+    data path's floor, measured minutes from the steps: the disk's rate drifts between probes)."""
+    from tiertrain.execute.executor import visits
+    from tiertrain.execute.walk import UnitWalk
+
+    ex = tr.executor
+    order = visits(ex.plan, ex.pieces_used, embed_backward=ex.embed_trains)
+    t0 = time.perf_counter()
+    walk = UnitWalk(tr.params, order)
+    for ref in order:
+        walk.enter(ref)
+        walk.leave(ref)
+    return time.perf_counter() - t0
 
 
 def peft_worker(spec: dict) -> dict:
@@ -240,8 +259,11 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
         f"- I/O floor: two reads of the base, {2 * big['base_bytes'] / 1e9:.2f} GB at {big['read_gbps']:.2f} GB/s = "
         f"{io:.1f} s; compute floor (forward and backward of every unit in memory at this batch, measured): "
         f"{big['compute_s']:.1f} s",
+        f"- the same step's unit visits with no compute (reads, checksums, widening; the same slots and "
+        f"prefetch), right after the steps: {', '.join(f'{w:.1f}' for w in big['walk_s'])} s",
         f"- step (median of steps 2..): {step:.1f} s = **{step / io:.2f}x the I/O floor**, "
-        f"{step / floor:.2f}x max(I/O, compute); nothing written ({max(big['write']) / 1e9:.2f} GB a step at most)",
+        f"{step / floor:.2f}x max(I/O, compute), {step / max(min(big['walk_s']), big['compute_s']):.2f}x "
+        f"max(visits with no compute, compute); nothing written ({max(big['write']) / 1e9:.2f} GB a step at most)",
         "",
     ]
     if peer is not None and peer_tt is not None:

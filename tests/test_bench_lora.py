@@ -24,6 +24,7 @@ def _run(**kw):
         read_gbps=1.0,
         write_gbps=2.0,
         compute_s=3.0,
+        walk_s=[4.2, 3.75],
         base_bytes=2e9,
         params=1_000_000_000,
         adapters=1_000_000,
@@ -42,6 +43,8 @@ def test_report_puts_the_step_against_both_floors_and_peft():
     peer_tt = _run(steps=[7.0, 3.6, 3.6], peak=1 << 29, host_mib=700, asked_mib=400)
     text = lora.report(args, big, {"bytes_bf16": 2e9}, peer, peer_tt)
     assert "4.5 s = **1.12x the I/O floor**" in text and "1.12x max(I/O, compute)" in text
+    # the visits with no compute: the faster of the two, 3.75 s; 4.5 / 3.75 = 1.20
+    assert "right after the steps: 4.2, 3.8 s" in text and "1.20x max(visits with no compute, compute)" in text
     assert "**1.20x peft's step at 0.25x its peak RSS**" in text
     assert "budget 700 MiB (asked: 400 MiB" in text
     refused = lora.report(args, _run(host_mib=2500), {"bytes_bf16": 2e9}, None, None)

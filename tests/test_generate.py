@@ -156,7 +156,7 @@ def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, llama_dir):
 
 def test_each_unit_is_read_once_per_step_for_the_whole_batch(tmp_path, model_dir, caplog):
     """Three micro-batches of one prompt, 6 steps, 3 slots for 4 units: every unit is loaded
-    once per step (24 loads; the tied GPT-2, 25), not once per micro-batch."""
+    at most once per step (24 loads; the tied GPT-2, 19), not once per micro-batch."""
     path, _ = model_dir
     cfg = _cfg(tmp_path, path, per_micro_batch=1)
     cfg.memory.device_slots, cfg.memory.host_param_mib = 3, 0  # none kept in host memory
@@ -165,9 +165,10 @@ def test_each_unit_is_read_once_per_step_for_the_whole_batch(tmp_path, model_dir
     with caplog.at_level(logging.INFO, logger="tiertrain"):
         generate(cfg, PROMPTS, Sampling(max_new_tokens=6))
     line = next(r.message for r in caplog.records if r.message.startswith("generated"))
-    # GPT-2's head is tied to its embedding: the embedding is loaded again for the head, and that
-    # copy serves the next step's start: one load more in all, not one per micro-batch
-    loads = 25 if "gpt2" in path else 24
+    # GPT-2's head is tied to its embedding: the prefetch counts the head's borrowed embedding as
+    # a unit ahead, so the embedding is never evicted between its two visits of a step and the
+    # next step's start: after the first step, the three other units take turns in two slots
+    loads = 4 + 5 * 3 if "gpt2" in path else 24
     assert "generated 18 tokens for 3 prompts in 6 steps" in line and f"weights: {loads} unit loads" in line, line
 
 

@@ -6,8 +6,10 @@ import torch
 from tiertrain.activations.stash import HiddenStash
 from tiertrain.config import ModelConfig
 from tiertrain.device import AsyncCpuDevice, Device
+from tiertrain.execute.walk import UnitWalk
 from tiertrain.io import FileHandle, Storage
 from tiertrain.models import build_model
+from tiertrain.models.base import UnitRef
 from tiertrain.state.grads import GradStore
 from tiertrain.state.layout import PARAM_ALIGN, UNIT_ALIGN, FlatLayout
 from tiertrain.state.regions import TieredRegions
@@ -81,6 +83,27 @@ def test_slots_prefetch_evict_and_invalidate(setup):
     hits = store.stats.hits
     store.acquire(1)
     assert store.stats.hits == hits + 1  # still resident: no read
+    store.close()
+
+
+def test_a_freed_slot_starts_the_next_read_at_once(setup):
+    """Leaving a unit starts the read of the visit after the next into its slot, while the next
+    one's may still run: with two slots the reads follow one another (prefetching only on
+    entering a unit left the disk idle whenever a unit computed longer than the next one read)."""
+    _, layout, st = setup
+    store = param_store(layout, st, 2)
+    fill(store, layout)
+    order = [UnitRef(index=u, role="block", module=None) for u in (0, 1, 2, 3)]
+    walk = UnitWalk(store, order)
+    walk.enter(order[0])
+    assert sorted(s.unit for s in store.slots) == [0, 1]  # entering prefetched the next one
+    walk.leave(order[0])
+    assert sorted(s.unit for s in store.slots) == [1, 2]  # unit 0's slot took unit 2 at once
+    for ref in order[1:]:
+        walk.enter(ref)
+        assert float(walk.flats[ref.index][0]) == float(ref.index)
+        walk.leave(ref)
+    assert store.stats.fetches == 4  # each unit read once
     store.close()
 
 

@@ -55,12 +55,23 @@ class UnitWalk:
         self.pos += 1
         for x in self.units(ref):
             self.flats[x] = self.store.acquire(x)
-        ahead = self.order[self.pos : self.pos + self.lookahead]
-        if self.repeat and more and len(ahead) < self.lookahead:
-            ahead = ahead + self.order[: self.lookahead - len(ahead)]
-        self.store.prefetch([r.index for r in ahead])
+        self._prefetch(self.lookahead, more)
 
-    def leave(self, ref: UnitRef) -> None:
+    def _prefetch(self, n: int, more: bool) -> None:
+        """Start loading the units of the next ``n`` visits (wrapping round a repeating walk
+        unless ``more`` is False), those they borrow first."""
+        ahead = self.order[self.pos : self.pos + n]
+        if self.repeat and more and len(ahead) < n:
+            ahead = ahead + self.order[: n - len(ahead)]
+        self.store.prefetch([u for r in ahead for u in self.units(r)])
+
+    def leave(self, ref: UnitRef, *, more: bool = True) -> None:
+        """Release ``ref``'s units, then start the next read into the slot they leave (the
+        visits ahead as far as every slot allows; the next visit's own read may still run):
+        with two slots, prefetching only on ``enter`` started unit i+1's read after unit i's had
+        finished, so the disk stood idle whenever a unit computed longer than the next one read
+        (the 2.4 B LoRA step at 16 tokens: 6% faster measured alternately in one process)."""
         for x in reversed(self.units(ref)):
             self.store.release(x)
             self.flats.pop(x, None)
+        self._prefetch(len(self.store.slots), more)

@@ -329,7 +329,7 @@ def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device
             h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]
-        walk.leave(ref)
+        walk.leave(ref, more=more)
     return h
 
 
