@@ -11,9 +11,9 @@ import pytest
 from reference import small_config
 from test_parity import assert_parity
 
-from tiertrain.config import ConfigError
+from tiertrain.config import ConfigError, load_config
 from tiertrain.cost import Rates
-from tiertrain.cost.budget import PLANNED, demands, fixed_pools, resolve_budget
+from tiertrain.cost.budget import PLANNED, builtin_job, demands, fixed_pools, resolve_budget
 from tiertrain.runtime import Runtime
 from tiertrain.training.trainer import Trainer
 
@@ -156,9 +156,35 @@ def test_the_budget_is_never_exceeded(tmp_path, host_mib):
 
 
 @pytest.mark.slow
+def test_the_builtin_job_streams_its_states_and_says_so(tmp_path):
+    """The built-in default job (``tiertrain train`` with no arguments) would fit whole in half
+    the memory; its budget is its fixed pools and a quarter of its states, so the rest streams
+    from the storage tier and its first run shows the tiers at work. A model of one's own, or
+    data of one's own, keeps half the memory available."""
+    cfg = load_config(None, [f"--io.paths={tmp_path / 'ssd'}", f"--train.run_dir={tmp_path / 'run'}"])
+    assert builtin_job(cfg)
+    rt = Runtime(cfg)
+    out, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    states = sum(demands(cfg, rt, 1 << 20).values())
+    assert plan.host_bytes == (sum(plan.fixed.values()) + states // 4) // MIB * MIB
+    assert "the built-in default job's: its fixed pools and a quarter of its states" in plan.host_source
+    assert str(tmp_path / "ssd") in plan.host_source and "set memory.host_mib to choose" in plan.host_source
+    held = sum(getattr(out.memory, f) * MIB for f in plan.demand)
+    assert 0 < held <= states // 4 < states  # three quarters of its states on the storage tier
+    assert plan.host_used <= plan.host_bytes
+    (tmp_path / "x.txt").write_text("some text of one's own\n" * 100)
+    for flag in ("--model.n_layers=2", f"--data.corpus={tmp_path / 'x.txt'}", "--adapter.kind=lora"):
+        other = load_config(None, [f"--io.paths={tmp_path / 'ssd'}", flag])
+        assert not builtin_job(other), flag
+    cfg.memory.host_mib = 4096  # a budget given is the budget
+    _, plan = resolve_budget(cfg, rt, lambda: rates(), lambda: (1 << 20, 0))
+    assert plan.host_bytes == 4096 * MIB and plan.host_source == "memory.host_mib"
+
+
 def test_the_default_job_plans_its_memory_and_says_so(tmp_path):
-    """No *_mib flag: the budget is half the available memory, the small default model fits,
-    so every state is in memory and the step touches no SSD; the plan is printed."""
+    """No *_mib flag on a model of one's own: the budget is half the available memory, this
+    small model fits, so every state is in memory and the step touches no SSD; the plan is
+    printed."""
     run = tmp_path / "run"
     r = subprocess.run(
         [

@@ -20,7 +20,9 @@ class MemoryConfig(Section):
     host_mib: int | None = opt(
         None,
         "Host memory tiertrain may use for its pools and states, MiB (None: half of the "
-        "memory available at start, printed). The fixed pools come first; parameters, "
+        "memory available at start, printed; for the built-in default job, the default model on "
+        "the bundled corpus, its fixed pools and a quarter of its states, so that it shows the "
+        "rest streaming from io.paths). The fixed pools come first; parameters, "
         "gradients, optimizer state, hidden states (and, on CPU, kept activations) are placed "
         "in it by the step time a byte saves; the *_mib fields below that are set are taken as "
         "given.",

@@ -69,6 +69,7 @@ STATES_ON_STORAGE = dict(
     host_param_mib=0, grad_host_mib=256, optim_host_mib=0, stash_host_mib=256, keep_act_mib=512, residual_host_mib=256
 )
 HOST_FRACTION = 0.5  # of the memory available at start, when memory.host_mib is unset
+BUILTIN_STATES = 0.25  # of its states' bytes the built-in default job keeps in memory (``builtin_job``)
 
 
 def default_host_bytes() -> tuple[int, str]:
@@ -395,20 +396,45 @@ def _todo(cfg: Config) -> list[str]:
     return [f for f in PLANNED if getattr(cfg.memory, f) is None]
 
 
+def builtin_job(cfg: Config) -> bool:
+    """The built-in default job: the default model, trained on the bundled corpus, no adapter
+    (``tiertrain train`` with no arguments)."""
+    default = Config()
+    return cfg.model == default.model and cfg.data.corpus == default.data.corpus and not cfg.adapter.on
+
+
+def _host_budget(cfg: Config, fixed: int, states: int) -> tuple[int, str]:
+    """The host budget and where it comes from: ``memory.host_mib``; for the built-in default job
+    (whose states would all fit) its fixed pools and ``BUILTIN_STATES`` of its states, so
+    the rest streams from the storage tier and its first run shows the tiers at work; else half
+    the memory available (``default_host_bytes``)."""
+    m = cfg.memory
+    if m.host_mib is not None:
+        _warn_above_available(m.host_mib * MIB)
+        return m.host_mib * MIB, "memory.host_mib"
+    if builtin_job(cfg):
+        host = (fixed + int(states * BUILTIN_STATES)) // MIB * MIB
+        return host, (
+            f"the built-in default job's: its fixed pools and a quarter of its states' {states / MIB:,.0f} MiB, "
+            f"the rest on the storage tier ({', '.join(cfg.io.paths)}); set memory.host_mib to choose"
+        )
+    return default_host_bytes()
+
+
 def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, BudgetPlan]:
     m = cfg.memory
     todo = _todo(cfg)
-    host, source = (m.host_mib * MIB, "memory.host_mib") if m.host_mib is not None else default_host_bytes()
-    if m.host_mib is not None:
-        _warn_above_available(host)
     explicit = {f: getattr(m, f) * MIB for f in PLANNED if f not in todo}
     device_acts = rt.dev.separate  # kept activations live in device memory on CUDA
     rates = None
     fixed = fixed_pools(cfg, rt, act, record)
-    plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=device_acts)
     need = demands(cfg, rt, act)
-    plan.demand = need
     host_need = {f: v for f, v in need.items() if not (device_acts and f == "keep_act_mib")}
+    host, source = _host_budget(
+        cfg, sum(fixed.values()) + sum(v for f, v in explicit.items() if f in host_need), sum(host_need.values())
+    )
+    plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=device_acts)
+    plan.demand = need
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:
         raise PoolsOverBudget(
