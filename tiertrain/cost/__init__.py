@@ -62,6 +62,14 @@ def estimate(cfg, rt, rates: Rates | None = None, *, probe_mib: int = 256) -> Pr
     return predict_with(cfg, rt, rates or measure_rates(cfg, rt, probe_mib=probe_mib))
 
 
+def trained_elements(rt) -> int:
+    """Parameters the optimizer steps: the adapters under adapters (the base is frozen whole),
+    else the units ``train.freeze`` leaves trained."""
+    if rt.adapters is not None:
+        return sum(p.numel() for p in rt.adapters.params())
+    return sum(u.used for u in rt.layout.units if not u.frozen)
+
+
 def predict_with(cfg, rt, rates: Rates) -> Prediction:
     """The prediction of ``cfg`` on ``rt`` from given rates (no probe); pairs offloaded as
     ``memory.offload_pairs`` says (unset: none)."""
@@ -88,7 +96,7 @@ def predict_with(cfg, rt, rates: Rates) -> Prediction:
         rates,
         blocks=blocks,
         kept=kept,
-        n_params=rt.layout.n_params,
+        n_trained=trained_elements(rt),
         first_read=first,
         cpu_compute=not rt.dev.cuda,
         offloaded=offloaded,

@@ -119,13 +119,14 @@ def predict(
     *,
     blocks: int,
     kept: int,
-    n_params: int,
+    n_trained: int,
     first_read: int,
     cpu_compute: bool,
     pcie_gbps: float | None = None,
     offloaded: int = 0,
 ) -> Prediction:
-    """The predicted step of a run of ``cfg`` (see the module docstring). ``first_read``:
+    """The predicted step of a run of ``cfg`` (see the module docstring). ``n_trained``: the
+    parameters the optimizer steps (``cost.trained_elements``); ``first_read``:
     bytes of the forward's first unit read from the file (0 when in memory); ``offloaded``:
     pairs read back instead of recomputed (their bytes are in ``traffic``). How the update's
     phase meets the others is its path's (``Update.predict_step``)."""
@@ -136,7 +137,7 @@ def predict(
     # phases as the executor times them: the forward ends with the head's forward and backward
     fwd_c = M * (r.embed_fwd_s + blocks * r.block_fwd_s + r.head_s)
     bwd_c = M * (blocks * r.block_bwd_s + r.embed_bwd_s) + recomputed * r.block_fwd_s
-    upd_c = n_params * r.update_elem_s
+    upd_c = n_trained * r.update_elem_s  # the optimizer steps the trained parameters only
     pcie_s = ((traffic.up + traffic.down) / (pcie_gbps * 1e9) if pcie_gbps else 0.0) / 2
     fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
     fwd.time_s += first_read / (r.read_gbps * 1e9)
