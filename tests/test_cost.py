@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from reference import small_config, tiny_flags
 
 from tiertrain.cost import Rates, kept_pairs, predict, run_traffic
@@ -258,3 +259,28 @@ def test_the_update_phase_steps_only_what_is_trained(tmp_path):
     rt, lora = update_s(cfg)
     adapters = sum(p.numel() for p in rt.adapters.params())
     assert 0 < adapters < rt.layout.n_params / 10 and lora == pytest.approx(adapters * 1e-6)
+
+
+def test_a_narrower_base_is_widened_on_the_computes_thread(tmp_path):
+    """A bf16 base under fp32 compute: every fetch of a unit widens it on the thread that waits
+    for it (``widen_in_place``), in the phase that fetched it; the cost model adds those bytes
+    at the measured rate to that phase's compute, on a CPU device."""
+    from tiertrain.cost import predict_with, step_traffic
+    from tiertrain.cost.probe import probe_widen
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, kind="llama", layers=3, micro_batches=1, slots=2, host_param_mib=0)
+    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.target = "lora", 4, ["q_proj"]
+    cfg.update.mode, cfg.model.base_dtype = "auto", "bfloat16"
+    rt = Runtime(cfg)
+    t = step_traffic(cfg, rt.model, rt.layout, rt.dtype, rt.align, hidden=rt.hidden_size, kept=0)
+    # every unit is read from the file (none in host memory), in bf16, and widened to fp32
+    assert t.widen["forward"] + t.widen["backward"] == 2 * t.by_state["params"][0]
+    assert t.widen["forward"] > 0 and t.widen["backward"] > 0
+    assert probe_widen(torch.bfloat16, torch.float32, 1 << 20) > 0 == probe_widen(torch.float32, torch.float32, 1)
+    r = _rates(widen_gbps=1.0)
+    with_widen = predict_with(cfg, rt, r)
+    without = predict_with(cfg, rt, _rates())
+    for phase in ("forward", "backward"):
+        extra = with_widen.phase(phase).compute_s - without.phase(phase).compute_s
+        assert extra == pytest.approx(t.widen[phase] / 1e9), phase

@@ -138,6 +138,9 @@ def predict(
     fwd_c = M * (r.embed_fwd_s + blocks * r.block_fwd_s + r.head_s)
     bwd_c = M * (blocks * r.block_bwd_s + r.embed_bwd_s) + recomputed * r.block_fwd_s
     upd_c = n_trained * r.update_elem_s  # the optimizer steps the trained parameters only
+    if cpu_compute and r.widen_gbps > 0:  # a narrower base widened on the compute's thread, per fetch
+        fwd_c += traffic.widen.get("forward", 0) / (r.widen_gbps * 1e9)
+        bwd_c += traffic.widen.get("backward", 0) / (r.widen_gbps * 1e9)
     pcie_s = ((traffic.up + traffic.down) / (pcie_gbps * 1e9) if pcie_gbps else 0.0) / 2
     fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
     fwd.time_s += first_read / (r.read_gbps * 1e9)

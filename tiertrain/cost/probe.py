@@ -28,7 +28,7 @@ from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 from .unit_timing import time_unit_steps
 
-__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_acts", "probe_crc"]
+__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_acts", "probe_crc", "probe_widen"]
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Rates:
     update_elem_s: float  # the AdamW kernel, per element
     cores: int
     record_bytes: int = 0  # one pair's record of offloaded activations (its input, in the stash, not counted)
+    widen_gbps: float = 0.0  # GB/s of the compute dtype made from a narrower base (0: none to widen)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +145,21 @@ def probe_crc(mib: int = 64) -> float:
     """CRC32C GB/s on one thread."""
     data = np.random.default_rng(1).integers(0, 255, mib << 20, dtype=np.uint8)
     return (mib << 20) / _timed(lambda: crc32c(data), repeats=2) / 1e9
+
+
+def probe_widen(src: torch.dtype, dst: torch.dtype, numel: int) -> float:
+    """GB/s of ``dst`` that widening a narrower base of ``src`` makes, as a fetched unit is
+    widened inside its slot (``widen_in_place``, on the thread that waits for the unit); 0 when
+    the two are the same (nothing to widen)."""
+    if src == dst:
+        return 0.0
+    from ..io.align import round_down
+    from ..update.frozen import widen_in_place
+
+    n = max(1 << 16, min(numel, 1 << 24))
+    out = torch.zeros(n, dtype=dst)  # written first: the slots' pages are resident
+    offset = round_down(n * (dst.itemsize - src.itemsize))
+    return n * dst.itemsize / _timed(lambda: widen_in_place(out, offset, src), repeats=2) / 1e9
 
 
 def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:

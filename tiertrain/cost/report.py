@@ -112,7 +112,8 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f"measured here: storage read {r.read_gbps:.2f} GB/s, write {r.write_gbps:.2f} GB/s; CRC32C {r.crc_gbps:.2f}"
         f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
         f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
-        f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s",
+        f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s"
+        + (f"; the base widened at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else ""),
         _activations(cfg, rt, r),
         "",
         "predicted step:",

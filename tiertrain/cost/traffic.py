@@ -50,6 +50,9 @@ class Traffic:
     up: int = 0  # host -> device (CUDA)
     down: int = 0  # device -> host (CUDA)
     by_state: dict[str, list[int]] = field(default_factory=dict)  # name -> [read, write]
+    # bytes of the compute dtype made by widening a narrower frozen base (model.base_dtype) on
+    # the thread that waits for each fetched unit, per phase
+    widen: dict[str, int] = field(default_factory=dict)
 
     @property
     def read(self) -> int:
@@ -182,6 +185,8 @@ def step_traffic(
         phase = "forward" if pos < n_forward else "backward"
         if u in params_file:
             t._add("params", phase, "read", layout.units[u].numel * pdt.itemsize)
+        if pdt != dtype:  # read or in host memory, a narrower unit is widened at every fetch
+            t.widen[phase] = t.widen.get(phase, 0) + nbytes[u]
         if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
             t.up += nbytes[u]
 
