@@ -284,3 +284,60 @@ def test_a_narrower_base_is_widened_on_the_computes_thread(tmp_path):
     for phase in ("forward", "backward"):
         extra = with_widen.phase(phase).compute_s - without.phase(phase).compute_s
         assert extra == pytest.approx(t.widen[phase] / 1e9), phase
+
+
+def test_predicted_against_measured_separates_the_disks_drift(tmp_path):
+    """After the warm-up the run says its prediction against the measured step, then again with
+    the disk's rates those steps saw: the disk's drift since the probe apart from the model's
+    error (a 64 MiB probe on this VM's disk moves 0.7-1.3 GB/s between runs)."""
+    import types
+
+    from tiertrain.cost import predict_with
+    from tiertrain.cost.report import against_measured
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, layers=3, micro_batches=2, host_param_mib=0, optim_host_mib=0)
+    rt = Runtime(cfg)
+    pred = predict_with(cfg, rt, _rates(read_gbps=1.0, write_gbps=2.0))
+
+    def rec(s, r, w):
+        return types.SimpleNamespace(step_s=s, ssd_read_gbps=r, ssd_write_gbps=w)
+
+    line = against_measured(cfg, rt, pred, [rec(3.0, 4.0, 0.5), rec(1.0, 2.0, 0.5), rec(2.0, 3.0, 0.0)])
+    again = predict_with(cfg, rt, _rates(read_gbps=3.0, write_gbps=0.5))  # the medians of what the steps saw
+    assert again.step_s != pred.step_s
+    assert line.startswith(f"step time: predicted {pred.step_s:.2f} s, measured 2.00 s (median of the last 3 steps;")
+    assert f"(read 3.00 GB/s (probed 1.00), write 0.50 GB/s (probed 2.00)): predicted {again.step_s:.2f} s" in line
+    quiet = against_measured(cfg, rt, pred, [rec(2.0, 0.0, 0.0)] * 3)  # nothing on the storage tier
+    assert quiet.endswith(f"; {2.0 / pred.step_s:.2f}x)") and "saw" not in quiet
+
+
+def test_the_disk_probe_reads_as_deep_as_a_units_read(tmp_path):
+    """The probe keeps as many pieces in flight as fill every I/O thread's chunk, as a unit's
+    read does: one 16 MiB piece at a time (one chunk in flight at the default 16 MiB chunks)
+    read at 0.85 GB/s where the steps right after read at 1.50 GB/s."""
+    from tiertrain.config import load_config
+    from tiertrain.cost.probe import DiskProbe
+    from tiertrain.io import IOFuture
+
+    class Counting:
+        def __init__(self):
+            self.inflight, self.most, self.offsets = 0, 0, []
+
+        def pread(self, buf, file_offset):
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            self.offsets.append(file_offset)
+            fut = IOFuture.completed(buf.numel())
+            return IOFuture([], finish=lambda _: (setattr(self, "inflight", self.inflight - 1), fut.get())[1])
+
+    for chunk_kib, threads, depth in ((16384, 8, 8), (4096, 8, 2), (4096, 2, 1)):
+        io = load_config(None, [f"--io.paths={tmp_path}", f"--io.chunk_kib={chunk_kib}", f"--io.threads={threads}"]).io
+        with DiskProbe(io, 256) as d:
+            real, d.f = d.f, Counting()
+            try:
+                d.read()
+                assert d.depth == depth and d.f.most == depth, (chunk_kib, threads)
+                assert d.f.offsets == list(range(0, 256 << 20, 16 << 20)) and d.f.inflight == 0
+            finally:
+                d.f = real

@@ -4,6 +4,7 @@ per phase with its bound, and what would make the step faster."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 from .model import Prediction
 
@@ -123,3 +124,33 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         *advice(cfg, rt, pred),
     ]
     return "\n".join(lines)
+
+
+def against_measured(cfg, rt, pred: Prediction, records: list) -> str:
+    """The prediction against the median of ``records`` (step records past the warm-up), and
+    again with the disk's rates those steps saw (bytes per direction over the time a request of
+    that direction was in flight): the disk's drift since the probe apart from the model's own
+    error. The steps' rates are lower than the disk's alone where reads and writes overlapped."""
+    from . import predict_with
+
+    measured = statistics.median(r.step_s for r in records)
+    line = (
+        f"step time: predicted {pred.step_s:.2f} s, measured {measured:.2f} s (median of the last "
+        f"{len(records)} steps; {measured / pred.step_s:.2f}x)"
+    )
+    seen = {
+        k: statistics.median(v)
+        for k, v in (
+            ("read_gbps", [r.ssd_read_gbps for r in records if r.ssd_read_gbps > 0]),
+            ("write_gbps", [r.ssd_write_gbps for r in records if r.ssd_write_gbps > 0]),
+        )
+        if v
+    }
+    if not seen:
+        return line  # nothing on the storage tier: the disk's rate is not in it
+    again = predict_with(cfg, rt, dataclasses.replace(pred.rates, **seen))
+    rates = ", ".join(f"{k[:-5]} {v:.2f} GB/s (probed {getattr(pred.rates, k):.2f})" for k, v in seen.items())
+    return (
+        f"{line}; with the disk's rates these steps saw ({rates}): predicted {again.step_s:.2f} s "
+        f"({measured / again.step_s:.2f}x)"
+    )

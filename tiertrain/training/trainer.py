@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from ..adapters import ADAPTER_FILE, AdapterUpdate
 from ..adapters.train import same_adapter_config
 from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, read_tensors
 from ..config import Config, ConfigError
+from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
 from ..dist.group import SoloGroup
@@ -520,13 +520,7 @@ class Trainer:
                 if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
                     log.info(rec.line(cfg.train.steps))
                 if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
-                    measured = statistics.median(r.step_s for r in metrics.records[-3:])
-                    log.info(
-                        "step time: predicted %.2f s, measured %.2f s (median of the last 3 steps; %.2fx)",
-                        pred.step_s,
-                        measured,
-                        measured / pred.step_s,
-                    )
+                    log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
                 if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
                     self.save_checkpoint()
         if stop.set:
