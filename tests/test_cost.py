@@ -4,6 +4,7 @@ is a benchmark: bench/cost_model.py.)"""
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -288,8 +289,9 @@ def test_a_narrower_base_is_widened_on_the_computes_thread(tmp_path):
 
 def test_predicted_against_measured_separates_the_disks_drift(tmp_path):
     """After the warm-up the run says its prediction against the measured step, then again with
-    the disk's rates those steps saw: the disk's drift since the probe apart from the model's
-    error (a 64 MiB probe on this VM's disk moves 0.7-1.3 GB/s between runs)."""
+    the disk as fast as those steps found it: the probed rates scaled by the time their bytes
+    take at the probed rates over the time a request was in flight (reads and writes that
+    overlap share it): the disk's drift since the probe apart from the model's error."""
     import types
 
     from tiertrain.cost import predict_with
@@ -300,16 +302,38 @@ def test_predicted_against_measured_separates_the_disks_drift(tmp_path):
     rt = Runtime(cfg)
     pred = predict_with(cfg, rt, _rates(read_gbps=1.0, write_gbps=2.0))
 
-    def rec(s, r, w):
-        return types.SimpleNamespace(step_s=s, ssd_read_gbps=r, ssd_write_gbps=w)
+    def rec(s, r, w, busy):
+        return types.SimpleNamespace(step_s=s, ssd_read_bytes=r, ssd_write_bytes=w, ssd_busy_s=busy)
 
-    line = against_measured(cfg, rt, pred, [rec(3.0, 4.0, 0.5), rec(1.0, 2.0, 0.5), rec(2.0, 3.0, 0.0)])
-    again = predict_with(cfg, rt, _rates(read_gbps=3.0, write_gbps=0.5))  # the medians of what the steps saw
+    # 2 GB read and 2 GB written take 2 + 1 = 3 s at the probed rates: busy 1.5 s is twice as fast
+    line = against_measured(cfg, rt, pred, [rec(3.0, 2e9, 2e9, 1.5), rec(1.0, 2e9, 2e9, 1.0), rec(2.0, 2e9, 2e9, 6.0)])
+    again = predict_with(cfg, rt, _rates(read_gbps=2.0, write_gbps=4.0))  # the median pace: 2x
     assert again.step_s != pred.step_s
     assert line.startswith(f"step time: predicted {pred.step_s:.2f} s, measured 2.00 s (median of the last 3 steps;")
-    assert f"(read 3.00 GB/s (probed 1.00), write 0.50 GB/s (probed 2.00)): predicted {again.step_s:.2f} s" in line
-    quiet = against_measured(cfg, rt, pred, [rec(2.0, 0.0, 0.0)] * 3)  # nothing on the storage tier
-    assert quiet.endswith(f"; {2.0 / pred.step_s:.2f}x)") and "saw" not in quiet
+    assert "with the disk 2.00x as fast as probed, as these steps found it (read 2.00, write 4.00 GB/s): " in line
+    assert line.endswith(f"predicted {again.step_s:.2f} s ({2.0 / again.step_s:.2f}x)")
+    quiet = against_measured(cfg, rt, pred, [rec(2.0, 0, 0, 0.0)] * 3)  # nothing on the storage tier
+    assert quiet.endswith(f"; {2.0 / pred.step_s:.2f}x)") and "as fast" not in quiet
+
+
+def test_busy_time_counts_overlapping_reads_and_writes_once(tmp_path):
+    """A path's busy time: per direction while one of its requests is in flight, and in all
+    while any is (overlapping reads and writes counted once)."""
+    from tiertrain.io.stats import PathStats
+
+    st = PathStats("p")
+    st.begin("r")
+    time.sleep(0.05)
+    st.begin("w")
+    time.sleep(0.05)
+    st.end("r", 10)
+    time.sleep(0.05)
+    st.end("w", 20)
+    snap = st.snapshot()
+    assert snap.read_bytes == 10 and snap.write_bytes == 20
+    assert snap.read_busy_s == pytest.approx(0.10, abs=0.03) and snap.write_busy_s == pytest.approx(0.10, abs=0.03)
+    assert snap.busy_s == pytest.approx(0.15, abs=0.03) and snap.busy_s < snap.read_busy_s + snap.write_busy_s
+    assert (snap - snap).busy_s == 0.0 and (snap + snap).busy_s == pytest.approx(2 * snap.busy_s)
 
 
 def test_the_disk_probe_reads_as_deep_as_a_units_read(tmp_path):

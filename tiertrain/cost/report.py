@@ -128,9 +128,10 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
 
 def against_measured(cfg, rt, pred: Prediction, records: list) -> str:
     """The prediction against the median of ``records`` (step records past the warm-up), and
-    again with the disk's rates those steps saw (bytes per direction over the time a request of
-    that direction was in flight): the disk's drift since the probe apart from the model's own
-    error. The steps' rates are lower than the disk's alone where reads and writes overlapped."""
+    again with the disk as fast as those steps found it: the probed rates scaled by the time
+    their bytes would take at the probed rates over the time a request was in flight
+    (``ssd_busy_s``; reads and writes overlapping share it). That parts the disk's drift since
+    the probe from the model's own error."""
     from . import predict_with
 
     measured = statistics.median(r.step_s for r in records)
@@ -138,19 +139,18 @@ def against_measured(cfg, rt, pred: Prediction, records: list) -> str:
         f"step time: predicted {pred.step_s:.2f} s, measured {measured:.2f} s (median of the last "
         f"{len(records)} steps; {measured / pred.step_s:.2f}x)"
     )
-    seen = {
-        k: statistics.median(v)
-        for k, v in (
-            ("read_gbps", [r.ssd_read_gbps for r in records if r.ssd_read_gbps > 0]),
-            ("write_gbps", [r.ssd_write_gbps for r in records if r.ssd_write_gbps > 0]),
-        )
-        if v
-    }
-    if not seen:
+    r = pred.rates
+    pace = [
+        (x.ssd_read_bytes / r.read_gbps + x.ssd_write_bytes / r.write_gbps) / 1e9 / x.ssd_busy_s
+        for x in records
+        if x.ssd_busy_s > 0
+    ]
+    if not pace:
         return line  # nothing on the storage tier: the disk's rate is not in it
-    again = predict_with(cfg, rt, dataclasses.replace(pred.rates, **seen))
-    rates = ", ".join(f"{k[:-5]} {v:.2f} GB/s (probed {getattr(pred.rates, k):.2f})" for k, v in seen.items())
+    k = statistics.median(pace)  # the disk's speed in these steps over the probe's
+    again = predict_with(cfg, rt, dataclasses.replace(r, read_gbps=r.read_gbps * k, write_gbps=r.write_gbps * k))
     return (
-        f"{line}; with the disk's rates these steps saw ({rates}): predicted {again.step_s:.2f} s "
+        f"{line}; with the disk {k:.2f}x as fast as probed, as these steps found it (read "
+        f"{r.read_gbps * k:.2f}, write {r.write_gbps * k:.2f} GB/s): predicted {again.step_s:.2f} s "
         f"({measured / again.step_s:.2f}x)"
     )

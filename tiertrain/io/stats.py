@@ -19,6 +19,7 @@ class StatsSnapshot:
     write_ops: int = 0
     read_busy_s: float = 0.0
     write_busy_s: float = 0.0
+    busy_s: float = 0.0  # wall time with a request of either direction in flight
 
     def __sub__(self, other: "StatsSnapshot") -> "StatsSnapshot":
         return StatsSnapshot(*(a - b for a, b in zip(self._values(), other._values())))
@@ -27,7 +28,15 @@ class StatsSnapshot:
         return StatsSnapshot(*(a + b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple:
-        return (self.read_bytes, self.write_bytes, self.read_ops, self.write_ops, self.read_busy_s, self.write_busy_s)
+        return (
+            self.read_bytes,
+            self.write_bytes,
+            self.read_ops,
+            self.write_ops,
+            self.read_busy_s,
+            self.write_busy_s,
+            self.busy_s,
+        )
 
     @property
     def read_gbps(self) -> float:
@@ -45,7 +54,9 @@ class PathStats:
     Bytes count what the caller asked for (not alignment padding or read-modify-write
     blocks), so that they can be checked against a formula. Busy time is the wall time
     during which at least one request of that direction was in flight: bytes / busy time
-    is the bandwidth the path delivered while it was being used.
+    is the bandwidth the path delivered while it was being used; and the time with a request
+    of either direction in flight (where reads and writes overlap, each direction's rate is
+    below what it reaches alone).
     """
 
     def __init__(self, name: str) -> None:
@@ -54,27 +65,32 @@ class PathStats:
         self._bytes = {"r": 0, "w": 0}
         self._ops = {"r": 0, "w": 0}
         self._busy = {"r": 0.0, "w": 0.0}
-        self._inflight = {"r": 0, "w": 0}
-        self._since = {"r": 0.0, "w": 0.0}
+        self._inflight = {"r": 0, "w": 0, "any": 0}
+        self._since = {"r": 0.0, "w": 0.0, "any": 0.0}
+        self._busy["any"] = 0.0
 
     def begin(self, kind: str) -> None:
         with self._lock:
-            if self._inflight[kind] == 0:
-                self._since[kind] = time.perf_counter()
-            self._inflight[kind] += 1
+            now = time.perf_counter()
+            for k in (kind, "any"):
+                if self._inflight[k] == 0:
+                    self._since[k] = now
+                self._inflight[k] += 1
 
     def end(self, kind: str, nbytes: int) -> None:
         with self._lock:
-            self._inflight[kind] -= 1
+            now = time.perf_counter()
             self._bytes[kind] += nbytes
             self._ops[kind] += 1
-            if self._inflight[kind] == 0:
-                self._busy[kind] += time.perf_counter() - self._since[kind]
+            for k in (kind, "any"):
+                self._inflight[k] -= 1
+                if self._inflight[k] == 0:
+                    self._busy[k] += now - self._since[k]
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             now = time.perf_counter()
-            busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in "rw"}
+            busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in self._busy}
             return StatsSnapshot(
-                self._bytes["r"], self._bytes["w"], self._ops["r"], self._ops["w"], busy["r"], busy["w"]
+                self._bytes["r"], self._bytes["w"], self._ops["r"], self._ops["w"], busy["r"], busy["w"], busy["any"]
             )

@@ -40,6 +40,7 @@ class StepMeter:
         wb = sum(io1[k].write_bytes - self.io0[k].write_bytes for k in io1)
         rbusy = max((io1[k].read_busy_s - self.io0[k].read_busy_s for k in io1), default=0.0)
         wbusy = max((io1[k].write_busy_s - self.io0[k].write_busy_s for k in io1), default=0.0)
+        busy = max((io1[k].busy_s - self.io0[k].busy_s for k in io1), default=0.0)
         mfu = self.flops_per_token * out.tokens / step_s / self.peak if self.peak else None
         rec = StepRecord(
             step=step,
@@ -60,6 +61,7 @@ class StepMeter:
             peak_device_bytes=self.dev.peak_bytes(),
             mfu=mfu,
             extra=extra,
+            ssd_busy_s=busy,
         )
         rec.extra.update(self.group.step_record(rec, self.net0))  # with ranks: theirs, gathered
         return rec

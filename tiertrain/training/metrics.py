@@ -64,6 +64,7 @@ class StepRecord:
     peak_device_bytes: int
     mfu: float | None = None
     extra: dict = field(default_factory=dict)
+    ssd_busy_s: float = 0.0  # wall time with any request on the storage tier in flight (the busiest path)
 
     @property
     def tokens_per_s(self) -> float:
