@@ -541,9 +541,10 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
 
 
 def test_the_planners_probes_leave_nothing_in_the_adapters(tmp_path):
-    """Where the planner measures the machine (a budget to fill), its unit timings run the blocks, and with them the adapters' hooks: the gradients they left
-    were added to step 1's (such a run differed from peft's by about 1e-6, and from run to run).
-    None stay."""
+    """Where the machine is measured (the planner with a budget to fill, the step-time
+    prediction before the first step), the unit timings run the blocks, and with them the
+    adapters' hooks: the gradients they left were added to step 1's (such a run differed from
+    peft's by about 1e-6, and from run to run). None stay."""
     from tiertrain.cost.budget import PLANNED
     from tiertrain.training.trainer import Trainer
 
@@ -555,4 +556,8 @@ def test_the_planners_probes_leave_nothing_in_the_adapters(tmp_path):
     cfg.memory.host_mib = (fixed + demand // 2) // MIB
     with Trainer(cfg) as tr:
         assert tr._rates is not None  # measured
+        assert all(p.grad is None for p in tr.rt.adapters.params())
+    cfg.memory.host_mib = None  # nothing measured by the planner ...
+    with Trainer(cfg) as tr:
+        assert tr.predict() is not None  # ... but by the prediction the run starts with
         assert all(p.grad is None for p in tr.rt.adapters.params())

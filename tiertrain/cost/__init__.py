@@ -34,7 +34,17 @@ MIB = 1 << 20
 
 
 def measure_rates(cfg, rt, *, probe_mib: int = 256) -> Rates:
-    """Probe this machine for a run of ``cfg`` on ``rt`` (a few seconds)."""
+    """Probe this machine for a run of ``cfg`` on ``rt`` (a few seconds). The unit timings run
+    the blocks forward and backward, and with them the adapters' hooks: their gradients are
+    dropped after, or the first step would add them to its own."""
+    try:
+        return _measure_rates(cfg, rt, probe_mib)
+    finally:
+        for p in rt.adapters.params() if rt.adapters is not None else []:
+            p.grad = None
+
+
+def _measure_rates(cfg, rt, probe_mib: int) -> Rates:
     args = (cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
     with DiskProbe(cfg.io, probe_mib) as d:
         write = d.write()

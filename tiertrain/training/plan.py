@@ -121,7 +121,4 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
         notes.append(why)
     acts = ActivationPlan.of(planned, rt, budget.act_bytes, budget.record_bytes)
     states = declare_states(planned, rt, acts.record_bytes)
-    if rt.adapters is not None:  # the probes ran the blocks, and the adapters' hooks: nothing of theirs stays
-        for p in rt.adapters.params():
-            p.grad = None
     return RunPlan(planned, budget, acts, states, notes, measured[0] if measured else None)
