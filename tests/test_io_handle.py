@@ -320,3 +320,40 @@ def test_device_tensors_roundtrip(tmp_path, gds_mode):
         assert torch.equal(back, t)
     finally:
         gds.set_mode("auto")
+
+
+def test_work_after_a_read_runs_once_in_the_thread_that_waits(tmp_path):
+    """``IOFuture.then``: the work on the bytes read (a narrower base's widening) runs once, in
+    the thread that calls ``get`` (in an I/O thread it took the reads' CPU on 2 cores, measured
+    slower), after every chunk is in; its error, and a chunk's, reach ``get``."""
+    import threading
+
+    import torch
+
+    from tiertrain.io import FileHandle, IOFuture
+
+    data = torch.arange(1 << 18, dtype=torch.float32)
+    path = str(tmp_path / "f.bin")
+    with FileHandle(path, "w", size=data.numel() * 4, chunk_bytes=64 << 10) as f:
+        f.write(data.view(torch.uint8).numpy())
+    seen = []
+    with FileHandle(path, "r", chunk_bytes=64 << 10) as f:
+        buf = torch.zeros_like(data)
+        fut = f.pread(buf.view(torch.uint8).numpy()).then(
+            lambda: seen.append((threading.current_thread().name, buf.sum().item()))
+        )
+        assert fut.get() == data.numel() * 4 and fut.get() == data.numel() * 4
+    assert seen == [(threading.current_thread().name, data.sum().item())]  # once, here, every chunk in
+
+    def boom():
+        raise ValueError("conversion failed")
+
+    with pytest.raises(ValueError, match="conversion failed"):
+        IOFuture.completed(8).then(boom).get()
+    import concurrent.futures as cf
+
+    failed: cf.Future = cf.Future()
+    failed.set_exception(OSError(5, "Input/output error"))  # a chunk's error: the work never runs
+    with pytest.raises(OSError, match="Input/output error"):
+        IOFuture([failed]).then(lambda: seen.append("ran")).get()
+    assert "ran" not in seen

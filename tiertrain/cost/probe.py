@@ -68,9 +68,9 @@ def _timed(fn, repeats: int = 3) -> float:
 
 class DiskProbe:
     """One file of ``probe_mib`` over every path of the storage tier (no checksums), written
-    and read through a 16 MiB buffer, as many pieces in flight as keep the I/O threads busy; ``reading()`` keeps the disk reading in the background
-    (to measure compute while the storage tier works). A context manager; the file goes at
-    exit."""
+    and read through a 16 MiB buffer, as many pieces in flight as keep the I/O threads busy;
+    ``reading()`` keeps the disk reading in the background (to measure compute while the
+    storage tier works). A context manager; the file goes at exit."""
 
     def __init__(self, io: IOConfig, probe_mib: int = 256) -> None:
         if probe_mib < 1:

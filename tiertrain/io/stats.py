@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -28,15 +29,7 @@ class StatsSnapshot:
         return StatsSnapshot(*(a + b for a, b in zip(self._values(), other._values())))
 
     def _values(self) -> tuple:
-        return (
-            self.read_bytes,
-            self.write_bytes,
-            self.read_ops,
-            self.write_ops,
-            self.read_busy_s,
-            self.write_busy_s,
-            self.busy_s,
-        )
+        return dataclasses.astuple(self)
 
     @property
     def read_gbps(self) -> float:
