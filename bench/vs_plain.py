@@ -73,7 +73,9 @@ def worker_init(cfg, path: str) -> dict:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
-def worker_plain(cfg, path: str) -> dict:
+def worker_plain(cfg, path: str, keep: bool = False):
+    """Plain PyTorch's steps from the weights in ``path``: times, losses, gradient norms (and,
+    with ``keep``, the trained model after the result)."""
     import torch
     from safetensors import safe_open
 
@@ -91,7 +93,7 @@ def worker_plain(cfg, path: str) -> dict:
     )
     from tiertrain.update.lr import lr_at
 
-    corpus, times, losses = Corpus(cfg.data), [], []
+    corpus, times, losses, norms = Corpus(cfg.data), [], [], []
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
         ls = []
@@ -100,7 +102,7 @@ def worker_plain(cfg, path: str) -> dict:
             (loss / M).backward()
             ls.append(loss.item())
         if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step + 1, o, cfg.train.steps)
         opt.step()
@@ -108,7 +110,8 @@ def worker_plain(cfg, path: str) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(sum(ls) / M)
         print(f"plain step {step + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    return {"times": times, "losses": losses}
+    res = {"times": times, "losses": losses, "norms": norms}
+    return (res, model) if keep else res
 
 
 def worker_tiertrain(cfg) -> dict:

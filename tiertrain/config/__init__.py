@@ -72,12 +72,23 @@ class Config:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def __post_init__(self) -> None:
-        if self.update.eager and (self.update.mode == "baseline" or self.optim.grad_clip > 0):
+        speculate = self.update.speculate == "on"
+        if self.update.eager and (self.update.mode == "baseline" or (self.optim.grad_clip > 0 and not speculate)):
             raise ConfigError(
                 f"update.eager = true needs update.mode = 'auto', 'overlap' or 'engines' and optim.grad_clip = 0 (got mode "
                 f"{self.update.mode!r}, grad_clip {self.optim.grad_clip}): the global gradient norm is only known "
-                "after the whole backward"
+                "after the whole backward; with clipping, update.speculate = 'on' updates under the backward and "
+                "redoes a step where the clip acts"
             )
+        if speculate and (self.update.mode not in ("auto", "overlap") or self.optim.grad_clip == 0 or self.adapter.on):
+            why = (
+                "the adapters update in the trainer (adapter.kind is set)"
+                if self.adapter.on
+                else "with optim.grad_clip = 0 nothing is validated: use update.eager = true"
+                if self.optim.grad_clip == 0
+                else f"it runs on the overlapped path, not update.mode = {self.update.mode!r}: set update.mode = 'overlap'"
+            )
+            raise ConfigError(f"update.speculate = 'on': {why}")
         if (self.update.topk > 0 or self.update.error_feedback) and self.update.mode != "engines":
             raise ConfigError(
                 f"update.topk = {self.update.topk} / update.error_feedback = {self.update.error_feedback} compress what "

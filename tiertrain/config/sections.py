@@ -406,6 +406,15 @@ class UpdateConfig(Section):
         "Update each unit as its gradients arrive, under the backward (update.mode = 'engines' or "
         "'overlap'; needs optim.grad_clip = 0).",
     )
+    speculate: str = opt(
+        "off",
+        "With optim.grad_clip > 0 on the overlapped path: 'on' updates each unit as its gradients arrive, "
+        "under the backward, as if the clip will not act, into a second copy of the states (twice their "
+        "space, said in the plan); after the backward the step is kept where the clip did not act and "
+        "every value is finite, else redone from the first copy with the clip (one more update's I/O). "
+        "Exact either way. 'auto': on where the cost model predicts a gain and the storage tier has the "
+        "space; 'off'. See docs/guide/update-paths.md.",
+    )
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
     topk: float = opt(
         0.0,
@@ -420,6 +429,7 @@ class UpdateConfig(Section):
 
     def __post_init__(self) -> None:
         self._one_of("mode", ("auto", "baseline", "overlap", "engines", "frozen"))
+        self._one_of("speculate", ("auto", "on", "off"))
         self._in_range("engines", 0, 256)
         self._in_range("engine_timeout_s", 1.0, 86400.0)
         self._in_range("topk", 0.0, 0.5)

@@ -18,7 +18,7 @@ from ..config import Config
 from ..update.base import Update
 from .probe import Rates
 
-__all__ = ["resolve_update", "resolve_activations", "with_mode"]
+__all__ = ["resolve_update", "resolve_activations", "resolve_speculation", "with_mode"]
 
 MIB = 1 << 20
 
@@ -66,9 +66,10 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     paths = _candidates_of_auto()
     simplest = paths[0][0]
     beside = next(name for name, cls in paths if cls.beside_compute)  # the one that hides the update
-    if cfg.update.eager:
+    if cfg.update.eager or cfg.update.speculate == "on":
         eager = next(name for name, cls in paths if cls.supports_eager)
-        return with_mode(cfg, eager), f"{eager} (update.eager = true: each unit as its gradient arrives)"
+        asked = "update.eager" if cfg.update.eager else "update.speculate = 'on'"
+        return with_mode(cfg, eager), f"{eager} ({asked}: each unit as its gradient arrives)"
     from . import predict_with, step_traffic
 
     t = step_traffic(
@@ -103,6 +104,62 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
             mode = name
     listed = ", ".join(f"{v:.2f} s/step for {k}" for k, v in times.items())
     return with_mode(cfg, mode), f"{mode} (predicted {listed})"
+
+
+def _with_speculate(cfg: Config, value: str) -> Config:
+    return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, speculate=value))
+
+
+def _state_file_bytes(cfg: Config, rt) -> int:
+    from ..update import UPDATES
+
+    decls = UPDATES[cfg.update.mode].declare(cfg, rt.layout, rt.dtype, rt.align, cfg.io.paths)
+    return sum(d.file_bytes for d in decls)
+
+
+def resolve_speculation(
+    cfg: Config,
+    rt,
+    rates_fn: Callable[[], Rates] | None,
+    agree: Callable[[tuple[str, str]], tuple[str, str]] | None = None,
+) -> tuple[Config, str | None]:
+    """``cfg`` with ``update.speculate = "auto"`` resolved to "on" or "off", and why (None where
+    there is nothing to choose). On where the update path can speculate (``Update.speculates``)
+    and clips, the prediction with the states held twice (fewer of them in memory) is shorter
+    than without by 2%, and the storage tier's free space holds every state file twice with
+    10% to spare. The prediction assumes the clip rarely acts: a run where it keeps acting
+    turns speculation off (``update/speculate.py``). ``agree``: ranks take rank 0's choice."""
+    import shutil
+
+    from . import predict_with
+
+    if cfg.update.speculate != "auto":
+        return cfg, None
+    off, on = _with_speculate(cfg, "off"), _with_speculate(cfg, "on")
+    from ..update import UPDATES
+
+    if not UPDATES[cfg.update.mode].speculates or cfg.optim.grad_clip == 0 or cfg.adapter.on:
+        return off, None  # nothing to speculate on: the update waits for no norm, or runs elsewhere
+    if rates_fn is None:
+        choice, why = "off", "off (nothing measured: no gain predicted; update.speculate = 'on' to choose it)"
+    else:
+        need = _state_file_bytes(on, rt)
+        free = sum(shutil.disk_usage(p).free for p in dict.fromkeys(cfg.io.paths))
+        rates = rates_fn()
+        t_on, t_off = predict_with(on, rt, rates).step_s, predict_with(off, rt, rates).step_s
+        gain = f"predicted {t_on:.2f} s/step speculating against {t_off:.2f} s without"
+        if need * 1.1 > free:
+            choice, why = (
+                "off",
+                f"off (the states held twice take {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free; {gain})",
+            )
+        elif t_on < 0.98 * t_off:
+            choice, why = "on", f"on ({gain}; the states held twice take {need / 2**30:.2f} GiB on the storage tier)"
+        else:
+            choice, why = "off", f"off ({gain})"
+    if agree is not None:
+        choice, why = agree((choice, why))
+    return _with_speculate(cfg, choice), f"speculative update (auto): {why}"
 
 
 def _with_offload(cfg: Config, n: int) -> Config:

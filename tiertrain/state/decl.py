@@ -53,6 +53,7 @@ class StateDecl:
     files: tuple[FileDecl, ...] = ()
     weights: bool = False
     zero_if_absent: bool = False
+    double: bool = False  # held twice (``state/double.py``, the speculative update): two files
 
     @property
     def file_bytes(self) -> int:

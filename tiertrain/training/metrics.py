@@ -110,6 +110,9 @@ class StepRecord:
             + (
                 f" | update thread {self.extra['update_thread_s']:.2f} s, "
                 f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB"
+                + {True: ", speculation kept", False: ", speculation redone", None: ""}[
+                    self.extra.get("speculation_kept")
+                ]
                 if "update_thread_s" in self.extra
                 else ""
             )
@@ -189,6 +192,7 @@ class MetricsLog:
                 if "act_kept" in (last := recs[-1].extra)
                 else ""
             )
+            + (f"; {last['speculation']}" if "speculation" in last else "")
         )
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     where ``train.predict`` will anyway); ``rates``: measured already."""
     from ..cost import measure_rates
     from ..cost.budget import PoolsOverBudget, plan_budget
-    from ..cost.choose import resolve_activations, resolve_update
+    from ..cost.choose import resolve_activations, resolve_speculation, resolve_update
     from ..cost.probe import probe_acts
 
     group = group or SoloGroup()
@@ -116,6 +116,9 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     planned, why = resolve_update(planned, rt, choose_rates, agree=group.rank0s)
     if why:
         notes.append(f"update path (auto): {why}{group.choice_note}")
+    planned, why = resolve_speculation(planned, rt, choose_rates, agree=group.rank0s)
+    if why:
+        notes.append(why)
     planned, why = resolve_activations(planned, rt, budget.act_bytes, budget.record_bytes, choose_rates)
     if why:
         notes.append(why)

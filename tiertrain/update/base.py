@@ -73,6 +73,9 @@ class Update(abc.ABC):
     auto_candidate: bool = False
     beside_compute: bool = False
     supports_eager: bool = False
+    # may it update under the backward with clipping on, keeping the old state to redo a step
+    # the clip acts in (``update.speculate``)
+    speculates: bool = False
     states_in_trainer: bool = True
     # Units (of the compute dtype) that initialisation and autograd hold at once beyond the
     # pools: the budget's working set. Training: the initial unit, its fp32 source and the

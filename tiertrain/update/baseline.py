@@ -16,6 +16,7 @@ import torch
 from ..config import Config
 from ..io import IOFuture, Storage
 from ..state.decl import Region, StateDecl
+from ..state.double import build_region, declare_state
 from ..state.layout import FlatLayout
 from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
@@ -77,9 +78,11 @@ class BaselineUpdate(Update):
     ) -> list[StateDecl]:
         m = cfg.memory
         weights_first = pdtype == torch.float32  # without a master copy the parameters are the weights
+        double = cfg.update.speculate == "on"  # every state the step writes, twice (``state/double.py``)
         return [
-            *optimizer_states(cfg.optim, layout, pdtype, align, m.optim_host_mib * MIB, owner=OWNER),
-            TieredRegions.declare(
+            *optimizer_states(cfg.optim, layout, pdtype, align, m.optim_host_mib * MIB, owner=OWNER, double=double),
+            declare_state(
+                double,
                 layout,
                 "params.bin",
                 pdtype,
@@ -99,7 +102,7 @@ class BaselineUpdate(Update):
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         by = {d.name: d for d in self.states}
-        self._params = TieredRegions(layout, storage, by["params"], pin=pin)
+        self._params = build_region(layout, storage, by["params"], pin=pin)
         self._grads = TieredRegions(layout, storage, by["grads"], pin=pin)
         self.params, self.grads = RegionParams(self._params), RegionGrads(self._grads)
         self.optim = StreamedOptimizer(

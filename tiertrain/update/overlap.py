@@ -45,6 +45,7 @@ from ..state.layout import FlatLayout
 from ..state.machine import Machine
 from .base import UpdateStats
 from .baseline import BaselineUpdate, RegionGrads, RegionParams
+from .speculate import Speculation
 
 __all__ = ["OverlapUpdate", "UnitState"]
 
@@ -53,14 +54,19 @@ class UnitState(enum.Enum):
     CURRENT = "current"  # its parameters on storage (or in host memory) are the latest
     QUEUED = "queued"  # its update is queued or under way on earlier units: a load can be handed over
     UPDATING = "updating"  # chunks of it are computed: too late to hand the whole unit over
+    SPECULATED = "speculated"  # its new state is in the other half; the step is not validated yet
 
 
 UNIT = Machine(
     "overlapped update, unit",
     {
         UnitState.CURRENT: {UnitState.QUEUED},
-        UnitState.QUEUED: {UnitState.UPDATING, UnitState.CURRENT},  # a unit with no chunks goes straight back
-        UnitState.UPDATING: {UnitState.CURRENT},
+        # a unit with no chunks goes straight back; a speculative one waits for the validation
+        UnitState.QUEUED: {UnitState.UPDATING, UnitState.CURRENT, UnitState.SPECULATED},
+        UnitState.UPDATING: {UnitState.CURRENT, UnitState.SPECULATED},
+        # validated: kept (its halves flip) or redone (queued again, from the current half); or the
+        # step was abandoned (an error before the validation): the current half stays
+        UnitState.SPECULATED: {UnitState.CURRENT, UnitState.QUEUED},
     },
 )
 
@@ -114,18 +120,18 @@ class _Grads(RegionGrads):
     def write(self, u: int, src: torch.Tensor) -> IOFuture:
         self.o.wait_ready(u)  # as claim: the file's copy too is read by the update
         fut = self.region.write(u, src)
-        if self.o.eager:
+        if self.o.eager or self.o.spec.this_step:
             self.o.queue_unit(u, fut.watch())
         return fut
 
     def done_in_place(self, u: int) -> None:
-        if self.o.eager:
+        if self.o.eager or self.o.spec.this_step:
             self.o.queue_unit(u, IOFuture.completed())
 
 
 class OverlapUpdate(BaselineUpdate):
     name = "overlap"
-    beside_compute = supports_eager = True
+    beside_compute = supports_eager = speculates = True
 
     @classmethod
     def predict_step(cls, c):
@@ -140,7 +146,10 @@ class OverlapUpdate(BaselineUpdate):
         one = c.upd_c * (r.cores if c.cpu_compute else 1)  # the kernel in one thread (CPU device) or all
         own = max(c.upd.io_s, c.upd_cpu - c.upd_c + one)  # the update thread alone: its I/O or its CPU
         extra_cpu = c.upd_cpu if c.cpu_compute else 0.0
-        if c.cfg.update.eager:  # under the backward, in its order: the embedding's update is left for the next forward
+        speculate = c.cfg.update.speculate == "on"
+        if (
+            c.cfg.update.eager or speculate
+        ):  # under the backward, in its order: the embedding's is left for the next forward
             f = c.fwd
             b = c.phase(
                 "backward",
@@ -153,6 +162,11 @@ class OverlapUpdate(BaselineUpdate):
             b.time_s = max(b.time_s, own)
             u = Phase("update (thread, under the backward)", c.upd_c, c.upd.io_s, c.upd.crc_s, 0.0, "hidden")
             note = "overlap (eager): the update streams under the backward as each unit's gradient is home"
+            if speculate:
+                note = (
+                    "overlap (speculative): the update streams under the backward as each unit's gradient is home, "
+                    f"kept where the clip does not act; a step where it acts adds {own:.2f} s (the update redone)"
+                )
         else:
             f = c.phase("forward", c.fwd_c, t.forward_read, t.forward_write, extra_io=c.upd.io_s, extra_cpu=extra_cpu)
             f.time_s = max(f.time_s, own) + c.first_read_s()
@@ -167,10 +181,12 @@ class OverlapUpdate(BaselineUpdate):
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         super().__init__(cfg, layout, storage, pdtype, pin=pin)
         self.eager = cfg.update.eager
+        self.spec = Speculation(on=cfg.update.speculate == "on")  # states held twice: ``declare``
         self.params, self.grads = _Params(self, self._params), _Grads(self, self._grads)
         n = len(layout.units)
         self._cv = threading.Condition()
         self._state = [UnitState.CURRENT] * n
+        self._queued = [0] * n  # per unit: the step its last update was queued for
         self._loads: dict[int, list[_Load]] = {}
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -178,6 +194,7 @@ class OverlapUpdate(BaselineUpdate):
         self._step, self._lr = 0, 0.0
         self._busy = UpdateStats()  # the thread's time since the last record()
         self.handoff_bytes = 0
+        self.redone = 0  # speculative steps redone with the clip (each one more update's I/O)
         # On a CPU device the thread's kernels (AdamW, CRC32C) take one core: torch's intra-op
         # threads are set per thread, and the compute keeps the rest (measured on 2 cores: with
         # the default, both threads' OpenMP teams fight for them and the forward slows more).
@@ -214,7 +231,9 @@ class OverlapUpdate(BaselineUpdate):
     ) -> None:
         if wait is not None:
             wait.get()  # the gradient is home (its checksums too: committed by the write itself)
-        st = self.optim.step(lr, coef, step=step, units=units, on_unit_done=self._unit_done, on_chunk=self._chunk)
+        st = self.optim.step(
+            lr, coef, step=step, units=units, on_unit_done=lambda u: self._unit_done(u, step), on_chunk=self._chunk
+        )
         with self._cv:
             b = self._busy
             b.seconds += st.seconds
@@ -230,21 +249,31 @@ class OverlapUpdate(BaselineUpdate):
         for ld in takers:  # new parameters straight into the slot waiting for them
             ld.out[a:b].copy_(p)
 
-    def _unit_done(self, u: int) -> None:
+    def _unit_done(self, u: int, step: int) -> None:
         with self._cv:
-            loads = self._loads.pop(u, [])
-            for ld in loads:
-                if ld.handoff:
-                    self.handoff_bytes += ld.nbytes
-                else:
-                    ld.read = self._params.read(u, ld.out)
-            self._state[u] = UNIT.move(self._state[u], UnitState.CURRENT, str(u))
-            self._cv.notify_all()
+            if not self.spec.judged_at(step):  # speculative: its new state waits in the other half for the judgement
+                self._state[u] = UNIT.move(self._state[u], UnitState.SPECULATED, str(u))
+                self._cv.notify_all()
+                return
+            self._finish(u)
 
-    def _mark_updating(self, units) -> None:
+    def _finish(self, u: int) -> None:
+        """Unit ``u``'s update of a validated step is written: current (held under ``_cv``)."""
+        if self.spec.on:
+            self.optim.flip(u)  # every write went to the other half: it becomes the current one
+        for ld in self._loads.pop(u, []):
+            if ld.handoff:
+                self.handoff_bytes += ld.nbytes
+            else:
+                ld.read = self._params.read(u, ld.out)
+        self._state[u] = UNIT.move(self._state[u], UnitState.CURRENT, str(u))
+        self._cv.notify_all()
+
+    def _mark_updating(self, units, step: int) -> None:
         with self._cv:
             for u in units:
                 self._state[u] = UNIT.move(self._state[u], UnitState.QUEUED, str(u))
+                self._queued[u] = step
 
     # -- what the trainer's parts call ------------------------------------------------------------
     def ready(self, u: int) -> bool:
@@ -269,14 +298,17 @@ class OverlapUpdate(BaselineUpdate):
             self._raise()
             if self._state[u] is UnitState.CURRENT:
                 return self._params.read(u, out)
-            ld = _Load(self, u, out, handoff=self._state[u] is UnitState.QUEUED)
+            # a speculative step's new parameters are handed over only once it is kept
+            ld = _Load(
+                self, u, out, handoff=self._state[u] is UnitState.QUEUED and self.spec.judged_at(self._queued[u])
+            )
             self._loads.setdefault(u, []).append(ld)
             return ld
 
     def queue_unit(self, u: int, grad_home: IOFuture) -> None:
         """Eager mode: update unit ``u`` once ``grad_home`` completes."""
-        self._mark_updating([u])
         lr, step = self._lr, self._step  # this step's, whenever the job runs
+        self._mark_updating([u], step)
         self._submit(lambda: self._stream(lr, None, step, [u], grad_home))
 
     def wait_all(self) -> None:
@@ -288,7 +320,14 @@ class OverlapUpdate(BaselineUpdate):
     # -- Update -----------------------------------------------------------------------------------
     def begin_step(self, step: int, lr: float) -> None:
         self._raise_now()
+        if not self.spec.judged_at(step - 1):  # a step abandoned before its judgement (an error): its speculation goes
+            self.wait_all()
+            with self._cv:
+                for u, st in enumerate(self._state):
+                    if st is UnitState.SPECULATED:
+                        self._state[u] = UNIT.move(st, UnitState.CURRENT, str(u))  # the current half is untouched
         self._step, self._lr = step, lr
+        self.spec.begin(step)
 
     def _raise_now(self) -> None:
         with self._cv:
@@ -298,11 +337,39 @@ class OverlapUpdate(BaselineUpdate):
         """Start optimizer step ``step`` (eager: already under way, unit by unit); returns at
         once. The next forward waits per unit."""
         self._raise_now()
-        if not self.eager:
+        if self.spec.this_step:
+            self._judge(step, lr, clip_coef)
+        elif not self.eager:
             self.wait_all()  # the previous step's is long done (the forward loaded every unit): no wait
-            self._mark_updating([u.index for u in self.optim.trainable])  # a frozen unit is never updated
+            self._mark_updating([u.index for u in self.optim.trainable], step)  # a frozen unit is never updated
             self._submit(lambda: self._stream(lr, clip_coef, step, None))
         return UpdateStats()
+
+    def restored(self, step: int) -> None:
+        super().restored(step)
+        self.spec.judged_through = step  # the checkpoint's step was kept (a checkpoint never holds another)
+
+    def _judge(self, step: int, lr: float, coef: torch.Tensor | None) -> None:
+        """A speculative step's judgement, once the norm is known: kept (each unit flips as its
+        update completes) or redone from the current half with ``coef``."""
+        kept = self.spec.keeps(coef)  # sync point on CUDA: one scalar
+        if kept:
+            with self._cv:
+                self.spec.judged(step, True)
+                for u, st in enumerate(self._state):
+                    if st is UnitState.SPECULATED:
+                        self._finish(u)
+                self._cv.notify_all()
+            return
+        self.wait_all()  # sync point: the speculation drained (every unit SPECULATED, its other half written)
+        with self._cv:
+            self.spec.judged(step, False)
+            for unit in self.optim.trainable:
+                u = unit.index
+                self._state[u] = UNIT.move(self._state[u], UnitState.QUEUED, str(u))
+                self._queued[u] = step
+        self.redone += 1
+        self._submit(lambda: self._stream(lr, coef, step, None))  # over the other half again
 
     @contextlib.contextmanager
     def regions(self) -> Iterator[dict[str, Region]]:
@@ -314,7 +381,10 @@ class OverlapUpdate(BaselineUpdate):
         with self._cv:
             b, self._busy = self._busy, UpdateStats()
             handed, self.handoff_bytes = self.handoff_bytes, 0
-        return {"update_thread_s": b.seconds, "update_thread_wait_s": b.wait_s, "handoff_bytes": handed}
+        out = {"update_thread_s": b.seconds, "update_thread_wait_s": b.wait_s, "handoff_bytes": handed}
+        if self.spec.on:  # the last step's judgement (None: it did not speculate) and the run's tally
+            out.update(speculation_kept=self.spec.last, speculation=self.spec.summary())
+        return out
 
     def close(self) -> None:
         if self._thread.is_alive():

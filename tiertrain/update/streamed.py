@@ -22,6 +22,7 @@ from .. import faults
 from ..config import OptimConfig
 from ..io import IOFuture, Storage, aligned_empty
 from ..state.decl import StateDecl
+from ..state.double import DoubleRegions, build_region, declare_state
 from ..state.layout import FlatLayout, chunk_align
 from ..state.regions import TieredRegions
 from .base import UpdateStats
@@ -68,15 +69,27 @@ def optimizer_states(
     owner: str,
     file=lambda name: f"{name}.bin",
     path: str | None = None,
+    double: bool = False,
 ) -> list[StateDecl]:
     """The optimizer's states: fp32 master weights (when parameters are lower precision),
     then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; SGD: ``momentum``), each within an
-    equal share of ``host_bytes``. ``file(name)``: the file a state lives in on ``path``."""
+    equal share of ``host_bytes``. ``file(name)``: the file a state lives in on ``path``;
+    ``double``: each held twice (the speculative update's ``DoubleRegions``)."""
     names = (["master"] if pdtype != F32 else []) + (["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"])
     share = host_bytes // len(names)
     return [
-        TieredRegions.declare(
-            layout, file(n), F32, share, align, name=n, owner=owner, checkpointed=True, path=path, weights=n == "master"
+        declare_state(
+            double,
+            layout,
+            file(n),
+            F32,
+            share,
+            align,
+            name=n,
+            owner=owner,
+            checkpointed=True,
+            path=path,
+            weights=n == "master",
         )
         for n in names
     ]
@@ -87,7 +100,12 @@ class StreamedOptimizer:
 
     ``params`` and ``grads``: regions (``TieredRegions``-like: ``read``, ``write``,
     ``on_host``, ``host_view``) holding the parameters (read when there is no master copy,
-    written with the new values) and the gradients (read)."""
+    written with the new values) and the gradients (read).
+
+    States held twice (``DoubleRegions``: the speculative update) are read from their
+    current half and written to the other one, which ``flip(u)`` makes current once the
+    step is validated; host-resident parameters held twice are copied like the others
+    instead of updated in place."""
 
     def __init__(
         self,
@@ -112,7 +130,7 @@ class StreamedOptimizer:
         step = chunk_align(storage.record_align, pdtype)
         chunk = max(step, (buffer_bytes // per_elem) // step * step)
         self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
-        regions = {d.name: TieredRegions(layout, storage, d) for d in states}
+        regions = {d.name: build_region(layout, storage, d) for d in states}
         self.m = regions["exp_avg" if self.adamw else "momentum"]
         self.v = regions.get("exp_avg_sq")
         self.master = regions.get("master")
@@ -133,10 +151,25 @@ class StreamedOptimizer:
         return sum(s.nbytes for s in self.sets + self.ahead_sets) + sum(r.host_bytes for r in self.state_files)
 
     @property
-    def state_files(self) -> list[TieredRegions]:
+    def state_files(self) -> list[TieredRegions | DoubleRegions]:
         return [r for r in (self.master, self.m, self.v) if r is not None]
 
-    def regions(self) -> dict[str, TieredRegions]:
+    @property
+    def double(self) -> list[DoubleRegions]:
+        """The states held twice (speculation): every state the step writes, or none."""
+        return [r for r in (*self.state_files, self.params) if isinstance(r, DoubleRegions)]
+
+    def flip(self, u: int) -> None:
+        """Unit ``u``'s state written by the last step (every write of it complete) becomes
+        current in every state held twice."""
+        for r in self.double:
+            r.flip(u)
+
+    def _in_place(self, u: int) -> bool:
+        """Host-resident parameters held once are updated in place."""
+        return self.params.on_host(u) and not isinstance(self.params, DoubleRegions)
+
+    def regions(self) -> dict[str, TieredRegions | DoubleRegions]:
         """The optimizer's states by name."""
         return {r.name: r for r in self.state_files}
 
@@ -248,7 +281,7 @@ class StreamedOptimizer:
 
     # -- one chunk --------------------------------------------------------------------------------
     def _pview(self, bs: _BufferSet, u: int, a: int, b: int) -> torch.Tensor:
-        if self.params.on_host(u):  # host-resident parameters are updated in place
+        if self._in_place(u):  # host-resident parameters are updated in place
             return self.params.host_view(u)[a:b]
         return bs.p[: b - a]
 
@@ -256,7 +289,7 @@ class StreamedOptimizer:
         futs = [self.m.read(u, bs.m, a, b)]
         if self.v is not None:
             futs.append(self.v.read(u, bs.v, a, b))
-        if not self.params.on_host(u) and not self.has_master:
+        if not self._in_place(u) and not self.has_master:
             futs.append(self.params.read(u, bs.p, a, b))
         if self.master is not None:
             futs.append(self.master.read(u, bs.w, a, b))
@@ -282,18 +315,25 @@ class StreamedOptimizer:
             self._pview(bs, u, a, b).copy_(w)  # new low-precision parameters from the master
 
     def _write(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
-        futs = [self.m.write(u, bs.m, a, b)]
+        futs = [_put(self.m, u, bs.m, a, b)]
         if self.v is not None:
-            futs.append(self.v.write(u, bs.v, a, b))
+            futs.append(_put(self.v, u, bs.v, a, b))
         if self.master is not None:
-            futs.append(self.master.write(u, bs.w, a, b))
-        if not self.params.on_host(u):
-            futs.append(self.params.write(u, bs.p, a, b))
+            futs.append(_put(self.master, u, bs.w, a, b))
+        if not self._in_place(u):
+            futs.append(_put(self.params, u, bs.p, a, b))
         return futs
 
     def close(self) -> None:
         for r in self.state_files:
             r.close()
+
+
+def _put(region, u: int, src: torch.Tensor, a: int, b: int) -> IOFuture:
+    """A step's new state: into the half that is not current where the state is held twice."""
+    if isinstance(region, DoubleRegions):
+        return region.write_next(u, src, a, b)
+    return region.write(u, src, a, b)
 
 
 def _wait(futs: list[IOFuture]) -> float:

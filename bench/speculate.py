@@ -1,0 +1,230 @@
+"""The speculative update against the overlapped one and plain PyTorch, on a shape where the
+update's I/O is longer than the forward's compute.
+
+Each run is a process of its own, in this order, in one invocation (the disk's rate drifts
+between minutes: the tiertrain variants alternate, ``--rounds`` times):
+
+1. ``init``: the model (the reference's own initialisation, seed 0) saved as safetensors;
+2. ``pretrain`` (the fine-tuning workload only): plain PyTorch trains it ``--pretrain-steps``
+   steps (1 micro-batch, ``--pretrain-lr``, clip 1.0), so that the fine-tuning's gradients
+   are those of a trained model, which the clip rarely cuts;
+3. ``plain``: plain PyTorch in memory, the fine-tuning steps (AdamW, ``clip_grad_norm_``):
+   the compute floor;
+4. ``overlap`` and ``speculate``: tiertrain from the same weights, states on the storage tier
+   (``memory.host_mib`` = ``--host-mib``), ``update.mode = overlap`` without and with
+   ``update.speculate = on``.
+
+Two workloads (``--workload``): ``finetune`` (the above, fine-tuning at ``--lr``) and ``clip``
+(from the random initialisation at ``--lr`` with ``--clip`` small enough that it acts in
+every step: what a failed speculation costs). Reports s/step, bytes, how often the clip
+acted, the speculation's tally, and the floor: max(plain PyTorch's step, the bytes of the
+overlapped step at the disk's rate measured in the same run).
+
+Usage: python bench/speculate.py [--workload finetune|clip] [--model K=V,...] [--micro-batches 8]
+                                 [--seq-len 16] [--steps 4] [--rounds 2] [--host-mib 1024] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import vs_plain  # noqa: E402 - the init and plain PyTorch workers, and the model's flags
+
+VARIANTS = {"overlap": ["--update.speculate=off"], "speculate": ["--update.speculate=on"]}
+
+
+def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
+    """Plain PyTorch trains the saved model ``steps`` steps and saves it back."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    pre = dataclasses.replace(
+        cfg,
+        optim=dataclasses.replace(cfg.optim, lr=lr, grad_clip=1.0, schedule="constant"),
+        data=dataclasses.replace(cfg.data, micro_batches=1),
+        train=dataclasses.replace(cfg.train, steps=steps),
+    )
+    res, model = vs_plain.worker_plain(pre, path, keep=True)
+    inner = getattr(model, "hf", model)
+    save_file({k: v.contiguous() for k, v in inner.state_dict().items()}, path)
+    return res
+
+
+def worker_tiertrain(cfg) -> dict:
+    from tiertrain.training.trainer import Trainer
+
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        recs = []
+        for _ in range(cfg.train.steps):
+            recs.append(tr.train_step())
+            print(recs[-1].line(cfg.train.steps), file=sys.stderr, flush=True)
+        return {
+            "times": [r.step_s for r in recs],
+            "losses": [r.loss for r in recs],
+            "norms": [r.grad_norm for r in recs],
+            "read": [r.ssd_read_bytes for r in recs],
+            "write": [r.ssd_write_bytes for r in recs],
+            "parts": [[r.forward_s, r.backward_s, r.update_s] for r in recs],
+            "speculation": recs[-1].extra.get("speculation", ""),
+            "space": tr.plan.describe(),
+        }
+
+
+def worker(argv: list[str]) -> int:
+    kind, out, path, steps, lr, *cli = argv
+    from tiertrain.config import load_config
+
+    cfg = load_config(None, cli)
+    res = {
+        "init": lambda: vs_plain.worker_init(cfg, path),
+        "pretrain": lambda: worker_pretrain(cfg, path, int(steps), float(lr)),
+        "plain": lambda: vs_plain.worker_plain(cfg, path),
+        "tiertrain": lambda: worker_tiertrain(cfg),
+    }[kind]()
+    with open(out, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def spawn(kind: str, scratch: str, args, cli: list[str]) -> dict:
+    out = os.path.join(scratch, f"{kind}.json")
+    t0 = time.perf_counter()
+    init = os.path.join(scratch, "init.safetensors")
+    cmd = [sys.executable, __file__, "--worker", kind, out, init, str(args.pretrain_steps), str(args.pretrain_lr), *cli]
+    subprocess.run(cmd, check=True)
+    print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def run(args, scratch: str) -> str:
+    from tiertrain.bench.io import run_io_bench
+
+    args.set = [f"optim.lr={args.lr}", f"optim.grad_clip={args.clip}", "optim.schedule=constant", *args.set]
+    cli = vs_plain.flags(args, scratch)
+    os.makedirs(f"{scratch}/ssd")
+    init = spawn("init", scratch, args, cli)
+    pre = spawn("pretrain", scratch, args, cli) if args.workload == "finetune" else None
+    plain = spawn("plain", scratch, args, cli)
+    tt_cli = [
+        *cli,
+        f"--model.init_from={scratch}/init.safetensors",
+        f"--memory.host_mib={args.host_mib}",
+        "--update.mode=overlap",
+        "--train.predict=false",
+    ]
+    runs: dict[str, list[dict]] = {k: [] for k in VARIANTS}
+    for _ in range(args.rounds):
+        for name, extra in VARIANTS.items():
+            runs[name].append(spawn("tiertrain", scratch, args, [*tt_cli, *extra]))
+    io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
+    rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
+    return report(args, init, pre, plain, runs, rbw, wbw)
+
+
+def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
+    steady = lambda xs: xs[1:]  # noqa: E731 - the first step of each run is warm-up
+    med = lambda name, key: statistics.median(x for r in runs[name] for x in steady(r[key]))  # noqa: E731
+    p_step = statistics.median(steady(plain["times"]))
+    io_s = med("overlap", "read") / (rbw * 1e9) + med("overlap", "write") / (wbw * 1e9)
+    floor = max(p_step, io_s)
+    acted = sum(n > args.clip for n in plain["norms"]) if "norms" in plain else None
+    t = {k: med(k, "times") for k in runs}
+    spread = {k: [round(statistics.median(steady(r["times"])), 2) for r in runs[k]] for k in runs}
+    upd = statistics.median(p[2] for r in runs["overlap"] for p in steady(r["parts"]))
+    same = all(r["losses"] == runs["overlap"][0]["losses"] for k in runs for r in runs[k])
+    model = dict(vs_plain.MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+    lines = [
+        f"# The speculative update against the overlapped one and plain PyTorch ({args.workload}), "
+        f"{time.strftime('%Y-%m-%d')}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, one virtual disk (read {rbw:.2f} GB/s, write "
+        f"{wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
+        f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
+        + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+        + f"); M = {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens; lr {args.lr:g}, clip {args.clip:g}; "
+        f"{args.steps} steps per run, the first discarded; {args.rounds} rounds alternating the variants; medians",
+        (
+            f"- workload: fine-tuning, after {args.pretrain_steps} steps of plain PyTorch pretraining at lr "
+            f"{args.pretrain_lr:g} (loss {pre['losses'][0]:.3f} -> {pre['losses'][-1]:.3f})"
+            if pre
+            else "- workload: from the random initialisation, the clip acting in every step"
+        ),
+        f"- tiertrain: memory.host_mib = {args.host_mib}, update.mode = overlap; speculating, the states take "
+        f"{runs['speculate'][0]['space']}",
+        "",
+        "| system | s/step (per round) | vs floor | read / written GB per step | losses |",
+        "|---|---|---|---|---|",
+        f"| plain PyTorch, in memory | {p_step:.2f} | {p_step / floor:.2f}x | 0 / 0 | "
+        + " ".join(f"{x:.4f}" for x in plain["losses"])
+        + " |",
+    ]
+    for k in runs:
+        r0 = runs[k][0]
+        lines.append(
+            f"| tiertrain {k} | {t[k]:.2f} ({', '.join(map(str, spread[k]))}) | **{t[k] / floor:.2f}x** | "
+            f"{med(k, 'read') / 1e9:.2f} / {med(k, 'write') / 1e9:.2f} | "
+            + " ".join(f"{x:.4f}" for x in r0["losses"])
+            + " |"
+        )
+    lines += [
+        "",
+        f"- floor: max(plain's step {p_step:.2f} s, the overlapped step's bytes at the disk's rate {io_s:.2f} s) = "
+        f"{floor:.2f} s",
+        f"- the clip acted in {acted} of {len(plain['norms'])} plain PyTorch steps; tiertrain: "
+        + "; ".join(f"round {i + 1}: {r['speculation']}" for i, r in enumerate(runs["speculate"])),
+        f"- speculative / overlapped: {t['speculate'] / t['overlap']:.2f}x ({t['overlap'] - t['speculate']:+.2f} s a "
+        f"step; the overlapped path's update phase, after the backward, took {upd:.2f} s of the trainer's time)",
+        f"- losses: tiertrain's variants {'identical' if same else 'DIFFER'} across runs; against plain PyTorch: "
+        + f"largest relative difference "
+        + f"{max(abs(a - b) / abs(a) for a, b in zip(plain['losses'], runs['overlap'][0]['losses'])):.1e}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=("finetune", "clip"), default="finetune")
+    ap.add_argument("--model", default="", help="model fields to change (default: the 134 M Llama of vs_plain.py)")
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--host-mib", type=int, default=1024, help="tiertrain's memory.host_mib (states beyond it on disk)")
+    ap.add_argument("--lr", type=float, default=None, help="default: 1e-5 fine-tuning, 1e-3 clipping")
+    ap.add_argument("--clip", type=float, default=None, help="default: 1.0 fine-tuning, 1e-3 clipping")
+    ap.add_argument("--pretrain-steps", type=int, default=200)
+    ap.add_argument("--pretrain-lr", type=float, default=1e-3)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    fine = args.workload == "finetune"
+    args.lr = args.lr if args.lr is not None else (1e-5 if fine else 1e-3)
+    args.clip = args.clip if args.clip is not None else (1.0 if fine else 1e-3)
+    out = checked_out(args.out) if args.out else None
+    with scratch_dir(args.scratch, "speculate") as scratch:
+        publish(run(args, scratch), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

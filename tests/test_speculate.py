@@ -1,0 +1,239 @@
+"""The speculative update (``update.speculate``): each unit updated under the backward as if
+the clip will not act, into the other half of its states; kept, or redone from the current
+half with the clip. Bit-identical to plain PyTorch AdamW + ``clip_grad_norm_`` either way."""
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import torch
+from reference import assert_resume_exact, reference_model, small_config, weights_of
+from test_parity import assert_parity
+
+from tiertrain.config import ConfigError, load_config
+from tiertrain.models import build_model, tensor_source
+from tiertrain.state.double import DoubleRegions
+from tiertrain.training.trainer import Trainer
+from tiertrain.update.speculate import MIN_STEPS, Speculation
+
+CLIP_ACTS, CLIP_NEVER = 1e-3, 1e3  # the small model's norms are ~0.5-3
+
+
+def spec_config(tmp_path, *, speculate="on", **kw):
+    cfg = small_config(tmp_path, **kw)
+    cfg.update.mode = "overlap"
+    cfg.update.speculate = speculate
+    return cfg
+
+
+def _norms(cfg) -> list[float]:
+    """The steps' gradient norms from the weights ``assert_parity`` starts from."""
+    skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    init = tensor_source(skeleton, weights_of(reference_model(cfg)))
+    with Trainer(dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, speculate="off")), weights=init) as tr:
+        tr.initialize(progress=False)
+        return [tr.train_step().grad_norm for _ in range(cfg.train.steps)]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("clip", [CLIP_ACTS, CLIP_NEVER], ids=["clip-acts", "clip-never-acts"])
+def test_speculation_is_bit_identical_to_plain_pytorch(tmp_path, kind, clip):
+    tr, losses = assert_parity(spec_config(tmp_path, kind=kind, clip=clip, micro_batches=2, steps=4))
+    held = 4 if clip == CLIP_NEVER else 0
+    assert tr.update.spec.summary() == f"speculation held in {held} of 4 steps"
+    assert losses[-1] != losses[0]
+
+
+def test_steps_kept_and_redone_in_one_run_with_states_partly_in_memory(tmp_path):
+    """The clip set between the steps' norms: some steps kept, some redone, in one run; host-
+    resident parameters (held twice: copied, not updated in place) and moments."""
+    kw = dict(
+        micro_batches=2, steps=6, host_param_mib=1, grad_host_mib=1, optim_host_mib=1, paths=2, update_kib=256, slots=2
+    )
+    norms = sorted(_norms(spec_config(tmp_path / "probe", clip=CLIP_NEVER, **kw)))
+    clip = (norms[2] + norms[3]) / 2
+    cfg = spec_config(tmp_path / "run", clip=clip, **kw)
+    tr, _ = assert_parity(cfg)
+    spec = tr.update.spec
+    assert spec.steps == 6 and 0 < spec.held < 6, spec.summary()
+
+
+def test_bf16_parameters_with_master_weights_match_the_overlapped_path(tmp_path):
+    """Lower-precision parameters (the clip applied to the fp32 copy of the gradient): the
+    same losses and weights as the overlapped path without speculation, bit for bit."""
+    out = {}
+    for speculate in ("off", "on"):
+        for clip in (CLIP_ACTS, CLIP_NEVER):
+            cfg = spec_config(
+                tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip, dtype="bfloat16", steps=3
+            )
+            with Trainer(cfg) as tr:
+                tr.initialize(progress=False)
+                losses = [tr.train_step().extra["losses"] for _ in range(3)]
+                out[speculate, clip] = losses, tr.weights()
+    for clip in (CLIP_ACTS, CLIP_NEVER):
+        (la, wa), (lb, wb) = out["off", clip], out["on", clip]
+        assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _step_bytes(cfg, steps=4):
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        before = tr.storage.stats()
+        recs = [tr.train_step() for _ in range(steps)]
+        tr.update.wait_all()
+        after = tr.storage.stats()
+        handed = sum(r.extra.get("handoff_bytes", 0) for r in recs) + tr.update.record().get("handoff_bytes", 0)
+        read = sum(after[k].read_bytes - before[k].read_bytes for k in after)
+        written = sum(after[k].write_bytes - before[k].write_bytes for k in after)
+        return read + handed, written, tr.update
+
+
+def test_a_kept_step_moves_the_overlapped_paths_bytes_and_a_redone_one_one_update_more(tmp_path):
+    """Per step, loads read or handed over and bytes written: a kept speculative step's equal
+    the overlapped path's (the halves flip, no bytes move); a redone one adds one update's
+    reads (moments, parameters, gradients) and writes (moments, parameters)."""
+    got = {}
+    for speculate in ("off", "on"):
+        for clip in (CLIP_ACTS, CLIP_NEVER):
+            got[speculate, clip] = _step_bytes(
+                spec_config(tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip)
+            )
+    assert got["on", CLIP_NEVER][:2] == got["off", CLIP_NEVER][:2]
+    (r_off, w_off, _), (r_on, w_on, upd) = got["off", CLIP_ACTS], got["on", CLIP_ACTS]
+    n = sum(u.numel for u in upd.optim.trainable)  # fp32: 4 bytes an element
+    assert upd.redone == 4
+    assert (r_on - r_off, w_on - w_off) == (4 * 4 * 4 * n, 4 * 3 * 4 * n)
+
+
+def test_the_states_are_held_twice_and_the_plan_says_so(tmp_path):
+    cfg = spec_config(tmp_path, optim_host_mib=1)
+    with Trainer(cfg) as tr:
+        names = {f.name for d in tr.plan.states for f in d.files}
+        assert {"exp_avg.spec.bin", "exp_avg_sq.spec.bin", "params.spec.bin"} <= names
+        assert "grads.spec.bin" not in names  # gradients are written once a step, never redone over
+        regions = tr.update.optim.regions()
+        assert all(isinstance(r, DoubleRegions) for r in regions.values())
+        # one MiB for both halves of the moments: each half holds what fits in half of its share
+        m = regions["exp_avg"]
+        assert m.halves[0].host_bytes == m.halves[1].host_bytes <= (1 << 20) // 2 // 2
+        assert "exp_avg.spec.bin" in tr.plan.describe()
+
+
+def test_resume_from_a_checkpoint_of_a_speculative_run_is_exact(tmp_path):
+    """And the checkpoint holds the committed state: resumed without speculation, the run goes
+    on to the same bits."""
+    straight = spec_config(tmp_path / "a", clip=CLIP_ACTS, micro_batches=2, steps=4)
+    assert_resume_exact(straight, spec_config(tmp_path / "b", clip=CLIP_ACTS, micro_batches=2, steps=4))
+    off = spec_config(tmp_path / "c", speculate="off", clip=CLIP_NEVER, micro_batches=2, steps=4)
+    on = spec_config(tmp_path / "d", clip=CLIP_NEVER, micro_batches=2, steps=4)
+    with Trainer(on) as tr:
+        tr.initialize(progress=False)
+        [tr.train_step() for _ in range(2)]
+        saved = tr.save_checkpoint()
+    with Trainer(off) as tr:
+        tr.restore(saved.path)
+        tr.train_step()
+        got = tr.weights()
+    with Trainer(dataclasses.replace(off, train=dataclasses.replace(off.train, run_dir=str(tmp_path / "e")))) as tr:
+        tr.initialize(progress=False)
+        [tr.train_step() for _ in range(3)]
+        want = tr.weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point, from_checkpoint", [("update:5", False), ("update:80", True)])
+def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, point, from_checkpoint):
+    """Killed while a step's speculative update runs under its backward, the clip acting in
+    every step (each step: ~19 chunks speculated, then ~19 redone): update:5 in step 1, before
+    any checkpoint; update:80 in step 3, after the step-2 checkpoint. Resumed (or started
+    again): the same bytes in every checkpointed file as a run never interrupted and never
+    speculating."""
+    from test_checkpoint import cli, final_state
+
+    flags = ["--update.mode=overlap", "--optim.grad_clip=0.001"]
+    plain = cli(tmp_path / "plain", *flags)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    r = cli(tmp_path / "spec", *flags, "--update.speculate=on", env={"TIERTRAIN_KILL_AT": point})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    ckpts = tmp_path / "spec" / "run" / "checkpoints"
+    assert (ckpts.exists() and bool(os.listdir(ckpts))) == from_checkpoint
+    again = [f"--resume={tmp_path / 'spec' / 'run'}"] if from_checkpoint else ["--train.overwrite=true"]
+    resumed = cli(tmp_path / "spec", *flags, "--update.speculate=on", *again)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert final_state(tmp_path / "spec") == final_state(tmp_path / "plain")
+    assert f"speculation held in 0 of {2 if from_checkpoint else 4} steps" in resumed.stderr
+
+
+def test_a_run_where_the_clip_keeps_acting_stops_speculating_and_says_so(tmp_path, caplog):
+    steps = MIN_STEPS + 1
+    cfg = spec_config(tmp_path, clip=CLIP_ACTS, steps=steps, layers=2)
+    tr, _ = assert_parity(cfg)
+    spec = tr.update.spec
+    assert spec.steps == MIN_STEPS and spec.held == 0 and tr.update.redone == MIN_STEPS
+    assert "the clip acted in 8 of 8 speculative steps" in spec.stopped
+    assert "speculation off for the rest of the run" in caplog.text
+
+
+def test_the_rule_that_stops_speculation():
+    s = Speculation(on=True)
+    for step in range(1, MIN_STEPS + 1):
+        s.begin(step)
+        assert s.this_step and not s.judged_at(step)
+        s.judged(step, kept=step > 2)  # 2 of 8 redone: a quarter, not more
+    assert not s.stopped
+    s.begin(MIN_STEPS + 1)
+    s.judged(MIN_STEPS + 1, kept=False)  # 3 of 9: more than a quarter
+    assert s.stopped and not (s.begin(MIN_STEPS + 2) or s.this_step) and s.judged_at(MIN_STEPS + 2)
+    assert Speculation.keeps(torch.tensor(1.0)) and Speculation.keeps(None)
+    assert not Speculation.keeps(torch.tensor(0.999999)) and not Speculation.keeps(torch.tensor(float("nan")))
+
+
+def test_double_regions_flip_per_unit(tmp_path):
+    from tiertrain.io import Storage
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path)
+    rt = Runtime(cfg)
+    decl = DoubleRegions.declare(rt.layout, "s.bin", torch.float32, 0, 4096, name="s", owner="t", checkpointed=False)
+    assert [f.name for f in decl.files] == ["s.bin", "s.spec.bin"] and decl.double
+    storage = Storage(cfg.io.paths, stripe_bytes=64 << 10, chunk_bytes=256 << 10, checksum_block=4096)
+    r = DoubleRegions(rt.layout, storage, decl)
+    n = rt.layout.units[1].numel
+    old, new, out = torch.full((n,), 1.0), torch.full((n,), 2.0), torch.empty(n)
+    r.write(1, old).get()
+    r.write_next(1, new).get()
+    r.read(1, out).get()
+    assert torch.equal(out, old)  # not current until flipped
+    r.flip(1)
+    r.read(1, out).get()
+    assert torch.equal(out, new)
+    r.write_next(1, old).get()  # the next step writes the other half again: the first one
+    r.read(1, out).get()
+    assert torch.equal(out, new)
+    r.close()
+    storage.close()
+
+
+@pytest.mark.parametrize(
+    "flags, fix",
+    [
+        (["update.mode=baseline"], "set update.mode = 'overlap'"),
+        (["update.mode=engines"], "set update.mode = 'overlap'"),
+        (["optim.grad_clip=0"], "use update.eager = true"),
+        (["adapter.kind=lora", "adapter.target=q_proj"], "the adapters update in the trainer"),
+    ],
+)
+def test_speculation_where_it_cannot_run_is_refused_with_the_fix(flags, fix):
+    with pytest.raises(ConfigError, match="update.speculate = 'on'") as e:
+        load_config(None, ["--update.speculate=on", *(f"--{f}" for f in flags)])
+    assert fix in str(e.value)
+
+
+def test_eager_with_clipping_is_allowed_only_speculating():
+    with pytest.raises(ConfigError, match="update.speculate = 'on' updates under the backward"):
+        load_config(None, ["--update.eager=true", "--update.mode=overlap"])
+    cfg = load_config(None, ["--update.eager=true", "--update.mode=overlap", "--update.speculate=on"])
+    assert cfg.update.eager and cfg.optim.grad_clip > 0
