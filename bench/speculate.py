@@ -188,7 +188,7 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"- speculative / overlapped: {t['speculate'] / t['overlap']:.2f}x ({t['overlap'] - t['speculate']:+.2f} s a "
         f"step; the overlapped path's update phase, after the backward, took {upd:.2f} s of the trainer's time)",
         f"- losses: tiertrain's variants {'identical' if same else 'DIFFER'} across runs; against plain PyTorch: "
-        + f"largest relative difference "
+        + "largest relative difference "
         + f"{max(abs(a - b) / abs(a) for a, b in zip(plain['losses'], runs['overlap'][0]['losses'])):.1e}",
         "",
     ]
