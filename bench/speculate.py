@@ -66,6 +66,7 @@ def worker_tiertrain(cfg) -> dict:
 
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
+        pred = tr.predict()  # the cost model's step, from this machine's rates probed now
         recs = []
         for _ in range(cfg.train.steps):
             recs.append(tr.train_step())
@@ -79,6 +80,7 @@ def worker_tiertrain(cfg) -> dict:
             "parts": [[r.forward_s, r.backward_s, r.update_s] for r in recs],
             "speculation": recs[-1].extra.get("speculation", ""),
             "space": tr.plan.describe(),
+            "predicted": pred.step_s if pred else float("nan"),
         }
 
 
@@ -143,7 +145,7 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
     acted = sum(n > args.clip for n in plain["norms"]) if "norms" in plain else None
     t = {k: med(k, "times") for k in runs}
     spread = {k: [round(statistics.median(steady(r["times"])), 2) for r in runs[k]] for k in runs}
-    upd = statistics.median(p[2] for r in runs["overlap"] for p in steady(r["parts"]))
+    phase = lambda name, i: statistics.median(p[i] for r in runs[name] for p in steady(r["parts"]))  # noqa: E731
     same = all(r["losses"] == runs["overlap"][0]["losses"] for k in runs for r in runs[k])
     model = dict(vs_plain.MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
     lines = [
@@ -165,9 +167,10 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"- tiertrain: memory.host_mib = {args.host_mib}, update.mode = overlap; speculating, the states take "
         f"{runs['speculate'][0]['space']}",
         "",
-        "| system | s/step (per round) | vs floor | read / written GB per step | losses |",
-        "|---|---|---|---|---|",
-        f"| plain PyTorch, in memory | {p_step:.2f} | {p_step / floor:.2f}x | 0 / 0 | "
+        "| system | s/step (per round) | vs floor | forward / backward / update s | read / written GB per step "
+        "| predicted s/step (measured / predicted) | losses |",
+        "|---|---|---|---|---|---|---|",
+        f"| plain PyTorch, in memory | {p_step:.2f} | {p_step / floor:.2f}x | | 0 / 0 | | "
         + " ".join(f"{x:.4f}" for x in plain["losses"])
         + " |",
     ]
@@ -175,7 +178,12 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         r0 = runs[k][0]
         lines.append(
             f"| tiertrain {k} | {t[k]:.2f} ({', '.join(map(str, spread[k]))}) | **{t[k] / floor:.2f}x** | "
-            f"{med(k, 'read') / 1e9:.2f} / {med(k, 'write') / 1e9:.2f} | "
+            + " / ".join(f"{phase(k, i):.2f}" for i in range(3))
+            + f" | {med(k, 'read') / 1e9:.2f} / {med(k, 'write') / 1e9:.2f} | "
+            + ", ".join(
+                f"{r['predicted']:.2f} ({statistics.median(steady(r['times'])) / r['predicted']:.2f}x)" for r in runs[k]
+            )
+            + " | "
             + " ".join(f"{x:.4f}" for x in r0["losses"])
             + " |"
         )
@@ -186,7 +194,8 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"- the clip acted in {acted} of {len(plain['norms'])} plain PyTorch steps; tiertrain: "
         + "; ".join(f"round {i + 1}: {r['speculation']}" for i, r in enumerate(runs["speculate"])),
         f"- speculative / overlapped: {t['speculate'] / t['overlap']:.2f}x ({t['overlap'] - t['speculate']:+.2f} s a "
-        f"step; the overlapped path's update phase, after the backward, took {upd:.2f} s of the trainer's time)",
+        "step; the overlapped path's update runs under the next forward, which waits for each unit's: its forward "
+        f"{phase('overlap', 0):.2f} s against {phase('speculate', 0):.2f} s speculating)",
         f"- losses: tiertrain's variants {'identical' if same else 'DIFFER'} across runs; against plain PyTorch: "
         + "largest relative difference "
         + f"{max(abs(a - b) / abs(a) for a, b in zip(plain['losses'], runs['overlap'][0]['losses'])):.1e}",

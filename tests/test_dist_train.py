@@ -71,6 +71,7 @@ def _train(rank, world, port, out_dir, tree, init_path, separate=False):
                 full=tr.layout.total_numel,
                 paths=tr.cfg.io.paths,
                 mode=tr.update.name,
+                speculation=recs[-1].extra.get("speculation"),
                 adapters={n: p.detach().clone() for n, p in tr.rt.adapters.named()} if tr.rt.adapters else None,
             )
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
@@ -377,6 +378,25 @@ def test_ranks_with_clipping_train_the_one_rank_model_within_tolerance(tmp_path)
     worst = max((w - ref_weights[names[k]]).abs().max().item() for k, w in out[0]["weights"].items())
     print(f"largest weight difference: {worst:.2e}")
     assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights, exact=False, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_ranks_speculating_judge_each_step_alike_and_match_the_overlapped_path_bit_for_bit(tmp_path):
+    """2 ranks, each speculating on its shard: they judge on the all-reduced norm, so all keep
+    (the clip never acts) or all redo (it always does) the same steps; the weights and losses
+    are the overlapped path's without speculation, bit for bit."""
+    for clip, held in ((1e3, 3), (1e-3, 0)):
+        got = {}
+        for speculate in ("off", "on"):
+            cfg = small_config(
+                tmp_path / f"{clip}{speculate}", kind="llama", layers=2, micro_batches=2, steps=3, clip=clip
+            )
+            cfg.update.mode, cfg.update.speculate = "overlap", speculate
+            _, got[speculate] = run_ranks(tmp_path / f"{clip}{speculate}", cfg, 2)
+        off, on = got["off"], got["on"]
+        assert [o["speculation"] for o in on] == [f"speculation held in {held} of 3 steps"] * 2
+        assert [o["loss"] for o in on] == [o["loss"] for o in off]
+        assert all(torch.equal(on[0]["weights"][k], off[0]["weights"][k]) for k in off[0]["weights"])
 
 
 class _OneProcess:

@@ -237,3 +237,32 @@ def test_eager_with_clipping_is_allowed_only_speculating():
         load_config(None, ["--update.eager=true", "--update.mode=overlap"])
     cfg = load_config(None, ["--update.eager=true", "--update.mode=overlap", "--update.speculate=on"])
     assert cfg.update.eager and cfg.optim.grad_clip > 0
+
+
+def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_the_space(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from test_cost import _rates
+
+    from tiertrain.cost.choose import resolve_speculation
+    from tiertrain.runtime import Runtime
+
+    cfg = spec_config(tmp_path, speculate="auto", micro_batches=4)
+    rt = Runtime(cfg)
+    # the update's I/O longer than the forward's compute, shorter than the backward's: it bounds
+    # the forward it runs under, and hides under the backward when it speculates
+    slow_disk = lambda: _rates(read_gbps=0.01, write_gbps=0.01, block_fwd_s=0.01, block_bwd_s=0.3)  # noqa: E731
+    on, why = resolve_speculation(cfg, rt, slow_disk)
+    assert on.update.speculate == "on", why
+    assert why.startswith("speculative update (auto): on (predicted ") and "held twice take" in why
+    off, why = resolve_speculation(cfg, rt, None)
+    assert off.update.speculate == "off" and "nothing measured" in why
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 4096))
+    off, why = resolve_speculation(cfg, rt, slow_disk)
+    assert off.update.speculate == "off" and "free" in why
+    for other in (dataclasses.replace(cfg.update, mode="baseline"), dataclasses.replace(cfg.optim, grad_clip=0.0)):
+        c = dataclasses.replace(cfg, **{"update" if hasattr(other, "mode") else "optim": other})
+        resolved, why = resolve_speculation(c, rt, slow_disk)
+        assert resolved.update.speculate == "off" and why is None  # nothing to choose: said nowhere

@@ -129,22 +129,23 @@ def resolve_speculation(
     than without by 2%, and the storage tier's free space holds every state file twice with
     10% to spare. The prediction assumes the clip rarely acts: a run where it keeps acting
     turns speculation off (``update/speculate.py``). ``agree``: ranks take rank 0's choice."""
-    import shutil
-
+    from ..io.space import device_of, free_bytes
     from . import predict_with
 
     if cfg.update.speculate != "auto":
         return cfg, None
-    off, on = _with_speculate(cfg, "off"), _with_speculate(cfg, "on")
     from ..update import UPDATES
 
+    off = _with_speculate(cfg, "off")
     if not UPDATES[cfg.update.mode].speculates or cfg.optim.grad_clip == 0 or cfg.adapter.on:
         return off, None  # nothing to speculate on: the update waits for no norm, or runs elsewhere
+    on = _with_speculate(cfg, "on")
     if rates_fn is None:
         choice, why = "off", "off (nothing measured: no gain predicted; update.speculate = 'on' to choose it)"
     else:
         need = _state_file_bytes(on, rt)
-        free = sum(shutil.disk_usage(p).free for p in dict.fromkeys(cfg.io.paths))
+        fs = {device_of(p): p for p in cfg.io.paths}  # paths on one filesystem share its space
+        free = sum(free_bytes(p) for p in fs.values())
         rates = rates_fn()
         t_on, t_off = predict_with(on, rt, rates).step_s, predict_with(off, rt, rates).step_s
         gain = f"predicted {t_on:.2f} s/step speculating against {t_off:.2f} s without"
