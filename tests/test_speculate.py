@@ -266,3 +266,32 @@ def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_t
         c = dataclasses.replace(cfg, **{"update" if hasattr(other, "mode") else "optim": other})
         resolved, why = resolve_speculation(c, rt, slow_disk)
         assert resolved.update.speculate == "off" and why is None  # nothing to choose: said nowhere
+
+
+def test_a_step_abandoned_before_its_judgement_leaves_the_committed_state(tmp_path):
+    """An error after the backward (every unit speculated, none judged), then the step again:
+    the speculation is dropped (the current halves untouched) and the run ends with the weights
+    of one never interrupted."""
+    cfg = spec_config(tmp_path / "a", clip=CLIP_NEVER, micro_batches=2, steps=3)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        [tr.train_step() for _ in range(3)]
+        want = tr.weights()
+    with Trainer(spec_config(tmp_path / "b", clip=CLIP_NEVER, micro_batches=2, steps=3)) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        flush = tr.grads.flush
+
+        def fails():
+            flush()
+            tr.update.wait_all()  # every speculative update written to the other half
+            raise OSError("injected after the backward")
+
+        tr.grads.flush = fails
+        with pytest.raises(OSError, match="injected"):
+            tr.train_step()
+        assert tr.step == 1 and "speculated" in {s.value for s in tr.update._state}
+        tr.grads.flush = flush
+        [tr.train_step() for _ in range(2)]
+        got = tr.weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)

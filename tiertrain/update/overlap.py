@@ -257,9 +257,10 @@ class OverlapUpdate(BaselineUpdate):
                 return
             self._finish(u)
 
-    def _finish(self, u: int) -> None:
-        """Unit ``u``'s update of a validated step is written: current (held under ``_cv``)."""
-        if self.spec.on:
+    def _finish(self, u: int, flip: bool = True) -> None:
+        """Unit ``u``'s update of a judged step is written: current (held under ``_cv``).
+        ``flip`` False: an abandoned speculation, whose current half stays."""
+        if self.spec.on and flip:
             self.optim.flip(u)  # every write went to the other half: it becomes the current one
         for ld in self._loads.pop(u, []):
             if ld.handoff:
@@ -320,12 +321,12 @@ class OverlapUpdate(BaselineUpdate):
     # -- Update -----------------------------------------------------------------------------------
     def begin_step(self, step: int, lr: float) -> None:
         self._raise_now()
-        if not self.spec.judged_at(step - 1):  # a step abandoned before its judgement (an error): its speculation goes
+        if self.spec.this_step and not self.spec.judged_at(self._step):  # abandoned before its judgement (an error)
             self.wait_all()
             with self._cv:
                 for u, st in enumerate(self._state):
                     if st is UnitState.SPECULATED:
-                        self._state[u] = UNIT.move(st, UnitState.CURRENT, str(u))  # the current half is untouched
+                        self._finish(u, flip=False)  # the current half is untouched
         self._step, self._lr = step, lr
         self.spec.begin(step)
 
