@@ -137,8 +137,10 @@ def resolve_speculation(
     from ..update import UPDATES
 
     off = _with_speculate(cfg, "off")
-    if not UPDATES[cfg.update.mode].speculates or cfg.optim.grad_clip == 0 or cfg.adapter.on:
+    if cfg.optim.grad_clip == 0 or cfg.adapter.on:
         return off, None  # nothing to speculate on: the update waits for no norm, or runs elsewhere
+    if not UPDATES[cfg.update.mode].speculates:
+        return off, f"speculative update (auto): off (the {cfg.update.mode} update path does not speculate)"
     on = _with_speculate(cfg, "on")
     if rates_fn is None:
         choice, why = "off", "off (nothing measured: no gain predicted; update.speculate = 'on' to choose it)"
