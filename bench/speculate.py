@@ -62,26 +62,9 @@ def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
 
 
 def worker_tiertrain(cfg) -> dict:
-    from tiertrain.training.trainer import Trainer
-
-    with Trainer(cfg) as tr:
-        tr.initialize(progress=False)
-        pred = tr.predict()  # the cost model's step, from this machine's rates probed now
-        recs = []
-        for _ in range(cfg.train.steps):
-            recs.append(tr.train_step())
-            print(recs[-1].line(cfg.train.steps), file=sys.stderr, flush=True)
-        return {
-            "times": [r.step_s for r in recs],
-            "losses": [r.loss for r in recs],
-            "norms": [r.grad_norm for r in recs],
-            "read": [r.ssd_read_bytes for r in recs],
-            "write": [r.ssd_write_bytes for r in recs],
-            "parts": [[r.forward_s, r.backward_s, r.update_s] for r in recs],
-            "speculation": recs[-1].extra.get("speculation", ""),
-            "space": tr.plan.describe(),
-            "predicted": pred.step_s if pred else float("nan"),
-        }
+    return vs_plain.worker_tiertrain(
+        cfg, lambda tr, recs: {"speculation": recs[-1].extra.get("speculation", ""), "space": tr.plan.describe()}
+    )
 
 
 def worker(argv: list[str]) -> int:

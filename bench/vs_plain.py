@@ -114,7 +114,8 @@ def worker_plain(cfg, path: str, keep: bool = False):
     return (res, model) if keep else res
 
 
-def worker_tiertrain(cfg) -> dict:
+def worker_tiertrain(cfg, more=None) -> dict:
+    """tiertrain's steps; ``more(trainer, records)``: further figures for the result."""
     from tiertrain.training.trainer import Trainer
 
     with Trainer(cfg) as tr:
@@ -139,6 +140,8 @@ def worker_tiertrain(cfg) -> dict:
             "budget": budget,
             "predicted": pred.step_s if pred else float("nan"),
             "pools": sum(tr.pool_bytes.values()),
+            "norms": [r.grad_norm for r in recs],
+            **(more(tr, recs) if more else {}),
         }
 
 
