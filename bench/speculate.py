@@ -114,7 +114,7 @@ def run(args, scratch: str) -> str:
     for _ in range(args.rounds):
         for name, extra in VARIANTS.items():
             runs[name].append(spawn("tiertrain", scratch, args, [*tt_cli, *extra]))
-    io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
+    io = run_io_bench([f"{scratch}/ssd"], size_bytes=args.io_mib << 20, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
     return report(args, init, pre, plain, runs, rbw, wbw)
 
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip", type=float, default=None, help="default: 1.0 fine-tuning, 1e-3 clipping")
     ap.add_argument("--pretrain-steps", type=int, default=200)
     ap.add_argument("--pretrain-lr", type=float, default=1e-3)
+    ap.add_argument("--io-mib", type=int, default=1024, help="size of the disk measurement for the floor")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)

@@ -62,6 +62,7 @@ def test_the_benchmark_runs_end_to_end_on_a_tiny_model(tmp_path):
             "--steps=2",
             "--rounds=1",
             "--host-mib=200",
+            "--io-mib=64",
             f"--scratch={tmp_path}",
             f"--out={out}",
         ],

@@ -143,9 +143,23 @@ def test_resume_from_a_checkpoint_of_a_speculative_run_is_exact(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+KILL_FLAGS = ["--update.mode=overlap", "--optim.grad_clip=0.001"]
+
+
+@pytest.fixture(scope="module")
+def never_speculating(tmp_path_factory):
+    """The final checkpoint of the kill tests' run, uninterrupted, without speculation."""
+    from test_checkpoint import cli, final_state
+
+    tmp = tmp_path_factory.mktemp("plain")
+    r = cli(tmp, *KILL_FLAGS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return final_state(tmp)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("point, from_checkpoint", [("update:5", False), ("update:80", True)])
-def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, point, from_checkpoint):
+def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, never_speculating, point, from_checkpoint):
     """Killed while a step's speculative update runs under its backward, the clip acting in
     every step (each step: ~19 chunks speculated, then ~19 redone): update:5 in step 1, before
     any checkpoint; update:80 in step 3, after the step-2 checkpoint. Resumed (or started
@@ -153,9 +167,7 @@ def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, point
     speculating."""
     from test_checkpoint import cli, final_state
 
-    flags = ["--update.mode=overlap", "--optim.grad_clip=0.001"]
-    plain = cli(tmp_path / "plain", *flags)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    flags = KILL_FLAGS
     r = cli(tmp_path / "spec", *flags, "--update.speculate=on", env={"TIERTRAIN_KILL_AT": point})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     ckpts = tmp_path / "spec" / "run" / "checkpoints"
@@ -163,7 +175,7 @@ def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, point
     again = [f"--resume={tmp_path / 'spec' / 'run'}"] if from_checkpoint else ["--train.overwrite=true"]
     resumed = cli(tmp_path / "spec", *flags, "--update.speculate=on", *again)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert final_state(tmp_path / "spec") == final_state(tmp_path / "plain")
+    assert final_state(tmp_path / "spec") == never_speculating
     assert f"speculation held in 0 of {2 if from_checkpoint else 4} steps" in resumed.stderr
 
 
