@@ -142,3 +142,40 @@ def test_new_parameters_handed_straight_to_the_forward_with_read_ahead(tmp_path,
     assert tr.engines.handoff_bytes > 0
     assert all(r["ahead"] > 0 for r in tr.engines.stepped)
     assert tr.executor.recomputed == 0
+
+
+def test_a_pipe_broken_before_the_engines_exit_status_is_ready_is_named_not_raised_raw():
+    """A killed engine's end of the pipe closes a moment before its exit status can be read:
+    a command sent in that moment is one EngineError naming the engine and its exit (seen in
+    the suite: a BrokenPipeError's traceback instead)."""
+    import subprocess as sp
+    import types
+
+    from tiertrain.update.engines.client import EngineError, EngineUpdate
+
+    class Conn:
+        def send(self, msg):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Proc:  # exits once waited for, as a killed process does
+        returncode = None
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            self.returncode = -9
+            return -9
+
+    fake = types.SimpleNamespace(conns=[Conn()], procs=[Proc()], paths=["/ssd0"], timeout=30.0, _seen=[time.time()])
+    fake._check = lambda i, what: EngineUpdate._check(fake, i, what)
+    with pytest.raises(EngineError, match=r"update engine 0 \(/ssd0\) died \(exit code -9\) while receiving a command"):
+        EngineUpdate._send(fake, 0, "msg")
+
+    class Stuck(Proc):  # never exits: the broken connection is named
+        def wait(self, timeout=None):
+            raise sp.TimeoutExpired("engine", timeout)
+
+    fake.procs = [Stuck()]
+    with pytest.raises(EngineError, match="closed its connection while receiving a command"):
+        EngineUpdate._send(fake, 0, "msg")

@@ -234,9 +234,15 @@ class EngineUpdate(Update):
     def _send(self, i: int, msg) -> None:
         try:
             self.conns[i].send(msg)
-        except (BrokenPipeError, OSError):
+        except OSError as exc:  # a broken pipe: the engine went
+            # a killed engine's end of the pipe closes before its exit status is ready: wait for it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[i].wait(timeout=5)
             self._check(i, "receiving a command")
-            raise
+            raise EngineError(
+                f"update engine {i} ({self.paths[i]}) closed its connection while receiving a command ({exc}); "
+                "resume from the last checkpoint"
+            ) from exc
 
     def _handle(self, i: int, msg) -> None:
         now = self._seen[i] = time.time()
