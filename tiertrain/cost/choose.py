@@ -30,9 +30,14 @@ def _candidates_of_auto() -> list[tuple[str, type[Update]]]:
     return [(name, cls) for name, cls in UPDATES.items() if cls.auto_candidate and name != "auto"]
 
 
+def _with_update(cfg: Config, **fields) -> Config:
+    """``cfg`` with these ``update`` fields replaced."""
+    return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, **fields))
+
+
 def with_mode(cfg: Config, mode: str) -> Config:
     """``cfg`` with ``update.mode = mode``."""
-    return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode=mode))
+    return _with_update(cfg, mode=mode)
 
 
 def resolve_update(
@@ -106,10 +111,6 @@ def _choose_update(cfg: Config, rt, rates_fn: Callable[[], Rates] | None) -> tup
     return with_mode(cfg, mode), f"{mode} (predicted {listed})"
 
 
-def _with_speculate(cfg: Config, value: str) -> Config:
-    return dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, speculate=value))
-
-
 def _state_file_bytes(cfg: Config, rt) -> int:
     from ..update import UPDATES
 
@@ -136,12 +137,12 @@ def resolve_speculation(
         return cfg, None
     from ..update import UPDATES
 
-    off = _with_speculate(cfg, "off")
+    off = _with_update(cfg, speculate="off")
     if cfg.optim.grad_clip == 0 or cfg.adapter.on:
         return off, None  # nothing to speculate on: the update waits for no norm, or runs elsewhere
     if not UPDATES[cfg.update.mode].speculates:
         return off, f"speculative update (auto): off (the {cfg.update.mode} update path does not speculate)"
-    on = _with_speculate(cfg, "on")
+    on = _with_update(cfg, speculate="on")
     if rates_fn is None:
         choice, why = "off", "off (nothing measured: no gain predicted; update.speculate = 'on' to choose it)"
     else:
@@ -162,7 +163,7 @@ def resolve_speculation(
             choice, why = "off", f"off ({gain})"
     if agree is not None:
         choice, why = agree((choice, why))
-    return _with_speculate(cfg, choice), f"speculative update (auto): {why}"
+    return _with_update(cfg, speculate=choice), f"speculative update (auto): {why}"
 
 
 def _with_offload(cfg: Config, n: int) -> Config:

@@ -58,33 +58,11 @@ class DoubleRegions:
         self.host_bytes = sum(h.host_bytes for h in self.halves)
 
     @staticmethod
-    def declare(
-        layout,
-        file: str,
-        dtype: torch.dtype,
-        host_bytes: int,
-        align: int,
-        *,
-        name: str,
-        owner: str,
-        checkpointed: bool,
-        path: str | None = None,
-        weights: bool = False,
-    ) -> StateDecl:
+    def declare(layout, file: str, dtype: torch.dtype, host_bytes: int, align: int, **kw) -> StateDecl:
         """What a ``DoubleRegions`` holds: within ``host_bytes`` for both halves, each half's
-        host-resident units as ``TieredRegions`` places them in half of it, and two files."""
-        one = TieredRegions.declare(
-            layout,
-            file,
-            dtype,
-            host_bytes // 2,
-            align,
-            name=name,
-            owner=owner,
-            checkpointed=checkpointed,
-            path=path,
-            weights=weights,
-        )
+        host-resident units as ``TieredRegions.declare`` (same keywords) places them in half of
+        it, and two files."""
+        one = TieredRegions.declare(layout, file, dtype, host_bytes // 2, align, **kw)
         files = one.files + tuple(FileDecl(second_file(f.name), f.size, f.path) for f in one.files)
         return dataclasses.replace(one, host_bytes=2 * one.host_bytes, files=files, double=True)
 

@@ -134,6 +134,7 @@ class StreamedOptimizer:
         self.m = regions["exp_avg" if self.adamw else "momentum"]
         self.v = regions.get("exp_avg_sq")
         self.master = regions.get("master")
+        self._double = [r for r in (*self.state_files, params) if isinstance(r, DoubleRegions)]  # fixed at start
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
@@ -154,15 +155,10 @@ class StreamedOptimizer:
     def state_files(self) -> list[TieredRegions | DoubleRegions]:
         return [r for r in (self.master, self.m, self.v) if r is not None]
 
-    @property
-    def double(self) -> list[DoubleRegions]:
-        """The states held twice (speculation): every state the step writes, or none."""
-        return [r for r in (*self.state_files, self.params) if isinstance(r, DoubleRegions)]
-
     def flip(self, u: int) -> None:
         """Unit ``u``'s state written by the last step (every write of it complete) becomes
-        current in every state held twice."""
-        for r in self.double:
+        current in every state held twice (speculation: every state the step writes)."""
+        for r in self._double:
             r.flip(u)
 
     def _in_place(self, u: int) -> bool:
