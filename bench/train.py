@@ -332,7 +332,8 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         )
     lines += [
         "",
-        "Formula (docs/DESIGN.md, fp32 on CPU): parameters are read twice (forward, backward), then the",
+        f"Formula (docs/DESIGN.md; {DEVICE['dtype']} parameters, fp32 master and moments): parameters are read"
+        " twice (forward, backward), then the",
         "update reads parameters, gradients (the part not kept in RAM) and both moments and writes them",
         "back. Measured reads are lower: units still resident in a slot from the end of the forward are",
         "not fetched again for the backward, and with engines the forward gets the units the engines",
@@ -341,16 +342,17 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         "Blocks' autograd graphs are kept from the forward within memory.keep_act_mib (default 512 MiB,",
         "or --keep-mib), chosen by memory.activations; the others are recomputed in the backward",
         "(block recomputes/step). The floor is max(plain in-RAM compute,",
-        "bytes read / read bandwidth + bytes written / write bandwidth).",
+        "bytes read / read bandwidth + bytes written / write bandwidth): reads and writes taken in turn;",
+        "a drive that serves both at once can beat it (tiertrain / floor under 1.00).",
         "",
         "The baseline row's bound: its step over its step without the update phase, the speed-up an",
         "update path would reach if its update cost nothing at all (no CPU, no disk time taken from",
-        "the forward and backward). Engines run on the same 2 cores and the same disk here, so they",
+        f"the forward and backward). Engines run on the same {os.cpu_count()} cores and the same disk here, so they",
         "stay below it unless they also shorten the forward or backward. Trainer pools: the trainer's fixed buffers (slots, gradient buffers, stash,",
         "update sets, bounce and checkpoint buffers); the engines' peak RSS is whole processes",
         "(interpreter and torch included), summed over the engines; their read-ahead is",
         "memory.engine_read_ahead_mib (default 0, never more than their state). Engines' CPU: CPU",
-        "seconds of the engine processes (all threads) per step, taken from the two cores the",
+        "seconds of the engine processes (all threads) per step, taken from the cores the",
         "trainer computes on.",
         "",
     ]
