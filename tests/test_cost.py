@@ -169,7 +169,7 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     out = r.stdout
     for want in (
         "placement:",
-        "| exp_avg | update (baseline) |",
+        "| exp_avg | update (baseline, overlap) |",
         "bytes per step on the storage tier: read",
         "| forward |",
         "| backward |",

@@ -309,3 +309,23 @@ def test_a_step_abandoned_before_its_judgement_leaves_the_committed_state(tmp_pa
         [tr.train_step() for _ in range(2)]
         got = tr.weights()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_plans_advice_compares_the_paths_of_a_speculating_run(tmp_path, eager):
+    """`tiertrain plan`'s comparison of update paths put a speculating run's setting on the
+    baseline, which the config refuses (a ConfigError for the plan of a valid run)."""
+    from test_cost import _rates
+
+    from tiertrain.cost import predict_with
+    from tiertrain.cost.report import advice
+    from tiertrain.runtime import Runtime
+
+    cfg = spec_config(tmp_path, micro_batches=2)
+    cfg.update.eager = eager  # with clipping: allowed only speculating, and not among the eager candidates
+    rt = Runtime(cfg)
+    rates = _rates(read_gbps=0.01, write_gbps=0.01, block_fwd_s=0.01, block_bwd_s=0.3)
+    line = next(x for x in advice(cfg, rt, predict_with(cfg, rt, rates)) if x.startswith("update path: "))
+    this = "overlap (eager), speculative" if eager else "overlap, speculative"
+    assert f"{this} " in line and "baseline " in line and "engines " in line, line
+    assert "baseline, speculative" not in line and "engines, speculative" not in line

@@ -59,12 +59,20 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     paths = [(m, False) for m in UPDATES if m not in ("auto", "frozen")]
     if cfg.optim.grad_clip == 0:
         paths += [(m, True) for m, cls in UPDATES.items() if m != "auto" and cls.supports_eager]
-    name = lambda mode, eager: mode + (" (eager)" if eager else "")  # noqa: E731
+    # a speculating run's paths are compared speculating where they can (a path that cannot
+    # is refused by the config with update.speculate = 'on')
+    spec = lambda mode: cfg.update.speculate == "on" and UPDATES[mode].speculates  # noqa: E731
+    name = lambda mode, eager: mode + (" (eager)" if eager else "") + (", speculative" if spec(mode) else "")  # noqa: E731
     this = name(cfg.update.mode, cfg.update.eager)
     times = {
-        name(m, e): (pred.step_s if name(m, e) == this else at(with_("update", mode=m, eager=e)).step_s)
+        name(m, e): (
+            pred.step_s
+            if name(m, e) == this
+            else at(with_("update", mode=m, eager=e, speculate="on" if spec(m) else "off")).step_s
+        )
         for m, e in paths
     }
+    times.setdefault(this, pred.step_s)  # eager with clipping, which only speculation allows
     best = min(times, key=times.get)
     listed = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
     if times[this] <= 1.02 * times[best]:

@@ -25,7 +25,7 @@ from .streamed import StreamedOptimizer, optimizer_states
 __all__ = ["BaselineUpdate", "RegionParams", "RegionGrads"]
 
 MIB = 1 << 20
-OWNER = "update (baseline)"
+OWNER = "update (baseline, overlap)"  # the states both streamed paths keep
 
 
 class _OnRegion:
