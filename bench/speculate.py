@@ -21,7 +21,11 @@ acted, the speculation's tally, and the floor: max(plain PyTorch's step, the byt
 overlapped step at the disk's rate measured in the same run).
 
 Usage: python bench/speculate.py [--workload finetune|clip] [--model K=V,...] [--micro-batches 8]
-                                 [--seq-len 16] [--steps 4] [--rounds 2] [--host-mib 1024] [--out FILE]
+                                 [--seq-len 16] [--steps 4] [--rounds 2] [--host-mib 1024]
+                                 [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--out FILE]
+
+On a GPU (``--device cuda``; parameters in bf16 there unless ``--dtype``) plain PyTorch runs in
+device memory, in the same dtype: the compute floor is the GPU's.
 """
 
 from __future__ import annotations
@@ -53,11 +57,12 @@ def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
         cfg,
         optim=dataclasses.replace(cfg.optim, lr=lr, grad_clip=1.0, schedule="constant"),
         data=dataclasses.replace(cfg.data, micro_batches=1),
-        train=dataclasses.replace(cfg.train, steps=steps),
+        # in fp32 wherever the fine-tuning runs: the starting point, not a timed run
+        train=dataclasses.replace(cfg.train, steps=steps, param_dtype="float32"),
     )
     res, model = vs_plain.worker_plain(pre, path, keep=True)
     inner = getattr(model, "hf", model)
-    save_file({k: v.contiguous() for k, v in inner.state_dict().items()}, path)
+    save_file({k: v.detach().cpu().contiguous() for k, v in inner.state_dict().items()}, path)
     return res
 
 
@@ -97,7 +102,14 @@ def spawn(kind: str, scratch: str, args, cli: list[str]) -> dict:
 def run(args, scratch: str) -> str:
     from tiertrain.bench.io import run_io_bench
 
-    args.set = [f"optim.lr={args.lr}", f"optim.grad_clip={args.clip}", "optim.schedule=constant", *args.set]
+    args.set = [
+        f"optim.lr={args.lr}",
+        f"optim.grad_clip={args.clip}",
+        "optim.schedule=constant",
+        f"train.device={args.device}",
+        f"train.param_dtype={args.dtype}",
+        *args.set,
+    ]
     cli = vs_plain.flags(args, scratch)
     os.makedirs(f"{scratch}/ssd")
     init = spawn("init", scratch, args, cli)
@@ -119,6 +131,19 @@ def run(args, scratch: str) -> str:
     return report(args, init, pre, plain, runs, rbw, wbw)
 
 
+def where(args) -> str:
+    """The device and parameter dtype the runs used, as the config resolves them."""
+    from tiertrain.device import resolve_device, resolve_dtype
+
+    dev = resolve_device(getattr(args, "device", "cpu"))
+    dtype = str(resolve_dtype(getattr(args, "dtype", "float32"), dev)).removeprefix("torch.")
+    if dev.type == "cuda":
+        import torch
+
+        return f"{dtype} parameters (fp32 master and moments) on {torch.cuda.get_device_name(dev)}"
+    return f"{dtype} on CPU"
+
+
 def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
     steady = lambda xs: xs[1:]  # noqa: E731 - the first step of each run is warm-up
     med = lambda name, key: statistics.median(x for r in runs[name] for x in steady(r[key]))  # noqa: E731
@@ -136,7 +161,7 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"{time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, one virtual disk (read {rbw:.2f} GB/s, write "
-        f"{wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
+        f"{wbw:.2f} GB/s, measured in this run after training); {where(args)}",
         f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
         + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
         + f"); M = {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens; lr {args.lr:g}, clip {args.clip:g}; "
@@ -206,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pretrain-steps", type=int, default=200)
     ap.add_argument("--pretrain-lr", type=float, default=1e-3)
     ap.add_argument("--io-mib", type=int, default=1024, help="size of the disk measurement for the floor")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="train.device of every run")
+    ap.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="train.param_dtype of every run"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)

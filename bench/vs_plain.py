@@ -87,6 +87,12 @@ def worker_plain(cfg, path: str, keep: bool = False):
     with torch.no_grad(), safe_open(path, "pt") as f:  # one tensor at a time: no second copy in the peak
         for k, v in inner.state_dict().items():
             v.copy_(f.get_tensor(k))
+    # tiertrain's device and parameter dtype (train.device, train.param_dtype), resolved as it
+    # resolves them: on a CPU (fp32) a no-op; on a GPU the in-memory run is the floor there
+    from tiertrain.device import resolve_device, resolve_dtype
+
+    dev = resolve_device(cfg.train.device)
+    model.to(dev, resolve_dtype(cfg.train.param_dtype, dev))
     o, M = cfg.optim, cfg.data.micro_batches
     opt = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -98,15 +104,17 @@ def worker_plain(cfg, path: str, keep: bool = False):
         t0 = time.perf_counter()
         ls = []
         for x, y in corpus.batches(step):
-            loss = model(x, y)
+            loss = model(x.to(dev), y.to(dev))
             (loss / M).backward()
-            ls.append(loss.item())
+            ls.append(loss.item())  # sync point on a GPU (one scalar per micro-batch, as tiertrain's)
         if o.grad_clip > 0:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step + 1, o, cfg.train.steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # sync point: the step's time includes the update's kernels
         times.append(time.perf_counter() - t0)
         losses.append(sum(ls) / M)
         print(f"plain step {step + 1}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
