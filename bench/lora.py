@@ -21,7 +21,10 @@ peft in memory.
 
 Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out FILE]
                             [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
-                            [--seq 64] [--micro-batches 2]
+                            [--seq 64] [--micro-batches 2] [--device cpu|cuda]
+
+On a GPU (``--device cuda``) tiertrain computes in bf16 (its default there) and peft trains
+the peer in device memory in bf16.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def tiertrain_worker(spec: dict) -> dict:
         "--train.overwrite=true",
         "--checkpoint.at_end=false",
         f"--memory.host_mib={spec['host_mib']}",
+        f"--train.device={spec.get('device', 'cpu')}",  # its compute dtype: fp32 on CPU, bf16 on CUDA
         "--adapter.kind=lora",
         "--adapter.rank=16",
         f"--adapter.target={','.join(TARGETS)}",
@@ -161,11 +165,15 @@ def io_walk(tr) -> float:
 
 
 def peft_worker(spec: dict) -> dict:
+    """Plain PyTorch + peft with the whole model in memory: host memory in fp32 on CPU, device
+    memory in bf16 on CUDA (tiertrain's compute dtype on each)."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    dev = torch.device(spec.get("device", "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=dtype).to(dev)
     model = peft.inject_adapter_in_model(peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), model)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=3e-4, weight_decay=0.1, fused=True)
@@ -175,13 +183,16 @@ def peft_worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         m = spec.get("micro_batches", M)
         for _ in range(m):
-            x = torch.randint(0, 256, (MBS, spec.get("seq", SEQ)), generator=g)
+            x = torch.randint(0, 256, (MBS, spec.get("seq", SEQ)), generator=g).to(dev)
             (model(input_ids=x, labels=x).loss / m).backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # sync point: the step's kernels in its time
         times.append(time.perf_counter() - t0)
-    return {"steps": times, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    dev_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+    return {"steps": times, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "dev_peak": dev_peak}
 
 
 def spawn(kind: str, spec: dict) -> dict:
@@ -221,6 +232,14 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs[1:] or xs)  # the first step warms up
 
 
+def where(args) -> str:
+    if getattr(args, "device", "cpu") == "cuda":
+        import torch
+
+        return f"bf16 compute on {torch.cuda.get_device_name()}"
+    return "fp32 compute on CPU"
+
+
 def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None, ds: dict | None = None) -> str:
     gib = 2**30
     step = med(big["steps"])
@@ -235,7 +254,7 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
         f"Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB); full fp32 training with AdamW would need {fp32_states / 1e9:.0f} GB. "
         f"LoRA rank 16, alpha 32, on {', '.join(TARGETS)}: {big['adapters'] / 1e6:.1f} M trainable parameters. "
-        f"fp32 compute on CPU, the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
+        f"{where(args)}, the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
         f"host budget {args.host_mib} MiB; {args.steps} steps, the first not counted.",
         "",
         *[f"    {x}" for x in big["budget"]],
@@ -268,16 +287,20 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
     ]
     if peer is not None and peer_tt is not None:
         ps, ts = med(peer["steps"]), med(peer_tt["steps"])
+        peer_dtype = "bf16" if getattr(args, "device", "cpu") == "cuda" else "fp32"
         lines += [
             f"## Against plain peft in memory ({args.peer if args.peer != 'same' else args.big}, "
-            f"{peer_tt['params'] / 1e9:.2f} B parameters, fp32, the "
+            f"{peer_tt['params'] / 1e9:.2f} B parameters, {peer_dtype}, the "
             "same LoRA and batch shape)",
             "",
             "| system | s/step | peak RSS GiB |",
             "|---|---|---|",
-            f"| plain PyTorch + peft, in memory | {ps:.2f} | {peer['peak'] / gib:.2f} |",
+            f"| plain PyTorch + peft, in {'device ' if peer.get('dev_peak') else ''}memory | {ps:.2f} | "
+            f"{peer['peak'] / gib:.2f}"
+            + (f" (and {peer['dev_peak'] / gib:.2f} GiB of device memory)" if peer.get("dev_peak") else "")
+            + " |",
             f"| tiertrain, budget {peer_tt['host_mib']} MiB (asked: {args.peer_mib} MiB, a fifth of peft's peak), "
-            f"base fp32 on the tier | {ts:.2f} | {peer_tt['peak'] / gib:.2f} |",
+            f"base {peer_dtype} on the tier | {ts:.2f} | {peer_tt['peak'] / gib:.2f} |",
             "",
             f"tiertrain: **{ts / ps:.2f}x peft's step at {peer_tt['peak'] / peer['peak']:.2f}x its peak RSS** "
             f"(goal: within 1.2x at a fifth); it read {med(peer_tt['read']) / 1e9:.2f} GB a step "
@@ -318,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ds-python", default=None, help="an interpreter with DeepSpeed: run ZeRO-3 + peft on the big model"
     )
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device (bf16 compute on cuda)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -333,19 +357,20 @@ def main(argv: list[str] | None = None) -> int:
         big = spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
-                 base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches),
+                 base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches, device=args.device),
         )  # fmt: skip
         peer = peer_tt = None
         if not args.skip_peer:
             pbase = f"{scratch}/big-base" if args.peer == "same" else f"{scratch}/peer-base"
             if args.peer != "same":
                 spawn("base", {"path": pbase, "shape": args.peer})
-            peer = spawn("peft", dict(base=pbase, steps=args.steps, seq=args.seq, micro_batches=args.micro_batches))
+            peer = spawn("peft", dict(base=pbase, steps=args.steps, seq=args.seq, micro_batches=args.micro_batches,
+                                      device=args.device))  # fmt: skip
             args.peer_mib = int(peer["peak"] / 5 / 2**20)
             peer_tt = spawn(
                 "tiertrain",
                 dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, host_mib=args.peer_mib, base_dtype=None,
-                     seq=args.seq, micro_batches=args.micro_batches),
+                     seq=args.seq, micro_batches=args.micro_batches, device=args.device),
             )  # fmt: skip
         ds = None
         if args.ds_python:

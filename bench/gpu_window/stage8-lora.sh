@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU window, stage 8 of 8: LoRA on a frozen 2.4 B Llama streamed from the drive (bench/lora.py
+# --device cuda): tiertrain's step against its I/O floor (two reads of the bf16 base at the
+# rate probed in the same process; #34's goal: within 1.15x) and against plain peft with the
+# whole model in device memory (goal: within 1.2x of its step), bf16 compute.
+#
+#   bench/gpu_window/stage8-lora.sh --out DIR [--dry] [--nvme DIR]     (see lib.sh)
+STAGE=stage8-lora
+source "$(dirname "$0")/lib.sh" "$@"
+
+if [ "$dry" = 1 ]; then
+  step "bench/lora.py on CPU, 2 layers of 256, no peer (dry run)" 0 200 \
+    "$PY" bench/lora.py --device cpu --big 2x256 --steps 2 --host-mib 1024 --skip-peer \
+    --scratch "$nvme/lora" --out "$out/stage8-lora-bench.md"
+else
+  step "LoRA rank 16 on a frozen 2.4 B Llama, bf16 on CUDA, base on the drive, vs peft in device memory (bench/lora.py)" \
+    1 480 "$PY" bench/lora.py --device cuda --steps 4 --scratch "$nvme/lora" --out "$out/stage8-lora-bench.md"
+fi
+finish
