@@ -133,12 +133,15 @@ def plain_steps(cfg: Config, model: torch.nn.Module, in_place: bool = False) -> 
     return times
 
 
-def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer]:
+def tiertrain_steps(cfg: Config, init: dict) -> tuple[list, Trainer, float]:
+    """The steps' records, the trainer, and the cost model's step (s) as `tiertrain train`
+    predicts it at start (nan where nothing was measured)."""
     skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
     tr = Trainer(cfg, weights=tensor_source(skeleton, init))
     tr.initialize(progress=False)
+    pred = tr.predict()
     recs = [tr.train_step() for _ in range(cfg.train.steps)]
-    return recs, tr
+    return recs, tr, pred.step_s if pred else float("nan")
 
 
 def formula_bytes(tr: Trainer) -> tuple[int, int]:
@@ -218,7 +221,7 @@ def n_params(init: dict) -> int:
 def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: float, checksum: bool = True):
     """One configuration: median step figures after a warm-up step."""
     cfg = config(args.scratch, M, args.steps, mode, checksum, args.keep_mib)
-    recs, tr = tiertrain_steps(cfg, init)
+    recs, tr, predicted = tiertrain_steps(cfg, init)
     recomputed = tr.executor.recomputed
     steady = recs[1:]
     step = statistics.median(r.step_s for r in steady)
@@ -267,6 +270,7 @@ def measure(args, mode: str, M: int, plain: float, init: dict, rbw: float, wbw: 
         engines_rss,
         engines_cpu,
         recomputed,
+        predicted,
     )
 
 
@@ -291,8 +295,9 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         "| update path | M | tokens/step | plain PyTorch in RAM s/step | tiertrain s/step | vs baseline |"
         " read GB/step (formula) | write GB/step (formula) | GB to engines | GB from engines in memory |"
         " I/O floor s | floor s | tiertrain / floor | fwd / bwd / update / io-wait s |"
-        " trainer pools GiB | engines' peak RSS GiB | engines' CPU s/step | block recomputes/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " trainer pools GiB | engines' peak RSS GiB | engines' CPU s/step | block recomputes/step |"
+        " predicted s/step (measured / predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(M, ck): step for mode, ck, M, _, _, step, *_ in rows if mode == "baseline"}
     for (
@@ -315,6 +320,7 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         ers,
         ecpu,
         rec,
+        predicted,
     ) in rows:
         if mode == "baseline":
             speed = (
@@ -329,6 +335,7 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
             f" {wb / 1e9:.2f} ({fw / 1e9:.2f}) | {sent / 1e9:.2f} | {handed / 1e9:.2f} | {io_floor:.2f} | {floor:.2f} | {step / floor:.2f} |"
             f" {p['forward_s']:.2f} / {p['backward_s']:.2f} / {p['update_s']:.2f} / {p['io_wait_s']:.2f} |"
             f" {pools / 2**30:.2f} | {ers / 2**30:.2f} | {ecpu:.2f} | {rec} |"
+            f" {predicted:.2f} ({step / predicted:.2f}x) |"
         )
     lines += [
         "",
@@ -353,7 +360,8 @@ def render(rows, rbw, wbw, n_params, steps, keep_mib: int | None = None) -> str:
         "(interpreter and torch included), summed over the engines; their read-ahead is",
         "memory.engine_read_ahead_mib (default 0, never more than their state). Engines' CPU: CPU",
         "seconds of the engine processes (all threads) per step, taken from the cores the",
-        "trainer computes on.",
+        "trainer computes on. Predicted: the cost model's step from the rates it probed at start, as",
+        "`tiertrain train` prints it (docs/DESIGN.md).",
         "",
     ]
     return "\n".join(lines)
