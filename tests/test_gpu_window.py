@@ -119,6 +119,15 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
         assert any(": exit 0 in " in ln for ln in steps)
     if name == "stage1-cuda":
         assert f"tiertrain from {machine.repo / 'tiertrain'}" in text  # the checkout's, not an installed one
+    # the benchmarks a stage runs end to end on a tiny model (their own tests check the figures)
+    bench = {
+        "stage7-speculate": ("finetune", ["after 3 steps of plain PyTorch pretraining", "speculation held in ",
+                                          "variants identical"]),
+        "stage8-lora": ("bench", ["the I/O floor", "nothing written (0.00 GB"]),
+    }  # fmt: skip
+    if name in bench:
+        report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
+        assert all(want in report for want in bench[name][1]), report
     assert not (machine.base / "nvme" / name).exists()  # scratch removed
 
 
