@@ -56,6 +56,8 @@ def test_bytes_per_step_are_what_the_storage_tier_counts(tmp_path, case):
     assert t.write == rec.ssd_write_bytes
     assert t.read == rec.ssd_read_bytes
     assert t.read == sum(v[0] for v in t.by_state.values()) and t.write == sum(v[1] for v in t.by_state.values())
+    # the forward reads only parameters: all of them trained's, but for frozen units
+    assert (t.forward_trained_read < t.forward_read) if freeze else (t.forward_trained_read == t.forward_read)
 
 
 def test_kept_pairs_follow_the_budget_and_the_policy(tmp_path):
@@ -132,6 +134,18 @@ def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
     assert fwd.io_s == pytest.approx(0.5 + 5.0) and fwd.time_s == pytest.approx(5.5) and fwd.bound == "I/O"
     assert bwd.time_s == pytest.approx(4.0) and upd.time_s == 0.0
     assert p.step_s == pytest.approx(5.5 + 4.0)  # the baseline's 0.9 + 4.0 + 5.0, less the forward's 0.9
+    # the update (5 s alone) paces the forward (0.9 s of compute): the trained units' parameters it
+    # reads are handed over in memory instead
+    t.forward_trained_read = int(0.4e9)
+    h = predict(cfg, t, _rates(), blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=True)
+    assert h.phase("forward").io_s == pytest.approx(0.1 + 5.0)
+    fast = _rates(
+        read_gbps=100.0, write_gbps=100.0
+    )  # the update (0.2 s alone: its kernel) ahead of the forward: nothing handed
+    assert predict(cfg, t, fast, blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=True).phase(
+        "forward"
+    ).io_s == pytest.approx(0.005 + 0.06)
+    t.forward_trained_read = 0
     cfg.optim.grad_clip, cfg.update.eager = 0.0, True
     e = predict(cfg, t, _rates(), blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=True)
     assert e.phase("forward").time_s == pytest.approx(0.9)

@@ -47,6 +47,9 @@ class Traffic:
     backward_write: int = 0
     update_read: int = 0
     update_write: int = 0
+    # of forward_read: the parameters of trained units (a path updating them under the next
+    # forward hands their new values to it in memory instead of reading them back)
+    forward_trained_read: int = 0
     up: int = 0  # host -> device (CUDA)
     down: int = 0  # device -> host (CUDA)
     by_state: dict[str, list[int]] = field(default_factory=dict)  # name -> [read, write]
@@ -185,6 +188,8 @@ def step_traffic(
         phase = "forward" if pos < n_forward else "backward"
         if u in params_file:
             t._add("params", phase, "read", layout.units[u].numel * pdt.itemsize)
+            if phase == "forward" and u not in frozen:
+                t.forward_trained_read += layout.units[u].numel * pdt.itemsize
         if pdt != dtype:  # read or in host memory, a narrower unit is widened at every fetch
             t.widen[phase] = t.widen.get(phase, 0) + nbytes[u]
         if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
