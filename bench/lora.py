@@ -171,8 +171,10 @@ def peft_worker(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    dev = torch.device(spec.get("device", "cpu"))
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    from tiertrain.device import resolve_device, resolve_dtype
+
+    dev = resolve_device(spec.get("device", "cpu"))
+    dtype = resolve_dtype("auto", dev)  # tiertrain's compute dtype on this device
     model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=dtype).to(dev)
     model = peft.inject_adapter_in_model(peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS), model)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -232,12 +234,12 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs[1:] or xs)  # the first step warms up
 
 
-def where(args) -> str:
-    if getattr(args, "device", "cpu") == "cuda":
-        import torch
+def where(args) -> tuple[str, str]:
+    """Where the runs computed (the report's words) and the compute dtype's short name."""
+    from tiertrain.bench.output import compute_line
 
-        return f"bf16 compute on {torch.cuda.get_device_name()}"
-    return "fp32 compute on CPU"
+    line = compute_line(getattr(args, "device", "cpu"))
+    return line, "bf16" if line.startswith("bfloat16") else "fp32"
 
 
 def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None, ds: dict | None = None) -> str:
@@ -254,7 +256,7 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
         f"Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB); full fp32 training with AdamW would need {fp32_states / 1e9:.0f} GB. "
         f"LoRA rank 16, alpha 32, on {', '.join(TARGETS)}: {big['adapters'] / 1e6:.1f} M trainable parameters. "
-        f"{where(args)}, the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
+        f"{where(args)[0]}; the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
         f"host budget {args.host_mib} MiB; {args.steps} steps, the first not counted.",
         "",
         *[f"    {x}" for x in big["budget"]],
@@ -287,7 +289,7 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
     ]
     if peer is not None and peer_tt is not None:
         ps, ts = med(peer["steps"]), med(peer_tt["steps"])
-        peer_dtype = "bf16" if getattr(args, "device", "cpu") == "cuda" else "fp32"
+        peer_dtype = where(args)[1]
         lines += [
             f"## Against plain peft in memory ({args.peer if args.peer != 'same' else args.big}, "
             f"{peer_tt['params'] / 1e9:.2f} B parameters, {peer_dtype}, the "

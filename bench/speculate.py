@@ -131,20 +131,9 @@ def run(args, scratch: str) -> str:
     return report(args, init, pre, plain, runs, rbw, wbw)
 
 
-def where(args) -> str:
-    """The device and parameter dtype the runs used, as the config resolves them."""
-    from tiertrain.device import resolve_device, resolve_dtype
-
-    dev = resolve_device(getattr(args, "device", "cpu"))
-    dtype = str(resolve_dtype(getattr(args, "dtype", "float32"), dev)).removeprefix("torch.")
-    if dev.type == "cuda":
-        import torch
-
-        return f"{dtype} parameters (fp32 master and moments) on {torch.cuda.get_device_name(dev)}"
-    return f"{dtype} on CPU"
-
-
 def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
+    from tiertrain.bench.output import compute_line
+
     steady = lambda xs: xs[1:]  # noqa: E731 - the first step of each run is warm-up
     med = lambda name, key: statistics.median(x for r in runs[name] for x in steady(r[key]))  # noqa: E731
     p_step = statistics.median(steady(plain["times"]))
@@ -161,7 +150,8 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"{time.strftime('%Y-%m-%d')}",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, one virtual disk (read {rbw:.2f} GB/s, write "
-        f"{wbw:.2f} GB/s, measured in this run after training); {where(args)}",
+        f"{wbw:.2f} GB/s, measured in this run after training); "
+        f"{compute_line(getattr(args, 'device', 'cpu'), getattr(args, 'dtype', 'float32'))}",
         f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
         + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
         + f"); M = {args.micro_batches} micro-batches of 1 x {args.seq_len} tokens; lr {args.lr:g}, clip {args.clip:g}; "

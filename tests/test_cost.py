@@ -139,9 +139,8 @@ def test_the_overlapped_update_runs_under_the_forward_or_the_backward(tmp_path):
     t.forward_trained_read = int(0.4e9)
     h = predict(cfg, t, _rates(), blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=True)
     assert h.phase("forward").io_s == pytest.approx(0.1 + 5.0)
-    fast = _rates(
-        read_gbps=100.0, write_gbps=100.0
-    )  # the update (0.2 s alone: its kernel) ahead of the forward: nothing handed
+    # the update (0.2 s alone: its kernel) ahead of the forward: nothing handed
+    fast = _rates(read_gbps=100.0, write_gbps=100.0)
     assert predict(cfg, t, fast, blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=True).phase(
         "forward"
     ).io_s == pytest.approx(0.005 + 0.06)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from ..errors import UsageError
 from ..paths import prepare_output_file
 
-__all__ = ["SCRATCH_HELP", "checked_out", "publish", "scratch_dir"]
+__all__ = ["SCRATCH_HELP", "checked_out", "compute_line", "publish", "scratch_dir"]
 
 SCRATCH_HELP = "folder to work in (default: here); the benchmark uses a fresh folder of its own inside it"
 
@@ -49,3 +49,18 @@ def scratch_dir(parent: str | None, name: str) -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def compute_line(device: str, dtype: str = "auto") -> str:
+    """Where a benchmark's runs computed, for its report: ``train.device`` and
+    ``train.param_dtype`` as the config resolves them ("float32 on CPU", "bfloat16 parameters
+    (fp32 master and moments) on NVIDIA H100 80GB HBM3")."""
+    from ..device import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    name = str(resolve_dtype(dtype, dev)).removeprefix("torch.")
+    if dev.type == "cuda":
+        import torch
+
+        return f"{name} parameters (fp32 master and moments) on {torch.cuda.get_device_name(dev)}"
+    return f"{name} on CPU"
