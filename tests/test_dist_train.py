@@ -382,21 +382,22 @@ def test_ranks_with_clipping_train_the_one_rank_model_within_tolerance(tmp_path)
 
 @pytest.mark.slow
 def test_ranks_speculating_judge_each_step_alike_and_match_the_overlapped_path_bit_for_bit(tmp_path):
-    """2 ranks, each speculating on its shard: they judge on the all-reduced norm, so all keep
-    (the clip never acts) or all redo (it always does) the same steps; the weights and losses
-    are the overlapped path's without speculation, bit for bit."""
+    """2 ranks, each speculating on its shard (on the overlapped path and the baseline): they
+    judge on the all-reduced norm, so all keep (the clip never acts) or all redo (it always
+    does) the same steps; the weights and losses are the overlapped path's without
+    speculation, bit for bit."""
     for clip, held in ((1e3, 3), (1e-3, 0)):
         got = {}
-        for speculate in ("off", "on"):
-            cfg = small_config(
-                tmp_path / f"{clip}{speculate}", kind="llama", layers=2, micro_batches=2, steps=3, clip=clip
-            )
-            cfg.update.mode, cfg.update.speculate = "overlap", speculate
-            _, got[speculate] = run_ranks(tmp_path / f"{clip}{speculate}", cfg, 2)
-        off, on = got["off"], got["on"]
-        assert [o["speculation"] for o in on] == [f"speculation held in {held} of 3 steps"] * 2
-        assert [o["loss"] for o in on] == [o["loss"] for o in off]
-        assert all(torch.equal(on[0]["weights"][k], off[0]["weights"][k]) for k in off[0]["weights"])
+        for mode, speculate in (("overlap", "off"), ("overlap", "on"), ("baseline", "on")):
+            run = tmp_path / f"{clip}{mode}{speculate}"
+            cfg = small_config(run, kind="llama", layers=2, micro_batches=2, steps=3, clip=clip)
+            cfg.update.mode, cfg.update.speculate = mode, speculate
+            _, got[mode, speculate] = run_ranks(run, cfg, 2)
+        off = got["overlap", "off"]
+        for on in (got["overlap", "on"], got["baseline", "on"]):
+            assert [o["speculation"] for o in on] == [f"speculation held in {held} of 3 steps"] * 2
+            assert [o["loss"] for o in on] == [o["loss"] for o in off]
+            assert all(torch.equal(on[0]["weights"][k], off[0]["weights"][k]) for k in off[0]["weights"])
 
 
 class _OneProcess:

@@ -4,6 +4,7 @@ half with the clip. Bit-identical to plain PyTorch AdamW + ``clip_grad_norm_`` e
 
 import dataclasses
 import os
+import re
 import signal
 
 import pytest
@@ -20,9 +21,12 @@ from tiertrain.update.speculate import MIN_STEPS, Speculation
 CLIP_ACTS, CLIP_NEVER = 1e-3, 1e3  # the small model's norms are ~0.5-3
 
 
-def spec_config(tmp_path, *, speculate="on", **kw):
+MODES = ["overlap", "baseline"]  # the streamed paths: an update thread, or the trainer's thread
+
+
+def spec_config(tmp_path, *, speculate="on", mode="overlap", **kw):
     cfg = small_config(tmp_path, **kw)
-    cfg.update.mode = "overlap"
+    cfg.update.mode = mode
     cfg.update.speculate = speculate
     return cfg
 
@@ -36,16 +40,18 @@ def _norms(cfg) -> list[float]:
         return [tr.train_step().grad_norm for _ in range(cfg.train.steps)]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @pytest.mark.parametrize("clip", [CLIP_ACTS, CLIP_NEVER], ids=["clip-acts", "clip-never-acts"])
-def test_speculation_is_bit_identical_to_plain_pytorch(tmp_path, kind, clip):
-    tr, losses = assert_parity(spec_config(tmp_path, kind=kind, clip=clip, micro_batches=2, steps=4))
+def test_speculation_is_bit_identical_to_plain_pytorch(tmp_path, kind, clip, mode):
+    tr, losses = assert_parity(spec_config(tmp_path, kind=kind, clip=clip, micro_batches=2, steps=4, mode=mode))
     held = 4 if clip == CLIP_NEVER else 0
     assert tr.update.spec.summary() == f"speculation held in {held} of 4 steps"
     assert losses[-1] != losses[0]
 
 
-def test_steps_kept_and_redone_in_one_run_with_states_partly_in_memory(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_kept_and_redone_in_one_run_with_states_partly_in_memory(tmp_path, mode):
     """The clip set between the steps' norms: some steps kept, some redone, in one run; host-
     resident parameters (held twice: copied, not updated in place) and moments."""
     kw = dict(
@@ -53,20 +59,21 @@ def test_steps_kept_and_redone_in_one_run_with_states_partly_in_memory(tmp_path)
     )
     norms = sorted(_norms(spec_config(tmp_path / "probe", clip=CLIP_NEVER, **kw)))
     clip = (norms[2] + norms[3]) / 2
-    cfg = spec_config(tmp_path / "run", clip=clip, **kw)
+    cfg = spec_config(tmp_path / "run", clip=clip, mode=mode, **kw)
     tr, _ = assert_parity(cfg)
     spec = tr.update.spec
     assert spec.steps == 6 and 0 < spec.held < 6, spec.summary()
 
 
-def test_bf16_parameters_with_master_weights_match_the_overlapped_path(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_parameters_with_master_weights_match_the_path_not_speculating(tmp_path, mode):
     """Lower-precision parameters (the clip applied to the fp32 copy of the gradient): the
-    same losses and weights as the overlapped path without speculation, bit for bit."""
+    same losses and weights as the same path without speculation, bit for bit."""
     out = {}
     for speculate in ("off", "on"):
         for clip in (CLIP_ACTS, CLIP_NEVER):
             cfg = spec_config(
-                tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip, dtype="bfloat16", steps=3
+                tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip, dtype="bfloat16", steps=3, mode=mode
             )
             with Trainer(cfg) as tr:
                 tr.initialize(progress=False)
@@ -90,21 +97,26 @@ def _step_bytes(cfg, steps=4):
         return read + handed, written, tr.update
 
 
-def test_a_kept_step_moves_the_overlapped_paths_bytes_and_a_redone_one_one_update_more(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_kept_step_moves_the_paths_bytes_and_a_redone_one_one_update_more(tmp_path, mode):
     """Per step, loads read or handed over and bytes written: a kept speculative step's equal
-    the overlapped path's (the halves flip, no bytes move); a redone one adds one update's
-    reads (moments, parameters, gradients) and writes (moments, parameters)."""
+    the same path's not speculating (the halves flip, no bytes move); a redone one adds one
+    update's reads (moments, parameters, gradients) and writes (moments, parameters)."""
     got = {}
     for speculate in ("off", "on"):
         for clip in (CLIP_ACTS, CLIP_NEVER):
             got[speculate, clip] = _step_bytes(
-                spec_config(tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip)
+                spec_config(tmp_path / f"{speculate}{clip}", speculate=speculate, clip=clip, mode=mode)
             )
     assert got["on", CLIP_NEVER][:2] == got["off", CLIP_NEVER][:2]
     (r_off, w_off, _), (r_on, w_on, upd) = got["off", CLIP_ACTS], got["on", CLIP_ACTS]
     n = sum(u.numel for u in upd.optim.trainable)  # fp32: 4 bytes an element
     assert upd.redone == 4
-    assert (r_on - r_off, w_on - w_off) == (4 * 4 * 4 * n, 4 * 3 * 4 * n)
+    # the overlapped path drains every unit's speculation before redoing; the baseline path has
+    # not started the units whose gradients came home after the backward
+    wasted = 4 * n if mode == "overlap" else upd.wasted_numel
+    assert 2 * n < wasted <= 4 * n
+    assert (r_on - r_off, w_on - w_off) == (4 * 4 * wasted, 3 * 4 * wasted)
 
 
 def test_the_states_are_held_twice_and_the_plan_says_so(tmp_path):
@@ -121,13 +133,15 @@ def test_the_states_are_held_twice_and_the_plan_says_so(tmp_path):
         assert "exp_avg.spec.bin" in tr.plan.describe()
 
 
-def test_resume_from_a_checkpoint_of_a_speculative_run_is_exact(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_from_a_checkpoint_of_a_speculative_run_is_exact(tmp_path, mode):
     """And the checkpoint holds the committed state: resumed without speculation, the run goes
     on to the same bits."""
-    straight = spec_config(tmp_path / "a", clip=CLIP_ACTS, micro_batches=2, steps=4)
-    assert_resume_exact(straight, spec_config(tmp_path / "b", clip=CLIP_ACTS, micro_batches=2, steps=4))
-    off = spec_config(tmp_path / "c", speculate="off", clip=CLIP_NEVER, micro_batches=2, steps=4)
-    on = spec_config(tmp_path / "d", clip=CLIP_NEVER, micro_batches=2, steps=4)
+    kw = dict(micro_batches=2, steps=4, mode=mode)
+    straight = spec_config(tmp_path / "a", clip=CLIP_ACTS, **kw)
+    assert_resume_exact(straight, spec_config(tmp_path / "b", clip=CLIP_ACTS, **kw))
+    off = spec_config(tmp_path / "c", speculate="off", clip=CLIP_NEVER, **kw)
+    on = spec_config(tmp_path / "d", clip=CLIP_NEVER, **kw)
     with Trainer(on) as tr:
         tr.initialize(progress=False)
         [tr.train_step() for _ in range(2)]
@@ -158,8 +172,13 @@ def never_speculating(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point, from_checkpoint", [("update:5", False), ("update:80", True)])
-def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, never_speculating, point, from_checkpoint):
+@pytest.mark.parametrize(
+    "point, from_checkpoint, mode",
+    [("update:5", False, "overlap"), ("update:80", True, "overlap"), ("update:80", True, "baseline")],
+)
+def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(
+    tmp_path, never_speculating, point, from_checkpoint, mode
+):
     """Killed while a step's speculative update runs under its backward, the clip acting in
     every step (each step: ~19 chunks speculated, then ~19 redone): update:5 in step 1, before
     any checkpoint; update:80 in step 3, after the step-2 checkpoint. Resumed (or started
@@ -167,7 +186,7 @@ def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, never
     speculating."""
     from test_checkpoint import cli, final_state
 
-    flags = KILL_FLAGS
+    flags = [*KILL_FLAGS, f"--update.mode={mode}"]
     r = cli(tmp_path / "spec", *flags, "--update.speculate=on", env={"TIERTRAIN_KILL_AT": point})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     ckpts = tmp_path / "spec" / "run" / "checkpoints"
@@ -179,9 +198,10 @@ def test_sigkill_in_a_speculative_step_then_resume_loses_nothing(tmp_path, never
     assert f"speculation held in 0 of {2 if from_checkpoint else 4} steps" in resumed.stderr
 
 
-def test_a_run_where_the_clip_keeps_acting_stops_speculating_and_says_so(tmp_path, caplog):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_where_the_clip_keeps_acting_stops_speculating_and_says_so(tmp_path, caplog, mode):
     steps = MIN_STEPS + 1
-    cfg = spec_config(tmp_path, clip=CLIP_ACTS, steps=steps, layers=2)
+    cfg = spec_config(tmp_path, clip=CLIP_ACTS, steps=steps, layers=2, mode=mode)
     tr, _ = assert_parity(cfg)
     spec = tr.update.spec
     assert spec.steps == MIN_STEPS and spec.held == 0 and tr.update.redone == MIN_STEPS
@@ -232,7 +252,6 @@ def test_double_regions_flip_per_unit(tmp_path):
 @pytest.mark.parametrize(
     "flags, fix",
     [
-        (["update.mode=baseline"], "set update.mode = 'overlap'"),
         (["update.mode=engines"], "set update.mode = 'overlap'"),
         (["optim.grad_clip=0"], "use update.eager = true"),
         (["adapter.kind=lora", "adapter.target=q_proj"], "the adapters update in the trainer"),
@@ -257,6 +276,7 @@ def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_t
 
     from test_cost import _rates
 
+    from tiertrain.cost import predict_with
     from tiertrain.cost.choose import resolve_speculation
     from tiertrain.runtime import Runtime
 
@@ -274,24 +294,35 @@ def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_t
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 4096))
     off, why = resolve_speculation(cfg, rt, slow_disk)
     assert off.update.speculate == "off" and "free" in why
+    monkeypatch.undo()
+    # the baseline speculates in the trainer's thread: it hides nothing, and auto says so
     baseline = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode="baseline"))
     resolved, why = resolve_speculation(baseline, rt, slow_disk)
-    assert resolved.update.speculate == "off" and why.endswith("off (the baseline update path does not speculate)")
+    assert resolved.update.speculate == "off" and "off (predicted " in why, why
+    t_on, t_off = map(float, re.findall(r"([0-9.]+) s", why)[:2])
+    assert t_on >= t_off, why
+    spec_baseline = dataclasses.replace(baseline, update=dataclasses.replace(baseline.update, speculate="on"))
+    note = predict_with(spec_baseline, rt, slow_disk()).notes[-1]
+    assert note.startswith("baseline (speculative): each unit's update runs in the trainer's thread"), note
+    engines = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode="engines"))
+    resolved, why = resolve_speculation(engines, rt, slow_disk)
+    assert resolved.update.speculate == "off" and why.endswith("off (the engines update path does not speculate)")
     unclipped = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_clip=0.0))
     resolved, why = resolve_speculation(unclipped, rt, slow_disk)
     assert resolved.update.speculate == "off" and why is None  # no norm to wait for: nothing to say
 
 
-def test_a_step_abandoned_before_its_judgement_leaves_the_committed_state(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_abandoned_before_its_judgement_leaves_the_committed_state(tmp_path, mode):
     """An error after the backward (every unit speculated, none judged), then the step again:
     the speculation is dropped (the current halves untouched) and the run ends with the weights
     of one never interrupted."""
-    cfg = spec_config(tmp_path / "a", clip=CLIP_NEVER, micro_batches=2, steps=3)
+    cfg = spec_config(tmp_path / "a", clip=CLIP_NEVER, micro_batches=2, steps=3, mode=mode)
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         [tr.train_step() for _ in range(3)]
         want = tr.weights()
-    with Trainer(spec_config(tmp_path / "b", clip=CLIP_NEVER, micro_batches=2, steps=3)) as tr:
+    with Trainer(spec_config(tmp_path / "b", clip=CLIP_NEVER, micro_batches=2, steps=3, mode=mode)) as tr:
         tr.initialize(progress=False)
         tr.train_step()
         flush = tr.grads.flush
@@ -304,7 +335,10 @@ def test_a_step_abandoned_before_its_judgement_leaves_the_committed_state(tmp_pa
         tr.grads.flush = fails
         with pytest.raises(OSError, match="injected"):
             tr.train_step()
-        assert tr.step == 1 and "speculated" in {s.value for s in tr.update._state}
+        upd = tr.update  # units updated into their other halves, not judged
+        assert tr.step == 1 and (
+            "speculated" in {s.value for s in upd._state} if mode == "overlap" else len(upd._speculated) > 2
+        )
         tr.grads.flush = flush
         [tr.train_step() for _ in range(2)]
         got = tr.weights()
@@ -327,5 +361,5 @@ def test_the_plans_advice_compares_the_paths_of_a_speculating_run(tmp_path, eage
     rates = _rates(read_gbps=0.01, write_gbps=0.01, block_fwd_s=0.01, block_bwd_s=0.3)
     line = next(x for x in advice(cfg, rt, predict_with(cfg, rt, rates)) if x.startswith("update path: "))
     this = "overlap (eager), speculative" if eager else "overlap, speculative"
-    assert f"{this} " in line and "baseline " in line and "engines " in line, line
-    assert "baseline, speculative" not in line and "engines, speculative" not in line
+    assert f"{this} " in line and "baseline, speculative " in line and "engines " in line, line
+    assert "engines, speculative" not in line

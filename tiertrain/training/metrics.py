@@ -116,6 +116,14 @@ class StepRecord:
                 if "update_thread_s" in self.extra
                 else ""
             )
+            + (  # the baseline path speculating: its updates in the trainer's thread, during the backward
+                f" | update in the backward {self.extra['update_spec_s']:.2f} s"
+                + {True: ", speculation kept", False: ", speculation redone", None: ""}[
+                    self.extra.get("speculation_kept")
+                ]
+                if "update_spec_s" in self.extra
+                else ""
+            )
         )
 
 

@@ -57,6 +57,13 @@ class UpdateStats:
     chunks: int = 0
     ahead: int = 0  # chunks whose state was read ahead
 
+    def add(self, o: "UpdateStats") -> None:
+        """Count ``o``'s time and chunks in these (a tally over several partial updates)."""
+        self.seconds += o.seconds
+        self.wait_s += o.wait_s
+        self.compute_s += o.compute_s
+        self.chunks += o.chunks
+
 
 class Update(abc.ABC):
     """An update path (see the module docstring)."""

@@ -45,7 +45,6 @@ from ..state.layout import FlatLayout
 from ..state.machine import Machine
 from .base import UpdateStats
 from .baseline import BaselineUpdate, RegionGrads, RegionParams
-from .speculate import Speculation
 
 __all__ = ["OverlapUpdate", "UnitState"]
 
@@ -185,7 +184,6 @@ class OverlapUpdate(BaselineUpdate):
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         super().__init__(cfg, layout, storage, pdtype, pin=pin)
         self.eager = cfg.update.eager
-        self.spec = Speculation(on=cfg.update.speculate == "on")  # states held twice: ``declare``
         self.params, self.grads = _Params(self, self._params), _Grads(self, self._grads)
         n = len(layout.units)
         self._cv = threading.Condition()
@@ -198,7 +196,6 @@ class OverlapUpdate(BaselineUpdate):
         self._step, self._lr = 0, 0.0
         self._busy = UpdateStats()  # the thread's time since the last record()
         self.handoff_bytes = 0
-        self.redone = 0  # speculative steps redone with the clip (each one more update's I/O)
         # On a CPU device the thread's kernels (AdamW, CRC32C) take one core: torch's intra-op
         # threads are set per thread, and the compute keeps the rest (measured on 2 cores: with
         # the default, both threads' OpenMP teams fight for them and the forward slows more).
@@ -239,11 +236,7 @@ class OverlapUpdate(BaselineUpdate):
             lr, coef, step=step, units=units, on_unit_done=lambda u: self._unit_done(u, step), on_chunk=self._chunk
         )
         with self._cv:
-            b = self._busy
-            b.seconds += st.seconds
-            b.wait_s += st.wait_s
-            b.compute_s += st.compute_s
-            b.chunks += st.chunks
+            self._busy.add(st)
 
     def _chunk(self, u: int, a: int, b: int, p: torch.Tensor) -> None:
         with self._cv:

@@ -1,4 +1,6 @@
-"""The speculative update's bookkeeping (``update.speculate``), for the overlapped path.
+"""The speculative update's bookkeeping (``update.speculate``), for the streamed paths: the
+overlapped one (its update thread, ``update/overlap.py``) and the baseline (the trainer's own
+thread, between the backward's units, ``update/baseline.py``).
 
 With clipping, the step's coefficient is known only after the whole backward. Speculation
 updates each unit as its gradient is home, as if the coefficient will be 1, into the other
@@ -30,7 +32,7 @@ MIN_STEPS = 8  # speculative steps seen before the clip's rate may turn speculat
 
 @dataclass
 class Speculation:
-    """Where the run's speculation stands (one per overlapped update)."""
+    """Where the run's speculation stands (one per streamed update path)."""
 
     on: bool  # the run's states are held twice and steps speculate (until ``stopped``)
     this_step: bool = False  # the step under way updates units as their gradients arrive
