@@ -36,15 +36,12 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(BIN)/tiertrain train $(ARGS)
 
-MYPY_WIDE_OFF = $(foreach c,union-attr arg-type index assignment return-value operator var-annotated list-item call-overload type-var,--disable-error-code $(c))
-
 lint: $(STAMP)
 	$(BIN)/ruff check tiertrain tests bench examples
 	$(BIN)/ruff format --check tiertrain tests bench examples
+	@# one run: the whole package for calls, attributes and names, the public seams in full
+	@# (pyproject.toml's [tool.mypy])
 	$(BIN)/mypy
-	@# the whole package, for what is wrong whatever the Optional-ness (calls, attributes, names);
-	@# the seams above are checked in full
-	$(BIN)/mypy tiertrain --no-warn-unused-ignores $(MYPY_WIDE_OFF)
 
 test: lint
 	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" $(PYTEST_ARGS)
