@@ -84,6 +84,39 @@ def test_bf16_parameters_with_master_weights_match_the_path_not_speculating(tmp_
         assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", ["tied-embedding-in-vocab-pieces", "frozen-units"])
+def test_a_tied_embedding_cut_in_pieces_and_frozen_units_match_the_path_not_speculating(tmp_path, mode, shape):
+    """Units whose gradients come home out of order (the tied embedding's after the head's,
+    vocabulary pieces) or never (frozen units): the same losses and weights, bit for bit."""
+    out = {}
+    for speculate in ("off", "on"):
+        for clip in (CLIP_ACTS, CLIP_NEVER):
+            cfg = spec_config(
+                tmp_path / f"{speculate}{clip}",
+                speculate=speculate,
+                clip=clip,
+                micro_batches=2,
+                steps=3,
+                mode=mode,
+                tie=shape.startswith("tied"),
+            )
+            if shape.startswith("tied"):
+                cfg.model.vocab_pieces = 3
+            else:
+                cfg.train.freeze = ["embed", "blocks:0"]
+            with Trainer(cfg) as tr:
+                tr.initialize(progress=False)
+                out[speculate, clip] = [tr.train_step().extra["losses"] for _ in range(3)], tr.weights()
+                if speculate == "on":
+                    assert tr.update.spec.held == (3 if clip == CLIP_NEVER else 0)
+                if shape == "frozen-units":
+                    assert len(tr.update.optim.trainable) < len(tr.update.layout.units)
+    for clip in (CLIP_ACTS, CLIP_NEVER):
+        (la, wa), (lb, wb) = out["off", clip], out["on", clip]
+        assert la == lb and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def _step_bytes(cfg, steps=4):
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
