@@ -311,6 +311,7 @@ def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_t
 
     from tiertrain.cost import predict_with
     from tiertrain.cost.choose import resolve_speculation
+    from tiertrain.cost.report import plan_report
     from tiertrain.runtime import Runtime
 
     cfg = spec_config(tmp_path, speculate="auto", micro_batches=4)
@@ -335,8 +336,11 @@ def test_auto_speculates_where_the_cost_model_predicts_a_gain_and_the_disk_has_t
     t_on, t_off = map(float, re.findall(r"([0-9.]+) s", why)[:2])
     assert t_on >= t_off, why
     spec_baseline = dataclasses.replace(baseline, update=dataclasses.replace(baseline.update, speculate="on"))
-    note = predict_with(spec_baseline, rt, slow_disk()).notes[-1]
-    assert note.startswith("baseline (speculative): each unit's update runs in the trainer's thread"), note
+    pred = predict_with(spec_baseline, rt, slow_disk())
+    assert pred.notes[-1].startswith("baseline (speculative): each unit's update runs in the trainer's thread"), pred
+    report = plan_report(spec_baseline, rt, [], pred)
+    assert "update path baseline, speculative, checksums" in report
+    assert "baseline (speculative): each unit's update" in report
     engines = dataclasses.replace(cfg, update=dataclasses.replace(cfg.update, mode="engines"))
     resolved, why = resolve_speculation(engines, rt, slow_disk)
     assert resolved.update.speculate == "off" and why.endswith("off (the engines update path does not speculate)")

@@ -101,7 +101,8 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     lines = [
         f"model: {cfg.model.kind}, {rt.dtype}, {rt.layout.describe()}",
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
-        f" update path {cfg.update.mode}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
+        f" update path {cfg.update.mode}{' (eager)' if cfg.update.eager else ''}"
+        f"{', speculative' if cfg.update.speculate == 'on' else ''}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
         "",
         *(budget.lines() if budget is not None else []),
         "",
