@@ -118,16 +118,17 @@ def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     assert l_b == l_e and all(torch.equal(w_b[k], w_e[k]) for k in w_b)
 
 
+@pytest.mark.parametrize("mode", ["overlap", "baseline"])
 @pytest.mark.parametrize("clip", [1e-3, 1e3], ids=["clip-acts", "clip-never-acts"])
-def test_cuda_speculation_matches_the_overlapped_path_exactly(tmp_path, clip):
+def test_cuda_speculation_matches_the_path_not_speculating_exactly(tmp_path, clip, mode):
     """bf16 on CUDA, the update speculating under the backward (its judgement a sync point on
-    the device's norm): the overlapped path's losses and weights, bit for bit, whether the step
-    is kept or redone."""
+    the device's norm), on the overlapped path and the baseline: the same path's losses and
+    weights not speculating, bit for bit, whether the step is kept or redone."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))
     out = {}
     for speculate in ("off", "on"):
         cfg = cfg_on(tmp_path / speculate, "cuda", dtype="bfloat16", clip=clip)
-        cfg.update.mode, cfg.update.speculate = "overlap", speculate
+        cfg.update.mode, cfg.update.speculate = mode, speculate
         out[speculate] = run_tiertrain(cfg, init)
     (l_o, w_o, _), (l_s, w_s, tr) = out["off"], out["on"]
     assert l_o == l_s and all(torch.equal(w_o[k], w_s[k]) for k in w_o)
