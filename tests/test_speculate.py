@@ -146,7 +146,7 @@ def test_a_kept_step_moves_the_paths_bytes_and_a_redone_one_one_update_more(tmp_
     n = sum(u.numel for u in upd.optim.trainable)  # fp32: 4 bytes an element
     assert upd.redone == 4
     # the overlapped path drains every unit's speculation before redoing; the baseline path has
-    # not started the units whose gradients came home after the backward
+    # not started the backward's last unit (the embedding)
     wasted = 4 * n if mode == "overlap" else upd.wasted_numel
     assert 2 * n < wasted <= 4 * n
     assert (r_on - r_off, w_on - w_off) == (4 * 4 * wasted, 3 * 4 * wasted)

@@ -154,8 +154,8 @@ class BaselineUpdate(Update):
         )
         self.spec = Speculation(on=cfg.update.speculate == "on")  # states held twice: ``declare``
         self.redone = 0  # speculative steps redone with the clip (each one more update's I/O)
-        # elements updated speculatively in steps then redone (this path: only the units whose
-        # gradients were home before the judgement, the update of the rest is not started)
+        # elements updated speculatively in steps then redone (this path: every unit but the
+        # backward's last, whose update had not started at the judgement)
         self.wasted_numel = 0
         if self.spec.on:
             self.grads = _SpeculatingGrads(self, self._grads)
@@ -173,13 +173,16 @@ class BaselineUpdate(Update):
         self.spec.begin(step)
 
     def arrived(self, u: int, home: IOFuture) -> None:
-        """Unit ``u``'s gradient is on its way home (``home``). Speculating, the units whose
-        gradients are home are updated now, in the trainer's thread, with coefficient 1."""
+        """Unit ``u``'s gradient is on its way home (``home``). Speculating, the units before it
+        (and it, where already home) are updated now, in the trainer's thread, with coefficient
+        1: every unit but the backward's last is updated before the judgement."""
         if not self.spec.this_step:
             return
         self._arrived.append((u, home))
-        while self._arrived and self._arrived[0][1].done():
-            self._speculate(self._arrived.pop(0)[0])
+        while self._arrived and (len(self._arrived) > 1 or self._arrived[0][1].done()):
+            v, fut = self._arrived.pop(0)
+            fut.get()  # sync point, rarely waits: it was written while the next unit's backward ran
+            self._speculate(v)
 
     def _speculate(self, u: int) -> None:
         self._speculated.add(u)
