@@ -62,7 +62,7 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     # a speculating run's paths are compared speculating where they can (a path that cannot
     # is refused by the config with update.speculate = 'on')
     spec = lambda mode: cfg.update.speculate == "on" and UPDATES[mode].speculates  # noqa: E731
-    name = lambda mode, eager: mode + (" (eager)" if eager else "") + (", speculative" if spec(mode) else "")  # noqa: E731
+    name = lambda mode, eager: path_name(mode, eager, spec(mode))  # noqa: E731
     this = name(cfg.update.mode, cfg.update.eager)
     times = {
         name(m, e): (
@@ -96,13 +96,17 @@ def _activations(cfg, rt, r) -> str:
     )
 
 
+def path_name(mode: str, eager: bool, speculative: bool) -> str:
+    """An update path as the plan names it: ``overlap (eager), speculative``."""
+    return mode + (" (eager)" if eager else "") + (", speculative" if speculative else "")
+
+
 def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     t, r = pred.traffic, pred.rates
     lines = [
         f"model: {cfg.model.kind}, {rt.dtype}, {rt.layout.describe()}",
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
-        f" update path {cfg.update.mode}{' (eager)' if cfg.update.eager else ''}"
-        f"{', speculative' if cfg.update.speculate == 'on' else ''}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
+        f" update path {path_name(cfg.update.mode, cfg.update.eager, cfg.update.speculate == 'on')}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
         "",
         *(budget.lines() if budget is not None else []),
         "",

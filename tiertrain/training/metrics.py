@@ -70,6 +70,10 @@ class StepRecord:
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
+    def _judgement(self) -> str:
+        """The speculative update's judgement of this step, as the step line says it."""
+        return {True: ", speculation kept", False: ", speculation redone", None: ""}[self.extra.get("speculation_kept")]
+
     def line(self, steps: int) -> str:
         mfu = f"{100 * self.mfu:.1f}%" if self.mfu is not None else "-"
         return (
@@ -109,18 +113,12 @@ class StepRecord:
             )
             + (
                 f" | update thread {self.extra['update_thread_s']:.2f} s, "
-                f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB"
-                + {True: ", speculation kept", False: ", speculation redone", None: ""}[
-                    self.extra.get("speculation_kept")
-                ]
+                f"params handed over {self.extra.get('handoff_bytes', 0) / 1e9:.2f} GB{self._judgement()}"
                 if "update_thread_s" in self.extra
                 else ""
             )
             + (  # the baseline path speculating: its updates in the trainer's thread, during the backward
-                f" | update in the backward {self.extra['update_spec_s']:.2f} s"
-                + {True: ", speculation kept", False: ", speculation redone", None: ""}[
-                    self.extra.get("speculation_kept")
-                ]
+                f" | update in the backward {self.extra['update_spec_s']:.2f} s{self._judgement()}"
                 if "update_spec_s" in self.extra
                 else ""
             )

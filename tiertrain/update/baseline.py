@@ -227,6 +227,7 @@ class BaselineUpdate(Update):
 
     def restored(self, step: int) -> None:
         self.optim.step_count = step
+        self.spec.judged_through = step  # the checkpoint's step was kept (a checkpoint never holds another)
 
     @contextlib.contextmanager
     def regions(self) -> Iterator[dict[str, Region]]:

@@ -193,7 +193,6 @@ class OverlapUpdate(BaselineUpdate):
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # jobs queued or running
-        self._step, self._lr = 0, 0.0
         self._busy = UpdateStats()  # the thread's time since the last record()
         self.handoff_bytes = 0
         # On a CPU device the thread's kernels (AdamW, CRC32C) take one core: torch's intra-op
@@ -324,8 +323,7 @@ class OverlapUpdate(BaselineUpdate):
                 for u, st in enumerate(self._state):
                     if st is UnitState.SPECULATED:
                         self._finish(u, flip=False)  # the current half is untouched
-        self._step, self._lr = step, lr
-        self.spec.begin(step)
+        super().begin_step(step, lr)
 
     def _raise_now(self) -> None:
         with self._cv:
@@ -342,10 +340,6 @@ class OverlapUpdate(BaselineUpdate):
             self._mark_updating([u.index for u in self.optim.trainable], step)  # a frozen unit is never updated
             self._submit(lambda: self._stream(lr, clip_coef, step, None))
         return UpdateStats()
-
-    def restored(self, step: int) -> None:
-        super().restored(step)
-        self.spec.judged_through = step  # the checkpoint's step was kept (a checkpoint never holds another)
 
     def _judge(self, step: int, lr: float, coef: torch.Tensor | None) -> None:
         """A speculative step's judgement, once the norm is known: kept (each unit flips as its
