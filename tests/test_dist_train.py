@@ -382,14 +382,16 @@ def test_ranks_with_clipping_train_the_one_rank_model_within_tolerance(tmp_path)
 
 @pytest.mark.slow
 def test_ranks_speculating_judge_each_step_alike_and_match_the_overlapped_path_bit_for_bit(tmp_path):
-    """2 ranks, each speculating on its shard (on the overlapped path and the baseline): they
+    """2 ranks, each speculating on its shard (on the overlapped path, the baseline and the
+    engines): they
     judge on the all-reduced norm, so all keep (the clip never acts) or all redo (it always
     does) the same steps; the weights and losses are the overlapped path's without
     speculation, bit for bit."""
     for clip, held in ((1e3, 3), (1e-3, 0)):
         got = {}
-        # the baseline speculating where the clip acts: its redo over the rank-summed norm
-        runs = (("overlap", "off"), ("overlap", "on")) + ((("baseline", "on"),) if held == 0 else ())
+        # the baseline speculating where the clip acts (its redo over the rank-summed norm), the
+        # engines where it never does (every rank's engines flip the same steps)
+        runs = (("overlap", "off"), ("overlap", "on"), ("baseline", "on") if held == 0 else ("engines", "on"))
         for mode, speculate in runs:
             run = tmp_path / f"{clip}{mode}{speculate}"
             cfg = small_config(run, kind="llama", layers=2, micro_batches=2, steps=3, clip=clip)

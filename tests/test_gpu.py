@@ -118,11 +118,12 @@ def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     assert l_b == l_e and all(torch.equal(w_b[k], w_e[k]) for k in w_b)
 
 
-@pytest.mark.parametrize("mode", ["overlap", "baseline"])
+@pytest.mark.parametrize("mode", ["overlap", "baseline", "engines"])
 @pytest.mark.parametrize("clip", [1e-3, 1e3], ids=["clip-acts", "clip-never-acts"])
 def test_cuda_speculation_matches_the_path_not_speculating_exactly(tmp_path, clip, mode):
     """bf16 on CUDA, the update speculating under the backward (its judgement a sync point on
-    the device's norm), on the overlapped path and the baseline: the same path's losses and
+    the device's norm), on the overlapped path, the baseline and the engines (gradients through
+    page-locked shared slots): the same path's losses and
     weights not speculating, bit for bit, whether the step is kept or redone."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))
     out = {}

@@ -81,15 +81,17 @@ class Config:
                 "redoes a step where the clip acts"
             )
         if speculate and (
-            self.update.mode not in ("auto", "overlap", "baseline") or self.optim.grad_clip == 0 or self.adapter.on
+            self.update.mode not in ("auto", "overlap", "baseline", "engines")
+            or self.optim.grad_clip == 0
+            or self.adapter.on
         ):
             why = (
                 "the adapters update in the trainer (adapter.kind is set)"
                 if self.adapter.on
                 else "with optim.grad_clip = 0 nothing is validated: use update.eager = true"
                 if self.optim.grad_clip == 0
-                else f"it runs on the streamed paths (overlap, baseline), not update.mode = {self.update.mode!r}: set "
-                "update.mode = 'overlap'"
+                else f"it runs on the paths that update the model (overlap, baseline, engines), not update.mode = "
+                f"{self.update.mode!r}: set update.mode = 'overlap'"
             )
             raise ConfigError(f"update.speculate = 'on': {why}")
         if (self.update.topk > 0 or self.update.error_feedback) and self.update.mode != "engines":

@@ -408,12 +408,13 @@ class UpdateConfig(Section):
     )
     speculate: str = opt(
         "off",
-        "With optim.grad_clip > 0 on the overlapped path: 'on' updates each unit as its gradients arrive, "
+        "With optim.grad_clip > 0: 'on' updates each unit as its gradients arrive, "
         "under the backward, as if the clip will not act, into a second copy of the states (twice their "
         "space, said in the plan); after the backward the step is kept where the clip did not act and "
         "every value is finite, else redone from the first copy with the clip (one more update's I/O). "
-        "Exact either way. On the baseline path it runs in the trainer's thread between the backward's "
-        "units: the same math, no time hidden. 'auto': on where the cost model predicts a gain and the storage tier has the "
+        "Exact either way. The overlapped path does it in its update thread, the engines next to their "
+        "storage (reading no gradient back in a kept step); the baseline in the trainer's thread between "
+        "the backward's units: the same math, no time hidden. 'auto': on where the cost model predicts a gain and the storage tier has the "
         "space; 'off'. See docs/guide/update-paths.md.",
     )
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")

@@ -92,6 +92,24 @@ class DoubleRegions:
         """Unit ``u``'s other half, completely written, becomes current (no bytes move)."""
         self.current[u] ^= 1
 
+    def half(self, u: int) -> TieredRegions:
+        """The half holding unit ``u``'s committed state (its file: where readers in other
+        processes find it)."""
+        return self.halves[self.current[u]]
+
+    # -- the file's life, both halves: as ``TieredRegions`` ---------------------------------------
+    def flush(self) -> None:
+        for h in self.halves:
+            h.flush()
+
+    def release(self) -> None:
+        for h in self.halves:
+            h.release()
+
+    def reopen(self) -> None:
+        for h in self.halves:
+            h.reopen()
+
     def close(self) -> None:
         for h in self.halves:
             h.close()

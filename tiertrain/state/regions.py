@@ -123,6 +123,11 @@ class TieredRegions:
         off, n = self.region(u, start, end)
         return self.file.pwrite(src, n, off)
 
+    def flush(self) -> None:
+        """Put the file's checksums on disk, so readers in other processes can open it."""
+        if self.file is not None:
+            self.file.flush()
+
     def release(self) -> None:
         """Close the file (saving its checksums) so another process may use it."""
         if self.file is not None:

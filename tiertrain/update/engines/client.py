@@ -36,11 +36,13 @@ from ...errors import TiertrainError
 from ...io import FileHandle, IOFuture, Storage, round_up
 from ...io.align import pin_in_place
 from ...state.decl import Region, StateDecl
+from ...state.double import second_file
 from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import place
 from ...state.slices import unit_records
 from ..base import Update, UpdateStats
 from ..shm import SharedSegment
+from ..speculate import Speculation
 from . import protocol as P
 from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, frozen_of, slice_views, slot_bytes_of
 from .protocol import ENGINE, EngineState
@@ -58,7 +60,7 @@ class EngineError(TiertrainError, RuntimeError):
 
 class EngineUpdate(Update):
     name = "engines"
-    beside_compute = supports_eager = True
+    beside_compute = supports_eager = speculates = True
     states_in_trainer = False  # the engines keep parameters and optimizer state in their own files
 
     @classmethod
@@ -94,7 +96,13 @@ class EngineUpdate(Update):
         self._engine_states = self.engine_states(cfg, layout, pdtype, self.align, storage.paths)
         self.slot_bytes = slot_bytes_of(self.views)
         self.timeout = cfg.update.engine_timeout_s
-        self.eager = cfg.update.eager
+        # speculating (``update/speculate.py``), each engine updates a unit as its gradient
+        # arrives, into the other half of its states, and keeps the gradient for a redo; the
+        # step's judgement comes with ``Step`` (eager with clipping means exactly that)
+        self.spec = Speculation(on=cfg.update.speculate == "on")
+        self.eager = cfg.update.eager and not self.spec.on
+        self.redone = 0  # speculative steps redone with the clip (each one more update's I/O)
+        self.wasted_numel = 0  # elements updated speculatively in steps then redone (every trained one)
         self.procs: list = []
         self.conns: list = []
         self.shms: list[SharedSegment] = []
@@ -110,7 +118,11 @@ class EngineUpdate(Update):
         self._seen = [time.time()] * self.n
         self._progress = [0] * self.n
         self._moved = time.time()  # last time any engine made progress
-        self._readers: list[FileHandle | None] = []
+        self._readers: list[list[FileHandle | None]] = []  # per engine, its parameter file's halves
+        # per engine and unit, the half of its states holding the committed step (each engine's
+        # ``Done`` says; always 0 where states are held once)
+        self._half = [[0] * len(layout.units) for _ in range(self.n)]
+        self.halves = 2 if self.spec.on else 1
         self._place = [place(v, pdtype, 0, self.align) for v in self.views]
         self.sent_bytes = 0  # gradient bytes handed to engines (trainer -> engine)
         self.dense_bytes = 0  # what they would have been uncompressed
@@ -214,13 +226,15 @@ class EngineUpdate(Update):
             for shm in self.shms:  # one at a time: close() unpins what was pinned if one fails
                 self._pinned.append(pin_in_place(shm.tensor))
 
-    def open_file(self, i: int, kind: str, mode: str, dtype: torch.dtype) -> FileHandle | None:
-        """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file)."""
+    def open_file(self, i: int, kind: str, mode: str, dtype: torch.dtype, half: int = 0) -> FileHandle | None:
+        """Engine ``i``'s file of ``kind`` (None when its slices are all empty: no file); of a
+        state held twice, the file of ``half``."""
         st = self.storage
         if not next(d for d in self._engine_states[i] if d.name == kind).files:
             return None
+        name = engine_file(i, kind)
         return FileHandle(
-            os.path.join(self.paths[i], engine_file(i, kind)),
+            os.path.join(self.paths[i], second_file(name) if half else name),
             mode,
             direct=st.direct,
             checksum=st.checksum,
@@ -229,7 +243,13 @@ class EngineUpdate(Update):
         )
 
     def _open_readers(self) -> None:
-        self._readers = [self.open_file(i, "params", "r", self.pdtype) for i in range(self.n)]
+        self._readers = [
+            [self.open_file(i, "params", "r", self.pdtype, h) for h in range(self.halves)] for i in range(self.n)
+        ]
+
+    def files_of(self, files: list[list], u: int) -> list:
+        """Per engine, of its file's halves ``files[i]``, the one holding unit ``u``'s committed state."""
+        return [f[self._half[i][u]] for i, f in enumerate(files)]
 
     def _send(self, i: int, msg) -> None:
         try:
@@ -253,8 +273,9 @@ class EngineUpdate(Update):
         elif isinstance(msg, P.Free):
             self._free[i].append(msg.slot)
         elif isinstance(msg, P.Done):
-            if msg.crcs and self._readers and self._readers[i] is not None:
-                self._readers[i].set_checksums(msg.first_block, list(msg.crcs))
+            self._half[i][msg.unit] = msg.half
+            if msg.crcs and self._readers and self._readers[i][msg.half] is not None:
+                self._readers[i][msg.half].set_checksums(msg.first_block, list(msg.crcs))
             self._served[msg.unit][i] = msg.served_slot
             self._done[msg.unit].add(i)
         elif isinstance(msg, P.Stepped):
@@ -382,7 +403,8 @@ class EngineUpdate(Update):
     def read_params(
         self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None, engines: list[int] | None = None
     ) -> IOFuture:
-        return self.slice_io(self._readers, self._place, self.pdtype.itemsize, False, u, out, start, end, engines)
+        files = self.files_of(self._readers, u)
+        return self.slice_io(files, self._place, self.pdtype.itemsize, False, u, out, start, end, engines)
 
     def share_slots(self, count: int, numel: int) -> list[torch.Tensor] | None:
         """On CPU: ``count`` parameter slots of ``numel`` elements in shared memory, mapped by
@@ -431,8 +453,10 @@ class EngineUpdate(Update):
 
     def begin_step(self, step: int, lr: float) -> None:
         """Engines that update as gradients arrive need the step and learning rate with the
-        first gradient."""
+        first gradient. A step abandoned before its judgement (an error) wrote only other
+        halves: begun again, the engines speculate over them."""
         self._step, self._lr = step, lr
+        self.spec.begin(step)
 
     def send_grads(self, u: int, g: torch.Tensor) -> IOFuture:
         """Hand unit ``u``'s complete gradient to the engines (copied into their slots)."""
@@ -451,7 +475,7 @@ class EngineUpdate(Update):
         for i, k, n in taken:
             self.sent_bytes += n * self.pdtype.itemsize
             self.dense_bytes += n * self.pdtype.itemsize
-            self._send(i, P.Grad(u, k, self._step, self._lr))
+            self._send(i, P.Grad(u, k, self._step, self._lr, spec=self.spec.this_step))
         return IOFuture.completed(g.numel() * g.element_size())
 
     def _send_topk(self, u: int, g: torch.Tensor) -> IOFuture:
@@ -467,7 +491,7 @@ class EngineUpdate(Update):
             raw = self._slot(i, k, torch.uint8, self.slot_bytes)
             self.sent_bytes += pack(idx, vals.to(self.pdtype), raw)  # sync point on CUDA
             self.dense_bytes += s.numel * self.pdtype.itemsize
-            self._send(i, P.Grad(u, k, self._step, self._lr, idx.numel()))
+            self._send(i, P.Grad(u, k, self._step, self._lr, idx.numel(), spec=self.spec.this_step))
             if self.feedback is not None:
                 src[s.start : s.end][idx.long()] = 0  # sent: what is left is the residual
         if self.feedback is not None:
@@ -480,6 +504,12 @@ class EngineUpdate(Update):
         self._steps_sent += 1  # each engine reports every step (eager ones as their last unit is done)
         if self.eager:
             return UpdateStats()  # already applied as gradients arrived
+        if self.spec.this_step:  # the engines judge by the same rule, from the coefficient Step carries
+            kept = self.spec.keeps(clip_coef)  # sync point on CUDA: one scalar
+            self.spec.judged(step, kept)
+            if not kept:
+                self.redone += 1
+                self.wasted_numel += sum(x.numel for x in self.layout.units if not x.frozen)
         for u in self._done:
             if not self.layout.units[u].frozen:  # a frozen unit is never updated: always current
                 self._done[u] = set()
@@ -497,7 +527,7 @@ class EngineUpdate(Update):
         for i in range(self.n):
             self._send(i, P.Release())
         self._pump(lambda: all(s == EngineState.RELEASED for s in self.state), "releasing files")
-        for r in self._readers:
+        for r in (h for hs in self._readers for h in hs):
             if r is not None:
                 r.close()
         regions: dict = {}
@@ -547,7 +577,12 @@ class EngineUpdate(Update):
             "engine_compute_s": max((r.compute_s for r in reports), default=0.0),
             "engine_cpu_s": sum(r.cpu_s for r in reports),  # all engines, since their last report
             "engine_peak_host_bytes": sum(self.peak_host),  # the engines run side by side: their peaks add up
+            # the last step's judgement (None: it did not speculate) and the run's tally
+            **({"speculation_kept": self.spec.last, "speculation": self.spec.summary()} if self.spec.on else {}),
         }
+
+    def restored(self, step: int) -> None:
+        self.spec.judged_through = step  # the checkpoint's step was kept (a checkpoint never holds another)
 
     def close(self) -> None:
         """Stop the engines (killed after 10 s) and free everything, whatever state they are
@@ -571,7 +606,7 @@ class EngineUpdate(Update):
             import shutil
 
             shutil.rmtree(self._sockdir, ignore_errors=True)
-        for r in self._readers:
+        for r in (h for hs in self._readers for h in hs):
             if r is not None:
                 with contextlib.suppress(Exception):
                     r.close()

@@ -13,6 +13,7 @@ from ...compress.feedback import ErrorFeedback
 from ...config import Config
 from ...io import round_up
 from ...state.decl import FileDecl, StateDecl
+from ...state.double import declare_state
 from ...state.layout import FlatLayout, chunk_align
 from ...state.regions import TieredRegions
 from ...state.slices import SliceLayout, partition, unit_records
@@ -57,8 +58,10 @@ def frozen_of(layout: FlatLayout) -> set[int]:
 def engine_states(
     cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
 ) -> list[list[StateDecl]]:
-    """Per engine, the states it keeps in its files on its path (built by the worker)."""
+    """Per engine, the states it keeps in its files on its path (built by the worker);
+    speculating, every state its update writes is held twice (``state/double.py``)."""
     n = cfg.update.engines or len(paths)
+    double = cfg.update.speculate == "on"
     _, views = slice_views(layout, n, chunk_align(align, pdtype))
     out = []
     for i, v in enumerate(views):
@@ -66,8 +69,9 @@ def engine_states(
         own = lambda name, i=i: engine_file(i, name)  # noqa: E731
         out.append(
             [
-                *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path),
-                TieredRegions.declare(
+                *optimizer_states(cfg.optim, v, pdtype, align, 0, owner=OWNER, file=own, path=path, double=double),
+                declare_state(
+                    double,
                     v,
                     own("params"),
                     pdtype,

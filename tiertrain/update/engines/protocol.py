@@ -4,13 +4,17 @@ cross through shared-memory slots), the engine's lifecycle, and its step report.
 
 Trainer -> engine:
     Init(unit, slot)                      fp32 weights of the engine's slice of ``unit`` in gradient slot ``slot``
-    Grad(unit, slot, step, lr, nnz)       a gradient slice in ``slot`` (``nnz >= 0``: top-k, packed indices+values)
-    Step(step, lr, coef)                  update every unit in order (``coef`` None: no clipping)
+    Grad(unit, slot, step, lr, nnz, spec) a gradient slice in ``slot`` (``nnz >= 0``: top-k, packed indices+values);
+                                          ``spec``: kept for a redo, and the unit updated now with coefficient 1
+                                          into the other half of its states (the speculative update)
+    Step(step, lr, coef)                  update every unit in order (``coef`` None: no clipping); after
+                                          speculative gradients, the judgement: kept (coef 1 or None: the
+                                          halves flip) or redone from the current halves with ``coef``
     Slots(name, stride, count, want_at)   the trainer's parameter slots in shared memory (CPU)
     Release() / Reopen()                  hand the state files to the trainer (checkpoints) and back
     Stop()
 Engine -> trainer:
-    Ready(), Free(slot), Done(unit, first_block, crcs, served_slot), Stepped(report),
+    Ready(), Free(slot), Done(unit, first_block, crcs, served_slot, half), Stepped(report),
     Attached(), Released(), Reopened(), Alive(progress), Failed(line, traceback)
 """
 
@@ -58,6 +62,7 @@ class Grad:
     step: int
     lr: float
     nnz: int = -1  # >= 0: top-k payload of nnz entries
+    spec: bool = False  # the speculative update: update now (coefficient 1), keep the gradient for a redo
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class Done:
     first_block: int
     crcs: tuple[int, ...]
     served_slot: int  # the trainer's parameter slot it wrote the unit into, or -1
+    half: int = 0  # states held twice (speculation): the half now current (``crcs`` are its file's)
 
 
 @dataclass(frozen=True)

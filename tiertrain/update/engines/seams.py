@@ -112,15 +112,17 @@ class EngineRegion:
     def __init__(self, group, kind: str, dtype: torch.dtype) -> None:
         self.g, self.dtype, self.esize = group, dtype, dtype.itemsize
         self.place = [place(v, dtype, 0, group.align) for v in group.views]
-        self.files = [group.open_file(i, kind, "r+", dtype) for i in range(group.n)]
+        # per engine, its file's halves (states held twice: speculation); a unit's committed
+        # state is in the half the engine's last ``Done`` of it named
+        self.files = [[group.open_file(i, kind, "r+", dtype, h) for h in range(group.halves)] for i in range(group.n)]
 
     def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.slice_io(self.files, self.place, self.esize, False, u, out, start, end)
+        return self.g.slice_io(self.g.files_of(self.files, u), self.place, self.esize, False, u, out, start, end)
 
     def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
-        return self.g.slice_io(self.files, self.place, self.esize, True, u, src, start, end)
+        return self.g.slice_io(self.g.files_of(self.files, u), self.place, self.esize, True, u, src, start, end)
 
     def close(self) -> None:
-        for f in self.files:
+        for f in (h for hs in self.files for h in hs):
             if f is not None:
                 f.close()

@@ -29,6 +29,7 @@ from ...config import IOConfig, OptimConfig
 from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...errors import one_line
 from ...io import IOFuture, Storage
+from ...state.double import DoubleRegions, build_region
 from ...state.regions import TieredRegions
 from ...state.slices import Slice, SliceLayout
 from ..base import UpdateStats
@@ -78,7 +79,7 @@ class Engine:
         self.slot_bytes = spec["slot_bytes"]
         self.eager = spec["eager"]
         states = {d.name: d for d in spec["states"]}  # declared by the trainer's side, built here
-        self.params = TieredRegions(self.layout, self.storage, states.pop("params"))
+        self.params = build_region(self.layout, self.storage, states.pop("params"))  # twice: speculating
         self.grads = TieredRegions(self.layout, self.grad_storage, states.pop("grads"))
         self.slot_grads = _SlotGrads()
         n_dense = max(1, self.layout.max_unit_numel) if spec["topk"] else 0
@@ -100,6 +101,9 @@ class Engine:
         self.want: torch.Tensor | None = None  # per unit: 1 + the slot the trainer awaits it in, or 0
         self.serving: dict[int, int] = {}  # unit -> slot this engine writes its new parameters into
         self._eager: list[tuple[float, UpdateStats]] = []  # eager mode: the units of the step updated so far
+        # speculating: the step whose units were updated into their other halves, which (in
+        # order), and the time those updates took (reported with the step's judgement)
+        self._spec_step, self._speculated, self._spec_stats = 0, [], UpdateStats()
         self._handlers = {
             P.Init: self.init,
             P.Grad: self.grad,
@@ -154,13 +158,21 @@ class Engine:
     def done(self, u: int) -> None:
         self.progress += 1
         served = self.serving.pop(u, -1)
-        f = self.params.file
+        half = self.params.current[u] if isinstance(self.params, DoubleRegions) else 0
+        r = self.params.half(u) if isinstance(self.params, DoubleRegions) else self.params
+        f = r.file
         if f is None or self.layout.units[u].numel == 0:
-            self.send(P.Done(u, 0, (), served))
+            self.send(P.Done(u, 0, (), served, half))
             return
-        off, n = self.params.region(u)
+        off, n = r.region(u)
         first, crcs = f.handles[0].checksums(off, n) if f.handles[0].checksummed else (0, [])
-        self.send(P.Done(u, first, tuple(crcs), served))
+        self.send(P.Done(u, first, tuple(crcs), served, half))
+
+    def updated(self, u: int) -> None:
+        """Unit ``u``'s update is complete on storage: its new state becomes current (states
+        held twice flip), then the trainer is told."""
+        self.optim.flip(u)  # no-op unless held twice
+        self.done(u)
 
     # -- handing new parameters straight to the trainer ------------------------------------------------
     def attach_slots(self, msg: P.Slots) -> None:
@@ -199,11 +211,15 @@ class Engine:
         else:
             g = self.slot(k, self.pdtype, n)
         if self.eager:  # no clipping: update this unit now, from the slot
-            self.slot_grads.view = g
             t0 = time.perf_counter()
-            st = self.optim.step(msg.lr, None, step=msg.step, units=[u], on_unit_done=self.done, on_chunk=self.serve)
-            self.slot_grads.view = None
+            st = self._from_slot(g, msg, on_unit_done=self.updated, on_chunk=self.serve)
             self._eager.append((time.perf_counter() - t0, st))
+        elif msg.spec:  # kept for a redo, and updated now into the other halves (not current yet)
+            self.grads.write(u, g).get()
+            if msg.step != self._spec_step or u in self._speculated:  # a new step, or one abandoned and begun again
+                self._spec_step, self._speculated, self._spec_stats = msg.step, [], UpdateStats()
+            # new parameters are handed over only once the step is kept: no serving
+            self._spec_stats.add(self._from_slot(g, msg, on_unit_done=self._speculated.append))
         else:
             self.optim.read_ahead()  # the backward has begun: read the update's first state while the disk is idle
             self.grads.write(u, g).get()
@@ -220,11 +236,41 @@ class Engine:
                 ),
             )
 
+    def _from_slot(self, g: torch.Tensor, msg: P.Grad, **hooks) -> UpdateStats:
+        """Unit ``msg.unit``'s update with coefficient 1, its gradient read from the slot ``g``."""
+        self.slot_grads.view, kept = g, self.optim.grads
+        self.optim.grads = self.slot_grads
+        try:
+            return self.optim.step(msg.lr, None, step=msg.step, units=[msg.unit], **hooks)
+        finally:
+            self.optim.grads, self.slot_grads.view = kept, None
+
     def step(self, msg: P.Step) -> None:
         t0 = time.perf_counter()
         c = torch.tensor(msg.coef, dtype=torch.float32) if msg.coef is not None else None
-        st = self.optim.step(msg.lr, c, step=msg.step, on_unit_done=self.done, on_chunk=self.serve)
+        if msg.step == self._spec_step and self._speculated:
+            t0 -= self._spec_stats.seconds  # the report's time includes the updates made under the backward
+            st = self._judge(msg, c)
+        else:
+            st = self.optim.step(msg.lr, c, step=msg.step, on_unit_done=self.updated, on_chunk=self.serve)
         self.report(time.perf_counter() - t0, st)
+
+    def _judge(self, msg: P.Step, c: torch.Tensor | None) -> UpdateStats:
+        """A speculative step's judgement (the same rule as the trainer's ``Speculation.keeps``):
+        with coefficient 1 (or none) it is kept, each unit's halves flip; else it is redone from
+        the current halves with ``c`` over the speculative writes. Returns the speculative
+        updates' stats and the judgement's together."""
+        spec, self._speculated, st = self._speculated, [], self._spec_stats
+        self._spec_step, self._spec_stats = 0, UpdateStats()
+        if c is None or bool(c == 1.0):
+            rest = [x.index for x in self.optim.trainable if x.index not in set(spec)]
+            for u in spec:
+                self.updated(u)
+            if rest:  # a unit whose gradient never came (none expected: every trained unit sends one)
+                st.add(self.optim.step(msg.lr, None, step=msg.step, units=rest, on_unit_done=self.updated))
+        else:
+            st.add(self.optim.step(msg.lr, c, step=msg.step, on_unit_done=self.updated, on_chunk=self.serve))
+        return st
 
     def report(self, seconds: float, st: UpdateStats) -> None:
         """The step's report: time, bytes moved on storage since the last one, CPU, memory."""
@@ -265,8 +311,7 @@ class Engine:
         stop = threading.Event()
         threading.Thread(target=self.heartbeat, args=(stop,), daemon=True).start()
         for f in self.files:  # checksums on disk, so the trainer's readers can open them
-            if f.file is not None:
-                f.file.flush()
+            f.flush()
         self.send(P.Ready())
         try:
             while True:
