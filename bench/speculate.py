@@ -12,7 +12,8 @@ between minutes: the tiertrain variants alternate, ``--rounds`` times):
    the compute floor;
 4. ``overlap`` and ``speculate``: tiertrain from the same weights, states on the storage tier
    (``memory.host_mib`` = ``--host-mib``), ``update.mode = overlap`` without and with
-   ``update.speculate = on``.
+   ``update.speculate = on``; with ``--engines``, also ``engines`` and ``engines speculating``
+   (``update.mode = engines``: their bytes are the engines' own, on the same disk).
 
 Two workloads (``--workload``): ``finetune`` (the above, fine-tuning at ``--lr``) and ``clip``
 (from the random initialisation at ``--lr`` with ``--clip`` small enough that it acts in
@@ -22,7 +23,7 @@ overlapped step at the disk's rate measured in the same run).
 
 Usage: python bench/speculate.py [--workload finetune|clip] [--model K=V,...] [--micro-batches 8]
                                  [--seq-len 16] [--steps 4] [--rounds 2] [--host-mib 1024]
-                                 [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--out FILE]
+                                 [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--engines] [--out FILE]
 
 On a GPU (``--device cuda``; parameters in bf16 there unless ``--dtype``) plain PyTorch runs in
 device memory, in the same dtype: the compute floor is the GPU's.
@@ -44,7 +45,14 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import vs_plain  # noqa: E402 - the init and plain PyTorch workers, and the model's flags
 
-VARIANTS = {"overlap": ["--update.speculate=off"], "speculate": ["--update.speculate=on"]}
+VARIANTS = {
+    "overlap": ["--update.mode=overlap", "--update.speculate=off"],
+    "speculate": ["--update.mode=overlap", "--update.speculate=on"],
+}
+ENGINES = {
+    "engines": ["--update.mode=engines", "--update.speculate=off"],
+    "engines speculating": ["--update.mode=engines", "--update.speculate=on"],
+}
 
 
 def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
@@ -67,9 +75,16 @@ def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
 
 
 def worker_tiertrain(cfg) -> dict:
-    return vs_plain.worker_tiertrain(
-        cfg, lambda tr, recs: {"speculation": recs[-1].extra.get("speculation", ""), "space": tr.plan.describe()}
-    )
+    def extra(tr, recs) -> dict:
+        return {
+            "speculation": recs[-1].extra.get("speculation", ""),
+            "space": tr.plan.describe(),
+            # the engines' own bytes (an engine's update of step s is reported during step s + 1)
+            "engine_read": [r.extra.get("engine_read_bytes", 0) for r in recs],
+            "engine_write": [r.extra.get("engine_write_bytes", 0) for r in recs],
+        }
+
+    return vs_plain.worker_tiertrain(cfg, extra)
 
 
 def worker(argv: list[str]) -> int:
@@ -119,12 +134,12 @@ def run(args, scratch: str) -> str:
         *cli,
         f"--model.init_from={scratch}/init.safetensors",
         f"--memory.host_mib={args.host_mib}",
-        "--update.mode=overlap",
         "--train.predict=false",
     ]
-    runs: dict[str, list[dict]] = {k: [] for k in VARIANTS}
+    variants = {**VARIANTS, **(ENGINES if args.engines else {})}
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
     for _ in range(args.rounds):
-        for name, extra in VARIANTS.items():
+        for name, extra in variants.items():
             runs[name].append(spawn("tiertrain", scratch, args, [*tt_cli, *extra]))
     io = run_io_bench([f"{scratch}/ssd"], size_bytes=args.io_mib << 20, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
@@ -136,6 +151,9 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
 
     steady = lambda xs: xs[1:]  # noqa: E731 - the first step of each run is warm-up
     med = lambda name, key: statistics.median(x for r in runs[name] for x in steady(r[key]))  # noqa: E731
+    for r in (r for k in runs for r in runs[k]):  # the engines' bytes with the trainer's
+        r["read"] = [a + b for a, b in zip(r["read"], r.get("engine_read", [0] * len(r["read"])))]
+        r["write"] = [a + b for a, b in zip(r["write"], r.get("engine_write", [0] * len(r["write"])))]
     p_step = statistics.median(steady(plain["times"]))
     io_s = med("overlap", "read") / (rbw * 1e9) + med("overlap", "write") / (wbw * 1e9)
     floor = max(p_step, io_s)
@@ -162,7 +180,9 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
             if pre
             else "- workload: from the random initialisation, the clip acting in every step"
         ),
-        f"- tiertrain: memory.host_mib = {args.host_mib}, update.mode = overlap; speculating, the states take "
+        f"- tiertrain: memory.host_mib = {args.host_mib}, update.mode = overlap"
+        + (" and engines" if "engines" in runs else "")
+        + "; speculating, the states take "
         f"{runs['speculate'][0]['space']}",
         "",
         "| system | s/step (per round) | vs floor | forward / backward / update s | read / written GB per step "
@@ -194,6 +214,16 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
         f"- speculative / overlapped: {t['speculate'] / t['overlap']:.2f}x ({t['overlap'] - t['speculate']:+.2f} s a "
         "step; the overlapped path's update runs under the next forward, which waits for each unit's: its forward "
         f"{phase('overlap', 0):.2f} s against {phase('speculate', 0):.2f} s speculating)",
+        *(
+            [
+                f"- engines speculating / engines: {t['engines speculating'] / t['engines']:.2f}x "
+                f"({t['engines'] - t['engines speculating']:+.2f} s a step); speculating / overlapped speculating: "
+                f"{t['engines speculating'] / t['speculate']:.2f}x; "
+                + "; ".join(f"round {i + 1}: {r['speculation']}" for i, r in enumerate(runs["engines speculating"]))
+            ]
+            if "engines" in runs
+            else []
+        ),
         f"- losses: tiertrain's variants {'identical' if same else 'DIFFER'} across runs; against plain PyTorch: "
         + "largest relative difference "
         + f"{max(abs(a - b) / abs(a) for a, b in zip(plain['losses'], runs['overlap'][0]['losses'])):.1e}",
@@ -212,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=("finetune", "clip"), default="finetune")
     ap.add_argument("--model", default="", help="model fields to change (default: the 134 M Llama of vs_plain.py)")
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--engines", action="store_true", help="also the update engines, without and with speculation")
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
     ap.add_argument("--rounds", type=int, default=2)

@@ -46,5 +46,28 @@ def test_the_report_puts_each_variant_against_the_floor_and_the_other():
     assert "variants DIFFER" in speculate.report(args, {"params": 1e6}, None, plain, runs, rbw=1.0, wbw=0.5)
 
 
+def test_with_the_engines_their_bytes_count_and_their_speculation_is_compared():
+    args = argparse.Namespace(
+        workload="clip", model="", micro_batches=8, seq_len=16, lr=1e-3, clip=1e-3, steps=3, rounds=1,
+        host_mib=1024, pretrain_steps=0, pretrain_lr=1e-3,
+    )  # fmt: skip
+    plain = dict(times=[9.0, 2.0, 2.0], losses=[3.0, 2.5, 2.0], norms=[0.5, 1.5, 0.9])
+    engines = _run([9, 6.0, 6.0], 0.5e9, 0.5e9)
+    engines.update(engine_read=[1.5e9] * 3, engine_write=[0.5e9] * 3)  # the engines' own, on the same disk
+    spec = _run([9, 3.0, 3.0], 0.5e9, 0.5e9, tally="speculation held in 0 of 3 steps")
+    spec.update(engine_read=[2.5e9] * 3, engine_write=[1.5e9] * 3)
+    runs = {
+        "overlap": [_run([9, 6.0, 6.0], 2e9, 1e9)],
+        "speculate": [_run([9, 4.0, 4.0], 3e9, 1e9)],
+        "engines": [engines],
+        "engines speculating": [spec],
+    }
+    text = speculate.report(args, {"params": 134e6}, None, plain, runs, rbw=1.0, wbw=0.5)
+    assert "| tiertrain engines | 6.00 (6.0) | **1.50x** | 1.00 / 2.00 / 0.50 | 2.00 / 1.00 |" in text
+    assert "| tiertrain engines speculating | 3.00 (3.0) | **0.75x** | 1.00 / 2.00 / 0.50 | 3.00 / 2.00 |" in text
+    assert "engines speculating / engines: 0.50x (+3.00 s a step); speculating / overlapped speculating: 0.75x" in text
+    assert "round 1: speculation held in 0 of 3 steps" in text and "update.mode = overlap and engines" in text
+
+
 # end to end on a tiny model: tests/test_gpu_window.py, stage 7's dry run (the same script, flags
 # and process spawning; the fine-tuning workload with its pretraining)

@@ -7,6 +7,7 @@
 #   1. fine-tuning (a model plain PyTorch trained 200 steps first, lr 1e-5, clip 1.0: the clip
 #      rarely acts, the speculation holds)
 #   2. the clip acting in every step (from the initialisation, clip 1e-3): what a redone step costs
+#   3. (time left) fine-tuning again with the update engines too, without and with speculation
 #
 #   bench/gpu_window/stage7-speculate.sh --out DIR [--dry] [--nvme DIR]     (see lib.sh)
 STAGE=stage7-speculate
@@ -15,7 +16,7 @@ source "$(dirname "$0")/lib.sh" "$@"
 if [ "$dry" = 1 ]; then
   step "bench/speculate.py on CPU, 2 layers, fine-tuning after 3 pretraining steps (dry run)" 0 200 \
     "$PY" bench/speculate.py --device cpu --model n_layers=2,d_model=64,n_heads=4,d_ff=128,vocab_size=512 \
-    --micro-batches 2 --steps 2 --rounds 1 --host-mib 200 --io-mib 64 --pretrain-steps 3 \
+    --micro-batches 2 --steps 2 --rounds 1 --host-mib 700 --io-mib 64 --pretrain-steps 3 --engines \
     --scratch "$nvme/spec" --out "$out/stage7-speculate-finetune.md"
 else
   step "fine-tuning, Llama 134 M, bf16 on CUDA: speculative vs overlapped vs plain PyTorch (bench/speculate.py)" 1 270 \
@@ -24,5 +25,8 @@ else
   step "the clip acting in every step (bench/speculate.py --workload clip)" 1 230 \
     "$PY" bench/speculate.py --device cuda --dtype bfloat16 --workload clip --rounds 1 \
     --scratch "$nvme/spec-clip" --out "$out/stage7-speculate-clip.md"
+  step "fine-tuning with the update engines too, one round (bench/speculate.py --engines)" 1 240 \
+    "$PY" bench/speculate.py --device cuda --dtype bfloat16 --workload finetune --rounds 1 --engines \
+    --scratch "$nvme/spec-engines" --out "$out/stage7-speculate-engines.md"
 fi
 finish
