@@ -43,7 +43,8 @@ def test_the_report_puts_each_variant_against_the_floor_and_the_other():
     assert "the clip acted in 1 of 3 plain PyTorch steps" in text
     assert "variants identical across runs" in text and "loss 10.000 -> 2.300" in text
     runs["speculate"][1]["losses"] = [3.0, 2.5, 2.1]
-    assert "variants DIFFER" in speculate.report(args, {"params": 1e6}, None, plain, runs, rbw=1.0, wbw=0.5)
+    text = speculate.report(args, {"params": 1e6}, None, plain, runs, rbw=1.0, wbw=0.5)
+    assert "variants DIFFER across runs (from the overlapped round 1, largest relative difference: speculate round 2 (5.0e-02))" in text
 
 
 def test_with_the_engines_their_bytes_count_and_their_speculation_is_compared():
@@ -67,6 +68,10 @@ def test_with_the_engines_their_bytes_count_and_their_speculation_is_compared():
     assert "| tiertrain engines speculating | 3.00 (3.0) | **0.75x** | 1.00 / 2.00 / 0.50 | 3.00 / 2.00 |" in text
     assert "engines speculating / engines: 0.50x (+3.00 s a step); speculating / overlapped speculating: 0.75x" in text
     assert "round 1: speculation held in 0 of 3 steps" in text and "update.mode = overlap and engines" in text
+    engines["losses"], engines["pieces"] = [3.0, 2.5, 2.0000006], 4  # the planner cut the vocabulary
+    text = speculate.report(args, {"params": 134e6}, None, plain, runs, rbw=1.0, wbw=0.5)
+    assert "largest relative difference: engines round 1 (3.0e-07, the vocabulary in 4 pieces)" in text
+    assert "cut them in pieces, whose cross-entropy differs by rounding" in text
 
 
 # end to end on a tiny model: tests/test_gpu_window.py, stage 7's dry run (the same script, flags
