@@ -263,11 +263,11 @@ class Engine:
         spec, self._speculated, st = self._speculated, [], self._spec_stats
         self._spec_step, self._spec_stats = 0, UpdateStats()
         if c is None or bool(c == 1.0):
-            rest = [x.index for x in self.optim.trainable if x.index not in set(spec)]
+            missing = sorted({x.index for x in self.optim.trainable} - set(spec))
+            if missing:  # every trained unit's gradient comes before Step (unused vocabulary pieces' too)
+                raise RuntimeError(f"step {msg.step} judged with units {missing} not speculated: no gradient came")
             for u in spec:
                 self.updated(u)
-            if rest:  # a unit whose gradient never came (none expected: every trained unit sends one)
-                st.add(self.optim.step(msg.lr, None, step=msg.step, units=rest, on_unit_done=self.updated))
         else:
             st.add(self.optim.step(msg.lr, c, step=msg.step, on_unit_done=self.updated, on_chunk=self.serve))
         return st
