@@ -44,7 +44,10 @@ def test_the_report_puts_each_variant_against_the_floor_and_the_other():
     assert "variants identical across runs" in text and "loss 10.000 -> 2.300" in text
     runs["speculate"][1]["losses"] = [3.0, 2.5, 2.1]
     text = speculate.report(args, {"params": 1e6}, None, plain, runs, rbw=1.0, wbw=0.5)
-    assert "variants DIFFER across runs (from the overlapped round 1, largest relative difference: speculate round 2 (5.0e-02))" in text
+    assert (
+        "variants DIFFER across runs (from the overlapped round 1, largest relative difference: speculate round 2 (5.0e-02))"
+        in text
+    )
 
 
 def test_with_the_engines_their_bytes_count_and_their_speculation_is_compared():
