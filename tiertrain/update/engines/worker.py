@@ -158,8 +158,9 @@ class Engine:
     def done(self, u: int) -> None:
         self.progress += 1
         served = self.serving.pop(u, -1)
-        half = self.params.current[u] if isinstance(self.params, DoubleRegions) else 0
-        r = self.params.half(u) if isinstance(self.params, DoubleRegions) else self.params
+        # states held twice (speculation): the half now current, whose file the trainer reads
+        p = self.params
+        r, half = (p.half(u), p.current[u]) if isinstance(p, DoubleRegions) else (p, 0)
         f = r.file
         if f is None or self.layout.units[u].numel == 0:
             self.send(P.Done(u, 0, (), served, half))
