@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -179,3 +180,19 @@ def test_a_pipe_broken_before_the_engines_exit_status_is_ready_is_named_not_rais
     fake.procs = [Stuck()]
     with pytest.raises(EngineError, match="closed its connection while receiving a command"):
         EngineUpdate._send(fake, 0, "msg")
+
+
+def test_an_engine_that_exits_before_connecting_is_named_and_leaves_no_socket_directory(monkeypatch, tmp_path):
+    """The start waits for every engine to connect, but not for one that has exited: it says
+    how many connected and the exit codes, and removes its socket directory."""
+    import tempfile
+
+    from tiertrain.update.engines.sockets import PREFIX, launch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # exits 1 at once, never connects
+    procs: list = []
+    with pytest.raises(EngineError, match=r"update engines did not start: 0 of 2 connected; exit codes \{[01]: 1"):
+        launch([{}, {}], ["/ssd0", "/ssd1"], 60.0, procs)
+    assert len(procs) == 2 and all(p.wait() == 1 for p in procs)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)]

@@ -19,12 +19,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import subprocess
-import sys
-import threading
 import time
-from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Iterator
 
@@ -32,7 +28,6 @@ import torch
 
 from ...compress.feedback import ErrorFeedback
 from ...config import Config
-from ...errors import TiertrainError
 from ...io import FileHandle, IOFuture, Storage, round_up
 from ...io.align import pin_in_place
 from ...state.decl import Region, StateDecl
@@ -45,17 +40,13 @@ from ..shm import SharedSegment
 from ..speculate import Speculation
 from . import protocol as P
 from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, frozen_of, slice_views, slot_bytes_of
-from .protocol import ENGINE, EngineState
+from .protocol import ENGINE, EngineError, EngineState
 from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
-from .sockets import socket_dir
+from .sockets import launch
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 
 log = logging.getLogger("tiertrain")
-
-
-class EngineError(TiertrainError, RuntimeError):
-    """An update engine died, hung or failed."""
 
 
 class EngineUpdate(Update):
@@ -113,7 +104,6 @@ class EngineUpdate(Update):
         self._served: dict[int, list[int]] = {u.index: [-1] * self.n for u in layout.units}
         self._slot_shm: SharedSegment | None = None  # the parameter slots, when shared (CPU)
         self._want: torch.Tensor | None = None
-        self._sockdir: str | None = None
         self.handoff_bytes = 0  # new parameters the engines wrote straight into the trainer's slots
         self._seen = [time.time()] * self.n
         self._progress = [0] * self.n
@@ -153,14 +143,6 @@ class EngineUpdate(Update):
 
     # -- processes ----------------------------------------------------------------------------------
     def _start(self, cfg: Config) -> None:
-        # Fresh interpreters, connected back over an authenticated Unix socket: unlike
-        # multiprocessing's spawn, nothing of the trainer's own script is re-run in them, and
-        # unlike fork, no thread or lock is copied.
-        key = secrets.token_bytes(16)
-        self._sockdir = socket_dir()
-        address = os.path.join(self._sockdir, "socket")
-        listener = Listener(address, family="AF_UNIX", authkey=key)
-        env = dict(os.environ, TIERTRAIN_ENGINE_KEY=key.hex())
         specs = []
         for i in range(self.n):
             shm = SharedSegment(SLOTS * self.slot_bytes)
@@ -184,39 +166,7 @@ class EngineUpdate(Update):
                     ahead_bytes=cfg.memory.engine_read_ahead_mib * MIB // self.n,
                 )
             )
-            # A session of its own: Ctrl-C at the terminal reaches the trainer only, which stops
-            # at a step boundary and then stops the engines itself.
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tiertrain.update.engines.worker", address, str(i)],
-                    env=env,
-                    start_new_session=True,
-                )
-            )
-        self.conns = [None] * self.n
-        accepted: list = []
-
-        def accept_all() -> None:
-            for _ in range(self.n):
-                accepted.append(listener.accept())
-
-        t = threading.Thread(target=accept_all, daemon=True, name="tiertrain-engine-accept")
-        t.start()
-        deadline = time.time() + max(120.0, self.timeout)
-        try:
-            while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in self.procs):
-                t.join(0.2)  # a start that never connects must not hang us
-        finally:  # connected, failed or interrupted: nothing left in the temp dir
-            listener.close()  # unlinks the socket
-            os.rmdir(self._sockdir)
-            self._sockdir = None
-        if t.is_alive():
-            dead = {i: p.returncode for i, p in enumerate(self.procs) if p.poll() is not None}
-            raise EngineError(f"update engines did not start: {len(accepted)} of {self.n} connected; exit codes {dead}")
-        for conn in accepted:
-            _, i = conn.recv()
-            conn.send((self.paths[i], specs[i]))
-            self.conns[i] = conn
+        self.conns = launch(specs, self.paths, max(120.0, self.timeout), self.procs)
         self._pump(
             lambda: all(s == EngineState.READY for s in self.state), "starting", timeout=max(120.0, self.timeout)
         )
@@ -602,10 +552,6 @@ class EngineUpdate(Update):
             if c is not None:
                 with contextlib.suppress(OSError):
                     c.close()
-        if self._sockdir is not None:
-            import shutil
-
-            shutil.rmtree(self._sockdir, ignore_errors=True)
         for r in (h for hs in self._readers for h in hs):
             if r is not None:
                 with contextlib.suppress(Exception):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
+from ...errors import TiertrainError
 from ...state.machine import Machine
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Failed",
     "StepReport",
     "EngineState",
+    "EngineError",
     "ENGINE",
 ]
 
@@ -170,6 +172,10 @@ class Failed:
 
 
 # -- lifecycle -----------------------------------------------------------------------------------
+class EngineError(TiertrainError, RuntimeError):
+    """An update engine died, hung or failed."""
+
+
 class EngineState(str, enum.Enum):
     """An engine as the trainer sees it."""
 
