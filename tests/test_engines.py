@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -192,7 +193,14 @@ def test_an_engine_that_exits_before_connecting_is_named_and_leaves_no_socket_di
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(sys, "executable", "/bin/false")  # exits 1 at once, never connects
     procs: list = []
+    seen: list = []  # exceptions in threads (the accept thread's, once its listener closes, was printed)
+    monkeypatch.setattr(threading, "excepthook", seen.append)
     with pytest.raises(EngineError, match=r"update engines did not start: 0 of 2 connected; exit codes \{[01]: 1"):
         launch([{}, {}], ["/ssd0", "/ssd1"], 60.0, procs)
     assert len(procs) == 2 and all(p.wait() == 1 for p in procs)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)]
+    for _ in range(50):  # the accept thread returns once its listener is closed, quietly
+        if not any(t.name == "tiertrain-engine-accept" for t in threading.enumerate()):
+            break
+        time.sleep(0.1)
+    assert not any(t.name == "tiertrain-engine-accept" for t in threading.enumerate()) and not seen

@@ -8,9 +8,11 @@ such directory whose trainer is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,16 @@ def remove_stale_socket_dirs(tmp: str) -> list[str]:
     return gone
 
 
+def _wake(listener: Listener) -> None:
+    """Wake an ``accept`` blocked on ``listener`` (it raises): on Linux, closing a listening
+    socket does not, and the thread would sit on a closed descriptor that a later file or
+    socket reuses. ``shutdown`` does. The socket is multiprocessing's own attribute."""
+    sock = getattr(getattr(listener, "_listener", None), "_socket", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 def launch(specs: list[dict], paths: list[str], wait_s: float, procs: list) -> list[Connection]:
     """Start one engine per spec (``python -m tiertrain.update.engines.worker``) and return
     their connections in engine order, each sent its ``(path, spec)``. Each process is
@@ -80,8 +92,11 @@ def launch(specs: list[dict], paths: list[str], wait_s: float, procs: list) -> l
             accepted: list = []
 
             def accept_all() -> None:
-                for _ in range(n):
-                    accepted.append(listener.accept())
+                try:
+                    for _ in range(n):
+                        accepted.append(listener.accept())
+                except OSError:  # the listener closed under it: the start failed, which is said below
+                    pass
 
             t = threading.Thread(target=accept_all, daemon=True, name="tiertrain-engine-accept")
             t.start()
@@ -89,10 +104,12 @@ def launch(specs: list[dict], paths: list[str], wait_s: float, procs: list) -> l
             while t.is_alive() and time.time() < deadline and all(p.poll() is None for p in procs):
                 t.join(0.2)  # a start that never connects must not hang us
         finally:
+            _wake(listener)
             listener.close()  # unlinks the socket
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
-    if t.is_alive():
+    t.join(5.0)  # woken: it returns at once
+    if len(accepted) < n:
         dead = {i: p.returncode for i, p in enumerate(procs) if p.poll() is not None}
         raise EngineError(f"update engines did not start: {len(accepted)} of {n} connected; exit codes {dead}")
     conns: list = [None] * n
