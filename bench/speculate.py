@@ -81,9 +81,6 @@ def worker_tiertrain(cfg) -> dict:
             "space": tr.plan.describe(),
             # the planner cuts the vocabulary where the budget cannot hold it whole (rounding, stated)
             "pieces": tr.cfg.model.vocab_pieces,
-            # the engines' own bytes (an engine's update of step s is reported during step s + 1)
-            "engine_read": [r.extra.get("engine_read_bytes", 0) for r in recs],
-            "engine_write": [r.extra.get("engine_write_bytes", 0) for r in recs],
         }
 
     return vs_plain.worker_tiertrain(cfg, extra)
@@ -153,9 +150,6 @@ def report(args, init, pre, plain, runs, rbw: float, wbw: float) -> str:
 
     steady = lambda xs: xs[1:]  # noqa: E731 - the first step of each run is warm-up
     med = lambda name, key: statistics.median(x for r in runs[name] for x in steady(r[key]))  # noqa: E731
-    for r in (r for k in runs for r in runs[k]):  # the engines' bytes with the trainer's
-        r["read"] = [a + b for a, b in zip(r["read"], r.get("engine_read", [0] * len(r["read"])))]
-        r["write"] = [a + b for a, b in zip(r["write"], r.get("engine_write", [0] * len(r["write"])))]
     p_step = statistics.median(steady(plain["times"]))
     io_s = med("overlap", "read") / (rbw * 1e9) + med("overlap", "write") / (wbw * 1e9)
     floor = max(p_step, io_s)

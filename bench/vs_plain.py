@@ -140,8 +140,10 @@ def worker_tiertrain(cfg, more=None) -> dict:
         return {
             "times": [r.step_s for r in recs],
             "losses": [r.loss for r in recs],
-            "read": [r.ssd_read_bytes for r in recs],
-            "write": [r.ssd_write_bytes for r in recs],
+            # the update engines' own bytes with the trainer's (an engine's update of step s is
+            # reported during step s + 1): one disk's work either way
+            "read": [r.ssd_read_bytes + r.extra.get("engine_read_bytes", 0) for r in recs],
+            "write": [r.ssd_write_bytes + r.extra.get("engine_write_bytes", 0) for r in recs],
             "parts": [[r.forward_s, r.backward_s, r.update_s, r.io_wait_s] for r in recs],
             "acts": {k: recs[-1].extra.get(k, 0) for k in ("act_kept", "act_offloaded", "act_recomputed")},
             "mode": tr.cfg.update.mode,

@@ -414,8 +414,8 @@ class UpdateConfig(Section):
         "every value is finite, else redone from the first copy with the clip (one more update's I/O). "
         "Exact either way. The overlapped path does it in its update thread, the engines next to their "
         "storage (reading no gradient back in a kept step); the baseline in the trainer's thread between "
-        "the backward's units: the same math, no time hidden. 'auto': on where the cost model predicts a gain and the storage tier has the "
-        "space; 'off'. See docs/guide/update-paths.md.",
+        "the backward's units: the same math, no time hidden. 'auto': on where the cost model predicts a "
+        "gain and the storage tier has the space; 'off'. See docs/guide/update-paths.md.",
     )
     engine_timeout_s: float = opt(30.0, "An engine silent for this long is reported as hung.")
     topk: float = opt(

@@ -209,13 +209,16 @@ class StreamedOptimizer:
         units: list[int] | None = None,
         on_unit_done: Callable[[int], None] | None = None,
         on_chunk: Callable[[int, int, int, torch.Tensor], None] | None = None,
+        grads=None,
     ) -> UpdateStats:
         """Apply optimizer step ``step`` (default: the next) to ``units`` (default: all, in
         order). Gradients must be home. ``on_unit_done(u)`` is called once every write of
         unit ``u`` has completed; ``on_chunk(u, a, b, p)`` right after elements ``[a, b)``
         of unit ``u`` are updated, with ``p`` their new parameters (in the parameter dtype),
-        before they are written."""
+        before they are written. ``grads``: where this step reads its gradients, if not from
+        ``self.grads`` (an engine's shared slot)."""
         self.step_count = self.step_count + 1 if step is None else step
+        grads = self.grads if grads is None else grads
         st = UpdateStats()
         t_start = time.perf_counter()
         coef = clip_coef.to("cpu") if clip_coef is not None else None  # sync point on CUDA: one scalar
@@ -245,7 +248,7 @@ class StreamedOptimizer:
             st.wait_s += _wait(writes[s])
             writes[s] = []
             state = ahead.pop(i) if i < K else self._read_state(bufs[s], *chunks[i])
-            reads[i] = state + [self.grads.read(chunks[i][0], bufs[s].g, *chunks[i][1:])]
+            reads[i] = state + [grads.read(chunks[i][0], bufs[s].g, *chunks[i][1:])]
 
         if chunks:
             issue(0)

@@ -454,7 +454,8 @@ class EngineUpdate(Update):
         self._steps_sent += 1  # each engine reports every step (eager ones as their last unit is done)
         if self.eager:
             return UpdateStats()  # already applied as gradients arrived
-        if self.spec.this_step:  # the engines judge by the same rule, from the coefficient Step carries
+        kept = None  # the judgement the engines act on (None: nothing speculated)
+        if self.spec.this_step:
             kept = self.spec.keeps(clip_coef)  # sync point on CUDA: one scalar
             self.spec.judged(step, kept)
             if not kept:
@@ -467,7 +468,7 @@ class EngineUpdate(Update):
             self._want.zero_()  # no engine reads it until it gets Step
         c = None if clip_coef is None else float(clip_coef.to("cpu"))  # exact: a float32 widened to double
         for i in range(self.n):
-            self._send(i, P.Step(step, lr, c))
+            self._send(i, P.Step(step, lr, c, kept))
         return UpdateStats()
 
     @contextlib.contextmanager

@@ -7,9 +7,9 @@ Trainer -> engine:
     Grad(unit, slot, step, lr, nnz, spec) a gradient slice in ``slot`` (``nnz >= 0``: top-k, packed indices+values);
                                           ``spec``: kept for a redo, and the unit updated now with coefficient 1
                                           into the other half of its states (the speculative update)
-    Step(step, lr, coef)                  update every unit in order (``coef`` None: no clipping); after
-                                          speculative gradients, the judgement: kept (coef 1 or None: the
-                                          halves flip) or redone from the current halves with ``coef``
+    Step(step, lr, coef, keep)            update every unit in order (``coef`` None: no clipping); after
+                                          speculative gradients, the trainer's judgement ``keep``: True, the
+                                          halves flip; False, redone from the current halves with ``coef``
     Slots(name, stride, count, want_at)   the trainer's parameter slots in shared memory (CPU)
     Release() / Reopen()                  hand the state files to the trainer (checkpoints) and back
     Stop()
@@ -72,6 +72,7 @@ class Step:
     step: int
     lr: float
     coef: float | None
+    keep: bool | None = None  # a speculative step's judgement (None: the step did not speculate)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class Engine:
             self.layout,
             self.storage,
             self.params,
-            self.slot_grads if self.eager else self.grads,
+            self.grads,
             OptimConfig(**spec["optim"]),
             list(states.values()),
             buffer_bytes=spec["buffer_bytes"],
@@ -239,17 +239,16 @@ class Engine:
 
     def _from_slot(self, g: torch.Tensor, msg: P.Grad, **hooks) -> UpdateStats:
         """Unit ``msg.unit``'s update with coefficient 1, its gradient read from the slot ``g``."""
-        self.slot_grads.view, kept = g, self.optim.grads
-        self.optim.grads = self.slot_grads
+        self.slot_grads.view = g
         try:
-            return self.optim.step(msg.lr, None, step=msg.step, units=[msg.unit], **hooks)
+            return self.optim.step(msg.lr, None, step=msg.step, units=[msg.unit], grads=self.slot_grads, **hooks)
         finally:
-            self.optim.grads, self.slot_grads.view = kept, None
+            self.slot_grads.view = None
 
     def step(self, msg: P.Step) -> None:
         t0 = time.perf_counter()
         c = torch.tensor(msg.coef, dtype=torch.float32) if msg.coef is not None else None
-        if msg.step == self._spec_step and self._speculated:
+        if msg.keep is not None:  # a speculative step: the trainer's judgement
             t0 -= self._spec_stats.seconds  # the report's time includes the updates made under the backward
             st = self._judge(msg, c)
         else:
@@ -257,16 +256,15 @@ class Engine:
         self.report(time.perf_counter() - t0, st)
 
     def _judge(self, msg: P.Step, c: torch.Tensor | None) -> UpdateStats:
-        """A speculative step's judgement (the same rule as the trainer's ``Speculation.keeps``):
-        with coefficient 1 (or none) it is kept, each unit's halves flip; else it is redone from
-        the current halves with ``c`` over the speculative writes. Returns the speculative
+        """A speculative step, judged by the trainer: kept, each unit's halves flip; else redone
+        from the current halves with ``c`` over the speculative writes. Returns the speculative
         updates' stats and the judgement's together."""
         spec, self._speculated, st = self._speculated, [], self._spec_stats
         self._spec_step, self._spec_stats = 0, UpdateStats()
-        if c is None or bool(c == 1.0):
+        if msg.keep:
             missing = sorted({x.index for x in self.optim.trainable} - set(spec))
             if missing:  # every trained unit's gradient comes before Step (unused vocabulary pieces' too)
-                raise RuntimeError(f"step {msg.step} judged with units {missing} not speculated: no gradient came")
+                raise RuntimeError(f"step {msg.step} kept with units {missing} not speculated: no gradient came")
             for u in spec:
                 self.updated(u)
         else:
