@@ -217,7 +217,7 @@ def test_float32_accumulation_rounds_a_bf16_gradient_once(tmp_path):
         cfg.train.grad_accum_dtype = accum
         with Trainer(cfg) as tr:
             g, u = tr.grads, 1
-            g.begin(u)
+            g.begin(u, bind=False)  # not in a slot: no .grad to bind
             view = g._live[u][0]
             for m in range(9):
                 view.add_(1.0 if m == 0 else 2.0**-9)  # what autograd's in-place accumulation does

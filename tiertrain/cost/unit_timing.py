@@ -68,14 +68,19 @@ class _Grads:
         self.layout, self.dev, self.dtype = layout, dev, dtype
         self._buf: dict[int, torch.Tensor] = {}
 
-    def begin(self, u: int) -> None:
+    def begin(self, u: int, bind: bool = True) -> None:
         for x in (u, *self.layout.units[u].borrows):
             n = self.layout.units[x].numel
             buf = self._buf.get(n)
             if buf is None:
                 buf = self._buf[n] = torch.zeros(n, device=self.dev.device, dtype=self.dtype)
             buf.zero_()
-            self.layout.bind_grads(x, buf)
+            if bind:
+                self.layout.bind_grads(x, buf)
+
+    def views(self, u: int) -> list[torch.Tensor]:
+        buf = self._buf[self.layout.units[u].numel]
+        return [rec.view(buf) for rec in self.layout.units[u].params]
 
     def fold(self, units: tuple[int, ...]) -> None:
         pass

@@ -191,10 +191,13 @@ class VocabSteps:
         self.grads.end(ref.index)
         self._release(ref)
         for ref in self.embed_pieces:  # unused pieces too: their gradient (zero, or the tied head's) goes home
-            self.grads.begin(ref.index)
-            piece = ref.module
+            # a piece's rows are never read here (not in a slot): its gradient is added into the
+            # buffer itself, not through .grad (a host placeholder refuses a device gradient)
+            self.grads.begin(ref.index, bind=False)
+            views = self.grads.views(ref.index)
             for mb, g in zip(mbs, dtokens):
-                piece.add_grad(piece.weight.grad, mb.ids, g)
+                if views is not None:  # None: frozen
+                    ref.module.add_grad(views[0], mb.ids, g)
                 self.grads.fold((ref.index,))
             self.grads.end(ref.index)
 

@@ -41,6 +41,7 @@ __all__ = [
     "WeightSource",
     "UnitRef",
     "materialize_placeholders",
+    "is_placeholder",
     "unit_param_names",
     "default_positions",
     "no_cache",
@@ -205,6 +206,12 @@ def skeleton_init() -> Iterator[None]:
 
 def _untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return tensor
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a placeholder of ``materialize_placeholders`` (no memory: every stride 0),
+    not a view of a slot."""
+    return t.dim() > 0 and all(s == 0 for s in t.stride())
 
 
 def materialize_placeholders(model: nn.Module, dtype: torch.dtype) -> None:

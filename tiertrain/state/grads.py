@@ -116,9 +116,11 @@ class GradStore:
         )
 
     # -- backward side --------------------------------------------------------------------------
-    def begin(self, u: int) -> None:
-        """Bind zeroed gradient buffers for unit ``u`` and the owners of what it borrows (not
-        for a frozen one: its parameters form no gradient)."""
+    def begin(self, u: int, bind: bool = True) -> None:
+        """Take zeroed gradient buffers for unit ``u`` and the owners of what it borrows (not
+        for a frozen one: its parameters form no gradient) and bind them as the parameters'
+        ``.grad`` (``bind=False``: for a unit whose parameters are not in a slot; its gradient
+        is written through ``views``)."""
         for x in (u, *self.layout.units[u].borrows):
             if x in self._live or self.layout.units[x].frozen:
                 continue  # an owner already live since its borrower's backward, or frozen
@@ -134,7 +136,14 @@ class GradStore:
             self._live[x] = (view, base)
             if self.accum_dtype is not None:
                 self._acc[x] = self._acc_free.pop()[:numel].zero_()
-            self.layout.bind_grads(x, view)
+            if bind:
+                self.layout.bind_grads(x, view)
+
+    def views(self, u: int) -> list[torch.Tensor] | None:
+        """The gradients of unit ``u``'s parameters while it is live (between ``begin`` and
+        ``end``), in the layout's order; None for a frozen unit."""
+        live = self._live.get(u)
+        return None if live is None else [rec.view(live[0]) for rec in self.layout.units[u].params]
 
     def fold(self, units: tuple[int, ...]) -> None:
         """A micro-batch's backward through ``units`` is done: add their buffers into their

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..models.base import LayeredModel, unit_param_names
+from ..models.base import LayeredModel, is_placeholder, unit_param_names
 
 __all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout", "segments", "chunk_align"]
 
@@ -125,8 +125,16 @@ class FlatLayout:
             rec.param.data = rec.view(flat)
 
     def bind_grads(self, u: int, flat: torch.Tensor | None) -> None:
-        """Make the parameters' ``.grad`` views of ``flat`` (accumulated in place), or unset them."""
+        """Make the parameters' ``.grad`` views of ``flat`` (accumulated in place), or unset them.
+        Only for parameters bound to a slot: a placeholder lives on the host, and a device
+        gradient on it is refused by torch (on CUDA only; here on every device, so CPU runs
+        catch it)."""
         for rec in self.units[u].params:
+            if flat is not None and is_placeholder(rec.param.data):
+                raise RuntimeError(
+                    f"a gradient bound to {rec.name} of unit {u}, which is not bound to a slot (a host "
+                    "placeholder): write the unit's gradient buffer directly (GradStore.views)"
+                )
             rec.param.grad = None if flat is None else rec.view(flat)
 
     def segments(self, u: int, start: int, end: int) -> list[tuple[ParamRecord, int, int]]:
