@@ -149,6 +149,8 @@ def worker_tiertrain(cfg, more=None) -> dict:
             "mode": tr.cfg.update.mode,
             "budget": budget,
             "predicted": pred.step_s if pred else float("nan"),
+            # what the prediction stood on: the disk rates this run's budget probed at start
+            "probed": [pred.rates.read_gbps, pred.rates.write_gbps] if pred else None,
             "pools": sum(tr.pool_bytes.values()),
             "norms": [r.grad_norm for r in recs],
             **(more(tr, recs) if more else {}),

@@ -4,7 +4,7 @@
 # (bench/speculate.py). Where compute does not share the update's cores (on the 2-core VM it
 # does), this is the figure #35 asks for: the speculative step within 1.15x of max(compute, I/O)
 # and faster than the overlapped one.
-#   1. fine-tuning (a model plain PyTorch trained 200 steps first, lr 1e-5, clip 1.0: the clip
+#   1. fine-tuning (a model plain PyTorch trained 200 steps first, lr 1e-5, clip 8: the clip
 #      rarely acts, the speculation holds)
 #   2. the clip acting in every step (from the initialisation, clip 1e-3): what a redone step costs
 #   3. (time left) fine-tuning again with the update engines too, without and with speculation
