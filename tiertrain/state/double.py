@@ -97,6 +97,10 @@ class DoubleRegions:
         processes find it)."""
         return self.halves[self.current[u]]
 
+    def current_half(self, u: int) -> int:
+        """Which half (0, 1) holds unit ``u``'s committed state."""
+        return self.current[u]
+
     # -- the file's life, both halves: as ``TieredRegions`` ---------------------------------------
     def flush(self) -> None:
         for h in self.halves:

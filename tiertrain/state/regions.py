@@ -123,6 +123,15 @@ class TieredRegions:
         off, n = self.region(u, start, end)
         return self.file.pwrite(src, n, off)
 
+    def half(self, u: int) -> TieredRegions:
+        """The regions holding unit ``u``'s committed state: these, held once (``DoubleRegions``
+        answers with one of its two halves)."""
+        return self
+
+    def current_half(self, u: int) -> int:
+        """Which half holds unit ``u``'s committed state: 0, held once."""
+        return 0
+
     def flush(self) -> None:
         """Put the file's checksums on disk, so readers in other processes can open it."""
         if self.file is not None:

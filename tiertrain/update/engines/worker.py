@@ -29,7 +29,7 @@ from ...config import IOConfig, OptimConfig
 from ...device.host import host_peak_rss, host_rss, reset_peak_rss
 from ...errors import one_line
 from ...io import IOFuture, Storage
-from ...state.double import DoubleRegions, build_region
+from ...state.double import build_region
 from ...state.regions import TieredRegions
 from ...state.slices import Slice, SliceLayout
 from ..base import UpdateStats
@@ -159,8 +159,7 @@ class Engine:
         self.progress += 1
         served = self.serving.pop(u, -1)
         # states held twice (speculation): the half now current, whose file the trainer reads
-        p = self.params
-        r, half = (p.half(u), p.current[u]) if isinstance(p, DoubleRegions) else (p, 0)
+        r, half = self.params.half(u), self.params.current_half(u)
         f = r.file
         if f is None or self.layout.units[u].numel == 0:
             self.send(P.Done(u, 0, (), served, half))
@@ -216,11 +215,14 @@ class Engine:
             st = self._from_slot(g, msg, on_unit_done=self.updated, on_chunk=self.serve)
             self._eager.append((time.perf_counter() - t0, st))
         elif msg.spec:  # kept for a redo, and updated now into the other halves (not current yet)
-            self.grads.write(u, g).get()
+            kept = self.grads.write(u, g)  # under the update (both only read g); done before the slot is freed
             if msg.step != self._spec_step or u in self._speculated:  # a new step, or one abandoned and begun again
                 self._spec_step, self._speculated, self._spec_stats = msg.step, [], UpdateStats()
             # new parameters are handed over only once the step is kept: no serving
-            self._spec_stats.add(self._from_slot(g, msg, on_unit_done=self._speculated.append))
+            try:
+                self._spec_stats.add(self._from_slot(g, msg, on_unit_done=self._speculated.append))
+            finally:
+                kept.get()
         else:
             self.optim.read_ahead()  # the backward has begun: read the update's first state while the disk is idle
             self.grads.write(u, g).get()
