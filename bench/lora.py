@@ -1,9 +1,9 @@
 """LoRA on a frozen model larger than memory: tiertrain against its I/O floor and against plain
 peft in memory.
 
-1. **The big model**: a Llama of ``--big`` shape (default about 2.4 B parameters) made with
-   transformers' ``save_pretrained`` in bf16 (4.9 GB; in fp32 training with AdamW it would need
-   39 GB, 1.6x this machine's RAM). tiertrain trains LoRA (rank 16 on every projection) on it,
+1. **The big model**: a Llama of ``--big`` shape (default 33 x 2560: 2.46 B parameters) made
+   with transformers' ``save_pretrained`` in bf16 (4.9 GB; in fp32 training with AdamW it would
+   need 39 GB, 1.6x this machine's RAM). tiertrain trains LoRA (rank 16 on every projection) on it,
    the base kept in bf16 on the storage tier (``model.base_dtype``), fp32 compute, within a host
    budget of ``--host-mib``. Reported: peak RSS of the training process, s/step, bytes read per
    step, and the floors: I/O = two reads of the base at the rate probed in the same process
@@ -12,7 +12,8 @@ peft in memory.
 2. **The peer**: a smaller Llama (``--peer``) that plain PyTorch + peft trains in memory (fp32,
    ``inject_adapter_in_model``, fused AdamW): its s/step and peak RSS; then tiertrain on the
    same model, data shape and LoRA with its peak RSS aimed at a fifth of peft's: the host budget
-   is that less what the process holds before training (interpreter, torch, transformers). The
+   is that less what the process holds before training (interpreter, torch, transformers) and
+   the allocator's slack above the budget (``RSS_SLACK_MIB``). ``--skip-big``: only this. The
    base on the tier in ``--peer-base-dtype``: the compute dtype by default (fp32 on CPU, nothing
    to widen), or bf16 (half the bytes, the same math here: the model was saved in bf16 and
    peft's fp32 copy is its exact upcast; widened on the compute's cores). ``--rounds`` runs the
@@ -27,7 +28,7 @@ peft in memory.
 Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out FILE]
                             [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
                             [--seq 64] [--micro-batches 2] [--device cpu|cuda]
-                            [--peer-base-dtype compute|bfloat16] [--rounds 1]
+                            [--peer-base-dtype compute|bfloat16] [--rounds 1] [--skip-big]
 
 On a GPU (``--device cuda``) tiertrain computes in bf16 (its default there) and peft trains
 the peer in device memory in bf16.
@@ -49,6 +50,7 @@ from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_d
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEQ, MBS, M = 64, 1, 2  # tokens per micro-batch row, rows, micro-batches per step
+RSS_SLACK_MIB = 128  # what a run's peak RSS takes above its budget and what it held before training
 
 
 def shape(spec: str) -> dict:
@@ -114,7 +116,8 @@ def tiertrain_worker(spec: dict) -> dict:
         read = d.read()
     held = _rss_mib()  # before training: the interpreter and libraries, outside any budget
     if spec.get("rss_mib"):  # a peak RSS to aim at: the budget is what the process does not hold yet
-        cfg.memory.host_mib = spec["host_mib"] = max(1, spec["rss_mib"] - held)  # below: refused, raised
+        # less the allocator's slack above the budget (about 100 MiB on the 2.39 B Llama's runs)
+        cfg.memory.host_mib = spec["host_mib"] = max(1, spec["rss_mib"] - held - RSS_SLACK_MIB)
     asked = spec["host_mib"]
     try:
         tr = Trainer(cfg)
@@ -259,18 +262,25 @@ def where(args) -> tuple[str, str]:
     return line, "bf16" if line.startswith("bfloat16") else "fp32"
 
 
-def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None, ds: dict | None = None) -> str:
+def machine() -> str:
+    gib = 2**30
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / gib:.1f} GiB RAM, one virtual disk"
+    )
+
+
+def big_section(args, big: dict, base: dict) -> list[str]:
+    """The big model's run: its steps against the I/O and compute floors."""
     gib = 2**30
     step = med(big["steps"])
     io = 2 * big["base_bytes"] / (big["read_gbps"] * 1e9)
     floor = max(io, big["compute_s"])
     fp32_states = 16 * big["params"]
-    lines = [
+    return [
         f"# LoRA on a frozen {big['params'] / 1e9:.2f} B-parameter Llama larger than memory",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / gib:.1f} GiB RAM, one virtual disk. "
-        f"Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
+        f"Machine: {machine()}. Model {args.big} (layers x width), vocabulary 32000, made with save_pretrained in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB); full fp32 training with AdamW would need {fp32_states / 1e9:.0f} GB. "
         f"LoRA rank 16, alpha 32, on {', '.join(TARGETS)}: {big['adapters'] / 1e6:.1f} M trainable parameters. "
         f"{where(args)[0]}; the base kept in bf16 (model.base_dtype); {getattr(args, 'micro_batches', M)} micro-batches of {MBS} x {getattr(args, 'seq', SEQ)} tokens; "
@@ -304,9 +314,22 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
         f"max(visits with no compute, compute); nothing written ({max(big['write']) / 1e9:.2f} GB a step at most)",
         "",
     ]
+
+
+def report(args, big: dict | None, base: dict, peer: list, peer_tt: list, ds: dict | None = None) -> str:
+    lines = big_section(args, big, base) if big else [
+        "# LoRA against plain peft in memory", "", f"Machine: {machine()}.", ""
+    ]  # fmt: skip
     if peer and peer_tt:
         lines += against_peft(args, peer, peer_tt)
-    lines += ["## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, fp32, the same LoRA and batch)", ""]
+    if big:
+        lines += deepspeed_section(big, ds)
+    return "\n".join(lines)
+
+
+def deepspeed_section(big: dict, ds: dict | None) -> list[str]:
+    gib, step = 2**30, med(big["steps"])
+    lines = ["## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, fp32, the same LoRA and batch)", ""]
     if ds is None:
         lines.append("Not run: no interpreter with DeepSpeed given (--ds-python).")
     elif "error" in ds:
@@ -322,7 +345,7 @@ def report(args, big: dict, base: dict, peer: dict | None, peer_tt: dict | None,
             f"tiertrain: **{d / step:.2f}x faster than DeepSpeed at {big['peak'] / ds['peak']:.2f}x its peak RSS**; "
             f"DeepSpeed's start (its ops built or loaded, the base partitioned to NVMe) {ds['init_s']:.0f} s.",
         ]
-    return "\n".join(lines)
+    return lines
 
 
 def against_peft(args, peers: list[dict], tts: list[dict]) -> list[str]:
@@ -336,7 +359,7 @@ def against_peft(args, peers: list[dict], tts: list[dict]) -> list[str]:
         rows += [
             f"| {i + 1} | plain PyTorch + peft, in {'device ' if dev else ''}memory | {ps:.2f} | {p['peak'] / gib:.2f} |",
             f"| {i + 1} | tiertrain, budget {t['host_mib']} MiB (peak RSS aimed at {t['asked_rss_mib']} MiB, a fifth "
-            f"of peft's, less {t['held_mib']} MiB held before training"
+            f"of peft's, less {t['held_mib']} MiB held before training and {RSS_SLACK_MIB} MiB of slack"
             + (
                 "; refused: the fixed pools alone take more, the least budget that runs"
                 if t["host_mib"] != t["asked_mib"]
@@ -368,11 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--host-mib", type=int, default=2048)
-    ap.add_argument("--big", default="32x2560", help="the big model: LAYERSxWIDTH (default: 2.43 B parameters)")
+    ap.add_argument("--big", default="33x2560", help="the big model: LAYERSxWIDTH (default: 2.46 B parameters)")
     ap.add_argument(
         "--peer", default="same", help="the model peft trains in memory (LAYERSxWIDTH; 'same': the big model, in fp32)"
     )
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-big", action="store_true", help="only the run against peft (its model: --peer)")
     ap.add_argument(
         "--peer-base-dtype", default="compute", choices=("compute", "bfloat16"),
         help="the base's dtype on the tier in the run against peft (compute: nothing to widen)",
@@ -388,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.skip_big and (args.skip_peer or args.ds_python):
+        ap.error("--skip-big leaves only the run against peft: it takes neither --skip-peer nor --ds-python")
     if args.worker:
         kind, spec = args.worker[0], json.loads(args.worker[1])
         fn = {"tiertrain": tiertrain_worker, "peft": peft_worker, "base": lambda s: make_base(s["path"], s["shape"])}
@@ -396,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     out = checked_out(args.out) if args.out else None
     with scratch_dir(args.scratch, "lora") as scratch:
         base = spawn("base", {"path": f"{scratch}/big-base", "shape": args.big})
-        big = spawn(
+        big = None if args.skip_big else spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
                  base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches, device=args.device),

@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import lora  # noqa: E402
 
@@ -61,3 +63,13 @@ def test_report_puts_the_step_against_both_floors_and_peft():
 
 
 # end to end on a tiny model: tests/test_gpu_window.py, stage 8's dry run (the same command)
+
+
+def test_report_of_the_run_against_peft_alone():
+    args = argparse.Namespace(big="2x64", peer="same", host_mib=2048, steps=3)
+    peer = [dict(steps=[5.0, 3.0, 3.0], peak=2 << 30)]
+    text = lora.report(args, None, {"bytes_bf16": 2e9}, peer, [_run(steps=[7.0, 3.3, 3.3], peak=400 << 20)])
+    assert text.startswith("# LoRA against plain peft in memory")
+    assert "**1.10x peft's step at 0.20x its peak RSS**" in text and "DeepSpeed" not in text
+    with pytest.raises(SystemExit):  # nothing to run but the peer, and nothing to put DeepSpeed against
+        lora.main(["--skip-big", "--ds-python", sys.executable])
