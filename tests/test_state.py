@@ -149,10 +149,13 @@ def test_grad_store_hands_off_and_reuses_buffers(setup, device):
     _, layout, st = setup
     home = region(layout, st, "grads")
     grads = GradStore(layout, RegionGrads(home), DEVICES[device]())
+    slot = torch.zeros(layout.max_unit_numel)
     for u in reversed(range(len(layout))):
-        grads.begin(u, bind=False)  # the parameters are placeholders here (no slot): no .grad
-        for g in grads.views(u):
-            g.fill_(u + 1.0)
+        layout.bind(u, slot)  # in a slot, as the executor has it: its .grad is bound
+        grads.begin(u)
+        for rec in layout.units[u].params:
+            rec.param.grad.fill_(u + 1.0)
+        assert all(torch.all(g == u + 1.0) for g in grads.views(u))  # the same buffer, seen directly
         grads.end(u)
         assert all(rec.param.grad is None for rec in layout.units[u].params)
     grads.flush()

@@ -194,9 +194,9 @@ class VocabSteps:
             # a piece's rows are never read here (not in a slot): its gradient is added into the
             # buffer itself, not through .grad (a host placeholder refuses a device gradient)
             self.grads.begin(ref.index, bind=False)
-            views = self.grads.views(ref.index)
+            views = self.grads.views(ref.index)  # None: frozen
             for mb, g in zip(mbs, dtokens):
-                if views is not None:  # None: frozen
+                if views:
                     ref.module.add_grad(views[0], mb.ids, g)
                 self.grads.fold((ref.index,))
             self.grads.end(ref.index)
