@@ -379,7 +379,7 @@ def against_peft(args, peers: list[dict], tts: list[dict]) -> list[str]:
         "|---|---|---|---|",
         *rows,
         "",
-        f"tiertrain: **{step:.2f}x peft's step at {max(r[1] for r in ratios):.2f}x its peak RSS** "
+        f"tiertrain: **{step:.2f}x peft's step at {max(r[1] for r in ratios):.3f}x its peak RSS** "
         f"(median of the rounds' ratios: {', '.join(f'{r[0]:.2f}x' for r in ratios)}; the largest RSS ratio; "
         f"goal: within 1.2x at a fifth); it read {med(t0['read']) / 1e9:.2f} GB a step "
         f"(I/O floor {2 * t0['base_bytes'] / (t0['read_gbps'] * 1e9):.1f} s at {t0['read_gbps']:.2f} GB/s).",

@@ -505,6 +505,8 @@ with Trainer(cfg) as tr:
     losses = [tr.train_step().loss for _ in range(2)]
     print(json.dumps(dict(growth=host_peak_rss() - base, used=tr.budget.host_used, fixed=tr.budget.fixed,
                           unit=tr.layout.max_unit_numel * 4, slots=tr.cfg.memory.device_slots, losses=losses,
+                          step_working=tr.budget.step_working, trim_room=tr.budget.host_bytes + tr._rss_at_start
+                          - tr.heap_trim.limit,
                           lines=tr.budget.lines())))
 """
 
@@ -514,9 +516,10 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
     """A LoRA run's working set is two units (initialisation holds a unit in the base's dtype and
     its source's tensor; no gradient of the model is ever formed), not training's four; a bf16
     base is widened inside its slots (no staging pool); a budget short of the default pools
-    lowers the buffers, then the slots to two, and says so. Measured: the process grows by less
-    than the budget (from after the libraries' imports), on a model whose largest unit is its
-    32000 x 512 vocabulary matrix."""
+    lowers the buffers, then the slots to two, and says so. Its steps hold none of those units, so
+    the heap is trimmed only once the process nears its budget less their activations. Measured:
+    the process grows by less than the budget (from after the libraries' imports), on a model
+    whose largest unit is its 32000 x 512 vocabulary matrix."""
     import json
     import subprocess
     import sys
@@ -534,6 +537,8 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
     from tiertrain.cost.budget import WORKING_SLACK
 
     assert 2 * unit < fixed["working set"] - WORKING_SLACK < 3 * unit  # two units and two micro-batches' activations
+    # the steps hold no unit beyond the slots: the heap is trimmed only within their activations of the budget
+    assert fixed["working set"] - out["step_working"] == 2 * unit == fixed["working set"] - out["trim_room"]
     assert "upcast staging" not in fixed and fixed["gradient buffers"] == 0
     assert any("memory.device_slots 3 -> 2 slots" in line for line in out["lines"])
     assert out["used"] <= 420 * MIB and out["growth"] <= 420 * MIB, out["growth"] / MIB

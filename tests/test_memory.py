@@ -299,7 +299,8 @@ def test_the_heap_is_trimmed_after_a_unit_step_once_the_process_nears_its_budget
         n = len(ex.visits(tr.model.plan, tr.executor.pieces_used))
         if trim:
             b = tr.budget
-            assert tr.heap_trim.limit == tr._rss_at_start + b.host_bytes - b.fixed["working set"]
+            assert 0 < b.step_working <= b.fixed["working set"]
+            assert tr.heap_trim.limit == tr._rss_at_start + b.host_bytes - b.step_working
             tr.heap_trim.limit = 0  # the process past its limit: every unit step gives the heap back
         tr.train_step()
     assert len(calls) == (n if trim else 0)

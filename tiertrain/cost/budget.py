@@ -173,6 +173,7 @@ class BudgetPlan:
     device_acts: bool = False  # kept activations are device memory (CUDA), not host memory
     act_bytes: int = 0  # one pair's saved activations (kept), as measured or estimated
     record_bytes: int = 0  # one pair's record of offloaded activations (0: not measured, or no room)
+    step_working: int = 0  # of the working set, what a training step's unit step holds (the heap trim's room)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -268,8 +269,20 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     if record_bytes:
         out["activation records"] = m.act_buffers * record_bytes
-    out["working set"] = path.working_units * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
+    out["working set"] = working_set(cfg, rt, act_bytes)
     return out
+
+
+def working_set(cfg: Config, rt, act_bytes: int = 0, *, steps: bool = False) -> int:
+    """Bytes initialisation and autograd hold at once beyond the pools (``steps``: once
+    initialisation is done, the training steps' own, at most the first): a few units' tensors,
+    and a micro-batch's activations while a block computes."""
+    path = UPDATES["frozen" if cfg.adapter.on else cfg.update.mode]
+    units = path.working_units
+    if steps and path.step_working_units is not None:
+        units = min(units, path.step_working_units)
+    unit = rt.layout.max_unit_numel * rt.dtype.itemsize
+    return units * unit + (0 if rt.dev.separate else 2 * act_bytes) + WORKING_SLACK
 
 
 def values(cfg: Config, rt, rates) -> dict[str, float]:
@@ -434,6 +447,7 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
         cfg, sum(fixed.values()) + sum(v for f, v in explicit.items() if f in host_need), sum(host_need.values())
     )
     plan = BudgetPlan(host, source, fixed, planned=todo, device_acts=device_acts)
+    plan.step_working = working_set(cfg, rt, act, steps=True)
     plan.demand = need
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:

@@ -88,6 +88,9 @@ class Update(abc.ABC):
     # pools: the budget's working set. Training: the initial unit, its fp32 source and the
     # update's copies, or a unit's weights and the gradients autograd forms for them.
     working_units: int = 4
+    # Of those, the units a training step's unit step holds (None: all of them): what the heap
+    # trim keeps room for once initialisation is done (``HeapTrim``).
+    step_working_units: int | None = None
     # The dtype ``init_unit`` takes its weights in (the trainer's initialisation buffer).
     init_dtype: torch.dtype = torch.float32
 
