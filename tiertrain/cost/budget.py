@@ -251,7 +251,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     unit = layout.max_unit_numel * e
     chunk = cfg.io.chunk_kib << 10
     out = {"I/O buffers": len(cfg.io.paths) * 2 * 2 * chunk, "checkpoint buffers": 2 * chunk}
-    path = UPDATES["frozen" if cfg.adapter.on else cfg.update.mode]
+    path = _update_path(cfg)
     out.update(path.fixed_pools(cfg, rt))  # the update path's own
     if rt.dev.separate:  # pinned staging for units and gradients crossing to the device
         sharded = getattr(rt, "world", 1) > 1
@@ -273,11 +273,16 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     return out
 
 
+def _update_path(cfg: Config):
+    """The update path's class: adapters freeze the whole model."""
+    return UPDATES["frozen" if cfg.adapter.on else cfg.update.mode]
+
+
 def working_set(cfg: Config, rt, act_bytes: int = 0, *, steps: bool = False) -> int:
     """Bytes initialisation and autograd hold at once beyond the pools (``steps``: once
-    initialisation is done, the training steps' own, at most the first): a few units' tensors,
+    initialisation is done, the training steps' own, never more): a few units' tensors,
     and a micro-batch's activations while a block computes."""
-    path = UPDATES["frozen" if cfg.adapter.on else cfg.update.mode]
+    path = _update_path(cfg)
     units = path.working_units
     if steps and path.step_working_units is not None:
         units = min(units, path.step_working_units)

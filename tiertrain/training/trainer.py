@@ -165,9 +165,7 @@ class Trainer:
         """Trim the heap after a unit step once the process has grown past its budget less the
         working set a training step's unit step holds (every unit step where there is no budget)."""
         b = self.budget
-        limit = (
-            None if b is None else self._rss_at_start + b.host_bytes - (b.step_working or b.fixed.get("working set", 0))
-        )
+        limit = None if b is None else self._rss_at_start + b.host_bytes - b.step_working
         self.heap_trim = HeapTrim(limit)
         return self.heap_trim
 
