@@ -245,8 +245,8 @@ def _steps(engine, meter: ProcMeter, steps: int, micro_batches: int, batch) -> N
 
 def lora(work: str, spec: dict) -> None:
     """peft's LoRA on the frozen base ``spec['base']`` under ZeRO-3 with every parameter on NVMe
-    (the base built inside zero.Init from its safetensors, fp32; the adapters' AdamW in host
-    memory: they are small), clipping at 1.0; random tokens as bench/lora.py's peft worker
+    (the base built inside zero.Init from its safetensors, fp32 on CPU, bf16 on CUDA; the
+    adapters' AdamW beside them: they are small), clipping at 1.0; random tokens as bench/lora.py's peft worker
     draws them. One JSON line per step, or the error where it does not run."""
     os.environ.update(MASTER_ADDR="localhost", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29519)))
@@ -257,7 +257,10 @@ def lora(work: str, spec: dict) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     meter = ProcMeter()
-    deepspeed.init_distributed(dist_backend="gloo")
+    cuda = spec.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     hf = AutoConfig.from_pretrained(spec["base"])
     h = hf.hidden_size
     largest = max(hf.vocab_size * h, hf.intermediate_size * h, h * h)
@@ -267,14 +270,18 @@ def lora(work: str, spec: dict) -> None:
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch_size"],
         "gradient_accumulation_steps": M,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        # torch's AdamW on CUDA too: DeepSpeed's fused one would be compiled on first use, minutes
+        # of a GPU window for megabytes of adapters
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "torch_adam": cuda}},
         "gradient_clipping": 1.0,
+        # on CUDA bf16 compute, as bench/lora.py's tiertrain and peft runs there (fp32 adapter masters)
+        "bf16": {"enabled": cuda},
         "steps_per_print": 1 << 30,
         "zero_optimization": zero3_params(nvme, largest),
     }
     t0 = time.perf_counter()
     keep = HfDeepSpeedConfig(config)  # from_pretrained partitions each parameter to NVMe as it is made
-    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.bfloat16 if cuda else torch.float32)
     model.config.use_cache = False
     lc = peft.LoraConfig(r=spec["rank"], lora_alpha=2 * spec["rank"], target_modules=spec["targets"])
     model = peft.get_peft_model(model, lc)
@@ -286,6 +293,7 @@ def lora(work: str, spec: dict) -> None:
 
     def batch(step: int, m: int) -> dict:  # as bench/lora.py's peft worker draws them
         x = torch.randint(0, 256, (spec["micro_batch_size"], spec["seq"]), generator=g)
+        x = x.cuda() if cuda else x
         return dict(input_ids=x, labels=x)
 
     _steps(engine, meter, spec["steps"], M, batch)

@@ -323,13 +323,13 @@ def report(args, big: dict | None, base: dict, peer: list, peer_tt: list, ds: di
     if peer and peer_tt:
         lines += against_peft(args, peer, peer_tt)
     if big:
-        lines += deepspeed_section(big, ds)
+        lines += deepspeed_section(big, ds, where(args)[1])
     return "\n".join(lines)
 
 
-def deepspeed_section(big: dict, ds: dict | None) -> list[str]:
+def deepspeed_section(big: dict, ds: dict | None, dtype: str) -> list[str]:
     gib, step = 2**30, med(big["steps"])
-    lines = ["## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, fp32, the same LoRA and batch)", ""]
+    lines = [f"## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, {dtype}, the same LoRA and batch)", ""]
     if ds is None:
         lines.append("Not run: no interpreter with DeepSpeed given (--ds-python).")
     elif "error" in ds:
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             ds = deepspeed_run(
                 args.ds_python,
                 dict(base=f"{scratch}/big-base", micro_batch_size=MBS, micro_batches=args.micro_batches, seq=args.seq, steps=args.steps,
-                     rank=16, targets=TARGETS),
+                     rank=16, targets=TARGETS, device=args.device),
                 f"{scratch}/deepspeed",
             )  # fmt: skip
     publish(report(args, big, base, peer, peer_tt, ds), out)

@@ -163,4 +163,32 @@ finish() {
   exit $?
 }
 
+# deepspeed_ready: DeepSpeed importable here, set up to build its ops on first use (stages 4 and
+# 8); else false with the reason in $DS_WHY. libaio (its NVMe path compiles against it) travels as
+# .deb, unpacked into a private prefix, never into / (the image's own packages stay as they are).
+deepspeed_ready() {
+  if compgen -G "$wheels/libaio*.deb" > /dev/null; then
+    local aio=/tmp/tiertrain-aio d lib
+    for d in "$wheels"/libaio*.deb; do dpkg-deb -x "$d" "$aio" || say "- could not unpack $d"; done
+    lib=$aio/usr/lib/x86_64-linux-gnu
+    [ -e "$lib/libaio.so" ] || ln -sf libaio.so.1 "$lib/libaio.so"
+    export CPATH="$aio/usr/include${CPATH:+:$CPATH}" LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    say "- libaio: carried, unpacked into $aio"
+  fi
+  export MAX_JOBS=${MAX_JOBS:-16}  # the ops' first build
+  if ! DS_WHY=$("$PY" -c "import deepspeed" 2>&1); then
+    DS_WHY="DeepSpeed is not importable here: $(printf '%s' "$DS_WHY" | tail -n 1)"
+    return 1
+  fi
+  # DeepSpeed 0.19.8 parses each TORCH_CUDA_ARCH_LIST entry as numbers and stops at the image's
+  # "9.0a" (seen on an H200): give it the device's capability as plain numbers
+  local cap
+  case "${TORCH_CUDA_ARCH_LIST:-}" in
+    *[a-z]*|"") cap=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2> /dev/null) &&
+                export TORCH_CUDA_ARCH_LIST=$cap ;;
+  esac
+  return 0
+}
+
 TT=("$PY" -m tiertrain)
