@@ -329,7 +329,10 @@ def report(args, big: dict | None, base: dict, peer: list, peer_tt: list, ds: di
 
 def deepspeed_section(big: dict, ds: dict | None, dtype: str) -> list[str]:
     gib, step = 2**30, med(big["steps"])
-    lines = [f"## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, {dtype}, the same LoRA and batch)", ""]
+    lines = [
+        f"## DeepSpeed ZeRO-3, every parameter on NVMe, + peft (the big model, {dtype}, the same LoRA and batch)",
+        "",
+    ]
     if ds is None:
         lines.append("Not run: no interpreter with DeepSpeed given (--ds-python).")
     elif "error" in ds:
