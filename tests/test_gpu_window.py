@@ -33,6 +33,7 @@ STAGES = [
     "stage6-gds",
     "stage7-speculate",
     "stage8-lora",
+    "stage9-cost-scale",
 ]
 LIMIT_S = 540  # a stage's budget: 9 minutes, inside the machine's 10-minute commands
 
@@ -128,6 +129,9 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
     if name in bench:
         report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
         assert all(want in report for want in bench[name][1]), report
+    if name == "stage9-cost-scale":  # each run's prediction against its steps, gathered at the end
+        tail = text.split("The predictions against the measured steps")[1]
+        assert tail.count("- step time: predicted") == 2, tail
     assert not (machine.base / "nvme" / name).exists()  # scratch removed
 
 
@@ -143,8 +147,8 @@ def test_the_whole_window_runs_in_one_command_within_its_seconds(machine):
         env=machine.env,
         timeout=300,
     )
-    r = run("--seconds", "200", "--stages", "4 9")
-    assert r.returncode == 2 and "all.sh: no stage 9" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    r = run("--seconds", "200", "--stages", "4 12")
+    assert r.returncode == 2 and "all.sh: no stage 12" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "== stage4-deepspeed.sh with 190 s" in r.stdout or "== stage4-deepspeed.sh with 18" in r.stdout
     assert "# GPU window, stage4-deepspeed" in r.stdout and "0 step(s) failed" in r.stdout
     assert (out / "stage4-deepspeed.md").exists() and (machine.base / "out-all.tgz").exists()

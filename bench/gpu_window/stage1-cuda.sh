@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 1 of 8: does tiertrain train on CUDA, and is it exact? At most 9 minutes;
+# GPU window, stage 1 of 9: does tiertrain train on CUDA, and is it exact? At most 9 minutes;
 # worth running alone if the window ends after one command.
 #   1. the machine: Python, PyTorch, CUDA, the device, the packages, kvikio's mode, the scratch drive
 #   2. the default job (built-in GPT, bundled corpus, the one memory budget) on CUDA, 10 steps

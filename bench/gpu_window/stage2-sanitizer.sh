@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 2 of 8: the default model under PyTorch's CUDA sanitizer (races between the
+# GPU window, stage 2 of 9: the default model under PyTorch's CUDA sanitizer (races between the
 # compute, upload and download streams), and device memory and host syncs over 20 steps.
 # (The sanitizer follows the main thread's kernels and copies; the I/O threads' staged copies and
 # device CRCs are outside what it checks.)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 3 of 8: a Llama with every state on the NVMe, bf16, the three update paths
+# GPU window, stage 3 of 9: a Llama with every state on the NVMe, bf16, the three update paths
 # (baseline, overlap, engines) against plain PyTorch with everything in device memory, with the
 # drive's bandwidth and each step's I/O floor measured in the same run (bench/train.py). Then the
 # same on a second shape, as the figures must hold on shapes they were not tuned on.

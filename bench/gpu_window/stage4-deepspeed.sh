@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 4 of 8: tiertrain against DeepSpeed ZeRO-Infinity on the GPU, bf16, states on
+# GPU window, stage 4 of 9: tiertrain against DeepSpeed ZeRO-Infinity on the GPU, bf16, states on
 # the NVMe, same model and data (bench/vs_deepspeed.py), where DeepSpeed is importable; skipped,
 # with the reason, where it is not. It is not in the GPU image, and it is published as source
 # only (its ops built on first use, its NVMe path needing libaio): `bench/gpu_window/wheels.sh

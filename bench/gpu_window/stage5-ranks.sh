@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 5 of 8: ranks on the GPU (each rank a process on the one GPU, the collectives
+# GPU window, stage 5 of 9: ranks on the GPU (each rank a process on the one GPU, the collectives
 # on host memory over Gloo).
 #   1. the GPU test: 2 ranks on CUDA train the 2-rank CPU run's model (tests/test_gpu.py -k ranks)
 #   2. tiertrain train --nproc 2 on CUDA, states on the NVMe, 5 steps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 6 of 8: GPUDirect Storage, where kvikio is importable (carried by wheels.sh):
+# GPU window, stage 6 of 9: GPUDirect Storage, where kvikio is importable (carried by wheels.sh):
 # parameters read from the NVMe straight into GPU memory, checksums verified on the GPU, the same
 # bits as reading through pinned host memory (bench/gpu_window/gds_check.py); then the storage
 # tier on the NVMe (tiertrain bench io; against fio where fio is installed).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 7 of 8: the speculative update (update.speculate = on) against the overlapped path
+# GPU window, stage 7 of 9: the speculative update (update.speculate = on) against the overlapped path
 # and plain PyTorch in device memory, bf16, states beyond 1 GiB of host memory on the drive
 # (bench/speculate.py). Where compute does not share the update's cores (on the 2-core VM it
 # does), this is the figure #35 asks for: the speculative step within 1.15x of max(compute, I/O)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU window, stage 8 of 8: LoRA on a frozen 2.4 B Llama streamed from the drive (bench/lora.py
+# GPU window, stage 8 of 9: LoRA on a frozen 2.4 B Llama streamed from the drive (bench/lora.py
 # --device cuda): tiertrain's step against its I/O floor (two reads of the bf16 base at the
 # rate probed in the same process; #34's goal: within 1.15x) and against DeepSpeed ZeRO-3 with
 # every parameter on NVMe + peft where DeepSpeed is carried (wheels.sh --deepspeed), bf16 compute.
