@@ -228,7 +228,8 @@ def _probe_compute(
     block = next(r for r in model.plan if r.role == "block")
     units = (*layout.units[block.index].borrows, block.index)
     saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}
-    flats = {u: (torch.randn(layout.units[u].numel, device=dev.device) * 0.02).to(dtype) for u in units}
+    # drawn in place in the compute dtype: no unit-sized temporaries (this runs before the pools exist)
+    flats = {u: torch.randn(layout.units[u].numel, device=dev.device, dtype=dtype).mul_(0.02) for u in units}
     d = cfg.data
     x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
     pos = torch.arange(d.seq_len, device=dev.device)

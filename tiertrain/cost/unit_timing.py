@@ -40,8 +40,8 @@ class _Params:
         if u not in self._saved:
             self._saved[u] = [p.param.data for p in rec.params]
         n = rec.numel
-        if n not in self._buf:
-            self._buf[n] = (torch.randn(n, device=self.dev.device) * 0.02).to(self.dtype)
+        if n not in self._buf:  # drawn in place in its dtype: no unit-sized temporaries
+            self._buf[n] = torch.randn(n, device=self.dev.device, dtype=self.dtype).mul_(0.02)
         self.layout.bind(u, self._buf[n])
         return self._buf[n]
 
@@ -62,7 +62,9 @@ class _Params:
 
 
 class _Grads:
-    """The gradient store's calls: buffers bound zeroed at ``begin``, normed at ``end``."""
+    """The gradient store's calls: buffers bound zeroed at ``begin``, normed at ``end``; none
+    for a frozen unit (as ``GradStore``: its parameters form no gradient, and a frozen base's
+    probe holds no unit-sized buffers it never uses)."""
 
     def __init__(self, layout, dev, dtype: torch.dtype) -> None:
         self.layout, self.dev, self.dtype = layout, dev, dtype
@@ -70,6 +72,8 @@ class _Grads:
 
     def begin(self, u: int, bind: bool = True) -> None:
         for x in (u, *self.layout.units[u].borrows):
+            if self.layout.units[x].frozen:
+                continue
             n = self.layout.units[x].numel
             buf = self._buf.get(n)
             if buf is None:
@@ -78,7 +82,9 @@ class _Grads:
             if bind:
                 self.layout.bind_grads(x, buf)
 
-    def views(self, u: int) -> list[torch.Tensor]:
+    def views(self, u: int) -> list[torch.Tensor] | None:
+        if self.layout.units[u].frozen:
+            return None
         buf = self._buf[self.layout.units[u].numel]
         return [rec.view(buf) for rec in self.layout.units[u].params]
 
@@ -86,6 +92,8 @@ class _Grads:
         pass
 
     def end(self, u: int) -> None:
+        if self.layout.units[u].frozen:
+            return
         buf = self._buf[self.layout.units[u].numel]
         views = [rec.view(buf) for rec in self.layout.units[u].params]
         if views:
