@@ -172,6 +172,8 @@ def test_the_builtin_job_streams_its_states_and_says_so(tmp_path):
     held = sum(getattr(out.memory, f) * MIB for f in plan.demand)
     assert 0 < held <= states // 4 < states  # three quarters of its states on the storage tier
     assert plan.host_used <= plan.host_bytes
+    # a training step holds initialisation's working set: no room of it goes to kept activations
+    assert plan.step_working == plan.fixed["working set"] and plan.shared_acts == 0
     (tmp_path / "x.txt").write_text("some text of one's own\n" * 100)
     for flag in ("--model.n_layers=2", f"--data.corpus={tmp_path / 'x.txt'}", "--adapter.kind=lora"):
         other = load_config(None, [f"--io.paths={tmp_path / 'ssd'}", flag])

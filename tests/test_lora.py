@@ -525,7 +525,8 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
     its source's tensor; no gradient of the model is ever formed), not training's four; a bf16
     base is widened inside its slots (no staging pool); a budget short of the default pools
     lowers the buffers, then the slots to two, and says so. Its steps hold none of those units, so
-    the heap is trimmed only once the process nears its budget less their activations. Measured:
+    the heap is trimmed only once the process nears its budget less their activations, and the kept
+    activations may take initialisation's units' room. Measured:
     the process grows by less than the budget (from after the libraries' imports), and less in
     the planner's probes than in the steps, on a model whose largest unit is its 32000 x 512
     vocabulary matrix."""
@@ -551,6 +552,11 @@ def test_a_frozen_runs_fixed_memory_is_two_units_and_a_short_budget_takes_a_slot
     assert "upcast staging" not in fixed and fixed["gradient buffers"] == 0
     assert any("memory.device_slots 3 -> 2 slots" in line for line in out["lines"])
     assert out["used"] <= 420 * MIB and out["growth"] <= 420 * MIB, out["growth"] / MIB
+    # the kept activations take the room of initialisation's units too (no step holds them), and
+    # the process still grows by less than its budget
+    kept = next(line for line in out["lines"] if "kept activations:" in line).split()
+    assert kept[2] == kept[4] != "0"  # all of them kept ("N of N MiB")
+    assert any("kept activations in the working set's room that only initialisation holds" in x for x in out["lines"])
     # the steps set the peak, not the planner's probes (a budget to fill: the machine measured),
     # which hold no gradient buffer for a frozen unit and no unit-sized temporaries (they did:
     # 241 MiB here, the run's peak; now 162 against the steps' 214)

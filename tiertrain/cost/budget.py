@@ -174,12 +174,17 @@ class BudgetPlan:
     act_bytes: int = 0  # one pair's saved activations (kept), as measured or estimated
     record_bytes: int = 0  # one pair's record of offloaded activations (0: not measured, or no room)
     step_working: int = 0  # of the working set, what a training step's unit step holds (the heap trim's room)
+    # kept activations in the working set's room that initialisation alone holds (its units: a
+    # step never does, and activations are kept only in steps), on the host; counted once
+    shared_acts: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def host_used(self) -> int:
-        return sum(self.fixed.values()) + sum(
-            v for k, v in self.given.items() if not (self.device_acts and k == "keep_act_mib")
+        return (
+            sum(self.fixed.values())
+            + sum(v for k, v in self.given.items() if not (self.device_acts and k == "keep_act_mib"))
+            - self.shared_acts
         )
 
     def lines(self) -> list[str]:
@@ -197,6 +202,11 @@ class BudgetPlan:
             how = "planned" if f in self.planned else "set"
             why = f", {self.value[f]:.2f} s/step saved per GiB" if f in self.value else ""
             out.append(f"  {PLANNED[f]}: {got / MIB:,.0f} of {need / MIB:,.0f} MiB in memory (memory.{f}, {how}{why})")
+        if self.shared_acts:
+            out.append(
+                f"  of which {self.shared_acts / MIB:,.0f} MiB of kept activations in the working set's room that only "
+                "initialisation holds (a step holds none of its units)"
+            )
         out.append(f"  in all {used / GIB:.2f} GiB of {self.host_bytes / GIB:.2f} GiB")
         return out + [f"  {n}" for n in self.notes]
 
@@ -463,6 +473,9 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
             needed=host - left,
         )
     given = dict(explicit)
+    # initialisation's units, which no step holds: room the kept activations (only ever held in
+    # steps) may take too, beyond what is left
+    shared = 0 if device_acts else fixed["working set"] - plan.step_working
     if todo:
         host_todo = [f for f in todo if f in host_need]
         if sum(host_need[f] for f in host_todo) > left:  # not everything fits: rank by benefit per byte
@@ -471,8 +484,11 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
             plan.value = {f: v * GIB for f, v in val.items()}
             host_todo.sort(key=lambda f: -val[f])
         for f in host_todo:
-            given[f] = min(host_need[f], max(0, left))
-            left -= given[f]
+            extra = shared if f == "keep_act_mib" else 0
+            given[f] = min(host_need[f], max(0, left) + extra)
+            if extra:
+                plan.shared_acts = min(given[f], extra)
+            left -= given[f] - min(given[f], extra)
         if device_acts and "keep_act_mib" in todo:
             given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
     plan.given = given
