@@ -18,7 +18,7 @@ from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
 import pathlib
-cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=512, heads=8, micro_batches=2, steps=2,
+cfg = small_config(pathlib.Path(sys.argv[1]), layers=12, d=512, heads=8, micro_batches=2, steps=2,
                    update_kib=1024, slots=3, keep_act_mib=int(sys.argv[3]))
 from tiertrain.training.trainer import Trainer
 base = host_rss()
@@ -49,9 +49,11 @@ def test_states_live_on_disk_and_rss_stays_within_pools(tmp_path, keep_mib):
     host budgets: the process's peak RSS grows by at most the fixed pools, plus 4 times the
     largest unit (initialisation holds one unit's tensors and a flat copy; autograd holds one
     unit's gradients and temporaries), plus 96 MiB (activations of a micro-batch, allocator
-    slack, I/O thread arenas). Measured here: growth 119-197 MiB (the heap trimmed only near the
-    budget, here half the machine's memory), allowance ~210 MiB, states 393 MiB. With kept
-    graphs the allowance grows by their budget, and what they held stays within it."""
+    slack, I/O thread arenas). Measured here: growth 160-175 MiB alone, 200 with the suite
+    running beside it (the heap trimmed only near the budget, here half the machine's memory),
+    allowance ~210 MiB, states 582 MiB (12 blocks: with 8, 389 MiB, the growth under load went
+    past half of them). With kept graphs the allowance grows by their budget, and what they held
+    stays within it."""
     here = os.path.dirname(__file__)
     r = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path), here, str(keep_mib)], capture_output=True, text=True, timeout=600
