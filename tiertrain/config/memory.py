@@ -98,10 +98,9 @@ class MemoryConfig(Section):
         "Give the C library's freed heap pages back to the system after a unit step once the "
         "process has grown past its budget less the working set of a step's unit step (glibc "
         "malloc_trim): otherwise what one unit step freed stays in the process, fragmented, and the "
-        "peak RSS exceeds the budget "
-        "(measured: 150-200 MiB at d_model 2048, M = 32). Only where needed: the pages given back are "
-        "faulted in again by the next unit step (20-40% of a small in-memory step when trimmed after "
-        "every one). No effect where the C library has no malloc_trim.",
+        "peak RSS exceeds the budget (measured: 150-200 MiB at d_model 2048, M = 32). Only where "
+        "needed: the pages given back are faulted in again by the next unit step (20-40% of a small "
+        "in-memory step when trimmed after every one). No effect where the C library has no malloc_trim.",
     )
     kv_host_mib: int | None = opt(
         None,

@@ -486,9 +486,9 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
         for f in host_todo:
             extra = shared if f == "keep_act_mib" else 0
             given[f] = min(host_need[f], max(0, left) + extra)
-            if extra:
-                plan.shared_acts = min(given[f], extra)
-            left -= given[f] - min(given[f], extra)
+            in_shared = min(given[f], extra)
+            plan.shared_acts += in_shared
+            left -= given[f] - in_shared
         if device_acts and "keep_act_mib" in todo:
             given["keep_act_mib"] = _device_keep(cfg, rt, need["keep_act_mib"], act)
     plan.given = given
