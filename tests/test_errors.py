@@ -366,3 +366,63 @@ def test_a_corrupt_checkpoints_hint_names_the_newest_intact_one_and_works_as_pri
     cmd = shlex.split(re.search(r"`(tiertrain train [^`]*)`", line).group(1))
     assert cmd == ["tiertrain", "train", "--resume", str(cks[0])]
     assert main([*cmd[1:], "--train.steps=4"]) == 0
+
+
+def test_non_finite_settings_are_refused_and_a_non_finite_loss_stops_the_run_unsaved(tmp_path, capsys, monkeypatch):
+    """nan and inf are refused for every float field (nan passed every range check); a step
+    whose loss (or gradient norm) is not finite ends the run at that step, one line, with the
+    last good checkpoint kept as the newest and nothing of that step saved; a loss rising over
+    10x its lowest warns once."""
+    import math
+
+    from tiertrain.training.trainer import Trainer
+
+    for flag in ("--optim.weight_decay=nan", "--optim.grad_clip=nan", "--optim.lr=inf", "--adapter.alpha=-inf"):
+        line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), flag], 2)
+        assert f"{flag[2:].replace('=', ' = ')}: expected a finite number" in line, line
+    nothing_left(tmp_path)
+    losses = iter([5.0, 4.0, 41.0, 50.0, math.nan, 3.0])
+    step = Trainer.train_step
+
+    def poisoned(self):
+        rec = step(self)
+        rec.loss = next(losses)  # the loss the step line, the guard and the metrics see
+        return rec
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=2", steps=6)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("the run may be diverging") == 1, err
+    assert "step 3: the loss 41.0000 is over 10x its lowest so far (4.0000 at step 2)" in err, err
+    (line,) = [x for x in err.splitlines() if x.startswith("tiertrain:")]
+    assert line.startswith("tiertrain: step 5: the loss nan is not finite; the run stopped without saving this step")
+    assert f"(the last checkpoint is {run / 'checkpoints' / 'step-00000004'}" in line, line
+    from tiertrain.checkpoint import list_checkpoints
+
+    assert [os.path.basename(p) for p in list_checkpoints(str(run / "checkpoints"))] == [
+        "step-00000002",
+        "step-00000004",
+    ]
+    assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    monkeypatch.undo()
+
+
+def test_a_nan_in_the_weights_stops_at_the_first_step(tmp_path, capsys, caplog):
+    """A real non-finite value (a NaN weight given by model.init_from): step 1 ends the run,
+    no checkpoint is written, not even the final one."""
+    from safetensors.torch import load_file, save_file
+
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    assert main(["train", *tiny_flags(tmp_path / "a", steps=1)]) == 0
+    out = export_checkpoint(str(tmp_path / "a" / "run"), str(tmp_path / "w"))
+    shard = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))[1]
+    tensors = load_file(os.path.join(out, shard))
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+    capsys.readouterr()
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path / "b", f"--model.init_from={out}", steps=3)], 1)
+    assert line.startswith("tiertrain: step 1: the loss nan and the gradient norm nan are not finite"), line
+    assert not os.path.exists(tmp_path / "b" / "run" / "checkpoints")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -77,7 +78,10 @@ class Section:
         raise ConfigError(f"{self.SECTION}.{name} = {getattr(self, name)!r}: {why}")
 
     def _at_least(self, name: str, low: float) -> None:
-        if getattr(self, name) < low:
+        value = getattr(self, name)
+        if isinstance(value, float) and not math.isfinite(value):  # nan < low is False: caught here
+            self._fail(name, "must be a finite number")
+        if value < low:
             self._fail(name, f"must be >= {low}")
 
     def _in_range(self, name: str, low: float, high: float) -> None:

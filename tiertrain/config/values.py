@@ -4,6 +4,7 @@ type its field declares, or a ``ConfigError`` naming the field, the value and wh
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -51,9 +52,12 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{name} = {value!r}: expected an integer") from None
     if typ is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} = {value!r}: expected a number") from None
+        if not math.isfinite(number):  # nan passes every range check (each comparison is False)
+            raise ConfigError(f"{name} = {value!r}: expected a finite number")
+        return number
     if typ is str:
         return str(value)
     return value

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -27,7 +28,15 @@ from ..activations.policy import policy_for
 from ..activations.stash import HiddenStash
 from ..adapters import ADAPTER_FILE, AdapterUpdate
 from ..adapters.train import same_adapter_config
-from ..checkpoint import CheckpointIO, Manifest, SaveResult, clean_incomplete, list_checkpoints, read_tensors
+from ..checkpoint import (
+    CheckpointIO,
+    Manifest,
+    SaveResult,
+    clean_incomplete,
+    list_checkpoints,
+    read_tensors,
+    set_aside_damaged,
+)
 from ..config import Config, ConfigError
 from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
@@ -47,6 +56,7 @@ from ..state.grads import GradStore, accum_dtype_for
 from ..update import UPDATES, Update
 from ..update.lr import lr_at
 from .checkpoints import Checkpoints
+from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
@@ -158,6 +168,8 @@ class Trainer:
                 )
             for path in clean_incomplete(self.checkpoint_root):
                 log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
+            for was, now in set_aside_damaged(self.checkpoint_root):
+                log.warning("%s has no manifest (a damaged checkpoint, never loaded): moved to %s", was, now)
         for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
             log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
 
@@ -479,6 +491,8 @@ class Trainer:
             progress = cfg.train.progress and sys.stderr.isatty()
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite)
+        elif self.group.leader:  # a checkpoint of another run directory: this one must hold no run
+            self.rundir.take_over(resume, cfg.train.overwrite)
         with StopFlag(announce=self.group.leader) as stop:  # rank 0 speaks for the ranks
             if resume is not None:
                 self.restore(resume)
@@ -511,14 +525,17 @@ class Trainer:
         cfg, ck = self.cfg, self.cfg.checkpoint
         pred = self.predict() if cfg.train.predict else None
         log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
+        guard = LossGuard()
         with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
             while self.step < cfg.train.steps and not stop.set:
                 rec = self.train_step()
                 metrics.add(rec)
                 bar.update()
                 bar.set_postfix(loss=f"{rec.loss:.3f}")
-                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps:
+                finite = math.isfinite(rec.loss) and math.isfinite(rec.grad_norm)
+                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps or not finite:
                     log.info(rec.line(cfg.train.steps))
+                guard.check(rec.step, rec.loss, rec.grad_norm)  # before any save: a non-finite step is never kept
                 if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
                     log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
                 if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
