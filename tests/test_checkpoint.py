@@ -319,8 +319,8 @@ def test_export_builtin_then_init_from(tmp_path):
 
 @pytest.mark.slow
 def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tokenizer(tmp_path):
-    """Into a directory that holds an old model.safetensors: refused; with overwrite the
-    directory is replaced whole (from_pretrained would otherwise load the old file). The
+    """Into a directory that holds an earlier export: refused; with overwrite the directory
+    is replaced whole (its old shards would otherwise lie beside the new ones). The
     tokenizer files of the model's directory come along. A damaged checkpoint leaves the
     target as it was and nothing beside it."""
     from tiertrain.checkpoint.export import export_checkpoint
@@ -340,13 +340,14 @@ def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tok
         res = tr.save_checkpoint()
     out = tmp_path / "out"
     out.mkdir()
-    (out / "model.safetensors").write_text("old weights")
+    (out / "model-00009-of-00009.safetensors").write_text("old weights")  # an earlier export's
+    (out / "tiertrain.json").write_text("{}")
     with pytest.raises(
         CheckpointError, match=rf"export --out {out} is not empty; give a new directory, or --overwrite"
     ):
         export_checkpoint(res.path, str(out))
     export_checkpoint(tr.cfg.train.run_dir, str(out), overwrite=True)  # a run directory: its latest checkpoint
-    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").exists()
+    assert not (out / "model-00009-of-00009.safetensors").exists() and (out / "model.safetensors.index.json").exists()
     assert (out / "tokenizer.json").read_text() == '{"fake": "tokenizer"}' and (out / "tokenizer_config.json").exists()
     damage(os.path.join(res.path, "params.bin"), "flip")
     before = sorted(os.listdir(out))

@@ -10,13 +10,15 @@ parameters in their own precision.
 
 Complete or absent: everything is written into a hidden directory beside ``out`` and
 renamed into place once every shard is written and the checkpoint's checksum has matched;
-a failure leaves ``out`` as it was. ``out`` must be new or empty unless ``overwrite``.
+a failure leaves ``out`` as it was. ``out`` must be new or empty, or with ``overwrite`` an
+earlier export (only files an export writes); never the checkpoint or a directory that holds it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -45,10 +47,7 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False, merge: bo
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise CheckpointError(
-            f"export --out {out} is not empty; give a new directory, or --overwrite to replace what it holds"
-        )
+    _check_out(path, out, overwrite)
     man = Manifest.read(path)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -66,6 +65,41 @@ def export_checkpoint(path: str, out: str, *, overwrite: bool = False, merge: bo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# what an export writes (and so what --overwrite may replace): besides these, the shards and
+# the tokenizer's files (TOKENIZER_FILES)
+_EXPORT_FILES = {"tiertrain.json", "config.json", "generation_config.json", "model.safetensors.index.json"}
+_EXPORT_FILES |= {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _check_out(checkpoint: str, out: str, overwrite: bool) -> None:
+    """``out`` may take the export: new or empty, or (``overwrite``) an earlier export, and
+    never the checkpoint, its run or anything holding them: ``--overwrite`` replaces only
+    what an export wrote."""
+    src, dst = os.path.realpath(checkpoint), os.path.realpath(out)
+    if src == dst or src.startswith(dst + os.sep) or dst.startswith(src + os.sep):
+        raise CheckpointError(
+            f"export --out {out} is or holds the checkpoint being exported ({checkpoint}); give another directory"
+        )
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"export --out {out} is not empty; give a new directory, or --overwrite to replace an earlier export there"
+        )
+    foreign = sorted(n for n in os.listdir(out) if not _exported(n))
+    if foreign or not os.path.isfile(os.path.join(out, "tiertrain.json")):
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "") if foreign else "no tiertrain.json"
+        raise CheckpointError(
+            f"export --out {out} is not an earlier export ({shown}); --overwrite replaces only what an export "
+            "wrote: give a new or empty directory"
+        )
+
+
+def _exported(name: str) -> bool:
+    return name in _EXPORT_FILES or name in TOKENIZER_FILES or bool(_SHARD.match(name))
 
 
 @dataclass
