@@ -106,3 +106,133 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path, capsys):
     assert main(["train", *flags]) == 1
     assert "is not a tiertrain token file" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["none.tokens"]
+
+
+# -- round three (issue 49): nothing of another run is ever written over ------------------------------------
+
+
+def tree_bytes(root):
+    """Every file under ``root`` by relative path, with its bytes (the lock file aside: a run
+    that releases a directory rewrites its record)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            if n != ".tiertrain.lock":
+                p = os.path.join(d, n)
+                out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+def test_a_copied_run_resumes_into_the_copy_and_leaves_the_original_byte_identical(tmp_path, capsys):
+    """`cp -a runs/A runs/B; --resume runs/B/checkpoints/step-2`: B continues (its later course
+    replaced, its metrics continued), A is byte-identical. A run directory moved whole resumes
+    in its new place too, by the API as by the command."""
+    import shutil
+
+    import tiertrain
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=2", f"--train.run_dir={a}", steps=4)]) == 0
+    shutil.copytree(a, b, symlinks=True)
+    before = tree_bytes(a)
+    assert main(["train", f"--resume={b / 'checkpoints' / 'step-00000002'}", "--optim.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    assert tree_bytes(a) == before
+    assert f"the run directory {a} was copied or moved to {b}: the resumed run writes there" in err, err
+    assert steps_in(b) == [1, 2, 3, 4] and names(b / "checkpoints") == ["step-00000002", "step-00000004"]
+    assert Manifest.read(str(b / "checkpoints" / "step-00000004")).config["train"]["run_dir"] == str(b)
+    assert Manifest.read(str(b / "checkpoints" / "step-00000004")).config["optim"]["lr"] == 1e-3
+    c = tmp_path / "C"
+    shutil.move(b, c)
+    before_b = tree_bytes(c)
+    tiertrain.train(None, "--train.steps=5", resume=str(c))  # the API: the same placement
+    assert not b.exists() and tree_bytes(a) == before
+    assert steps_in(c) == [1, 2, 3, 4, 5] and names(c / "checkpoints") == ["step-00000004", "step-00000005"]
+    gone = before_b.keys() - tree_bytes(c).keys()
+    assert gone == {k for k in before_b if k.startswith("checkpoints/step-00000002/")}  # keep = 2: no other loss
+
+
+def test_a_run_resumed_into_another_run_directory_is_refused_where_that_holds_a_run(tmp_path, capsys):
+    """--train.run_dir names where a resumed run writes: refused where it holds another run
+    (that run untouched), taken where it is new. A stored train.overwrite is never inherited.
+    Checkpoints kept outside the run directory (checkpoint.dir) and moved: the run directory
+    must be named (never the stored one)."""
+    a, d, e = tmp_path / "A", tmp_path / "D", tmp_path / "E"
+    flags = tiny_flags(tmp_path, f"--train.run_dir={a}", "--train.overwrite=true", steps=2)
+    assert main(["train", *flags]) == 0
+    assert main(["train", *tiny_flags(tmp_path, f"--train.run_dir={d}", steps=1)]) == 0
+    capsys.readouterr()
+    before_a, before_d = tree_bytes(a), tree_bytes(d)
+    assert main(["train", f"--resume={a}", f"--train.run_dir={d}", "--train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert f"tiertrain: train.run_dir {d} already holds a run (step-00000001, metrics.jsonl, config.json)" in err, err
+    assert tree_bytes(a) == before_a and tree_bytes(d) == before_d
+    assert main(["train", f"--resume={a}", f"--train.run_dir={e}", "--train.steps=3"]) == 0
+    assert tree_bytes(a) == before_a and names(e / "checkpoints") == ["step-00000003"] and steps_in(e) == [3]
+    # checkpoints in a directory of their own, moved: the run directory is not guessed
+    ck, moved = tmp_path / "ck", tmp_path / "ck-moved"
+    flags = tiny_flags(tmp_path, f"--train.run_dir={tmp_path / 'F'}", f"--checkpoint.dir={ck}", steps=2)
+    assert main(["train", *flags]) == 0
+    os.rename(ck, moved)
+    capsys.readouterr()
+    assert main(["train", f"--resume={moved}", "--train.steps=3"]) == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint directory {moved} is not where its run wrote it ({ck})" in err and "--train.run_dir" in err
+    assert main(["train", f"--resume={moved}", f"--train.run_dir={tmp_path / 'G'}", "--train.steps=3"]) == 0
+    assert names(moved) == ["step-00000002", "step-00000003"] and not ck.exists()
+
+
+def test_damaged_metrics_lines_and_a_checkpoint_without_manifest_are_kept_and_named(tmp_path, capsys):
+    """A damaged line of metrics.jsonl and the records of a later course are moved to
+    metrics.dropped.jsonl, not dropped; a newest step directory without a manifest is moved
+    aside (damaged-step-...) with a warning, never overwritten by the save of its step."""
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=2", "--checkpoint.keep=3", steps=6)]) == 0
+    lines = open(run / "metrics.jsonl", "rb").read().splitlines(keepends=True)
+    lines[1] = b'{"step": 2, "loss": 5.1, "tok\x00\xff garbage\n'
+    open(run / "metrics.jsonl", "wb").writelines(lines)
+    newest = run / "checkpoints" / "step-00000006"
+    os.remove(newest / "manifest.json")
+    kept = {n: (newest / n).read_bytes() for n in os.listdir(newest)}
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--train.steps=7"]) == 0
+    err = capsys.readouterr().err
+    aside = run / "checkpoints" / "damaged-step-00000006"
+    assert f"{newest} has no manifest (a damaged checkpoint, never loaded): moved to {aside}" in err, err
+    assert {n: (aside / n).read_bytes() for n in os.listdir(aside)} == kept
+    assert f"{run / 'metrics.jsonl'}: 1 damaged line(s) (line 2) are not step records; moved to" in err, err
+    dropped = open(run / "metrics.dropped.jsonl", "rb").read().splitlines(keepends=True)
+    assert dropped == [lines[4], lines[5], lines[1]]  # steps 5 and 6 (a later course than step 4), the damaged line
+    assert steps_in(run) == [1, 3, 4, 5, 6, 7]
+    assert names(run / "checkpoints") == ["step-00000004", "step-00000006", "step-00000007"]
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, capsys, monkeypatch):
+    """--out naming the run, its checkpoint or a directory that holds them is refused, with or
+    without --overwrite; --overwrite into a directory holding files an export did not write
+    (the working directory) is refused, everything left as it was; into an earlier export it
+    replaces that export."""
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    ck = run / "checkpoints" / "step-00000001"
+    (tmp_path / "notes.txt").write_text("mine")
+    before = tree_bytes(tmp_path)
+    capsys.readouterr()
+    for out in (run, ck, tmp_path, run / "checkpoints"):
+        rc = main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"])
+        err = capsys.readouterr().err
+        assert rc == 1 and f"tiertrain: export --out {out} is or holds the checkpoint being exported" in err, err
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # not the source: a directory of other files
+    (tmp_path / "work" / "mine.bin").write_bytes(b"x")
+    before = tree_bytes(tmp_path)
+    assert main(["export", f"--checkpoint={run}", "--out=.", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert f"tiertrain: export --out {tmp_path / 'work'} is not an earlier export (mine.bin)" in err, err
+    assert tree_bytes(tmp_path) == before
+    out = tmp_path / "exported"
+    assert main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
+    (out / "model-00007-of-00007.safetensors").write_bytes(b"stale")
+    assert main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"]) == 0
+    assert not (out / "model-00007-of-00007.safetensors").exists() and (out / "tiertrain.json").exists()
+    assert tree_bytes(run) == {k[len("run/") :]: v for k, v in before.items() if k.startswith("run/")}

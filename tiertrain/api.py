@@ -54,10 +54,13 @@ def train(
 
     if resume is not None:
         from .checkpoint import Manifest, find_checkpoint
+        from .config import parse_overrides
+        from .training.rundir import resumed_tree
 
         resume = find_checkpoint(resume, "resume")  # a run directory: its latest checkpoint
-        if config is None:  # the checkpoint's own config, the overrides on top
-            config = Manifest.read(resume).config
+        if config is None:  # the checkpoint's own config where it now is, the overrides on top
+            config = resumed_tree(Manifest.read(resume).config, resume, parse_overrides(overrides))
+            overrides = ()
     cfg = as_config(config, overrides)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)

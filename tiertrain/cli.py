@@ -193,25 +193,30 @@ def _user_facing(exc: BaseException) -> bool:
 def _resume_target(where: str, config: str | None, overrides: Sequence[str], flag: str = "--resume"):
     """The checkpoint to resume (a checkpoint dir, a run dir, or 'latest') and the run's
     config: the checkpoint's own, with the given file and flags applied on top. ``flag``: the
-    option the user gave it with (named in errors)."""
+    option the user gave it with (named in errors); ``--resume`` (training) also places the run
+    where the checkpoint now is (``resumed_tree``), never where its stored paths point."""
     from .checkpoint import Manifest, find_checkpoint
     from .config import Config, parse_overrides
+    from .training.rundir import resumed_tree
 
     if where == "latest":
         base = load_config(config, overrides)
         where = base.checkpoint_root
     path = find_checkpoint(where, flag)
-    man = Manifest.read(path)
-    tree = man.config
+    given: dict = {}
     if config is not None:  # only what the file sets overrides the checkpoint's config
         import tomllib
 
         with open(config, "rb") as f:
-            for section, values in tomllib.load(f).items():
-                tree.setdefault(section, {}).update(values)
+            given = {s: dict(v) if isinstance(v, dict) else v for s, v in tomllib.load(f).items()}
     for section, values in parse_overrides(overrides).items():
-        tree.setdefault(section, {}).update(values)
-    return path, Config.from_dict(tree)
+        given.setdefault(section, {}).update(values)
+    stored = Manifest.read(path).config
+    if flag == "--resume":
+        return path, Config.from_dict(resumed_tree(stored, path, given))
+    for section, values in given.items():
+        stored.setdefault(section, {}).update(values)
+    return path, Config.from_dict(stored)
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:

@@ -8,6 +8,7 @@ from .manifest import (
     intact_checkpoint,
     latest_checkpoint,
     list_checkpoints,
+    set_aside_damaged,
     step_of,
     verify_checkpoint,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "intact_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "set_aside_damaged",
     "step_of",
     "verify_checkpoint",
     "read_tensors",

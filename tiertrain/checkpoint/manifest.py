@@ -159,6 +159,25 @@ def clean_incomplete(root: str) -> list[str]:
     return gone
 
 
+def set_aside_damaged(root: str) -> list[tuple[str, str]]:
+    """Move the directories under ``root`` named like checkpoints but without a manifest (a
+    damaged checkpoint: ``list_checkpoints`` skips them, and a save of their step would replace
+    them) to ``damaged-step-NNNNNNNN[-k]`` beside them; return (was, now) for each."""
+    if not os.path.isdir(root):
+        return []
+    moved = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if _NAME.match(name) and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+            new, k = os.path.join(root, f"damaged-{name}"), 1
+            while os.path.exists(new):
+                k += 1
+                new = os.path.join(root, f"damaged-{name}-{k}")
+            os.rename(path, new)
+            moved.append((path, new))
+    return moved
+
+
 def step_of(checkpoint: str) -> int:
     """The step a checkpoint directory ``step-NNNNNNNN`` holds, by its name."""
     m = _NAME.match(os.path.basename(os.path.normpath(checkpoint)))

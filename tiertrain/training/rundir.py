@@ -4,22 +4,31 @@ A run directory belongs to one run at a time (a ``DirLock``: a second run starte
 is refused, naming the holder). A new run into a directory that holds another run's work
 is refused unless asked: ``--resume`` continues that run, ``train.overwrite`` deletes its
 checkpoints and metrics first. After a resume, ``metrics.jsonl`` keeps the records up to
-the checkpoint's step and continues from there, so no step appears twice.
+the checkpoint's step and continues from there, so no step appears twice; what it drops (a
+later course's records, a damaged line) is moved to ``metrics.dropped.jsonl``, never lost.
+
+A resumed run writes where its checkpoint now is, never where the checkpoint's stored
+(absolute) paths point: a run directory that was copied or moved is continued in its new
+place (``resumed_tree``), and a run resumed into another directory (``--train.run_dir``)
+that holds a run of its own is refused (``RunDir.take_over``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
 from ..checkpoint import list_checkpoints
 from ..io.scratch import DirInUseError, DirLock
 
-__all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG"]
+__all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree"]
 
+log = logging.getLogger("tiertrain")
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
+DROPPED = "metrics.dropped.jsonl"  # what a resume took out of metrics.jsonl
 
 
 class RunDirError(DirInUseError):
@@ -71,26 +80,66 @@ class RunDir:
                 os.remove(p)
 
     def continue_metrics(self, step: int) -> int:
-        """Keep the metrics of steps up to ``step`` (a resumed checkpoint's) and drop the rest,
-        including a line cut short by a crash; return how many records were kept."""
+        """Keep the metrics of steps up to ``step`` (a resumed checkpoint's); move the rest (a
+        later course of the run, a damaged line, one cut short by a crash) to ``DROPPED``,
+        saying so. Return how many records were kept."""
         if not os.path.exists(self.metrics_path):
             return 0
-        kept = []
+        kept, later, damaged = [], [], []
         with open(self.metrics_path, "rb") as f:
-            for raw in f:
+            for n, raw in enumerate(f, 1):
+                line = raw.rstrip(b"\n") + b"\n"
                 try:
                     rec = json.loads(raw)
                 except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
-                    kept.append(raw.rstrip(b"\n") + b"\n")
+                    rec = None
+                if not (isinstance(rec, dict) and isinstance(rec.get("step"), int)):
+                    damaged.append((n, line))
+                elif rec["step"] <= step:
+                    kept.append(line)
+                else:
+                    later.append(line)
+        if later or damaged:
+            self._set_aside(step, later, damaged)
         tmp = self.metrics_path + f".tmp{os.getpid()}"
         with open(tmp, "wb") as f:
             f.writelines(kept)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.metrics_path)
+        os.replace(tmp, self.metrics_path)  # after the dropped lines are safe in DROPPED
         return len(kept)
+
+    def _set_aside(self, step: int, later: list[bytes], damaged: list[tuple[int, bytes]]) -> None:
+        path = os.path.join(self.path, DROPPED)
+        with open(path, "ab") as f:
+            f.writelines([*later, *(line for _, line in damaged)])
+            f.flush()
+            os.fsync(f.fileno())
+        if damaged:
+            lines = ", ".join(str(n) for n, _ in damaged[:5]) + (", ..." if len(damaged) > 5 else "")
+            log.warning(
+                "%s: %d damaged line(s) (line %s) are not step records; moved to %s",
+                self.metrics_path,
+                len(damaged),
+                lines,
+                path,
+            )
+        if later:
+            log.info(
+                "%s: the %d record(s) of steps after %d (a later course of the run) moved to %s",
+                self.metrics_path,
+                len(later),
+                step,
+                path,
+            )
+
+    def take_over(self, checkpoint: str, overwrite: bool) -> None:
+        """Before a run resumed from ``checkpoint``: where the checkpoint is not one of this run
+        directory's own, the directory must hold no other run (``overwrite``: delete it)."""
+        if _same(os.path.dirname(os.path.normpath(checkpoint)), self.checkpoint_root):
+            return  # the run continues in its own directory
+        log.info("resuming %s into run directory %s", checkpoint, self.path)
+        self.start_fresh(overwrite)
 
     def write_config(self, tree: dict) -> None:
         tmp = self.config_path + f".tmp{os.getpid()}"
@@ -103,3 +152,63 @@ class RunDir:
         leaves no directory behind (when it made it)."""
         empty = remove_if_empty and not self.holds_a_run()
         self.lock.release(remove=empty)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _under(path: str, root: str) -> str | None:
+    """``path`` relative to ``root`` where it lies within it ('.' for ``root`` itself), else None."""
+    rel = os.path.relpath(path, root)
+    return None if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
+def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
+    """The config a run resumed from ``checkpoint`` runs with: its ``stored`` config tree, the
+    user's sections ``given`` (a file's and flags') on top, and its run directory where the
+    checkpoint now is. A checkpoint whose run directory was copied or moved continues in the
+    new place (checkpoints, metrics, and a scratch directory that lay inside the run directory
+    move with it); one that cannot be placed so needs ``--train.run_dir``. ``train.overwrite``
+    is never taken from the stored config (it would delete the work of whatever directory the
+    resumed run names)."""
+    tree = {section: dict(values) for section, values in stored.items() if isinstance(values, dict)}
+    train, ck = tree.setdefault("train", {}), tree.setdefault("checkpoint", {})
+    train["overwrite"] = False
+    run_dir, ck_dir = train.get("run_dir"), ck.get("dir")
+    if run_dir:
+        root = ck_dir or os.path.join(run_dir, "checkpoints")
+        here = os.path.dirname(os.path.abspath(os.path.normpath(checkpoint)))
+        if not _same(root, here):
+            _move(tree, run_dir, root, here, "run_dir" in given.get("train", {}))
+    for section, values in given.items():
+        tree.setdefault(section, {}).update(values)
+    return tree
+
+
+def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -> None:
+    """The run's directories moved: its checkpoints were in ``root`` and are now in ``here``."""
+    rel = _under(root, run_dir)  # where the checkpoints lay within the run directory ("checkpoints")
+    new_run = None
+    if rel == ".":
+        new_run = here
+    elif rel is not None and here.endswith(os.sep + rel):
+        new_run = here[: -len(rel) - 1]
+    if tree["checkpoint"].get("dir"):
+        tree["checkpoint"]["dir"] = here  # next to the checkpoint resumed, never the old place
+    if new_run is None:
+        if not run_dir_given:
+            raise RunDirError(
+                f"checkpoint directory {here} is not where its run wrote it ({root}), and not within a run "
+                f"directory as it was there; give the resumed run's directory with --train.run_dir (it is "
+                f"never {run_dir} unless named)"
+            )
+        return
+    for i, p in enumerate(paths := list(tree.get("io", {}).get("paths") or [])):
+        inside = _under(p, run_dir)  # a scratch directory within the run directory moves with it
+        if inside is not None:
+            paths[i] = os.path.normpath(os.path.join(new_run, inside))
+    if paths:
+        tree["io"]["paths"] = paths
+    tree["train"]["run_dir"] = new_run
+    log.info("the run directory %s was copied or moved to %s: the resumed run writes there", run_dir, new_run)
