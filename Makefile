@@ -43,9 +43,19 @@ lint: $(STAMP)
 	@# (pyproject.toml's [tool.mypy])
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
+# Every stage runs whatever an earlier one gave (a lint error or a failed parallel test never
+# hides the serial tests' result); each stage's status is printed, and make fails if any failed
+# (pytest's 5, no test selected, is not a failure: PYTEST_ARGS may select a part).
+test: $(STAMP)
+	@lint=0; par=0; ser=0; \
+	$(MAKE) --no-print-directory lint || lint=$$?; \
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial" $(PYTEST_ARGS) || par=$$?; \
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || ser=$$?; \
+	[ $$par = 5 ] && par=0; [ $$ser = 5 ] && ser=0; \
+	echo "make test: lint $$([ $$lint = 0 ] && echo passed || echo FAILED)," \
+	     "parallel tests $$([ $$par = 0 ] && echo passed || echo FAILED)," \
+	     "serial tests $$([ $$ser = 0 ] && echo passed || echo FAILED)"; \
+	[ $$lint = 0 ] && [ $$par = 0 ] && [ $$ser = 0 ]
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(JOBS) -m "not slow and not serial" $(PYTEST_ARGS)
