@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
+
+from ..io.errors import StorageError
 
 __all__ = ["StepRecord", "MetricsLog", "peak_flops", "flops_per_token", "log"]
 
@@ -147,7 +150,10 @@ class MetricsLog:
     def __init__(self, run_dir: str, *, resume: bool = False, tensorboard: bool = False) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._f = open(self.path, "a" if resume else "w")
+        try:
+            self._f = open(self.path, "a" if resume else "w")
+        except OSError as exc:
+            raise self._error(exc) from None
         self.records: list[StepRecord] = []
         self._tb = None
         if tensorboard:
@@ -159,8 +165,12 @@ class MetricsLog:
         self.records.append(rec)
         d = asdict(rec)
         d["tokens_per_s"] = rec.tokens_per_s
-        self._f.write(json.dumps(d) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(d) + "\n")
+            self._f.flush()
+        except OSError as exc:
+            self._abandon()
+            raise self._error(exc) from None
         if self._tb is not None:
             for tag, value in TB_SCALARS.items():
                 v = value(rec)
@@ -201,7 +211,31 @@ class MetricsLog:
             + (f"; {last['speculation']}" if "speculation" in last else "")
         )
 
+    def _error(self, exc: OSError) -> StorageError:
+        """One line naming the file and what to do (a full disk: where to make room)."""
+        err = exc.errno or errno.EIO
+        fix = (
+            "free space on its filesystem or give the run another --train.run_dir"
+            if err in (errno.ENOSPC, errno.EDQUOT)
+            else "check the run directory (train.run_dir) is writable"
+        )
+        return StorageError(
+            err, self.path, f"writing the step records to {self.path} failed: {os.strerror(err)}; {fix}"
+        )
+
+    def _abandon(self) -> None:
+        """Close the file after a failed write, dropping what it could not write: closing it
+        normally would try that write again, and fail again (a second error for one cause)."""
+        try:
+            self._f.close()
+        except OSError:
+            pass  # the buffer is dropped; the file is closed all the same
+
     def close(self) -> None:
-        self._f.close()
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError as exc:
+                raise self._error(exc) from None
         if self._tb is not None:
             self._tb.close()
