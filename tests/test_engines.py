@@ -92,8 +92,7 @@ def test_a_killed_engine_is_named_within_seconds_then_resume_works(tmp_path):
         t0 = time.time()
         with pytest.raises(
             EngineError,
-            match=rf"update engine 1 \({tmp_path}/ssd1\) died \(exit code -9\) while .*"
-            "resume from the last checkpoint",
+            match=rf"update engine 1 \({tmp_path}/ssd1\) died \(exit code -9\) while [^;]*$",
         ):
             tr.train_step()
         assert time.time() - t0 < 10

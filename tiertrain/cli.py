@@ -132,6 +132,7 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
+    from .training.advice import resume_hint
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
 
     try:
@@ -144,39 +145,10 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        reported = _Reported(f"{one_line(exc)}{_resume_hint(exc, cfg, path)}")
+        reported = _Reported(f"{one_line(exc)}{resume_hint(exc, cfg, path)}")
         reported.quiet = getattr(exc, "quiet", False)
         raise reported from None
     return 0
-
-
-def _resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
-    """What to run next, after a run stopped on ``exc``: from the newest checkpoint, or, where
-    the checkpoint ``resumed`` from is the damaged one, the newest intact one before it."""
-    from .checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
-    from .dist import env_world
-    from .dist.launch import resume_command
-
-    world = env_world()[1]
-    root = os.path.abspath(cfg.checkpoint_root)
-    run_dir = os.path.abspath(cfg.train.run_dir)
-    if resumed is not None and isinstance(exc, CheckpointError):
-        good = intact_checkpoint(root, before=step_of(resumed) if _named_step(resumed) else None, skip=resumed)
-        if good is None:
-            return " (no intact checkpoint is left before it: start over with --train.overwrite=true)"
-        return f" (the newest intact checkpoint before it is {good}: `{resume_command(run_dir, world, good)}`)"
-    last = latest_checkpoint(root)
-    return f" (the last checkpoint is {last}: `{resume_command(run_dir, world)}`)" if last else ""
-
-
-def _named_step(path: str) -> bool:
-    from .checkpoint import step_of
-
-    try:
-        step_of(path)
-        return True
-    except ValueError:
-        return False
 
 
 class _Reported(TiertrainError):

@@ -259,7 +259,7 @@ class OffloadedGraphs:
     @classmethod
     def declare(cls, dtype: torch.dtype, record_bytes: int, records: int, buffers: int) -> StateDecl:
         """The records' file (not checkpointed: rebuilt every step) and their pool."""
-        files = (FileDecl(FILE, records * record_bytes),) if records else ()
+        files = (FileDecl(FILE, records * record_bytes, record_bytes=record_bytes),) if records else ()
         return StateDecl(
             "activations", dtype, OWNER, checkpointed=False, host_bytes=buffers * record_bytes, files=files
         )

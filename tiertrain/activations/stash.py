@@ -91,7 +91,7 @@ class HiddenStash:
     def declare(cls, shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> StateDecl:
         """The stash's state: host slots and the spill file (not checkpointed: rebuilt every step)."""
         entry, host, spilled = cls.plan(shape, dtype, entries, host_bytes)
-        files = (FileDecl(FILE, spilled * entry),) if spilled else ()
+        files = (FileDecl(FILE, spilled * entry, record_bytes=entry),) if spilled else ()
         return StateDecl("stash", dtype, OWNER, checkpointed=False, host_bytes=host * entry, files=files)
 
     def _index(self, key) -> int:

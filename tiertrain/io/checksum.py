@@ -24,10 +24,11 @@ except ImportError as _exc:  # one message wherever tiertrain is first imported
         "network, carry its wheel along (bench/gpu_window/wheels.sh downloads it into .whl/)"
     ) from _exc
 
-from .align import ALIGN
-from .errors import StorageError
+from .align import ALIGN, round_up
+from .errors import OutOfSpaceError, StorageError
+from .space import free_bytes
 
-__all__ = ["ChecksumTable", "crc32c", "sidecar_path"]
+__all__ = ["ChecksumTable", "crc32c", "sidecar_path", "sidecar_bytes"]
 
 _MAGIC = b"TTCRC32C"
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, block, size, nblocks
@@ -45,6 +46,13 @@ def crc32c(data: Iterable[np.ndarray] | np.ndarray, value: int = 0) -> int:
 
 def sidecar_path(path: str) -> str:
     return path + ".crc"
+
+
+def sidecar_bytes(size: int, block: int) -> int:
+    """Disk space the sidecar of a ``size``-byte file checksummed per ``block`` bytes needs: the
+    table and, while a save replaces it, its new copy, each in whole 4 KiB filesystem blocks
+    (claimed with the file: a disk filled to the data's size failed at the first save)."""
+    return 2 * round_up(_HEADER.size + 4 + 4 * -(-size // block), 4096)
 
 
 class ChecksumTable:
@@ -86,13 +94,28 @@ class ChecksumTable:
         tmp = f"{path}.tmp{os.getpid()}"
         with self._lock:
             data = self.to_bytes()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise self._save_error(exc, path, tmp, len(data)) from None
+
+    @staticmethod
+    def _save_error(exc: OSError, path: str, tmp: str, size: int) -> StorageError:
+        """A failed save, named (the bare OSError named no file), its temporary copy removed."""
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            need = round_up(size, 4096)  # a filesystem block
+            return OutOfSpaceError(path, need, free_bytes(path), "the checksum table of its data file")
+        err = exc.errno or errno.EIO
+        return StorageError(err, path, f"saving the checksum table {path} failed: {os.strerror(err)}")
 
     @classmethod
     def load(cls, path: str) -> "ChecksumTable":

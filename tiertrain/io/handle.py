@@ -23,7 +23,7 @@ import torch
 
 from . import devcrc, gds
 from .align import ALIGN, as_bytes, round_down, round_up
-from .checksum import ChecksumTable, crc32c, sidecar_path
+from .checksum import ChecksumTable, crc32c, sidecar_bytes, sidecar_path
 from .errors import ChecksumError, StorageError, TruncatedFileError
 from .future import IOFuture, PositionalIO
 from .space import check_space, preallocate
@@ -109,7 +109,8 @@ class FileHandle(PositionalIO):
             raise ValueError(f"checksum_block ({checksum_block}) must divide chunk_bytes ({self.workers.chunk_bytes})")
         self.mode, self.writable = mode, mode != "r"
         if mode == "w" and size:
-            check_space([(self.path, size)])
+            sidecar = [(sidecar_path(self.path), sidecar_bytes(size, checksum_block))] if checksum else []
+            check_space([(self.path, size), *sidecar])
         self._fd, self.direct = _open(self.path, _MODES[mode], direct)
         self._lock = threading.Lock()
         self._inflight: set[cf.Future] = set()

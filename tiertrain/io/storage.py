@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
+from .checksum import sidecar_bytes, sidecar_path
 from .space import check_space
 from .stats import StatsSnapshot
 from .stripe import StripedFile, local_size
@@ -106,13 +107,32 @@ class Storage:
                 if os.path.exists(f):
                     os.remove(f)
 
-    def space_needs(self, files: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
-        """``(path, bytes)`` of every path's share of ``files`` (``(name, size)``)."""
+    def space_needs(
+        self,
+        files: Iterable[tuple[str, int]],
+        *,
+        placed: Iterable[tuple[str, int]] = (),
+        records: Mapping[str, int] | None = None,
+    ) -> list[tuple[str, int]]:
+        """``(path, bytes)`` of every path's share of ``files`` (``(name, size)``, striped) and of
+        ``placed`` (``(full path, size)``, a file on one path: the update engines'), each with its
+        checksum sidecar where this storage checksums (``records``: name -> record bytes of the
+        files checksummed per record, ``block_for``)."""
         needs = []
         for name, size in files:
+            block = self.block_for(records[name]) if records and name in records else self.checksum_block
             for i, p in enumerate(self.paths):
-                needs.append((os.path.join(p, name), local_size(size, i, len(self.paths), self.stripe_bytes)))
+                needs += self._with_sidecar(
+                    os.path.join(p, name), local_size(size, i, len(self.paths), self.stripe_bytes), block
+                )
+        for path, size in placed:
+            needs += self._with_sidecar(path, size, self.checksum_block)
         return needs
+
+    def _with_sidecar(self, path: str, size: int, block: int) -> list[tuple[str, int]]:
+        if not self.checksum or not size:
+            return [(path, size)]
+        return [(path, size), (sidecar_path(path), sidecar_bytes(size, block))]
 
     def check_space(self, files: Iterable[tuple[str, int]]) -> None:
         """Raise ``OutOfSpaceError`` now unless every path can hold its share of ``files``."""

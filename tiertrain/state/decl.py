@@ -26,11 +26,13 @@ __all__ = ["FileDecl", "StateDecl", "SpacePlan", "Region", "checkpointed"]
 @dataclass(frozen=True)
 class FileDecl:
     """A file on the storage tier: ``name`` striped over every path (``path`` None) or on one
-    path; ``size`` bytes, claimed before the first step."""
+    path; ``size`` bytes, claimed before the first step (with its checksum sidecar: per
+    ``record_bytes`` record where it is checksummed so, ``Storage.block_for``)."""
 
     name: str
     size: int
     path: str | None = None
+    record_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ class SpacePlan:
     def files(self) -> list[tuple[str, int]]:
         """``(name, bytes)`` of the files striped over every path."""
         return [(f.name, f.size) for f in self.all_files if f.path is None]
+
+    @property
+    def records(self) -> dict[str, int]:
+        """Record bytes of the files checksummed per record (their sidecars are larger)."""
+        return {f.name: f.record_bytes for f in self.all_files if f.record_bytes}
 
     @property
     def placed(self) -> list[tuple[str, int]]:

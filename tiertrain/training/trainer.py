@@ -135,7 +135,8 @@ class Trainer:
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             # a full disk is reported here, before any work: with ranks, for every rank of this
             # machine at once (they share its drives: each alone would fit where all do not)
-            self.group.check_space([*self.storage.space_needs(self.plan.files), *self.plan.placed])
+            p = self.plan  # (checksum sidecars included: a disk filled to the data's size failed at the first save)
+            self.group.check_space(self.storage.space_needs(p.files, placed=p.placed, records=p.records))
             self.lock.record_files(self.plan.names)
             self._build()
             faults.point("start")

@@ -210,8 +210,7 @@ class EngineUpdate(Update):
                 self.procs[i].wait(timeout=5)
             self._check(i, "receiving a command")
             raise EngineError(
-                f"update engine {i} ({self.paths[i]}) closed its connection while receiving a command ({exc}); "
-                "resume from the last checkpoint"
+                f"update engine {i} ({self.paths[i]}) closed its connection while receiving a command ({exc})"
             ) from exc
 
     def _handle(self, i: int, msg) -> None:
@@ -233,9 +232,7 @@ class EngineUpdate(Update):
             self.peak_host[i] = msg.report.peak_host  # the engine's VmHWM: already its peak so far
         elif isinstance(msg, P.Failed):
             log.debug("update engine %d failed:\n%s", i, msg.traceback)
-            raise EngineError(
-                f"update engine {i} ({self.paths[i]}) failed: {msg.line}; resume from the last checkpoint"
-            )
+            raise EngineError(f"update engine {i} ({self.paths[i]}) failed: {msg.line}")
         elif isinstance(msg, P.Ready):
             self._move(i, EngineState.READY)
         elif isinstance(msg, P.Released):
@@ -256,10 +253,7 @@ class EngineUpdate(Update):
     def _check(self, i: int, what: str) -> None:
         p = self.procs[i]
         if p.poll() is not None:
-            raise EngineError(
-                f"update engine {i} ({self.paths[i]}) died (exit code {p.returncode}) while {what}; "
-                "resume from the last checkpoint"
-            )
+            raise EngineError(f"update engine {i} ({self.paths[i]}) died (exit code {p.returncode}) while {what}")
         if time.time() - self._seen[i] > self.timeout:
             raise EngineError(
                 f"update engine {i} ({self.paths[i]}) has not answered for {self.timeout:.0f} s while {what}; "

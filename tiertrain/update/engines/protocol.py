@@ -174,7 +174,8 @@ class Failed:
 
 # -- lifecycle -----------------------------------------------------------------------------------
 class EngineError(TiertrainError, RuntimeError):
-    """An update engine died, hung or failed."""
+    """An update engine died, hung or failed. What to run next is not said here: the command line
+    adds it, knowing whether a checkpoint exists."""
 
 
 class EngineState(str, enum.Enum):

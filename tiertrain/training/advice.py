@@ -1,0 +1,56 @@
+"""What to run next, after a run stopped on an error: the command that continues it from its
+newest (intact) checkpoint, or, where it wrote none, how to start it over. Said once, by the
+command line, after the error's own line: the parts that raise the error do not know which
+checkpoints exist (an engine's "resume from the last checkpoint" was printed where none did)."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["resume_hint", "no_checkpoint_advice"]
+
+
+def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
+    """`` (...)`` to append to ``exc``'s line: resume from the newest checkpoint, or, where the
+    checkpoint ``resumed`` from is the damaged one, from the newest intact one before it; where
+    the run wrote steps but no checkpoint, start over."""
+    from ..checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
+    from ..dist import env_world
+    from ..dist.launch import resume_command
+
+    world = env_world()[1]
+    root = os.path.abspath(cfg.checkpoint_root)
+    run_dir = os.path.abspath(cfg.train.run_dir)
+    if resumed is not None and isinstance(exc, CheckpointError):
+        good = intact_checkpoint(root, before=step_of(resumed) if _named_step(resumed) else None, skip=resumed)
+        if good is None:
+            return " (no intact checkpoint is left before it: start over with --train.overwrite=true)"
+        return f" (the newest intact checkpoint before it is {good}: `{resume_command(run_dir, world, good)}`)"
+    last = latest_checkpoint(root)
+    if last:
+        return f" (the last checkpoint is {last}: `{resume_command(run_dir, world)}`)"
+    return f" ({no_checkpoint_advice(run_dir)})" if _holds_steps(run_dir) else ""
+
+
+def no_checkpoint_advice(run_dir: str) -> str:
+    """A run directory whose run stopped before its first checkpoint: nothing to resume."""
+    return (
+        f"the run in {run_dir} stopped before its first checkpoint: there is nothing to resume; start it over "
+        "with --train.overwrite=true (deletes its metrics) or give another --train.run_dir"
+    )
+
+
+def _holds_steps(run_dir: str) -> bool:
+    from .rundir import METRICS
+
+    return os.path.exists(os.path.join(run_dir, METRICS))
+
+
+def _named_step(path: str) -> bool:
+    from ..checkpoint import step_of
+
+    try:
+        step_of(path)
+        return True
+    except ValueError:
+        return False
