@@ -9,6 +9,8 @@ import pytest
 from reference import tiny_flags
 from test_errors import one_line_error
 
+from tiertrain.cli import main
+
 
 def test_a_full_run_directory_is_one_line_naming_metrics_jsonl(tmp_path, capsys, tmpfs):
     """ENOSPC appending a step record: two tracebacks (the write's, then the close's), no file named."""
@@ -75,3 +77,23 @@ def test_a_dead_engine_says_resume_only_where_a_checkpoint_exists(tmp_path, caps
     assert re.search(
         rf"\(the last checkpoint is {run}/checkpoints/step-0000000[1-3]: `tiertrain train --resume {run}`\)$", line
     ), line
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_sent_in_a_circle(tmp_path, capsys):
+    """A fresh start said "use --resume", --resume said "no complete checkpoint": each now says
+    there is nothing to resume and how to start over, and that works."""
+    import shutil
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    run = tmp_path / "run"
+    shutil.rmtree(run / "checkpoints")  # as a run killed before its first checkpoint leaves it
+    advice = (
+        "stopped before its first checkpoint: there is nothing to resume; start it over with --train.overwrite=true"
+    )
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path)], 1)
+    assert f"train.run_dir {run} already holds a run (metrics.jsonl, config.json); the run in {run} {advice}" in line
+    assert "--resume" not in line.split(advice)[0], line
+    for where, named in ((run, run), ("latest", run / "checkpoints"), (run / "checkpoints", run / "checkpoints")):
+        line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--resume={where}"], 1)
+        assert f"--resume {named}: no checkpoint there; the run in {run} {advice}" in line, line
+    assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true")]) == 0

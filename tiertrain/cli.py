@@ -167,14 +167,15 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     config: the checkpoint's own, with the given file and flags applied on top. ``flag``: the
     option the user gave it with (named in errors); ``--resume`` (training) also places the run
     where the checkpoint now is (``resumed_tree``), never where its stored paths point."""
-    from .checkpoint import Manifest, find_checkpoint
+    from .checkpoint import Manifest
     from .config import Config, parse_overrides
+    from .training.advice import find_resumable
     from .training.rundir import resumed_tree
 
     if where == "latest":
         base = load_config(config, overrides)
         where = base.checkpoint_root
-    path = find_checkpoint(where, flag)
+    path = find_resumable(where, flag)
     given: dict = {}
     if config is not None:  # only what the file sets overrides the checkpoint's config
         import tomllib

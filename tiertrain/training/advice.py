@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["resume_hint", "no_checkpoint_advice"]
+__all__ = ["resume_hint", "no_checkpoint_advice", "find_resumable"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -36,8 +36,23 @@ def no_checkpoint_advice(run_dir: str) -> str:
     """A run directory whose run stopped before its first checkpoint: nothing to resume."""
     return (
         f"the run in {run_dir} stopped before its first checkpoint: there is nothing to resume; start it over "
-        "with --train.overwrite=true (deletes its metrics) or give another --train.run_dir"
+        "with --train.overwrite=true, without --resume (deletes its metrics), or give another --train.run_dir"
     )
+
+
+def find_resumable(where: str, flag: str = "--resume") -> str:
+    """``find_checkpoint``; where ``where`` (a run directory, or its checkpoints directory) holds
+    a run that wrote no checkpoint, the refusal says there is nothing to resume and how to start
+    over (it said "no complete checkpoint", and a fresh start into it said "use --resume")."""
+    from ..checkpoint import CheckpointError, find_checkpoint
+
+    try:
+        return find_checkpoint(where, flag)
+    except CheckpointError:
+        run_dir = where if _holds_steps(where) else os.path.dirname(os.path.normpath(os.path.abspath(where)))
+        if not _holds_steps(run_dir):
+            raise
+        raise CheckpointError(f"{flag} {where}: no checkpoint there; {no_checkpoint_advice(run_dir)}") from None
 
 
 def _holds_steps(run_dir: str) -> bool:

@@ -22,6 +22,7 @@ import shutil
 
 from ..checkpoint import list_checkpoints
 from ..io.scratch import DirInUseError, DirLock
+from .advice import no_checkpoint_advice
 
 __all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree"]
 
@@ -67,6 +68,10 @@ class RunDir:
             return
         if not overwrite:
             shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            if not list_checkpoints(self.checkpoint_root):  # --resume would be refused: not offered
+                raise RunDirError(
+                    f"train.run_dir {self.path} already holds a run ({shown}); {no_checkpoint_advice(self.path)}"
+                )
             raise RunDirError(
                 f"train.run_dir {self.path} already holds a run ({shown}); continue it with "
                 f"`tiertrain train --resume {self.path}`, start over with --train.overwrite=true "
