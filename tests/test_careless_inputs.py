@@ -7,7 +7,7 @@ import re
 
 import pytest
 from reference import tiny_flags
-from test_errors import one_line_error
+from test_errors import nothing_left, one_line_error
 
 from tiertrain.cli import main
 
@@ -97,3 +97,71 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_sent_in_a_circle(tmp_pa
         line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--resume={where}"], 1)
         assert f"--resume {named}: no checkpoint there; the run in {run} {advice}" in line, line
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true")]) == 0
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Generation fails the test: what is checked at start must be refused before it."""
+    import tiertrain.inference.prompts as prompts
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("generation ran before the input was checked")
+
+    monkeypatch.setattr(prompts, "run_generate", refuse)
+
+
+def test_generate_checks_out_and_the_prompts_file_before_any_work(tmp_path, capsys, tmpfs, no_generation):
+    """--out read-only or a directory failed after generating, as a traceback; a binary
+    --prompts-file was a UnicodeDecodeError."""
+    ro = tmpfs("ro", 64, readonly=True)
+    gen = ["generate", "--prompt", "hi", *tiny_flags(tmp_path)]
+    (tmp_path / "d").mkdir()
+    line = one_line_error(capsys, [*gen, f"--out={tmp_path / 'd'}"], 1)
+    assert f"generate --out = '{tmp_path / 'd'}' is a directory; give a file name" in line
+    for out in (ro / "x.jsonl", ro / "sub" / "x.jsonl"):
+        line = one_line_error(capsys, [*gen, f"--out={out}"], 1)
+        assert f"the directory of generate --out = '{out.parent}' is on a read-only filesystem ({ro})" in line, line
+    binary = tmp_path / "p.txt"
+    binary.write_bytes(b"\x00\xff\xfe\x80 a prompt")
+    line = one_line_error(capsys, ["generate", f"--prompts-file={binary}", *tiny_flags(tmp_path)], 2)
+    assert f"--prompts-file {binary} is not UTF-8 text (byte 1); give a text file" in line
+    binary.write_bytes(b"a\x00b\n")
+    line = one_line_error(capsys, ["generate", f"--prompts-file={binary}", *tiny_flags(tmp_path)], 2)
+    assert f"--prompts-file {binary} holds NUL bytes: it is a binary file" in line
+    nothing_left(tmp_path, "d", "ro", "p.txt")
+
+
+def test_a_temperature_too_small_for_float32_is_refused_and_a_tiny_one_samples(tmp_path, capsys):
+    """--temperature 1e-45 divided the logits into inf, and torch.multinomial raised on the NaN."""
+    import torch
+
+    from tiertrain.inference.generate import Sampling, _pick
+
+    line = one_line_error(capsys, ["generate", "--prompt", "hi", "--temperature", "1e-45", *tiny_flags(tmp_path)], 2)
+    assert "temperature = 1e-45 is below 1.18e-38, the smallest normal float32" in line
+    assert "use 0 for greedy decoding" in line
+    logits = torch.tensor([[100.0, 0.0, 99.0], [-5.0, 40.0, 39.0]])  # over the float32 range once divided
+    gen = torch.Generator().manual_seed(0)
+    assert _pick(logits, Sampling(temperature=1e-37), gen).tolist() == [0, 1]
+
+
+def test_one_prompt_prints_its_prompt_as_several_do(tmp_path, capsys):
+    flags = ["--max-new-tokens", "4", *tiny_flags(tmp_path)]
+    assert main(["generate", "--prompt", "In the beginning", *flags]) == 0
+    one = capsys.readouterr().out
+    assert main(["generate", "--prompt", "In the beginning", "--prompt", "And God said", *flags]) == 0
+    several = capsys.readouterr().out
+    assert one.startswith("In the beginning") and one.count("\n") == 1, one
+    assert several.startswith("In the beginning") and "\nAnd God said" in several, several
+
+
+def test_generate_and_eval_of_a_checkpoint_refuse_another_model(tmp_path, capsys):
+    """--model.hf_dir with --checkpoint ran the checkpoint's weights under the directory's config
+    and tokenizer (or failed on a contradiction it did not name)."""
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    for cmd in (["generate", "--prompt", "hi"], ["eval"]):
+        line = one_line_error(capsys, [*cmd, f"--checkpoint={tmp_path / 'run'}", f"--model.hf_dir={other}"], 2)
+        assert f"model.hf_dir = '{other}' with --checkpoint: the model is the checkpoint's" in line, line
+        assert "drop model.hf_dir, or leave out --checkpoint" in line

@@ -138,7 +138,7 @@ def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, llama_dir):
     one = subprocess.run([*base, "--prompt", "Hi"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     want = _hf_generate(hf, [list(b"Hi")], 5)[0]  # the byte tokenizer: no tokenizer files in the directory
-    assert one.stdout == bytes(want).decode("utf-8", errors="replace") + "\n"
+    assert one.stdout == "Hi" + bytes(want).decode("utf-8", errors="replace") + "\n"  # the prompt, as with several
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hi\nHello there\n")
     out = tmp_path / "out.jsonl"

@@ -185,6 +185,10 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
+    if flag == "--checkpoint":
+        from .inference.weights import refuse_other_model
+
+        refuse_other_model(given)
     if flag == "--resume":
         return path, Config.from_dict(resumed_tree(stored, path, given))
     for section, values in given.items():
@@ -260,9 +264,10 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
 def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.generate import Sampling
-    from .inference.prompts import read_prompts, run_generate
+    from .inference.prompts import checked_out, read_prompts, run_generate
 
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
+    out = checked_out(args.out)  # and a bad --out
     stop = tuple(args.stop or ())
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
@@ -276,9 +281,9 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])
         with weights:
-            run_generate(cfg, texts, sampling, args.out, weights=weights.source)
+            run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
-    run_generate(load_config(args.config, overrides), texts, sampling, args.out)
+    run_generate(load_config(args.config, overrides), texts, sampling, out)
     return 0
 
 

@@ -38,6 +38,8 @@ def check_writable_dir(what: str, path: str, error: type[Exception] | None = Non
     if not os.path.isdir(base):
         raise err(f"{what} = {path!r} cannot be made: {base} is a file; give a directory elsewhere")
     if not os.access(base, os.W_OK | os.X_OK):
+        if os.statvfs(base).f_flag & os.ST_RDONLY:
+            raise err(f"{what} = {path!r} is on a read-only filesystem ({base}); choose a writable directory")
         raise err(
             f"{what} = {path!r}: {base} is not writable by this user; choose a writable directory "
             "or change its permissions"

@@ -51,6 +51,9 @@ __all__ = ["Sampling", "generate", "eos_ids"]
 log = logging.getLogger("tiertrain")
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     max_new_tokens: int = 32
@@ -74,6 +77,11 @@ class Sampling:
                 f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
                 "temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
             )
+        if 0 < self.temperature < _TINY:  # the logits are divided by it in float32: there, it is 0 or subnormal
+            raise ConfigError(
+                f"temperature = {self.temperature:g} is below {_TINY:.3g}, the smallest normal float32 (the logits "
+                "are divided by it in float32); use 0 for greedy decoding, or a temperature of at least that"
+            )
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -83,7 +91,9 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
     the same tokens from the same probabilities on every device."""
     if s.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits / s.temperature
+    # shifted by the row's largest first: a tiny temperature divides the differences, <= 0, so
+    # nothing overflows to inf (whose softmax is NaN); the distribution is the same
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / s.temperature
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -5,15 +5,17 @@ bytes); with one prompt the tokens are printed as they come."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
 
 from ..config import Config, ConfigError
 from ..data import load_tokenizer
+from ..errors import UsageError
 from .generate import Sampling, generate
 
-__all__ = ["read_prompts", "run_generate"]
+__all__ = ["read_prompts", "checked_out", "run_generate"]
 
 
 def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
@@ -22,26 +24,50 @@ def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
     out = list(texts or [])
     if path is not None:
         if not os.path.isfile(path):
-            raise ConfigError(f"--prompts-file {path}: no such file")
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if path.endswith(".jsonl"):
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ConfigError(f"--prompts-file {path}, line {n}: not JSON ({exc.msg})") from None
-                    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                        raise ConfigError(f'--prompts-file {path}, line {n}: no "prompt" string field')
-                    out.append(row["prompt"])
-                else:
-                    out.append(line.rstrip("\n"))
+            raise ConfigError(f"--prompts-file {path}: {'is a directory' if os.path.isdir(path) else 'no such file'}")
+        for n, line in enumerate(_text_lines(path), 1):
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"--prompts-file {path}, line {n}: not JSON ({exc.msg})") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ConfigError(f'--prompts-file {path}, line {n}: no "prompt" string field')
+                out.append(row["prompt"])
+            else:
+                out.append(line.rstrip("\n"))
         if not out:
             raise ConfigError(f"--prompts-file {path}: holds no prompt")
     if not out:
         raise ConfigError("generate: no prompt; give --prompt TEXT or --prompts-file FILE")
     return out
+
+
+def _text_lines(path: str) -> list[str]:
+    """The lines of text file ``path``; a file that is not text (not UTF-8, or with NUL bytes: a
+    binary file) refused, naming it."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); give a text file, one prompt a line, or "
+            'JSONL with a "prompt" field a line'
+        ) from None
+    if "\0" in text:
+        raise ConfigError(f"--prompts-file {path} holds NUL bytes: it is a binary file, not prompts; give a text file")
+    return list(io.StringIO(text, newline=None))  # lines as a text file reads them (universal newlines)
+
+
+def checked_out(out: str | None) -> str | None:
+    """``--out``, checked before any work (a file, in a directory that is or can be made and is
+    writable; the directory made): it was found only after generating, as a traceback."""
+    from ..paths import prepare_output_file
+
+    return None if out is None else prepare_output_file("generate --out", out)
 
 
 def _tokenizer(cfg: Config):
@@ -61,6 +87,9 @@ def run_generate(
         if not p:
             raise ConfigError(f"generate: the prompt {t!r} has no tokens")
     stream = len(prompts) == 1 and out is None
+    if stream:  # the prompt, then its completion as it comes: as several prompts are printed
+        sys.stdout.write(texts[0])
+        sys.stdout.flush()
 
     def show(tokens):
         if not tokens:  # the end: the line ended before generate logs its summary
@@ -86,8 +115,15 @@ def run_generate(
         for t, c in zip(texts, texts_out):
             print(f"{t}{c}\n")
     elif out is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            for t, c, r in zip(texts, texts_out, rows):
-                f.write(json.dumps({"prompt": t, "completion": c, "tokens": r}) + "\n")
+        _write_rows(out, texts, texts_out, rows)
     return texts_out
+
+
+def _write_rows(out: str, texts: list[str], completions: list[str], rows: list[list[int]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            for t, c, r in zip(texts, completions, rows):
+                f.write(json.dumps({"prompt": t, "completion": c, "tokens": r}) + "\n")
+    except OSError as exc:  # checked at start: a disk filled meanwhile
+        raise UsageError(f"generate --out {out}: writing it failed ({exc.strerror}); choose another file") from None

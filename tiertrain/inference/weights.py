@@ -37,6 +37,7 @@ __all__ = [
     "forward_params",
     "resident_budget",
     "weights_key",
+    "refuse_other_model",
 ]
 
 log = logging.getLogger("tiertrain")
@@ -272,6 +273,25 @@ class WeightParams(ParamSource):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# what names the model a checkpoint holds: set with --checkpoint, it would run another model
+# (--model.hf_dir: that directory's config and tokenizer) on the checkpoint's weights
+_MODEL_FIELDS = (
+    "kind", "hf_dir", "from_scratch", "init_from", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff",
+    "vocab_size", "max_seq_len", "tie_embeddings",
+)  # fmt: skip
+
+
+def refuse_other_model(given: dict, flag: str = "--checkpoint") -> None:
+    """``given`` (the sections of --config and the flags, set on top of a checkpoint's config)
+    must not name another model: the model is the checkpoint's."""
+    named = [f for f in _MODEL_FIELDS if f in (given.get("model") or {})]
+    if named:
+        raise ConfigError(
+            f"model.{named[0]} = {given['model'][named[0]]!r} with {flag}: the model is the checkpoint's (its "
+            f"config and weights); drop model.{named[0]}, or leave out {flag} to run the model it names"
+        )
 
 
 class CheckpointWeights:
