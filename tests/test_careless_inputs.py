@@ -165,3 +165,21 @@ def test_generate_and_eval_of_a_checkpoint_refuse_another_model(tmp_path, capsys
         line = one_line_error(capsys, [*cmd, f"--checkpoint={tmp_path / 'run'}", f"--model.hf_dir={other}"], 2)
         assert f"model.hf_dir = '{other}' with --checkpoint: the model is the checkpoint's" in line, line
         assert "drop model.hf_dir, or leave out --checkpoint" in line
+
+
+def test_plot_and_bench_io_refuse_a_bad_output_or_path_in_one_line(tmp_path, capsys, tmpfs, monkeypatch):
+    """plot --out read-only: an OSError from savefig; bench io --path /proc/x: a FileNotFoundError
+    from makedirs; both tracebacks. The benchmark's --out is checked before the benchmark."""
+    import tiertrain.bench.io as bench_io
+
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    ro = tmpfs("ro", 64, readonly=True)
+    line = one_line_error(capsys, ["plot", str(tmp_path / "run"), f"--out={ro / 'c.png'}"], 1)
+    assert f"the directory of plot --out = '{ro}' is on a read-only filesystem" in line, line
+    line = one_line_error(capsys, ["plot", str(tmp_path / "run"), f"--out={tmp_path / 'c.txt'}"], 1)
+    assert "matplotlib cannot write .txt files; give a name ending in .png" in line, line
+    monkeypatch.setattr(bench_io, "run_io_bench", lambda *a, **k: pytest.fail("the benchmark ran before the checks"))
+    line = one_line_error(capsys, ["bench", "io", "--path", "/proc/tiertrain-x", "--no-fio"], 1)
+    assert "bench io --path = '/proc/tiertrain-x' is inside /proc, a kernel filesystem" in line, line
+    line = one_line_error(capsys, ["bench", "io", "--path", str(tmp_path / "b"), "--out", str(ro / "r.md")], 1)
+    assert f"the directory of bench io --out = '{ro}' is on a read-only filesystem" in line, line

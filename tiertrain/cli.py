@@ -50,26 +50,9 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def _cmd_bench_io(args: argparse.Namespace) -> int:
-    from .bench.io import format_io_bench, run_io_bench, run_sweep
+    from .bench.io import bench_io_command
 
-    res = run_io_bench(
-        args.path,
-        size_bytes=int(args.size_gib * 2**30),
-        threads=args.threads,
-        chunk_bytes=args.chunk_mib << 20,
-        repeats=args.repeats,
-        use_fio=not args.no_fio,
-    )
-    report = format_io_bench(res)
-    if args.sweep:
-        report += "\n" + run_sweep(args.path, size_bytes=min(res.size_bytes, 1 << 30))
-    print(report)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
-        log.info("wrote %s", args.out)
-    return 0
+    return bench_io_command(args)
 
 
 def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:

@@ -44,6 +44,7 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
     import matplotlib.pyplot as plt
 
     runs = [(os.path.basename(os.path.normpath(d)) or d, read_metrics(d)) for d in run_dirs]
+    out = _checked_out(out)  # before drawing: a read-only --out was a traceback from savefig
     fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (name, recs) in enumerate(runs):
         colour = f"C{i % 10}"
@@ -68,7 +69,23 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as exc:  # checked above: a disk filled meanwhile
+        raise UsageError(f"plot --out {out}: writing it failed ({exc.strerror}); choose another file") from None
+    finally:
+        plt.close(fig)
     return out
+
+
+def _checked_out(out: str) -> str:
+    """``out``, absolute, its directory made and writable, of a format matplotlib writes (it
+    takes it from the name; no suffix: PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from .paths import prepare_output_file
+
+    suffix = os.path.splitext(out)[1].lower().lstrip(".")
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise UsageError(f"plot --out = {out!r}: matplotlib cannot write .{suffix} files; give a name ending in .png")
+    return prepare_output_file("plot --out", out)

@@ -15,6 +15,7 @@ the disk does not overlap reads with writes, and the cost model's sum of the two
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import shutil
@@ -25,9 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UsageError
 from ..io import Storage, aligned_empty
+from ..paths import check_writable_dir, prepare_output_file
 
-__all__ = ["IOBenchResult", "run_io_bench", "format_io_bench", "run_sweep"]
+__all__ = ["IOBenchResult", "bench_io_command", "run_io_bench", "format_io_bench", "run_sweep"]
+
+log = logging.getLogger("tiertrain")
 
 
 @dataclass
@@ -124,6 +129,31 @@ def _fio_engine(engine: str, paths: list[str], name: str, size: int, threads: in
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     job = json.loads(out)["jobs"][0]
     return job["read" if kind == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def bench_io_command(args) -> int:
+    """``tiertrain bench io``: the paths and ``--out`` checked before any work (``--path
+    /proc/x`` was a FileNotFoundError traceback), then the benchmark, its report printed."""
+    for p in args.path:
+        check_writable_dir("bench io --path", p, UsageError)
+    out = prepare_output_file("bench io --out", args.out) if args.out else None
+    res = run_io_bench(
+        args.path,
+        size_bytes=int(args.size_gib * 2**30),
+        threads=args.threads,
+        chunk_bytes=args.chunk_mib << 20,
+        repeats=args.repeats,
+        use_fio=not args.no_fio,
+    )
+    report = format_io_bench(res)
+    if args.sweep:
+        report += "\n" + run_sweep(args.path, size_bytes=min(res.size_bytes, 1 << 30))
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report)
+        log.info("wrote %s", out)
+    return 0
 
 
 def run_io_bench(
