@@ -18,7 +18,7 @@ from ..config import ConfigError, ModelConfig
 from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
 from .gpt import build_gpt
-from .hf import layer_gpt2, layer_llama
+from .hf import layer_gpt2, layer_llama, layout_problem
 from .pieces import cut_vocab, rows_per_piece
 
 __all__ = [
@@ -95,12 +95,14 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     if getattr(hf_cfg, "tie_word_embeddings", False):
         if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
             raise RuntimeError(f"{type(hf).__name__}: could not tie the output head to the input embedding")
-    arch = type(hf).__name__
-    if hasattr(hf, "model") and hasattr(hf.model, "layers") and hasattr(hf.model, "rotary_emb"):
-        return layer_llama(hf)
-    if hasattr(hf, "transformer") and hasattr(hf.transformer, "wpe"):
-        return layer_gpt2(hf)
-    raise ConfigError(f"model.hf_dir: {arch} is not supported yet (supported: Llama-family and GPT-2 layouts)")
+    problem = layout_problem(hf)
+    if problem:
+        where = f"model.hf_dir = {cfg.hf_dir!r}" if cfg.hf_dir else f"model.kind = {cfg.kind!r}"
+        raise ConfigError(
+            f"{where}: {type(hf).__name__} ({hf_cfg.model_type!r}) is not a model layout tiertrain supports "
+            f"({problem}); supported: the Llama family (Llama, Mistral, Qwen2) and GPT-2"
+        )
+    return layer_gpt2(hf) if hf_cfg.model_type == "gpt2" else layer_llama(hf)
 
 
 def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tuple[LayeredModel, WeightSource]:

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .base import LayeredModel, default_positions, no_cache
 
-__all__ = ["layer_llama", "layer_gpt2", "decode_mask", "kv_bytes", "kv_shape", "new_cache"]
+__all__ = ["layer_llama", "layer_gpt2", "layout_problem", "decode_mask", "kv_bytes", "kv_shape", "new_cache"]
 
 
 # The causal masks are made without position ids where every row is one sequence (``[T]``
@@ -247,6 +247,46 @@ def _finish(model: LayeredModel, hf: Any) -> LayeredModel:
     model.hf_model, model.hf_config = hf, hf.config
     model.init_unit = _hf_init(hf)
     return model
+
+
+# The Llama layout the units wrap: the model's embedding, decoder layers called whole, final norm
+# and head, the layers with Llama's attention and MLP modules (Mistral and Qwen2 have it too)
+_LLAMA_MODULES = (
+    ("model", "embed_tokens"),
+    ("model", "layers"),
+    ("model", "norm"),
+    ("model", "rotary_emb"),
+    ("", "lm_head"),
+)
+_LLAMA_LAYER = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    ("", ("input_layernorm", "post_attention_layernorm")),
+)
+# Families with that layout whose own forward computes outside those modules (the units would
+# leave it out, silently): Gemma scales the embeddings, Gemma 2 and 3 soft-cap logits, Granite
+# multiplies embeddings, residuals and logits
+_LLAMA_LOOKALIKES = {"gemma", "gemma2", "gemma3", "gemma3_text", "granite"}
+
+
+def layout_problem(hf: Any) -> str:
+    """What of a transformers causal LM is not the layout tiertrain cuts into units ('' where it
+    is): Llama's (``_LLAMA_MODULES``, ``_LLAMA_LAYER``) or GPT-2's. Checked when the model is
+    built: another family failed later, as an AttributeError (Phi: no ``model.norm``)."""
+    if getattr(hf.config, "model_type", "") == "gpt2":
+        return ""
+    if getattr(hf.config, "model_type", "") in _LLAMA_LOOKALIKES:
+        return "its forward scales the embeddings or the logits outside the layers, which the units do not"
+    for owner, name in _LLAMA_MODULES:
+        if not hasattr(getattr(hf, owner) if owner else hf, name):
+            return f"no {owner + '.' if owner else ''}{name}"
+    for i, layer in enumerate(hf.model.layers):
+        for part, names in _LLAMA_LAYER:
+            module = getattr(layer, part, None) if part else layer
+            missing = [n for n in names if not hasattr(module, n)]
+            if missing:
+                return f"layer {i}{'.' + part if part else ''} has no {', '.join(missing)}"
+    return ""
 
 
 def layer_llama(hf: Any) -> LayeredModel:
