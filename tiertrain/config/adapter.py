@@ -46,6 +46,8 @@ class AdapterConfig(Section):
             self._fail("alpha", "must be > 0")
         if not 0.0 <= self.dropout < 1.0:
             self._fail("dropout", "must be >= 0 and < 1")
+        if self.init_from is not None and not self.on:  # it was ignored: the model alone trained
+            self._fail("init_from", "is a peft adapter to start from: set adapter.kind = 'lora' too, or unset it")
         if isinstance(self.target, str):
             self.target = [self.target]
         bad = [t for t in self.target if not isinstance(t, str) or not t or not t.replace("_", "").isalnum()]
