@@ -205,3 +205,36 @@ def test_a_model_that_looks_llama_like_but_is_not_is_refused_at_start(tmp_path, 
     assert f"model.hf_dir = '{tmp_path / 'm'}': {arch} is not a model layout tiertrain supports ({why[family]}" in line
     assert "supported: the Llama family (Llama, Mistral, Qwen2) and GPT-2" in line
     nothing_left(tmp_path, "m")
+
+
+def test_nproc_beyond_the_cores_or_the_memory_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """--nproc 64 on 2 cores started 64 ranks, each importing torch."""
+    import psutil
+
+    import tiertrain.dist.launch as launch
+    import tiertrain.ranks_fit as fit
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(fit, "_cores", lambda: 2)
+    line = one_line_error(capsys, ["train", "--nproc", "64", *tiny_flags(tmp_path)], 1)
+    assert "--nproc 64: this machine has 2 cores for this process; each rank computes on one at least" in line
+    assert "use --nproc 2 or fewer" in line
+    monkeypatch.setattr(fit, "_cores", lambda: 64)
+    half = (psutil.virtual_memory().available >> 20) // 2
+    line = one_line_error(capsys, ["train", "--nproc", "4", f"--memory.host_mib={half}", *tiny_flags(tmp_path)], 1)
+    assert (
+        f"--nproc 4: 4 ranks need {4 * (half + 256):,} MiB (each 256 MiB for its process and memory.host_mib = " in line
+    )
+    assert "use --nproc 1 or fewer, or lower memory.host_mib" in line
+    nothing_left(tmp_path)
+
+
+def test_adapter_init_from_without_adapters_is_refused(tmp_path, capsys):
+    """It was ignored: the model itself trained, from its own weights."""
+    (tmp_path / "adapter").mkdir()
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--adapter.init_from={tmp_path / 'adapter'}")], 2)
+    assert (
+        f"adapter.init_from = '{tmp_path / 'adapter'}': is a peft adapter to start from: set adapter.kind = 'lora'"
+        in line
+    )
+    nothing_left(tmp_path, "adapter")

@@ -114,6 +114,9 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     else:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from .ranks_fit import check_ranks_fit
+
+        check_ranks_fit(nproc, cfg.memory.host_mib)
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
     from .training.advice import resume_hint
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)

@@ -1,0 +1,45 @@
+"""Whether ``train --nproc N`` fits this machine, checked before any rank starts (64 ranks on 2
+cores started, each importing torch, and failed or crawled): a core per rank at least, and the
+memory of every rank's process and budget. Without torch: the launcher never imports it."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from .errors import UsageError
+
+__all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
+
+# A rank's process before any state: the interpreter, torch and tiertrain imported (measured
+# 225 MiB on CPU), its I/O threads' arenas; the least a rank needs whatever its budget
+RANK_PROCESS_MIB = 256
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use (a container's, a taskset's)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_ranks_fit(nproc: int, host_mib: int | None) -> None:
+    """Refuse ``nproc`` ranks (``host_mib``: each rank's ``memory.host_mib``, None: a share of
+    the available memory) where this machine has fewer cores, or less memory available than
+    their processes and budgets take."""
+    cores = _cores()
+    if nproc > cores:
+        raise UsageError(
+            f"--nproc {nproc}: this machine has {cores} cores for this process; each rank computes on one at "
+            f"least (ranks sharing a core wait on each other at every collective): use --nproc {cores} or fewer"
+        )
+    each = RANK_PROCESS_MIB + (host_mib or 0)
+    avail = psutil.virtual_memory().available >> 20
+    if nproc * each > avail:
+        budget = f" and memory.host_mib = {host_mib:,} MiB" if host_mib else ""
+        raise UsageError(
+            f"--nproc {nproc}: {nproc} ranks need {nproc * each:,} MiB (each {RANK_PROCESS_MIB} MiB for its "
+            f"process{budget}), this machine has {avail:,} MiB available; use --nproc {max(1, avail // each)} "
+            f"or fewer{', or lower memory.host_mib' if host_mib else ''}"
+        )
