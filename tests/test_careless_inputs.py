@@ -238,3 +238,15 @@ def test_adapter_init_from_without_adapters_is_refused(tmp_path, capsys):
         in line
     )
     nothing_left(tmp_path, "adapter")
+
+
+def test_an_export_has_one_file_mode(tmp_path):
+    """The safetensors shards were 0600 (safetensors writes through a temporary file), the rest 0644."""
+    mask = os.umask(0o022)
+    try:
+        assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+        assert main(["export", f"--checkpoint={tmp_path / 'run'}", f"--out={tmp_path / 'e'}"]) == 0
+    finally:
+        os.umask(mask)
+    modes = {n: oct(os.stat(tmp_path / "e" / n).st_mode & 0o777) for n in os.listdir(tmp_path / "e")}
+    assert any(n.endswith(".safetensors") for n in modes) and set(modes.values()) == {"0o644"}, modes

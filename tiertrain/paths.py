@@ -12,7 +12,14 @@ import os
 
 from .errors import ConfigError
 
-__all__ = ["check_writable_dir", "check_input_file", "prepare_output_file", "missing_dirs", "remove_empty_dirs"]
+__all__ = [
+    "check_writable_dir",
+    "check_input_file",
+    "prepare_output_file",
+    "missing_dirs",
+    "remove_empty_dirs",
+    "mode_as_created",
+]
 
 
 def _nearest_existing(path: str) -> str:
@@ -101,3 +108,22 @@ def remove_empty_dirs(dirs: list[str]) -> None:
     for d in sorted(set(dirs), key=lambda p: p.count(os.sep), reverse=True):
         if os.path.isdir(d) and not os.path.islink(d) and not os.listdir(d):
             os.rmdir(d)
+
+
+def mode_as_created(path: str) -> None:
+    """Give file ``path`` the mode ``open()`` gives a new file, 0666 less the umask: safetensors
+    writes through a temporary file, 0600, where every other file of an export is 0644."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:  # read without setting it (os.umask sets it, for every thread)
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

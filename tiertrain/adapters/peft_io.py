@@ -16,6 +16,7 @@ import torch
 
 from ..config import AdapterConfig, ConfigError
 from ..models.base import LayeredModel
+from ..paths import mode_as_created
 from .lora import LoRA
 
 __all__ = ["module_names", "peft_state", "export_peft", "load_peft", "read_peft_config", "PEFT_WEIGHTS", "PEFT_CONFIG"]
@@ -67,6 +68,7 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
     }
     weights = os.path.join(out_dir, PEFT_WEIGHTS)
     save_file(peft_state(model, lora), weights, metadata={"format": "pt"})
+    mode_as_created(weights)
     conf = os.path.join(out_dir, PEFT_CONFIG)
     with open(conf, "w") as f:
         json.dump(config, f, indent=2)

@@ -31,7 +31,7 @@ from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..models.base import LayeredModel
 from ..models.pieces import WholeTensors
-from ..paths import check_writable_dir
+from ..paths import check_writable_dir, mode_as_created
 from ..runtime import align_of
 from ..state.layout import FlatLayout, chunk_align
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
@@ -211,6 +211,7 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
             if not tensors:
                 continue
             save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+            mode_as_created(os.path.join(out, shard))
             for key, t in tensors.items():
                 weight_map[key] = shard
                 total += t.numel() * t.element_size()
