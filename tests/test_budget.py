@@ -345,3 +345,24 @@ def test_a_trainer_with_lowered_buffers_opens_its_storage_with_them(tmp_path):
         assert tr.storage.workers[0].chunk_bytes == tr.cfg.io.chunk_kib << 10
         tr.initialize(progress=False)
         tr.train_step()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_the_planned_pairs_are_the_pairs_a_step_keeps_with_document_attention(tmp_path, kind):
+    """Examples packed with attention within each document: the steps' blocks save a mask the
+    dry run (plain positions) did not build, and the plan said 4 of 4 pairs kept where every step
+    kept 3 and recomputed 1."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"text": "In the beginning God created the heaven. " * (1 + i % 3)}) + "\n" for i in range(64)
+        )
+    )
+    flags = [f"--model.kind={kind}", "--model.n_layers=2", "--model.d_model=64", f"--data.corpus={rows}"]
+    flags += ["--data.seq_len=128", "--data.micro_batches=2", f"--io.paths={tmp_path / 'ssd'}"]
+    cfg = load_config(None, [*flags, f"--train.run_dir={tmp_path / 'run'}", "--train.predict=false"])
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        assert tr.acts.kept == 4, tr.acts  # the whole demand fits the default budget
+        rec = tr.train_step()
+    assert (rec.extra["act_kept"], rec.extra["act_recomputed"]) == (4, 0), rec.extra

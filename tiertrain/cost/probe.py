@@ -222,6 +222,20 @@ def probe_compute(
         return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only, blocks_only)
 
 
+def _positions(cfg: Config, device) -> torch.Tensor:
+    """The positions a step's block gets: ``[T]``, or for examples with attention within each
+    document ``[B, T]`` restarting at each document (here two a row, so that transformers sees
+    documents and builds the block-diagonal mask the steps build and save)."""
+    from ..data.loader import by_document
+
+    d = cfg.data
+    pos = torch.arange(d.seq_len, device=device)
+    if not by_document(d):
+        return pos
+    half = d.seq_len // 2
+    return torch.cat([pos[:half], pos[: d.seq_len - half]]).expand(d.micro_batch_size, -1).contiguous()
+
+
 def _probe_compute(
     cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
 ) -> dict:
@@ -232,7 +246,7 @@ def _probe_compute(
     flats = {u: torch.randn(layout.units[u].numel, device=dev.device, dtype=dtype).mul_(0.02) for u in units}
     d = cfg.data
     x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
-    pos = torch.arange(d.seq_len, device=dev.device)
+    pos = _positions(cfg, dev.device)
     fwd = lambda t: block.module(t, pos)  # noqa: E731
     kept = KeptGraphs(1 << 62, flats.__getitem__)
     was = model.training

@@ -167,6 +167,17 @@ class EvalSet:
         return out
 
 
+def by_document(cfg: DataConfig) -> bool:
+    """Whether the steps of ``cfg`` pass ``[B, T]`` positions (examples, attention within each
+    document): their blocks then build and save an attention mask, which the dry run that sizes
+    one pair's activations must build too (without it the plan kept a pair more than the steps)."""
+    from .examples import is_prepared
+    from .formats import is_rows_input
+
+    examples = cfg.corpus != "bundled" and (is_prepared(cfg.corpus) or is_rows_input(cfg.corpus))
+    return examples and cfg.packed_attention == "document"
+
+
 def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = True):
     """The batches of ``cfg.corpus``: random windows of a text or token file (``Corpus``), or
     epochs of prepared examples (``examples.ExampleBatches``): a directory made by ``tiertrain
