@@ -366,3 +366,28 @@ def test_the_planned_pairs_are_the_pairs_a_step_keeps_with_document_attention(tm
         assert tr.acts.kept == 4, tr.acts  # the whole demand fits the default budget
         rec = tr.train_step()
     assert (rec.extra["act_kept"], rec.extra["act_recomputed"]) == (4, 0), rec.extra
+
+
+def test_a_budget_below_the_fixed_pools_is_refused_before_the_machine_is_measured(tmp_path, capsys, monkeypatch):
+    """`tiertrain plan` of a 70 B shape ran a block's dry run and the probes (6 min 50 s) before
+    refusing a budget below its fixed pools; the least budget that would run is given."""
+    import re
+
+    import tiertrain.cost as cost
+    import tiertrain.cost.probe as probe
+    from tiertrain.cli import main
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the machine was measured")
+
+    for module, name in ((probe, "probe_acts"), (probe, "probe_compute"), (cost, "measure_rates")):
+        monkeypatch.setattr(module, name, measured)
+    shape = ["--model.kind=llama", "--model.n_layers=80", "--model.d_model=8192", "--model.n_heads=64"]
+    shape += ["--model.n_kv_heads=8", "--model.d_ff=28672", "--model.vocab_size=128256"]
+    assert main(["plan", *shape, "--memory.host_mib=4096", f"--io.paths={tmp_path / 'ssd'}"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "memory.host_mib: the budget (4,096 MiB, memory.host_mib) is less than the fixed pools" in line, line
+    low, about, least = (int(x.replace(",", "")) for x in re.search(
+        r"\(([\d,]+) MiB before any activations, about ([\d,]+) MiB with a micro-batch's, estimated\); raise "
+        r"memory.host_mib to about ([\d,]+) ", line).groups())  # fmt: skip
+    assert 20_000 < low < about == least < low * 1.1, line

@@ -100,6 +100,8 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
     with them)."""
     from ..models import auto_pieces
 
+    if cfg.memory.host_mib is not None:
+        _warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
     # adapters: the vocabulary stays whole (not cut under adapters yet); a short budget is named
     pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None and not cfg.adapter.on else None
     resolved, why = None, ""
@@ -326,6 +328,7 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
     activations is fixed only where the pairs kept in memory are not all of them."""
     act, record = _act_bytes_estimate(cfg, rt), 0
     if "keep_act_mib" in _todo(cfg) or offload_possible(cfg):
+        _pools_fit_unmeasured(cfg, rt)
         if act_fn is not None:
             act, record = act_fn()
         else:
@@ -349,13 +352,62 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
     return cfg_out, plan
 
 
+class _Unmeasured(Exception):
+    """The placement needs the machine's measurements (the fixed pools fit)."""
+
+
+def _pools_fit_unmeasured(cfg: Config, rt) -> None:
+    """Raise ``PoolsOverBudget`` now where the budget cannot hold the fixed pools even with no
+    activations at all: before the dry run of a block and the probes, which measure what is
+    needed only to place the states (minutes for a 70 B block on a CPU, to then refuse)."""
+
+    def unmeasured():
+        raise _Unmeasured
+
+    try:
+        _resolve_fitting(cfg, rt, unmeasured, 0, 0)
+    except _Unmeasured:
+        return
+    except PoolsOverBudget as exc:
+        try:  # the figure to give: with one pair's activations as estimated (they are in the working set)
+            _resolve_fitting(cfg, rt, unmeasured, _act_bytes_estimate(cfg, rt), 0)
+            estimated = exc.needed
+        except PoolsOverBudget as more:
+            estimated = more.needed
+        except _Unmeasured:
+            estimated = exc.needed
+        raise PoolsOverBudget.of(exc.host, exc.source, exc.needed, max(estimated, exc.needed)) from None
+
+
 class PoolsOverBudget(ConfigError):
     """The budget is less than the fixed pools (the buffers at their defaults may shrink);
     ``needed``: the bytes they and the sizes set explicitly take."""
 
-    def __init__(self, message: str, needed: int = 0) -> None:
+    def __init__(self, message: str, needed: int = 0, host: int = 0, source: str = "") -> None:
         super().__init__(message)
-        self.needed = needed
+        self.needed, self.host, self.source = needed, host, source
+
+    @classmethod
+    def of(cls, host: int, source: str, needed: int, estimated: int = 0) -> "PoolsOverBudget":
+        """The refusal of budget ``host`` (from ``source``) where ``needed`` bytes are the least
+        that would run; ``estimated``: refused before measuring, that figure with one pair's
+        activations estimated (``needed``: with none)."""
+        least = -(-(estimated or needed) // MIB)
+        figure = (
+            f"{needed / MIB:,.0f} MiB before any activations, about {estimated / MIB:,.0f} MiB with a micro-batch's, "
+            "estimated"
+            if estimated
+            else f"{needed / MIB:,.0f} MiB"
+        )
+        return cls(
+            f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
+            f"set and the sizes set explicitly ({figure}); raise memory.host_mib to {'about' if estimated else 'at least'} "
+            f"{least:,} or lower memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / "
+            "the *_mib fields set",
+            needed=needed,
+            host=host,
+            source=source,
+        )
 
 
 # Buffers that a small budget may lower from their defaults, in stages, down to these floors:
@@ -438,7 +490,6 @@ def _host_budget(cfg: Config, fixed: int, states: int) -> tuple[int, str]:
     the memory available (``default_host_bytes``)."""
     m = cfg.memory
     if m.host_mib is not None:
-        _warn_above_available(m.host_mib * MIB)
         return m.host_mib * MIB, "memory.host_mib"
     if builtin_job(cfg):
         host = (fixed + int(states * BUILTIN_STATES)) // MIB * MIB
@@ -466,12 +517,7 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
     plan.demand = need
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:
-        raise PoolsOverBudget(
-            f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
-            f"set and the sizes set explicitly ({(host - left) / MIB:,.0f} MiB); raise memory.host_mib or lower "
-            "memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / the *_mib fields set",
-            needed=host - left,
-        )
+        raise PoolsOverBudget.of(host, source, host - left)
     given = dict(explicit)
     # initialisation's units, which no step holds: room the kept activations (only ever held in
     # steps) may take too, beyond what is left
