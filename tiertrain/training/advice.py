@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["resume_hint", "no_checkpoint_advice", "find_resumable"]
+from .rundir import METRICS, no_checkpoint_advice
+
+__all__ = ["resume_hint", "find_resumable"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -32,14 +34,6 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     return f" ({no_checkpoint_advice(run_dir)})" if _holds_steps(run_dir) else ""
 
 
-def no_checkpoint_advice(run_dir: str) -> str:
-    """A run directory whose run stopped before its first checkpoint: nothing to resume."""
-    return (
-        f"the run in {run_dir} stopped before its first checkpoint: there is nothing to resume; start it over "
-        "with --train.overwrite=true, without --resume (deletes its metrics), or give another --train.run_dir"
-    )
-
-
 def find_resumable(where: str, flag: str = "--resume") -> str:
     """``find_checkpoint``; where ``where`` (a run directory, or its checkpoints directory) holds
     a run that wrote no checkpoint, the refusal says there is nothing to resume and how to start
@@ -56,8 +50,6 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
 
 
 def _holds_steps(run_dir: str) -> bool:
-    from .rundir import METRICS
-
     return os.path.exists(os.path.join(run_dir, METRICS))
 
 

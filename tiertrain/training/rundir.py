@@ -22,9 +22,8 @@ import shutil
 
 from ..checkpoint import list_checkpoints
 from ..io.scratch import DirInUseError, DirLock
-from .advice import no_checkpoint_advice
 
-__all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree"]
+__all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree", "no_checkpoint_advice"]
 
 log = logging.getLogger("tiertrain")
 METRICS = "metrics.jsonl"
@@ -34,6 +33,14 @@ DROPPED = "metrics.dropped.jsonl"  # what a resume took out of metrics.jsonl
 
 class RunDirError(DirInUseError):
     """The run directory is in use, or holds another run's work."""
+
+
+def no_checkpoint_advice(run_dir: str) -> str:
+    """A run directory whose run stopped before its first checkpoint: nothing to resume."""
+    return (
+        f"the run in {run_dir} stopped before its first checkpoint: there is nothing to resume; start it over "
+        "with --train.overwrite=true, without --resume (deletes its metrics), or give another --train.run_dir"
+    )
 
 
 def _busy(path: str, who: str) -> RunDirError:
