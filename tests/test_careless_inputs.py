@@ -250,3 +250,19 @@ def test_an_export_has_one_file_mode(tmp_path):
         os.umask(mask)
     modes = {n: oct(os.stat(tmp_path / "e" / n).st_mode & 0o777) for n in os.listdir(tmp_path / "e")}
     assert any(n.endswith(".safetensors") for n in modes) and set(modes.values()) == {"0o644"}, modes
+
+
+def test_the_readmes_example_step_line_has_the_fields_a_run_prints(tmp_path, capsys):
+    """The README's line had drifted from what `make train` prints (the overlapped update, the
+    planner's choice for the default job, adds its thread's time): its fields, numbers aside."""
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    shown = re.search(r"```\n(step 40/40 \|[^\n]*)\n```", readme).group(1)
+    assert main(["train", *tiny_flags(tmp_path, "--update.mode=overlap")]) == 0
+    printed = [ln for ln in capsys.readouterr().err.splitlines() if " INFO step 2/2 |" in ln][0].split(" INFO ")[1]
+
+    def fields(line):
+        return re.sub(r"\d[\d,]*(\.\d+)?", "N", re.sub(r" +", " ", line))
+
+    assert fields(shown) == fields(printed), (shown, printed)
