@@ -36,6 +36,21 @@ def _state_bytes(flags):
 
 
 @pytest.mark.slow  # the engines are processes
+def test_a_run_directory_too_full_for_its_config_is_one_line_naming_config_json(tmp_path, capsys, tmpfs):
+    """config.json, written before the first step, on a full disk: one line naming it (a
+    traceback), no temporary file left; a disk too full for the run directory's lock record:
+    one line naming it (a traceback)."""
+    full = tmpfs("full", 8)
+    (full / "filler").write_bytes(bytes(4096))  # one page left: the lock file's
+    (full / "run").mkdir()
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--train.run_dir={full / 'run'}")], 1)
+    assert f"writing the run's config to {full / 'run' / 'config.json'} failed: No space left on device" in line, line
+    assert [n for n in os.listdir(full / "run") if "tmp" in n] == []
+    (full / "filler2").write_bytes(bytes(4096))  # no page left: the lock record itself does not fit
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--train.run_dir={full / 'run2'}")], 1)
+    assert f"writing the lock record {full / 'run2' / '.tiertrain.lock'} failed: No space left on device" in line
+
+
 def test_the_space_claimed_at_start_covers_the_checksum_sidecars(tmp_path, capsys, tmpfs):
     """A disk with room for the engines' files and not their .crc sidecars: the run started, and
     the engine's first save of a sidecar killed it with an OSError naming no file."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 import errno as _errno
 import os
 
-__all__ = ["StorageError", "ChecksumError", "TruncatedFileError", "OutOfSpaceError", "human_bytes"]
+__all__ = [
+    "StorageError",
+    "ChecksumError",
+    "TruncatedFileError",
+    "OutOfSpaceError",
+    "human_bytes",
+    "run_dir_write_failed",
+]
 
 
 def human_bytes(n: float) -> str:
@@ -37,6 +44,18 @@ class StorageError(OSError):
 
     def __reduce__(self):  # subclasses take other __init__ arguments; rebuild without calling them
         return (_rebuild, (type(self), self.errno, self.filename, self.strerror, self.offset, dict(self.__dict__)))
+
+
+def run_dir_write_failed(path: str, what: str, exc: OSError) -> StorageError:
+    """Writing ``what`` (a run directory's file ``path``) failed: one line naming the file and
+    the fix (a full disk: make room or give the run another directory)."""
+    err = exc.errno or _errno.EIO
+    fix = (
+        "free space on its filesystem or give the run another --train.run_dir"
+        if err in (_errno.ENOSPC, _errno.EDQUOT)
+        else "check the run directory (train.run_dir) is writable"
+    )
+    return StorageError(err, path, f"writing {what} to {path} failed: {os.strerror(err)}; {fix}")
 
 
 def _rebuild(cls: type, err: int, path: str, message: str, offset: int | None, state: dict) -> StorageError:

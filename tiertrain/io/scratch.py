@@ -9,6 +9,7 @@ directory's lock is in ``training/rundir.py``.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import json
@@ -18,6 +19,7 @@ import time
 from typing import Iterable
 
 from ..errors import TiertrainError
+from .errors import StorageError
 
 __all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "clean_other_legs"]
 
@@ -71,7 +73,17 @@ class DirLock:
         self.previous = _read(fd)  # the record the last holder left
         self.unclean = self.previous.get("state") == "running"
         self.record = {"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "running"}
-        _write(fd, self.record)
+        try:
+            _write(fd, self.record)
+        except OSError as exc:  # a full disk: said before any work, naming the directory
+            os.close(fd)
+            err = exc.errno or errno.EIO
+            raise StorageError(
+                err,
+                self.file,
+                f"writing the lock record {self.file} failed: {os.strerror(err)}; free space on "
+                f"{self.path}'s filesystem or give the run another directory",
+            ) from None
         self._fd: int | None = fd
 
     def note(self, **info) -> None:

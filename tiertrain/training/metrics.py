@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from ..io.errors import StorageError
+from ..io.errors import StorageError, run_dir_write_failed
 
 __all__ = ["StepRecord", "MetricsLog", "peak_flops", "flops_per_token", "log"]
 
@@ -212,16 +211,7 @@ class MetricsLog:
         )
 
     def _error(self, exc: OSError) -> StorageError:
-        """One line naming the file and what to do (a full disk: where to make room)."""
-        err = exc.errno or errno.EIO
-        fix = (
-            "free space on its filesystem or give the run another --train.run_dir"
-            if err in (errno.ENOSPC, errno.EDQUOT)
-            else "check the run directory (train.run_dir) is writable"
-        )
-        return StorageError(
-            err, self.path, f"writing the step records to {self.path} failed: {os.strerror(err)}; {fix}"
-        )
+        return run_dir_write_failed(self.path, "the step records", exc)
 
     def _abandon(self) -> None:
         """Close the file after a failed write, dropping what it could not write: closing it

@@ -15,12 +15,14 @@ that holds a run of its own is refused (``RunDir.take_over``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 
 from ..checkpoint import list_checkpoints
+from ..io.errors import run_dir_write_failed
 from ..io.scratch import DirInUseError, DirLock
 
 __all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree", "no_checkpoint_advice"]
@@ -111,14 +113,19 @@ class RunDir:
                     kept.append(line)
                 else:
                     later.append(line)
-        if later or damaged:
-            self._set_aside(step, later, damaged)
         tmp = self.metrics_path + f".tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.metrics_path)  # after the dropped lines are safe in DROPPED
+        try:
+            if later or damaged:
+                self._set_aside(step, later, damaged)
+            with open(tmp, "wb") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.metrics_path)  # after the dropped lines are safe in DROPPED
+        except OSError as exc:  # the metrics as they were: nothing is lost, the run does not start
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise run_dir_write_failed(getattr(exc, "filename", None) or self.metrics_path, "the step records", exc)
         return len(kept)
 
     def _set_aside(self, step: int, later: list[bytes], damaged: list[tuple[int, bytes]]) -> None:
@@ -155,9 +162,14 @@ class RunDir:
 
     def write_config(self, tree: dict) -> None:
         tmp = self.config_path + f".tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(tree, f, indent=1)
-        os.replace(tmp, self.config_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(tree, f, indent=1)
+            os.replace(tmp, self.config_path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise run_dir_write_failed(self.config_path, "the run's config", exc) from None
 
     def release(self, *, remove_if_empty: bool = False) -> None:
         """Give up the lock; ``remove_if_empty``: a run that stopped before writing anything
