@@ -9,8 +9,8 @@ import time
 
 import psutil
 import pytest
-from test_dist_train import _rank_pid, _start_ranks, _steps_done
-from test_signals import wait_for
+from test_dist_train import _final, _rank_pid, _start_ranks, _steps_done
+from test_signals import engine_pids, start, wait_for
 
 
 def _alive(pid: int) -> bool:
@@ -56,4 +56,49 @@ def test_a_stopped_rank_0_is_named_and_the_run_ends_within_the_timeout(tmp_path)
     assert f"rank 0 is not responding: its process {pids[0]} is stopped" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert took < 6 + 4 + 5, (took, err[-3000:])  # the timeout, 2 s (4 at most) to name it, exits
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.serial  # a bound in seconds: measured alone
+def test_a_hung_rank_ends_the_run_within_the_timeout_and_a_few_seconds(tmp_path):
+    """Rank 1 hangs (sleeps 60 s) in step 3: rank 0 names it after ranks.timeout_s = 6 and the
+    naming window, and the launcher kills it a second after rank 0 stopped (the run took about
+    twice the timeout and more: closing the parameter store waited out a second gather, and the
+    launcher gave the hung rank the timeout again and 5 s)."""
+    proc = _start_ranks(
+        tmp_path,
+        "--train.steps=100000",
+        "--ranks.timeout_s=6",
+        env={"TIERTRAIN_SLOW_AT": "backward:60:9", "TIERTRAIN_SLOW_RANK": "1"},
+    )
+    pids = _ranks_of(proc)
+    err = _end(proc, pids, 60)
+    took = time.time() - (tmp_path / "run" / "metrics.jsonl").stat().st_mtime  # from step 2's record on
+    print(f"ended {took:.1f} s after step 2's record")
+    assert proc.returncode == 1, err[-3000:]
+    assert "rank 1 is alive but has not reached this collective: it is at step 3" in err, err[-3000:]
+    assert _final(tmp_path)[0] == 2
+    assert took < 6 + 2 + 5, (took, err[-3000:])  # measured 9.4 s
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.serial  # a bound in seconds: measured alone
+def test_a_stopped_engine_ends_the_run_when_its_error_says(tmp_path):
+    """An update engine stopped with SIGSTOP: the error says it has not answered for 3 s
+    (update.engine_timeout_s), and the run ends then, not 10 s later (closing waited for the
+    stopped engine to stop); the engine is killed."""
+    proc = start(
+        tmp_path, "--update.mode=engines", "--train.steps=100000", "--checkpoint.every=1", "--update.engine_timeout_s=3"
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    pids = engine_pids(tmp_path)
+    t0 = time.monotonic()
+    os.kill(pids[0], signal.SIGSTOP)
+    err = _end(proc, pids, 60)
+    took = time.monotonic() - t0
+    print(f"ended in {took:.1f} s")
+    assert proc.returncode == 1, err[-3000:]
+    assert "update engine 0 (" in err and "has not answered for 3 s" in err, err[-3000:]
+    assert took < 3 + 4, (took, err[-3000:])  # measured 3.2 s
     assert not any(_alive(p) for p in pids)

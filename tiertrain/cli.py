@@ -90,7 +90,7 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     ranks_dir = os.path.join(cfg.train.run_dir, "ranks")
     fresh = [d for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) for d in missing_dirs(p)]
     try:
-        return launch(cmd, args.nproc, grace_s=cfg.ranks.timeout_s + 5)
+        return launch(cmd, args.nproc)
     finally:
         for p in reversed(fresh):  # the run directory's ranks/ before it, each before the parents made for it
             _remove_empty_tree(p)
@@ -132,6 +132,8 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
+    from .dist.group import RankError
+    from .dist.launch import PEER_FAULT
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
 
     try:
@@ -146,6 +148,9 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         reported = _Reported(f"{one_line(exc)}{_resume_hint(exc, cfg, path)}")
         reported.quiet = getattr(exc, "quiet", False)
+        if isinstance(exc, RankError):  # the ranks' fault, said (the rank that stopped named): the launcher
+            # stops what is left at once
+            reported.status = PEER_FAULT
         raise reported from None
     return 0
 
@@ -180,7 +185,9 @@ def _named_step(path: str) -> bool:
 
 
 class _Reported(TiertrainError):
-    """An error already phrased for the user."""
+    """An error already phrased for the user; ``status``: the exit status it ends with."""
+
+    status = 1
 
 
 def _user_facing(exc: BaseException) -> bool:
@@ -573,7 +580,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         if not getattr(exc, "quiet", False):  # another rank of this machine says the same
             _say(f"tiertrain: {one_line(exc)}")
         log.debug("details", exc_info=True)
-        return 1
+        return getattr(exc, "status", 1)
     except KeyboardInterrupt as exc:
         if os.environ.get("RANK", "0") == "0":  # with ranks, rank 0 speaks for them
             print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)

@@ -9,12 +9,15 @@ by this launcher rather than by ``torchrun``, so that what a user sees of a run 
   launcher alone, which passes each SIGINT or SIGTERM on to every rank exactly once (the first:
   every rank finishes its step, saves and stops; a second: they stop at once). A rank whose
   launcher dies is sent SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
-- faults: once a rank has failed, the others fail in their next collective by themselves, at
-  once where the rank died, after ``ranks.timeout_s`` where it hangs, and then take the
-  naming window (``Watch``: 2 s) to say which rank stopped; the launcher waits that long for
-  them (``grace_s``) and then stops them. A rank that is suspended (SIGSTOP) is killed as soon
-  as another has failed: it would never see the failure. So a run with a dead or hung rank
-  ends within ``ranks.timeout_s`` + the naming window + a second or two.
+- faults: once a rank has failed, the others fail at once in their next collective (its
+  connections closed) and then take the naming window (``Watch``: 2 s, 4 s at most) to say
+  which rank stopped; the launcher waits ``grace_s`` for that, then stops what is left. A rank
+  that failed on another's fault (``PEER_FAULT``: it waited out ``ranks.timeout_s`` and named
+  the rank that hangs) has said everything: what is still running a second later is that rank,
+  and it is killed. A rank that is suspended (SIGSTOP) is killed as soon as another has failed:
+  it would never see the failure. So a run with a hung rank ends within ``ranks.timeout_s``,
+  the naming window and a second or two, and one with a dead rank within the naming window
+  and the exits.
 - exit status: 0 when every rank finished; 130 when the run was interrupted and every rank
   stopped as asked (rank 0 prints the one resume command); otherwise 1, with a line naming a
   rank that ended by a signal (which says nothing itself: ``kill -9``, the OOM killer).
@@ -35,11 +38,15 @@ from typing import Sequence
 
 import psutil
 
-__all__ = ["launch", "resume_command", "LAUNCHED"]
+__all__ = ["launch", "resume_command", "LAUNCHED", "PEER_FAULT"]
 
 log = logging.getLogger("tiertrain")
 LAUNCHED = "TIERTRAIN_LAUNCHED"  # set in the ranks' environment: the launcher reports for them
-_STOP_AFTER_TERM_S = 5.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
+PEER_FAULT = 3  # a rank's exit status where it stopped on another rank's fault (a RankError naming it)
+INTERRUPTED = 130  # a rank's exit status where it stopped on a signal, as asked
+GRACE_S = 5.0  # after a rank failed: the others' naming window (2 s, 4 s at most) and their exits
+_AFTER_NAMED_S = 1.0  # after a rank named another's fault: for the others that time out with it to exit
+_STOP_AFTER_TERM_S = 3.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
 
 
 def resume_command(run_dir: str, world: int = 1, checkpoint: str | None = None) -> str:
@@ -67,7 +74,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0.1) -> int:
+def launch(args: Sequence[str], nproc: int, *, grace_s: float = GRACE_S, poll_s: float = 0.1) -> int:
     """Run ``python -m tiertrain *args`` as ranks 0 .. ``nproc - 1``; their exit status (see
     the module docstring). ``grace_s``: how long the others may take, after a rank failed, to
     fail by themselves and say why."""
@@ -102,36 +109,27 @@ def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0
 
 
 def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float, poll_s: float) -> int:
-    failed_at: float | None = None
-    termed_at: float | None = None
+    failed_at = 0.0
     first: tuple[int, int] | None = None  # (rank, status) of the first that failed
+    termed: set[int] = set()  # the ranks sent SIGTERM
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
         for r, c in enumerate(codes):
-            if c not in (None, 0) and not (signals and c == 130) and first is None:
+            if c not in (None, 0) and not (signals and c == INTERRUPTED) and first is None:
                 first, failed_at = (r, c), now
-        if failed_at is not None:
+        if first is not None:
             for p, c in zip(procs, codes):
-                if c is None and _stopped(p.pid):
-                    p.kill()  # suspended: it would never see that another rank failed
-            if now - failed_at > grace_s and termed_at is None:
-                termed_at = now
-                for p, c in zip(procs, codes):
-                    if c is None:
-                        p.terminate()
-            if termed_at is not None and now - termed_at > _STOP_AFTER_TERM_S:
-                for p, c in zip(procs, codes):
-                    if c is None:
-                        p.kill()
+                if c is None:
+                    _stop(p, now - failed_at, first[1], grace_s, termed)
         time.sleep(poll_s)
     codes = [p.returncode for p in procs]
     if all(c == 0 for c in codes):
         return 0
-    if signals and all(c in (0, 130) for c in codes):
-        return 130
+    if signals and all(c in (0, INTERRUPTED) for c in codes):
+        return INTERRUPTED
     for r, c in enumerate(codes):
         if c < 0 and (first is None or r == first[0]):
             name = signal.Signals(-c).name if -c in signal.valid_signals() else f"signal {-c}"
@@ -139,3 +137,17 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float
                   file=sys.stderr)
             break
     return 1
+
+
+def _stop(p: subprocess.Popen, since: float, first: int, grace_s: float, termed: set[int]) -> None:
+    """Rank ``p``, still running ``since`` seconds after another failed with exit status ``first``."""
+    if _stopped(p.pid):
+        p.kill()  # suspended: it would never see that another rank failed
+    elif first == PEER_FAULT:
+        if since > _AFTER_NAMED_S:
+            p.kill()  # the rank that hangs: the one that failed named it
+    elif since > grace_s + _STOP_AFTER_TERM_S:
+        p.kill()
+    elif since > grace_s and p.pid not in termed:
+        termed.add(p.pid)
+        p.terminate()

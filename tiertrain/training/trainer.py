@@ -32,7 +32,7 @@ from ..config import Config, ConfigError
 from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
-from ..dist.group import SoloGroup
+from ..dist.group import BrokenGroupError, SoloGroup
 from ..dist.launch import resume_command
 from ..errors import one_line
 from ..execute.executor import LayerMajorExecutor
@@ -559,6 +559,8 @@ class Trainer:
         for part in [*reversed(self._parts), self.rt]:
             try:
                 part.close()
+            except BrokenGroupError as exc:  # a unit still gathering: the error that broke the group said why
+                log.debug("while closing %s: %s", type(part).__name__, one_line(exc))
             except Exception as exc:  # noqa: BLE001 - the rest must still be closed
                 log.warning("while closing %s: %s", type(part).__name__, one_line(exc))
         self._parts = []
