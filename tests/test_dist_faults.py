@@ -5,6 +5,7 @@ rank alone, the launcher killed, a hung rank, a stopped engine, rank 0 killed.""
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -57,6 +58,75 @@ def test_a_stopped_rank_0_is_named_and_the_run_ends_within_the_timeout(tmp_path)
     assert "Traceback" not in err, err[-3000:]
     assert took < 6 + 4 + 5, (took, err[-3000:])  # the timeout, 2 s (4 at most) to name it, exits
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,rank", [(signal.SIGINT, 1), (signal.SIGTERM, 0)])
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, sig, rank):
+    """Ctrl-C or SIGTERM to one rank alone (as torchrun users signal any process): every rank
+    stops after the same step, which is saved once, and the run exits 130 with one resume command
+    (the signalled rank saved alone while the other started the next step: both waited out the
+    timeout, and the run failed "rank 1 died")."""
+    import re
+
+    proc = _start_ranks(
+        tmp_path, "--train.steps=100000", "--ranks.timeout_s=30", env={"TIERTRAIN_SLOW_AT": "forward:0.1"}
+    )
+    wait_for(lambda: _steps_done(tmp_path) >= 2)
+    pids = _ranks_of(proc)
+    t0 = time.monotonic()
+    os.kill(pids[rank], sig)
+    err = _end(proc, pids, 25)
+    took = time.monotonic() - t0
+    print(f"ended in {took:.1f} s")
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
+    assert re.findall(r"resume with: (.*)", err) == [f"tiertrain train --resume {tmp_path / 'run'} --nproc 2"]
+    assert _final(tmp_path)[0] == _steps_done(tmp_path)  # the step every rank stopped after, saved
+    assert took < 20, took  # a step and a save (measured about 1 s)
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_ranks_end_with_their_launcher(tmp_path):
+    """The launcher killed (SIGKILL) while the ranks are in a long step (30 s in a forward): every
+    rank stops at once and cleans up (its scratch directory removed, its locks released); they
+    finished the step and saved, as for a Ctrl-C, training on as orphans meanwhile."""
+    env = {"TIERTRAIN_SLOW_AT": "forward:30:9"}  # step 3's first forward
+    proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=60", env=env)
+    wait_for(lambda: _steps_done(tmp_path) >= 2)
+    pids = _ranks_of(proc)
+    time.sleep(1)  # into step 3's forward
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not any(_alive(p) for p in pids), timeout=60)
+    finally:
+        for p in filter(_alive, pids):
+            os.kill(p, signal.SIGKILL)
+        proc.communicate()
+    took = time.monotonic() - t0
+    print(f"ranks gone {took:.1f} s after the launcher")
+    assert took < 10, took  # measured 0.2 s
+    assert not any((tmp_path / "ssd" / f"rank{r}").exists() for r in (0, 1)), os.listdir(tmp_path / "ssd")
+
+
+def test_a_rank_stuck_past_its_launcher_ends_itself(tmp_path):
+    """Where the SIGTERM of the launcher's death cannot stop a rank (here ignored; a rank stuck
+    where no signal handler runs), the rank ends itself a bounded time later."""
+    code = (
+        "import os, signal, time\n"
+        "os.environ['TIERTRAIN_LAUNCHED'] = str(os.getppid() + 100000)\n"  # not its parent: the launcher is gone
+        "import tiertrain.dist.launch as launch\n"
+        "launch._ORPHAN_GRACE_S = 0.5\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "launch.end_with_launcher(period=0.1)\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert r.stdout == "watching\n" and r.returncode == 1 and time.monotonic() - t0 < 30, r.stderr[-3000:]
 
 
 @pytest.mark.serial  # a bound in seconds: measured alone

@@ -110,11 +110,13 @@ def _ranks(cfg) -> Iterator[object]:
     """The process group where torchrun started this process as one of several ranks (None
     otherwise). Ranks other than 0 log warnings and errors only: rank 0 prints the run."""
     from .dist import RankGroup, env_world
+    from .dist.launch import end_with_launcher
 
     rank, world, _ = env_world()
     if world == 1:
         yield None
         return
+    end_with_launcher()
     if rank:
         log.setLevel(logging.WARNING)
     backend = cfg.ranks.backend if cfg.ranks.backend != "auto" else "gloo"
