@@ -172,3 +172,38 @@ def test_a_stopped_engine_ends_the_run_when_its_error_says(tmp_path):
     assert "update engine 0 (" in err and "has not answered for 3 s" in err, err[-3000:]
     assert took < 3 + 4, (took, err[-3000:])  # measured 3.2 s
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_0_is_one_line_naming_it(tmp_path):
+    """Rank 0 killed (SIGKILL): rank 1's error is one line naming rank 0 as dead, without the C++
+    trace of the store's failure or gloo's own text (a 12-frame TCPStore trace, and gloo's source
+    location and advice inside the line); no rank is left."""
+    proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=30")
+    wait_for(lambda: _steps_done(tmp_path) >= 2)
+    pids = _ranks_of(proc)
+    os.kill(pids[0], signal.SIGKILL)
+    err = _end(proc, pids, 60)
+    assert proc.returncode == 1, err[-3000:]
+    said = [line for line in err.splitlines() if " INFO " not in line]
+    assert len(said) == 2, said  # rank 1's error, the launcher's line
+    assert said[0].startswith("tiertrain: rank 1 of 2: ") and "rank 0 died" in said[0], said
+    assert said[1] == "tiertrain: rank 0 of 2 was ended by SIGKILL; the other ranks were stopped", said
+    assert not any(_alive(p) for p in pids)
+
+
+def test_gloo_text_is_cut_to_what_happened():
+    from tiertrain.dist.group import _cause
+
+    closed = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:8103. This is typically caused by a remote worker crashing. Check the logs of the remote "
+        "worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+    )
+    assert _cause(closed) == "Connection closed by peer [127.0.0.1]:8103"
+    timed_out = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+        "10000ms for send operation to complete"
+    )
+    assert _cause(timed_out) == "Timed out waiting 10000ms for send operation to complete"
+    assert _cause(RuntimeError("")) == "RuntimeError"

@@ -134,6 +134,10 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = None, load_config(args.config, overrides)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # before torch is imported: its C++ warnings (a TCPStore's stack trace once a peer's store is gone)
+        # say nothing a rank's one-line error does not
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from .dist.group import RankError
     from .dist.launch import PEER_FAULT
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)

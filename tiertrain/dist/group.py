@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -254,7 +255,7 @@ class RankGroup(_Sharding):
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:  # the store did not come up, or a rank never joined
             raise RankError(f"rank {rank} of {world}: the process group did not form within {timeout_s:.0f} s "
-                            f"({_first_line(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
+                            f"({_cause(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
         # Parameter gathers run asynchronously, issued as their reads complete, in an order of
         # their own (the loads'); on the same group as the backward's reduce-scatters they
         # could meet another rank's reduce-scatter. A group of their own keeps each order apart.
@@ -400,7 +401,7 @@ class RankGroup(_Sharding):
         """The failure of collective ``name`` in words, the ranks that stopped named; the group is
         broken from now on."""
         who = self.watch.culprits()
-        self.failed = RankError(f"rank {self.rank} of {self.world}: {name} failed ({_first_line(exc)}): another rank "
+        self.failed = RankError(f"rank {self.rank} of {self.world}: {name} failed ({_cause(exc)}): another rank "
                                 f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
                                 + (f": {who}" if who else "") + "; resume from the last checkpoint once every rank "
                                 "is back")
@@ -422,6 +423,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _cause(exc: BaseException) -> str:
+    """What a collective's failure says, without gloo's source location and advice: "[.../pair.cc:553]
+    Connection closed by peer [127.0.0.1]:8103. This is typically caused by ..." says "Connection
+    closed by peer [127.0.0.1]:8103"."""
+    text = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", _first_line(exc))
+    return text.split(". ")[0].rstrip(".") or type(exc).__name__
 
 
 Group = SoloGroup | RankGroup
