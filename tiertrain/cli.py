@@ -73,7 +73,7 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     ranks_dir = os.path.join(cfg.train.run_dir, "ranks")
     fresh = [d for p in (*cfg.io.paths, cfg.train.run_dir, ranks_dir) for d in missing_dirs(p)]
     try:
-        return launch(cmd, args.nproc, grace_s=cfg.ranks.timeout_s + 5)
+        return launch(cmd, args.nproc)
     finally:
         for p in reversed(fresh):  # the run directory's ranks/ before it, each before the parents made for it
             _remove_empty_tree(p)
@@ -93,11 +93,13 @@ def _ranks(cfg) -> Iterator[object]:
     """The process group where torchrun started this process as one of several ranks (None
     otherwise). Ranks other than 0 log warnings and errors only: rank 0 prints the run."""
     from .dist import RankGroup, env_world
+    from .dist.launch import end_with_launcher
 
     rank, world, _ = env_world()
     if world == 1:
         yield None
         return
+    end_with_launcher()
     if rank:
         log.setLevel(logging.WARNING)
     backend = cfg.ranks.backend if cfg.ranks.backend != "auto" else "gloo"
@@ -118,6 +120,12 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
         check_ranks_fit(nproc, cfg.memory.host_mib)
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # before torch is imported: its C++ warnings (a TCPStore's stack trace once a peer's store is gone)
+        # say nothing a rank's one-line error does not
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from .dist.group import RankError
+    from .dist.launch import PEER_FAULT
     from .training.advice import resume_hint
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
 
@@ -133,12 +141,17 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         reported = _Reported(f"{one_line(exc)}{resume_hint(exc, cfg, path)}")
         reported.quiet = getattr(exc, "quiet", False)
+        if isinstance(exc, RankError):  # the ranks' fault, said (the rank that stopped named): the launcher
+            # stops what is left at once
+            reported.status = PEER_FAULT
         raise reported from None
     return 0
 
 
 class _Reported(TiertrainError):
-    """An error already phrased for the user."""
+    """An error already phrased for the user; ``status``: the exit status it ends with."""
+
+    status = 1
 
 
 def _user_facing(exc: BaseException) -> bool:
@@ -542,7 +555,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         if not getattr(exc, "quiet", False):  # another rank of this machine says the same
             _say(f"tiertrain: {one_line(exc)}")
         log.debug("details", exc_info=True)
-        return 1
+        return getattr(exc, "status", 1)
     except KeyboardInterrupt as exc:
         if os.environ.get("RANK", "0") == "0":  # with ranks, rank 0 speaks for them
             print(f"tiertrain: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)

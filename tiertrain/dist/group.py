@@ -23,7 +23,10 @@ reduce-scatter of ``b`` bytes sends and receives ``b (N - 1) / N``. A step moves
 Faults: every collective runs under the group's timeout (``timeout_s``); a rank that died or
 hangs makes the others raise ``RankError`` within it instead of waiting for ever (a dead
 rank's closed connections are seen at once, a hung one when the timeout runs out), naming
-the rank that stopped where its signs of life tell (``watch.py``: 2 s more).
+the rank that stopped where its signs of life tell (``watch.py``: 2 s more, 4 s at most).
+Once a collective has failed the group is broken: every later one (a unit still loading
+while the trainer closes) raises at once, so that ending a run never waits out a second
+timeout.
 
 Alignment: ``reduce_scatter`` needs a length divisible by the world size (a sharded layout pads
 every unit to a multiple of ``N x`` its alignment).
@@ -39,6 +42,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +53,15 @@ import torch.distributed as dist
 from ..errors import TiertrainError
 from .watch import Watch
 
-__all__ = ["RankError", "RankGroup", "SoloGroup", "Group", "Traffic", "env_world"]
+__all__ = ["RankError", "BrokenGroupError", "RankGroup", "SoloGroup", "Group", "Traffic", "env_world"]
 
 
 class RankError(TiertrainError, RuntimeError):
     """A collective failed: another rank died, hangs past the timeout, or disagrees."""
+
+
+class BrokenGroupError(RankError):
+    """A collective not run: an earlier one failed (and its error said why)."""
 
 
 @dataclass
@@ -247,12 +255,13 @@ class RankGroup(_Sharding):
                                     timeout=datetime.timedelta(seconds=timeout_s))
         except (RuntimeError, ValueError) as exc:  # the store did not come up, or a rank never joined
             raise RankError(f"rank {rank} of {world}: the process group did not form within {timeout_s:.0f} s "
-                            f"({_first_line(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
+                            f"({_cause(exc)}); start every rank (torchrun --nproc-per-node {world})") from None
         # Parameter gathers run asynchronously, issued as their reads complete, in an order of
         # their own (the loads'); on the same group as the backward's reduce-scatters they
         # could meet another rank's reduce-scatter. A group of their own keeps each order apart.
         self._gathers = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         self.watch = Watch(_default_store(), rank, world)
+        self.failed: RankError | None = None  # the first collective's failure: the group is broken
 
     def at_step(self, step: int) -> None:
         """The optimizer step this rank starts (told to the others at once, for naming a rank
@@ -290,6 +299,7 @@ class RankGroup(_Sharding):
         if out.numel() != self.world * shard.numel():
             raise ValueError(f"all_gather: out has {out.numel()} elements, {self.world} shards of "
                              f"{shard.numel()} need {self.world * shard.numel()}")
+        self._intact("all_gather")
         p = self.watch.progress
         p.gathers, p.at = p.gathers + 1, "a parameter gather"
         try:
@@ -367,8 +377,16 @@ class RankGroup(_Sharding):
                             f"{', '.join(map(str, differ))} another (this rank, {self.rank}: {mine!r}); "
                             "start every rank with the same config")
 
+    def _intact(self, name: str) -> None:
+        """Refuse a collective once one has failed: its peers may be gone or elsewhere, and it
+        would wait out the whole timeout again."""
+        if self.failed is not None:
+            raise BrokenGroupError(f"rank {self.rank} of {self.world}: {name} not run: an earlier collective "
+                                   f"failed ({self.failed})")
+
     def _run(self, name: str, fn, *args, started: bool = False, **kw) -> None:
         """``fn`` (a collective, or the wait for one already ``started``), its failure a RankError."""
+        self._intact(name)
         if not started:
             p = self.watch.progress
             p.ops, p.at = p.ops + 1, name
@@ -380,10 +398,14 @@ class RankGroup(_Sharding):
             raise self._error(name, exc) from None
 
     def _error(self, name: str, exc: BaseException) -> RankError:
+        """The failure of collective ``name`` in words, the ranks that stopped named; the group is
+        broken from now on."""
         who = self.watch.culprits()
-        return RankError(f"rank {self.rank} of {self.world}: {name} failed ({_first_line(exc)}): another rank "
-                         f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
-                         + (f": {who}" if who else "") + "; resume from the last checkpoint once every rank is back")
+        self.failed = RankError(f"rank {self.rank} of {self.world}: {name} failed ({_cause(exc)}): another rank "
+                                f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
+                                + (f": {who}" if who else "") + "; resume from the last checkpoint once every rank "
+                                "is back")
+        return self.failed
 
 
 def _default_store():
@@ -401,6 +423,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _cause(exc: BaseException) -> str:
+    """What a collective's failure says, without gloo's source location and advice: "[.../pair.cc:553]
+    Connection closed by peer [127.0.0.1]:8103. This is typically caused by ..." says "Connection
+    closed by peer [127.0.0.1]:8103"."""
+    text = re.sub(r"^\[[^\]\s]+:\d+\]\s*", "", _first_line(exc))
+    return text.split(". ")[0].rstrip(".") or type(exc).__name__
 
 
 Group = SoloGroup | RankGroup

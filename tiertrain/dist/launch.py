@@ -7,14 +7,21 @@ by this launcher rather than by ``torchrun``, so that what a user sees of a run 
 
 - signals: every rank runs in a process group of its own, so a terminal's Ctrl-C reaches the
   launcher alone, which passes each SIGINT or SIGTERM on to every rank exactly once (the first:
-  every rank finishes its step, saves and stops; a second: they stop at once). A rank whose
-  launcher dies is sent SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
-- faults: once a rank has failed, the others fail in their next collective by themselves, at
-  once where the rank died, after ``ranks.timeout_s`` where it hangs, and then take the
-  naming window (``Watch``: 2 s) to say which rank stopped; the launcher waits that long for
-  them (``grace_s``) and then stops them. A rank that is suspended (SIGSTOP) is killed as soon
-  as another has failed: it would never see the failure. So a run with a dead or hung rank
-  ends within ``ranks.timeout_s`` + the naming window + a second or two.
+  every rank finishes its step, saves and stops; a second: they stop at once). A signal sent
+  to one rank alone stops them all too: the ranks agree at every step boundary (``Trainer``).
+- the launcher's death: a rank is sent SIGTERM when the launcher dies (Linux:
+  ``PR_SET_PDEATHSIG``), which stops it at once (``launcher_gone``: no one is left to report
+  to or to resume), and ends itself ``_ORPHAN_GRACE_S`` later where that did not
+  (``end_with_launcher``: stuck where no signal handler runs). No rank outlives it for long.
+- faults: once a rank has failed, the others fail at once in their next collective (its
+  connections closed) and then take the naming window (``Watch``: 2 s, 4 s at most) to say
+  which rank stopped; the launcher waits ``grace_s`` for that, then stops what is left. A rank
+  that failed on another's fault (``PEER_FAULT``: it waited out ``ranks.timeout_s`` and named
+  the rank that hangs) has said everything: what is still running a second later is that rank,
+  and it is killed. A rank that is suspended (SIGSTOP) is killed as soon as another has failed:
+  it would never see the failure. So a run with a hung rank ends within ``ranks.timeout_s``,
+  the naming window and a second or two, and one with a dead rank within the naming window
+  and the exits.
 - exit status: 0 when every rank finished; 130 when the run was interrupted and every rank
   stopped as asked (rank 0 prints the one resume command); otherwise 1, with a line naming a
   rank that ended by a signal (which says nothing itself: ``kill -9``, the OOM killer).
@@ -30,16 +37,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
 import psutil
 
-__all__ = ["launch", "resume_command", "LAUNCHED"]
+__all__ = ["launch", "resume_command", "launcher_gone", "end_with_launcher", "LAUNCHED", "PEER_FAULT"]
 
 log = logging.getLogger("tiertrain")
-LAUNCHED = "TIERTRAIN_LAUNCHED"  # set in the ranks' environment: the launcher reports for them
-_STOP_AFTER_TERM_S = 5.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
+LAUNCHED = "TIERTRAIN_LAUNCHED"  # the launcher's pid, in the ranks' environment: it reports for them
+PEER_FAULT = 3  # a rank's exit status where it stopped on another rank's fault (a RankError naming it)
+INTERRUPTED = 130  # a rank's exit status where it stopped on a signal, as asked
+GRACE_S = 5.0  # after a rank failed: the others' naming window (2 s, 4 s at most) and their exits
+_AFTER_NAMED_S = 1.0  # after a rank named another's fault: for the others that time out with it to exit
+_STOP_AFTER_TERM_S = 3.0  # a rank asked to stop (SIGTERM) that has not, is killed after this
+_ORPHAN_GRACE_S = 15.0  # a rank whose launcher died ends itself after this, stopped or not
 
 
 def resume_command(run_dir: str, world: int = 1, checkpoint: str | None = None) -> str:
@@ -60,6 +73,29 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def launcher_gone() -> bool:
+    """In a rank this launcher started: whether the launcher has died (the rank was re-parented)."""
+    pid = os.environ.get(LAUNCHED, "")
+    return pid.isdigit() and os.getppid() != int(pid)
+
+
+def end_with_launcher(period: float = 0.5) -> None:
+    """In a rank this launcher started: a daemon thread that ends the process ``_ORPHAN_GRACE_S``
+    after the launcher died, where the SIGTERM that its death sent (which stops a rank at once,
+    its scratch files removed) did not end it: a rank stuck where no signal handler runs would
+    otherwise hold its scratch directories, memory and drives for ever."""
+    if not os.environ.get(LAUNCHED, "").isdigit():
+        return
+
+    def watch() -> None:
+        while not launcher_gone():
+            time.sleep(period)
+        time.sleep(_ORPHAN_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tiertrain-launcher-watch", daemon=True).start()
+
+
 def _stopped(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
@@ -67,7 +103,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0.1) -> int:
+def launch(args: Sequence[str], nproc: int, *, grace_s: float = GRACE_S, poll_s: float = 0.1) -> int:
     """Run ``python -m tiertrain *args`` as ranks 0 .. ``nproc - 1``; their exit status (see
     the module docstring). ``grace_s``: how long the others may take, after a rank failed, to
     fail by themselves and say why."""
@@ -88,7 +124,7 @@ def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0
         for r in range(nproc):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads, LAUNCHED: "1"}
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads, LAUNCHED: str(os.getpid())}
             procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain", *args], env=env,
                                           start_new_session=True, preexec_fn=_die_with_parent))
         return _supervise(procs, signals, grace_s, poll_s)
@@ -102,36 +138,27 @@ def launch(args: Sequence[str], nproc: int, *, grace_s: float, poll_s: float = 0
 
 
 def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float, poll_s: float) -> int:
-    failed_at: float | None = None
-    termed_at: float | None = None
+    failed_at = 0.0
     first: tuple[int, int] | None = None  # (rank, status) of the first that failed
+    termed: set[int] = set()  # the ranks sent SIGTERM
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
         for r, c in enumerate(codes):
-            if c not in (None, 0) and not (signals and c == 130) and first is None:
+            if c not in (None, 0, INTERRUPTED) and first is None:
                 first, failed_at = (r, c), now
-        if failed_at is not None:
+        if first is not None:
             for p, c in zip(procs, codes):
-                if c is None and _stopped(p.pid):
-                    p.kill()  # suspended: it would never see that another rank failed
-            if now - failed_at > grace_s and termed_at is None:
-                termed_at = now
-                for p, c in zip(procs, codes):
-                    if c is None:
-                        p.terminate()
-            if termed_at is not None and now - termed_at > _STOP_AFTER_TERM_S:
-                for p, c in zip(procs, codes):
-                    if c is None:
-                        p.kill()
+                if c is None:
+                    _stop(p, now - failed_at, first[1], grace_s, termed)
         time.sleep(poll_s)
     codes = [p.returncode for p in procs]
     if all(c == 0 for c in codes):
         return 0
-    if signals and all(c in (0, 130) for c in codes):
-        return 130
+    if all(c in (0, INTERRUPTED) for c in codes):
+        return INTERRUPTED  # a signal to the launcher, or to any one rank (the ranks agree on a stop)
     for r, c in enumerate(codes):
         if c < 0 and (first is None or r == first[0]):
             name = signal.Signals(-c).name if -c in signal.valid_signals() else f"signal {-c}"
@@ -139,3 +166,17 @@ def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float
                   file=sys.stderr)
             break
     return 1
+
+
+def _stop(p: subprocess.Popen, since: float, first: int, grace_s: float, termed: set[int]) -> None:
+    """Rank ``p``, still running ``since`` seconds after another failed with exit status ``first``."""
+    if _stopped(p.pid):
+        p.kill()  # suspended: it would never see that another rank failed
+    elif first == PEER_FAULT:
+        if since > _AFTER_NAMED_S:
+            p.kill()  # the rank that hangs: the one that failed named it
+    elif since > grace_s + _STOP_AFTER_TERM_S:
+        p.kill()
+    elif since > grace_s and p.pid not in termed:
+        termed.add(p.pid)
+        p.terminate()

@@ -12,13 +12,18 @@ apart, and names:
 - a rank whose beat moved but that has started fewer collectives than this rank: it is alive
   and has not reached the collective this rank waited in (it hangs, or is far behind).
 
-The step is published at once when a step starts (``at_step``), not at the next beat, so a
-rank that dies is named with the step it died in.
+The step is published as soon as a step starts (``at_step`` wakes the thread), not at the
+next beat, so a rank that dies is named with the step it died in.
 
 Beats are compared with themselves, never with another machine's clock. The store is the
 one ``torch.distributed`` formed the group with (``torchrun``'s agent holds it, so it
-outlives any rank; started by other means, rank 0 holds it, and a dead rank 0 is named by
-the store's failure). Cost: one small store write a second per rank, off the main thread.
+outlives any rank; started by other means, rank 0 holds it). A store whose holder died fails
+at once (its connections close); one whose holder is stopped never answers: a TCPStore read
+waits on its socket without any timeout, whatever the store's own. So the main thread never
+touches the store itself: the thread publishes, and every read after a failure runs in a
+thread of its own, waited for ``2 x period`` at most; a store that does not answer names its
+holder as not responding (rank 0: its process, read once at the start, says how). Cost: one
+small store write a second per rank, off the main thread.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from dataclasses import asdict, dataclass, field
 __all__ = ["Progress", "Watch"]
 
 _KEY = "tiertrain/alive/{}"
+
+
+class _Silent(Exception):
+    """The store did not answer in time (its holder is stopped, or stuck)."""
 
 
 @dataclass
@@ -55,55 +64,76 @@ class Watch:
     def __init__(self, store, rank: int, world: int, period: float = 1.0) -> None:
         self.store, self.rank, self.world, self.period = store, rank, world, period
         self.progress = Progress()
-        self._lock = threading.Lock()  # the main thread publishes at a step's start, the thread every period
+        self.holder: Progress | None = None  # rank 0's first record (its process), read by the thread
+        self._wake = threading.Event()  # set by ``at_step`` and ``close``: publish now
         self._stop = threading.Event()
         self._thread = None
         if store is not None:
-            self._publish()
+            self._publish()  # the group has just formed: the store answers
             self._thread = threading.Thread(target=self._run, name=f"tiertrain-watch-{rank}", daemon=True)
             self._thread.start()
 
     def _publish(self) -> None:
-        with self._lock:
-            self.progress.beat += 1
-            self.store.set(_KEY.format(self.rank), json.dumps(asdict(self.progress)))
+        self.progress.beat += 1
+        self.store.set(_KEY.format(self.rank), json.dumps(asdict(self.progress)))
 
     def at_step(self, step: int) -> None:
-        """This rank starts optimizer step ``step``: published now (one small store write)."""
+        """This rank starts optimizer step ``step``: published by the thread now, never by the
+        caller (a store whose holder is stopped would hold it for ever)."""
         self.progress.step = step
-        if self.store is not None:
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone: the collective that follows says so
-                pass
+        self._wake.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while True:
+            self._wake.wait(self.period)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone (its host stopped): nothing left to tell
+                if self.holder is None and self.rank != 0:
+                    self.holder = self._record(0)
+            except Exception:  # noqa: BLE001 - the store is gone (its holder died): nothing left to tell
                 return
 
+    def _record(self, r: int) -> Progress | None:
+        key = _KEY.format(r)
+        return Progress(**json.loads(self.store.get(key))) if self.store.check([key]) else None
+
     def _read(self) -> dict[int, Progress | None]:
-        out: dict[int, Progress | None] = {}
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            key = _KEY.format(r)
-            out[r] = Progress(**json.loads(self.store.get(key))) if self.store.check([key]) else None
-        return out
+        """Every other rank's record, read in a thread of its own: ``_Silent`` where the store
+        has not answered within ``2 x period``."""
+        box: dict = {}
+
+        def read() -> None:
+            try:
+                box["records"] = {r: self._record(r) for r in range(self.world) if r != self.rank}
+            except Exception as exc:  # noqa: BLE001 - said by the caller
+                box["error"] = exc
+
+        t = threading.Thread(target=read, name=f"tiertrain-watch-read-{self.rank}", daemon=True)
+        t.start()
+        t.join(2 * self.period)
+        if "error" in box:
+            raise box["error"]
+        if "records" not in box:
+            raise _Silent
+        return box["records"]
 
     def culprits(self) -> str:
         """The ranks that stopped, in words (empty when none can be named). Takes ``2 x
-        period`` seconds: called once a collective has failed."""
+        period`` seconds, or ``4 x period`` at most where the store does not answer: called
+        once a collective has failed."""
         if self.store is None:
             return ""
         try:
             before = self._read()
             time.sleep(2 * self.period)
             after = self._read()
-        except Exception as exc:  # noqa: BLE001 - the store's host is gone with its rank
-            return f"the run's store stopped answering ({type(exc).__name__}): the rank that holds it (rank 0) died"
+        except _Silent:
+            return self._silent_store()
+        except Exception as exc:  # noqa: BLE001 - the store's holder is gone with its process
+            return f"{_holder()} died: the run's store, which it holds, closed its connections ({type(exc).__name__})"
         me, words = self.progress, []
         for r, now in after.items():
             was = before[r]
@@ -121,10 +151,25 @@ class Watch:
                              f"{me.ops} and {me.gathers})")
         return "; ".join(words)
 
+    def _silent_store(self) -> str:
+        """The store's holder named, where the store did not answer."""
+        waited = f"the run's store, which it holds, has not answered for {2 * self.period:.0f} s"
+        h = self.holder if _holder() == "rank 0" else None
+        state = _process_state(h)
+        if h is not None and state:
+            return f"rank 0 is not responding: its process {h.pid} {state}; {waited}"
+        return f"{_holder()} is not responding or died: {waited}"
+
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._wake.set()
+        if self._thread is not None:  # a publish takes milliseconds; one that hangs on a stopped store is left
+            self._thread.join(timeout=0.5)
+
+
+def _holder() -> str:
+    """Who holds the run's store: torchrun's agent (it sets TORCHELASTIC_RUN_ID), else rank 0."""
+    return "torchrun's agent" if "TORCHELASTIC_RUN_ID" in os.environ else "rank 0"
 
 
 def _process_state(p: Progress | None) -> str:

@@ -330,9 +330,17 @@ class ParamStore:
                 self._drop(s)
 
     def close(self) -> None:
+        """Every slot's read waited for and its staging given back, whatever fails (with ranks, a
+        gather after the group broke): the first failure is raised once every slot is closed."""
+        failed: Exception | None = None
         for s in self.slots:
-            if s.state == SlotState.LOADING:
-                self._finish_read(s, upload=False)
+            try:
+                if s.state == SlotState.LOADING:
+                    self._finish_read(s, upload=False)
+            except Exception as exc:  # noqa: BLE001 - the other slots' reads must still be waited for
+                failed = failed or exc
             if s.staging is not None:
                 self.dev.sync(s.loaded)
                 self._give_back(s)
+        if failed is not None:
+            raise failed

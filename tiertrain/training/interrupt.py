@@ -6,6 +6,8 @@ import logging
 import signal
 import threading
 
+from ..dist.launch import launcher_gone
+
 __all__ = ["StopFlag"]
 
 log = logging.getLogger("tiertrain")
@@ -13,20 +15,28 @@ log = logging.getLogger("tiertrain")
 
 class StopFlag:
     """Ctrl-C (SIGINT) or SIGTERM (schedulers, ``docker stop``) sets ``set`` to the signal's
-    name: the loop stops at the next step boundary. A second one interrupts at once. Only
-    installed in the main thread."""
+    name (``signum`` to its number): the loop stops at the next step boundary. A second one
+    interrupts at once, as does the SIGTERM a rank is sent when its launcher dies (nothing is
+    left to report to or to resume from: ``launch.py``). Only installed in the main thread."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, *, announce: bool = True) -> None:
         self.set: str = ""
+        self.signum = 0
         self.announce = announce  # say so (with ranks, rank 0 alone speaks for them)
         self._old: dict = {}
 
+    @staticmethod
+    def name(signum: int) -> str:
+        return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
     def _handler(self, signum, frame) -> None:
+        if launcher_gone():
+            raise KeyboardInterrupt("the launcher died: stopped at once")
         if self.set:
             raise KeyboardInterrupt
-        self.set = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.signum, self.set = signum, self.name(signum)
         if self.announce:
             log.warning("%s: stopping after this step (again to stop at once)", self.set)
 

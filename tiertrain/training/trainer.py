@@ -41,7 +41,7 @@ from ..config import Config, ConfigError
 from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
-from ..dist.group import SoloGroup
+from ..dist.group import BrokenGroupError, SoloGroup
 from ..dist.launch import resume_command
 from ..errors import one_line
 from ..execute.executor import LayerMajorExecutor
@@ -485,8 +485,8 @@ class Trainer:
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
         printing the per-step line and saving checkpoints as configured. Ctrl-C or SIGTERM
-        stops after the current step (saving first when ``checkpoint.on_interrupt``); a second
-        one stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
+        stops after the current step (saving first when ``checkpoint.on_interrupt``; with ranks,
+        every rank after the same step, whichever rank got it); a second one stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
         cfg = self.cfg
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
@@ -528,7 +528,7 @@ class Trainer:
         log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
         guard = LossGuard()
         with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
-            while self.step < cfg.train.steps and not stop.set:
+            while not (why := self._stop_agreed(stop)) and self.step < cfg.train.steps:
                 rec = self.train_step()
                 metrics.add(rec)
                 bar.update()
@@ -541,8 +541,9 @@ class Trainer:
                     log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
                 if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
                     self.save_checkpoint()
-        if stop.set:
-            log.warning("interrupted after step %d (%s)", self.step, stop.set)
+        if why:
+            if self.group.leader:
+                log.warning("interrupted after step %d (%s)", self.step, why)
             if ck.on_interrupt and self.step > first:
                 self.save_checkpoint()
             if list_checkpoints(self.checkpoint_root) and self.group.leader:
@@ -552,6 +553,16 @@ class Trainer:
             self.save_checkpoint()
         log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
         return metrics.records
+
+    def _stop_agreed(self, stop: StopFlag) -> str:
+        """Why every rank stops now ('' to go on): a signal that reached any rank. With ranks,
+        agreed at every step boundary (one 8-byte all-reduce): a signal to one rank alone (as
+        torchrun users send one) stops every rank after the same step, where that rank would
+        otherwise save alone while the others wait in the next step's collectives."""
+        signum = self.group.max(stop.signum)
+        if signum == stop.signum:
+            return stop.set
+        return f"{StopFlag.name(signum)} to another rank"
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
@@ -577,6 +588,8 @@ class Trainer:
         for part in [*reversed(self._parts), self.rt]:
             try:
                 part.close()
+            except BrokenGroupError as exc:  # a unit still gathering: the error that broke the group said why
+                log.debug("while closing %s: %s", type(part).__name__, one_line(exc))
             except Exception as exc:  # noqa: BLE001 - the rest must still be closed
                 log.warning("while closing %s: %s", type(part).__name__, one_line(exc))
         self._parts = []

@@ -108,6 +108,7 @@ class EngineUpdate(Update):
         self._seen = [time.time()] * self.n
         self._progress = [0] * self.n
         self._moved = time.time()  # last time any engine made progress
+        self._hung: set[int] = set()  # engines reported silent or stuck: killed at close, not waited for
         self._readers: list[list[FileHandle | None]] = []  # per engine, its parameter file's halves
         # per engine and unit, the half of its states holding the committed step (each engine's
         # ``Done`` says; always 0 where states are held once)
@@ -255,6 +256,7 @@ class EngineUpdate(Update):
         if p.poll() is not None:
             raise EngineError(f"update engine {i} ({self.paths[i]}) died (exit code {p.returncode}) while {what}")
         if time.time() - self._seen[i] > self.timeout:
+            self._hung.add(i)
             raise EngineError(
                 f"update engine {i} ({self.paths[i]}) has not answered for {self.timeout:.0f} s while {what}; "
                 "it may be hung (see update.engine_timeout_s)"
@@ -271,6 +273,7 @@ class EngineUpdate(Update):
             for i in range(self.n):
                 self._check(i, what)
             if timeout is None and time.time() - self._moved > self.timeout:
+                self._hung.update(range(self.n))
                 raise EngineError(
                     f"waited {self.timeout:.0f} s for the update engines while {what} and none made progress "
                     f"(engines at {self._progress}); an engine may be hung (see update.engine_timeout_s)"
@@ -530,10 +533,14 @@ class EngineUpdate(Update):
         self.spec.judged_through = step  # the checkpoint's step was kept (a checkpoint never holds another)
 
     def close(self) -> None:
-        """Stop the engines (killed after 10 s) and free everything, whatever state they are
-        in: a dead or failed engine does not keep the others or the files from closing."""
+        """Stop the engines (killed after 10 s; one reported silent or stuck at once: it would
+        not answer, and the run would end 10 s after its error said) and free everything,
+        whatever state they are in: a dead or failed engine does not keep the others or the
+        files from closing."""
         for i, p in enumerate(self.procs):
-            if p.poll() is None and i < len(self.conns) and self.conns[i] is not None:
+            if p.poll() is None and i in self._hung:
+                p.kill()
+            elif p.poll() is None and i < len(self.conns) and self.conns[i] is not None:
                 with contextlib.suppress(OSError, ValueError):
                     self.conns[i].send(P.Stop())
         for p in self.procs:
