@@ -403,8 +403,7 @@ class RankGroup(_Sharding):
         who = self.watch.culprits()
         self.failed = RankError(f"rank {self.rank} of {self.world}: {name} failed ({_cause(exc)}): another rank "
                                 f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
-                                + (f": {who}" if who else "") + "; resume from the last checkpoint once every rank "
-                                "is back")
+                                + (f": {who}" if who else ""))  # what to resume from: the command line's hint
         return self.failed
 
 

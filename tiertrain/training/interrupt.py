@@ -40,6 +40,16 @@ class StopFlag:
         if self.announce:
             log.warning("%s: stopping after this step (again to stop at once)", self.set)
 
+    def agreed(self, group) -> str:
+        """Why every rank of ``group`` stops now ('' to go on): a signal that reached any rank.
+        With ranks, agreed at every step boundary (one 8-byte all-reduce): a signal to one rank
+        alone (as torchrun users send one) stops every rank after the same step, where that
+        rank would otherwise save alone while the others wait in the next step's collectives."""
+        signum = group.max(self.signum)
+        if signum == self.signum:
+            return self.set
+        return f"{self.name(signum)} to another rank"
+
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}

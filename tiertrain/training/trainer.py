@@ -486,7 +486,8 @@ class Trainer:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
         printing the per-step line and saving checkpoints as configured. Ctrl-C or SIGTERM
         stops after the current step (saving first when ``checkpoint.on_interrupt``; with ranks,
-        every rank after the same step, whichever rank got it); a second one stops at once. Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
+        every rank after the same step, whichever rank got it); a second one stops at once.
+        Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
         cfg = self.cfg
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
@@ -528,7 +529,7 @@ class Trainer:
         log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
         guard = LossGuard()
         with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
-            while not (why := self._stop_agreed(stop)) and self.step < cfg.train.steps:
+            while not (why := stop.agreed(self.group)) and self.step < cfg.train.steps:
                 rec = self.train_step()
                 metrics.add(rec)
                 bar.update()
@@ -553,16 +554,6 @@ class Trainer:
             self.save_checkpoint()
         log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
         return metrics.records
-
-    def _stop_agreed(self, stop: StopFlag) -> str:
-        """Why every rank stops now ('' to go on): a signal that reached any rank. With ranks,
-        agreed at every step boundary (one 8-byte all-reduce): a signal to one rank alone (as
-        torchrun users send one) stops every rank after the same step, where that rank would
-        otherwise save alone while the others wait in the next step's collectives."""
-        signum = self.group.max(stop.signum)
-        if signum == stop.signum:
-            return stop.set
-        return f"{StopFlag.name(signum)} to another rank"
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
