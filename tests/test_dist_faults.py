@@ -207,3 +207,25 @@ def test_gloo_text_is_cut_to_what_happened():
     )
     assert _cause(timed_out) == "Timed out waiting 10000ms for send operation to complete"
     assert _cause(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_signal_arriving_while_the_ranks_agree_waits_for_the_next_boundary():
+    """The stop is agreed on the signal number each rank read before the all-reduce: one that
+    lands during it is taken at the next boundary by every rank alike (it was read again after
+    the all-reduce, and a 0 from the others was named as a signal: ValueError, a traceback)."""
+    from tiertrain.training.interrupt import StopFlag
+
+    stop = StopFlag(announce=False)
+
+    class Group:  # the signal arrives while the collective runs; the other rank had none
+        def max(self, value):
+            stop._handler(signal.SIGINT, None)
+            return value
+
+    assert stop.agreed(Group()) == ""  # this boundary: no rank had a signal when it asked
+    assert stop.agreed(type("G", (), {"max": lambda self, v: v})()) == "Ctrl-C"  # the next one stops
+
+    other = StopFlag(announce=False)  # a signal that reached another rank only
+    assert other.agreed(type("G", (), {"max": lambda self, v: max(v, int(signal.SIGTERM))})()) == (
+        "SIGTERM to another rank"
+    )

@@ -331,7 +331,7 @@ def test_generate_from_the_default_jobs_checkpoint(tmp_path, capsys):
     streamed = capsys.readouterr().out
     assert main([*gen, "--out", str(tmp_path / "o.jsonl")]) == 0
     row = json.loads((tmp_path / "o.jsonl").read_text())
-    assert len(row["tokens"]) == 8 and streamed == row["completion"] + "\n"
+    assert len(row["tokens"]) == 8 and streamed == "In the beginning" + row["completion"] + "\n"  # prompt, completion
 
 
 def test_a_model_larger_than_the_byte_tokenizer_generates_with_a_word(tmp_path, capsys):

@@ -45,10 +45,11 @@ class StopFlag:
         With ranks, agreed at every step boundary (one 8-byte all-reduce): a signal to one rank
         alone (as torchrun users send one) stops every rank after the same step, where that
         rank would otherwise save alone while the others wait in the next step's collectives."""
-        signum = group.max(self.signum)
-        if signum == self.signum:
-            return self.set
-        return f"{self.name(signum)} to another rank"
+        mine = self.signum  # read once: a signal may arrive while the ranks agree
+        signum = group.max(mine)
+        if not signum:
+            return ""
+        return self.set if signum == mine else f"{self.name(signum)} to another rank"
 
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():
