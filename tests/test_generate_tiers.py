@@ -204,16 +204,20 @@ for layers in (2, 8):
         cfg.memory.kv_host_mib, cfg.memory.host_param_mib, cfg.io.weights = 0, 0, weights
         prompts = [[5, 6, 7, 8] * 8] * 8
         generate(cfg, prompts, Sampling(max_new_tokens=8))  # first call: lazy imports, conversion
-        gc.collect()
-        trim_heap()  # what the first call freed goes back: the growth is then this call's, not the heap's luck
-        before = host_rss()
-        assert reset_peak_rss()
-        generate(cfg, prompts, Sampling(max_new_tokens=8))
+        growth = []
+        for _ in range(3):  # the least of three calls: an excess of the streaming is in every call, the
+            # machine's load (heap arenas made under contention, pages mapped around a fault) not
+            gc.collect()
+            trim_heap()  # what the last call freed goes back: the growth is then this call's, not the heap's luck
+            before = host_rss()
+            assert reset_peak_rss()
+            generate(cfg, prompts, Sampling(max_new_tokens=8))
+            growth.append(host_peak_rss() - before)
         rt = Runtime(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model)))
         unit = rt.layout.max_unit_numel * 4
         pair = kv_bytes(rt.model.hf_config, 4, 40, torch.float32) // layers
         rt.close()
-        out[f"{layers}-{weights}"] = dict(growth=host_peak_rss() - before, unit=unit, pair=pair,
+        out[f"{layers}-{weights}"] = dict(growth=min(growth), unit=unit, pair=pair, calls=growth,
                                          total=sum(u.numel for u in rt.layout.units) * 4)
 print(json.dumps(out))
 """
@@ -229,7 +233,9 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
     add less than half a layer. From safetensors one unit more (measured 98-104 MB against the
     tier's 83-89 MB, about one unit: the file's pages of the unit being copied are mapped, and
     resident, while it is read). The heap is trimmed before each
-    measure, so memory the first call freed but kept does not hide the second's growth."""
+    measure, so memory the first call freed but kept does not hide the second's growth; the
+    growth is the least of three calls' (a second `make test` beside this one moved a single
+    call's by up to 14 MiB, past the bound, where every call of a run that held more would not)."""
     import os
 
     tests = os.path.dirname(os.path.abspath(__file__))
