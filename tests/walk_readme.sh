@@ -94,13 +94,22 @@ for mode in baseline overlap engines; do
 done
 
 say "== export"
-mkdir -p exported && echo old > exported/model.safetensors
+mkdir -p mine && echo mine > mine/notes.txt
+$tt export --checkpoint runs/default --out mine --overwrite > walk-export-mine.log 2>&1
+check "export --overwrite into a directory of other files is refused (exit 1)" rc_is $? 1
+check "... and leaves it as it was" test "$(cat mine/notes.txt)" = mine
+$tt export --checkpoint runs/default --out runs/default --overwrite > walk-export-run.log 2>&1
+check "export --overwrite into the run it exports is refused (exit 1)" rc_is $? 1
+check "... and the run keeps its checkpoints and metrics" test "$(cks runs/default)" = "step-00000045 step-00000046" -a -s runs/default/metrics.jsonl
+$tt export --checkpoint runs/default --out exported > walk-export-first.log 2>&1
+check "export into a new directory exits 0" rc_is $? 0
+touch exported/model-00099-of-00099.safetensors  # a stale shard of an earlier export
 $tt export --checkpoint runs/default --out exported > walk-export-used.log 2>&1
 check "export into a used directory is refused (exit 1)" rc_is $? 1
-check "... and leaves it as it was" test "$(cat exported/model.safetensors)" = old
+check "... and leaves it as it was" test -e exported/model-00099-of-00099.safetensors
 $tt export --checkpoint runs/default --out exported --overwrite > walk-export.log 2>&1
-check "export --overwrite exits 0" rc_is $? 0
-check "... and replaces the directory whole (no stale model.safetensors)" test ! -e exported/model.safetensors
+check "export --overwrite of an earlier export exits 0" rc_is $? 0
+check "... and replaces the directory whole (no stale shard)" test ! -e exported/model-00099-of-00099.safetensors
 check "... with the index and the shards" test -f exported/model.safetensors.index.json
 $tt train --model.init_from=exported --train.run_dir=runs/from-export --train.steps=2 > walk-init.log 2>&1
 check "the export starts a new run (model.init_from)" rc_is $? 0
