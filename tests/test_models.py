@@ -38,6 +38,28 @@ def test_units_compute_what_the_hf_model_computes(kind):
     assert torch.equal(ours, theirs)
 
 
+def test_gemma_from_its_directory_computes_what_transformers_computes(tmp_path):
+    """Gemma's layout is Llama's; its embeddings are scaled by sqrt(d_model) within its embedding
+    module, which the embedding unit calls: the loss is transformers' to the bit (it was refused
+    for a while as a family that scales them outside)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from tiertrain.config import Config
+
+    torch.manual_seed(0)
+    hf = GemmaForCausalLM(
+        GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    )  # fmt: skip
+    hf.save_pretrained(tmp_path)
+    cfg = Config.from_dict({"model": {"hf_dir": str(tmp_path)}, "data": {"seq_len": 32}})
+    model, source = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    model.hf_model.load_state_dict(hf.state_dict(), strict=False, assign=True)
+    hf.config._attn_implementation = "sdpa"  # as the units run it
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    assert torch.equal(model(x, y), hf(input_ids=x, labels=y, shift_labels=y).loss)
+
+
 def test_random_init_is_per_unit_and_seeded():
     cfg = ModelConfig(n_layers=3, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16)
     model, _ = build_model(cfg, param_dtype=torch.float32, seed=0)

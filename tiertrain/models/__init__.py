@@ -18,7 +18,7 @@ from ..config import ConfigError, ModelConfig
 from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
 from .gpt import build_gpt
-from .hf import layer_gpt2, layer_llama, layout_problem
+from .hf import config_problem, layer_gpt2, layer_llama, layout_problem
 from .pieces import cut_vocab, rows_per_piece
 
 __all__ = [
@@ -86,10 +86,18 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     from transformers import AutoModelForCausalLM
 
     hf_cfg = hf_config_from(cfg)
+    where = f"model.hf_dir = {cfg.hf_dir!r}" if cfg.hf_dir else f"model.kind = {cfg.kind!r}"
+    arch = (getattr(hf_cfg, "architectures", None) or [hf_cfg.model_type])[0]
+    if config_problem(hf_cfg):
+        raise _unsupported(where, arch, hf_cfg.model_type, config_problem(hf_cfg))
     # parameters on meta, buffers (rotary) real. Not within skeleton_init: transformers keeps
     # torch's initialisers as it finds them when its modules are first imported (here, lazily)
-    with init_empty_weights(include_buffers=False):
-        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    try:
+        with init_empty_weights(include_buffers=False):
+            hf = AutoModelForCausalLM.from_config(hf_cfg)
+    except (ValueError, KeyError, ImportError, TypeError) as exc:  # transformers' refusals: not a causal LM,
+        # an attention implementation it does not take for this model, remote code
+        raise _unsupported(where, arch, hf_cfg.model_type, f"transformers does not build it: {one_line(exc)}") from None
     # accelerate re-creates parameters assigned inside its context, which unties them
     hf.tie_weights()
     if getattr(hf_cfg, "tie_word_embeddings", False):
@@ -97,12 +105,15 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
             raise RuntimeError(f"{type(hf).__name__}: could not tie the output head to the input embedding")
     problem = layout_problem(hf)
     if problem:
-        where = f"model.hf_dir = {cfg.hf_dir!r}" if cfg.hf_dir else f"model.kind = {cfg.kind!r}"
-        raise ConfigError(
-            f"{where}: {type(hf).__name__} ({hf_cfg.model_type!r}) is not a model layout tiertrain supports "
-            f"({problem}); supported: the Llama family (Llama, Mistral, Qwen2) and GPT-2"
-        )
+        raise _unsupported(where, type(hf).__name__, hf_cfg.model_type, problem)
     return layer_gpt2(hf) if hf_cfg.model_type == "gpt2" else layer_llama(hf)
+
+
+def _unsupported(where: str, arch: str, model_type: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"{where}: {arch} ({model_type!r}) is not a model layout tiertrain supports ({problem}); supported: the "
+        "Llama family (Llama, Mistral, Qwen2, Gemma) and GPT-2"
+    )
 
 
 def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tuple[LayeredModel, WeightSource]:

@@ -18,7 +18,16 @@ import torch.nn as nn
 
 from .base import LayeredModel, default_positions, no_cache
 
-__all__ = ["layer_llama", "layer_gpt2", "layout_problem", "decode_mask", "kv_bytes", "kv_shape", "new_cache"]
+__all__ = [
+    "layer_llama",
+    "layer_gpt2",
+    "config_problem",
+    "layout_problem",
+    "decode_mask",
+    "kv_bytes",
+    "kv_shape",
+    "new_cache",
+]
 
 
 # The causal masks are made without position ids where every row is one sequence (``[T]``
@@ -264,9 +273,19 @@ _LLAMA_LAYER = (
     ("", ("input_layernorm", "post_attention_layernorm")),
 )
 # Families with that layout whose own forward computes outside those modules (the units would
-# leave it out, silently): Gemma scales the embeddings, Gemma 2 and 3 soft-cap logits, Granite
-# multiplies embeddings, residuals and logits
-_LLAMA_LOOKALIKES = {"gemma", "gemma2", "gemma3", "gemma3_text", "granite"}
+# leave it out, silently): Gemma 2 and 3 soft-cap the logits (and take per-layer-type masks and
+# rotary tables), Granite multiplies embeddings, residuals and logits. (Gemma scales its
+# embeddings within its embedding module, which the units call: it is computed exactly.)
+_LLAMA_LOOKALIKES = {"gemma2", "gemma3", "gemma3_text", "granite"}
+
+
+def config_problem(config: Any) -> str:
+    """What of a model known by its config alone is not what the units compute ('' where
+    nothing is): checked before the model is built (transformers refuses to build Gemma 2 with
+    the attention the units use, a traceback)."""
+    if getattr(config, "model_type", "") in _LLAMA_LOOKALIKES:
+        return "its forward scales the embeddings or the logits outside the layers, which the units do not"
+    return ""
 
 
 def layout_problem(hf: Any) -> str:
@@ -275,8 +294,8 @@ def layout_problem(hf: Any) -> str:
     built: another family failed later, as an AttributeError (Phi: no ``model.norm``)."""
     if getattr(hf.config, "model_type", "") == "gpt2":
         return ""
-    if getattr(hf.config, "model_type", "") in _LLAMA_LOOKALIKES:
-        return "its forward scales the embeddings or the logits outside the layers, which the units do not"
+    if config_problem(hf.config):
+        return config_problem(hf.config)
     for owner, name in _LLAMA_MODULES:
         if not hasattr(getattr(hf, owner) if owner else hf, name):
             return f"no {owner + '.' if owner else ''}{name}"
