@@ -421,16 +421,16 @@ def test_a_packed_micro_batchs_mask_is_made_once(tmp_path, monkeypatch):
     micro-batch (each build costs a device-to-host sync on a GPU), not once per block."""
     from test_parity import run_tiertrain
 
-    import tiertrain.models.hf as hf
+    import tiertrain.models.masks as masks
 
     made = []
-    real, keyword = hf._masks()
+    real, keyword = masks._makers()
 
     def counting(**kw):
         made.append(kw["position_ids"] is not None)
-        return real(**kw)
+        return real[masks.FULL](**kw)
 
-    monkeypatch.setattr(hf, "_masks", lambda: (counting, keyword))
+    monkeypatch.setattr(masks, "_makers", lambda: ({masks.FULL: counting}, keyword))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tok, _, chat = _finetune_data(tmp_path)
     cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama", layers=3)

@@ -62,9 +62,9 @@ def peft_reference(cfg, ref_model):
 
 def _layered(cfg, hf):
     """Our layered view of an HF model (its modules, so targets are found by identity)."""
-    from tiertrain.models.hf import layer_gpt2, layer_llama
+    from tiertrain.models.hf import layer_hf
 
-    return layer_llama(copy.deepcopy(hf)) if cfg.model.kind == "llama" else layer_gpt2(copy.deepcopy(hf))
+    return layer_hf(copy.deepcopy(hf))
 
 
 def _peft_names(layered, ours):

@@ -165,9 +165,9 @@ def test_a_record_holds_each_saved_storage_once(tmp_path, kind):
     if kind == "gpt":
         block = ref.blocks[0]
     else:
-        from tiertrain.models.hf import LlamaBlock
+        from tiertrain.models.decoder import DecoderBlock
 
-        block = LlamaBlock(ref.hf, 0)  # the layer as tiertrain calls it (its mask and rotary tables inside)
+        block = DecoderBlock(ref.hf, 0)  # the layer as tiertrain calls it (its mask and rotary tables inside)
     d = cfg.data
     x = torch.randn(d.micro_batch_size, d.seq_len, cfg.model.d_model, requires_grad=True)
     seen, no_dedup = _saved_storages(block, x)

@@ -132,11 +132,11 @@ def _freeze(model: nn.Module, selectors: list[str]) -> None:
     if not selectors:
         return
     from .models.freeze import apply_freeze
-    from .models.hf import layer_gpt2, layer_llama
+    from .models.hf import layer_hf
 
     if isinstance(model, HFWrapper):
         hf = model.hf
-        layered = layer_llama(hf) if hasattr(hf, "model") and hasattr(hf.model, "layers") else layer_gpt2(hf)
+        layered = layer_hf(hf)
         apply_freeze(layered, selectors)
     else:
         apply_freeze(model, selectors)  # the built-in GPT: a LayeredModel already

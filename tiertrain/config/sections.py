@@ -154,7 +154,8 @@ class ModelConfig(Section):
     kind: str = opt(
         "auto",
         "'auto' (read from hf_dir's config.json, else 'gpt'), 'gpt' (built-in), 'llama' "
-        "(transformers LlamaForCausalLM) or 'gpt2'.",
+        "(transformers LlamaForCausalLM without hf_dir; with it, any decoder-only family tiertrain runs: "
+        "Mistral, Qwen2/3, Phi-3, OLMo 2, Gemma 1-3, Phi, Granite) or 'gpt2'.",
     )
     hf_dir: str | None = opt(None, "Local Hugging Face model directory (config.json + safetensors); never downloads.")
     from_scratch: bool = opt(False, "With hf_dir: use its config.json but start from random weights.")
@@ -248,7 +249,7 @@ class ModelConfig(Section):
     def _check_hf_dir(self) -> None:
         """The kind is what config.json says (``auto`` takes it; a contradiction is refused)."""
         model_type = self.hf_json()["model_type"]
-        detected = "gpt2" if model_type == "gpt2" else "llama"  # the Llama family; its layout is checked when built
+        detected = "gpt2" if model_type == "gpt2" else "llama"  # the decoder families; checked when built
         if self.kind == "auto":
             self.kind = detected
         elif self.kind != detected:

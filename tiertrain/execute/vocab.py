@@ -30,13 +30,18 @@ IGNORE = -100  # masked targets (data/examples.py)
 __all__ = ["VocabSteps", "used_pieces", "piece_logsumexp", "piece_backward"]
 
 
+def _no_cap(logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
 def piece_logsumexp(
-    piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, picked: torch.Tensor
+    piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, picked: torch.Tensor, cap=_no_cap
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 of one head piece on one micro-batch's normed hidden states ``x`` (``[N, d]``):
-    the running log-sum-exp and target logits (``[N]``, fp32) with this piece's logits."""
+    the running log-sum-exp and target logits (``[N]``, fp32) with this piece's logits (after
+    ``cap``, what the model does to its logits: ``head.cap_logits``)."""
     with torch.no_grad():
-        logits = piece(x).float()
+        logits = cap(piece(x)).float()
     inside, cols = _in_piece(piece, targets)
     return (
         torch.logaddexp(lse, torch.logsumexp(logits, dim=-1)),
@@ -45,14 +50,21 @@ def piece_logsumexp(
 
 
 def piece_backward(
-    piece, x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, divisor: int, scored: torch.Tensor | None = None
+    piece,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    divisor: int,
+    scored: torch.Tensor | None = None,
+    cap=_no_cap,
 ) -> torch.Tensor:
     """Pass 2 of one head piece on one micro-batch: the gradient of ``sum(cross-entropy) /
     divisor`` into the piece's weights (their ``.grad``), and the one into ``x`` returned;
-    ``scored``: which tokens count (masked targets: the others' rows of the gradient zero)."""
+    ``scored``: which tokens count (masked targets: the others' rows of the gradient zero);
+    ``cap``: as pass 1's (its backward taken through)."""
     x = x.detach().requires_grad_()
     with torch.enable_grad():
-        logits = piece(x)
+        logits = cap(piece(x))
     g = torch.exp(logits.detach().float() - lse.unsqueeze(1))
     inside, cols = _in_piece(piece, targets)
     g.scatter_add_(1, cols, -inside.unsqueeze(1).to(g.dtype))  # minus the one-hot target
@@ -94,6 +106,12 @@ class VocabSteps:
         def _acquire(self, ref: Any) -> None: ...
         def _release(self, ref: Any) -> None: ...
 
+    @property
+    def _cap(self):
+        """What the model does to its logits after the projection (``head.cap_logits``; none
+        for the built-in GPT)."""
+        return getattr(self.model.head, "cap_logits", _no_cap)
+
     def _cut_embed_forward(self, mbs) -> list[torch.Tensor]:
         tokens: list[torch.Tensor] = []
         for ref in self.pieces_used:
@@ -131,7 +149,7 @@ class VocabSteps:
         for ref in self.head_pieces:  # pass 1: log-sum-exp and the targets' logits
             self._acquire(ref)
             for m, (x, t) in enumerate(zip(hn, targets)):
-                lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m])
+                lse[m], picked[m] = piece_logsumexp(ref.module, x, t, lse[m], picked[m], self._cap)
             self._release(ref)
         if self.scale.divisor:  # masked targets (ignore index): the sum over the scored ones, over the step's count
             return (
@@ -155,9 +173,11 @@ class VocabSteps:
             self.grads.begin(ref.index)
             for m, (x, t) in enumerate(zip(hn, targets)):
                 if self.scale.divisor:
-                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self.scale.divisor, (t != IGNORE).float())
+                    scored = (t != IGNORE).float()
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self.scale.divisor, scored, self._cap)
                 else:
-                    dhn[m] += piece_backward(ref.module, x, t, lse[m], self.scale.token_divisor(t.numel()))
+                    divisor = self.scale.token_divisor(t.numel())
+                    dhn[m] += piece_backward(ref.module, x, t, lse[m], divisor, cap=self._cap)
                 self.grads.fold(self._units(ref))
             self.grads.end(ref.index)
             self._release(ref)

@@ -17,8 +17,9 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
+from .families import FAMILIES, supported_names
 from .gpt import build_gpt
-from .hf import config_problem, layer_gpt2, layer_llama, layout_problem
+from .hf import hf_layout_problem, hf_problem, layer_hf
 from .pieces import cut_vocab, rows_per_piece
 
 __all__ = [
@@ -72,7 +73,8 @@ def hf_config_from(cfg: ModelConfig) -> Any:
             tie_word_embeddings=True,
             initializer_range=cfg.init_std,
         )
-    hf_cfg._attn_implementation = "sdpa"
+    family = FAMILIES.get(hf_cfg.model_type)
+    hf_cfg._attn_implementation = family.attention if family is not None else "sdpa"  # as transformers needs it
     hf_cfg.use_cache = False
     return hf_cfg
 
@@ -88,8 +90,8 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     hf_cfg = hf_config_from(cfg)
     where = f"model.hf_dir = {cfg.hf_dir!r}" if cfg.hf_dir else f"model.kind = {cfg.kind!r}"
     arch = (getattr(hf_cfg, "architectures", None) or [hf_cfg.model_type])[0]
-    if config_problem(hf_cfg):
-        raise _unsupported(where, arch, hf_cfg.model_type, config_problem(hf_cfg))
+    if hf_problem(hf_cfg):
+        raise _unsupported(where, arch, hf_cfg.model_type, hf_problem(hf_cfg))
     # parameters on meta, buffers (rotary) real. Not within skeleton_init: transformers keeps
     # torch's initialisers as it finds them when its modules are first imported (here, lazily)
     try:
@@ -103,16 +105,15 @@ def _build_hf(cfg: ModelConfig) -> LayeredModel:
     if getattr(hf_cfg, "tie_word_embeddings", False):
         if hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
             raise RuntimeError(f"{type(hf).__name__}: could not tie the output head to the input embedding")
-    problem = layout_problem(hf)
+    problem = hf_layout_problem(hf)
     if problem:
         raise _unsupported(where, type(hf).__name__, hf_cfg.model_type, problem)
-    return layer_gpt2(hf) if hf_cfg.model_type == "gpt2" else layer_llama(hf)
+    return layer_hf(hf)
 
 
 def _unsupported(where: str, arch: str, model_type: str, problem: str) -> ConfigError:
     return ConfigError(
-        f"{where}: {arch} ({model_type!r}) is not a model layout tiertrain supports ({problem}); supported: the "
-        "Llama family (Llama, Mistral, Qwen2, Gemma) and GPT-2"
+        f"{where}: {arch} ({model_type!r}) is not a model tiertrain runs ({problem}); supported: {supported_names()}"
     )
 
 

@@ -1,0 +1,137 @@
+"""Every decoder-only family tiertrain runs (``models/families.py``), from a tiny random model
+that transformers' own ``save_pretrained`` wrote, with sequences longer than any sliding window
+(8 positions against 32): training bit-identical to plain PyTorch + AdamW in fp32 with clipping,
+states on the storage tier (so the first step's loss is transformers' forward loss); greedy
+generation token for token what transformers' ``generate`` gives, for prompts longer than the
+window; LoRA bit-identical to peft's on plain PyTorch.
+
+Each family's quirk is in its config here: sliding windows on every layer (Mistral, Phi-3) or on
+some (Qwen2, Qwen3 with ``use_sliding_window``; Gemma 2 and 3 alternating), Gemma's scaled
+embeddings, Gemma 2's attention and final-logit soft-capping (eager attention), Gemma 3's
+rotary tables per layer type, Phi's final LayerNorm, partial rotary and biased head, Granite's
+embedding, residual, attention and logit multipliers, OLMo 2's norms after the sublayers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import small_config
+from test_generate import _hf_generate
+from test_lora import assert_lora_parity
+from test_parity import assert_parity
+
+from tiertrain.inference.generate import Sampling, generate
+
+WINDOW = 8
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def _config(family: str):
+    import transformers as t
+
+    w = dict(sliding_window=WINDOW)
+    return {
+        "llama": lambda: t.LlamaConfig(**COMMON),
+        "mistral": lambda: t.MistralConfig(**COMMON, **w),
+        "qwen2": lambda: t.Qwen2Config(**COMMON, **w, use_sliding_window=True, max_window_layers=1),
+        "qwen3": lambda: t.Qwen3Config(**COMMON, **w, head_dim=16, use_sliding_window=True, max_window_layers=1),
+        "phi3": lambda: t.Phi3Config(**COMMON, **w),
+        "olmo2": lambda: t.Olmo2Config(**COMMON),
+        "gemma": lambda: t.GemmaConfig(**COMMON, head_dim=16),
+        "gemma2": lambda: t.Gemma2Config(
+            **COMMON, **w, head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=5.0
+        ),
+        "gemma3_text": lambda: t.Gemma3TextConfig(
+            **COMMON, **w, head_dim=16, final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "phi": lambda: t.PhiConfig(**COMMON, partial_rotary_factor=0.5),
+        "granite": lambda: t.GraniteConfig(
+            **COMMON, embedding_multiplier=6.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2
+        ),
+    }[family]()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi", "granite"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    """(family, directory, the model as transformers loads it from there)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.models.families import FAMILIES as KNOWN
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_config(request.param))
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    loaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation=KNOWN[request.param].attention)
+    return request.param, str(d), loaded.eval()
+
+
+def _family_config(tmp_path, path, **kw):
+    cfg = small_config(tmp_path, kind="llama", **kw)
+    cfg.model.hf_dir = path  # the kind every family but GPT-2 has (config.json's model_type says which)
+    return cfg
+
+
+def test_training_is_plain_pytorch_bit_for_bit(tmp_path, family_dir):
+    family, path, _ = family_dir
+    tr, losses = assert_parity(_family_config(tmp_path, path, micro_batches=2, steps=3, clip=0.5))
+    assert tr.model.hf_config.model_type == family and len(losses) == 3
+    if family in ("mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):  # the window is in play
+        assert "sliding_attention" in [b.kind for b in tr.model.blocks]
+
+
+def test_greedy_generation_past_the_window_is_transformers_generate(tmp_path, family_dir):
+    _, path, hf = family_dir
+    prompts = [list(range(10, 30)), list(range(40, 52))]  # 20 and 12 tokens: past the 8-token window
+    cfg = _family_config(tmp_path, path)
+    cfg.data.micro_batch_size = 2
+    assert generate(cfg, prompts, Sampling(max_new_tokens=10)) == _hf_generate(hf, prompts, 10)
+
+
+def test_lora_is_peft_bit_for_bit(tmp_path, family_dir):
+    _, path, hf = family_dir
+    cfg = _family_config(tmp_path, path, micro_batches=2, steps=3, clip=0.05)
+    linear = {n.rsplit(".", 1)[-1] for n, m in hf.model.layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.alpha, cfg.adapter.target = "lora", 4, 9.0, sorted(linear)
+    cfg.update.mode = "auto"
+    assert_lora_parity(cfg)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_a_vocabulary_cut_into_pieces_keeps_the_familys_quirks(tmp_path, family):
+    """The pieces replace the embedding module and the output projection: Gemma 2's embedding
+    scale (applied by its module) and soft-capped logits, Granite's embedding multiplier and
+    logit divisor, are applied around them. Within the pieces' stated rounding (test_pieces:
+    SGD, losses within 1e-6 relative, weights within 1e-5 of how far they moved)."""
+    from test_pieces import _rel, _train_cut
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.reference import reference_model, reference_train, weights_of
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _family_config(tmp_path, str(tmp_path / "m"), micro_batches=2, lr=0.5)
+    cfg.optim.name, cfg.optim.momentum = "sgd", 0.9
+    ref = reference_model(cfg)
+    init = weights_of(ref)
+    ref_losses, ref_w = reference_train(cfg, ref)
+    losses, w, names, tr = _train_cut(cfg, init, 3)
+    assert len(tr.model.head_pieces) == 3 and _rel(losses, ref_losses) < 1e-6, (losses, ref_losses)
+    for n, t in w.items():
+        moved = (ref_w[names[n]] - init[names[n]]).norm()
+        assert (t - ref_w[names[n]]).norm() <= 1e-5 * moved + 1e-12, n

@@ -1,0 +1,83 @@
+"""The transformers decoder-only families tiertrain cuts into units, and each one's quirks.
+
+Every family here has one layout: ``model.embed_tokens``, ``model.layers`` (decoder layers,
+each called whole with the model's own masks and rotary tables), a final norm and ``lm_head``.
+What a family's own ``forward`` computes outside those modules is its quirks, named here so
+that the units compute them exactly as the model does (``decoder.py``):
+
+- ``final_norm``: the final norm's attribute (``norm``; Phi: ``final_layernorm``);
+- ``embed_dropout``: a dropout applied to the embeddings before the first layer (Phi);
+- ``embed_multiplier`` / ``logits_divisor``: config fields the embeddings are multiplied and
+  the logits divided by (Granite);
+- ``logit_softcap``: the config field of the final logits' soft cap, ``tanh(x / c) * c``
+  (Gemma 2 and 3);
+- ``attention``: the attention implementation transformers requires for the family (Gemma 2:
+  ``eager``, its attention soft-capping has no SDPA kernel), else SDPA.
+
+Per-layer attention types (full or sliding window) and per-layer-type rotary tables are read
+from the model's config and modules (``decoder.layer_types``), not from this table. A family
+not here is refused when the model is built, in one line (``unsupported``): its forward may
+compute what the units would silently leave out. Mixtures of experts are refused apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Family", "FAMILIES", "family_of", "unsupported_reason"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's quirks (see the module docstring)."""
+
+    name: str
+    final_norm: str = "norm"
+    embed_dropout: str | None = None
+    embed_multiplier: str | None = None
+    logits_divisor: str | None = None
+    logit_softcap: str | None = None
+    attention: str = "sdpa"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama"),
+    "mistral": Family("Mistral"),
+    "qwen2": Family("Qwen2"),
+    "qwen3": Family("Qwen3"),
+    "phi3": Family("Phi-3"),
+    "olmo2": Family("OLMo 2"),
+    "gemma": Family("Gemma"),  # its embeddings scaled within its embedding module
+    "gemma2": Family("Gemma 2", logit_softcap="final_logit_softcapping", attention="eager"),
+    "gemma3_text": Family("Gemma 3", logit_softcap="final_logit_softcapping"),
+    "phi": Family("Phi", final_norm="final_layernorm", embed_dropout="embed_dropout"),
+    "granite": Family("Granite", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
+}
+
+# Mixtures of experts: their blocks route tokens to experts and add a load-balancing loss
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "llama4_text",
+        "glm4_moe", "dbrx", "jamba", "granitemoe", "phimoe", "minimax"}  # fmt: skip
+
+
+def family_of(config: Any) -> Family | None:
+    """The family of a transformers config (None: GPT-2, or a model type not supported)."""
+    return FAMILIES.get(getattr(config, "model_type", ""))
+
+
+def supported_names() -> str:
+    return ", ".join(f.name for f in FAMILIES.values()) + " and GPT-2"
+
+
+def unsupported_reason(config: Any) -> str:
+    """Why a model known by its config is not one the units compute ('' where it is)."""
+    model_type = getattr(config, "model_type", "")
+    if model_type == "gpt2":
+        return ""
+    if model_type in _MOE:
+        return "a mixture of experts, which tiertrain does not run yet"
+    if model_type not in FAMILIES:
+        return "a family tiertrain has not been checked on: its forward may compute outside its layers"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention is set (an encoder's attention, not a causal LM's)"
+    return ""
