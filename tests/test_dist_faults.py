@@ -39,6 +39,17 @@ def _end(proc, pids: list[int], timeout: float) -> str:
         pytest.fail(f"the run had not ended after {timeout} s:\n{err[-3000:]}")
 
 
+def _stopped_by(proc, pids: list[int], target: int, sig: int, timeout: float) -> tuple[str, float]:
+    """Send ``sig`` to process ``target``; the run's stderr once it has ended (``_end``) and the
+    seconds it took from the signal."""
+    t0 = time.monotonic()
+    os.kill(target, sig)
+    err = _end(proc, pids, timeout)
+    took = time.monotonic() - t0
+    print(f"ended in {took:.1f} s")
+    return err, took
+
+
 @pytest.mark.serial  # a bound in seconds: measured alone
 def test_a_stopped_rank_0_is_named_and_the_run_ends_within_the_timeout(tmp_path):
     """Rank 0, which holds the run's store, stopped with SIGSTOP: rank 1's collective times out
@@ -48,11 +59,7 @@ def test_a_stopped_rank_0_is_named_and_the_run_ends_within_the_timeout(tmp_path)
     proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=6")
     wait_for(lambda: _steps_done(tmp_path) >= 2)
     pids = _ranks_of(proc)
-    t0 = time.monotonic()
-    os.kill(pids[0], signal.SIGSTOP)
-    err = _end(proc, pids, 60)
-    took = time.monotonic() - t0
-    print(f"ended in {took:.1f} s")
+    err, took = _stopped_by(proc, pids, pids[0], signal.SIGSTOP, 60)
     assert proc.returncode == 1, err[-3000:]
     assert f"rank 0 is not responding: its process {pids[0]} is stopped" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
@@ -74,11 +81,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, sig
     )
     wait_for(lambda: _steps_done(tmp_path) >= 2)
     pids = _ranks_of(proc)
-    t0 = time.monotonic()
-    os.kill(pids[rank], sig)
-    err = _end(proc, pids, 25)
-    took = time.monotonic() - t0
-    print(f"ended in {took:.1f} s")
+    err, took = _stopped_by(proc, pids, pids[rank], sig, 25)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
     assert re.findall(r"resume with: (.*)", err) == [f"tiertrain train --resume {tmp_path / 'run'} --nproc 2"]
@@ -163,11 +166,7 @@ def test_a_stopped_engine_ends_the_run_when_its_error_says(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
     pids = engine_pids(tmp_path)
-    t0 = time.monotonic()
-    os.kill(pids[0], signal.SIGSTOP)
-    err = _end(proc, pids, 60)
-    took = time.monotonic() - t0
-    print(f"ended in {took:.1f} s")
+    err, took = _stopped_by(proc, pids, pids[0], signal.SIGSTOP, 60)
     assert proc.returncode == 1, err[-3000:]
     assert "update engine 0 (" in err and "has not answered for 3 s" in err, err[-3000:]
     assert took < 3 + 4, (took, err[-3000:])  # measured 3.2 s

@@ -108,9 +108,8 @@ class VocabSteps:
 
     @property
     def _cap(self):
-        """What the model does to its logits after the projection (``head.cap_logits``; none
-        for the built-in GPT)."""
-        return getattr(self.model.head, "cap_logits", _no_cap)
+        """What the model does to its logits after the projection (``head.cap_logits``)."""
+        return self.model.head.cap_logits
 
     def _cut_embed_forward(self, mbs) -> list[torch.Tensor]:
         tokens: list[torch.Tensor] = []

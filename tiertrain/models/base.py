@@ -15,8 +15,9 @@ Contract of the unit kinds:
   made inside; the causal mask is the plain one for unpacked sequences; ``cache`` is None (a
   block's ``forward`` takes none: generation calls its ``decode`` with the block's key/value
   cache)
-- ``head.logits(hidden) -> logits``, which is ``getattr(head, head.PROJ)(head.hidden(h))``
-  (final norm, then the output projection, without a bias); ``head.loss(logits, targets)
+- ``head.logits(hidden) -> logits``, which is ``head.cap_logits(getattr(head,
+  head.PROJ)(head.hidden(h)))`` (final norm, the output projection without a bias, then what
+  the model's forward does to the logits: a soft cap, a divisor; the identity for most); ``head.loss(logits, targets)
   -> loss`` (mean cross-entropy over the micro-batch's tokens); ``head(hidden, targets)``
   is both
 - with a vocabulary cut into pieces (``pieces.py``): ``embed_pieces`` and ``head_pieces``,

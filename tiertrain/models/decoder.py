@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .base import LayeredModel, no_cache
 from .families import Family, family_of
-from .masks import FULL, SLIDING, causal_mask
+from .masks import FULL, SLIDING, cache_keyword, causal_mask
 from .positions import hf_positions, packed_positions
 
 __all__ = ["DecoderEmbed", "DecoderBlock", "CausalLMHead", "layer_decoder", "layer_types", "layout_problem"]
@@ -92,15 +92,13 @@ class DecoderBlock(nn.Module):
     def decode(self, h: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
         """Generation: the new positions ``h`` attend to themselves and to ``cache`` (updated
         with their keys and values); ``masks`` by attention type (``masks.decode_masks``)."""
-        from .masks import _makers
-
         return self.layer(
             h,
             attention_mask=masks[self.kind],
             position_ids=position_ids,
             position_embeddings=self._rope(h, position_ids),
             use_cache=True,
-            **{_makers()[1]: cache},
+            **{cache_keyword(): cache},
         )
 
 

@@ -95,6 +95,10 @@ class GPTHead(nn.Module):
     def hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_f(h)
 
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the model does to its projection's logits: nothing (see ``models/base.py``)."""
+        return logits
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(h))
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["FULL", "SLIDING", "causal_mask", "decode_masks", "new_cache"]
+__all__ = ["FULL", "SLIDING", "cache_keyword", "causal_mask", "decode_masks", "new_cache"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -36,6 +36,11 @@ def _makers() -> tuple[dict[str, Callable[..., Any]], str]:
 
     keyword = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
     return {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}, keyword
+
+
+def cache_keyword() -> str:
+    """The keyword transformers' layers and masks take the key/value cache by (``cache`` in 5.x)."""
+    return _makers()[1]
 
 
 def _mask(config: Any, h: torch.Tensor, attention_mask, position_ids, cache=None, kind: str = FULL):

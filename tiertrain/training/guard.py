@@ -29,22 +29,24 @@ class DivergedError(TiertrainError):
 
 
 class LossGuard:
-    """Checks each step's record (``check``): stops on a non-finite value, warns once of a rise."""
+    """Checks each step's record (``check``): a non-finite value is an error to stop with, a rise
+    is warned of once."""
 
     def __init__(self) -> None:
         self.lowest: tuple[float, int] | None = None  # (loss, step)
         self.warned = False
 
-    def check(self, step: int, loss: float, grad_norm: float) -> None:
-        """Raise ``DivergedError`` where ``loss`` or ``grad_norm`` is not finite; warn (once)
-        where ``loss`` is over ``RISE`` times the lowest loss so far."""
+    def check(self, step: int, loss: float, grad_norm: float) -> DivergedError | None:
+        """The ``DivergedError`` to stop with where ``loss`` or ``grad_norm`` is not finite (the
+        caller logs the step's line, then raises it); else None, with a warning (once) where
+        ``loss`` is over ``RISE`` times the lowest loss so far."""
         bad = [
             f"{name} {value}"
             for name, value in (("loss", loss), ("gradient norm", grad_norm))
             if not math.isfinite(value)
         ]
         if bad:
-            raise DivergedError(
+            return DivergedError(
                 f"step {step}: the {' and the '.join(bad)} {'are' if len(bad) > 1 else 'is'} not finite; the run stopped without saving this "
                 "step (its weights are no longer finite); lower optim.lr, set optim.grad_clip, or check the data"
             )
@@ -60,3 +62,4 @@ class LossGuard:
             )
         if self.lowest is None or loss < self.lowest[0]:
             self.lowest = (loss, step)
+        return None

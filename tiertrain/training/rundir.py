@@ -113,27 +113,20 @@ class RunDir:
                     kept.append(line)
                 else:
                     later.append(line)
-        tmp = self.metrics_path + f".tmp{os.getpid()}"
-        try:
-            if later or damaged:
-                self._set_aside(step, later, damaged)
-            with open(tmp, "wb") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.metrics_path)  # after the dropped lines are safe in DROPPED
-        except OSError as exc:  # the metrics as they were: nothing is lost, the run does not start
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise run_dir_write_failed(getattr(exc, "filename", None) or self.metrics_path, "the step records", exc)
+        if later or damaged:
+            self._set_aside(step, later, damaged)
+        _replace(self.metrics_path, kept, "the step records")  # after the dropped lines are safe in DROPPED
         return len(kept)
 
     def _set_aside(self, step: int, later: list[bytes], damaged: list[tuple[int, bytes]]) -> None:
         path = os.path.join(self.path, DROPPED)
-        with open(path, "ab") as f:
-            f.writelines([*later, *(line for _, line in damaged)])
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "ab") as f:
+                f.writelines([*later, *(line for _, line in damaged)])
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # the metrics as they were: nothing is lost, the run does not start
+            raise run_dir_write_failed(path, "the step records a resume sets aside", exc) from None
         if damaged:
             lines = ", ".join(str(n) for n, _ in damaged[:5]) + (", ..." if len(damaged) > 5 else "")
             log.warning(
@@ -161,21 +154,30 @@ class RunDir:
         self.start_fresh(overwrite)
 
     def write_config(self, tree: dict) -> None:
-        tmp = self.config_path + f".tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(tree, f, indent=1)
-            os.replace(tmp, self.config_path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise run_dir_write_failed(self.config_path, "the run's config", exc) from None
+        _replace(self.config_path, [json.dumps(tree, indent=1).encode()], "the run's config")
 
     def release(self, *, remove_if_empty: bool = False) -> None:
         """Give up the lock; ``remove_if_empty``: a run that stopped before writing anything
         leaves no directory behind (when it made it)."""
         empty = remove_if_empty and not self.holds_a_run()
         self.lock.release(remove=empty)
+
+
+def _replace(path: str, chunks: list[bytes], what: str) -> None:
+    """``path`` replaced whole by ``chunks`` (written aside, synced, renamed: the old file stays
+    until the new one is complete); a failure (a full disk) is one line naming the file, no
+    temporary file left."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(chunks)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise run_dir_write_failed(path, what, exc) from None
 
 
 def _same(a: str, b: str) -> bool:

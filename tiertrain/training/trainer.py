@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -534,10 +533,11 @@ class Trainer:
                 metrics.add(rec)
                 bar.update()
                 bar.set_postfix(loss=f"{rec.loss:.3f}")
-                finite = math.isfinite(rec.loss) and math.isfinite(rec.grad_norm)
-                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps or not finite:
+                diverged = guard.check(rec.step, rec.loss, rec.grad_norm)
+                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps or diverged:
                     log.info(rec.line(cfg.train.steps))
-                guard.check(rec.step, rec.loss, rec.grad_norm)  # before any save: a non-finite step is never kept
+                if diverged:
+                    raise diverged  # before any save: a non-finite step is never kept
                 if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
                     log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
                 if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
