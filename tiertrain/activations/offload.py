@@ -154,7 +154,7 @@ class _Packer:
                 raise ActivationPlanError(
                     f"block {self.key[0]}, micro-batch {self.key[1]} saves more than the {self.limit:,} bytes planned per "
                     f"record at start (a {tuple(t.shape)} {t.dtype} tensor at byte {at:,}): the block's saved tensors differ "
-                    "from block 0's; run it with memory.activations = 'keep' or 'recompute'"
+                    "from those measured at start; run it with memory.activations = 'keep' or 'recompute'"
                 )
             if self.copy is not None:
                 self.copy(at, torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (n,), (1,)))
@@ -199,13 +199,16 @@ def measure_record(
     fn: Callable,
     x: torch.Tensor,
     checksum_block: int = 1 << 20,
+    *,
+    slack: int = 0,
 ) -> int:
     """The record bytes one pair of ``fn`` (a block's forward on input ``x``, units bound)
-    needs, by one forward with the offload path's own pack hook counting (nothing copied)."""
+    needs, by one forward with the offload path's own pack hook counting (nothing copied),
+    plus ``slack`` (what a data-dependent block may save beyond this forward's)."""
     views = UnitViews(bound)
     packer = _Packer(views, x, (0, 0), 1 << 62, None)
     _run(views, packer, lambda obj: obj, units, fn, x, _Box())
-    return record_size(packer.cursor, checksum_block)
+    return record_size(packer.cursor + slack, checksum_block)
 
 
 def record_size(saved_bytes: int, checksum_block: int = 1 << 20) -> int:

@@ -30,6 +30,7 @@ from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..models.base import LayeredModel
+from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir, mode_as_created
 from ..runtime import align_of
@@ -210,6 +211,8 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
                     tensors[names.get(key, key)] = t
             if not tensors:
                 continue
+            if model.hf_model is not None:  # the checkpoints' layout, as save_pretrained writes (experts one by one)
+                tensors = to_checkpoint(model.hf_model, tensors)
             save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
             mode_as_created(os.path.join(out, shard))
             for key, t in tensors.items():

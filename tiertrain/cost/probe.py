@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..activations.keep import KeptGraphs
-from ..activations.offload import measure_record
+from ..activations.offload import PACK_ALIGN, measure_record
 from ..config import Config, IOConfig
 from ..io import Storage, aligned_empty
 from ..io.checksum import crc32c
@@ -236,34 +236,65 @@ def _positions(cfg: Config, device) -> torch.Tensor:
     return torch.cat([pos[:half], pos[: d.seq_len - half]]).expand(d.micro_batch_size, -1).contiguous()
 
 
-def _probe_compute(
-    cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
-) -> dict:
-    block = next(r for r in model.plan if r.role == "block")
+def distinct_blocks(model) -> list:
+    """One block of each structure (its parameters' names and shapes): a model's blocks may
+    differ (DeepSeek-V3's dense first layers before its experts'); what one saves for the backward
+    is measured on each kind, the most planned for."""
+    kinds: dict = {}
+    for ref in (r for r in model.plan if r.role == "block"):
+        sig = tuple((n, tuple(p.shape)) for n, p in ref.module.named_parameters())
+        kinds.setdefault(sig, ref)
+    return list(kinds.values())
+
+
+def _saved_bytes(cfg: Config, block, layout, dev, dtype: torch.dtype, x: torch.Tensor, pos) -> tuple[int, int]:
+    """(kept graph bytes, offload record bytes) of ``block``'s forward on ``x``, its units bound
+    to random values; a mixture of experts' record with room for any routing (``routed_slack``)."""
     units = (*layout.units[block.index].borrows, block.index)
     saved = {u: [rec.param.data for rec in layout.units[u].params] for u in units}
     # drawn in place in the compute dtype: no unit-sized temporaries (this runs before the pools exist)
     flats = {u: torch.randn(layout.units[u].numel, device=dev.device, dtype=dtype).mul_(0.02) for u in units}
-    d = cfg.data
-    x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
-    pos = _positions(cfg, dev.device)
     fwd = lambda t: block.module(t, pos)  # noqa: E731
     kept = KeptGraphs(1 << 62, flats.__getitem__)
-    was = model.training
-    model.train()  # dropout as in training
     try:
         for u in units:
             layout.bind(u, flats[u])
-        record = measure_record(units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10)
+        slack = routed_slack(block.module)
+        record = measure_record(units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10, slack=slack)
         kept.forward((0, 0), units, fwd, x, lambda n, k: True)
-        act = kept.kept_bytes
+        return kept.kept_bytes, record
     finally:
-        model.train(was)
         kept.clear()
         for u in units:
             layout.bind_grads(u, None)
             for rec, data in zip(layout.units[u].params, saved[u]):
                 rec.param.data = data
+
+
+def routed_slack(block) -> int:
+    """Bytes a block with experts may save beyond what one forward measured: the tokens each
+    expert gets change with the routing (their sum does not), and each expert reached saves a
+    few storages of its own, each padded within the record (``PACK_ALIGN``): room for every
+    expert's, generously 16 storages each."""
+    experts = max((p.shape[0] for p in block.parameters() if p.dim() == 3), default=0)
+    return experts * 16 * PACK_ALIGN
+
+
+def _probe_compute(
+    cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
+) -> dict:
+    d = cfg.data
+    x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
+    pos = _positions(cfg, dev.device)
+    act = record = 0
+    was = model.training
+    model.train()  # dropout as in training
+    try:
+        for block in distinct_blocks(model):
+            a, r = _saved_bytes(cfg, block, layout, dev, dtype, x, pos)
+            act, record = max(act, a), max(record, r)
+    finally:
+        model.train(was)
     if act_only:
         return {"act_bytes": act, "record_bytes": record}
     L = min(len(model.blocks), 4)  # a few blocks time one as well as all do, at a fraction of the cost

@@ -31,6 +31,7 @@ recompute, and plain PyTorch, take.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -141,6 +142,18 @@ class LayerMajorExecutor(VocabSteps):
         if self.after_unit is not None:
             self.after_unit()
 
+    def _routed(self, b: int, m: int, block, x: torch.Tensor, positions, *, record: bool = True) -> torch.Tensor:
+        """Block ``b``'s forward for micro-batch ``m``; a mixture of experts' router logits kept
+        for the auxiliary loss (``record``) and their gradient hook placed (``models/routers.py``)."""
+        routers = self.model.routers
+        with routers.at(b, m, record=record) if routers is not None else contextlib.nullcontext():
+            return block(x, positions)
+
+    def _with_aux(self, loss: torch.Tensor, m: int, *, backward: bool) -> torch.Tensor:
+        """A micro-batch's loss with the routers' auxiliary loss added where the model has one."""
+        routers = self.model.routers
+        return loss if routers is None else routers.add(loss, m, backward=backward)
+
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         if self.head_pieces:
@@ -162,7 +175,7 @@ class LayerMajorExecutor(VocabSteps):
         for m, (x, mb) in enumerate(zip(h, mbs)):
             faults.point("forward")
             self._rng[ref.index, m] = _Rng(self.dev)
-            fn = lambda t, mb=mb: block(t, mb.positions)  # noqa: E731
+            fn = lambda t, mb=mb, m=m: self._routed(ref.block, m, block, t, mb.positions)  # noqa: E731
             if self.policy.offload(ref.block, m):
                 if self.offloaded is None:
                     raise RuntimeError("the activation policy offloads a pair but no record file was planned")
@@ -190,11 +203,13 @@ class LayerMajorExecutor(VocabSteps):
         self._acquire(ref)
         self.grads.begin(ref.index)
         dh, losses = [], []
-        for x, mb in zip(h, mbs):
+        for m, (x, mb) in enumerate(zip(h, mbs)):
             x = x.requires_grad_()
             head = self.model.head
-            loss = head.loss(head.logits(x), mb.targets, self.scale.divisor)
+            loss = self._with_aux(head.loss(head.logits(x), mb.targets, self.scale.divisor), m, backward=True)
             self.scale.share(loss).backward()
+            if self.model.routers is not None:
+                self.model.routers.collect()
             self.grads.fold(self._units(ref))
             dh.append(x.grad)
             losses.append(loss.detach())
@@ -225,7 +240,7 @@ class LayerMajorExecutor(VocabSteps):
             self.recomputed += 1
             x = self.stash.get((b, m)).detach().requires_grad_()
             self._rng[ref.index, m].restore()
-            out = ref.module(x, mb.positions)
+            out = self._routed(b, m, ref.module, x, mb.positions, record=False)
             torch.autograd.backward(out, dh[m])
             self.grads.fold(self._units(ref))
             dh[m] = x.grad
@@ -273,7 +288,10 @@ class LayerMajorExecutor(VocabSteps):
             for ref in self.blocks:
                 self._acquire(ref)
                 with torch.enable_grad():  # the training forward's kernels (its graph dropped at once)
-                    h = [ref.module(x, mb.positions).detach() for x, mb in zip(h, mbs)]
+                    h = [
+                        self._routed(ref.block, m, ref.module, x, mb.positions).detach()
+                        for m, (x, mb) in enumerate(zip(h, mbs))
+                    ]
                 self._release(ref)
             losses = self._cut_head_loss(h, mbs) if self.head_pieces else self._head_loss(h, mbs)
         finally:
@@ -283,10 +301,11 @@ class LayerMajorExecutor(VocabSteps):
     def _head_loss(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:
         self._acquire(self.head)
         head, losses = self.model.head, []
-        for x, mb in zip(h, mbs):
+        for m, (x, mb) in enumerate(zip(h, mbs)):
             x = x.detach().requires_grad_()  # as head_step: the same kernels
             with torch.enable_grad():
-                losses.append(head.loss(head.logits(x), mb.targets, self.scale.divisor).detach())
+                loss = head.loss(head.logits(x), mb.targets, self.scale.divisor)
+                losses.append(self._with_aux(loss, m, backward=False).detach())
         self._release(self.head)
         return losses
 
@@ -327,6 +346,8 @@ class LayerMajorExecutor(VocabSteps):
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self.walk.restart(visits(self.plan, self.pieces_used, embed_backward=self.embed_trains))
         self.kept.clear()  # nothing survives a step that failed half-way
+        if self.model.routers is not None:
+            self.model.routers.clear()
         if self.offloaded is not None:
             self.offloaded.clear()
         self.kept_pairs = 0

@@ -41,7 +41,7 @@ from ..execute.walk import UnitWalk
 from ..models import WeightSource
 from ..models.gpt_decode import GPTCache
 from ..models.gpt_decode import decode_mask as gpt_decode_mask
-from ..models.hf import decode_mask, kv_bytes, kv_shape, new_cache
+from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
 from ..runtime import Runtime
 from .kvcache import TieredKV
 from .weights import forward_params
@@ -138,9 +138,11 @@ class _Decoding:
             self.vocab = self.hf.vocab_size
             self.pad = self.hf.pad_token_id if getattr(self.hf, "pad_token_id", None) is not None else 0
             self.layers, self.kv_heads, self.head_dim = kv_shape(self.hf)
+            self.dims = kv_dims(self.hf)
         else:  # the built-in GPT
             self.limit, self.vocab, self.pad = m.max_seq_len, m.vocab_size, 0
             self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
+            self.dims = (self.head_dim, self.head_dim)
         self.eos = eos_ids(m.hf_dir, self.hf)
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
@@ -223,6 +225,7 @@ def generate(
             [g.ids.shape[1] + sampling.max_new_tokens for g in groups],
             kv_heads=dec.kv_heads,
             head_dim=dec.head_dim,
+            dims=dec.dims,
             dtype=rt.dtype,
             dev=rt.dev,
             budget=budget,

@@ -2,7 +2,9 @@
 rest on the storage tier.
 
 One cache per (block, micro-batch) pair, each ``[rows, kv heads, max_len, head dim]`` keys and
-values (transformers' static cache layer: sized at start, never grown). Pairs are placed in
+values (transformers' static cache layer: sized at start, never grown; keys and values of
+different widths, multi-head latent attention's, are stored at the larger and seen as the
+leading part of it, ``dims``). Pairs are placed in
 order, block by block, in host memory while the budget lasts (allocated at start); the others
 get a region each in one file, ``kv.bin`` on the first ``io.paths`` entry (its space claimed
 and checksummed like every state), and a buffer from a pool of two only while their block
@@ -69,6 +71,7 @@ class TieredKV:
         *,
         kv_heads: int,
         head_dim: int,
+        dims: tuple[int, int] | None = None,
         dtype: torch.dtype,
         dev,
         budget: int | None,
@@ -76,6 +79,10 @@ class TieredKV:
         checksum: bool,
     ) -> None:
         self.caches, self.dtype, self.dev, self.device = caches, dtype, dev, dev.device
+        # keys and values of other widths (multi-head latent attention): stored at head_dim, the larger
+        self.dims = dims or (head_dim, head_dim)
+        if max(self.dims) != head_dim:
+            raise ValueError(f"key/value widths {self.dims}: head_dim must be the larger, not {head_dim}")
         layers = len(caches[0].layers)
         self.pairs: dict[tuple[int, int], _Pair] = {}
         used, offset, spilled = 0, 0, 0
@@ -139,7 +146,7 @@ class TieredKV:
         """A spilled pair's cache layer: initialised (no lazy allocation), its tensors absent."""
         layer = self._layer(p)
         layer.device, layer.batch_size, layer.num_heads = self.device, p.shape[0], p.shape[1]
-        layer.k_head_dim = layer.v_head_dim = p.shape[3]
+        layer.k_head_dim, layer.v_head_dim = self.dims
         if isinstance(layer.cumulative_length, torch.Tensor):  # transformers' (the built-in GPT's: a host int)
             layer.cumulative_length = layer.cumulative_length.to(self.device)
         layer.keys = layer.values = None
@@ -148,7 +155,8 @@ class TieredKV:
     def _install(self, p: _Pair, kv: torch.Tensor) -> None:
         self._prepare(p)
         layer = self._layer(p)
-        layer.keys, layer.values = kv[0], kv[1]
+        k, v = self.dims
+        layer.keys, layer.values = kv[0][..., :k], kv[1][..., :v]
 
     def _staged(self, p: _Pair, device: bool = False) -> torch.Tensor:
         """``p``'s staging buffer (``device``: its device twin) as ``[max_len, 2, rows, heads,

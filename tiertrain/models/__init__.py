@@ -17,6 +17,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
+from .convert import Sources, conversion_plan, convert
 from .families import FAMILIES, supported_names
 from .gpt import build_gpt
 from .hf import hf_layout_problem, hf_problem, layer_hf
@@ -279,39 +280,60 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
             ) from None
     hf_names = _hf_names(model) if model.hf_model is not None else {}
     prefix = getattr(model.hf_model, "base_model_prefix", "")
+    # transformers' own key conversions (experts stacked into 3-D tensors, renamed keys)
+    converted = conversion_plan(model.hf_model, list(where)) if model.hf_model is not None else {}
 
-    def find(name: str) -> str:
+    def locate(name: str) -> Sources:
         if name in where:
-            return name
+            return Sources(None, [(name, name)])
         hf = hf_names.get(name, name)
+        if hf in converted:
+            return converted[hf]
         for cand in (hf, hf.removeprefix(prefix + "."), f"{prefix}.{hf}"):
             if cand in where:
-                return cand
+                return Sources(None, [(cand, cand)])
         raise ConfigError(f"{what} = {directory!r}: weight {hf!r} is missing from the safetensors files")
 
+    shape_of = {}
     for own in unit_param_names(model):  # every weight is there, with its shape, before any work
         for name, p in own:
+            shape_of[name] = tuple(p.shape)
             rp = model.row_pieces.get(name)
-            key, shape = (find(rp.whole), rp.whole_shape) if rp else (find(name), tuple(p.shape))
-            if shapes.get(key) is not None and tuple(shapes[key]) != shape:
+            src = locate(rp.whole if rp else name)
+            key, shape = src.keys[0][0], rp.whole_shape if rp else tuple(p.shape)
+            if src.converter is None and shapes.get(key) is not None and tuple(shapes[key]) != shape:
                 raise ConfigError(
                     f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
                     f"{shape}; the weights are of another model"
                 )
 
+    def read(key: str, rows: slice | None = None) -> torch.Tensor:
+        try:
+            with safe_open(where[key], "pt") as f:
+                return f.get_slice(key)[rows] if rows is not None else f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(
+                f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
+                "the file is damaged: copy it again"
+            ) from None
+
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
             rp = model.row_pieces.get(name)
-            key = find(rp.whole if rp else name)
-            try:
-                with safe_open(where[key], "pt") as f:
-                    out[name] = f.get_slice(key)[rp.start : rp.stop] if rp else f.get_tensor(key)
-            except (SafetensorError, OSError) as exc:
+            src = locate(rp.whole if rp else name)
+            if rp:
+                out[name] = read(src.keys[0][0], slice(rp.start, rp.stop))
+                continue
+            value = convert(model.hf_model, hf_names.get(name, name), src, read)
+            expected = shape_of[name]
+            if tuple(value.shape) != expected:
                 raise ConfigError(
-                    f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
-                    "the file is damaged: copy it again"
-                ) from None
+                    f"{what} = {directory!r}: weight {hf_names.get(name, name)!r} made from "
+                    f"{len(src.keys)} checkpoint tensors has shape {tuple(value.shape)}, the model expects "
+                    f"{expected}; the weights are of another model"
+                )
+            out[name] = value
         return out
 
     return WeightSource(f"safetensors from {directory}", load)

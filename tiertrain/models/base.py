@@ -117,6 +117,7 @@ class LayeredModel(nn.Module):
         self.embed_pieces = nn.ModuleList()  # vocabulary pieces (pieces.cut_vocab), none if uncut
         self.head_pieces = nn.ModuleList()
         self.row_pieces: dict = {}  # piece parameter name -> pieces.RowPiece
+        self.routers: Any = None  # a mixture of experts' auxiliary loss (routers.RouterLoss), where asked for
 
     @property
     def units(self) -> list[nn.Module]:

@@ -20,6 +20,7 @@ from .base import LayeredModel, no_cache
 from .families import Family, family_of
 from .masks import FULL, SLIDING, cache_keyword, causal_mask
 from .positions import hf_positions, packed_positions
+from .routers import router_loss
 
 __all__ = ["DecoderEmbed", "DecoderBlock", "CausalLMHead", "layer_decoder", "layer_types", "layout_problem"]
 
@@ -176,4 +177,6 @@ def layer_decoder(hf: Any) -> LayeredModel:
     kinds = layer_types(hf.config)
     blocks = [DecoderBlock(hf, i, kinds[i]) for i in range(hf.config.num_hidden_layers)]
     head = CausalLMHead(hf, getattr(hf.model, family.final_norm), family)
-    return LayeredModel(DecoderEmbed(hf, family), blocks, head, kind="llama")
+    model = LayeredModel(DecoderEmbed(hf, family), blocks, head, kind="llama")
+    model.routers = router_loss(hf, [b.layer for b in blocks])
+    return model

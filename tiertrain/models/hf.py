@@ -28,6 +28,7 @@ __all__ = [
     "decode_mask",
     "kv_bytes",
     "kv_shape",
+    "kv_dims",
     "new_cache",
 ]
 
@@ -77,11 +78,30 @@ def decode_mask(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, posi
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of a model's key/value cache."""
+    """(layers, key/value heads, head dim) of a model's key/value cache; where keys and values
+    differ in width (``kv_dims``), the head dim is the larger: the cache stores both at it."""
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
     heads = getattr(config, "num_attention_heads", None) or config.n_head
+    if _latent(config):  # one "head": the compressed latent and the rotary key, shared by every query head
+        return layers, 1, max(kv_dims(config))
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _latent(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek V2/V3): transformers caches the compressed latent
+    (as the "keys") and the rotary part of the key (as the "values"), one head each, and expands
+    them into every head's keys and values at each step."""
+    return getattr(config, "kv_lora_rank", None) is not None and hasattr(config, "v_head_dim")
+
+
+def kv_dims(config: Any) -> tuple[int, int]:
+    """(key width, value width) of one cached head: with multi-head latent attention the
+    latent's (``kv_lora_rank``) and the rotary key's (``qk_rope_head_dim``); else both the head dim."""
+    if _latent(config):
+        return config.kv_lora_rank, config.qk_rope_head_dim
+    d = kv_shape(config)[2]
+    return d, d
 
 
 def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,217 @@
+"""Mixtures of experts (``models/families.py``): Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE,
+OLMoE, gpt-oss (attention sinks, biased experts, sliding windows, eager attention) and
+DeepSeek-V3 (multi-head latent attention, shared experts, a dense first layer, grouped sigmoid
+routing), each a tiny random model written by transformers' own ``save_pretrained`` (one
+matrix per expert on disk, converted to the 3-D expert parameters as ``from_pretrained``
+converts them: ``models/convert.py``).
+
+Where the config asks for it (``output_router_logits``, on here with a large coefficient) the
+routers' auxiliary load-balancing loss couples every layer of a micro-batch
+(``models/routers.py``): training stays bit-identical to plain PyTorch + AdamW in fp32 with the
+block graphs recomputed, kept or offloaded to the storage tier, on every update path; the
+evaluation loss is transformers' forward loss with it; greedy generation is token for token
+transformers' ``generate``; LoRA on the attention projections is peft's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import small_config
+from test_families import COMMON
+from test_generate import _hf_generate
+from test_lora import assert_lora_parity
+from test_parity import assert_parity
+
+from tiertrain.inference.generate import Sampling, generate
+
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.3)
+
+
+def _config(family: str):
+    import transformers as t
+
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "mixtral": lambda: t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, **AUX),
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(**COMMON, **experts, shared_expert_intermediate_size=48, **AUX),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, **experts, head_dim=16, **AUX),
+        "olmoe": lambda: t.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, **AUX),
+        "gpt_oss": lambda: t.GptOssConfig(
+            **COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, **AUX
+        ),
+        # transformers' own generate needs as many key/value heads as heads here
+        "deepseek_v3": lambda: t.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            **dict(experts, num_experts=None),
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            n_group=2,
+            topk_group=1,
+        ),
+    }[family]()
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def moe_dir(request, tmp_path_factory):
+    """(family, directory, the model as transformers loads it from there)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.models.families import FAMILIES as KNOWN
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_config(request.param))
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    loaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation=KNOWN[request.param].attention)
+    return request.param, str(d), loaded.eval()
+
+
+def _moe_config(tmp_path, path, **kw):
+    cfg = small_config(tmp_path, kind="llama", **kw)
+    cfg.model.hf_dir = path
+    return cfg
+
+
+def test_the_checkpoint_is_read_as_from_pretrained_converts_it(tmp_path, moe_dir):
+    """save_pretrained wrote one matrix per expert and projection: each unit reads the 3-D
+    expert parameters made from them with transformers' own conversion, the values
+    ``from_pretrained`` gives, bit for bit (and every parameter is there)."""
+    from safetensors import safe_open
+
+    from tiertrain.models import _hf_names, build_model, unit_param_names
+
+    family, path, loaded = moe_dir
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        on_disk = set(f.keys())
+    if family != "gpt_oss":  # gpt-oss keeps its experts' 3-D layout on disk
+        assert any(".experts.0." in k for k in on_disk) and not any(k.endswith("experts.gate_up_proj") for k in on_disk)
+    model, source = build_model(_moe_config(tmp_path, path).model, param_dtype=torch.float32, seed=0)
+    want, names = loaded.state_dict(), _hf_names(model)
+    seen = 0
+    for u, own in enumerate(unit_param_names(model)):
+        got = source.load(u, [n for n, _ in own])
+        for name, value in got.items():
+            assert torch.equal(value, want[names[name]]), name
+            seen += 1
+    assert seen == len(dict(loaded.named_parameters()))
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
+def test_training_with_the_auxiliary_loss_is_plain_pytorch_bit_for_bit(tmp_path, moe_dir, activations):
+    family, path, _ = moe_dir
+    if activations != "recompute" and family not in ("mixtral", "deepseek_v3"):
+        pytest.skip("the graphs kept or offloaded: one family with the auxiliary loss, one without")
+    kw = {"keep": dict(keep_act_mib=64), "offload": dict(activations="offload")}.get(activations, {})
+    tr, losses = assert_parity(_moe_config(tmp_path, path, micro_batches=2, steps=3, clip=0.5, **kw))
+    assert tr.model.hf_config.model_type == family and len(losses) == 3
+    assert (tr.model.routers is not None) == (family != "deepseek_v3")  # DeepSeek-V3 has no auxiliary loss
+    if activations == "keep":
+        assert tr.executor.kept_pairs > 0
+    if activations == "recompute":
+        assert tr.executor.recomputed > 0
+
+
+def test_without_the_auxiliary_gradient_training_is_not_plain_pytorch(tmp_path, monkeypatch):
+    """The test above can fail: the routers' gradient hook left out, the first step differs."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.models import routers
+
+    monkeypatch.setattr(routers.RouterLoss, "_add", lambda self, key, g: g)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "m")
+    with pytest.raises(AssertionError):
+        assert_parity(_moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=2))
+
+
+@pytest.mark.parametrize("mode", ["engines", "overlap"])
+def test_every_update_path_with_the_auxiliary_loss(tmp_path, mode):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("qwen3_moe")).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=3, clip=0.5)
+    cfg.update.mode = mode
+    assert_parity(cfg)
+
+
+def test_evaluation_is_transformers_forward_loss_with_the_auxiliary_loss(tmp_path, moe_dir):
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.evaluate import evaluate
+
+    family, path, loaded = moe_dir
+    text = tmp_path / "held_out.txt"
+    text.write_text("".join(f"{i} held-out words, {i * 7 % 5} of them.\n" for i in range(40)))
+    cfg = _moe_config(tmp_path, path)
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches = str(text), 0
+    res = evaluate(cfg)
+    es = EvalSet(cfg.data)
+    with torch.no_grad():
+        want = [float(loaded(input_ids=x, labels=y, shift_labels=y).loss) for x, y in es.micro_batches()]
+    assert res.loss == sum(want) / len(want)
+
+
+def test_greedy_generation_is_transformers_generate(tmp_path, moe_dir):
+    _, path, hf = moe_dir
+    prompts = [list(range(10, 30)), list(range(40, 52))]  # past gpt-oss's 8-token window
+    cfg = _moe_config(tmp_path, path)
+    cfg.data.micro_batch_size = 2
+    ours = generate(cfg, prompts, Sampling(max_new_tokens=10), eos=())
+    # transformers' generate fails with output_router_logits (its auxiliary loss takes the new
+    # tokens' logits against the whole attention mask); the loss is not part of generating
+    asked, hf.config.output_router_logits = hf.config.output_router_logits, False
+    try:
+        # no stop token on either side (_hf_generate passes eos_token_id=None): a random model may emit one
+        assert ours == _hf_generate(hf, prompts, 10)
+    finally:
+        hf.config.output_router_logits = asked
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_lora_on_the_attention_is_peft_bit_for_bit(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=3, clip=0.05)
+    targets = {"mixtral": ["q_proj", "v_proj"], "deepseek_v3": ["q_a_proj", "kv_b_proj", "o_proj"]}[family]
+    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.alpha, cfg.adapter.target = "lora", 4, 9.0, targets
+    cfg.update.mode = "auto"
+    assert_lora_parity(cfg)
+
+
+def test_an_export_is_in_the_checkpoints_layout_and_loads_in_transformers(tmp_path):
+    """Trained experts go out one matrix per expert and projection, as save_pretrained writes
+    them (what other tools read), and from_pretrained converts them back to the trained values."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.models import _hf_names
+    from tiertrain.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("qwen2_moe")).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), steps=1)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        res = tr.save_checkpoint()
+        want, names = tr.weights(), _hf_names(tr.model)
+    out = export_checkpoint(res.path, str(tmp_path / "export"))
+    keys = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in keys and not any(
+        k.endswith("experts.down_proj") for k in keys
+    )
+    sd = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(want[k], sd[names[k]]) for k in want)

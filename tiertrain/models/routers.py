@@ -1,0 +1,120 @@
+"""A mixture of experts' auxiliary load-balancing loss, across layers that run one at a time.
+
+Where a model's config asks for it (``output_router_logits``), transformers adds to the loss
+``router_aux_loss_coef x load_balancing_loss_func(router logits of every layer)``: one function
+of all the layers' router logits together (its token counts and mean probabilities are taken
+over every layer), per forward call, so per micro-batch. The layer-major schedule runs the
+layers one at a time, so:
+
+- in the forward, each block's router logits (its router's output, the one transformers
+  records as ``router_logits``) are kept per (block, micro-batch), detached: ``N x experts``
+  values, small beside the block's activations;
+- at the head, the model's own ``load_balancing_loss_func`` runs on them (leaves with
+  gradients) and is added to the micro-batch's loss as the model's forward adds it; its
+  backward gives each layer's logits their share of the gradient;
+- in each block's backward, a hook on the router logits of the block's graph (kept, offloaded
+  or recomputed) adds that share to the gradient they get from the block's own output.
+
+In plain PyTorch the router logits have exactly these two consumers (the routing and the
+auxiliary loss), and autograd sums their two gradients; a sum of two is the same in either
+order, so the gradients are plain PyTorch's bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+__all__ = ["RouterLoss", "router_loss"]
+
+
+class RouterLoss:
+    """The auxiliary loss of a mixture-of-experts model whose config asks for it (``router_loss``)."""
+
+    def __init__(self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any) -> None:
+        self.coef = hf.router_aux_loss_coef
+        self.experts, self.top_k = hf.num_experts, hf.num_experts_per_tok
+        self._fn, self._index = fn, index
+        self._key: tuple[int, int] | None = None  # (block, micro-batch) of the forward running
+        self._record = False
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.blocks = []
+        for b, layer in enumerate(layers):
+            routers = [m for m in layer.modules() if isinstance(m, router_class)]
+            if len(routers) > 1:
+                raise ValueError(f"layer {b} has {len(routers)} routers ({router_class.__name__}): expected one")
+            if routers:
+                routers[0].register_forward_hook(lambda mod, args, out, b=b: self._seen(b, out))
+                self.blocks.append(b)
+
+    @contextlib.contextmanager
+    def at(self, block: int, micro_batch: int, *, record: bool = True) -> Iterator[None]:
+        """Around a block's forward for a micro-batch: its router logits are kept (``record``;
+        a recompute in the backward keeps none: the loss was made from the first) and their
+        gradient hook placed."""
+        self._key, self._record = (block, micro_batch), record
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def _seen(self, block: int, out: Any) -> None:
+        if self._key is None:  # generation, or a forward outside the schedule: no loss to feed
+            return
+        logits = out[self._index]
+        key = (block, self._key[1])
+        if self._record:
+            self._logits[key] = logits.detach()
+        if logits.requires_grad:
+            logits.register_hook(lambda g, key=key: self._add(key, g))
+
+    def _add(self, key: tuple[int, int], grad: torch.Tensor) -> torch.Tensor:
+        extra = self._grads.pop(key, None)
+        return grad if extra is None else grad + extra
+
+    def add(self, loss: torch.Tensor, micro_batch: int, *, backward: bool) -> torch.Tensor:
+        """``loss`` plus the auxiliary loss of ``micro_batch``'s router logits, as the model's
+        forward adds it. ``backward``: their leaves take gradients (``collect`` after the
+        backward); else the logits are dropped now (an evaluation)."""
+        keys = [(b, micro_batch) for b in self.blocks]
+        missing = [k for k in keys if k not in self._logits]
+        if missing:
+            raise RuntimeError(f"router logits of blocks {[k[0] for k in missing]} were not kept in the forward")
+        leaves = tuple(self._logits.pop(k).requires_grad_(backward) for k in keys)
+        if backward:
+            self._leaves = dict(zip(keys, leaves))
+        aux = self._fn(leaves, self.experts, self.top_k, None)
+        return loss + self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
+
+    def collect(self) -> None:
+        """After the head's backward of a micro-batch: each layer's share of the gradient,
+        for its block's backward."""
+        for key, leaf in self._leaves.items():
+            if leaf.grad is not None:
+                self._grads[key] = leaf.grad
+        self._leaves = {}
+
+    def clear(self) -> None:
+        """Nothing of a step that failed half-way is fed to the next."""
+        self._logits.clear()
+        self._grads.clear()
+        self._leaves = {}
+        self._key = None
+
+
+def router_loss(hf: Any, layers: list[nn.Module]) -> RouterLoss | None:
+    """The auxiliary loss of ``hf`` where its config asks for it (``output_router_logits``) and
+    its forward adds one (its modeling module's ``load_balancing_loss_func``), else None."""
+    if not getattr(hf.config, "output_router_logits", False):
+        return None
+    fn = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
+    recorders = getattr(type(hf.model), "_can_record_outputs", None) or {}
+    rec = recorders.get("router_logits")
+    if fn is None or rec is None or not hasattr(hf, "router_aux_loss_coef"):
+        return None
+    return RouterLoss(hf, layers, rec.target_class, rec.index, fn)
