@@ -136,3 +136,25 @@ def test_a_vocabulary_cut_into_pieces_keeps_the_familys_quirks(tmp_path, family)
     for n, t in w.items():
         moved = (ref_w[names[n]] - init[names[n]]).norm()
         assert (t - ref_w[names[n]]).norm() <= 1e-5 * moved + 1e-12, n
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "mixtral"])
+def test_packed_documents_within_a_sliding_window_are_plain_pytorch_bit_for_bit(tmp_path, family, monkeypatch):
+    """Chat rows packed with attention within each document (positions restarting at each), a
+    4-token window inside 12-token rows: transformers' mask is both block-diagonal and banded,
+    as the model's forward builds it from the same position ids; Mixtral with its auxiliary loss."""
+    from test_finetune_data import _finetune_cfg, _finetune_data
+    from test_moe import _config as moe_config
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    config = moe_config(family) if family == "mixtral" else _config(family)
+    config.sliding_window = 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama", clip=0.5)
+    cfg.model.hf_dir = str(tmp_path / "m")
+    cfg.data.packing, cfg.data.packed_attention = True, "document"
+    tr, _ = assert_parity(cfg)
+    assert "sliding_attention" in [b.kind for b in tr.model.blocks]

@@ -34,7 +34,7 @@ def _config(family: str):
     return {
         "mixtral": lambda: t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, **AUX),
         "qwen2_moe": lambda: t.Qwen2MoeConfig(**COMMON, **experts, shared_expert_intermediate_size=48, **AUX),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, **experts, head_dim=16, **AUX),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, **experts, head_dim=16, mlp_only_layers=[0], **AUX),
         "olmoe": lambda: t.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, **AUX),
         "gpt_oss": lambda: t.GptOssConfig(
             **COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, **AUX
@@ -215,3 +215,23 @@ def test_an_export_is_in_the_checkpoints_layout_and_loads_in_transformers(tmp_pa
     )
     sd = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(want[k], sd[names[k]]) for k in want)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_auxiliary_loss_train_the_grouped_reference_bit_for_bit(tmp_path):
+    """Each rank's micro-batches make their own auxiliary losses (per forward, as transformers'):
+    the ranks' sums in rank order are plain PyTorch's grouped run's, bit for bit."""
+    from test_dist_train import _Named, run_ranks
+    from test_parity import assert_same_weights
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.reference import reference_train
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=2, clip=0.0)
+    ref_model, out = run_ranks(tmp_path / "run", cfg, 2)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)
