@@ -21,6 +21,7 @@ from test_lora import assert_lora_parity
 from test_parity import assert_parity
 
 from tiertrain.inference.generate import Sampling, generate
+from tiertrain.models.decoder import layer_types as decoder_layer_types
 
 WINDOW = 8
 COMMON = dict(
@@ -69,16 +70,19 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gem
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory):
     """(family, directory, the model as transformers loads it from there)."""
+    d = tmp_path_factory.mktemp(request.param)
+    return request.param, str(d), _saved(request.param, d)
+
+
+def _saved(family, directory):
+    """A random model of ``family`` written to ``directory`` by save_pretrained, and loaded back."""
     from transformers import AutoModelForCausalLM
 
     from tiertrain.models.families import FAMILIES as KNOWN
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(_config(request.param))
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d)
-    loaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation=KNOWN[request.param].attention)
-    return request.param, str(d), loaded.eval()
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=KNOWN[family].attention).eval()
 
 
 def _family_config(tmp_path, path, **kw):
@@ -158,3 +162,43 @@ def test_packed_documents_within_a_sliding_window_are_plain_pytorch_bit_for_bit(
     cfg.data.packing, cfg.data.packed_attention = True, "document"
     tr, _ = assert_parity(cfg)
     assert "sliding_attention" in [b.kind for b in tr.model.blocks]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_sliding_layers_cache_holds_its_window_alone_spilled_or_not(tmp_path, family, monkeypatch):
+    """Prompts of 20 and 12 tokens and 10 new ones against an 8-token window: a sliding layer's
+    cache holds 8 positions (a full layer's 30), in host memory and on the storage tier alike
+    (a simulated separate-memory device there), rewritten whole each step once the window moved;
+    the tokens are transformers' generate's either way."""
+    import tiertrain.inference.generate as generate_mod
+    from tiertrain.device import AsyncCpuDevice
+    from tiertrain.inference.kvcache import TieredKV
+    from tiertrain.models.hf import kv_bytes, kv_positions
+
+    path, hf = str(tmp_path / "m"), _saved(family, tmp_path / "m")
+    made = []
+
+    class Recorded(TieredKV):
+        def __init__(self, *a, **kw):
+            made.append(self)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(generate_mod, "TieredKV", Recorded)
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    want = _hf_generate(hf, prompts, 10)
+    cfg = _family_config(tmp_path, path)
+    cfg.data.micro_batch_size = 2
+    assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=()) == want
+    sliding = [k == "sliding_attention" for k in decoder_layer_types(hf.config)]
+    assert kv_positions(hf.config, 30) == [WINDOW if s else 30 for s in sliding] and any(sliding)
+    held = made[-1]
+    assert [held.pairs[layer, 0].shape[2] for layer in range(len(sliding))] == kv_positions(hf.config, 30)
+    assert (
+        held.host_bytes
+        == kv_bytes(hf.config, 2, 30, torch.float32)
+        < kv_bytes((len(sliding), 2, 16), 2, 30, torch.float32)
+    )
+    cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
+    assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=(), device=AsyncCpuDevice()) == want
+    spilled = made[-1]
+    assert spilled.spilled_bytes == held.host_bytes and spilled.written_bytes > 0

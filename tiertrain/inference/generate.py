@@ -146,7 +146,9 @@ class _Decoding:
         self.eos = eos_ids(m.hf_dir, self.hf)
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        return kv_bytes((self.layers, self.kv_heads, self.head_dim), rows, max_len, dtype)
+        return kv_bytes(
+            self.hf if self.hf is not None else (self.layers, self.kv_heads, self.head_dim), rows, max_len, dtype
+        )
 
     def cache(self, max_len: int):
         return new_cache(self.hf, max_len) if self.hf is not None else GPTCache(self.layers)
@@ -338,7 +340,7 @@ def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device
             for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):
                 kv.bring(ref.block, i)  # the block's keys and values of micro-batch i in memory
                 out.append(unit.decode(x, m, p, g.cache))
-                kv.send(ref.block, i, x.shape[1])  # the positions this step added, written alone
+                kv.send(ref.block, i, x.shape[1])  # the positions this step added, written alone (a window: whole)
             h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]

@@ -2,7 +2,8 @@
 rest on the storage tier.
 
 One cache per (block, micro-batch) pair, each ``[rows, kv heads, max_len, head dim]`` keys and
-values (transformers' static cache layer: sized at start, never grown; keys and values of
+values (transformers' static cache layer: sized at start, never grown; a sliding layer's holds
+its window, ``min(sliding_window, max_len)`` positions, rewritten whole each step; keys and values of
 different widths, multi-head latent attention's, are stored at the larger and seen as the
 leading part of it, ``dims``). Pairs are placed in
 order, block by block, in host memory while the budget lasts (allocated at start); the others
@@ -88,6 +89,7 @@ class TieredKV:
         used, offset, spilled = 0, 0, 0
         for layer in range(layers):  # placed first, allocated once the device has said it has room
             for m, (r, n) in enumerate(zip(rows, max_len)):
+                n = min(n, getattr(caches[m].layers[layer], "max_cache_len", n))  # a sliding layer: its window
                 p = _Pair(layer, m, (r, kv_heads, n, head_dim), 2 * r * kv_heads * n * head_dim * dtype.itemsize)
                 if budget is None or used + p.nbytes <= budget:
                     used += p.nbytes
@@ -207,14 +209,16 @@ class TieredKV:
 
     def send(self, layer: int, m: int, new: int) -> None:
         """After: the ``new`` positions block ``layer`` just added for micro-batch ``m`` written
-        to its region (from the buffer, given back when written); the next spilled pair's read
-        started."""
+        to its region (from the buffer, given back when written; a sliding layer's whole window,
+        which every step moves once full); the next spilled pair's read started."""
         p = self.pairs[layer, m]
         if p.offset is None:
             return
         layer_ = self._layer(p)
         layer_.keys = layer_.values = None
         f, step, separate = p.filled, self._pos_bytes(p), self.device_pool is not None
+        if getattr(layer_, "is_sliding", False):  # its window moved (rolled, or cut to the last positions): all of it
+            f, new = 0, min(layer_.cumulative_length_int, p.shape[2])
         if f + new > p.shape[2]:
             raise ValueError(
                 f"key/value cache of block {layer}, micro-batch {m}: {f} + {new} positions, more than its {p.shape[2]}"

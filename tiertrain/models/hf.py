@@ -29,6 +29,7 @@ __all__ = [
     "kv_bytes",
     "kv_shape",
     "kv_dims",
+    "kv_positions",
     "new_cache",
 ]
 
@@ -104,11 +105,22 @@ def kv_dims(config: Any) -> tuple[int, int]:
     return d, d
 
 
+def kv_positions(config: Any, max_len: int) -> list[int]:
+    """Positions each layer's cache holds for sequences of ``max_len``: ``max_len``, a sliding
+    layer's its window where that is less (transformers' static cache's layers, which keep the
+    last ``sliding_window`` positions and roll)."""
+    return [min(getattr(layer, "max_cache_len", max_len), max_len) for layer in new_cache(config, max_len).layers]
+
+
 def kv_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of the key/value cache of ``rows`` sequences of ``max_len`` positions; ``config``:
-    a model's config, or its ``kv_shape`` (layers, key/value heads, head dim) itself."""
-    layers, kv_heads, head_dim = config if isinstance(config, tuple) else kv_shape(config)
-    return 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
+    a model's config (sliding layers hold their window, ``kv_positions``), or a ``kv_shape``
+    (layers, key/value heads, head dim) whose layers each hold ``max_len``."""
+    if isinstance(config, tuple):
+        layers, kv_heads, head_dim = config
+        return 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
+    _, kv_heads, head_dim = kv_shape(config)
+    return 2 * rows * kv_heads * sum(kv_positions(config, max_len)) * head_dim * dtype.itemsize
 
 
 def _hf_init(hf: Any):

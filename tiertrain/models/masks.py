@@ -11,7 +11,6 @@ the block-diagonal mask from them, once per micro-batch and type (cached here).
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import weakref
@@ -88,13 +87,9 @@ def decode_masks(
 
 def new_cache(config: Any, max_len: int):
     """A key/value cache for every layer of one micro-batch, of ``max_len`` positions
-    (transformers' static cache: its size fixed when made, never grown). Every layer keeps every
-    position, a sliding one too (its mask, not its cache, keeps it within its window: the
-    tiered cache lays each layer out alike)."""
+    (transformers' static cache: its size fixed when made, never grown). A sliding layer keeps
+    its window alone (``min(sliding_window, max_len)`` positions, rolled once full), as
+    transformers' own sliding layer does; its mask is made from that cache."""
     from transformers import StaticCache
 
-    whole = copy.copy(config)
-    whole.layer_types = [FULL] * config.num_hidden_layers
-    if getattr(whole, "sliding_window", None) is not None:
-        whole.sliding_window = None
-    return StaticCache(config=whole, max_cache_len=max_len)
+    return StaticCache(config=config, max_cache_len=max_len)
