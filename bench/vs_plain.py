@@ -42,8 +42,15 @@ import time
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000)
 
 
+def model_fields(args) -> dict[str, str]:
+    """The model's fields (``--model``), or, with ``--hf-config``, the directory's config.json."""
+    if getattr(args, "hf_config", None):
+        return {"hf_dir": args.hf_config, "from_scratch": "true"}
+    return dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+
+
 def flags(args, scratch: str) -> list[str]:
-    model = dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+    model = model_fields(args)
     return [f"--model.{k}={v}" for k, v in model.items()] + [
         f"--model.max_seq_len={args.seq_len}",
         f"--data.seq_len={args.seq_len}",
@@ -70,7 +77,14 @@ def worker_init(cfg, path: str) -> dict:
     model = reference_model(cfg)
     inner = model.hf if isinstance(model, HFWrapper) else model
     save_file({k: v.contiguous() for k, v in inner.state_dict().items()}, path)
-    return {"params": sum(p.numel() for p in model.parameters())}
+    out = {"params": sum(p.numel() for p in model.parameters())}
+    if cfg.model.hf_dir is not None:  # the shape as its config.json gives it
+        c = inner.config
+        keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts",
+                "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits", "vocab_size")  # fmt: skip
+        out["family"] = type(inner).__name__
+        out["shape"] = {k: getattr(c, k) for k in keys if getattr(c, k, None) is not None}
+    return out
 
 
 def worker_plain(cfg, path: str, keep: bool = False):
@@ -194,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model", default="", help="model fields to change, e.g. n_layers=16,d_model=2048,n_heads=16,d_ff=5632"
     )
+    ap.add_argument(
+        "--hf-config", default=None, help="a directory with a transformers config.json: that model, random weights"
+    )
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
@@ -248,7 +265,8 @@ def run(args, scratch: str) -> str:
     dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
     parts = [statistics.median(p[i] for p in tt["parts"][steady]) for i in range(4)]
     budget = f"budget {host_mib} MiB" if host_mib else "default budget"
-    M, model = args.micro_batches, dict(MODEL, **dict(kv.split("=", 1) for kv in filter(None, args.model.split(","))))
+    M, model = args.micro_batches, model_fields(args)
+    family = init.get("family", "Llama")
     return "\n".join(
         [
             "# tiertrain "
@@ -263,8 +281,8 @@ def run(args, scratch: str) -> str:
             f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB RAM, one virtual disk "
             f"(read {rbw:.2f} GB/s, write {wbw:.2f} GB/s, measured in this run after training); fp32 on CPU",
-            f"- model: Llama, {init['params'] / 1e6:.1f} M parameters ("
-            + ", ".join(f"{k} {v}" for k, v in model.items() if k != "kind")
+            f"- model: {family}, {init['params'] / 1e6:.1f} M parameters ("
+            + ", ".join(f"{k} {v}" for k, v in (init.get("shape") or model).items() if k != "kind")
             + f"); M = {M} micro-batches of 1 x {args.seq_len} tokens; {len(plain['times'])} steps, the first discarded; "
             f"medians{'; other settings: ' + ', '.join(args.set) if args.set else ''}",
             "- each system in a process of its own; tiertrain's "
