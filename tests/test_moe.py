@@ -1,7 +1,9 @@
-"""Mixtures of experts (``models/families.py``): Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE,
-OLMoE, gpt-oss (attention sinks, biased experts, sliding windows, eager attention) and
-DeepSeek-V3 (multi-head latent attention, shared experts, a dense first layer, grouped sigmoid
-routing), each a tiny random model written by transformers' own ``save_pretrained`` (one
+"""Mixtures of experts (``models/families.py``): Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (a
+dense layer), OLMoE, gpt-oss (attention sinks, biased experts, sliding windows, eager attention),
+DeepSeek-V3 and V2 (multi-head latent attention, shared experts, a dense first layer, grouped
+routing), GLM-4.5 and dots.llm1 (DeepSeek's routing, full attention), FlexOlmo, Phi-MoE, Granite-MoE
+(Granite's multipliers) and Llama 4's text model (chunked attention, a layer without rotary), each
+a tiny random model written by transformers' own ``save_pretrained`` (one
 matrix per expert on disk, converted to the 3-D expert parameters as ``from_pretrained``
 converts them: ``models/convert.py``).
 
@@ -31,6 +33,10 @@ def _config(family: str):
     import transformers as t
 
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    # DeepSeek's routing (groups, shared experts, a dense first layer), and its latent attention
+    ds = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+              first_k_dense_replace=1, n_group=2, topk_group=1)  # fmt: skip
+    mla = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
     return {
         "mixtral": lambda: t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, **AUX),
         "qwen2_moe": lambda: t.Qwen2MoeConfig(**COMMON, **experts, shared_expert_intermediate_size=48, **AUX),
@@ -39,25 +45,41 @@ def _config(family: str):
         "gpt_oss": lambda: t.GptOssConfig(
             **COMMON, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, **AUX
         ),
-        # transformers' own generate needs as many key/value heads as heads here
-        "deepseek_v3": lambda: t.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            **dict(experts, num_experts=None),
-            n_routed_experts=4,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            kv_lora_rank=16,
-            q_lora_rank=24,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=12,
-            n_group=2,
-            topk_group=1,
+        # transformers' own generate needs as many key/value heads as heads for latent attention
+        "deepseek_v3": lambda: t.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **ds, **mla),
+        "deepseek_v2": lambda: t.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, **ds, **mla),
+        "glm4_moe": lambda: t.Glm4MoeConfig(**COMMON, **ds, head_dim=16),
+        "dots1": lambda: t.Dots1Config(**COMMON, **ds, head_dim=16),
+        "flex_olmo": lambda: t.FlexOlmoConfig(**COMMON, num_experts=4, num_experts_per_tok=2, **AUX),
+        # no jitter: it draws random numbers in training, in another order over micro-batches (as dropout)
+        "phimoe": lambda: t.PhimoeConfig(
+            **COMMON, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, input_jitter_noise=0.0, **AUX
         ),
+        "granitemoe": lambda: t.GraniteMoeConfig(
+            **COMMON,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=6.0,
+            logits_scaling=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            **AUX,
+        ),  # fmt: skip
+        # four layers: three chunked (8-token chunks) with rotary, the fourth full without
+        "llama4_text": lambda: t.Llama4TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            head_dim=16,
+            intermediate_size_mlp=128,
+            attention_chunk_size=8,
+            **AUX,
+        ),  # fmt: skip
     }[family]()
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
+            "flex_olmo", "phimoe", "granitemoe", "llama4_text"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -92,7 +114,7 @@ def test_the_checkpoint_is_read_as_from_pretrained_converts_it(tmp_path, moe_dir
     family, path, loaded = moe_dir
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         on_disk = set(f.keys())
-    if family != "gpt_oss":  # gpt-oss keeps its experts' 3-D layout on disk
+    if family not in ("gpt_oss", "granitemoe", "llama4_text"):  # those keep 3-D experts on disk too
         assert any(".experts.0." in k for k in on_disk) and not any(k.endswith("experts.gate_up_proj") for k in on_disk)
     model, source = build_model(_moe_config(tmp_path, path).model, param_dtype=torch.float32, seed=0)
     want, names = loaded.state_dict(), _hf_names(model)
@@ -113,7 +135,9 @@ def test_training_with_the_auxiliary_loss_is_plain_pytorch_bit_for_bit(tmp_path,
     kw = {"keep": dict(keep_act_mib=64), "offload": dict(activations="offload")}.get(activations, {})
     tr, losses = assert_parity(_moe_config(tmp_path, path, micro_batches=2, steps=3, clip=0.5, **kw))
     assert tr.model.hf_config.model_type == family and len(losses) == 3
-    assert (tr.model.routers is not None) == (family != "deepseek_v3")  # DeepSeek-V3 has no auxiliary loss
+    # the DeepSeek routing (and Llama 4) has no auxiliary loss in transformers' forward
+    no_aux = ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "llama4_text")
+    assert (tr.model.routers is not None) == (family not in no_aux)
     if activations == "keep":
         assert tr.executor.kept_pairs > 0
     if activations == "recompute":

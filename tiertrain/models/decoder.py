@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .base import LayeredModel, no_cache
 from .families import Family, family_of
-from .masks import FULL, SLIDING, cache_keyword, causal_mask
+from .masks import CHUNKED, FULL, SLIDING, cache_keyword, causal_mask
 from .positions import hf_positions, packed_positions
 from .routers import router_loss
 
@@ -164,9 +164,9 @@ def layout_problem(hf: Any) -> str:
             return f"no model.{name}"
     if not hasattr(hf, "lm_head"):
         return "no lm_head"
-    unknown = sorted(set(layer_types(hf.config)) - {FULL, SLIDING})
+    unknown = sorted(set(layer_types(hf.config)) - {FULL, SLIDING, CHUNKED})
     if unknown:
-        return f"attention types {', '.join(unknown)} (tiertrain runs full and sliding-window attention)"
+        return f"attention types {', '.join(unknown)} (tiertrain runs full, sliding-window and chunked attention)"
     return ""
 
 

@@ -62,11 +62,18 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family("OLMoE"),
     "gpt_oss": Family("gpt-oss", attention="eager"),  # its attention sinks have no SDPA kernel
     "deepseek_v3": Family("DeepSeek-V3"),  # multi-head latent attention; shared experts; no auxiliary loss
+    "deepseek_v2": Family("DeepSeek-V2"),
+    "glm4_moe": Family("GLM-4.5"),  # DeepSeek-V3's routing, full attention, partial rotary
+    "dots1": Family("dots.llm1"),
+    "flex_olmo": Family("FlexOlmo"),
+    "phimoe": Family("Phi-MoE"),  # its router and input jitter draw random numbers in training, as dropout
+    "granitemoe": Family("Granite-MoE", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
+    "llama4_text": Family("Llama 4 (text)"),  # chunked attention; no rotary on every fourth layer
 }
 
 # Mixtures of experts not checked yet
-_MOE = {"deepseek_v2", "llama4_text", "glm4_moe", "dbrx", "jamba", "granitemoe", "granitemoeshared", "phimoe",
-        "minimax", "qwen3_next", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "flex_olmo"}  # fmt: skip
+_MOE = {"dbrx", "jamba", "granitemoeshared", "granitemoehybrid", "minimax", "qwen3_next", "ernie4_5_moe",
+        "hunyuan_v1_moe", "bailing_moe", "longcat_flash"}  # fmt: skip
 
 
 def family_of(config: Any) -> Family | None:
@@ -84,7 +91,7 @@ def unsupported_reason(config: Any) -> str:
     if model_type == "gpt2":
         return ""
     if model_type in _MOE:
-        return "a mixture of experts tiertrain has not been checked on (it runs Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, DeepSeek-V3)"
+        return "a mixture of experts tiertrain has not been checked on"
     if model_type not in FAMILIES:
         return "a family tiertrain has not been checked on: its forward may compute outside its layers"
     if getattr(config, "use_bidirectional_attention", False):

@@ -1,6 +1,7 @@
 """Attention masks of transformers models, made by transformers' own functions, per attention
-type: ``full_attention`` (causal) and ``sliding_attention`` (causal within the config's
-``sliding_window``), as the model's forward makes them for each of its layers.
+type: ``full_attention`` (causal), ``sliding_attention`` (causal within the config's
+``sliding_window``) and ``chunked_attention`` (causal within chunks of ``attention_chunk_size``:
+Llama 4), as the model's forward makes them for each of its layers.
 
 The causal masks are made without position ids where every row is one sequence (``[T]``
 positions): given them, transformers looks for packed sequences in them, a device-to-host sync
@@ -18,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["FULL", "SLIDING", "cache_keyword", "causal_mask", "decode_masks", "new_cache"]
+__all__ = ["FULL", "SLIDING", "CHUNKED", "cache_keyword", "causal_mask", "decode_masks", "new_cache"]
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 @functools.cache
@@ -31,10 +32,15 @@ def _makers() -> tuple[dict[str, Callable[..., Any]], str]:
 
     transformers renamed the keyword ``past_key_values`` to ``cache`` (5.x; the old name warns):
     whichever this version takes."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_chunked_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
     keyword = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-    return {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}, keyword
+    makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask, CHUNKED: create_chunked_causal_mask}
+    return makers, keyword
 
 
 def cache_keyword() -> str:
