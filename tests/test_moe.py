@@ -259,3 +259,31 @@ def test_two_ranks_with_the_auxiliary_loss_train_the_grouped_reference_bit_for_b
     for step, want in enumerate(ref_losses):
         assert [x for r in range(2) for x in out[r]["losses"][step]] == want
     assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_bf16_with_fp32_master_within_a_stated_tolerance(tmp_path, family):
+    """bf16 parameters, fp32 master and moments, the auxiliary loss on, against the same recipe in
+    plain PyTorch. Losses within tests/test_parity.py's bf16 tolerance (2e-3; measured 3e-4 to
+    6e-4). The weights are held to how far they moved: routing is discrete, so a rounding that
+    flips a token's top-k choice sends it to another expert (and AdamW turns near-zero gradients'
+    noise into whole steps): after 3 steps measured at most 16% of each weight's movement
+    (Mixtral; DeepSeek-V3 9%; a dense Llama 4%); the test allows 30%."""
+    from test_parity import ref_name_map, run_tiertrain
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.reference import reference_model, reference_train, weights_of
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=3, dtype="bfloat16")
+    ref_model = reference_model(cfg)
+    init = weights_of(ref_model)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, mixed=True)
+    losses, weights, tr = run_tiertrain(cfg, init)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=2e-3, rtol=0)
+    assert tr.params.dtype == torch.bfloat16
+    names = ref_name_map(tr, list(weights))
+    for name, w in weights.items():
+        theirs, start = ref_weights[names[name]].float(), init[names[name]].float()
+        assert (w.float() - theirs).norm() <= 0.3 * (theirs - start).norm(), name
