@@ -48,7 +48,10 @@ def peft_reference(cfg, ref_model):
     layered = copy.deepcopy(ref_model) if inner is ref_model else _layered(cfg, inner)
     ours = LoRA(layered, cfg.adapter, seed=cfg.train.seed, device="cpu")
     a = cfg.adapter
-    pc = peft.LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target))
+    pc = peft.LoraConfig(
+        r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target),
+        target_parameters=list(a.target_parameters) or None,
+    )  # fmt: skip
     inner = peft.inject_adapter_in_model(pc, inner)
     if isinstance(ref_model, HFWrapper):
         ref_model.hf = inner

@@ -14,8 +14,21 @@ accumulates the adapters' gradients over the micro-batches in the layer-major ba
 same order as plain PyTorch's micro-batch-major one (for each adapter, micro-batch 0 first), and
 the recomputed forward of a block calls the same hooks.
 
-Adapters are keyed by the full name of the module they sit on (``blocks.3.self_attn.q_proj``);
-peft's names for export are made in ``adapters/peft_io.py``.
+A mixture of experts' 3-D expert parameters (``adapter.target_parameters``: transformers'
+``mlp.experts.gate_up_proj``, ``[experts, out, in]``, or ``[experts, in, out]`` where the module
+says ``is_transposed``) get what peft's ``ParamWrapper`` gives them: one ``lora_A`` of
+``(r x experts) x in`` and one ``lora_B`` of ``out x (r x experts)`` per parameter, and for the
+experts' forward the weight ``baddbmm(W, lhs, rhs, alpha=scaling)`` in place of ``W`` (``lhs``,
+``rhs``: peft's per-expert views of B and A, ``expert_factors``). peft swaps it in with a torch
+parametrization, which would move the parameter away from the one the parameter store binds
+to slot memory; here a forward pre-hook on the experts module puts the new weight in the
+module's parameter table for that call and a forward hook (run even on an error) puts the
+frozen Parameter back. The graph is peft's: the base enters the ``baddbmm`` without a
+gradient, B and A get theirs through it, and a recomputed forward calls the same hooks.
+
+Adapters are keyed by the full name of the module they sit on (``blocks.3.self_attn.q_proj``),
+or of the parameter (``blocks.3.mlp.experts.down_proj``); peft's names for export are made in
+``adapters/peft_io.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import torch.nn as nn
 from ..config import AdapterConfig, ConfigError
 from ..models.base import LayeredModel
 
-__all__ = ["LoRA", "Target", "find_targets", "linear_shape"]
+__all__ = ["LoRA", "Target", "find_targets", "linear_shape", "expert_factors", "expert_delta"]
 
 SEED_SALT = 0x10_4A  # the adapters' generator: the run's seed + this (not the base's unit streams)
 
@@ -38,12 +51,18 @@ SEED_SALT = 0x10_4A  # the adapters' generator: the run's seed + this (not the b
 @dataclass(frozen=True)
 class Target:
     """A linear layer that gets an adapter: ``name`` (full, as in the model's state dict
-    without ``.weight``), ``module``, and its ``in_features`` / ``out_features``."""
+    without ``.weight``), ``module``, and its ``in_features`` / ``out_features``. Or, with
+    ``param`` set, the 3-D parameter ``param`` of ``module`` (``name``: the parameter's full
+    name), one matrix per expert of ``experts``, stored ``[experts, in, out]`` if
+    ``transposed`` else ``[experts, out, in]``."""
 
     name: str
     module: nn.Module
     in_features: int
     out_features: int
+    param: str | None = None
+    experts: int = 1
+    transposed: bool = False
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -58,38 +77,110 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def find_targets(model: LayeredModel, names: list[str]) -> list[Target]:
-    """The blocks' linear layers whose last name is in ``names`` (empty: every one), in model
-    order (block by block, each block's modules in registration order: peft's parameter
-    order). Refused, naming what the model has: a name that matches nothing."""
+def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | None = None) -> list[Target]:
+    """The blocks' linear layers whose last name is in ``names`` (empty: every one, or none
+    where ``parameters`` are named, as peft's ``target_modules``) and their 3-D parameters
+    that ``parameters`` name (peft's ``target_parameters``: the parameter's path in the model,
+    or a dotted tail of it), in model order (block by block, each block's modules in
+    registration order, a module's parameters in theirs: peft's parameter order). Refused,
+    naming what the model has: a name that matches nothing, a parameter that is not 3-D."""
+    parameters = list(parameters or [])
+    every = not names and not parameters
+    paths = _paths(model)
     out: list[Target] = []
     have: dict[str, None] = {}
+    stacks: dict[str, None] = {}  # the 3-D parameters' last names
+    matched: set[str] = set()
     for i, block in enumerate(model.blocks):
         for local, module in block.named_modules():
             shape = linear_shape(module)
-            if shape is None:
-                continue
-            last = local.rsplit(".", 1)[-1]
-            have[last] = None
-            if not names or last in names:
-                out.append(Target(f"blocks.{i}.{local}", module, *shape))
+            if shape is not None:
+                last = local.rsplit(".", 1)[-1]
+                have[last] = None
+                if every or last in names:
+                    out.append(Target(f"blocks.{i}.{local}", module, *shape))
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() == 3:
+                    stacks[pname] = None
+                key = f"{paths.get(id(module), f'blocks.{i}.{local}')}.{pname}"
+                hits = [n for n in parameters if key == n or key.endswith(f".{n}")]
+                if not hits:
+                    continue
+                full = f"blocks.{i}.{local}.{pname}" if local else f"blocks.{i}.{pname}"
+                if p.dim() != 3:
+                    raise ConfigError(
+                        f"adapter.target_parameters = {parameters!r}: {hits[0]!r} matches {full} of shape "
+                        f"{tuple(p.shape)}, not an experts' 3-D parameter; name linear layers in adapter.target"
+                    )
+                matched.update(hits)
+                out.append(_expert_target(full, module, pname, p))
     missing = [n for n in names if n not in have]
-    if missing or not out:
+    if missing or (not parameters and not out):
         raise ConfigError(
             f"adapter.target = {names!r}: {', '.join(map(repr, missing)) or 'nothing'} matches no linear layer of "
             f"this model's blocks; it has {', '.join(have) or 'none'}"
         )
+    missing = [n for n in parameters if n not in matched]
+    if missing:
+        raise ConfigError(
+            f"adapter.target_parameters = {parameters!r}: {', '.join(map(repr, missing))} matches no parameter of "
+            "this model's blocks; "
+            + (
+                f"its experts' 3-D parameters are {', '.join(stacks)}"
+                if stacks
+                else "it has no 3-D (experts') parameter: name its linear layers in adapter.target"
+            )
+        )
     return out
 
 
+def _paths(model: LayeredModel) -> dict[int, str]:
+    """The blocks' modules' paths as peft matches parameter names against them: in the
+    transformers model (by identity), or tiertrain's own for the built-in model."""
+    if model.hf_model is None:
+        return {id(m): f"blocks.{i}.{n}".rstrip(".") for i, b in enumerate(model.blocks) for n, m in b.named_modules()}
+    return {id(m): n for n, m in model.hf_model.named_modules()}
+
+
+def _expert_target(name: str, module: nn.Module, pname: str, p: torch.Tensor) -> Target:
+    """peft's reading of a 3-D parameter (``ParamWrapper._get_in_out_features``): ``[experts,
+    out, in]``, or ``[experts, in, out]`` where the module says ``is_transposed``."""
+    experts, a, b = (int(x) for x in p.shape)
+    transposed = bool(getattr(module, "is_transposed", False))
+    n_in, n_out = (a, b) if transposed else (b, a)
+    if experts < 2:  # peft takes a single one as a linear layer, with other ops
+        raise ConfigError(f"adapter.target_parameters: {name} holds {experts} expert; LoRA on it is not supported")
+    return Target(name, module, n_in, n_out, pname, experts, transposed)
+
+
+def expert_factors(
+    t: Target, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's ``ParamWrapper.get_delta_factors``: ``(lhs, rhs)`` whose per-expert product is
+    the delta of ``t``'s weight. A's rows are expert-major (``experts x r``), B's columns
+    rank-major (``r x experts``), as peft reshapes them; the same views, so the same bits."""
+    a3 = a.reshape(t.experts, -1, a.shape[-1])  # (experts, r, in)
+    b3 = b.reshape(b.shape[0], -1, t.experts).permute(2, 0, 1)  # (experts, out, r)
+    lhs, rhs = (a3.transpose(-2, -1), b3.transpose(-2, -1)) if t.transposed else (b3, a3)
+    return lhs.to(dtype), rhs.to(dtype)
+
+
+def expert_delta(t: Target, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """peft's ``ParamWrapper.get_delta_weight`` (what its merge adds to the parameter)."""
+    a3 = a.reshape(t.experts, -1, a.shape[-1])
+    b3 = b.reshape(b.shape[0], -1, t.experts)
+    return torch.einsum("o r e, e r i -> e i o" if t.transposed else "o r e, e r i -> e o i", b3, a3) * scaling
+
+
 class _Pair(nn.Module):
-    """One adapter, as peft's ``LoraLayer`` holds it: ``lora_A`` (r x in), ``lora_B`` (out x r)."""
+    """One adapter, as peft's ``LoraLayer`` holds it: ``lora_A`` (r x in), ``lora_B`` (out x r);
+    on an expert stack, r x experts where r is (``ParamWrapper``: no dropout)."""
 
     def __init__(self, t: Target, r: int, dropout: float) -> None:
         super().__init__()
-        self.lora_A = nn.Linear(t.in_features, r, bias=False)
-        self.lora_B = nn.Linear(r, t.out_features, bias=False)
-        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(t.in_features, r * t.experts, bias=False)
+        self.lora_B = nn.Linear(r * t.experts, t.out_features, bias=False)
+        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 and t.param is None else nn.Identity()
 
 
 class LoRA(nn.Module):
@@ -99,7 +190,7 @@ class LoRA(nn.Module):
     def __init__(self, model: LayeredModel, cfg: AdapterConfig, *, seed: int, device: torch.device | str) -> None:
         super().__init__()
         self.cfg = cfg
-        self.targets = find_targets(model, cfg.target)
+        self.targets = find_targets(model, cfg.target, cfg.target_parameters)
         too_big = [t.name for t in self.targets if cfg.rank > min(t.in_features, t.out_features)]
         if too_big:
             t = next(t for t in self.targets if t.name == too_big[0])
@@ -113,12 +204,24 @@ class LoRA(nn.Module):
         self.reset(seed)
         self.to(device)
         self.scaling = cfg.scaling
-        self._hooks = [t.module.register_forward_hook(self._hook(p)) for t, p in zip(self.targets, self.adapters)]
+        pairs = list(zip(self.targets, self.adapters))
+        self._hooks = [t.module.register_forward_hook(self._hook(p)) for t, p in pairs if t.param is None]
+        stacks: dict[int, list[tuple[Target, _Pair]]] = {}  # per experts module, its adapted parameters
+        for t, p in pairs:
+            if t.param is not None:
+                stacks.setdefault(id(t.module), []).append((t, p))
+        for group in stacks.values():
+            self._hooks += self._swap_hooks(group)
 
     @property
     def kinds(self) -> list[str]:
         """The targeted layers' last names (peft's ``target_modules``), sorted."""
-        return sorted({t.name.rsplit(".", 1)[-1] for t in self.targets})
+        return sorted({t.name.rsplit(".", 1)[-1] for t in self.targets if t.param is None})
+
+    @property
+    def stacks(self) -> list[str]:
+        """The targeted 3-D parameters' names, sorted."""
+        return sorted({t.param for t in self.targets if t.param is not None})
 
     def reset(self, seed: int) -> None:
         """peft's initialisation from ``seed``: A Kaiming-uniform (a = sqrt(5)), B zero."""
@@ -165,10 +268,44 @@ class LoRA(nn.Module):
 
         return hook
 
+    def _swap_hooks(self, group: list[tuple[Target, _Pair]]) -> list[Any]:
+        """The hooks that give one experts module its adapted weights for a forward: the pre-hook
+        puts ``W + scaling x lhs @ rhs`` (peft's ``_LoraFactorsProxy``: one ``baddbmm``, autocast
+        off, in W's dtype) in the module's parameter table; the forward hook, always called,
+        puts the frozen Parameters back, the objects the parameter store binds (only their
+        ``.data`` changes from unit to unit)."""
+        module = group[0][0].module
+        held: list[list[torch.Tensor]] = []  # the Parameters out of the table, per forward running
+
+        names = [t.param for t, _ in group if t.param is not None]
+
+        def pre(mod: nn.Module, args: tuple) -> None:
+            frozen = []
+            for name, (t, pair) in zip(names, group):
+                w = mod._parameters[name]
+                assert w is not None
+                lhs, rhs = expert_factors(t, pair.lora_A.weight, pair.lora_B.weight, w.dtype)
+                with torch.autocast(device_type=w.device.type, enabled=False):
+                    # a plain tensor in the table for this call: the experts' forward reads it by
+                    # attribute (``self.gate_up_proj``) as it would peft's parametrized weight
+                    mod._parameters[name] = torch.baddbmm(w, lhs, rhs, alpha=self.scaling)  # type: ignore[assignment]
+                frozen.append(w)
+            held.append(frozen)
+
+        def post(mod: nn.Module, args: tuple, out: Any) -> None:
+            for name, w in zip(names, held.pop()):
+                mod._parameters[name] = w  # type: ignore[assignment]
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
+
     def describe(self) -> str:
         n = sum(w.numel() for w in self.params())
+        layers = sum(t.param is None for t in self.targets)
+        on = [f"{layers} layers ({', '.join(self.kinds)})"] if layers else []
+        if len(self.targets) > layers:
+            on.append(f"{len(self.targets) - layers} expert stacks ({', '.join(self.stacks)})")
         return (
             f"LoRA rank {self.cfg.rank}, alpha {self.cfg.alpha:g}, dropout {self.cfg.dropout:g} on "
-            f"{len(self.targets)} layers ({', '.join(self.kinds)}): {n:,} trainable parameters, "
+            f"{' and '.join(on)}: {n:,} trainable parameters, "
             f"{4 * n / 2**20:.1f} MiB of weights (x4 with gradients and AdamW moments), on the compute device"
         )

@@ -5,6 +5,12 @@ keys are ``base_model.model.<module path in the transformers model>.lora_A.weigh
 ``lora_B``), without the adapter's name: what ``PeftModel.from_pretrained`` loads onto the
 original base model. The built-in ``gpt`` model has no transformers class: its module paths are
 tiertrain's own, for ``peft.inject_adapter_in_model`` on it.
+
+An adapter on an experts' 3-D parameter (``target_parameters``) is peft's ``ParamWrapper``,
+which takes the experts module's place; a second adapted parameter of the same module wraps the
+first wrapper, and so on, in the module's parameter order. So the keys name the module, not the
+parameter: Mixtral's ``mlp.experts.lora_A.weight`` is ``down_proj``'s (the outer wrapper) and
+``mlp.experts.base_layer.lora_A.weight`` is ``gate_up_proj``'s.
 """
 
 from __future__ import annotations
@@ -26,12 +32,23 @@ PEFT_CONFIG = "adapter_config.json"
 
 
 def module_names(model: LayeredModel, lora: LoRA) -> dict[str, str]:
-    """Our target names -> the module's path in the transformers model (the built-in model:
-    its own path), found by module identity."""
+    """Our target names -> the path of peft's module holding the adapter in the transformers
+    model (the built-in model: its own path), found by module identity; for an experts'
+    parameter, the module's path and a ``.base_layer`` per adapted parameter after it (peft's
+    nested wrappers)."""
     if model.hf_model is None:
-        return {t.name: t.name for t in lora.targets}
-    by_id = {id(m): n for n, m in model.hf_model.named_modules()}
-    return {t.name: by_id[id(t.module)] for t in lora.targets}
+        by_id = {id(t.module): t.name.rsplit(".", 1)[0] for t in lora.targets if t.param is not None}
+    else:
+        by_id = {id(m): n for n, m in model.hf_model.named_modules()}
+    out = {}
+    for t in lora.targets:
+        if t.param is None:
+            out[t.name] = by_id[id(t.module)] if model.hf_model is not None else t.name
+            continue
+        later = [u for u in lora.targets if u.module is t.module and u.param is not None]
+        depth = len(later) - 1 - later.index(t)  # the first adapted parameter is the innermost wrapper
+        out[t.name] = by_id[id(t.module)] + ".base_layer" * depth
+    return out
 
 
 def peft_state(model: LayeredModel, lora: LoRA) -> dict[str, torch.Tensor]:
@@ -51,7 +68,7 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
 
     os.makedirs(out_dir, exist_ok=True)
     cfg = lora.cfg
-    fan_in_fan_out = any(type(t.module).__name__ == "Conv1D" for t in lora.targets)
+    fan_in_fan_out = any(type(t.module).__name__ == "Conv1D" for t in lora.targets if t.param is None)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if model.hf_model is not None else None,
@@ -60,6 +77,7 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
         "target_modules": lora.kinds,
+        "target_parameters": sorted(cfg.target_parameters) or None,
         "fan_in_fan_out": fan_in_fan_out,
         "bias": "none",
         "use_rslora": False,
@@ -92,7 +110,7 @@ def read_peft_config(directory: str) -> AdapterConfig:
         raise ConfigError(f"adapter.init_from = {directory!r}: target_modules {targets!r} (a pattern) is not supported")
     return AdapterConfig(
         kind="lora", rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
-        target=sorted(targets), init_from=directory,
+        target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []), init_from=directory,
     )  # fmt: skip
 
 
@@ -104,13 +122,16 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
     theirs, ours, kinds = read_peft_config(directory), lora.cfg, lora.kinds
     diff = [
         f"{k} {a!r} (here {b!r})"
-        for k, a, b in (("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha), ("target", theirs.target, kinds))
+        for k, a, b in (
+            ("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha), ("target", theirs.target, kinds),
+            ("target_parameters", theirs.target_parameters, sorted(ours.target_parameters)),
+        )
         if a != b
     ]  # fmt: skip
     if diff:
         raise ConfigError(
-            f"adapter.init_from = {directory!r} was made with {', '.join(diff)}: set adapter.rank, adapter.alpha and "
-            "adapter.target as it has them"
+            f"adapter.init_from = {directory!r} was made with {', '.join(diff)}: set adapter.rank, adapter.alpha, "
+            "adapter.target and adapter.target_parameters as it has them"
         )
     path = os.path.join(directory, PEFT_WEIGHTS)
     if not os.path.exists(path):
@@ -128,7 +149,7 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
     with torch.no_grad():
         for t, p in zip(lora.targets, lora.adapters):
             for ab, w in (("lora_A", p.lora_A.weight), ("lora_B", p.lora_B.weight)):
-                key = f"base_model.model.{names[t.name]}.{ab}.weight"
+                key = f"base_model.model.{names[t.name]}.{ab}.weight"  # peft_state's names
                 if tuple(have[key].shape) != tuple(w.shape):
                     raise ConfigError(
                         f"adapter.init_from = {directory!r}: {key} has shape {tuple(have[key].shape)}, this run's "

@@ -21,7 +21,8 @@ from .lora import LoRA
 __all__ = ["AdapterUpdate", "ADAPTER_FILE", "same_adapter_config"]
 
 ADAPTER_FILE = "adapter.safetensors"
-_KEYS = ("kind", "rank", "alpha", "dropout", "target")  # what must match on resume
+_KEYS = ("kind", "rank", "alpha", "dropout", "target", "target_parameters")  # what must match on resume
+_SINCE = {"target_parameters": []}  # keys checkpoints written before them lack: their value then
 
 
 def same_adapter_config(ours: dict, theirs: dict | None, where: str) -> None:
@@ -30,7 +31,7 @@ def same_adapter_config(ours: dict, theirs: dict | None, where: str) -> None:
 
     def norm(d: dict | None) -> dict:
         d = d or {}
-        return {k: d.get(k) for k in _KEYS} if d.get("kind", "none") != "none" else {"kind": "none"}
+        return {k: d.get(k, _SINCE.get(k)) for k in _KEYS} if d.get("kind", "none") != "none" else {"kind": "none"}
 
     a, b = norm(theirs), norm(ours)
     diff = [k for k in _KEYS if a.get(k) != b.get(k)]
@@ -113,4 +114,7 @@ class AdapterUpdate:
 
 def _section(cfg: Config) -> dict:
     a = cfg.adapter
-    return {"kind": a.kind, "rank": a.rank, "alpha": a.alpha, "dropout": a.dropout, "target": list(a.target)}
+    return {
+        "kind": a.kind, "rank": a.rank, "alpha": a.alpha, "dropout": a.dropout, "target": list(a.target),
+        "target_parameters": list(a.target_parameters),
+    }  # fmt: skip

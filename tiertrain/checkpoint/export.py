@@ -171,12 +171,18 @@ def _write_adapter(path: str, man: Manifest, out: str, adapters) -> None:
 
 
 def _merged(adapters) -> dict[str, torch.Tensor]:
-    """Per target weight name, the delta peft's merge adds: ``transpose(B @ A, fan_in_fan_out) * scaling``."""
+    """Per target weight name, the delta peft's merge adds: ``transpose(B @ A, fan_in_fan_out) * scaling``
+    (an experts' parameter: its ``ParamWrapper``'s, per expert)."""
     if adapters is None:
         return {}
+    from ..adapters.lora import expert_delta
+
     _, lora, _ = adapters
     out = {}
     for t, p in zip(lora.targets, lora.adapters):
+        if t.param is not None:
+            out[t.name] = expert_delta(t, p.lora_A.weight, p.lora_B.weight, lora.scaling)
+            continue
         delta = p.lora_B.weight @ p.lora_A.weight
         if type(t.module).__name__ == "Conv1D":
             delta = delta.T

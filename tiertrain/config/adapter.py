@@ -29,14 +29,22 @@ class AdapterConfig(Section):
         None,
         "Modules that get adapters, by their last name as peft spells them (Llama: q_proj, k_proj, v_proj, "
         "o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; the built-in gpt: qkv, proj, fc, "
-        "out). Empty: every linear layer of the blocks.",
+        "out). Empty: every linear layer of the blocks (none where adapter.target_parameters is set, as in peft).",
+        factory=list,
+    )
+    target_parameters: list[str] = opt(
+        None,
+        "The experts' 3-D parameters that get adapters, as peft's target_parameters names them: a parameter's "
+        "name or a dotted tail of its path (Mixtral, Qwen-MoE, OLMoE, gpt-oss, DeepSeek-V3: gate_up_proj, "
+        "down_proj; or mlp.experts.down_proj). One adapter per parameter, rank r per expert; no dropout (peft "
+        "refuses it there).",
         factory=list,
     )
     init_from: str | None = opt(
         None,
         "A peft adapter directory (adapter_model.safetensors, adapter_config.json) to start from instead of "
-        "the seeded initialisation (or, in eval and generate, to apply); adapter.rank, alpha and target must be "
-        "its own (a difference is named).",
+        "the seeded initialisation (or, in eval and generate, to apply); adapter.rank, alpha, target and "
+        "target_parameters must be its own (a difference is named).",
     )
 
     def __post_init__(self) -> None:
@@ -53,6 +61,20 @@ class AdapterConfig(Section):
         bad = [t for t in self.target if not isinstance(t, str) or not t or not t.replace("_", "").isalnum()]
         if bad:
             self._fail("target", f"{bad!r} are not module names (letters, digits and '_', such as 'q_proj')")
+        if isinstance(self.target_parameters, str):
+            self.target_parameters = [self.target_parameters]
+        bad = [t for t in self.target_parameters if not isinstance(t, str) or not _dotted(t)]
+        if bad:
+            self._fail(
+                "target_parameters",
+                f"{bad!r} are not parameter names (letters, digits and '_', dotted, such as 'mlp.experts.down_proj')",
+            )
+        if self.target_parameters and self.dropout > 0:  # peft's ParamWrapper refuses it as well
+            self._fail(
+                "dropout",
+                "must be 0 with adapter.target_parameters: an expert's input cannot be dropped out apart from its "
+                "weight's delta (peft refuses lora_dropout there too)",
+            )
 
     @property
     def on(self) -> bool:
@@ -61,3 +83,7 @@ class AdapterConfig(Section):
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+def _dotted(name: str) -> bool:
+    return all(part and part.replace("_", "").isalnum() for part in name.split("."))
