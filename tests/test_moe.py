@@ -287,3 +287,25 @@ def test_bf16_with_fp32_master_within_a_stated_tolerance(tmp_path, family):
     for name, w in weights.items():
         theirs, start = ref_weights[names[name]].float(), init[names[name]].float()
         assert (w.float() - theirs).norm() <= 0.3 * (theirs - start).norm(), name
+
+
+def test_the_compute_probe_times_a_few_of_many_expert_blocks(tmp_path):
+    """The cost model's probe runs 4 of a model's blocks and the head: with the auxiliary loss
+    on, the head asked for the router logits of blocks the probe never ran (a RuntimeError in
+    every plan that measured the machine, on a 6-layer Mixtral here as on the benchmark's 8);
+    the probe leaves the auxiliary loss out and puts the model's back."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.cost.probe import probe_compute
+    from tiertrain.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    config = _config("mixtral")
+    config.num_hidden_layers = 6
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with Trainer(_moe_config(tmp_path, str(tmp_path / "m"))) as tr:
+        routers = tr.model.routers
+        assert routers is not None and len(routers.blocks) == 6
+        out = probe_compute(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
+        assert out["head_s"] > 0 and out["block_bwd_s"] > 0
+        assert tr.model.routers is routers
