@@ -309,3 +309,22 @@ def test_the_compute_probe_times_a_few_of_many_expert_blocks(tmp_path):
         out = probe_compute(tr.cfg, tr.model, tr.layout, tr.dev, tr.dtype, tr.rt.hidden_size)
         assert out["head_s"] > 0 and out["block_bwd_s"] > 0
         assert tr.model.routers is routers
+
+
+def test_the_router_logits_kept_for_the_auxiliary_loss_are_in_the_budget(tmp_path):
+    """Every routed block's logits for every micro-batch wait in memory from the forward to the
+    head: blocks x M x tokens x experts x 4 bytes among the fixed pools (none without the loss)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.cost.budget import fixed_pools
+    from tiertrain.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=3)
+    with Trainer(cfg) as tr:
+        d = cfg.data
+        want = 2 * 3 * d.micro_batch_size * d.seq_len * 4 * 4  # 2 blocks, M = 3, 4 experts, fp32
+        assert fixed_pools(tr.cfg, tr.rt)["router logits"] == want
+        tr.model.routers = None
+        assert "router logits" not in fixed_pools(tr.cfg, tr.rt)

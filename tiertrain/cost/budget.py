@@ -281,8 +281,21 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     if record_bytes:
         out["activation records"] = m.act_buffers * record_bytes
+    if router_logits_bytes(cfg, rt) and not rt.dev.separate:
+        out["router logits"] = router_logits_bytes(cfg, rt)
     out["working set"] = working_set(cfg, rt, act_bytes)
     return out
+
+
+def router_logits_bytes(cfg: Config, rt) -> int:
+    """A mixture of experts' router logits, kept from the forward to the head for the auxiliary
+    loss (``models/routers.py``): every routed block's for every micro-batch, ``tokens x
+    experts`` each, at most fp32 (device memory where it is separate). 0 without the loss."""
+    routers = getattr(rt.model, "routers", None)
+    if routers is None:
+        return 0
+    d = cfg.data
+    return len(routers.blocks) * d.micro_batches * d.micro_batch_size * d.seq_len * routers.experts * 4
 
 
 def _update_path(cfg: Config):
@@ -559,5 +572,6 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
         (m.device_slots + GradStore.buffers_for(rt.layout)) * unit
         + 2 * act
         + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype))
+        + router_logits_bytes(cfg, rt)
     )
     return max(0, min(need, budget - fixed))
