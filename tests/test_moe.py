@@ -328,3 +328,30 @@ def test_the_router_logits_kept_for_the_auxiliary_loss_are_in_the_budget(tmp_pat
         assert fixed_pools(tr.cfg, tr.rt)["router logits"] == want
         tr.model.routers = None
         assert "router logits" not in fixed_pools(tr.cfg, tr.rt)
+
+
+def test_resume_with_the_auxiliary_loss_is_bit_identical(tmp_path):
+    """4 steps straight against 2, a checkpoint, a fresh trainer resuming, 2 more: the routers keep
+    nothing across steps (their logits are a step's), so the losses and weights are the same."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("olmoe")).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path / "a", str(tmp_path / "m"), micro_batches=2, steps=4)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().extra["losses"] for _ in range(4)]
+        want = tr.weights()
+    cfg = _moe_config(tmp_path / "b", str(tmp_path / "m"), micro_batches=2, steps=4)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        first = [tr.train_step().extra["losses"] for _ in range(2)]
+        saved = tr.save_checkpoint()
+    with Trainer(cfg) as tr:
+        tr.restore(saved.path)
+        rest = [tr.train_step().extra["losses"] for _ in range(2)]
+        got = tr.weights()
+    assert first + rest == straight
+    assert all(torch.equal(got[k], want[k]) for k in want)
