@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from ..models import model_name
 from .model import Prediction
 
 __all__ = ["plan_report", "advice"]
@@ -104,7 +105,7 @@ def path_name(mode: str, eager: bool, speculative: bool) -> str:
 def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     t, r = pred.traffic, pred.rates
     lines = [
-        f"model: {cfg.model.kind}, {rt.dtype}, {rt.layout.describe()}",
+        f"model: {model_name(rt.model, cfg.model)}, {rt.dtype}, {rt.layout.describe()}",
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
         f" update path {path_name(cfg.update.mode, cfg.update.eager, cfg.update.speculate == 'on')}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
         "",

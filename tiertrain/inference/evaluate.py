@@ -27,7 +27,7 @@ import torch
 from ..config import Config, ConfigError
 from ..data import EvalSet
 from ..execute.executor import LayerMajorExecutor
-from ..models import WeightSource, vocab_size_of
+from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
 from .validation import validation_loss
 
@@ -78,7 +78,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
     try:
         store = rt.bind_params(source)
         executor = LayerMajorExecutor(rt.model, store, None, None, rt.dev)
-        log.info("model: %s %s, %s; %s", cfg.model.kind, rt.dtype, rt.layout.describe(), rt.weights.describe)
+        log.info(
+            "model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), rt.weights.describe
+        )
         t0 = time.perf_counter()
         with torch.no_grad():
             loss = validation_loss(evalset, executor, cfg.data.micro_batches)

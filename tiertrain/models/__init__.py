@@ -32,6 +32,7 @@ __all__ = [
     "random_source",
     "safetensors_source",
     "vocab_size_of",
+    "model_name",
     "tensor_source",
     "auto_pieces",
 ]
@@ -182,6 +183,16 @@ def auto_pieces(model: LayeredModel) -> int | None:
     vocab, dim = getattr(model.embed, model.embed.TOKENS).weight.shape
     rows = rows_per_piece(None, vocab, dim, _block_numel(model))
     return None if rows >= vocab else -(-vocab // rows)
+
+
+def model_name(model: LayeredModel, cfg: ModelConfig) -> str:
+    """What the log lines call the model: its family and architecture for a Hugging Face model
+    (``Qwen3-MoE (Qwen3MoeForCausalLM)``), else ``model.kind``."""
+    if model.hf_model is None:
+        return cfg.kind
+    family = FAMILIES.get(model.hf_config.model_type)
+    name = family.name if family is not None else model.hf_config.model_type
+    return f"{name} ({type(model.hf_model).__name__})"
 
 
 def vocab_size_of(model: LayeredModel, cfg) -> int:

@@ -48,7 +48,7 @@ from ..execute.loss import LossScale
 from ..inference.validation import validation_loss
 from ..io import aligned_empty
 from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
-from ..models import WeightSource, vocab_size_of
+from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
@@ -126,7 +126,13 @@ class Trainer:
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
-            log.info("model: %s %s, %s; %s", cfg.model.kind, self.dtype, self.layout.describe(), self.source.describe)
+            log.info(
+                "model: %s %s, %s; %s",
+                model_name(self.model, cfg.model),
+                self.dtype,
+                self.layout.describe(),
+                self.source.describe,
+            )
             if self.rt.adapters is not None:
                 log.info("adapters: %s; the base frozen (read, never written)", self.rt.adapters.describe())
             elif self.rt.frozen:
