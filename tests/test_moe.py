@@ -355,3 +355,50 @@ def test_resume_with_the_auxiliary_loss_is_bit_identical(tmp_path):
         got = tr.weights()
     assert first + rest == straight
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_experts_tensors_missing_from_the_checkpoint_are_named_before_any_work(tmp_path):
+    """A partial download: expert 2's down projection (w2) of layer 1 left out of the safetensors file.
+    Refused when the model is built (the conversion run on the keys' shapes alone), naming the
+    parameter, the number of tensors found and the shape expected, not at that unit's first read."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.config import ConfigError
+    from tiertrain.models import build_model
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"]  # Mixtral's own layout: w2 is down
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConfigError) as e:
+        build_model(_moe_config(tmp_path, str(tmp_path / "m")).model, param_dtype=torch.float32, seed=0)
+    msg = str(e.value)
+    assert "weight 'model.layers.1.mlp.experts.down_proj' is made from 3 checkpoint tensors" in msg, msg
+    assert "into shape (3, 64, 128), the model expects (4, 64, 128)" in msg and "missing" in msg, msg
+
+
+def test_the_model_line_says_whether_the_auxiliary_loss_is_in_the_loss(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.models import build_model, model_name
+
+    def line(family, **change):
+        config = _config(family)
+        for k, v in change.items():
+            setattr(config, k, v)
+        d = tmp_path / f"{family}-{len(change)}"
+        AutoModelForCausalLM.from_config(config).save_pretrained(d)
+        cfg = _moe_config(tmp_path, str(d))
+        return model_name(build_model(cfg.model, param_dtype=torch.float32, seed=0)[0], cfg.model)
+
+    assert line("mixtral") == (
+        "Mixtral (MixtralForCausalLM; 4 experts, 2 a token; the routers' auxiliary loss is in the loss "
+        "(router_aux_loss_coef 0.3))"
+    )
+    assert "no auxiliary loss: config.json's output_router_logits is false" in line(
+        "mixtral", output_router_logits=False
+    )
+    assert line("deepseek_v3").endswith("4 experts, 2 a token; this family's forward adds no auxiliary loss)")

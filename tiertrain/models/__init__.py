@@ -22,6 +22,7 @@ from .families import FAMILIES, supported_names
 from .gpt import build_gpt
 from .hf import hf_layout_problem, hf_problem, layer_hf
 from .pieces import cut_vocab, rows_per_piece
+from .routers import describe_experts
 
 __all__ = [
     "LayeredModel",
@@ -187,12 +188,14 @@ def auto_pieces(model: LayeredModel) -> int | None:
 
 def model_name(model: LayeredModel, cfg: ModelConfig) -> str:
     """What the log lines call the model: its family and architecture for a Hugging Face model
-    (``Qwen3-MoE (Qwen3MoeForCausalLM)``), else ``model.kind``."""
+    (``Qwen3-MoE (Qwen3MoeForCausalLM; 128 experts, 8 a token, ...)``: a mixture of experts says
+    whether the auxiliary loss is in the loss), else ``model.kind``."""
     if model.hf_model is None:
         return cfg.kind
     family = FAMILIES.get(model.hf_config.model_type)
     name = family.name if family is not None else model.hf_config.model_type
-    return f"{name} ({type(model.hf_model).__name__})"
+    experts = describe_experts(model.hf_model, model.routers)
+    return f"{name} ({type(model.hf_model).__name__}{'; ' + experts if experts else ''})"
 
 
 def vocab_size_of(model: LayeredModel, cfg) -> int:
@@ -317,6 +320,8 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
                     f"{what} = {directory!r}: weight {key!r} has shape {shapes[key]}, the model expects "
                     f"{shape}; the weights are of another model"
                 )
+            if src.converter is not None:
+                _check_converted(model, hf_names.get(name, name), src, shapes, shape, f"{what} = {directory!r}")
 
     def read(key: str, rows: slice | None = None) -> torch.Tensor:
         try:
@@ -348,6 +353,23 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
         return out
 
     return WeightSource(f"safetensors from {directory}", load)
+
+
+def _check_converted(
+    model: LayeredModel, target: str, src: Sources, shapes: dict[str, tuple[int, ...]], want: tuple, where: str
+) -> None:
+    """Before any work: the shape a converted parameter would have, from its checkpoint keys'
+    shapes (the conversion run on meta tensors: no data read), is the model's; else the keys
+    are named (an expert's tensors missing from a partial download, say)."""
+    got = tuple(convert(model.hf_model, target, src, lambda k: torch.empty(shapes[k], device="meta")).shape)
+    if got == want:
+        return
+    patterns = sorted({pattern for _, pattern in src.keys})
+    raise ConfigError(
+        f"{where}: weight {target!r} is made from {len(src.keys)} checkpoint tensors ({', '.join(patterns)}) into "
+        f"shape {got}, the model expects {want}; some of them are missing from the safetensors files (an "
+        "expert's?) or the weights are of another model: copy the checkpoint again"
+    )
 
 
 def tensor_source(model: LayeredModel, state: dict[str, torch.Tensor], describe: str = "given tensors") -> WeightSource:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["RouterLoss", "router_loss"]
+__all__ = ["RouterLoss", "router_loss", "describe_experts"]
 
 
 class RouterLoss:
@@ -118,3 +118,23 @@ def router_loss(hf: Any, layers: list[nn.Module]) -> RouterLoss | None:
     if fn is None or rec is None or not hasattr(hf, "router_aux_loss_coef"):
         return None
     return RouterLoss(hf, layers, rec.target_class, rec.index, fn)
+
+
+def describe_experts(hf: Any, routers: RouterLoss | None) -> str:
+    """A mixture of experts for the model line ('' for a dense model): experts, how many a token
+    reaches, and whether the auxiliary loss is in the training loss, and why."""
+    c = hf.config
+    experts = next(
+        (getattr(c, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(c, k, None)), 0
+    )
+    if not experts:
+        return ""
+    head = f"{experts} experts, {getattr(c, 'num_experts_per_tok', '?')} a token"
+    if routers is not None:
+        return f"{head}; the routers' auxiliary loss is in the loss (router_aux_loss_coef {routers.coef:g})"
+    if getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None) is None:
+        return f"{head}; this family's forward adds no auxiliary loss"
+    return (
+        f"{head}; no auxiliary loss: config.json's output_router_logits is false (as transformers computes it; "
+        "set it true there to train with it)"
+    )
