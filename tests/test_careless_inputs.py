@@ -200,24 +200,19 @@ def test_plot_and_bench_io_refuse_a_bad_output_or_path_in_one_line(tmp_path, cap
     assert f"the directory of bench io --out = '{ro}' is on a read-only filesystem" in line, line
 
 
-@pytest.mark.parametrize("family", ["starcoder2", "granitemoeshared"])
+@pytest.mark.parametrize("family", ["gpt_neox", "granitemoeshared"])
 def test_a_model_tiertrain_does_not_run_is_refused_at_start_in_one_line(tmp_path, capsys, family):
-    """Starcoder 2 has the decoder layout but its forward drops out the embeddings outside any
-    module (a family not checked: refused, not silently computed without it); Granite-MoE with
-    shared experts is a mixture of experts not checked (they were refused as "weight ... is missing", a wrong diagnosis)."""
+    """GPT-NeoX, a family not checked (its forward may compute outside its layers: refused, not
+    silently computed without it); Granite-MoE with shared experts, a mixture of experts not
+    checked (mixtures of experts were refused as "weight ... is missing", a wrong diagnosis)."""
     import torch
-    from transformers import (
-        GraniteMoeSharedConfig,
-        GraniteMoeSharedForCausalLM,
-        Starcoder2Config,
-        Starcoder2ForCausalLM,
-    )
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM
 
     sizes = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     made = {
-        "starcoder2": lambda: Starcoder2ForCausalLM(Starcoder2Config(**sizes, **ids, num_key_value_heads=1)),
+        "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**sizes, **ids)),
         "granitemoeshared": lambda: GraniteMoeSharedForCausalLM(
             GraniteMoeSharedConfig(**sizes, **ids, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
         ),
@@ -225,15 +220,15 @@ def test_a_model_tiertrain_does_not_run_is_refused_at_start_in_one_line(tmp_path
     made.save_pretrained(tmp_path / "m")
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--model.hf_dir={tmp_path / 'm'}")], 2)
     arch = {
-        "starcoder2": "Starcoder2ForCausalLM ('starcoder2')",
+        "gpt_neox": "GPTNeoXForCausalLM ('gpt_neox')",
         "granitemoeshared": "GraniteMoeSharedForCausalLM ('granitemoeshared')",
     }
-    why = {"starcoder2": "a family tiertrain has not been checked on", "granitemoeshared": "a mixture of experts"}[
-        family
-    ]
+    why = {"gpt_neox": "a family tiertrain has not been checked on", "granitemoeshared": "a mixture of experts"}[family]
     assert f"model.hf_dir = '{tmp_path / 'm'}': {arch[family]} is not a model tiertrain runs ({why}" in line, line
     assert (
-        "supported: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma, Gemma 2, Gemma 3, Phi, Granite, Mixtral, "
+        "supported: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma, Gemma 2, Gemma 3, Phi, Granite, StableLM, "
+        "OLMo, EXAONE 4, Helium, SmolLM3, GLM, GLM-4, Nemotron, Hunyuan, ERNIE 4.5, Starcoder 2, Arcee, Apertus, "
+        "Ministral, Command R, Command R7B, Seed-OSS, Mixtral, "
         "Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3, DeepSeek-V2, GLM-4.5, dots.llm1, FlexOlmo, Phi-MoE, "
         "Granite-MoE, Llama 4 (text) and GPT-2" in line
     )

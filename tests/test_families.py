@@ -42,6 +42,12 @@ COMMON = dict(
 def _config(family: str):
     import transformers as t
 
+    if family in MORE:
+        config = t.AutoConfig.for_model(family, **COMMON, **MORE[family])
+        if "head_dim" in config.to_dict():
+            config.head_dim = 16
+        return config
+
     w = dict(sliding_window=WINDOW)
     return {
         "llama": lambda: t.LlamaConfig(**COMMON),
@@ -64,7 +70,14 @@ def _config(family: str):
     }[family]()
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi", "granite"]
+# the Llama layout with their own layers, each with what its config asks beyond the defaults
+MORE = {"stablelm": {}, "olmo": {}, "exaone4": dict(sliding_window=WINDOW), "helium": {}, "smollm3": {}, "glm": {},
+        "glm4": {}, "nemotron": {}, "hunyuan_v1_dense": {}, "ernie4_5": {}, "arcee": {}, "apertus": {},
+        "starcoder2": dict(embedding_dropout=0.0, residual_dropout=0.0, sliding_window=WINDOW),
+        "ministral": dict(sliding_window=WINDOW), "cohere": dict(logit_scale=0.5),
+        "cohere2": dict(logit_scale=0.5, sliding_window=WINDOW), "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0)}  # fmt: skip
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi", "granite",
+            *MORE]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -202,3 +215,24 @@ def test_a_sliding_layers_cache_holds_its_window_alone_spilled_or_not(tmp_path, 
     assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=(), device=AsyncCpuDevice()) == want
     spilled = made[-1]
     assert spilled.spilled_bytes == held.host_bytes and spilled.written_bytes > 0
+
+
+def test_starcoder2s_embedding_dropout_is_its_forwards(tmp_path):
+    """Starcoder 2's forward drops out the embeddings with a function, outside any module: the
+    units apply it as that forward does (at one micro-batch plain PyTorch draws its masks in the
+    layer-major order too: tests/test_offload.py), bit for bit; without it the losses differ."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.models import families
+
+    config = _config("starcoder2")
+    config.embedding_dropout = 0.3
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    cfg = _family_config(tmp_path / "a", str(tmp_path / "m"), micro_batches=1, steps=2)
+    assert_parity(cfg)
+    plain = families.Family("Starcoder 2")  # the quirk left out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(families.FAMILIES, "starcoder2", plain)
+        with pytest.raises(AssertionError):
+            assert_parity(_family_config(tmp_path / "b", str(tmp_path / "m"), micro_batches=1, steps=2))

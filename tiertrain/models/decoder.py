@@ -39,7 +39,8 @@ def layer_types(config: Any) -> list[str]:
 class DecoderEmbed(nn.Module):
     """The token embedding, then the family's embedding quirks: a scale its embedding module
     applies (Gemma; applied here only when the vocabulary is cut into pieces, which replace
-    that module), a multiplier (Granite), a dropout (Phi). All affine in the token embeddings."""
+    that module), a multiplier (Granite), a dropout (Phi's module, Starcoder 2's function). All
+    affine in the token embeddings."""
 
     TOKENS = "embed_tokens"
 
@@ -47,6 +48,7 @@ class DecoderEmbed(nn.Module):
         super().__init__()
         self.embed_tokens = hf.model.embed_tokens
         self.drop = getattr(hf.model, family.embed_dropout) if family.embed_dropout else None
+        self._drop_p = getattr(hf.config, family.embed_dropout_p) if family.embed_dropout_p else None
         object.__setattr__(self, "_scale", getattr(self.embed_tokens, "embed_scale", None))
         self._multiplier = getattr(hf.config, family.embed_multiplier) if family.embed_multiplier else None
 
@@ -58,6 +60,8 @@ class DecoderEmbed(nn.Module):
             tokens = tokens * self._scale.to(tokens.dtype)
         if self._multiplier is not None:
             tokens = tokens * self._multiplier
+        if self._drop_p is not None:  # a functional dropout in the model's forward (Starcoder 2)
+            tokens = nn.functional.dropout(tokens, p=self._drop_p, training=self.training)
         return self.drop(tokens) if self.drop is not None else tokens
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -117,15 +121,18 @@ class CausalLMHead(nn.Module):
         self.vocab_size = hf.config.vocab_size
         config, f = hf.config, family or Family("")
         self._divisor = getattr(config, f.logits_divisor) if f.logits_divisor else None
+        self._logit_scale = getattr(config, f.logits_multiplier) if f.logits_multiplier else None
         self._cap = getattr(config, f.logit_softcap, None) if f.logit_softcap else None
 
     def hidden(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """What the family's forward does to the output projection's logits: divided by
-        ``logits_scaling`` (Granite), soft-capped ``tanh(x / c) * c`` (Gemma 2 and 3), in the
-        model's order of operations."""
+        """What the family's forward does to the output projection's logits: multiplied by
+        ``logit_scale`` (Cohere), divided by ``logits_scaling`` (Granite), soft-capped ``tanh(x /
+        c) * c`` (Gemma 2 and 3), in the model's order of operations."""
+        if self._logit_scale is not None:
+            logits = logits * self._logit_scale
         if self._divisor is not None:
             logits = logits / self._divisor
         if self._cap is not None:

@@ -6,9 +6,11 @@ What a family's own ``forward`` computes outside those modules is its quirks, na
 that the units compute them exactly as the model does (``decoder.py``):
 
 - ``final_norm``: the final norm's attribute (``norm``; Phi: ``final_layernorm``);
-- ``embed_dropout``: a dropout applied to the embeddings before the first layer (Phi);
+- ``embed_dropout``: a dropout module applied to the embeddings before the first layer (Phi);
+  ``embed_dropout_p``: the config field of a functional one (Starcoder 2's ``embedding_dropout``);
 - ``embed_multiplier`` / ``logits_divisor``: config fields the embeddings are multiplied and
-  the logits divided by (Granite);
+  the logits divided by (Granite); ``logits_multiplier``: the logits multiplied by (Cohere's
+  ``logit_scale``);
 - ``logit_softcap``: the config field of the final logits' soft cap, ``tanh(x / c) * c``
   (Gemma 2 and 3);
 - ``attention``: the attention implementation transformers requires for the family (Gemma 2:
@@ -38,6 +40,8 @@ class Family:
     embed_dropout: str | None = None
     embed_multiplier: str | None = None
     logits_divisor: str | None = None
+    logits_multiplier: str | None = None
+    embed_dropout_p: str | None = None
     logit_softcap: str | None = None
     attention: str = "sdpa"
 
@@ -54,6 +58,25 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma 3", logit_softcap="final_logit_softcapping"),
     "phi": Family("Phi", final_norm="final_layernorm", embed_dropout="embed_dropout"),
     "granite": Family("Granite", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
+    # the Llama layout, each family's own layers (norms, biases, partial or no rotary, sliding
+    # layers from the config) called whole: nothing in their forward outside them but what is here
+    "stablelm": Family("StableLM"),
+    "olmo": Family("OLMo"),
+    "exaone4": Family("EXAONE 4"),
+    "helium": Family("Helium"),
+    "smollm3": Family("SmolLM3"),
+    "glm": Family("GLM"),
+    "glm4": Family("GLM-4"),
+    "nemotron": Family("Nemotron"),
+    "hunyuan_v1_dense": Family("Hunyuan"),
+    "ernie4_5": Family("ERNIE 4.5"),
+    "starcoder2": Family("Starcoder 2", embed_dropout_p="embedding_dropout"),
+    "arcee": Family("Arcee"),
+    "apertus": Family("Apertus"),
+    "ministral": Family("Ministral"),
+    "cohere": Family("Command R", logits_multiplier="logit_scale"),
+    "cohere2": Family("Command R7B", logits_multiplier="logit_scale"),
+    "seed_oss": Family("Seed-OSS"),
     # mixtures of experts: routers, experts (3-D parameters, converted from per-expert checkpoints,
     # ``convert.py``), shared experts, all inside the layer; the auxiliary loss: ``routers.py``
     "mixtral": Family("Mixtral"),
