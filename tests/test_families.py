@@ -75,7 +75,10 @@ MORE = {"stablelm": {}, "olmo": {}, "exaone4": dict(sliding_window=WINDOW), "hel
         "glm4": {}, "nemotron": {}, "hunyuan_v1_dense": {}, "ernie4_5": {}, "arcee": {}, "apertus": {},
         "starcoder2": dict(embedding_dropout=0.0, residual_dropout=0.0, sliding_window=WINDOW),
         "ministral": dict(sliding_window=WINDOW), "cohere": dict(logit_scale=0.5),
-        "cohere2": dict(logit_scale=0.5, sliding_window=WINDOW), "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0)}  # fmt: skip
+        "cohere2": dict(logit_scale=0.5, sliding_window=WINDOW), "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
+        "olmo3": {}, "ministral3": dict(sliding_window=WINDOW), "apertus1p5_text": {}, "bitnet": {}, "cwm": {},
+        "diffllama": {}, "exaone": {}, "internlm3": {}, "iquestcoder": {}, "jais2": {},
+        "hyperclovax": dict(embedding_multiplier=2.0, logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.2)}  # fmt: skip
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi", "granite",
             *MORE]  # fmt: skip
 

@@ -65,6 +65,21 @@ def _config(family: str):
             attention_multiplier=0.2,
             **AUX,
         ),  # fmt: skip
+        # routers in its attention (mixture of attention heads) and its MLP: two a layer; aux_loss_coef
+        "jetmoe": lambda: t.JetMoeConfig(
+            **{
+                k: v
+                for k, v in COMMON.items()
+                if k not in ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+            },
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_key_value_heads=2,
+            kv_channels=16,
+            intermediate_size=128,
+            output_router_logits=True,
+            aux_loss_coef=0.3,
+        ),  # fmt: skip
         # four layers: three chunked (8-token chunks) with rotary, the fourth full without
         "llama4_text": lambda: t.Llama4TextConfig(
             **{**COMMON, "num_hidden_layers": 4},
@@ -79,7 +94,7 @@ def _config(family: str):
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
-            "flex_olmo", "phimoe", "granitemoe", "llama4_text"]  # fmt: skip
+            "flex_olmo", "phimoe", "granitemoe", "llama4_text", "jetmoe"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -114,7 +129,7 @@ def test_the_checkpoint_is_read_as_from_pretrained_converts_it(tmp_path, moe_dir
     family, path, loaded = moe_dir
     with safe_open(f"{path}/model.safetensors", "pt") as f:
         on_disk = set(f.keys())
-    if family not in ("gpt_oss", "granitemoe", "llama4_text"):  # those keep 3-D experts on disk too
+    if family not in ("gpt_oss", "granitemoe", "llama4_text", "jetmoe"):  # those keep 3-D experts on disk too
         assert any(".experts.0." in k for k in on_disk) and not any(k.endswith("experts.gate_up_proj") for k in on_disk)
     model, source = build_model(_moe_config(tmp_path, path).model, param_dtype=torch.float32, seed=0)
     want, names = loaded.state_dict(), _hf_names(model)

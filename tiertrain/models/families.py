@@ -77,6 +77,18 @@ FAMILIES: dict[str, Family] = {
     "cohere": Family("Command R", logits_multiplier="logit_scale"),
     "cohere2": Family("Command R7B", logits_multiplier="logit_scale"),
     "seed_oss": Family("Seed-OSS"),
+    "olmo3": Family("OLMo 3"),
+    "ministral3": Family("Ministral 3"),
+    "apertus1p5_text": Family("Apertus 1.5"),
+    "bitnet": Family("BitNet"),
+    "cwm": Family("CWM"),
+    "diffllama": Family("DiffLlama"),
+    "exaone": Family("EXAONE"),
+    "internlm3": Family("InternLM3"),
+    "iquestcoder": Family("IQuest-Coder"),
+    "jais2": Family("Jais 2"),
+    # MuP: embeddings times embedding_multiplier, logits *times* logits_scaling (Granite divides)
+    "hyperclovax": Family("HyperCLOVA X", embed_multiplier="embedding_multiplier", logits_multiplier="logits_scaling"),
     # mixtures of experts: routers, experts (3-D parameters, converted from per-expert checkpoints,
     # ``convert.py``), shared experts, all inside the layer; the auxiliary loss: ``routers.py``
     "mixtral": Family("Mixtral"),
@@ -92,6 +104,7 @@ FAMILIES: dict[str, Family] = {
     "phimoe": Family("Phi-MoE"),  # its router and input jitter draw random numbers in training, as dropout
     "granitemoe": Family("Granite-MoE", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
     "llama4_text": Family("Llama 4 (text)"),  # chunked attention; no rotary on every fourth layer
+    "jetmoe": Family("JetMoE"),
 }
 
 # Mixtures of experts not checked yet

@@ -33,31 +33,37 @@ __all__ = ["RouterLoss", "router_loss", "describe_experts"]
 
 
 class RouterLoss:
-    """The auxiliary loss of a mixture-of-experts model whose config asks for it (``router_loss``)."""
+    """The auxiliary loss of a mixture-of-experts model whose config asks for it (``router_loss``).
+    A layer may have several routers (JetMoE: its attention's and its MLP's): their logits are
+    kept per (block, micro-batch, call), in the order the layer calls them, which is the order
+    transformers records them in."""
 
-    def __init__(self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any) -> None:
-        self.coef = hf.router_aux_loss_coef
+    def __init__(self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any, coef: float) -> None:
+        self.coef = coef
         self.experts, self.top_k = hf.num_experts, hf.num_experts_per_tok
         self._fn, self._index = fn, index
         self._key: tuple[int, int] | None = None  # (block, micro-batch) of the forward running
+        self._calls = 0  # routers the running forward has called
         self._record = False
-        self._logits: dict[tuple[int, int], torch.Tensor] = {}
-        self._grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._logits: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._leaves: dict[tuple[int, int, int], torch.Tensor] = {}
         self.blocks = []
         for b, layer in enumerate(layers):
             routers = [m for m in layer.modules() if isinstance(m, router_class)]
-            if len(routers) > 1:
-                raise ValueError(f"layer {b} has {len(routers)} routers ({router_class.__name__}): expected one")
+            for r in routers:
+                r.register_forward_hook(lambda mod, args, out, b=b: self._seen(b, out))
             if routers:
-                routers[0].register_forward_hook(lambda mod, args, out, b=b: self._seen(b, out))
                 self.blocks.append(b)
 
     @contextlib.contextmanager
     def at(self, block: int, micro_batch: int, *, record: bool = True) -> Iterator[None]:
         """Around a block's forward for a micro-batch: its router logits are kept (``record``;
         a recompute in the backward keeps none: the loss was made from the first) and their
-        gradient hook placed."""
-        self._key, self._record = (block, micro_batch), record
+        gradient hooks placed."""
+        self._key, self._record, self._calls = (block, micro_batch), record, 0
+        if record:
+            self._logits[block, micro_batch] = []
         try:
             yield
         finally:
@@ -67,13 +73,14 @@ class RouterLoss:
         if self._key is None:  # generation, or a forward outside the schedule: no loss to feed
             return
         logits = out[self._index]
-        key = (block, self._key[1])
+        key = (block, self._key[1], self._calls)
+        self._calls += 1
         if self._record:
-            self._logits[key] = logits.detach()
+            self._logits[block, self._key[1]].append(logits.detach())
         if logits.requires_grad:
             logits.register_hook(lambda g, key=key: self._add(key, g))
 
-    def _add(self, key: tuple[int, int], grad: torch.Tensor) -> torch.Tensor:
+    def _add(self, key: tuple[int, int, int], grad: torch.Tensor) -> torch.Tensor:
         extra = self._grads.pop(key, None)
         return grad if extra is None else grad + extra
 
@@ -81,18 +88,21 @@ class RouterLoss:
         """``loss`` plus the auxiliary loss of ``micro_batch``'s router logits, as the model's
         forward adds it. ``backward``: their leaves take gradients (``collect`` after the
         backward); else the logits are dropped now (an evaluation)."""
-        keys = [(b, micro_batch) for b in self.blocks]
-        missing = [k for k in keys if k not in self._logits]
+        missing = [b for b in self.blocks if not self._logits.get((b, micro_batch))]
         if missing:
-            raise RuntimeError(f"router logits of blocks {[k[0] for k in missing]} were not kept in the forward")
-        leaves = tuple(self._logits.pop(k).requires_grad_(backward) for k in keys)
+            raise RuntimeError(f"router logits of blocks {missing} were not kept in the forward")
+        keys, leaves = [], []
+        for b in self.blocks:
+            for i, t in enumerate(self._logits.pop((b, micro_batch))):
+                keys.append((b, micro_batch, i))
+                leaves.append(t.requires_grad_(backward))
         if backward:
             self._leaves = dict(zip(keys, leaves))
-        aux = self._fn(leaves, self.experts, self.top_k, None)
+        aux = self._fn(tuple(leaves), self.experts, self.top_k, None)
         return loss + self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
 
     def collect(self) -> None:
-        """After the head's backward of a micro-batch: each layer's share of the gradient,
+        """After the head's backward of a micro-batch: each router's share of the gradient,
         for its block's backward."""
         for key, leaf in self._leaves.items():
             if leaf.grad is not None:
@@ -115,9 +125,11 @@ def router_loss(hf: Any, layers: list[nn.Module]) -> RouterLoss | None:
     fn = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
     recorders = getattr(type(hf.model), "_can_record_outputs", None) or {}
     rec = recorders.get("router_logits")
-    if fn is None or rec is None or not hasattr(hf, "router_aux_loss_coef"):
+    # the coefficient as the model's forward reads it (JetMoE: aux_loss_coef)
+    coef = next((getattr(hf, k) for k in ("router_aux_loss_coef", "aux_loss_coef") if hasattr(hf, k)), None)
+    if fn is None or rec is None or coef is None:
         return None
-    return RouterLoss(hf, layers, rec.target_class, rec.index, fn)
+    return RouterLoss(hf, layers, rec.target_class, rec.index, fn, coef)
 
 
 def describe_experts(hf: Any, routers: RouterLoss | None) -> str:
