@@ -49,6 +49,13 @@ def _config(family: str):
         "deepseek_v3": lambda: t.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **ds, **mla),
         "deepseek_v2": lambda: t.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, **ds, **mla),
         "glm4_moe": lambda: t.Glm4MoeConfig(**COMMON, **ds, head_dim=16),
+        # DeepSeek's latent attention and routing, its dense layers by mlp_layer_types
+        "glm4_moe_lite": lambda: t.Glm4MoeLiteConfig(
+            **{**COMMON, "num_key_value_heads": 4},
+            **{k: v for k, v in ds.items() if k != "first_k_dense_replace"},
+            mlp_layer_types=["dense", "sparse"],
+            **mla,
+        ),  # fmt: skip
         "dots1": lambda: t.Dots1Config(**COMMON, **ds, head_dim=16),
         "flex_olmo": lambda: t.FlexOlmoConfig(**COMMON, num_experts=4, num_experts_per_tok=2, **AUX),
         # no jitter: it draws random numbers in training, in another order over micro-batches (as dropout)
@@ -94,7 +101,7 @@ def _config(family: str):
 
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
-            "flex_olmo", "phimoe", "granitemoe", "llama4_text", "jetmoe"]  # fmt: skip
+            "flex_olmo", "phimoe", "granitemoe", "llama4_text", "jetmoe", "glm4_moe_lite"]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -151,7 +158,7 @@ def test_training_with_the_auxiliary_loss_is_plain_pytorch_bit_for_bit(tmp_path,
     tr, losses = assert_parity(_moe_config(tmp_path, path, micro_batches=2, steps=3, clip=0.5, **kw))
     assert tr.model.hf_config.model_type == family and len(losses) == 3
     # the DeepSeek routing (and Llama 4) has no auxiliary loss in transformers' forward
-    no_aux = ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "llama4_text")
+    no_aux = ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "llama4_text", "glm4_moe_lite")
     assert (tr.model.routers is not None) == (family not in no_aux)
     if activations == "keep":
         assert tr.executor.kept_pairs > 0

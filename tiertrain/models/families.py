@@ -99,6 +99,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("DeepSeek-V3"),  # multi-head latent attention; shared experts; no auxiliary loss
     "deepseek_v2": Family("DeepSeek-V2"),
     "glm4_moe": Family("GLM-4.5"),  # DeepSeek-V3's routing, full attention, partial rotary
+    "glm4_moe_lite": Family("GLM-4-MoE-Lite"),  # DeepSeek-V3's latent attention and routing
     "dots1": Family("dots.llm1"),
     "flex_olmo": Family("FlexOlmo"),
     "phimoe": Family("Phi-MoE"),  # its router and input jitter draw random numbers in training, as dropout
