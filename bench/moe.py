@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps (the first is warm-up)")
     ap.add_argument("--fraction", type=float, default=5.0, help="tiertrain's memory.host_mib = plain's peak RSS / this")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument(
+        "--io-mib", type=int, default=1024, help="MiB the disk's bandwidth is measured with (for the floor)"
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

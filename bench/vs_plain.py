@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="any other config field for both systems (repeatable)",
     )
+    ap.add_argument(
+        "--io-mib", type=int, default=1024, help="MiB the disk's bandwidth is measured with (for the floor)"
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -254,7 +257,8 @@ def run(args, scratch: str) -> str:
             *([f"--memory.host_mib={host_mib}"] if host_mib else []),
         ],
     )
-    io = run_io_bench([f"{scratch}/ssd"], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
+    io_mib = getattr(args, "io_mib", 1024)
+    io = run_io_bench([f"{scratch}/ssd"], size_bytes=io_mib << 20, repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read"), io.median("ours", "write")
     steady = slice(1, None)
     med = lambda xs: statistics.median(xs[steady])  # noqa: E731

@@ -12,7 +12,7 @@ source "$(dirname "$0")/lib.sh" "$@"
 if [ "$dry" = 1 ]; then
   step "bench/moe.py on CPU, Qwen3-MoE of 2 layers of 128, 4 experts, the default budget (dry run)" 0 200 \
     "$PY" bench/moe.py --shape layers=2,hidden=128,heads=4,kv_heads=2,experts=4,top_k=2,moe_ff=64,vocab=1000 \
-    --seq-len 32 --micro-batches 2 --steps 2 --fraction 0 --scratch "$nvme/moe" --out "$out/stage10-moe-bench.md"
+    --seq-len 32 --micro-batches 2 --steps 2 --fraction 0 --io-mib 64 --scratch "$nvme/moe" --out "$out/stage10-moe-bench.md"
 else
   step "Qwen3-MoE 1.8 B (32 experts, top-4, auxiliary loss), bf16 on CUDA, 2/3 of plain's host memory, vs plain PyTorch in device memory (bench/moe.py)" \
     1 520 "$PY" bench/moe.py --shape layers=8,hidden=2048,heads=16,kv_heads=4,experts=32,top_k=4,moe_ff=1024,vocab=32000 \
