@@ -43,7 +43,7 @@ def _config(family: str):
     import transformers as t
 
     if family in MORE:
-        config = t.AutoConfig.for_model(family, **COMMON, **MORE[family])
+        config = t.AutoConfig.for_model(family, **{**COMMON, **MORE[family]})
         if "head_dim" in config.to_dict():
             config.head_dim = 16
         return config
@@ -78,7 +78,9 @@ MORE = {"stablelm": {}, "olmo": {}, "exaone4": dict(sliding_window=WINDOW), "hel
         "cohere2": dict(logit_scale=0.5, sliding_window=WINDOW), "seed_oss": dict(residual_dropout=0.0, attention_dropout=0.0),
         "olmo3": {}, "ministral3": dict(sliding_window=WINDOW), "apertus1p5_text": {}, "bitnet": {}, "cwm": {},
         "diffllama": {}, "exaone": {}, "internlm3": {}, "iquestcoder": {}, "jais2": {},
-        "hyperclovax": dict(embedding_multiplier=2.0, logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.2)}  # fmt: skip
+        "hyperclovax": dict(embedding_multiplier=2.0, logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.2),
+        # latent attention (as many key/value heads as heads), embeddings and final hidden states scaled
+        "minicpm3": dict(num_key_value_heads=4, scale_emb=2.0, dim_model_base=16, scale_depth=1.4)}  # fmt: skip
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi", "granite",
             *MORE]  # fmt: skip
 

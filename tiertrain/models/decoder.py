@@ -122,10 +122,13 @@ class CausalLMHead(nn.Module):
         config, f = hf.config, family or Family("")
         self._divisor = getattr(config, f.logits_divisor) if f.logits_divisor else None
         self._logit_scale = getattr(config, f.logits_multiplier) if f.logits_multiplier else None
+        self._hidden_divisor = getattr(config, f.hidden_divisor) if f.hidden_divisor else None
         self._cap = getattr(config, f.logit_softcap, None) if f.logit_softcap else None
 
     def hidden(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+        """The final norm's output, as the output projection takes it (MiniCPM3 divides it first)."""
+        h = self.norm(h)
+        return h / self._hidden_divisor if self._hidden_divisor is not None else h
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What the family's forward does to the output projection's logits: multiplied by

@@ -10,7 +10,8 @@ that the units compute them exactly as the model does (``decoder.py``):
   ``embed_dropout_p``: the config field of a functional one (Starcoder 2's ``embedding_dropout``);
 - ``embed_multiplier`` / ``logits_divisor``: config fields the embeddings are multiplied and
   the logits divided by (Granite); ``logits_multiplier``: the logits multiplied by (Cohere's
-  ``logit_scale``);
+  ``logit_scale``); ``hidden_divisor``: the final norm's output divided by it before the output
+  projection (MiniCPM3's ``logits_scaling``);
 - ``logit_softcap``: the config field of the final logits' soft cap, ``tanh(x / c) * c``
   (Gemma 2 and 3);
 - ``attention``: the attention implementation transformers requires for the family (Gemma 2:
@@ -41,6 +42,7 @@ class Family:
     embed_multiplier: str | None = None
     logits_divisor: str | None = None
     logits_multiplier: str | None = None
+    hidden_divisor: str | None = None
     embed_dropout_p: str | None = None
     logit_softcap: str | None = None
     attention: str = "sdpa"
@@ -87,6 +89,8 @@ FAMILIES: dict[str, Family] = {
     "internlm3": Family("InternLM3"),
     "iquestcoder": Family("IQuest-Coder"),
     "jais2": Family("Jais 2"),
+    # its embedding module scales by scale_emb (as Gemma's); residual branches scaled in its layers
+    "minicpm3": Family("MiniCPM3", hidden_divisor="logits_scaling"),
     # MuP: embeddings times embedding_multiplier, logits *times* logits_scaling (Granite divides)
     "hyperclovax": Family("HyperCLOVA X", embed_multiplier="embedding_multiplier", logits_multiplier="logits_scaling"),
     # mixtures of experts: routers, experts (3-D parameters, converted from per-expert checkpoints,
