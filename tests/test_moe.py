@@ -58,7 +58,7 @@ def _config(family: str):
         ),  # fmt: skip
         "dots1": lambda: t.Dots1Config(**COMMON, **ds, head_dim=16),
         "flex_olmo": lambda: t.FlexOlmoConfig(**COMMON, num_experts=4, num_experts_per_tok=2, **AUX),
-        # no jitter: it draws random numbers in training, in another order over micro-batches (as dropout)
+        # no input jitter (random in training, as dropout); no router jitter: with the loss on it is refused
         "phimoe": lambda: t.PhimoeConfig(
             **COMMON, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, input_jitter_noise=0.0, **AUX
         ),
@@ -424,3 +424,52 @@ def test_the_model_line_says_whether_the_auxiliary_loss_is_in_the_loss(tmp_path)
         "mixtral", output_router_logits=False
     )
     assert line("deepseek_v3").endswith("4 experts, 2 a token; this family's forward adds no auxiliary loss)")
+
+
+def test_validation_on_masked_targets_adds_the_mean_auxiliary_loss(tmp_path, monkeypatch):
+    """Chat examples (masked targets): the micro-batches' losses are summed (the mean over the
+    scored tokens), so each adds its share of the auxiliary loss's mean, not the whole of it
+    (which grew the figure with the evaluation set's size): transformers' cross-entropy over the
+    scored tokens plus the coefficient times the mean auxiliary loss."""
+    from test_finetune_data import _finetune_cfg, _finetune_data
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.evaluate import evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "m")
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama")
+    cfg.model.hf_dir, cfg.data.packing, cfg.data.micro_batch_size = str(tmp_path / "m"), False, 1
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches = chat, 0
+    res = evaluate(cfg)
+    es = EvalSet(cfg.data)
+    scored, coef = es.total_scored(), AUX["router_aux_loss_coef"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ce, aux = 0.0, []
+    with torch.no_grad():
+        for x, y in es.micro_batches():
+            out = hf(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=scored)
+            ce, aux = ce + float(out.loss - coef * out.aux_loss), aux + [float(out.aux_loss)]
+    assert len(aux) >= 2 and scored
+    assert res.loss == pytest.approx(ce + coef * sum(aux) / len(aux), rel=1e-6, abs=0)
+
+
+def test_phi_moes_router_jitter_with_the_auxiliary_loss_is_refused_in_one_line(tmp_path):
+    """Phi-MoE's sparsemixer uses the router logits beyond the routing when router_jitter_noise > 0:
+    the auxiliary loss's gradient would be summed in another order than plain PyTorch's (2e-10
+    seen). Refused when the model is built, naming the field and the two ways out."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.config import ConfigError
+    from tiertrain.models import build_model
+
+    config = _config("phimoe")
+    config.router_jitter_noise = 0.01
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError) as e:
+        build_model(_moe_config(tmp_path, str(tmp_path / "m")).model, param_dtype=torch.float32, seed=0)
+    assert "router_jitter_noise = 0.01 makes its auxiliary loss's gradient sum in another order" in str(e.value)
+    assert "set router_jitter_noise to 0 or output_router_logits to false in config.json" in str(e.value)

@@ -275,26 +275,24 @@ class LoRA(nn.Module):
         puts the frozen Parameters back, the objects the parameter store binds (only their
         ``.data`` changes from unit to unit)."""
         module = group[0][0].module
-        held: list[list[torch.Tensor]] = []  # the Parameters out of the table, per forward running
-
         names = [t.param for t, _ in group if t.param is not None]
+        # the frozen Parameters, taken from the table once: the store rebinds their .data, never the
+        # objects. A forward's weights come from them, whatever an earlier forward that failed left
+        frozen = {name: module._parameters[name] for name in names}
 
         def pre(mod: nn.Module, args: tuple) -> None:
-            frozen = []
-            for name, (t, pair) in zip(names, group):
-                w = mod._parameters[name]
-                assert w is not None
+            adapted = {}
+            for name, (t, pair) in zip(names, group):  # all made before any is put in: an error leaves none
+                w = frozen[name]
                 lhs, rhs = expert_factors(t, pair.lora_A.weight, pair.lora_B.weight, w.dtype)
                 with torch.autocast(device_type=w.device.type, enabled=False):
-                    # a plain tensor in the table for this call: the experts' forward reads it by
-                    # attribute (``self.gate_up_proj``) as it would peft's parametrized weight
-                    mod._parameters[name] = torch.baddbmm(w, lhs, rhs, alpha=self.scaling)  # type: ignore[assignment]
-                frozen.append(w)
-            held.append(frozen)
+                    adapted[name] = torch.baddbmm(w, lhs, rhs, alpha=self.scaling)
+            # plain tensors in the table for this call: the experts' forward reads them by attribute
+            # (``self.gate_up_proj``) as it would peft's parametrized weight
+            mod._parameters.update(adapted)  # type: ignore[arg-type]
 
         def post(mod: nn.Module, args: tuple, out: Any) -> None:
-            for name, w in zip(names, held.pop()):
-                mod._parameters[name] = w  # type: ignore[assignment]
+            mod._parameters.update(frozen)  # idempotent: also after a forward that failed
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
 

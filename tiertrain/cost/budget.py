@@ -289,13 +289,13 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
 
 def router_logits_bytes(cfg: Config, rt) -> int:
     """A mixture of experts' router logits, kept from the forward to the head for the auxiliary
-    loss (``models/routers.py``): every routed block's for every micro-batch, ``tokens x
-    experts`` each, at most fp32 (device memory where it is separate). 0 without the loss."""
+    loss (``models/routers.py``): every router's for every micro-batch, ``tokens x experts``
+    each, at most fp32 (device memory where it is separate). 0 without the loss."""
     routers = getattr(rt.model, "routers", None)
     if routers is None:
         return 0
     d = cfg.data
-    return len(routers.blocks) * d.micro_batches * d.micro_batch_size * d.seq_len * routers.experts * 4
+    return routers.count * d.micro_batches * d.micro_batch_size * d.seq_len * routers.experts * 4
 
 
 def _update_path(cfg: Config):

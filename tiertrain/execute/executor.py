@@ -127,6 +127,7 @@ class LayerMajorExecutor(VocabSteps):
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
         self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
+        self.aux_weight = 1.0  # an evaluation's share of the auxiliary loss per micro-batch (``evaluate``)
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -150,9 +151,11 @@ class LayerMajorExecutor(VocabSteps):
             return block(x, positions)
 
     def _with_aux(self, loss: torch.Tensor, m: int, *, backward: bool) -> torch.Tensor:
-        """A micro-batch's loss with the routers' auxiliary loss added where the model has one."""
+        """A micro-batch's loss with the routers' auxiliary loss added where the model has one
+        (in an evaluation, ``aux_weight`` times it)."""
         routers = self.model.routers
-        return loss if routers is None else routers.add(loss, m, backward=backward)
+        weight = 1.0 if backward else self.aux_weight
+        return loss if routers is None else routers.add(loss, m, backward=backward, weight=weight)
 
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -272,11 +275,14 @@ class LayerMajorExecutor(VocabSteps):
         step_tokens: list[torch.Tensor] | None = None,
         scored: int | None = None,
         positions: list[torch.Tensor] | None = None,
+        aux_weight: float = 1.0,
     ) -> list[float]:
         """The loss of every micro-batch of ``batches`` with the current parameters: a step's
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
-        ``scored``, ``positions``: as ``step``'s."""
+        ``scored``, ``positions``: as ``step``'s; ``aux_weight``: what a mixture of experts'
+        auxiliary loss is multiplied by in each micro-batch's loss (``validation_loss``)."""
+        self.aux_weight = aux_weight
         mbs = self._micro_batches(batches, positions)
         self.scale = LossScale(len(batches), scored=scored)
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])

@@ -6,7 +6,10 @@ just taken (a load waits for a unit's update where it still runs).
 The loss is the mean over the micro-batches of their mean cross-entropy (every micro-batch has
 ``micro_batch_size x seq_len`` targets: the mean over tokens); for examples (masked targets) the
 sum of every micro-batch's summed cross-entropy over all their scored targets: the mean over
-the scored tokens. With ranks every rank takes its
+the scored tokens. A mixture of experts' auxiliary loss (where the config asks for it) is each
+micro-batch's, as the model's forward adds it; with masked targets, whose micro-batch losses are
+summed, each adds its share of the mean over the micro-batches (else the figure would grow with
+the evaluation set). With ranks every rank takes its
 share of the micro-batches (``EvalSet``) and the sum is taken in rank order: the same value on
 every rank.
 """
@@ -31,10 +34,11 @@ def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) 
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
     scored, positions = evalset.total_scored(world), evalset.positions(rank, world)
     total = 0.0
+    aux_weight = 1.0 / (len(mine) * world) if scored else 1.0  # summed losses: the auxiliary loss's mean
     for i in range(0, len(mine), micro_batches):
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
         pos = positions[i : i + micro_batches] if positions is not None else None
-        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos))
+        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos, aux_weight))
     total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point (ranks)
     return LossScale(len(mine), world, scored).mean(total)

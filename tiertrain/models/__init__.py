@@ -7,6 +7,7 @@ directory of safetensors files read one unit at a time. Nothing is ever download
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -323,33 +324,44 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
             if src.converter is not None:
                 _check_converted(model, hf_names.get(name, name), src, shapes, shape, f"{what} = {directory!r}")
 
-    def read(key: str, rows: slice | None = None) -> torch.Tensor:
-        try:
-            with safe_open(where[key], "pt") as f:
+    def reader(files: contextlib.ExitStack) -> Callable[..., torch.Tensor]:
+        """``read(key, rows=None)``, each file opened once within ``files`` (an expert stack is
+        hundreds of keys of one file: opening it per key parsed its header each time)."""
+        opened: dict[str, Any] = {}
+
+        def read(key: str, rows: slice | None = None) -> torch.Tensor:
+            try:
+                if where[key] not in opened:
+                    opened[where[key]] = files.enter_context(safe_open(where[key], "pt"))
+                f = opened[where[key]]
                 return f.get_slice(key)[rows] if rows is not None else f.get_tensor(key)
-        except (SafetensorError, OSError) as exc:
-            raise ConfigError(
-                f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
-                "the file is damaged: copy it again"
-            ) from None
+            except (SafetensorError, OSError) as exc:
+                raise ConfigError(
+                    f"{what} = {directory!r}: reading {key!r} from {where[key]} failed ({exc}); "
+                    "the file is damaged: copy it again"
+                ) from None
+
+        return read
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
-        for name in names:
-            rp = model.row_pieces.get(name)
-            src = locate(rp.whole if rp else name)
-            if rp:
-                out[name] = read(src.keys[0][0], slice(rp.start, rp.stop))
-                continue
-            value = convert(model.hf_model, hf_names.get(name, name), src, read)
-            expected = shape_of[name]
-            if tuple(value.shape) != expected:
-                raise ConfigError(
-                    f"{what} = {directory!r}: weight {hf_names.get(name, name)!r} made from "
-                    f"{len(src.keys)} checkpoint tensors has shape {tuple(value.shape)}, the model expects "
-                    f"{expected}; the weights are of another model"
-                )
-            out[name] = value
+        with contextlib.ExitStack() as files:
+            read = reader(files)
+            for name in names:
+                rp = model.row_pieces.get(name)
+                src = locate(rp.whole if rp else name)
+                if rp:
+                    out[name] = read(src.keys[0][0], slice(rp.start, rp.stop))
+                    continue
+                value = convert(model.hf_model, hf_names.get(name, name), src, read)
+                expected = shape_of[name]
+                if tuple(value.shape) != expected:
+                    raise ConfigError(
+                        f"{what} = {directory!r}: weight {hf_names.get(name, name)!r} made from "
+                        f"{len(src.keys)} checkpoint tensors has shape {tuple(value.shape)}, the model expects "
+                        f"{expected}; the weights are of another model"
+                    )
+                out[name] = value
         return out
 
     return WeightSource(f"safetensors from {directory}", load)
@@ -361,10 +373,20 @@ def _check_converted(
     """Before any work: the shape a converted parameter would have, from its checkpoint keys'
     shapes (the conversion run on meta tensors: no data read), is the model's; else the keys
     are named (an expert's tensors missing from a partial download, say)."""
-    got = tuple(convert(model.hf_model, target, src, lambda k: torch.empty(shapes[k], device="meta")).shape)
+    patterns = sorted({pattern for _, pattern in src.keys})
+    missing = [k for k, _ in src.keys if k not in shapes]
+    try:
+        if missing:
+            raise KeyError(missing[0])
+        got = tuple(convert(model.hf_model, target, src, lambda k: torch.empty(shapes[k], device="meta")).shape)
+    except (KeyError, RuntimeError, ValueError) as exc:  # a key the index names but its file lacks; shapes
+        # that do not stack or concatenate
+        raise ConfigError(
+            f"{where}: weight {target!r} cannot be made from its checkpoint tensors ({', '.join(patterns)}): "
+            f"{type(exc).__name__}: {one_line(exc)}; the files are incomplete or of another model: copy them again"
+        ) from None
     if got == want:
         return
-    patterns = sorted({pattern for _, pattern in src.keys})
     raise ConfigError(
         f"{where}: weight {target!r} is made from {len(src.keys)} checkpoint tensors ({', '.join(patterns)}) into "
         f"shape {got}, the model expects {want}; some of them are missing from the safetensors files (an "

@@ -15,7 +15,11 @@ that the units compute them exactly as the model does (``decoder.py``):
 - ``logit_softcap``: the config field of the final logits' soft cap, ``tanh(x / c) * c``
   (Gemma 2 and 3);
 - ``attention``: the attention implementation transformers requires for the family (Gemma 2:
-  ``eager``, its attention soft-capping has no SDPA kernel), else SDPA.
+  ``eager``, its attention soft-capping has no SDPA kernel), else SDPA;
+- ``aux_inexact_unless_zero``: a config field that must be 0 for the auxiliary loss to be exact
+  (Phi-MoE's ``router_jitter_noise``: above 0 its sparsemixer uses the router logits in more
+  places than the routing, and their gradients would be summed in another order than plain
+  PyTorch sums them; up to 2e-10 measured): refused with the loss on, not computed inexactly.
 
 Per-layer attention types (full or sliding window) and per-layer-type rotary tables are read
 from the model's config and modules (``decoder.layer_types``), not from this table. A family
@@ -46,6 +50,7 @@ class Family:
     embed_dropout_p: str | None = None
     logit_softcap: str | None = None
     attention: str = "sdpa"
+    aux_inexact_unless_zero: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -106,7 +111,8 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe_lite": Family("GLM-4-MoE-Lite"),  # DeepSeek-V3's latent attention and routing
     "dots1": Family("dots.llm1"),
     "flex_olmo": Family("FlexOlmo"),
-    "phimoe": Family("Phi-MoE"),  # its router and input jitter draw random numbers in training, as dropout
+    # its input jitter draws random numbers in training, as dropout (exact at one micro-batch)
+    "phimoe": Family("Phi-MoE", aux_inexact_unless_zero="router_jitter_noise"),
     "granitemoe": Family("Granite-MoE", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
     "llama4_text": Family("Llama 4 (text)"),  # chunked attention; no rotary on every fourth layer
     "jetmoe": Family("JetMoE"),
@@ -137,4 +143,11 @@ def unsupported_reason(config: Any) -> str:
         return "a family tiertrain has not been checked on: its forward may compute outside its layers"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention is set (an encoder's attention, not a causal LM's)"
+    field = FAMILIES[model_type].aux_inexact_unless_zero
+    if field and getattr(config, "output_router_logits", False) and getattr(config, field, 0):
+        return (
+            f"with output_router_logits on, {field} = {getattr(config, field)} makes its auxiliary loss's gradient "
+            f"sum in another order than transformers' (not bit-identical); set {field} to 0 or "
+            "output_router_logits to false in config.json"
+        )
     return ""

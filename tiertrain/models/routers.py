@@ -38,8 +38,10 @@ class RouterLoss:
     kept per (block, micro-batch, call), in the order the layer calls them, which is the order
     transformers records them in."""
 
-    def __init__(self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any, coef: float) -> None:
-        self.coef = coef
+    def __init__(
+        self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any, coef: tuple[str, float]
+    ) -> None:
+        self.coef_name, self.coef = coef  # the model's own name for it (JetMoE: aux_loss_coef)
         self.experts, self.top_k = hf.num_experts, hf.num_experts_per_tok
         self._fn, self._index = fn, index
         self._key: tuple[int, int] | None = None  # (block, micro-batch) of the forward running
@@ -49,8 +51,10 @@ class RouterLoss:
         self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
         self._leaves: dict[tuple[int, int, int], torch.Tensor] = {}
         self.blocks = []
+        self.count = 0  # routers in all: their logits are what a micro-batch keeps (JetMoE: two a block)
         for b, layer in enumerate(layers):
             routers = [m for m in layer.modules() if isinstance(m, router_class)]
+            self.count += len(routers)
             for r in routers:
                 r.register_forward_hook(lambda mod, args, out, b=b: self._seen(b, out))
             if routers:
@@ -84,10 +88,11 @@ class RouterLoss:
         extra = self._grads.pop(key, None)
         return grad if extra is None else grad + extra
 
-    def add(self, loss: torch.Tensor, micro_batch: int, *, backward: bool) -> torch.Tensor:
+    def add(self, loss: torch.Tensor, micro_batch: int, *, backward: bool, weight: float = 1.0) -> torch.Tensor:
         """``loss`` plus the auxiliary loss of ``micro_batch``'s router logits, as the model's
-        forward adds it. ``backward``: their leaves take gradients (``collect`` after the
-        backward); else the logits are dropped now (an evaluation)."""
+        forward adds it (``weight`` times that: an evaluation's share of a mean). ``backward``:
+        their leaves take gradients (``collect`` after the backward); else the logits are
+        dropped now (an evaluation)."""
         missing = [b for b in self.blocks if not self._logits.get((b, micro_batch))]
         if missing:
             raise RuntimeError(f"router logits of blocks {missing} were not kept in the forward")
@@ -99,6 +104,8 @@ class RouterLoss:
         if backward:
             self._leaves = dict(zip(keys, leaves))
         aux = self._fn(tuple(leaves), self.experts, self.top_k, None)
+        if weight != 1.0:
+            return loss + weight * (self.coef * aux.to(loss.device))
         return loss + self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
 
     def collect(self) -> None:
@@ -126,7 +133,7 @@ def router_loss(hf: Any, layers: list[nn.Module]) -> RouterLoss | None:
     recorders = getattr(type(hf.model), "_can_record_outputs", None) or {}
     rec = recorders.get("router_logits")
     # the coefficient as the model's forward reads it (JetMoE: aux_loss_coef)
-    coef = next((getattr(hf, k) for k in ("router_aux_loss_coef", "aux_loss_coef") if hasattr(hf, k)), None)
+    coef = next(((k, getattr(hf, k)) for k in ("router_aux_loss_coef", "aux_loss_coef") if hasattr(hf, k)), None)
     if fn is None or rec is None or coef is None:
         return None
     return RouterLoss(hf, layers, rec.target_class, rec.index, fn, coef)
@@ -143,9 +150,11 @@ def describe_experts(hf: Any, routers: RouterLoss | None) -> str:
         return ""
     head = f"{experts} experts, {getattr(c, 'num_experts_per_tok', '?')} a token"
     if routers is not None:
-        return f"{head}; the routers' auxiliary loss is in the loss (router_aux_loss_coef {routers.coef:g})"
+        return f"{head}; the routers' auxiliary loss is in the loss ({routers.coef_name} {routers.coef:g})"
     if getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None) is None:
         return f"{head}; this family's forward adds no auxiliary loss"
+    if getattr(c, "output_router_logits", False):
+        return f"{head}; no auxiliary loss: transformers records no router logits for it"
     return (
         f"{head}; no auxiliary loss: config.json's output_router_logits is false (as transformers computes it; "
         "set it true there to train with it)"
