@@ -100,6 +100,27 @@ def assert_lora_parity(cfg, device=None):
     return tr
 
 
+def train_then_evaluate(cfg, tmp_path):
+    """Train ``cfg`` with a validation loss at its end; ``tiertrain eval`` of its checkpoint gives
+    that loss. Returns (the checkpoint, its adapters)."""
+    from test_eval import _text
+
+    from tiertrain.config import Config
+    from tiertrain.inference.evaluate import evaluate
+    from tiertrain.inference.weights import CheckpointWeights
+    from tiertrain.training.trainer import Trainer
+
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 2, 2
+    with Trainer(cfg) as tr:
+        logged = tr.run()[-1].extra["eval_loss"]
+    ck = tr.checkpoints.root
+    with CheckpointWeights(ck) as w:
+        ecfg = Config.from_dict(w.config, environment=False)
+        ecfg.train.run_dir = str(tmp_path / "eval-run")
+        assert evaluate(ecfg, weights=w.source).loss == logged
+        return ck, w.source.adapters
+
+
 def _initial(tr, init, name):
     from test_parity import ref_name_map
 
@@ -354,27 +375,17 @@ def test_eval_and_generate_apply_the_adapters_of_a_checkpoint_or_a_peft_director
     logged validation loss (the adapters applied, not merged); ``generate`` from the checkpoint
     and from the exported peft directory on the base both give transformers' greedy tokens of
     ``PeftModel.from_pretrained`` on that base."""
-    from test_eval import _text
 
     from tiertrain.checkpoint.export import export_checkpoint
     from tiertrain.config import Config, ModelConfig
-    from tiertrain.inference.evaluate import evaluate
     from tiertrain.inference.generate import Sampling, generate
     from tiertrain.inference.weights import CheckpointWeights
-    from tiertrain.training.trainer import Trainer
 
     base_dir, base = _hf_base(tmp_path, kind)
     cfg = lora_config(tmp_path / "run", kind, steps=2)
     cfg.model = ModelConfig(hf_dir=base_dir)
     cfg.optim.lr = 2e-2  # adapters that move the tokens
-    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 2, 2
-    with Trainer(cfg) as tr:
-        logged = tr.run()[-1].extra["eval_loss"]
-    ck = tr.checkpoints.root
-    with CheckpointWeights(ck) as w:
-        ecfg = Config.from_dict(w.config, environment=False)
-        ecfg.train.run_dir = str(tmp_path / "eval-run")
-        assert evaluate(ecfg, weights=w.source).loss == logged
+    ck, _ = train_then_evaluate(cfg, tmp_path)
     out = export_checkpoint(ck, str(tmp_path / "adapter"))
     prompts = [[3, 17, 42, 9], [5, 8]]
     want = []

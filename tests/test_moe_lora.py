@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lora import assert_lora_parity
+from test_lora import assert_lora_parity, train_then_evaluate
 from test_moe import _config, _moe_config
 
 pytest.importorskip("peft")
@@ -132,7 +132,6 @@ def test_export_eval_and_generate_apply_the_experts_adapters(tmp_path):
     import json
 
     import peft
-    from test_eval import _text
     from test_generate import _hf_generate
     from test_lora import _layered
     from transformers import AutoModelForCausalLM
@@ -140,23 +139,13 @@ def test_export_eval_and_generate_apply_the_experts_adapters(tmp_path):
     from tiertrain.adapters import LoRA
     from tiertrain.checkpoint.export import export_checkpoint
     from tiertrain.config import Config
-    from tiertrain.inference.evaluate import evaluate
     from tiertrain.inference.generate import Sampling, generate
     from tiertrain.inference.weights import CheckpointWeights
-    from tiertrain.training.trainer import Trainer
 
     path = _saved(tmp_path, "mixtral")
     cfg = _lora(tmp_path / "run", path, target=("q_proj",), steps=2)
     cfg.optim.lr = 5e-2  # adapters that move the tokens
-    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 2, 2
-    with Trainer(cfg) as tr:
-        logged = tr.run()[-1].extra["eval_loss"]
-    ck = tr.checkpoints.root
-    with CheckpointWeights(ck) as w:
-        ecfg = Config.from_dict(w.config, environment=False)
-        ecfg.train.run_dir = str(tmp_path / "eval-run")
-        assert evaluate(ecfg, weights=w.source).loss == logged
-        trained = w.source.adapters
+    ck, trained = train_then_evaluate(cfg, tmp_path)
     out = export_checkpoint(ck, str(tmp_path / "adapter"))
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert conf["target_parameters"] == ["down_proj", "gate_up_proj"] and conf["target_modules"] == ["q_proj"]

@@ -106,27 +106,24 @@ def finish(name, p, pids, t0, limit=120):
 
 
 print("| fault | ended after | exit | its lines (cut at 420 characters) | ranks left |\n|---|---|---|---|---|")
-d = base / "stop0"
-p = start(d)
-wait_steps(d, 5, p)
-pids = ranks(p)
-t0 = time.monotonic()
-os.kill(pids[0], signal.SIGSTOP)
-finish("rank 0 SIGSTOPped after step 5", p, pids, t0)
-d = base / "int1"
-p = start(d, env={"TIERTRAIN_SLOW_AT": "forward:0.1"})
-wait_steps(d, 3, p)
-pids = ranks(p)
-t0 = time.monotonic()
-os.kill(pids[1], signal.SIGINT)
-finish("SIGINT to rank 1 alone", p, pids, t0)
-d = base / "term0"
-p = start(d, env={"TIERTRAIN_SLOW_AT": "forward:0.1"})
-wait_steps(d, 3, p)
-pids = ranks(p)
-t0 = time.monotonic()
-os.kill(pids[0], signal.SIGTERM)
-finish("SIGTERM to rank 0 alone", p, pids, t0)
+SLOW = {"TIERTRAIN_SLOW_AT": "forward:0.1"}
+
+
+def signal_rank(name, sub, sig, rank, after, env=None):
+    """Start a 2-rank run in ``base/sub``, send ``sig`` to rank ``rank`` after ``after`` steps,
+    and print how the run ended."""
+    d = base / sub
+    p = start(d, env=env)
+    wait_steps(d, after, p)
+    pids = ranks(p)
+    t0 = time.monotonic()
+    os.kill(pids[rank], sig)
+    finish(name, p, pids, t0)
+
+
+signal_rank("rank 0 SIGSTOPped after step 5", "stop0", signal.SIGSTOP, 0, 5)
+signal_rank("SIGINT to rank 1 alone", "int1", signal.SIGINT, 1, 3, SLOW)
+signal_rank("SIGTERM to rank 0 alone", "term0", signal.SIGTERM, 0, 3, SLOW)
 d = base / "hung1"
 p = start(d, env={"TIERTRAIN_SLOW_AT": "backward:120:25", "TIERTRAIN_SLOW_RANK": "1"})
 pids = ranks(p)
@@ -140,13 +137,7 @@ lines = " / ".join(ln[:420] for ln in err.splitlines() if ln.startswith("tiertra
 print(
     f"| rank 1 hung 120 s in step 3 (time from step 2's record) | {took:.1f} s | {p.returncode} | {lines} | {sum(map(alive, pids))} left |"
 )
-d = base / "kill0"
-p = start(d)
-wait_steps(d, 3, p)
-pids = ranks(p)
-t0 = time.monotonic()
-os.kill(pids[0], signal.SIGKILL)
-finish("rank 0 SIGKILLed", p, pids, t0)
+signal_rank("rank 0 SIGKILLed", "kill0", signal.SIGKILL, 0, 3)
 d = base / "launcher"
 p = start(d, env={"TIERTRAIN_SLOW_AT": "forward:60:45"})
 wait_steps(d, 2, p)

@@ -281,8 +281,9 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
     if record_bytes:
         out["activation records"] = m.act_buffers * record_bytes
-    if router_logits_bytes(cfg, rt) and not rt.dev.separate:
-        out["router logits"] = router_logits_bytes(cfg, rt)
+    routed = router_logits_bytes(cfg, rt)
+    if routed and not rt.dev.separate:
+        out["router logits"] = routed
     out["working set"] = working_set(cfg, rt, act_bytes)
     return out
 
