@@ -308,7 +308,7 @@ from tiertrain.device import host_rss, host_peak_rss, reset_peak_rss
 sys.path.insert(0, sys.argv[2])
 from reference import small_config
 seq = int(sys.argv[3])
-cfg = small_config(pathlib.Path(sys.argv[1]), layers=8, d=256, heads=4, micro_batches=2, steps=2, update_kib=1024,
+cfg = small_config(pathlib.Path(sys.argv[1]), layers=12, d=256, heads=4, micro_batches=2, steps=2, update_kib=1024,
                    activations="offload")
 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=seq),
                           data=dataclasses.replace(cfg.data, seq_len=seq),

@@ -110,6 +110,12 @@ class MemoryConfig(Section):
         "each step, one (block, micro-batch) ahead. None: all of it in memory; 0: all of it on the "
         "storage tier. On CUDA the memory is the device's.",
     )
+    expert_cache_mib: int | None = opt(
+        None,
+        "Eval and generation of a mixture of experts with io.weights = 'tier': host memory for the "
+        "experts the routing reaches most often, MiB, claimed at start (the others are read when "
+        "reached). None: what the host budget for weights leaves after the units kept whole; 0: none.",
+    )
     update_buffer_kib: int = opt(
         32768,
         "Size of one buffer set of the streamed update, KiB (3 sets are in flight). Left at this default, a memory.host_mib too small for the fixed pools lowers it, down to 8192, and says so.",
@@ -126,6 +132,7 @@ class MemoryConfig(Section):
             "keep_act_mib",
             "engine_read_ahead_mib",
             "offload_pairs",
+            "expert_cache_mib",
         ):
             if getattr(self, name) is not None:
                 self._at_least(name, 0)

@@ -29,6 +29,7 @@ from ..data import EvalSet
 from ..execute.executor import LayerMajorExecutor
 from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
+from .routed import weights_read
 from .validation import validation_loss
 
 __all__ = ["EvalResult", "evaluate"]
@@ -43,11 +44,15 @@ class EvalResult:
     tokens: int  # targets scored
     micro_batches: int
     seconds: float
+    read_bytes: int = 0  # the weights' bytes read (routed experts: those reached)
+    experts: str = ""  # a mixture of experts' routed reads, in words ('' without)
 
     def line(self) -> str:
         return (
             f"eval: {self.tokens:,} tokens in {self.micro_batches} micro-batches | loss {self.loss:.4f} | "
-            f"perplexity {self.perplexity:.2f} | {self.tokens / self.seconds:,.0f} tok/s"
+            f"perplexity {self.perplexity:.2f} | {self.tokens / self.seconds:,.0f} tok/s | weights "
+            f"{self.read_bytes / 1e9:.3f} GB read ({self.read_bytes / max(1, self.tokens) / 1e6:.3f} MB a token)"
+            + (f" | {self.experts}" if self.experts else "")
         )
 
 
@@ -85,8 +90,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         with torch.no_grad():
             loss = validation_loss(evalset, executor, cfg.data.micro_batches)
         seconds = time.perf_counter() - t0
+        read, experts = weights_read(store, source)
     finally:
         rt.close()
         source.close()
     tokens = evalset.total_scored() or evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
-    return EvalResult(loss, math.exp(loss) if loss < 700 else math.inf, tokens, evalset.count, seconds)
+    return EvalResult(loss, math.exp(loss) if loss < 700 else math.inf, tokens, evalset.count, seconds, read, experts)

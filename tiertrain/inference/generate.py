@@ -44,6 +44,7 @@ from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
 from ..runtime import Runtime
 from .kvcache import TieredKV
+from .routed import weights_read
 from .weights import forward_params
 
 __all__ = ["Sampling", "generate", "eos_ids"]
@@ -256,19 +257,24 @@ def generate(
         if on_tokens is not None:
             on_tokens([])  # the end: a streamed line is ended before the summary below is logged
         s = time.perf_counter() - t0
+        read, experts = weights_read(store, source)
+        made_tokens = sum(map(len, out))
         log.info(
             "generated %d tokens for %d prompts in %d steps, %.2f s (%.1f tok/s); weights: %d unit loads, "
-            "%.3f GB read, %.2f s waited; key/value cache on the storage tier: %.3f MiB read, %.3f MiB written",
-            sum(map(len, out)),
+            "%.3f GB read (%.2f MB a token), %.2f s waited; key/value cache on the storage tier: %.3f MiB read, "
+            "%.3f MiB written%s",
+            made_tokens,
             len(out),
             steps,
             s,
-            sum(map(len, out)) / s,
+            made_tokens / s,
             store.stats.fetches,
-            store.stats.fetch_bytes / 1e9,
+            read / 1e9,
+            read / max(1, made_tokens) / 1e6,
             store.stats.wait_s,
             kv.read_bytes / 2**20,
             kv.written_bytes / 2**20,
+            f"; {experts}" if experts else "",
         )
         done = True
         return out

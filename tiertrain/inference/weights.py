@@ -75,14 +75,50 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
             progress=progress,
         )
     budget, why = resident_budget(cfg, rt, other_bytes)
-    if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
-        log.info("weights in host memory: none (%s); every unit read at every pass", why)
-        return inner
     try:
-        return ResidentWeights(inner, rt.layout, budget, pin=rt.dev.pin, why=why, progress=progress)
+        if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
+            log.info("weights in host memory: none (%s); every unit read at every pass", why)
+        else:
+            inner = ResidentWeights(inner, rt.layout, budget, pin=rt.dev.pin, why=why, progress=progress)
+        return _routed(cfg, rt, inner, max(0, budget - inner.host_bytes))
     except BaseException:
         inner.close()
         raise
+
+
+def _routed(cfg, rt, inner: ParamSource, left: int) -> ParamSource:
+    """``inner`` with a mixture of experts' experts read as the routing reaches them
+    (``routed.RoutedReads``: from the converted copy only), an expert cache of
+    ``memory.expert_cache_mib`` (default: ``left``, what the weights' host budget leaves)."""
+    from .routed import ExpertCache, RoutedReads, find_experts
+
+    experts = [ex for ex in find_experts(rt.model, rt.layout) if not inner.on_host(ex.unit)]
+    if not experts:
+        return inner
+    if cfg.io.weights != "tier":
+        log.info(
+            "experts: read whole with their blocks (io.weights = %r); --io.weights=tier reads only the experts "
+            "the tokens reach",
+            cfg.io.weights,
+        )
+        return inner
+    tier = inner.inner if isinstance(inner, ResidentWeights) else inner
+    row = max(ex.row for ex in experts) * rt.dtype.itemsize
+    total = sum(ex.n for ex in experts)
+    mib = cfg.memory.expert_cache_mib
+    rows = min(total, ((mib << 20) if mib is not None else left) // row)
+    cache = ExpertCache(rows, row, pin=rt.dev.pin) if rows else None
+    log.info(
+        "experts: %d experts modules in %d units read as the routing reaches them; expert cache: %d of %d experts "
+        "(%.1f MiB, %s)",
+        len(experts),
+        len({ex.unit for ex in experts}),
+        rows,
+        total,
+        rows * row / 2**20,
+        f"memory.expert_cache_mib = {mib}" if mib is not None else "what the weights' host budget leaves",
+    )
+    return RoutedReads(inner, tier, experts, rt.dev, cache)
 
 
 def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:

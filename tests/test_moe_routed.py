@@ -1,0 +1,145 @@
+"""Routed expert reads in eval and generation (``inference/routed.py``): with the converted
+copy on the storage tier (``io.weights = tier``), a mixture of experts' block is read without its
+experts and each experts module reads the experts its tokens reach, when they reach them; the
+expert cache keeps the most reached in host memory. Outputs stay transformers' bit for bit
+(generation token for token, eval the forward loss), the rows never read hold poison on the
+simulated separate device, and the bytes the storage tier counts are the formula's."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from test_generate import _hf_generate
+from test_moe import _config, _moe_config
+
+from tiertrain.device import AsyncCpuDevice
+from tiertrain.inference import routed
+from tiertrain.inference.generate import Sampling, generate
+
+PROMPTS = [list(range(10, 30)), list(range(40, 52))]
+
+
+def _many_experts(family: str, n: int = 16):
+    c = _config(family)
+    for k in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(c, k, None):
+            setattr(c, k, n)
+    c.output_router_logits = False  # transformers' generate fails with it; not part of a forward-only run
+    return c
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def wide_moe(request, tmp_path_factory):
+    """(family, directory, transformers' model): 16 experts, 2 a token (gpt-oss: biased experts,
+    the routing by keyword; DeepSeek-V3: shared experts, grouped routing, a dense first layer)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_many_experts(request.param))
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    return request.param, str(d), AutoModelForCausalLM.from_pretrained(d).eval()
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every RoutedReads' stats and its file's read bytes, when it closes."""
+    seen = []
+    close = routed.RoutedReads.close
+
+    def record(self):
+        seen.append((self, self.tier.file.workers.stats.snapshot().read_bytes))
+        close(self)
+
+    monkeypatch.setattr(routed.RoutedReads, "close", record)
+    return seen
+
+
+def _cfg(tmp_path, path, cache_mib):
+    cfg = _moe_config(tmp_path, path)
+    cfg.data.micro_batch_size = 2
+    cfg.io.weights = "tier"
+    cfg.memory.host_param_mib = 0  # every unit read at every pass
+    cfg.memory.expert_cache_mib = cache_mib
+    return cfg
+
+
+@pytest.mark.parametrize("cache_mib", [0, 1], ids=["no-cache", "cache"])
+def test_generation_reads_the_reached_experts_only_and_is_transformers_generate(
+    tmp_path, wide_moe, reads, cache_mib, caplog
+):
+    _, path, hf = wide_moe
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        ours = generate(_cfg(tmp_path, path, cache_mib), PROMPTS, Sampling(max_new_tokens=10), eos=())
+    assert ours == _hf_generate(hf, PROMPTS, 10)
+    ((src, file_bytes),) = reads
+    s, es = src.stats, src.dtype.itemsize
+    experts = [ex for exs in src.by_unit.values() for ex in exs]
+    assert 0 < s.reached < s.of  # decoding two rows a step reaches a few of the 16 experts
+    row = experts[0].row * es
+    assert all(ex.row * es == row for ex in experts)
+    assert s.read_bytes + s.cached_bytes == s.reached * row
+    assert (s.cached_bytes > 0) == bool(cache_mib)
+    # what the storage tier counted: every unit load, less the experts left out, plus those read
+    units = sum(u.numel for u in src.layout.units) * es
+    expert_bytes = sum(r.numel for ex in experts for r in ex.records) * es
+    passes = 10  # the prefill, then one a token; the last token's pass is not run
+    assert file_bytes == passes * units - s.skipped_bytes + s.read_bytes
+    assert s.skipped_bytes == passes * expert_bytes
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("generated"))
+    assert re.search(rf"experts: {s.reached} of {s.of} reached and loaded", line)
+    assert f"{file_bytes / 1e9:.3f} GB read ({file_bytes / 20 / 1e6:.2f} MB a token)" in line
+
+
+def test_the_rows_never_read_are_never_used_on_a_separate_device(tmp_path, wide_moe, reads):
+    """The simulated separate device poisons a slot dropped: the experts not reached keep the
+    poison, the reached ones are uploaded after the unit (ordered on the streams)."""
+    _, path, hf = wide_moe
+    cfg = _cfg(tmp_path, path, 1)
+    ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=6), eos=(), device=AsyncCpuDevice(delay=0.001))
+    assert ours == _hf_generate(hf, PROMPTS, 6)
+    assert reads[0][0].stats.reached < reads[0][0].stats.of
+
+
+def test_eval_with_routed_reads_is_transformers_forward_loss(tmp_path, wide_moe, reads):
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.evaluate import evaluate
+
+    _, path, hf = wide_moe
+    text = tmp_path / "held_out.txt"
+    text.write_text("".join(f"{i} held-out words, {i * 7 % 5} of them.\n" for i in range(40)))
+    cfg = _cfg(tmp_path, path, 0)
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches = str(text), 0
+    res = evaluate(cfg)
+    with torch.no_grad():
+        want = [float(hf(input_ids=x, labels=y, shift_labels=y).loss) for x, y in EvalSet(cfg.data).micro_batches()]
+    assert res.loss == sum(want) / len(want)
+    assert res.read_bytes == reads[0][1] and "experts:" in res.experts
+    assert "MB a token" in res.line()
+
+
+def test_the_expert_cache_keeps_the_most_reached():
+    cache = routed.ExpertCache(2, 64)
+    for key, n in (("a", 3), ("b", 1), ("c", 2)):
+        for _ in range(n):
+            cache.reached(key)
+    assert cache.admit("a") is not None and cache.admit("b") is not None
+    assert cache.get("c") is None
+    cache.admit("c").fill_(7)  # reached twice, more than b: takes b's row
+    assert cache.get("b") is None and int(cache.get("c")[0]) == 7 and cache.get("a") is not None
+    cache.reached("d")
+    assert cache.admit("d") is None  # reached once, less than every expert kept
+    assert routed.ExpertCache(0, 64).admit("a") is None
+
+
+def test_source_weights_read_whole_units_and_say_how_to_route(tmp_path, wide_moe, caplog):
+    _, path, hf = wide_moe
+    cfg = _cfg(tmp_path, path, 0)
+    cfg.io.weights = "source"
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=3), eos=())
+    assert ours == _hf_generate(hf, PROMPTS, 3)
+    assert "--io.weights=tier reads only the experts the tokens reach" in caplog.text

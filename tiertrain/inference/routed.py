@@ -1,0 +1,305 @@
+"""Routed expert reads: a forward-only run reads only the experts its tokens reach.
+
+A mixture of experts' block holds every expert, but a token uses ``num_experts_per_tok`` of
+them; in eval and generation (forward only) there is no gradient and no update, so the experts
+no token of the pass reaches need not be read at all. With ``io.weights = "tier"`` (the
+converted copy, one file in the runtime's flat layout, where expert ``e`` of a parameter
+``[E, ...]`` is one contiguous range) a block's unit is read without its experts' ranges
+(``RoutedReads.load``); a forward pre-hook on each experts module (transformers' experts
+modules take the routing as ``top_k_index`` or ``router_indices``) reads the experts the
+micro-batch's routing names and this unit's slot does not hold yet, before they compute. An
+expert read once stays for the rest of the unit's residency (the other micro-batches of the
+pass); a unit read again starts with none.
+
+Exactness: transformers' experts forwards (eager, ``grouped_mm``, ``batched_mm``) compute
+each token with its routed experts' rows only; the rows of the experts not reached are never
+read by the arithmetic (tested with them set to NaN), so the outputs are those of the whole
+block, bit for bit.
+
+The expert cache: host memory for the experts reached most often (counted over the run),
+one fixed pool of rows claimed at start (``memory.expert_cache_mib``; by default what the
+host budget for weights leaves after the units kept whole, ``weights.resident_budget``). A
+reached expert found there is copied from it instead of read; one read from the file takes a
+free row, or the row of the cached expert reached least often when that one was reached less.
+
+The reads are synchronous (a sync point: the routing is known only when the block's router
+has run), so where nearly every expert is reached (a long prefill, eval of many tokens) the
+bytes are those of the whole block without the prefetch's overlap; generation's decoding steps,
+a few tokens a step, are where it pays.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from ..io import IOFuture, aligned_empty
+from ..state.layout import FlatLayout, ParamRecord
+from ..state.sources import ParamSource
+
+__all__ = ["ExpertCache", "Experts", "RoutedReads", "RoutedStats", "find_experts", "weights_read"]
+
+log = logging.getLogger("tiertrain")
+
+_INDEX_ARGS = ("top_k_index", "router_indices")  # transformers' names of the routing argument
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One experts module of unit ``unit``: its parameters indexed by expert (first dimension
+    ``n``), and where its forward takes the routing (``arg``, positional index ``pos``)."""
+
+    unit: int
+    module: nn.Module = field(repr=False, compare=False)
+    records: tuple[ParamRecord, ...]
+    n: int
+    arg: str
+    pos: int
+
+    @property
+    def row(self) -> int:
+        """Elements of one expert over all its parameters."""
+        return sum(r.numel // self.n for r in self.records)
+
+
+def find_experts(model: nn.Module, layout: FlatLayout) -> list[Experts]:
+    """The experts modules whose forward takes the routing, with their unit and parameters
+    (those whose first dimension is the number of experts: 3-D weights, 2-D biases)."""
+    owner = {id(r.param): (u.index, r) for u in layout.units for r in u.params}
+    out = []
+    for mod in model.modules():
+        try:
+            names = list(inspect.signature(mod.forward).parameters)
+        except (TypeError, ValueError):
+            continue
+        arg = next((a for a in _INDEX_ARGS if a in names), None)
+        own = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
+        if arg is None or not own or any(id(p) not in owner for p in own):
+            continue
+        n = own[0].shape[0]
+        params = [p for p in mod.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
+        if any(id(p) not in owner for p in params):
+            continue
+        units = {owner[id(p)][0] for p in params}
+        if len(units) != 1:
+            continue
+        recs = tuple(sorted((owner[id(p)][1] for p in params), key=lambda r: r.offset))
+        out.append(Experts(units.pop(), mod, recs, n, arg, names.index(arg)))
+    return out
+
+
+@dataclass
+class RoutedStats:
+    skipped_bytes: int = 0  # experts' bytes left out of units' reads
+    read_bytes: int = 0  # experts' bytes read by the routing
+    cached_bytes: int = 0  # experts' bytes copied from the expert cache
+    reached: int = 0  # (unit residency, expert) pairs the routing reached
+    of: int = 0  # (unit residency, expert) pairs there were
+
+    def line(self) -> str:
+        return (
+            f"experts: {self.reached} of {self.of} reached and loaded ({self.read_bytes / 1e9:.3f} GB read, "
+            f"{self.cached_bytes / 1e9:.3f} GB from the expert cache, "
+            f"{(self.skipped_bytes - self.read_bytes - self.cached_bytes) / 1e9:.3f} GB of experts not reached "
+            "never read)"
+        )
+
+
+class ExpertCache:
+    """``rows`` fixed host rows of ``row_bytes`` each, for the experts reached most often (see
+    the module docstring). ``pin``: page-locked, for uploads to a CUDA device."""
+
+    def __init__(self, rows: int, row_bytes: int, *, pin: bool = False) -> None:
+        self.row_bytes = row_bytes
+        self.pool = aligned_empty(rows * row_bytes, pin=pin) if rows else torch.empty(0, dtype=torch.uint8)
+        self.free = list(range(rows))[::-1]
+        self.where: dict[tuple[int, int], int] = {}  # (unit, expert) -> row
+        self.counts: dict[tuple[int, int], int] = {}
+
+    @property
+    def bytes(self) -> int:
+        return self.pool.numel()
+
+    def reached(self, key: tuple[int, int]) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        row = self.where.get(key)
+        return None if row is None else self.row(row)
+
+    def row(self, i: int) -> torch.Tensor:
+        return self.pool[i * self.row_bytes : (i + 1) * self.row_bytes]
+
+    def admit(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """A row to put ``key``'s bytes in (a free one, else the coldest's when it is colder),
+        or None: not kept."""
+        if key in self.where:
+            return self.row(self.where[key])
+        if self.free:
+            self.where[key] = self.free.pop()
+            return self.row(self.where[key])
+        if not self.where:
+            return None
+        cold = min(self.where, key=lambda k: self.counts.get(k, 0))
+        if self.counts.get(cold, 0) >= self.counts.get(key, 0):
+            return None
+        self.where[key] = self.where.pop(cold)
+        return self.row(self.where[key])
+
+
+class RoutedReads(ParamSource):
+    """``inner`` (the converted copy ``tier``, or units of it kept in host memory) with the
+    experts of ``experts`` read by the routing (see the module docstring); ``cache``: the
+    expert cache, or None. Closed with ``close()`` (the hooks go)."""
+
+    file_backed = True
+
+    def __init__(self, inner: ParamSource, tier, experts: list[Experts], dev, cache: ExpertCache | None) -> None:
+        self.inner, self.tier, self.dev, self.cache = inner, tier, dev, cache
+        self.dtype, self.layout = inner.dtype, tier.layout
+        self.stats = RoutedStats()
+        self.by_unit: dict[int, list[Experts]] = {}
+        for ex in experts:
+            self.by_unit.setdefault(ex.unit, []).append(ex)
+        self.keep = {u: _complement(self.layout.units[u].numel, exs) for u, exs in self.by_unit.items()}
+        self.present: dict[int, set[tuple[int, int]]] = {}  # unit -> (experts module, expert) in its slot
+        row = max(ex.row for ex in experts) * self.dtype.itemsize
+        self._bounce = aligned_empty(row, pin=dev.pin).view(self.dtype) if dev.separate else None
+        self._hooks = [
+            ex.module.register_forward_pre_hook(partial(self._reach, ex, j), with_kwargs=True)
+            for exs in self.by_unit.values()
+            for j, ex in enumerate(exs)
+        ]
+
+    # -- ParamSource ------------------------------------------------------------------------------
+    def on_host(self, u: int) -> bool:
+        return self.inner.on_host(u)
+
+    def host_view(self, u: int) -> torch.Tensor:
+        return self.inner.host_view(u)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.inner.host_bytes + (self.cache.bytes if self.cache is not None else 0)
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        """Unit ``u`` without its experts (those read when the routing reaches them)."""
+        if u not in self.keep:
+            return self.inner.load(u, out, slot)
+        self.present[u] = set()
+        unit, e = self.layout.units[u], self.dtype.itemsize
+        self.stats.skipped_bytes += (unit.numel - sum(b - a for a, b in self.keep[u])) * e
+        self.stats.of += sum(ex.n for ex in self.by_unit[u])
+        f = self.tier.file
+        return IOFuture.gather([f.pread(out[a:b], (b - a) * e, (unit.offset + a) * e) for a, b in self.keep[u]])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.inner.close()
+
+    # -- the routing --------------------------------------------------------------------------------
+    def _reach(self, ex: Experts, j: int, module, args, kwargs) -> None:
+        """Forward pre-hook of an experts module: the experts its routing names, loaded."""
+        if self.inner.on_host(ex.unit):  # kept whole in host memory
+            return
+        idx = kwargs[ex.arg] if ex.arg in kwargs else args[ex.pos]
+        have = self.present.setdefault(ex.unit, set())
+        # sync point: the routing is needed on the host to know what to read
+        miss = [e for e in torch.unique(idx).tolist() if 0 <= e < ex.n and (j, e) not in have]
+        reads = []
+        for e in miss:
+            key = (ex.unit, j, e)
+            have.add((j, e))
+            if self.cache is not None:
+                self.cache.reached(key)
+                row = self.cache.get(key)
+                if row is not None:
+                    self._put(ex, e, row.view(self.dtype))
+                    self.stats.cached_bytes += ex.row * self.dtype.itemsize
+                    continue
+            reads.append(e)
+        self.stats.reached += len(miss)
+        if self._bounce is None:  # device memory is host memory: read straight into the slot
+            IOFuture.gather([self._read(ex, e, [r.param.data[e] for r in ex.records]) for e in reads]).get()
+            for e in reads:  # sync point above: the rows are in the slot
+                self._keep(ex, j, e, None)
+        else:
+            for e in reads:
+                row = self._bounce[: ex.row]
+                self._read(ex, e, _split(row, ex)).get()  # sync point: one row at a time through the bounce
+                self._keep(ex, j, e, row)
+                self._put(ex, e, row)
+        self.stats.read_bytes += len(reads) * ex.row * self.dtype.itemsize
+
+    def _read(self, ex: Experts, e: int, dst: list[torch.Tensor]) -> IOFuture:
+        unit, es = self.layout.units[ex.unit], self.dtype.itemsize
+        f = self.tier.file
+        return IOFuture.gather(
+            [f.pread(d, d.numel() * es, (unit.offset + r.offset + e * d.numel()) * es) for r, d in zip(ex.records, dst)]
+        )
+
+    def _put(self, ex: Experts, e: int, row: torch.Tensor) -> None:
+        """Expert ``e``'s ``row`` (host) into its parameters' rows in the slot."""
+        for r, src in zip(ex.records, _split(row, ex)):
+            dst = r.param.data[e].reshape(-1)
+            if self.dev.separate:
+                # after what the compute stream has queued: kernels of the unit the slot held before
+                ev = self.dev.upload(dst, src, after=self.dev.event())
+                self.dev.wait(ev)  # the compute stream uses the row next
+                self.dev.sync(ev)  # sync point: ``row`` (the bounce, a cache row) is reused after
+            else:
+                dst.copy_(src)
+
+    def _keep(self, ex: Experts, j: int, e: int, row: torch.Tensor | None) -> None:
+        """Expert ``e`` (just read: in ``row``, else in the slot) into the cache, if it admits it."""
+        if self.cache is None:
+            return
+        dst = self.cache.admit((ex.unit, j, e))
+        if dst is None:
+            return
+        dst = dst.view(self.dtype)
+        if row is not None:
+            dst[: ex.row].copy_(row)
+        else:
+            for r, d in zip(ex.records, _split(dst, ex)):
+                d.copy_(r.param.data[e].reshape(-1))
+
+
+def _split(row: torch.Tensor, ex: Experts) -> list[torch.Tensor]:
+    """``row`` (one expert's elements, its parameters in turn) cut into each parameter's part."""
+    out, pos = [], 0
+    for r in ex.records:
+        n = r.numel // ex.n
+        out.append(row[pos : pos + n])
+        pos += n
+    return out
+
+
+def _complement(numel: int, experts: list[Experts]) -> list[tuple[int, int]]:
+    """Element ranges of a unit of ``numel`` outside its experts' parameters."""
+    cut = sorted((r.offset, r.offset + r.numel) for ex in experts for r in ex.records)
+    out, pos = [], 0
+    for a, b in cut:
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < numel:
+        out.append((pos, numel))
+    return out
+
+
+def weights_read(store, source: ParamSource) -> tuple[int, str]:
+    """The weights' bytes a forward-only run has read, and its experts' line ('' for a run
+    without routed reads): the parameter store's unit loads, or, with routed reads, what the
+    storage tier counted on the converted copy (units kept in memory read once, units without
+    their experts, the experts reached)."""
+    if not isinstance(source, RoutedReads):
+        return store.stats.fetch_bytes, ""
+    return source.tier.file.workers.stats.snapshot().read_bytes, source.stats.line()
