@@ -131,6 +131,9 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
     if name in bench:
         report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
         assert all(want in report for want in bench[name][1]), report
+    if name == "stage10-moe":  # and generation with routed expert reads, tokens equal to transformers'
+        routed = (machine.base / "out" / name / f"{name}-routed.md").read_text()
+        assert "| tiertrain routed |" in routed and routed.count(" | True |") == 3, routed
     if name == "stage9-cost-scale":  # each run's prediction against its steps, gathered at the end
         tail = text.split("The predictions against the measured steps")[1]
         assert tail.count("- step time: predicted") == 2, tail

@@ -143,3 +143,13 @@ def test_source_weights_read_whole_units_and_say_how_to_route(tmp_path, wide_moe
         ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=3), eos=())
     assert ours == _hf_generate(hf, PROMPTS, 3)
     assert "--io.weights=tier reads only the experts the tokens reach" in caplog.text
+
+
+def test_routed_reads_off_read_whole_blocks_ahead(tmp_path, wide_moe, reads, caplog):
+    _, path, hf = wide_moe
+    cfg = _cfg(tmp_path, path, 0)
+    cfg.io.routed_experts = False
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=3), eos=())
+    assert ours == _hf_generate(hf, PROMPTS, 3)
+    assert not reads and "experts:" not in caplog.text

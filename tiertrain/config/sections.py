@@ -119,6 +119,13 @@ class IOConfig(Section):
         "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, checksummed, "
         "kept for later runs) and reads units from it with O_DIRECT.",
     )
+    routed_experts: bool = opt(
+        True,
+        "Forward-only commands with io.weights = 'tier', on a mixture of experts: read a block "
+        "without its experts and each expert when the routing first reaches it in the block's "
+        "pass (exact: the experts not reached are never computed with). false: read blocks whole, "
+        "ahead of the compute (faster where nearly every expert is reached: a long prefill).",
+    )
     gds: str = opt(
         "auto",
         "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "

@@ -227,7 +227,8 @@ class RoutedReads(ParamSource):
             reads.append(e)
         self.stats.reached += len(miss)
         if self._bounce is None:  # device memory is host memory: read straight into the slot
-            IOFuture.gather([self._read(ex, e, [r.param.data[e] for r in ex.records]) for e in reads]).get()
+            # one request per run of consecutive experts and parameter: fewer, larger reads
+            IOFuture.gather([self._read(ex, a, [r.param.data[a:b] for r in ex.records]) for a, b in _runs(reads)]).get()
             for e in reads:  # sync point above: the rows are in the slot
                 self._keep(ex, j, e, None)
         else:
@@ -239,10 +240,15 @@ class RoutedReads(ParamSource):
         self.stats.read_bytes += len(reads) * ex.row * self.dtype.itemsize
 
     def _read(self, ex: Experts, e: int, dst: list[torch.Tensor]) -> IOFuture:
+        """Read into ``dst`` (one tensor per parameter) the rows of experts ``e``, ``e + 1``, ...
+        (as many as ``dst``'s tensors hold)."""
         unit, es = self.layout.units[ex.unit], self.dtype.itemsize
         f = self.tier.file
         return IOFuture.gather(
-            [f.pread(d, d.numel() * es, (unit.offset + r.offset + e * d.numel()) * es) for r, d in zip(ex.records, dst)]
+            [
+                f.pread(d, d.numel() * es, (unit.offset + r.offset + e * (r.numel // ex.n)) * es)
+                for r, d in zip(ex.records, dst)
+            ]
         )
 
     def _put(self, ex: Experts, e: int, row: torch.Tensor) -> None:
@@ -270,6 +276,17 @@ class RoutedReads(ParamSource):
         else:
             for r, d in zip(ex.records, _split(dst, ex)):
                 d.copy_(r.param.data[e].reshape(-1))
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of consecutive ids in sorted ``ids``."""
+    out: list[tuple[int, int]] = []
+    for e in ids:
+        if out and out[-1][1] == e:
+            out[-1] = (out[-1][0], e + 1)
+        else:
+            out.append((e, e + 1))
+    return out
 
 
 def _split(row: torch.Tensor, ex: Experts) -> list[torch.Tensor]:

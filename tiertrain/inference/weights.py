@@ -42,6 +42,8 @@ __all__ = [
 
 log = logging.getLogger("tiertrain")
 
+ROUTED_BLOCK = 64 << 10  # checksum block of a converted copy whose experts are read as routed
+
 
 def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: list[str], describe: str) -> str:
     """What the converted weights depend on, hashed (see the module docstring)."""
@@ -61,8 +63,18 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     if cfg.io.weights == "source":
         inner: ParamSource = WeightParams(rt.layout, rt.weights, rt.dtype)
     else:
+        from .routed import find_experts
+
+        # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
+        # checked) small beside them, so that the bytes read are the bytes asked for
+        routed = cfg.io.routed_experts and bool(find_experts(rt.model, rt.layout))
+        block = min(rt.align, ROUTED_BLOCK) if routed else rt.align
         key = weights_key(
-            dataclasses.asdict(cfg.model), rt.dtype, rt.layout, source_files(cfg.model), rt.weights.describe
+            dataclasses.asdict(cfg.model),
+            rt.dtype,
+            rt.layout,
+            source_files(cfg.model),
+            rt.weights.describe + (f", checksum blocks of {block} bytes" if block != rt.align else ""),
         )
         inner = TierWeights(
             rt.layout,
@@ -71,7 +83,7 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
             path=cfg.io.paths[0],
             key=key,
             checksum=cfg.io.checksum,
-            block=rt.align,
+            block=block,
             progress=progress,
         )
     budget, why = resident_budget(cfg, rt, other_bytes)
@@ -93,7 +105,7 @@ def _routed(cfg, rt, inner: ParamSource, left: int) -> ParamSource:
     from .routed import ExpertCache, RoutedReads, find_experts
 
     experts = [ex for ex in find_experts(rt.model, rt.layout) if not inner.on_host(ex.unit)]
-    if not experts:
+    if not experts or not cfg.io.routed_experts:
         return inner
     if cfg.io.weights != "tier":
         log.info(
