@@ -9,9 +9,9 @@ STAGE=stage3-nvme
 source "$(dirname "$0")/lib.sh" "$@"
 
 if [ "$dry" = 1 ]; then
-  step "bench/train.py on CPU, 2 layers, baseline, 2 steps (dry run)" 0 150 "$PY" bench/train.py --device cpu \
+  step "bench/train.py on CPU, the built-in GPT of 2 layers, baseline, 2 steps (dry run)" 0 150 "$PY" bench/train.py --device cpu \
     --dtype float32 --modes baseline,overlap --micro-batches 2 --checksums on --steps 2 --io-gib 0.0625 \
-    --model n_layers=2,d_model=64,n_heads=4,d_ff=128,vocab_size=512 --scratch "$nvme/bench" \
+    --model kind=gpt,n_layers=2,d_model=64,n_heads=4,d_ff=128,vocab_size=512 --scratch "$nvme/bench" \
     --out "$out/stage3-nvme-train.md"
 else
   step "Llama 134 M, bf16, states on the NVMe: baseline / overlap / engines vs plain PyTorch (bench/train.py)" 1 300 \

@@ -13,7 +13,7 @@ device=cuda
 small=()
 if [ "$dry" = 1 ]; then
   device=cpu
-  small=(--model.n_layers=2 --model.d_model=64)
+  small=(--model.kind=gpt --model.n_layers=2 --model.d_model=64)
 fi
 step "GPU test: 2 ranks on CUDA against 2 ranks on CPU" 0 180 \
   "$PY" -m pytest -q -rs --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py -k ranks --basetemp="$nvme/pytest-ranks"

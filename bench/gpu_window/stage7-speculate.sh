@@ -14,8 +14,8 @@ STAGE=stage7-speculate
 source "$(dirname "$0")/lib.sh" "$@"
 
 if [ "$dry" = 1 ]; then
-  step "bench/speculate.py on CPU, 2 layers, fine-tuning after 3 pretraining steps (dry run)" 0 200 \
-    "$PY" bench/speculate.py --device cpu --model n_layers=2,d_model=64,n_heads=4,d_ff=128,vocab_size=512 \
+  step "bench/speculate.py on CPU, the built-in GPT of 2 layers, fine-tuning after 3 pretraining steps (dry run)" 0 200 \
+    "$PY" bench/speculate.py --device cpu --model kind=gpt,n_layers=2,d_model=64,n_heads=4,d_ff=128,vocab_size=512 \
     --micro-batches 2 --steps 2 --rounds 1 --host-mib 700 --io-mib 64 --pretrain-steps 3 --engines \
     --scratch "$nvme/spec" --out "$out/stage7-speculate-finetune.md"
 else
