@@ -172,6 +172,9 @@ def test_export_eval_and_generate_apply_the_experts_adapters(tmp_path):
     pcfg = _lora(tmp_path / "gen", path, target=("q_proj",))
     pcfg.adapter.init_from, pcfg.data.micro_batch_size = out, 2
     assert generate(pcfg, prompts, s) == tokens
+    # the experts read as the routing reaches them: before the adapters' weights are made of them
+    pcfg.io.weights, pcfg.memory.host_param_mib = "tier", 0
+    assert generate(pcfg, prompts, s) == tokens
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(ck, str(tmp_path / "merged"), merge=True)).eval()
     theirs = copy.deepcopy(loaded).merge_and_unload()
     for name in ("gate_up_proj", "down_proj"):  # the experts' deltas merged (as peft merges them)

@@ -171,7 +171,8 @@ class RoutedReads(ParamSource):
         row = max(ex.row for ex in experts) * self.dtype.itemsize
         self._bounce = aligned_empty(row, pin=dev.pin).view(self.dtype) if dev.separate else None
         self._hooks = [
-            ex.module.register_forward_pre_hook(partial(self._reach, ex, j), with_kwargs=True)
+            # first among the module's pre-hooks: LoRA's makes the experts' adapted weights of them
+            ex.module.register_forward_pre_hook(partial(self._reach, ex, j), with_kwargs=True, prepend=True)
             for exs in self.by_unit.values()
             for j, ex in enumerate(exs)
         ]
