@@ -94,14 +94,74 @@ def test_generation_reads_the_reached_experts_only_and_is_transformers_generate(
     assert f"{file_bytes / 1e9:.3f} GB read ({file_bytes / 20 / 1e6:.2f} MB a token)" in line
 
 
-def test_the_rows_never_read_are_never_used_on_a_separate_device(tmp_path, wide_moe, reads):
-    """The simulated separate device poisons a slot dropped: the experts not reached keep the
-    poison, the reached ones are uploaded after the unit (ordered on the streams)."""
+class _Counted(AsyncCpuDevice):
+    """The simulated separate device, counting the bytes uploaded."""
+
+    uploaded = 0
+
+    def upload(self, dst, src, *, after=None):
+        self.uploaded += src.numel() * src.element_size()
+        return super().upload(dst, src, after=after)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+@pytest.mark.parametrize("cache_mib", [0, 1], ids=["no-cache", "cache"])
+def test_the_rows_never_read_are_never_used_on_a_separate_device(tmp_path, wide_moe, reads, direct, cache_mib):
+    """The simulated separate device poisons a slot dropped and a staging buffer given back: the
+    experts not reached keep the poison, the reached ones are uploaded after the unit (ordered on
+    the streams), through the bounce or from the cache; only what the reads filled is uploaded
+    (staged), or the reads go straight into device memory (direct)."""
     _, path, hf = wide_moe
-    cfg = _cfg(tmp_path, path, 1)
-    ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=6), eos=(), device=AsyncCpuDevice(delay=0.001))
+    cfg = _cfg(tmp_path, path, cache_mib)
+    dev = _Counted(delay=0.001, direct=direct)
+    ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=6), eos=(), device=dev)
     assert ours == _hf_generate(hf, PROMPTS, 6)
-    assert reads[0][0].stats.reached < reads[0][0].stats.of
+    src = reads[0][0]
+    assert src.stats.reached < src.stats.of
+    if not direct:  # units uploaded without their experts: less than every pass's whole units
+        whole = 6 * sum(u.numel for u in src.layout.units) * src.dtype.itemsize
+        assert 0 < dev.uploaded < whole - src.stats.skipped_bytes + src.stats.read_bytes + src.stats.cached_bytes + 1
+
+
+def test_units_kept_in_host_memory_beside_routed_ones(tmp_path, wide_moe, reads, monkeypatch):
+    """The host budget keeps the first units whole (never routed, read once before the passes);
+    the rest are routed, and the bytes a pass reads leave the units kept out."""
+    from tiertrain.inference import weights
+    from tiertrain.runtime import Runtime
+
+    _, path, hf = wide_moe
+    cfg = _cfg(tmp_path, path, 0)
+    rt = Runtime(cfg)
+    try:  # a budget of the embedding and the first block (MiB are too coarse for these units)
+        kept = sum(u.numel for u in rt.layout.units[:2]) * rt.dtype.itemsize
+    finally:
+        rt.close()
+    monkeypatch.setattr(weights, "resident_budget", lambda cfg, rt, other=0: (kept, "the test's"))
+    ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=5), eos=())
+    assert ours == _hf_generate(hf, PROMPTS, 5)
+    ((src, file_bytes),) = reads
+    assert src.base_bytes == kept  # the units kept, read once before the passes: not counted in them
+    assert 0 not in src.by_unit and 1 not in src.by_unit and src.by_unit  # kept whole: not routed
+    rest = sum(u.numel for u in src.layout.units[2:]) * src.dtype.itemsize
+    assert 0 < file_bytes - src.base_bytes <= 5 * rest - src.stats.skipped_bytes + src.stats.read_bytes
+
+
+def test_a_cache_smaller_than_the_experts_reached_evicts_the_least_reached(tmp_path, reads):
+    """Experts of 393 KB (64 x 512 x 3 in fp32): a 1 MiB cache holds two. Generation stays
+    transformers' while rows are given to experts reached more often."""
+    from transformers import AutoModelForCausalLM
+
+    c = _many_experts("qwen3_moe")
+    c.moe_intermediate_size = 512
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(c)
+    hf.save_pretrained(tmp_path / "m")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ours = generate(_cfg(tmp_path, str(tmp_path / "m"), 1), PROMPTS, Sampling(max_new_tokens=10), eos=())
+    assert ours == _hf_generate(hf, PROMPTS, 10)
+    src = reads[0][0]
+    assert len(src.cache.where) == 2 and not src.cache.free
+    assert src.cache.evictions > 0 and src.stats.cached_bytes > 0
 
 
 def test_eval_with_routed_reads_is_transformers_forward_loss(tmp_path, wide_moe, reads):

@@ -92,7 +92,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         seconds = time.perf_counter() - t0
         read, experts = weights_read(store, source)
     finally:
-        rt.close()
-        source.close()
+        try:
+            rt.close()
+        finally:
+            source.close()  # its files and threads, and the hooks routed reads put on the model
     tokens = evalset.total_scored() or evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
     return EvalResult(loss, math.exp(loss) if loss < 700 else math.inf, tokens, evalset.count, seconds, read, experts)

@@ -289,8 +289,10 @@ def generate(
         finally:
             if made and os.path.isdir(cfg.io.paths[0]) and not os.listdir(cfg.io.paths[0]):
                 os.rmdir(cfg.io.paths[0])
-            rt.close()
-            source.close()
+            try:
+                rt.close()
+            finally:
+                source.close()  # its files and threads, and the hooks routed reads put on the model
 
 
 def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokenizer_vocab: int | None) -> None:

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Hashable
 
 import torch
 import torch.nn as nn
@@ -46,6 +48,7 @@ __all__ = ["ExpertCache", "Experts", "RoutedReads", "RoutedStats", "find_experts
 
 log = logging.getLogger("tiertrain")
 
+BOUNCE_ROWS = 8  # experts read at once through a separate device's bounce buffer
 _INDEX_ARGS = ("top_k_index", "router_indices")  # transformers' names of the routing argument
 
 
@@ -95,16 +98,21 @@ def find_experts(model: nn.Module, layout: FlatLayout) -> list[Experts]:
 
 @dataclass
 class RoutedStats:
+    """What the routed reads of a run did (bytes as asked of the storage tier: a read covers
+    whole checksum blocks, ``weights.ROUTED_BLOCK``)."""
+
     skipped_bytes: int = 0  # experts' bytes left out of units' reads
     read_bytes: int = 0  # experts' bytes read by the routing
     cached_bytes: int = 0  # experts' bytes copied from the expert cache
     reached: int = 0  # (unit residency, expert) pairs the routing reached
     of: int = 0  # (unit residency, expert) pairs there were
+    wait_s: float = 0.0  # seconds the compute waited for the experts' reads
 
     def line(self) -> str:
+        """The stats in words, for the summary lines."""
         return (
-            f"experts: {self.reached} of {self.of} reached and loaded ({self.read_bytes / 1e9:.3f} GB read, "
-            f"{self.cached_bytes / 1e9:.3f} GB from the expert cache, "
+            f"experts: {self.reached} of {self.of} reached and loaded ({self.read_bytes / 1e9:.3f} GB read in "
+            f"{self.wait_s:.2f} s waited, {self.cached_bytes / 1e9:.3f} GB from the expert cache, "
             f"{(self.skipped_bytes - self.read_bytes - self.cached_bytes) / 1e9:.3f} GB of experts not reached "
             "never read)"
         )
@@ -118,24 +126,29 @@ class ExpertCache:
         self.row_bytes = row_bytes
         self.pool = aligned_empty(rows * row_bytes, pin=pin) if rows else torch.empty(0, dtype=torch.uint8)
         self.free = list(range(rows))[::-1]
-        self.where: dict[tuple[int, int], int] = {}  # (unit, expert) -> row
-        self.counts: dict[tuple[int, int], int] = {}
+        self.where: dict[Hashable, int] = {}  # an expert's key (unit, experts module, expert) -> its row
+        self.counts: dict[Hashable, int] = {}
+        self.evictions = 0
 
     @property
     def bytes(self) -> int:
+        """The pool's size."""
         return self.pool.numel()
 
-    def reached(self, key: tuple[int, int]) -> None:
+    def reached(self, key: Hashable) -> None:
+        """The routing reached ``key`` once more."""
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        """``key``'s row (bytes), or None where it is not kept."""
         row = self.where.get(key)
         return None if row is None else self.row(row)
 
     def row(self, i: int) -> torch.Tensor:
+        """Row ``i`` of the pool (bytes)."""
         return self.pool[i * self.row_bytes : (i + 1) * self.row_bytes]
 
-    def admit(self, key: tuple[int, int]) -> torch.Tensor | None:
+    def admit(self, key: Hashable) -> torch.Tensor | None:
         """A row to put ``key``'s bytes in (a free one, else the coldest's when it is colder),
         or None: not kept."""
         if key in self.where:
@@ -148,6 +161,7 @@ class ExpertCache:
         cold = min(self.where, key=lambda k: self.counts.get(k, 0))
         if self.counts.get(cold, 0) >= self.counts.get(key, 0):
             return None
+        self.evictions += 1
         self.where[key] = self.where.pop(cold)
         return self.row(self.where[key])
 
@@ -168,8 +182,15 @@ class RoutedReads(ParamSource):
             self.by_unit.setdefault(ex.unit, []).append(ex)
         self.keep = {u: _complement(self.layout.units[u].numel, exs) for u, exs in self.by_unit.items()}
         self.present: dict[int, set[tuple[int, int]]] = {}  # unit -> (experts module, expert) in its slot
-        row = max(ex.row for ex in experts) * self.dtype.itemsize
-        self._bounce = aligned_empty(row, pin=dev.pin).view(self.dtype) if dev.separate else None
+        self._row = max(ex.row for ex in experts)
+        # a separate device's rows cross through pinned host memory, BOUNCE_ROWS reads at a time
+        self._bounce = (
+            aligned_empty(BOUNCE_ROWS * self._row * self.dtype.itemsize, pin=dev.pin).view(self.dtype)
+            if dev.separate
+            else None
+        )
+        # the bytes read before (units kept whole in host memory): not the passes'
+        self.base_bytes = tier.file.workers.stats.snapshot().read_bytes
         self._hooks = [
             # first among the module's pre-hooks: LoRA's makes the experts' adapted weights of them
             ex.module.register_forward_pre_hook(partial(self._reach, ex, j), with_kwargs=True, prepend=True)
@@ -187,6 +208,10 @@ class RoutedReads(ParamSource):
     @property
     def host_bytes(self) -> int:
         return self.inner.host_bytes + (self.cache.bytes if self.cache is not None else 0)
+
+    def filled(self, u: int) -> list[tuple[int, int]] | None:
+        """The element ranges of unit ``u`` a load fills (its experts left out; None: all)."""
+        return self.keep.get(u)
 
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         """Unit ``u`` without its experts (those read when the routing reaches them)."""
@@ -214,30 +239,47 @@ class RoutedReads(ParamSource):
         have = self.present.setdefault(ex.unit, set())
         # sync point: the routing is needed on the host to know what to read
         miss = [e for e in torch.unique(idx).tolist() if 0 <= e < ex.n and (j, e) not in have]
-        reads = []
+        try:
+            self._load(ex, j, miss)
+        except BaseException:
+            self.present.pop(ex.unit, None)  # what the slot holds is unknown: read again if asked
+            raise
+        have.update((j, e) for e in miss)
+        self.stats.reached += len(miss)
+
+    def _load(self, ex: Experts, j: int, miss: list[int]) -> None:
+        """Experts ``miss`` of ``ex`` into the slot: from the cache where kept, else read."""
+        reads, pending = [], []
         for e in miss:
             key = (ex.unit, j, e)
-            have.add((j, e))
             if self.cache is not None:
                 self.cache.reached(key)
                 row = self.cache.get(key)
                 if row is not None:
-                    self._put(ex, e, row.view(self.dtype))
+                    pending += self._put(ex, e, row.view(self.dtype))
                     self.stats.cached_bytes += ex.row * self.dtype.itemsize
                     continue
             reads.append(e)
-        self.stats.reached += len(miss)
+        t0 = time.perf_counter()
         if self._bounce is None:  # device memory is host memory: read straight into the slot
             # one request per run of consecutive experts and parameter: fewer, larger reads
             IOFuture.gather([self._read(ex, a, [r.param.data[a:b] for r in ex.records]) for a, b in _runs(reads)]).get()
             for e in reads:  # sync point above: the rows are in the slot
                 self._keep(ex, j, e, None)
         else:
-            for e in reads:
-                row = self._bounce[: ex.row]
-                self._read(ex, e, _split(row, ex)).get()  # sync point: one row at a time through the bounce
-                self._keep(ex, j, e, row)
-                self._put(ex, e, row)
+            rows = self._bounce[: BOUNCE_ROWS * ex.row].view(BOUNCE_ROWS, ex.row)
+            for i in range(0, len(reads), BOUNCE_ROWS):
+                batch = reads[i : i + BOUNCE_ROWS]
+                IOFuture.gather([self._read(ex, e, _split(rows[k], ex)) for k, e in enumerate(batch)]).get()
+                evs = []
+                for k, e in enumerate(batch):
+                    self._keep(ex, j, e, rows[k])
+                    evs += self._put(ex, e, rows[k])
+                for ev in evs:  # sync point: the bounce rows are read into again next
+                    self.dev.sync(ev)
+        for ev in pending:  # sync point: a cache row may be given to another expert after this
+            self.dev.sync(ev)
+        self.stats.wait_s += time.perf_counter() - t0
         self.stats.read_bytes += len(reads) * ex.row * self.dtype.itemsize
 
     def _read(self, ex: Experts, e: int, dst: list[torch.Tensor]) -> IOFuture:
@@ -252,17 +294,20 @@ class RoutedReads(ParamSource):
             ]
         )
 
-    def _put(self, ex: Experts, e: int, row: torch.Tensor) -> None:
-        """Expert ``e``'s ``row`` (host) into its parameters' rows in the slot."""
+    def _put(self, ex: Experts, e: int, row: torch.Tensor) -> list:
+        """Expert ``e``'s ``row`` (host) into its parameters' rows in the slot; the uploads'
+        events on a separate device (``row`` must stay as it is until they have run)."""
+        evs = []
         for r, src in zip(ex.records, _split(row, ex)):
             dst = r.param.data[e].reshape(-1)
             if self.dev.separate:
                 # after what the compute stream has queued: kernels of the unit the slot held before
                 ev = self.dev.upload(dst, src, after=self.dev.event())
                 self.dev.wait(ev)  # the compute stream uses the row next
-                self.dev.sync(ev)  # sync point: ``row`` (the bounce, a cache row) is reused after
+                evs.append(ev)
             else:
                 dst.copy_(src)
+        return evs
 
     def _keep(self, ex: Experts, j: int, e: int, row: torch.Tensor | None) -> None:
         """Expert ``e`` (just read: in ``row``, else in the slot) into the cache, if it admits it."""
@@ -316,8 +361,8 @@ def _complement(numel: int, experts: list[Experts]) -> list[tuple[int, int]]:
 def weights_read(store, source: ParamSource) -> tuple[int, str]:
     """The weights' bytes a forward-only run has read, and its experts' line ('' for a run
     without routed reads): the parameter store's unit loads, or, with routed reads, what the
-    storage tier counted on the converted copy (units kept in memory read once, units without
-    their experts, the experts reached)."""
+    storage tier counted on the converted copy since the passes began (units without their
+    experts, the experts reached; not the units read once into host memory before)."""
     if not isinstance(source, RoutedReads):
         return store.stats.fetch_bytes, ""
-    return source.tier.file.workers.stats.snapshot().read_bytes, source.stats.line()
+    return source.tier.file.workers.stats.snapshot().read_bytes - source.base_bytes, source.stats.line()

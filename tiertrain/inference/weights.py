@@ -66,9 +66,9 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
         from .routed import find_experts
 
         # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
-        # checked) small beside them, so that the bytes read are the bytes asked for
-        routed = cfg.io.routed_experts and bool(find_experts(rt.model, rt.layout))
-        block = min(rt.align, ROUTED_BLOCK) if routed else rt.align
+        # checked) small beside them, so that the bytes read are the bytes asked for; by the model
+        # alone, so that io.routed_experts either way reads the same copy
+        block = min(rt.align, ROUTED_BLOCK) if find_experts(rt.model, rt.layout) else rt.align
         key = weights_key(
             dataclasses.asdict(cfg.model),
             rt.dtype,

@@ -39,6 +39,11 @@ class ParamSource(abc.ABC):
         ``slot`` of the store, when the store's slots are shared with the update). Never
         blocks; the future's ``get`` waits for the update of ``u`` where it is still running."""
 
+    def filled(self, u: int) -> list[tuple[int, int]] | None:
+        """The element ranges of unit ``u`` that ``load`` fills (None: all of it); where device
+        memory is separate, only these are uploaded."""
+        return None
+
     def settle(self, u: int) -> float:
         """Return once unit ``u``'s host-resident parameters (used in place) are current: an
         update still writing them is waited for. Returns the seconds waited."""

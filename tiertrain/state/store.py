@@ -232,9 +232,11 @@ class ParamStore:
             slot.read = None
         if slot.staging is not None and upload:
             n = self.layout.units[slot.unit].numel
-            slot.loaded = self.dev.upload(
-                slot.tensor[:n], slot.staging.tensor.view(self.dtype)[:n], after=slot.released
-            )
+            staged = slot.staging.tensor.view(self.dtype)
+            # the ranges the source filled (routed experts: the unit without them), in order on
+            # the upload stream: the last copy's event is the unit's
+            for a, b in self.source.filled(slot.unit) or [(0, n)]:
+                slot.loaded = self.dev.upload(slot.tensor[a:b], staged[a:b], after=slot.released)
 
     def poll(self) -> None:
         """Progress without blocking: uploads of reads that completed start, staging buffers
