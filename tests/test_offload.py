@@ -314,7 +314,12 @@ cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=
                           data=dataclasses.replace(cfg.data, seq_len=seq),
                           memory=dataclasses.replace(cfg.memory, mmap_threshold_kib=1024))  # the strict setting
 from tiertrain.training.trainer import Trainer
-base = host_rss()
+def rss_file():  # the libraries' pages mapped in: as many as the page cache holds around each one touched
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return 0
+base, file_base = host_rss(), rss_file()
 if not reset_peak_rss():
     print(json.dumps({"unsupported": "cannot reset the peak RSS (/proc/self/clear_refs)"}))
     sys.exit(0)
@@ -324,19 +329,21 @@ with Trainer(cfg) as tr:
     print(json.dumps(dict(base=base, peak=host_peak_rss(), pools=sum(tr.pool_bytes.values()),
                           records=tr.offloaded.pool_bytes, unit=tr.layout.max_unit_numel * 4, act=tr.acts.act_bytes,
                           record=tr.acts.record_bytes, pairs=tr.acts.offloaded,
-                          offloaded=[r.extra["act_offload_bytes"] for r in recs])))
+                          offloaded=[r.extra["act_offload_bytes"] for r in recs], files=rss_file() - file_base)))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # a peak RSS bound: measured alone (under the parallel phase's load it grew 30 MiB more)
 def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
     """Every pair's activations on the storage tier: peak RSS grows by the fixed pools (the
     records' among them) plus the working set of one micro-batch's block (its activations
     twice: autograd's and the record being filled) plus 96 MiB, at 256 and at 1024 tokens,
     while the step's activations at 1024 tokens are several times that. With
     memory.mmap_threshold_kib = 1024 (the setting that keeps freed activations from
-    fragmenting the heap; see tiertrain/device/host.py)."""
+    fragmenting the heap; see tiertrain/device/host.py). The libraries' pages mapped in during
+    the run are allowed on top: how many a page touched brings depends on the page cache (a
+    fresh virtual environment, all in the cache: 52 MiB; an older one: 23 MiB; the rest of the
+    growth the same to 2 MiB)."""
     here = os.path.dirname(__file__)
     out = {}
     for seq in (256, 1024):
@@ -352,7 +359,7 @@ def test_rss_stays_within_the_pools_whatever_the_sequence_length(tmp_path):
             pytest.skip(out[seq]["unsupported"])
     for seq, o in out.items():
         growth = o["peak"] - o["base"]
-        allowance = o["pools"] + 4 * o["unit"] + 2 * o["act"] + 96 * MIB
+        allowance = o["pools"] + 4 * o["unit"] + 2 * o["act"] + 96 * MIB + o["files"]
         assert growth <= allowance, (seq, growth / MIB, allowance / MIB)
         assert o["records"] == 3 * o["record"]  # memory.act_buffers records, fixed
         assert o["offloaded"] == [o["pairs"] * o["record"]] * 2
