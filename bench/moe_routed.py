@@ -46,7 +46,14 @@ class _Lines(logging.Handler):
 
 
 def run_ours(
-    model_dir: str, scratch: str, prompts, new: int, routed: bool, cache_mib: int, device: str = "cpu"
+    model_dir: str,
+    scratch: str,
+    prompts,
+    new: int,
+    routed: bool,
+    cache_mib: int,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict:
     from tiertrain.config import load_config
     from tiertrain.inference.generate import Sampling, generate
@@ -62,6 +69,7 @@ def run_ours(
             f"--memory.expert_cache_mib={cache_mib}",
             f"--data.micro_batch_size={len(prompts)}",
             f"--train.device={device}",
+            f"--train.param_dtype={dtype}",
             "--train.progress=false",
         ],
     )
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="olmoe", help="qwen3_moe, mixtral or olmoe")
     ap.add_argument("--shape", default="", help="overrides of " + ",".join(f"{k}={v}" for k, v in SHAPE.items()))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (tiertrain and transformers' generate alike)")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, both systems' compute dtype")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -120,16 +129,27 @@ def main(argv: list[str] | None = None) -> int:
         AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(10, shape["vocab"], (args.prompts, args.prompt_len), generator=g).tolist()
-        experts_bytes = shape["layers"] * shape["experts"] * 3 * shape["hidden"] * shape["moe_ff"] * 4
+        experts_bytes = (
+            shape["layers"]
+            * shape["experts"]
+            * 3
+            * shape["hidden"]
+            * shape["moe_ff"]
+            * getattr(torch, args.dtype).itemsize
+        )
         cache_mib = int(experts_bytes * args.cache_fraction) >> 20
         variants = {"whole": (False, 0), "routed": (True, 0), "routed + cache": (True, cache_mib)}
-        run_ours(model_dir, scratch, prompts[:1], 1, True, 0, args.device)  # the converted copy, made once, untimed
+        run_ours(
+            model_dir, scratch, prompts[:1], 1, True, 0, args.device, args.dtype
+        )  # the converted copy, made once, untimed
         runs: dict[str, list[dict]] = {k: [] for k in variants}
         for r in range(args.rounds):
             for name, (routed, mib) in variants.items():
-                runs[name].append(run_ours(model_dir, scratch, prompts, args.new_tokens, routed, mib, args.device))
+                runs[name].append(
+                    run_ours(model_dir, scratch, prompts, args.new_tokens, routed, mib, args.device, args.dtype)
+                )
                 print(f"round {r + 1} {name}: {runs[name][-1]['s']:.2f} s, {runs[name][-1]['gb']:.3f} GB", flush=True)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval().to(args.device)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval().to(args.device)
         hf.config.output_router_logits = False
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -181,7 +201,7 @@ def report(args, shape, n_params, runs, want, hf_s: float, rbw: float, cache_mib
             f"- machine: {platform.machine()}, {os.cpu_count()} cores, one disk; disk read {rbw:.2f} GB/s (measured in this run)",
             f"- model: {args.family}, {n_params / 1e6:.0f} M parameters ("
             + ", ".join(f"{k} {v}" for k, v in shape.items())
-            + f"), random weights, float32 on {args.device}; {args.prompts} prompts of {args.prompt_len} tokens, "
+            + f"), random weights, {args.dtype} on {args.device}; {args.prompts} prompts of {args.prompt_len} tokens, "
             f"{args.new_tokens} new tokens each (greedy), one micro-batch",
             "- tiertrain: io.weights = tier (the converted copy, O_DIRECT), memory.host_param_mib = 0 (every pass "
             f"reads the model); expert cache {cache_mib} MiB in 'routed + cache' ({args.cache_fraction:.0%} of the "

@@ -24,7 +24,7 @@ else
     --seq-len 1024 --micro-batches 4 --steps 4 --fraction 1.5 --set train.device=cuda \
     --scratch "$nvme/moe" --out "$out/stage10-moe-bench.md"
   step "generation from the drive: routed expert reads vs whole blocks vs transformers in device memory, OLMoE 0.9 B on CUDA (bench/moe_routed.py)" \
-    1 200 "$PY" bench/moe_routed.py --device cuda --shape layers=8,hidden=1024,heads=16,kv_heads=4,experts=64,top_k=8,moe_ff=512,vocab=32000 \
+    1 200 "$PY" bench/moe_routed.py --device cuda --dtype bfloat16 --shape layers=8,hidden=1024,heads=16,kv_heads=4,experts=64,top_k=8,moe_ff=512,vocab=32000 \
     --prompts 4 --new-tokens 16 --rounds 2 --scratch "$nvme/routed" --out "$out/stage10-moe-routed.md"
 fi
 finish
