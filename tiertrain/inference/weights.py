@@ -59,16 +59,16 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     files, or their converted copy on the storage tier, with as many units kept in host memory
     as ``resident_budget`` allows (``other_bytes``: the run's other fixed host memory, e.g. the
     key/value cache). Closed with ``close()``."""
+    from .routed import find_experts
 
+    experts = find_experts(rt.model, rt.layout)  # a mixture of experts' experts modules (none: dense)
     if cfg.io.weights == "source":
         inner: ParamSource = WeightParams(rt.layout, rt.weights, rt.dtype)
     else:
-        from .routed import find_experts
-
         # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
         # checked) small beside them, so that the bytes read are the bytes asked for; by the model
         # alone, so that io.routed_experts either way reads the same copy
-        block = min(rt.align, ROUTED_BLOCK) if find_experts(rt.model, rt.layout) else rt.align
+        block = min(rt.align, ROUTED_BLOCK) if experts else rt.align
         key = weights_key(
             dataclasses.asdict(cfg.model),
             rt.dtype,
@@ -92,19 +92,20 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
             log.info("weights in host memory: none (%s); every unit read at every pass", why)
         else:
             inner = ResidentWeights(inner, rt.layout, budget, pin=rt.dev.pin, why=why, progress=progress)
-        return _routed(cfg, rt, inner, max(0, budget - inner.host_bytes))
+        return _routed(cfg, rt, inner, experts, max(0, budget - inner.host_bytes))
     except BaseException:
         inner.close()
         raise
 
 
-def _routed(cfg, rt, inner: ParamSource, left: int) -> ParamSource:
-    """``inner`` with a mixture of experts' experts read as the routing reaches them
-    (``routed.RoutedReads``: from the converted copy only), an expert cache of
-    ``memory.expert_cache_mib`` (default: ``left``, what the weights' host budget leaves)."""
-    from .routed import ExpertCache, RoutedReads, find_experts
+def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:
+    """``inner`` with the experts modules ``found`` (those of units not kept whole in host
+    memory) read as the routing reaches them (``routed.RoutedReads``: from the converted copy
+    only), an expert cache of ``memory.expert_cache_mib`` (default: ``left``, what the
+    weights' host budget leaves)."""
+    from .routed import ExpertCache, RoutedReads
 
-    experts = [ex for ex in find_experts(rt.model, rt.layout) if not inner.on_host(ex.unit)]
+    experts = [ex for ex in found if not inner.on_host(ex.unit)]
     if not experts or not cfg.io.routed_experts:
         return inner
     if cfg.io.weights != "tier":
