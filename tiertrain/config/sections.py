@@ -197,12 +197,23 @@ class ModelConfig(Section):
         None,
         "With adapters: the dtype the frozen model's weights are kept in on the storage tier and in "
         "memory ('bfloat16' or 'float16' halve the bytes a step reads); each unit is upcast to the compute "
-        "dtype (train.param_dtype) as it is loaded. None: the compute dtype.",
+        "dtype (train.param_dtype) as it is loaded. 'nf4' or 'fp4': QLoRA's 4-bit base, bitsandbytes' "
+        "formats, as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...) quantizes it (the "
+        "blocks' linear weights, in blocks of 64; about 0.56 bytes a weight), dequantized per unit as it "
+        "is loaded; needs bitsandbytes. None: the compute dtype.",
+    )
+
+    base_double_quant: bool = opt(
+        False,
+        "With model.base_dtype 'nf4' or 'fp4': the blocks' scales quantized to 8 bits too "
+        "(bitsandbytes' bnb_4bit_use_double_quant; about 0.4 bits a weight fewer).",
     )
 
     def __post_init__(self) -> None:
         if self.base_dtype is not None:
-            self._one_of("base_dtype", ("float32", "bfloat16", "float16"))
+            self._one_of("base_dtype", ("float32", "bfloat16", "float16", "nf4", "fp4"))
+        if self.base_double_quant and self.base_dtype not in ("nf4", "fp4"):
+            self._fail("base_double_quant", "quantizes a 4-bit base's scales: set model.base_dtype = 'nf4' or 'fp4'")
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))
         if self.vocab_pieces is not None:
             self._at_least("vocab_pieces", 1)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..models.base import LayeredModel, is_placeholder, unit_param_names
+from .quant import quantizable
 
 __all__ = ["PARAM_ALIGN", "UNIT_ALIGN", "ParamRecord", "UnitLayout", "FlatLayout", "segments", "chunk_align"]
 
@@ -115,6 +116,8 @@ class FlatLayout:
         self.total_numel = offset
         self.max_unit_numel = max(x.numel for x in units)
         self.n_params = sum(x.used for x in units)
+        # the parameters a 4-bit base quantizes (model.base_dtype 'nf4'/'fp4': quant.QuantLayout)
+        self.quantizable = frozenset(quantizable(model))
 
     def __len__(self) -> int:
         return len(self.units)

@@ -91,14 +91,21 @@ class Checkpoints:
                 step,
             )
 
-    def weights(self, region, layout, row_pieces: dict) -> dict[str, torch.Tensor]:
+    def weights(self, region, layout, row_pieces: dict, quant=None) -> dict[str, torch.Tensor]:
         """Every weight of ``region`` (the weights state) by name, fp32, vocabulary pieces as
-        their whole matrices. Loads the whole model; every rank calls it (ranks gather)."""
+        their whole matrices; ``quant``: the region holds a 4-bit base in this ``QuantLayout``
+        (its weights dequantized). Loads the whole model; every rank calls it (ranks gather)."""
         out = {}
-        buf = aligned_empty(layout.max_unit_numel * region.dtype.itemsize).view(region.dtype)
+        dtype = region.dtype if quant is None else quant.dtype
+        buf = aligned_empty(layout.max_unit_numel * dtype.itemsize).view(dtype)
+        raw = None if quant is None else aligned_empty(quant.max_unit_numel)
         whole = WholeTensors(row_pieces)
         for unit in layout.units:
-            self.group.read_unit(region, unit.index, buf, self.state_layout)
+            if quant is not None:  # one rank (quantized bases refuse ranks)
+                region.read(unit.index, raw[: quant.units[unit.index].numel]).get()
+                quant.dequantize_into(unit.index, raw, buf)
+            else:
+                self.group.read_unit(region, unit.index, buf, self.state_layout)
             for rec in unit.params:
                 out.update(
                     whole.add(rec.name, buf[rec.offset : rec.offset + rec.numel].view(rec.shape).float().clone())

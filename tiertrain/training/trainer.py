@@ -371,7 +371,8 @@ class Trainer:
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
         with self.state_regions() as regions:
             return self.checkpoints.weights(
-                regions[f"{self._weights_state().name}.bin"], self.layout, self.model.row_pieces
+                regions[f"{self._weights_state().name}.bin"], self.layout, self.model.row_pieces,
+                getattr(self.update, "quant", None),
             )
 
     # -- checkpoints --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from ..io import IOFuture, Storage
 from ..io.align import round_down
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
+from ..state.quant import QuantLayout, quant_spec
 from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import RegionParams
@@ -85,6 +86,35 @@ class _Upcast(ParamSource):
         return self.inner.load(u, buf).then(lambda: widen_in_place(out, offset, src))
 
 
+class _Dequant(ParamSource):
+    """The frozen model kept in 4 bits (``state/quant.py``): each unit's bytes are read into the
+    back of its own compute slot (``aligned`` there, so O_DIRECT reads into it) and dequantized
+    into the front once the read is done, on the thread that waits for it, as ``_Upcast``
+    widens. A host-resident unit is dequantized from its host bytes. No staging memory beyond
+    the slots and one weight's dequantized copy."""
+
+    file_backed = True
+
+    def __init__(self, region: TieredRegions, quant: QuantLayout, dtype: torch.dtype) -> None:
+        self.region, self.quant, self.dtype = region, quant, dtype
+
+    def on_host(self, u: int) -> bool:
+        return False  # its bytes are not the slot's values: always loaded, dequantized
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("a quantized unit has no host view")
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        q = self.quant.units[u].numel
+        if self.region.on_host(u):
+            self.quant.dequantize_into(u, self.region.host_view(u), out)
+            return IOFuture.completed(q)
+        raw = out.view(torch.uint8)
+        offset = round_down(raw.numel() - q)  # aligned, as the slot's start
+        buf = raw[offset : offset + q]
+        return self.region.read(u, buf).then(lambda: self.quant.dequantize_into(u, buf, out))
+
+
 class _NoGrads(GradSink):
     """No unit of a frozen model has a gradient: anything handed here is a bug."""
 
@@ -116,15 +146,25 @@ class FrozenUpdate(Update):
         """None: a narrower model is widened inside the slots (``widen_in_place``)."""
         return {}
 
+    @staticmethod
+    def base_layout(cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int):
+        """(the layout the base is stored in, its element dtype): ``layout`` in the base's dtype,
+        or a 4-bit base's ``QuantLayout`` of bytes."""
+        spec = quant_spec(cfg.model)
+        if spec is None:
+            return layout, base_dtype_of(cfg.model.base_dtype, pdtype)
+        return QuantLayout(layout, spec, pdtype, align), torch.uint8
+
     @classmethod
     def declare(
         cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
     ) -> list[StateDecl]:
+        stored, dtype = cls.base_layout(cfg, layout, pdtype, align)
         return [
             TieredRegions.declare(
-                layout,
+                stored,
                 "params.bin",
-                base_dtype_of(cfg.model.base_dtype, pdtype),
+                dtype,
                 cfg.memory.host_param_mib * MIB,
                 align,
                 name="params",
@@ -137,13 +177,22 @@ class FrozenUpdate(Update):
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
-        self._params = TieredRegions(layout, storage, self.states[0], pin=pin)
+        stored, _ = self.base_layout(cfg, layout, pdtype, storage.record_align)
+        self.quant = stored if isinstance(stored, QuantLayout) else None
+        self._params = TieredRegions(stored, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
-        self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
+        if self.quant is not None:
+            self.params: ParamSource = _Dequant(self._params, self.quant, pdtype)
+        else:
+            self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
         self.grads = _NoGrads()
-        self.init_dtype = self._params.dtype  # initial weights go straight into the base's dtype
+        # initial weights go straight into the base's dtype (a 4-bit base: quantized from the compute dtype's)
+        self.init_dtype = pdtype if self.quant is not None else self._params.dtype
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
+        if self.quant is not None:
+            self._params.write(u, self.quant.quantize(u, flat32)).get()
+            return
         d = self._params.dtype
         self._params.write(u, flat32 if flat32.dtype == d else flat32.to(d)).get()
 

@@ -1,0 +1,241 @@
+"""A frozen base kept in 4 bits (``model.base_dtype = 'nf4' | 'fp4'``): bitsandbytes' formats.
+
+What is quantized is what transformers' bitsandbytes integration quantizes when a user loads a
+model with ``BitsAndBytesConfig(load_in_4bit=True)``: the weight of every ``nn.Linear`` inside
+the decoder blocks (not the embedding, not the output head, not norms or biases), in blocks of
+64 values with one scale each (``absmax``), the scales themselves quantized to 8 bits in blocks
+of 256 with ``model.base_double_quant`` (bitsandbytes' ``bnb_4bit_use_double_quant``). The
+quantization is bitsandbytes' own (``quantize_4bit``), from the weights in the compute dtype, as
+transformers quantizes the weights it loaded in the model's dtype; so is the dequantization
+(``dequantize_4bit``). On CPU, with fp32 compute, ``F.linear`` of the dequantized weight is
+``Linear4bit``'s forward and backward bit for bit (bitsandbytes dequantizes there too): a LoRA
+run on a quantized base is peft's QLoRA bit for bit.
+
+Layout (``QuantLayout``): a unit of the base is one record of bytes. A unit with a quantized
+weight holds, per parameter in the unit's order, either its packed 4-bit codes, its scales (and
+with double quantization the scales' own scales and offset), or, for a parameter left as it is,
+its bytes in the compute dtype; each piece starts on 64 bytes. A unit with nothing quantized
+(the embedding, the head) is the plain unit's bytes. Units end on ``align`` bytes (whole
+checksum blocks, as every unit of every state).
+
+A quantized unit is read into the back of its own compute slot and dequantized into the front
+(``dequantize_into``): no staging memory beyond one weight's dequantized copy (bitsandbytes'
+CPU kernel takes no output buffer).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = ["QUANTIZED", "QuantSpec", "QuantLayout", "quant_spec", "require_bitsandbytes"]
+
+QUANTIZED = ("nf4", "fp4")
+BLOCK = 64  # values per scale: bitsandbytes' 4-bit default (transformers' integration never changes it)
+BLOCK2 = 256  # scales per scale of the scales (double quantization), bitsandbytes' fixed choice
+PIECE_ALIGN = 64  # bytes: every piece of a unit starts here (fp32 views of the scales stay aligned)
+
+
+def require_bitsandbytes(what: str):
+    """bitsandbytes' ``functional`` module, or an error that names ``what`` needs it and the fix."""
+    try:
+        import bitsandbytes.functional as F
+    except ImportError as exc:
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"{what} needs bitsandbytes (its 4-bit formats and kernels), which does not import here "
+            f"({type(exc).__name__}: {exc}): pip install 'bitsandbytes>=0.45' (or tiertrain[qlora])"
+        ) from None
+    return F
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How the base is quantized: ``kind`` ('nf4' or 'fp4'), ``double`` (scales quantized too)."""
+
+    kind: str
+    double: bool = False
+
+    def describe(self) -> str:
+        return f"{self.kind}{' with double quantization' if self.double else ''} (bitsandbytes, blocks of {BLOCK})"
+
+
+def quant_spec(model_cfg) -> QuantSpec | None:
+    """The spec of ``[model]`` (``base_dtype``, ``base_double_quant``), None for a float base."""
+    if model_cfg.base_dtype not in QUANTIZED:
+        return None
+    return QuantSpec(model_cfg.base_dtype, bool(model_cfg.base_double_quant))
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where one parameter of a unit is in its bytes: ``raw`` (the compute dtype's bytes) or
+    quantized (codes, scales, and the scales' scales and offset with double quantization)."""
+
+    rec: object  # layout.ParamRecord
+    quantized: bool
+    start: int  # bytes from the unit's start
+    codes: int = 0
+    scales: int = 0
+    scales2: int = 0
+    offset: int = 0
+    end: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.rec.numel // BLOCK)
+
+
+@dataclass(frozen=True)
+class QuantUnit:
+    index: int
+    numel: int  # bytes (the region's dtype is uint8), padded to ``align``
+    pieces: tuple[_Piece, ...]
+    plain: bool  # nothing quantized: the plain unit's bytes (read straight into the slot)
+
+
+def quantizable(model) -> set[int]:
+    """``id`` of every parameter quantized: the weights of ``nn.Linear`` modules of the blocks."""
+    out = set()
+    for block in model.blocks:
+        for mod in block.modules():
+            if isinstance(mod, nn.Linear):
+                out.add(id(mod.weight))
+    return out
+
+
+class QuantLayout:
+    """The base's units in ``spec``'s format, laid over ``layout`` (a ``FlatLayout``: its
+    ``quantizable`` parameters are quantized) computed in ``dtype``; units padded to ``align`` bytes. ``units[u].numel`` are bytes, so a
+    ``TieredRegions`` of ``torch.uint8`` holds them."""
+
+    def __init__(self, layout, spec: QuantSpec, dtype: torch.dtype, align: int) -> None:
+        self.spec, self.dtype, self.flat = spec, dtype, layout
+        wanted = layout.quantizable
+        e = dtype.itemsize
+        self.units: list[QuantUnit] = []
+        self.quantized_params = 0
+        for unit in layout.units:
+            if not any(id(r.param) in wanted for r in unit.params):
+                self.units.append(QuantUnit(unit.index, unit.numel * e, (), True))
+                continue
+            pieces, pos = [], 0
+            for r in unit.params:
+                if id(r.param) not in wanted:
+                    pieces.append(_Piece(r, False, pos, end=pos + r.numel * e))
+                else:
+                    self.quantized_params += r.numel
+                    pieces.append(self._quantized_piece(r, pos))
+                pos = _up(pieces[-1].end, PIECE_ALIGN)
+            self.units.append(QuantUnit(unit.index, max(_up(pos, align), align), tuple(pieces), False))
+        self.total_numel = sum(u.numel for u in self.units)
+        self.max_unit_numel = max(u.numel for u in self.units)
+
+    def _quantized_piece(self, r, pos: int) -> _Piece:
+        nb = -(-r.numel // BLOCK)
+        codes = pos
+        scales = _up(codes + (r.numel + 1) // 2, PIECE_ALIGN)
+        if not self.spec.double:
+            return _Piece(r, True, pos, codes, scales, end=scales + 4 * nb)
+        scales2 = _up(scales + nb, PIECE_ALIGN)
+        offset = _up(scales2 + 4 * (-(-nb // BLOCK2)), PIECE_ALIGN)
+        return _Piece(r, True, pos, codes, scales, scales2, offset, end=offset + 4)
+
+    def describe(self) -> str:
+        n = self.flat.n_params
+        return (
+            f"base in {self.spec.describe()}: {self.quantized_params / 1e6:.2f} M of {n / 1e6:.2f} M parameters "
+            f"quantized, {self.total_numel / 2**20:,.1f} MiB against {self.flat.total_numel * self.dtype.itemsize / 2**20:,.1f}"
+            " MiB unquantized"
+        )
+
+    # -- bytes <-> weights -----------------------------------------------------------------------------------
+    def quantize(self, u: int, flat: torch.Tensor) -> torch.Tensor:
+        """Unit ``u``'s bytes from its flat weights ``flat`` (any float dtype: quantized from
+        their values in the compute dtype, as transformers quantizes the weights it loaded)."""
+        unit = self.units[u]
+        flat = flat.to(self.dtype)
+        if unit.plain:
+            return flat.view(torch.uint8)
+        F = require_bitsandbytes(f"model.base_dtype = {self.spec.kind!r}")
+        out = torch.zeros(unit.numel, dtype=torch.uint8)
+        for p in unit.pieces:
+            w = p.rec.view(flat)
+            if not p.quantized:
+                out[p.start : p.end].copy_(w.reshape(-1).view(torch.uint8))
+                continue
+            q, st = F.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=self.spec.double, quant_type=self.spec.kind)
+            out[p.codes : p.codes + q.numel()].copy_(q.view(-1))
+            out[p.scales : p.scales + st.absmax.numel() * st.absmax.element_size()].copy_(st.absmax.view(torch.uint8))
+            if self.spec.double:
+                a2 = st.state2.absmax.float()
+                out[p.scales2 : p.scales2 + 4 * a2.numel()].copy_(a2.view(torch.uint8))
+                out[p.offset : p.offset + 4].copy_(st.offset.float().reshape(1).view(torch.uint8))
+        return out
+
+    def dequantize_into(self, u: int, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Unit ``u``'s weights into ``out`` (its slot, the compute dtype) from its bytes ``src``.
+        ``src`` may lie inside ``out``'s own bytes, behind the front: the pieces are written front
+        to back, and once a piece's destination would reach bytes not yet consumed, the rest of
+        ``src`` is copied aside first."""
+        unit = self.units[u]
+        if unit.plain:
+            if src.data_ptr() != out.data_ptr():  # read into the slot itself: nothing to do
+                out.view(torch.uint8)[: unit.numel].copy_(src[: unit.numel])
+            return
+        F = require_bitsandbytes(f"model.base_dtype = {self.spec.kind!r}")
+        raw = out.view(torch.uint8)
+        base = src.data_ptr() - raw.data_ptr()  # src's place in out's bytes (overlap check), if inside
+        inside = 0 <= base < raw.numel()
+        shift = 0  # src's pieces were moved aside: their bytes from ``shift`` on are in ``src``
+        e = self.dtype.itemsize
+        for p in unit.pieces:
+            dst_end = (p.rec.offset + p.rec.numel) * e
+            if inside and dst_end > base + p.start:
+                src, shift, inside = src[p.start :].clone(), p.start, False
+            piece = src[p.start - shift : p.end - shift]
+            w = p.rec.view(out)
+            if not p.quantized:
+                w.view(-1).copy_(piece.view(self.dtype))
+                continue
+            w.copy_(F.dequantize_4bit(self._codes(p, piece), self._state(p, piece)))
+
+    def _codes(self, p: _Piece, piece: torch.Tensor) -> torch.Tensor:
+        return piece[: (p.rec.numel + 1) // 2].view(-1, 1)
+
+    def _state(self, p: _Piece, piece: torch.Tensor):
+        F = require_bitsandbytes(f"model.base_dtype = {self.spec.kind!r}")
+        s = p.scales - p.start
+        if not self.spec.double:
+            absmax = piece[s : s + 4 * p.blocks].view(torch.float32)
+            return F.QuantState(
+                absmax, shape=p.rec.shape, code=_code(self.spec.kind), blocksize=BLOCK,
+                quant_type=self.spec.kind, dtype=self.dtype,
+            )  # fmt: skip
+        s2, o = p.scales2 - p.start, p.offset - p.start
+        state2 = F.QuantState(
+            piece[s2 : s2 + 4 * (-(-p.blocks // BLOCK2))].view(torch.float32), code=_code2(), blocksize=BLOCK2,
+            dtype=torch.float32,
+        )  # fmt: skip
+        return F.QuantState(
+            piece[s : s + p.blocks], shape=p.rec.shape, code=_code(self.spec.kind), blocksize=BLOCK,
+            quant_type=self.spec.kind, dtype=self.dtype, offset=piece[o : o + 4].view(torch.float32)[0], state2=state2,
+        )  # fmt: skip
+
+
+@functools.cache
+def _code(kind: str) -> torch.Tensor:
+    return require_bitsandbytes(f"model.base_dtype = {kind!r}").get_4bit_type(kind, device="cpu")
+
+
+@functools.cache
+def _code2() -> torch.Tensor:
+    return require_bitsandbytes("model.base_double_quant").create_dynamic_map(signed=True)
