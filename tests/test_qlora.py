@@ -6,8 +6,6 @@ too), never written; checkpoints resumed, exported and evaluated."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from reference import reference_model, reference_train, weights_of
@@ -56,20 +54,176 @@ def qlora_config(tmp_path, kind="nf4", double=False, **kw):
     return cfg
 
 
+def qwen2_base(tmp_path) -> str:
+    """A saved Qwen2 (another family: biased q/k/v projections, which stay unquantized)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(7)
+    c = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(c).save_pretrained(tmp_path / "qwen2")
+    return str(tmp_path / "qwen2")
+
+
+def _plain(cfg):
+    """The unquantized model of ``cfg`` (its directory's, or built from its sizes)."""
+    if cfg.model.hf_dir is None:
+        return reference_model(cfg)
+    from transformers import AutoModelForCausalLM
+
+    return HFWrapper(AutoModelForCausalLM.from_pretrained(cfg.model.hf_dir, dtype=torch.float32).train())
+
+
 @pytest.mark.parametrize(
-    "kind,double,host_param_mib",
-    [("nf4", False, 0), ("nf4", True, 64), ("fp4", False, 64), ("fp4", True, 0)],
+    "kind,double,host_param_mib,family",
+    [
+        ("nf4", False, 0, "llama"),  # the base on the tier
+        ("nf4", True, 64, "llama"),  # in memory, the scales quantized too
+        ("fp4", False, 64, "llama"),
+        ("fp4", True, 0, "llama"),
+        ("nf4", True, 0, "qwen2"),
+    ],
 )
-def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib):
+def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib, family, device=None):
     cfg = qlora_config(tmp_path, kind, double, host_param_mib=host_param_mib, steps=3)
-    plain = reference_model(cfg)
+    if family != "llama":
+        cfg.model.hf_dir, cfg.model.kind = qwen2_base(tmp_path), "auto"
+        cfg = type(cfg).from_dict(cfg.to_dict())  # the model's sizes from its directory
+    plain = _plain(cfg)
     init = weights_of(plain)
     ref, names = quantized_reference(cfg, plain, tmp_path, kind, double)
     ref_losses, ref_weights = reference_train(cfg, ref)
-    losses, _, tr = run_tiertrain(cfg, init)
+    losses, _, tr = run_tiertrain(cfg, init, device)
     assert losses == ref_losses
     adapters = dict(tr.rt.adapters.named())
     assert len(adapters) == 2 * len(tr.rt.adapters.targets) > 0
     for name, p in adapters.items():
         assert torch.equal(p.detach(), ref_weights[names[name]]), name
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in adapters.items()), "the adapters did not train"
+
+
+def test_qlora_on_a_device_with_memory_of_its_own(tmp_path):
+    """As on CUDA (the simulated device): the quantized units read, dequantized in their staging
+    and uploaded, some kept in host memory; peft's bits still."""
+    from tiertrain.device.simulated import AsyncCpuDevice
+
+    test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, "nf4", True, 1, "llama", AsyncCpuDevice(delay=0.001))
+
+
+@pytest.mark.parametrize("host_param_mib", [0, 64])
+def test_a_4bit_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, host_param_mib):
+    """The storage tier reads the base's quantized bytes (under a third of the fp32 base's on a
+    model whose blocks are most of it), equal to the cost model's; its pools are the fp32 run's
+    (dequantized inside the slots); the plan line names the format."""
+    from tiertrain.cost import run_traffic
+    from tiertrain.cost.report import _base_line
+    from tiertrain.training.trainer import Trainer
+
+    kw = dict(steps=2, stash_host_mib=64, host_param_mib=host_param_mib, layers=4, d=128)
+    cfg = qlora_config(tmp_path / "q", "nf4", **kw)
+    full = lora_config(tmp_path / "f", "llama", **kw)
+    with Trainer(cfg) as tq, Trainer(full) as tf:
+        recs = []
+        for t in (tq, tf):
+            t.initialize(progress=False)
+            t.train_step()
+            recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
+        assert tq.update.states[0].dtype == torch.uint8
+        assert tq.budget.fixed == tf.budget.fixed
+        assert "base in nf4" in _base_line(tq.cfg, tq.rt)[0]
+    (q, t_q), (f, t_f) = recs
+    assert q.ssd_read_bytes == t_q.read and f.ssd_read_bytes == t_f.read
+    if host_param_mib == 0:
+        assert 0 < q.ssd_read_bytes / f.ssd_read_bytes < 0.34
+    else:
+        assert q.ssd_read_bytes == f.ssd_read_bytes == 0
+
+
+def test_a_resumed_qlora_run_is_the_straight_run_and_a_corrupt_base_is_caught(tmp_path):
+    from tiertrain.checkpoint import CheckpointError
+
+    cfg = qlora_config(tmp_path / "a", "nf4", True, steps=4)
+    init = weights_of(reference_model(cfg))
+    straight, w_straight, _ = _train(cfg, init, 4)
+    cfg2 = qlora_config(tmp_path / "b", "nf4", True, steps=4)
+    first, _, ckpt = _train(cfg2, init, 2)
+    second, w_resumed, _ = _train(cfg2, init, 2, resume=ckpt)
+    assert first + second == straight
+    assert all(torch.equal(w_straight[n], w_resumed[n]) for n in w_straight)
+    path = f"{ckpt}/params.bin"
+    with open(path, "r+b") as f:  # a flipped byte inside the first block's codes
+        f.seek(70000)
+        b = f.read(1)
+        f.seek(70000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=r"params.bin is corrupt"):
+        _train(cfg2, init, 1, resume=ckpt)
+
+
+def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_base(tmp_path):
+    """A QLoRA run on a transformers directory (Qwen2), then: ``evaluate`` of its checkpoint is
+    the run's logged validation loss; ``generate`` from the checkpoint, and from the base
+    directory with the exported peft adapter and ``model.base_dtype = 'nf4'``, give the greedy
+    tokens of transformers' 4-bit model with ``PeftModel.from_pretrained``; ``--merge`` writes
+    the adapters folded into the dequantized base, which transformers loads."""
+    from test_lora import train_then_evaluate
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.config import Config, ModelConfig
+    from tiertrain.inference.generate import Sampling, generate
+    from tiertrain.inference.weights import CheckpointWeights
+
+    base_dir = qwen2_base(tmp_path)
+    cfg = qlora_config(tmp_path / "run", steps=2)
+    cfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
+    cfg.optim.lr = 2e-2  # adapters that move the tokens
+    ck, _ = train_then_evaluate(cfg, tmp_path)
+    out = export_checkpoint(ck, str(tmp_path / "adapter"))
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=qc, dtype=torch.float32, device_map="cpu")
+    loaded = peft.PeftModel.from_pretrained(base, out).train()  # bitsandbytes' training kernels (no CPU repack)
+    prompts = [[3, 17, 42, 9], [5, 8]]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            want.append(loaded.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[0, len(p) :].tolist())
+        with loaded.disable_adapter():
+            plain = [loaded.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    assert want != plain  # the adapters change the tokens
+    s = Sampling(max_new_tokens=8, stop_at_eos=False)
+    with CheckpointWeights(ck) as w:
+        assert w.source.dequantized
+        gcfg = Config.from_dict(w.config, environment=False)
+        assert generate(gcfg, prompts, s, weights=w.source) == want
+    pcfg = qlora_config(tmp_path / "gen")
+    pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
+    pcfg.adapter.init_from = out
+    assert generate(pcfg, prompts, s) == want
+    merged_dir = export_checkpoint(ck, str(tmp_path / "merged"), merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    x = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, loaded(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_4bit_configs_are_named(tmp_path):
+    from tiertrain.config import ConfigError, load_config
+    from tiertrain.training.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"model.base_double_quant = True: quantizes a 4-bit base's scales"):
+        load_config(None, ["--model.base_double_quant=true", "--adapter.kind=lora"])
+    with pytest.raises(ConfigError, match=r"model.base_dtype = 'nf4' is for a frozen model under adapters"):
+        load_config(None, ["--model.base_dtype=nf4"])
+    with pytest.raises(ConfigError, match=r"model.base_dtype: must be one of|model.base_dtype = 'int4'"):
+        load_config(None, ["--model.base_dtype=int4", "--adapter.kind=lora"])
+    cfg = lora_config(tmp_path, "gpt2")
+    cfg.model.base_dtype = "nf4"
+    with pytest.raises(ConfigError, match=r"no nn.Linear layer to quantize \(GPT-2's are Conv1D\)"):
+        Trainer(cfg)

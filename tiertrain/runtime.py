@@ -22,6 +22,7 @@ from .io.storage import record_align
 from .models import WeightSource, build_model
 from .models.freeze import apply_freeze, freeze_all
 from .state.layout import FlatLayout, chunk_align
+from .state.quant import quant_spec, require_bitsandbytes
 from .state.store import ParamStore
 
 __all__ = ["Runtime", "align_of", "hidden_size_of"]
@@ -93,6 +94,22 @@ class Runtime:
         self.canonical_layout = self.layout if world == 1 else FlatLayout(self.model, unit_align=align)
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
+        self._check_quantized(cfg)
+
+    def _check_quantized(self, cfg: Config) -> None:
+        """A 4-bit base (``model.base_dtype``): bitsandbytes present, something to quantize, one rank."""
+        spec = quant_spec(cfg.model)
+        if spec is None:
+            return
+        what = f"model.base_dtype = {spec.kind!r}"
+        require_bitsandbytes(what)
+        if not self.layout.quantizable:
+            raise ConfigError(
+                f"{what}: this model's blocks have no nn.Linear layer to quantize (GPT-2's are Conv1D); use "
+                "model.base_dtype = 'bfloat16' to halve its bytes, or leave it unset"
+            )
+        if self.world > 1:
+            raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or unset it")
 
     def recut(self, cfg: Config) -> None:
         """The model built again for ``cfg`` (another ``model.vocab_pieces``), on the same device,

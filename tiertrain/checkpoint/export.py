@@ -35,6 +35,7 @@ from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir, mode_as_created
 from ..runtime import align_of
 from ..state.layout import FlatLayout, chunk_align
+from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
@@ -114,6 +115,32 @@ class WeightsFile:
     path: str
     dtype: torch.dtype
     entry: FileEntry
+    quant: QuantLayout | None = None  # a 4-bit base's layout (``dtype`` is then uint8): read it through ``unit``
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype of the weights ``unit`` gives."""
+        return self.quant.dtype if self.quant is not None else self.dtype
+
+    def unit_bytes(self, u: int) -> tuple[int, int]:
+        """(offset, length) in bytes of unit ``u``'s record in the file."""
+        if self.quant is not None:
+            q = self.quant.units[u]
+            return q.offset, q.numel
+        unit, e = self.layout.units[u], self.dtype.itemsize
+        return unit.offset * e, unit.numel * e
+
+    @property
+    def max_unit_bytes(self) -> int:
+        return max(self.unit_bytes(u)[1] for u in range(len(self.layout.units)))
+
+    def unit(self, raw: torch.Tensor, u: int, out: torch.Tensor) -> torch.Tensor:
+        """Unit ``u``'s flat weights (``weights_dtype``) from its record's bytes ``raw``: ``raw``
+        itself, or a 4-bit base dequantized into ``out``."""
+        if self.quant is None:
+            return raw.view(self.dtype)
+        self.quant.dequantize_into(u, raw, out)
+        return out[: self.layout.units[u].numel]
 
 
 def weights_file(path: str, man: Manifest) -> WeightsFile:
@@ -122,6 +149,9 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
     presence and size (its checksum is the reader's to check)."""
     cfg = Config.from_dict(man.config, environment=False)
     pdtype = getattr(torch, man.param_dtype.removeprefix("torch."))  # a stored "auto" may have meant bf16 on a GPU
+    quantized = pdtype == torch.uint8  # a 4-bit base: its units are bytes, its weights made in the compute dtype
+    if quantized:
+        pdtype = getattr(torch, man.compute_dtype.removeprefix("torch."))
     model, _ = build_model(cfg.model, param_dtype=pdtype, seed=0)
     layout = FlatLayout(model, unit_align=chunk_align(align_of(cfg), pdtype))  # checkpoints: the one-rank layout
     if [u.numel for u in layout.units] != man.units:
@@ -141,7 +171,8 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
         raise CheckpointError(
             f"checkpoint file {file} is truncated: {os.path.getsize(file)} bytes, the manifest says {entry.size}"
         )
-    return WeightsFile(cfg, model, layout, file, getattr(torch, dtype.removeprefix("torch.")), entry)
+    quant = base_storage(cfg, layout, pdtype, align_of(cfg))[0] if quantized and name == "params.bin" else None
+    return WeightsFile(cfg, model, layout, file, getattr(torch, dtype.removeprefix("torch.")), entry, quant)
 
 
 def _adapters(path: str, man: Manifest):
@@ -192,22 +223,25 @@ def _merged(adapters) -> dict[str, torch.Tensor]:
 
 def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     w = weights_file(path, man)
-    cfg, model, layout, file, dtype, entry = w.cfg, w.model, w.layout, w.path, w.dtype, w.entry
+    cfg, model, layout, file, entry = w.cfg, w.model, w.layout, w.path, w.entry
     names = _hf_names(model) if model.hf_model is not None else {}
     deltas = _merged(adapters)
     if model.hf_config is not None:
         model.hf_config.save_pretrained(out)
     weight_map, total, crc = {}, 0, 0
     n = len(layout.units)
-    buf = torch.empty(layout.max_unit_numel, dtype=dtype)
+    raw_buf = torch.empty(w.max_unit_bytes, dtype=torch.uint8)
+    out_buf = torch.empty(layout.max_unit_numel, dtype=w.weights_dtype) if w.quant is not None else None
     from safetensors.torch import save_file
 
     whole = WholeTensors(model.row_pieces)
     with FileHandle(file, "r") as f:
         for unit in layout.units:
-            view = buf[: unit.numel]
-            f.read(view, unit.numel * dtype.itemsize, unit.offset * dtype.itemsize)
-            crc = crc32c(view.view(torch.uint8).numpy(), crc)
+            offset, length = w.unit_bytes(unit.index)
+            raw = raw_buf[:length]
+            f.read(raw, length, offset)
+            crc = crc32c(raw.numpy(), crc)
+            view = w.unit(raw, unit.index, out_buf)  # a 4-bit base: dequantized (what training computed with)
             shard = f"model-{unit.index + 1:05d}-of-{n:05d}.safetensors"
             tensors = {}
             for r in unit.params:  # a vocabulary piece's rows go into its whole matrix, saved with its last rows

@@ -69,6 +69,8 @@ class Manifest:
     version: int = VERSION
     weights: str = ""  # the file of the state that holds the weights ('' in older checkpoints)
     weights_dtype: str = ""
+    # the compute dtype, where the weights file holds a 4-bit base (its dtype is then uint8)
+    compute_dtype: str = ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:

@@ -23,6 +23,7 @@ from .. import faults
 from ..io import BufferPool, FileHandle, IOFuture, IOWorkers, OutOfSpaceError, check_space, free_bytes
 from ..io.checksum import crc32c
 from ..state.layout import FlatLayout
+from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
 from .manifest import CheckpointError, FileEntry, Manifest, latest_checkpoint, list_checkpoints
 
@@ -55,13 +56,20 @@ class CheckpointIO:
     def pool_bytes(self) -> int:
         return self.buffers.size_bytes + self.workers.pool_bytes
 
+    def _layout(self, region):
+        """The layout ``region`` is written in: a 4-bit base's own (its units are bytes), else
+        the checkpoint's."""
+        own = getattr(region, "layout", None)
+        return own if isinstance(own, QuantLayout) else self.layout
+
     def file_size(self, region: TieredRegions) -> int:
-        return self.layout.total_numel * region.esize
+        return self._layout(region).total_numel * region.esize
 
     # -- streaming ------------------------------------------------------------------------------
     def _chunks(self, region: TieredRegions) -> list[tuple[int, int, int]]:
         step = self.chunk_bytes // region.esize
-        return [(u.index, a, min(a + step, u.numel)) for u in self.layout.units for a in range(0, u.numel, step)]
+        units = self._layout(region).units
+        return [(u.index, a, min(a + step, u.numel)) for u in units for a in range(0, u.numel, step)]
 
     def _copy(self, region: TieredRegions, read: Callable, write: Callable) -> int:
         """Chunk by chunk: read into a buffer (the next one is read while this is written);
@@ -103,11 +111,13 @@ class CheckpointIO:
         drop: list[str] = (),
         weights: str = "",
         extra: dict[str, tuple[dict, dict]] | None = None,
+        compute_dtype: str = "",
     ) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
         (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
         that holds the weights (named in the manifest: what export and eval read); ``extra``:
-        small files by name, (tensors, metadata) each (the adapters), checked as the rest."""
+        small files by name, (tensors, metadata) each (the adapters), checked as the rest;
+        ``compute_dtype``: recorded where a region holds a 4-bit base (what its weights are made in)."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -129,6 +139,7 @@ class CheckpointIO:
                 str(regions["params.bin"].dtype),
                 weights=weights,
                 weights_dtype=str(regions[weights].dtype) if weights else "",
+                compute_dtype=compute_dtype,
             ).write(tmp)
             _fsync_dir(tmp)
             _replace_dir(tmp, final)
@@ -151,12 +162,12 @@ class CheckpointIO:
         return SaveResult(final, total, time.perf_counter() - t0)
 
     def _save_region(self, directory: str, name: str, region, size: int) -> FileEntry:
-        esize = region.esize
+        esize, units = region.esize, self._layout(region).units
         with FileHandle(os.path.join(directory, name), "w", size=size, workers=self.workers) as f:
             crc = self._copy(
                 region,
                 read=lambda u, a, b, buf: region.read(u, buf, a, b),
-                write=lambda u, a, b, buf: f.pwrite(buf, (b - a) * esize, (self.layout.units[u].offset + a) * esize),
+                write=lambda u, a, b, buf: f.pwrite(buf, (b - a) * esize, (units[u].offset + a) * esize),
             )
             f.flush()
         return FileEntry(name, size, crc)
@@ -194,11 +205,11 @@ class CheckpointIO:
             raise CheckpointError(
                 f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}"
             )
-        esize = region.esize
+        esize, units = region.esize, self._layout(region).units
         with FileHandle(path, "r", workers=self.workers) as f:
             crc = self._copy(
                 region,
-                read=lambda u, a, b, buf: f.pread(buf, (b - a) * esize, (self.layout.units[u].offset + a) * esize),
+                read=lambda u, a, b, buf: f.pread(buf, (b - a) * esize, (units[u].offset + a) * esize),
                 write=lambda u, a, b, buf: region.write(u, buf, a, b),
             )
         if crc != entry.crc32c:

@@ -12,7 +12,7 @@ import os
 
 from ..execute.executor import visits
 from .model import Phase, Prediction, predict
-from .probe import DiskProbe, Rates, probe_compute, probe_crc, probe_update, probe_widen
+from .probe import DiskProbe, Rates, probe_base, probe_compute, probe_crc, probe_update
 from .traffic import Traffic, kept_pairs, offloaded_pairs, run_traffic, step_traffic
 
 __all__ = [
@@ -62,7 +62,7 @@ def _measure_rates(cfg, rt, probe_mib: int) -> Rates:
         io_cpu_s_per_gb=io_cpu,
         io_slowdown=slow,
         update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
-        widen_gbps=probe_widen(getattr(rt, "base_dtype", rt.dtype), rt.dtype, rt.layout.max_unit_numel),
+        widen_gbps=probe_base(cfg, rt),
         cores=len(os.sched_getaffinity(0)),
         **comp,
     )

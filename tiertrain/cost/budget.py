@@ -33,6 +33,7 @@ from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..errors import one_line
 from ..state.grads import GradStore, accum_dtype_for
+from ..state.quant import base_storage
 from ..update import UPDATES
 
 
@@ -225,6 +226,15 @@ def _act_bytes_estimate(cfg: Config, rt) -> int:
     )
 
 
+def _base_bytes(cfg: Config, rt) -> int:
+    """Bytes the parameters' backing copy takes: a frozen base in its own dtype or format."""
+    n = rt.state_layout.total_numel
+    if not cfg.adapter.on:
+        return n * rt.dtype.itemsize
+    stored, dtype = base_storage(cfg, rt.state_layout, rt.dtype, rt.align)
+    return stored.total_numel * dtype.itemsize
+
+
 def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     """Bytes each planned field needs to hold all it can hold."""
     e, M, L = rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
@@ -235,7 +245,7 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
     trained = 0 if cfg.adapter.on else 1  # adapters: the model forms no gradient and has no optimizer state
     out = {
-        "host_param_mib": n * getattr(rt, "base_dtype", rt.dtype).itemsize if own else 0,
+        "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
         "optim_host_mib": n * 4 * (moments + master) * trained if own else 0,
         "stash_host_mib": L * M * entry,

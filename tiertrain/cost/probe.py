@@ -29,7 +29,16 @@ from ..io.checksum import crc32c
 from ..update.kernels import adamw_segments
 from .unit_timing import time_unit_steps
 
-__all__ = ["Rates", "DiskProbe", "probe_compute", "probe_act_bytes", "probe_acts", "probe_crc", "probe_widen"]
+__all__ = [
+    "Rates",
+    "DiskProbe",
+    "probe_compute",
+    "probe_act_bytes",
+    "probe_acts",
+    "probe_crc",
+    "probe_widen",
+    "probe_base",
+]
 
 
 @dataclass
@@ -50,7 +59,7 @@ class Rates:
     update_elem_s: float  # the AdamW kernel, per element
     cores: int
     record_bytes: int = 0  # one pair's record of offloaded activations (its input, in the stash, not counted)
-    widen_gbps: float = 0.0  # GB/s of the compute dtype made from a narrower base (0: none to widen)
+    widen_gbps: float = 0.0  # GB/s of the compute dtype made from a narrower or 4-bit base (0: none to make)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +173,26 @@ def probe_crc(mib: int = 64) -> float:
     """CRC32C GB/s on one thread."""
     data = np.random.default_rng(1).integers(0, 255, mib << 20, dtype=np.uint8)
     return (mib << 20) / _timed(lambda: crc32c(data), repeats=2) / 1e9
+
+
+def probe_base(cfg, rt) -> float:
+    """GB/s of the compute dtype that making a frozen base's fetched unit takes: widening a
+    narrower dtype (``probe_widen``) or dequantizing a 4-bit base (the largest quantized unit,
+    its weights random); 0 with nothing to convert."""
+    from ..state.quant import base_storage
+
+    if not cfg.adapter.on:
+        return 0.0
+    stored, dtype = base_storage(cfg, rt.layout, rt.dtype, rt.align)
+    if dtype != torch.uint8:
+        return probe_widen(dtype, rt.dtype, rt.layout.max_unit_numel)
+    u = max((x for x in stored.units if not x.plain), key=lambda x: x.numel, default=None)
+    if u is None:
+        return 0.0
+    n = rt.layout.units[u.index].numel
+    out = torch.randn(n, dtype=torch.float32).to(rt.dtype)
+    q = stored.quantize(u.index, out)
+    return n * rt.dtype.itemsize / _timed(lambda: stored.dequantize_into(u.index, q, out), repeats=2) / 1e9
 
 
 def probe_widen(src: torch.dtype, dst: torch.dtype, numel: int) -> float:

@@ -7,6 +7,7 @@ import dataclasses
 import statistics
 
 from ..models import model_name
+from ..state.quant import base_storage, quant_spec
 from .model import Prediction
 
 __all__ = ["plan_report", "advice"]
@@ -102,10 +103,23 @@ def path_name(mode: str, eager: bool, speculative: bool) -> str:
     return mode + (" (eager)" if eager else "") + (", speculative" if speculative else "")
 
 
+def _made(cfg) -> str:
+    """How a frozen base's fetched unit is made in the compute dtype."""
+    return "dequantized" if quant_spec(cfg.model) is not None else "widened"
+
+
+def _base_line(cfg, rt) -> list[str]:
+    """A 4-bit base's format and bytes, where it is one."""
+    if quant_spec(cfg.model) is None or not cfg.adapter.on:
+        return []
+    return [base_storage(cfg, rt.layout, rt.dtype, rt.align)[0].describe()]
+
+
 def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     t, r = pred.traffic, pred.rates
     lines = [
         f"model: {model_name(rt.model, cfg.model)}, {rt.dtype}, {rt.layout.describe()}",
+        *_base_line(cfg, rt),
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
         f" update path {path_name(cfg.update.mode, cfg.update.eager, cfg.update.speculate == 'on')}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
         "",
@@ -128,7 +142,7 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
         f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
         f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s"
-        + (f"; the base widened at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else ""),
+        + (f"; the base {_made(cfg)} at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else ""),
         _activations(cfg, rt, r),
         "",
         "predicted step:",

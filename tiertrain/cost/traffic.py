@@ -27,8 +27,8 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config
-from ..device.core import base_dtype_of
 from ..execute.executor import visits
+from ..state.quant import base_storage
 from ..state.regions import place
 from ..update.streamed import optimizer_states
 
@@ -169,8 +169,9 @@ def step_traffic(
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
     nbytes = [u.numel * e for u in layout.units]
-    pdt = base_dtype_of(cfg.model.base_dtype, dtype)  # the frozen model's, if narrower
-    params_file = _on_file(layout, pdt, m.host_param_mib * MIB, align)
+    # the frozen model's own layout and dtype where narrower (a 4-bit base: its bytes)
+    stored, pdt = base_storage(cfg, layout, dtype, align) if cfg.adapter.on else (layout, dtype)
+    params_file = _on_file(stored, pdt, m.host_param_mib * MIB, align)
     grads_file = _on_file(layout, dtype, m.grad_host_mib * MIB, align)
     plan = model.plan
     head = next(r for r in plan if r.role == "head")
@@ -187,10 +188,10 @@ def step_traffic(
     for pos, u in slot_fetches(order, layout, m.device_slots, on_host):
         phase = "forward" if pos < n_forward else "backward"
         if u in params_file:
-            t._add("params", phase, "read", layout.units[u].numel * pdt.itemsize)
+            t._add("params", phase, "read", stored.units[u].numel * pdt.itemsize)
             if phase == "forward" and u not in frozen:
-                t.forward_trained_read += layout.units[u].numel * pdt.itemsize
-        if pdt != dtype:  # read or in host memory, a narrower unit is widened at every fetch
+                t.forward_trained_read += stored.units[u].numel * pdt.itemsize
+        if pdt != dtype:  # read or in host memory, a narrower unit is widened (dequantized) at every fetch
             t.widen[phase] = t.widen.get(phase, 0) + nbytes[u]
         if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
             t.up += nbytes[u]

@@ -62,8 +62,9 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     from .routed import find_experts
 
     experts = find_experts(rt.model, rt.layout)  # a mixture of experts' experts modules (none: dense)
+    weights = _quantized_base(cfg, rt)
     if cfg.io.weights == "source":
-        inner: ParamSource = WeightParams(rt.layout, rt.weights, rt.dtype)
+        inner: ParamSource = WeightParams(rt.layout, weights, rt.dtype)
     else:
         # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
         # checked) small beside them, so that the bytes read are the bytes asked for; by the model
@@ -74,11 +75,11 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
             rt.dtype,
             rt.layout,
             source_files(cfg.model),
-            rt.weights.describe + (f", checksum blocks of {block} bytes" if block != rt.align else ""),
+            weights.describe + (f", checksum blocks of {block} bytes" if block != rt.align else ""),
         )
         inner = TierWeights(
             rt.layout,
-            rt.weights,
+            weights,
             rt.dtype,
             path=cfg.io.paths[0],
             key=key,
@@ -96,6 +97,21 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     except BaseException:
         inner.close()
         raise
+
+
+def _quantized_base(cfg, rt) -> WeightSource:
+    """The run's weights; with a 4-bit base (``model.base_dtype``, adapter runs) the weights as
+    its training computes with them: each unit quantized and dequantized as it is loaded (a
+    QLoRA checkpoint's are already)."""
+    from ..state.quant import base_storage
+
+    source = rt.weights
+    if not cfg.adapter.on or source.dequantized:
+        return source
+    quant, dtype = base_storage(cfg, rt.layout, rt.dtype, rt.align)
+    if dtype != torch.uint8:
+        return source
+    return quant.through(source)
 
 
 def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:
@@ -358,12 +374,16 @@ class CheckpointWeights:
         self.path = find_checkpoint(path, "eval --checkpoint")
         man = Manifest.read(self.path)
         w = weights_file(self.path, man)
-        file, self.dtype, entry = w.path, w.dtype, w.entry
-        self.config, self.layout = man.config, w.layout
+        file, self.dtype, entry = w.path, w.weights_dtype, w.entry
+        self.config, self.layout, self._w = man.config, w.layout, w
         self.source = WeightSource(
-            describe=f"checkpoint {self.path} (step {man.step})", load=self.load, adapters=_adapters_of(self.path, man)
+            describe=f"checkpoint {self.path} (step {man.step})",
+            load=self.load,
+            adapters=_adapters_of(self.path, man),
+            dequantized=w.quant is not None,
         )
-        self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype)
+        self._raw = torch.empty(w.max_unit_bytes, dtype=torch.uint8)
+        self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype) if w.quant is not None else None
         self._file = FileHandle(file, "r")
         try:
             self._verify(entry)
@@ -371,11 +391,15 @@ class CheckpointWeights:
             self.close()
             raise
 
+    def _read_raw(self, u: int) -> torch.Tensor:
+        offset, length = self._w.unit_bytes(u)
+        raw = self._raw[:length]
+        self._file.read(raw, length, offset)
+        return raw
+
     def _read(self, u: int) -> torch.Tensor:
-        unit, e = self.layout.units[u], self.dtype.itemsize
-        view = self._buf[: unit.numel]
-        self._file.read(view, unit.numel * e, unit.offset * e)
-        return view
+        """Unit ``u``'s flat weights (a 4-bit base's dequantized: what its training computed with)."""
+        return self._w.unit(self._read_raw(u), u, self._buf)
 
     def _verify(self, entry) -> None:
         from ..checkpoint import CheckpointError
@@ -383,7 +407,7 @@ class CheckpointWeights:
 
         crc = 0
         for u in range(len(self.layout.units)):  # as export chains it: unit by unit, in order
-            crc = crc32c(self._read(u).view(torch.uint8).numpy(), crc)
+            crc = crc32c(self._read_raw(u).numpy(), crc)
         if crc != entry.crc32c:
             raise CheckpointError(
                 f"checkpoint {self.path}: its weights are corrupt (crc32c {crc:#010x}, the manifest "

@@ -98,6 +98,8 @@ class WeightSource:
     load: Callable[[int, list[str]], dict[str, torch.Tensor]]
     # the trained adapters that go with these weights (a checkpoint of an adapter run), by name
     adapters: dict[str, torch.Tensor] | None = None
+    # the weights are a 4-bit base already dequantized (a QLoRA checkpoint's): not quantized again
+    dequantized: bool = False
 
 
 class LayeredModel(nn.Module):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["QUANTIZED", "QuantSpec", "QuantLayout", "quant_spec", "require_bitsandbytes"]
+__all__ = ["QUANTIZED", "QuantSpec", "QuantLayout", "quant_spec", "require_bitsandbytes", "base_storage"]
 
 QUANTIZED = ("nf4", "fp4")
 BLOCK = 64  # values per scale: bitsandbytes' 4-bit default (transformers' integration never changes it)
@@ -71,6 +71,19 @@ def quant_spec(model_cfg) -> QuantSpec | None:
     return QuantSpec(model_cfg.base_dtype, bool(model_cfg.base_double_quant))
 
 
+def base_storage(cfg, layout, dtype: torch.dtype, align: int):
+    """(the layout a frozen base is stored in, its element dtype) for ``cfg`` computed in ``dtype``
+    over ``layout``: the layout itself in ``model.base_dtype`` (the compute dtype unless
+    narrower), or a 4-bit base's ``QuantLayout`` of bytes. What the frozen update path builds,
+    the budget places and the cost model reads."""
+    from ..device.core import base_dtype_of
+
+    spec = quant_spec(cfg.model)
+    if spec is None:
+        return layout, base_dtype_of(cfg.model.base_dtype, dtype)
+    return QuantLayout(layout, spec, dtype, align), torch.uint8
+
+
 def _up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -98,6 +111,7 @@ class _Piece:
 class QuantUnit:
     index: int
     numel: int  # bytes (the region's dtype is uint8), padded to ``align``
+    offset: int  # bytes from the start of the whole layout (a checkpoint's file)
     pieces: tuple[_Piece, ...]
     plain: bool  # nothing quantized: the plain unit's bytes (read straight into the slot)
 
@@ -125,7 +139,7 @@ class QuantLayout:
         self.quantized_params = 0
         for unit in layout.units:
             if not any(id(r.param) in wanted for r in unit.params):
-                self.units.append(QuantUnit(unit.index, unit.numel * e, (), True))
+                self.units.append(QuantUnit(unit.index, unit.numel * e, self._end(), (), True))
                 continue
             pieces, pos = [], 0
             for r in unit.params:
@@ -135,9 +149,12 @@ class QuantLayout:
                     self.quantized_params += r.numel
                     pieces.append(self._quantized_piece(r, pos))
                 pos = _up(pieces[-1].end, PIECE_ALIGN)
-            self.units.append(QuantUnit(unit.index, max(_up(pos, align), align), tuple(pieces), False))
+            self.units.append(QuantUnit(unit.index, max(_up(pos, align), align), self._end(), tuple(pieces), False))
         self.total_numel = sum(u.numel for u in self.units)
         self.max_unit_numel = max(u.numel for u in self.units)
+
+    def _end(self) -> int:
+        return sum(u.numel for u in self.units)
 
     def _quantized_piece(self, r, pos: int) -> _Piece:
         nb = -(-r.numel // BLOCK)
@@ -157,6 +174,26 @@ class QuantLayout:
             " MiB unquantized"
         )
 
+    def through(self, source):
+        """``source`` (a ``WeightSource``) with every unit's weights quantized and dequantized as
+        loaded: the base as a run on it computes (forward-only runs, which keep the compute dtype)."""
+        from ..models.base import WeightSource
+
+        def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
+            unit = self.flat.units[u]
+            values = source.load(u, names)
+            flat = torch.zeros(unit.numel, dtype=self.dtype)
+            for r in unit.params:
+                flat[r.offset : r.offset + r.numel].copy_(values[r.name].reshape(-1))
+            out = torch.empty_like(flat)
+            self.dequantize_into(u, self.quantize(u, flat), out)
+            return {r.name: r.view(out) for r in unit.params}
+
+        return WeightSource(
+            describe=f"{source.describe}, in {self.spec.describe()}", load=load, adapters=source.adapters,
+            dequantized=True,
+        )  # fmt: skip
+
     # -- bytes <-> weights -----------------------------------------------------------------------------------
     def quantize(self, u: int, flat: torch.Tensor) -> torch.Tensor:
         """Unit ``u``'s bytes from its flat weights ``flat`` (any float dtype: quantized from
@@ -172,7 +209,9 @@ class QuantLayout:
             if not p.quantized:
                 out[p.start : p.end].copy_(w.reshape(-1).view(torch.uint8))
                 continue
-            q, st = F.quantize_4bit(w.contiguous(), blocksize=BLOCK, compress_statistics=self.spec.double, quant_type=self.spec.kind)
+            q, st = F.quantize_4bit(
+                w.contiguous(), blocksize=BLOCK, compress_statistics=self.spec.double, quant_type=self.spec.kind
+            )
             out[p.codes : p.codes + q.numel()].copy_(q.view(-1))
             out[p.scales : p.scales + st.absmax.numel() * st.absmax.element_size()].copy_(st.absmax.view(torch.uint8))
             if self.spec.double:

@@ -31,9 +31,12 @@ class Checkpoints:
     (the files'); ``config()``: the user's config (where checkpoints go, how many are kept, and
     what they store), read at each save."""
 
-    def __init__(self, io: CheckpointIO, group, state_layout, canonical, config, weights: str) -> None:
+    def __init__(
+        self, io: CheckpointIO, group, state_layout, canonical, config, weights: str, compute_dtype: str = ""
+    ) -> None:
         self.io, self.group, self.state_layout, self.canonical, self.config = io, group, state_layout, canonical, config
         self.weights_file = weights  # the region that holds the weights (the manifest names it)
+        self.compute_dtype = compute_dtype  # recorded: what a 4-bit base's weights are made in
         self._superseded: list[str] = []  # checkpoints of a later course of a resumed run
 
     @property
@@ -62,6 +65,7 @@ class Checkpoints:
                 drop=self._superseded,
                 weights=self.weights_file,
                 extra=extra,
+                compute_dtype=self.compute_dtype,
             )
         else:
             follow(whole, self.canonical)

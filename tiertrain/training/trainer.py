@@ -261,6 +261,7 @@ class Trainer:
             rt.canonical_layout,
             lambda: self.user_cfg,
             weights=f"{self._weights_state().name}.bin",
+            compute_dtype=str(self.dtype),
         )
         self.meter = StepMeter(
             self.storage,
@@ -371,7 +372,9 @@ class Trainer:
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
         with self.state_regions() as regions:
             return self.checkpoints.weights(
-                regions[f"{self._weights_state().name}.bin"], self.layout, self.model.row_pieces,
+                regions[f"{self._weights_state().name}.bin"],
+                self.layout,
+                self.model.row_pieces,
                 getattr(self.update, "quant", None),
             )
 

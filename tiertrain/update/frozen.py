@@ -18,12 +18,11 @@ from typing import Iterator
 import torch
 
 from ..config import Config
-from ..device.core import base_dtype_of
 from ..io import IOFuture, Storage
 from ..io.align import round_down
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
-from ..state.quant import QuantLayout, quant_spec
+from ..state.quant import QuantLayout, base_storage
 from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import RegionParams
@@ -146,20 +145,11 @@ class FrozenUpdate(Update):
         """None: a narrower model is widened inside the slots (``widen_in_place``)."""
         return {}
 
-    @staticmethod
-    def base_layout(cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int):
-        """(the layout the base is stored in, its element dtype): ``layout`` in the base's dtype,
-        or a 4-bit base's ``QuantLayout`` of bytes."""
-        spec = quant_spec(cfg.model)
-        if spec is None:
-            return layout, base_dtype_of(cfg.model.base_dtype, pdtype)
-        return QuantLayout(layout, spec, pdtype, align), torch.uint8
-
     @classmethod
     def declare(
         cls, cfg: Config, layout: FlatLayout, pdtype: torch.dtype, align: int, paths: list[str]
     ) -> list[StateDecl]:
-        stored, dtype = cls.base_layout(cfg, layout, pdtype, align)
+        stored, dtype = base_storage(cfg, layout, pdtype, align)
         return [
             TieredRegions.declare(
                 stored,
@@ -177,7 +167,7 @@ class FrozenUpdate(Update):
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
-        stored, _ = self.base_layout(cfg, layout, pdtype, storage.record_align)
+        stored, _ = base_storage(cfg, layout, pdtype, storage.record_align)
         self.quant = stored if isinstance(stored, QuantLayout) else None
         self._params = TieredRegions(stored, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
