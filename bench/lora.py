@@ -85,6 +85,7 @@ def tiertrain_worker(spec: dict) -> dict:
     from tiertrain.config import load_config
     from tiertrain.cost import measure_rates
     from tiertrain.cost.probe import DiskProbe
+    from tiertrain.state.quant import base_storage
     from tiertrain.training.trainer import Trainer
 
     flags = [
@@ -106,6 +107,7 @@ def tiertrain_worker(spec: dict) -> dict:
         "--adapter.rank=16",
         f"--adapter.target={','.join(TARGETS)}",
         *([f"--model.base_dtype={spec['base_dtype']}"] if spec["base_dtype"] else []),
+        *([f"--model.base_double_quant={spec['double_quant']}"] if spec.get("double_quant") else []),
     ]
     from tiertrain.cost.budget import PoolsOverBudget
 
@@ -138,7 +140,8 @@ def tiertrain_worker(spec: dict) -> dict:
         compute = spec.get("micro_batches", M) * (
             rates.embed_fwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s
         )
-        base_bytes = tr.layout.total_numel * tr.rt.base_dtype.itemsize
+        stored, sdt = base_storage(tr.cfg, tr.layout, tr.dtype, tr.rt.align)  # a 4-bit base: its bytes
+        base_bytes = stored.total_numel * sdt.itemsize
         out = {
             "steps": [r.step_s for r in recs],
             "read": [r.ssd_read_bytes for r in recs],
@@ -152,7 +155,7 @@ def tiertrain_worker(spec: dict) -> dict:
             "base_bytes": base_bytes,
             "params": tr.layout.n_params,
             "adapters": sum(p.numel() for p in tr.rt.adapters.params()),
-            "base_dtype": str(tr.rt.base_dtype).removeprefix("torch."),
+            "base_dtype": tr.cfg.model.base_dtype or str(tr.rt.base_dtype).removeprefix("torch."),
             "held_mib": held,
             "budget": tr.budget.lines() if tr.budget else [],
             "asked_mib": asked,

@@ -86,7 +86,12 @@ def _plain(cfg):
         ("nf4", True, 0, "qwen2"),
     ],
 )
-def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib, family, device=None):
+def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib, family):
+    assert_qlora_parity(tmp_path, kind, double, host_param_mib, family)
+
+
+def assert_qlora_parity(tmp_path, kind, double, host_param_mib, family, device=None):
+    """A QLoRA run of ``family``'s model against peft + bitsandbytes: the same losses and adapters."""
     cfg = qlora_config(tmp_path, kind, double, host_param_mib=host_param_mib, steps=3)
     if family != "llama":
         cfg.model.hf_dir, cfg.model.kind = qwen2_base(tmp_path), "auto"
@@ -102,14 +107,35 @@ def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, hos
     for name, p in adapters.items():
         assert torch.equal(p.detach(), ref_weights[names[name]]), name
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in adapters.items()), "the adapters did not train"
+    return tr
 
 
-def test_qlora_on_a_device_with_memory_of_its_own(tmp_path):
-    """As on CUDA (the simulated device): the quantized units read, dequantized in their staging
-    and uploaded, some kept in host memory; peft's bits still."""
-    from tiertrain.device.simulated import AsyncCpuDevice
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_qlora_on_a_device_with_memory_of_its_own(tmp_path, direct):
+    """As on CUDA (the simulated device: copies that complete later, memory poisoned when given
+    back): only the quantized bytes cross to the device (staged, or read straight into the slot
+    as with GPUDirect), which dequantizes them in the slot when the unit is first bound; some
+    units kept in host memory; peft's bits still, and fewer bytes uploaded than the fp32 base's
+    (the cost model's count)."""
+    from test_moe_routed import _Counted
 
-    test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, "nf4", True, 1, "llama", AsyncCpuDevice(delay=0.001))
+    dev = _Counted(delay=0.001, direct=direct)
+    tr = assert_qlora_parity(tmp_path / "q", "nf4", True, 1, "llama", dev)
+    full_dev = _Counted(delay=0.001, direct=direct)
+    full_cfg = lora_config(tmp_path / "f", "llama", host_param_mib=1, steps=3)
+    _, _, full = run_tiertrain(full_cfg, weights_of(reference_model(full_cfg)), full_dev)
+    if not direct:  # direct reads land in the slots: nothing staged is uploaded
+        assert 0 < dev.uploaded < 0.6 * full_dev.uploaded
+    assert _up(tr) < 0.6 * _up(full)  # the cost model counts the same
+
+
+def _up(t) -> int:
+    """The cost model's bytes uploaded a step by run ``t`` where device memory is separate."""
+    from tiertrain.cost.traffic import step_traffic
+
+    return step_traffic(
+        t.cfg, t.model, t.layout, t.dtype, t.rt.align, hidden=t.rt.hidden_size, kept=0, separate=True
+    ).up
 
 
 @pytest.mark.parametrize("host_param_mib", [0, 64])
@@ -195,7 +221,10 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
             ids = torch.tensor([p])
             want.append(loaded.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[0, len(p) :].tolist())
         with loaded.disable_adapter():
-            plain = [loaded.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+            plain = [
+                loaded.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+                for p in prompts
+            ]
     assert want != plain  # the adapters change the tokens
     s = Sampling(max_new_tokens=8, stop_at_eos=False)
     with CheckpointWeights(ck) as w:

@@ -8,6 +8,8 @@
 #   crc32c                       tiertrain's checksums (required)
 #   kvikio-cu13, libkvikio-cu13,
 #   rapids-logger                GPUDirect Storage (stage 6; the stage is skipped without them)
+# and, with --qlora (stage 11; skipped without it):
+#   bitsandbytes                 QLoRA's 4-bit formats and CUDA kernels (43 MB)
 # and, with --deepspeed (stage 4; skipped without them):
 #   deepspeed                    published as source only: built here into a pure-Python wheel,
 #                                its ops left to build on first use there (the image has nvcc and
@@ -17,20 +19,22 @@
 #   libaio1, libaio-dev (.deb)   its NVMe path compiles against libaio; stage 4 unpacks them into a
 #                                private prefix (apt-get download, Debian's x86_64 packages)
 #
-#   bench/gpu_window/wheels.sh [--dest DIR] [--python-version 3.12] [--cuda 13] [--deepspeed]
+#   bench/gpu_window/wheels.sh [--dest DIR] [--python-version 3.12] [--cuda 13] [--deepspeed] [--qlora]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=.whl
 pyver=3.12
 cuda=13
 deepspeed=0
+qlora=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dest) dest=$2; shift ;;
     --python-version) pyver=$2; shift ;;
     --cuda) cuda=$2; shift ;;
     --deepspeed) deepspeed=1 ;;
-    *) echo "wheels.sh: unknown argument $1 (use --dest DIR, --python-version X.Y, --cuda N, --deepspeed)" >&2; exit 2 ;;
+    --qlora) qlora=1 ;;
+    *) echo "wheels.sh: unknown argument $1 (use --dest DIR, --python-version X.Y, --cuda N, --deepspeed, --qlora)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -45,6 +49,7 @@ done
 wanted=(crc32c==2.9.post0 "kvikio-cu$cuda==26.10.0" "libkvikio-cu$cuda==26.10.0" rapids-logger==0.3.0)
 [ "$deepspeed" = 1 ] && wanted+=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
                                    typing-inspection==0.4.5)
+[ "$qlora" = 1 ] && wanted+=(bitsandbytes==0.50.2)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   "${platforms[@]}" -d "$dest" "${wanted[@]}"
 if [ "$deepspeed" = 1 ]; then

@@ -193,8 +193,8 @@ def step_traffic(
                 t.forward_trained_read += stored.units[u].numel * pdt.itemsize
         if pdt != dtype:  # read or in host memory, a narrower unit is widened (dequantized) at every fetch
             t.widen[phase] = t.widen.get(phase, 0) + nbytes[u]
-        if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory
-            t.up += nbytes[u]
+        if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory (a 4-bit base:
+            t.up += stored.units[u].numel if pdt == torch.uint8 else nbytes[u]  # its bytes, dequantized there)
 
     # gradients: written after the backward of each unit (the head's, and its pieces', in the
     # forward), read by the update

@@ -256,25 +256,28 @@ class QuantLayout:
         if not self.spec.double:
             absmax = piece[s : s + 4 * p.blocks].view(torch.float32)
             return F.QuantState(
-                absmax, shape=p.rec.shape, code=_code(self.spec.kind), blocksize=BLOCK,
+                absmax, shape=p.rec.shape, code=_code(self.spec.kind, str(piece.device)), blocksize=BLOCK,
                 quant_type=self.spec.kind, dtype=self.dtype,
             )  # fmt: skip
         s2, o = p.scales2 - p.start, p.offset - p.start
         state2 = F.QuantState(
-            piece[s2 : s2 + 4 * (-(-p.blocks // BLOCK2))].view(torch.float32), code=_code2(), blocksize=BLOCK2,
+            piece[s2 : s2 + 4 * (-(-p.blocks // BLOCK2))].view(torch.float32), code=_code2(str(piece.device)),
+            blocksize=BLOCK2,
             dtype=torch.float32,
         )  # fmt: skip
         return F.QuantState(
-            piece[s : s + p.blocks], shape=p.rec.shape, code=_code(self.spec.kind), blocksize=BLOCK,
+            piece[s : s + p.blocks], shape=p.rec.shape, code=_code(self.spec.kind, str(piece.device)), blocksize=BLOCK,
             quant_type=self.spec.kind, dtype=self.dtype, offset=piece[o : o + 4].view(torch.float32)[0], state2=state2,
         )  # fmt: skip
 
 
 @functools.cache
-def _code(kind: str) -> torch.Tensor:
-    return require_bitsandbytes(f"model.base_dtype = {kind!r}").get_4bit_type(kind, device="cpu")
+def _code(kind: str, device: str = "cpu") -> torch.Tensor:
+    """bitsandbytes' 4-bit code table of ``kind`` on ``device`` (made once)."""
+    return require_bitsandbytes(f"model.base_dtype = {kind!r}").get_4bit_type(kind, device=device)
 
 
 @functools.cache
-def _code2() -> torch.Tensor:
-    return require_bitsandbytes("model.base_double_quant").create_dynamic_map(signed=True)
+def _code2(device: str = "cpu") -> torch.Tensor:
+    """bitsandbytes' 8-bit dynamic map of the scales' quantization, on ``device`` (made once)."""
+    return require_bitsandbytes("model.base_double_quant").create_dynamic_map(signed=True).to(device)

@@ -39,6 +39,15 @@ class ParamSource(abc.ABC):
         ``slot`` of the store, when the store's slots are shared with the update). Never
         blocks; the future's ``get`` waits for the update of ``u`` where it is still running."""
 
+    def attach(self, dev) -> None:
+        """The parameter store that loads from this source runs on ``dev`` (called once, before
+        any load): a source may then leave work to the device (``finish_on_device``)."""
+
+    def finish_on_device(self, u: int, flat: torch.Tensor) -> None:
+        """Make unit ``u``'s parameters in its slot ``flat`` on the device from what was loaded
+        into it (``filled``), queued on the compute stream: called once per load, when the unit
+        is first bound. The default: the load made them already."""
+
     def filled(self, u: int) -> list[tuple[int, int]] | None:
         """The element ranges of unit ``u`` that ``load`` fills (None: all of it); where device
         memory is separate, only these are uploaded."""

@@ -95,6 +95,7 @@ class ParamStore:
         if slots < 2:
             raise ValueError(f"need at least 2 device slots (one computing, one loading), got {slots}")
         self.layout, self.source, self.dev = layout, source, dev
+        source.attach(dev)
         self.dtype = source.dtype
         self.esize = self.dtype.itemsize
         self.stats = StoreStats()
@@ -303,13 +304,16 @@ class ParamStore:
             self._load(u, slot)
         else:
             self.stats.hits += slot.state == SlotState.RESIDENT
-        if slot.state == SlotState.LOADING:
+        loaded_now = slot.state == SlotState.LOADING
+        if loaded_now:
             self._finish_read(slot)
             slot.to(SlotState.RESIDENT)
         self.dev.wait(slot.loaded)
         slot.to(SlotState.BOUND)
         slot.last_use = self._tick()
         flat = slot.tensor[: self.layout.units[u].numel]
+        if loaded_now:  # what the load left to the device (a 4-bit base dequantized), once per load
+            self.source.finish_on_device(u, flat)
         self.layout.bind(u, flat)
         return flat
 

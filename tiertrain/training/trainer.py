@@ -52,6 +52,7 @@ from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
+from ..state.quant import base_storage, quant_spec
 from ..update import UPDATES, Update
 from ..update.lr import lr_at
 from .checkpoints import Checkpoints
@@ -135,6 +136,8 @@ class Trainer:
             )
             if self.rt.adapters is not None:
                 log.info("adapters: %s; the base frozen (read, never written)", self.rt.adapters.describe())
+                if quant_spec(cfg.model) is not None:
+                    log.info("%s", base_storage(cfg, self.layout, self.dtype, self.rt.align)[0].describe())
             elif self.rt.frozen:
                 log.info("%s", self.layout.describe_frozen(cfg.train.freeze))
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())

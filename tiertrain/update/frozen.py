@@ -87,15 +87,22 @@ class _Upcast(ParamSource):
 
 class _Dequant(ParamSource):
     """The frozen model kept in 4 bits (``state/quant.py``): each unit's bytes are read into the
-    back of its own compute slot (``aligned`` there, so O_DIRECT reads into it) and dequantized
-    into the front once the read is done, on the thread that waits for it, as ``_Upcast``
-    widens. A host-resident unit is dequantized from its host bytes. No staging memory beyond
+    back of its slot (at an aligned offset, so O_DIRECT reads into it) and dequantized into its
+    front. On CPU that happens once the read is done, on the thread that waits for it, as
+    ``_Upcast`` widens; where device memory is separate only the quantized bytes are uploaded
+    (``filled``) and the device dequantizes them in its slot when the unit is first bound
+    (``finish_on_device``, on the compute stream). A host-resident unit is dequantized from its
+    host bytes (on CPU) or copied into the staging's back (separate device). No memory beyond
     the slots and one weight's dequantized copy."""
 
     file_backed = True
 
     def __init__(self, region: TieredRegions, quant: QuantLayout, dtype: torch.dtype) -> None:
         self.region, self.quant, self.dtype = region, quant, dtype
+        self.on_device = False  # the device dequantizes (``attach``: device memory is separate)
+
+    def attach(self, dev) -> None:
+        self.on_device = dev.separate
 
     def on_host(self, u: int) -> bool:
         return False  # its bytes are not the slot's values: always loaded, dequantized
@@ -103,15 +110,35 @@ class _Dequant(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         raise RuntimeError("a quantized unit has no host view")
 
-    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+    def _back(self, u: int) -> tuple[int, int]:
+        """(byte offset, bytes) of unit ``u``'s quantized record in the back of its slot."""
         q = self.quant.units[u].numel
+        return round_down(self.quant.flat.units[u].numel * self.dtype.itemsize - q), q
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        offset, q = self._back(u)
+        buf = out.view(torch.uint8)[offset : offset + q]
         if self.region.on_host(u):
-            self.quant.dequantize_into(u, self.region.host_view(u), out)
+            if self.on_device:
+                buf.copy_(self.region.host_view(u))
+            else:
+                self.quant.dequantize_into(u, self.region.host_view(u), out)
             return IOFuture.completed(q)
-        raw = out.view(torch.uint8)
-        offset = round_down(raw.numel() - q)  # aligned, as the slot's start
-        buf = raw[offset : offset + q]
+        if self.on_device:
+            return self.region.read(u, buf)
         return self.region.read(u, buf).then(lambda: self.quant.dequantize_into(u, buf, out))
+
+    def filled(self, u: int) -> list[tuple[int, int]] | None:
+        if not self.on_device:
+            return None
+        offset, q = self._back(u)
+        e = self.dtype.itemsize
+        return [(offset // e, -(-(offset + q) // e))]
+
+    def finish_on_device(self, u: int, flat: torch.Tensor) -> None:
+        if self.on_device:
+            offset, q = self._back(u)
+            self.quant.dequantize_into(u, flat.view(torch.uint8)[offset : offset + q], flat)
 
 
 class _NoGrads(GradSink):
