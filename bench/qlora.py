@@ -75,7 +75,7 @@ def report(args, base: dict, runs: dict[str, list[dict]]) -> str:
     lines += ["", "Per setting (medians of the rounds):", ""]
     for setting, ratio, read, step in summary:
         lines.append(
-            f"- **{setting}**: {read / 1e9:.2f} GB read a step ({read / max(ref[2], 1):.2f}x {ref[0]}'s), {step:.2f} s/step "
+            f"- `{setting}`: {read / 1e9:.2f} GB read a step ({read / max(ref[2], 1):.2f}x {ref[0]}'s), {step:.2f} s/step "
             f"({step / ref[3]:.2f}x), **{ratio:.2f}x max(its I/O floor, compute)** (goal: within 1.15x)"
         )
     lines += ["", "Losses differ between settings (another base); within a setting they are the same in every round."]

@@ -128,7 +128,7 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
                                           "variants identical", "| tiertrain engines speculating |"]),
         "stage8-lora": ("bench", ["the I/O floor", "nothing written (0.00 GB"]),
         "stage10-moe": ("bench", ["A mixture of experts (qwen3_moe)", "Qwen3MoeForCausalLM", "| plain PyTorch, in memory |"]),
-        "stage11-qlora": ("bench", ["| bfloat16 | 1 |", "| nf4 | 1 |", "- **nf4**:"]),
+        "stage11-qlora": ("bench", ["| bfloat16 | 1 |", "| nf4 | 1 |", "- `nf4`:"]),
     }  # fmt: skip
     if name in bench:
         report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
