@@ -6,6 +6,9 @@ too), never written; checkpoints resumed, exported and evaluated."""
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
 from reference import reference_model, reference_train, weights_of
@@ -84,6 +87,7 @@ def _plain(cfg):
         ("fp4", False, 64, "llama"),
         ("fp4", True, 0, "llama"),
         ("nf4", True, 0, "qwen2"),
+        ("nf4", False, 0, "phimoe"),  # a mixture of experts, the routers' auxiliary loss on
     ],
 )
 def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib, family):
@@ -93,8 +97,17 @@ def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, hos
 def assert_qlora_parity(tmp_path, kind, double, host_param_mib, family, device=None):
     """A QLoRA run of ``family``'s model against peft + bitsandbytes: the same losses and adapters."""
     cfg = qlora_config(tmp_path, kind, double, host_param_mib=host_param_mib, steps=3)
-    if family != "llama":
+    if family == "qwen2":
         cfg.model.hf_dir, cfg.model.kind = qwen2_base(tmp_path), "auto"
+    elif family == "phimoe":  # its router subclasses nn.Linear: transformers leaves it unquantized
+        from test_moe import _config
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(3)
+        AutoModelForCausalLM.from_config(_config("phimoe")).save_pretrained(tmp_path / "phimoe")
+        cfg.model.hf_dir, cfg.model.kind = str(tmp_path / "phimoe"), "auto"
+        cfg.adapter.target = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if family != "llama":
         cfg = type(cfg).from_dict(cfg.to_dict())  # the model's sizes from its directory
     plain = _plain(cfg)
     init = weights_of(plain)
@@ -126,7 +139,7 @@ def test_qlora_on_a_device_with_memory_of_its_own(tmp_path, direct):
     _, _, full = run_tiertrain(full_cfg, weights_of(reference_model(full_cfg)), full_dev)
     if not direct:  # direct reads land in the slots: nothing staged is uploaded
         assert 0 < dev.uploaded < 0.6 * full_dev.uploaded
-    assert _up(tr) < 0.6 * _up(full)  # the cost model counts the same
+    assert _up(tr) < 0.6 * _up(full)  # the cost model counts what crosses in 4 bits
 
 
 def _up(t) -> int:
@@ -169,6 +182,7 @@ def test_a_4bit_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, 
 
 def test_a_resumed_qlora_run_is_the_straight_run_and_a_corrupt_base_is_caught(tmp_path):
     from tiertrain.checkpoint import CheckpointError
+    from tiertrain.config import ConfigError
 
     cfg = qlora_config(tmp_path / "a", "nf4", True, steps=4)
     init = weights_of(reference_model(cfg))
@@ -184,6 +198,13 @@ def test_a_resumed_qlora_run_is_the_straight_run_and_a_corrupt_base_is_caught(tm
         b = f.read(1)
         f.seek(70000)
         f.write(bytes([b[0] ^ 0xFF]))
+    other = qlora_config(tmp_path / "c", "fp4", True, steps=4)  # another format: named before any state is read
+    with pytest.raises(ConfigError, match=r"keeps its frozen base in nf4 with double quantization, made in "
+                       r"torch.float32; this run would keep it in fp4 with double quantization"):  # fmt: skip
+        _train(other, init, 1, resume=ckpt)
+    plain = lora_config(tmp_path / "d", "llama", steps=4)
+    with pytest.raises(ConfigError, match=r"this run would keep it in its float dtype"):
+        _train(plain, init, 1, resume=ckpt)
     with pytest.raises(CheckpointError, match=r"params.bin is corrupt"):
         _train(cfg2, init, 1, resume=ckpt)
 
@@ -199,6 +220,7 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
 
     from tiertrain.checkpoint.export import export_checkpoint
     from tiertrain.config import Config, ModelConfig
+    from tiertrain.device.simulated import AsyncCpuDevice
     from tiertrain.inference.generate import Sampling, generate
     from tiertrain.inference.weights import CheckpointWeights
 
@@ -227,14 +249,25 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
             ]
     assert want != plain  # the adapters change the tokens
     s = Sampling(max_new_tokens=8, stop_at_eos=False)
-    with CheckpointWeights(ck) as w:
-        assert w.source.dequantized
+    with CheckpointWeights(ck) as w:  # its 4-bit records read as stored, on CPU and a separate device
+        assert w.source.dequantized and w.source.records is not None
         gcfg = Config.from_dict(w.config, environment=False)
-        assert generate(gcfg, prompts, s, weights=w.source) == want
-    pcfg = qlora_config(tmp_path / "gen")
-    pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
-    pcfg.adapter.init_from = out
-    assert generate(pcfg, prompts, s) == want
+        for dev in (None, AsyncCpuDevice(delay=0.001)):
+            assert generate(gcfg, prompts, s, weights=w.source, device=dev) == want
+        assert not glob.glob(f"{gcfg.io.paths[0]}/weights-*.bin")  # no converted copy
+    for where in ("source", "tier"):  # the float base quantized as training does: in memory, or a 4-bit copy
+        pcfg = qlora_config(tmp_path / f"gen-{where}")
+        pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
+        pcfg.adapter.init_from, pcfg.io.weights = out, where
+        assert generate(pcfg, prompts, s) == want
+    copies = glob.glob(f"{pcfg.io.paths[0]}/weights-*.bin")
+    assert len(copies) == 1
+    from tiertrain.runtime import Runtime
+    from tiertrain.state.quant import base_storage
+
+    rt = Runtime(pcfg)
+    quant, _ = base_storage(pcfg, rt.layout, rt.dtype, rt.align)
+    assert os.path.getsize(copies[0]) == quant.total_numel < rt.layout.total_numel * 4  # the 4-bit records
     merged_dir = export_checkpoint(ck, str(tmp_path / "merged"), merge=True)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     x = torch.tensor([prompts[0]])
@@ -256,3 +289,22 @@ def test_bad_4bit_configs_are_named(tmp_path):
     cfg.model.base_dtype = "nf4"
     with pytest.raises(ConfigError, match=r"no nn.Linear layer to quantize \(GPT-2's are Conv1D\)"):
         Trainer(cfg)
+
+
+def test_what_is_quantized_is_what_transformers_quantizes(tmp_path):
+    """The blocks' exact ``nn.Linear`` weights: not a router that subclasses it (Phi-MoE), not the
+    3-D experts, not the embedding or head; a unit too small for its record is refused by name."""
+    from test_moe import _config
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.runtime import Runtime
+
+    AutoModelForCausalLM.from_config(_config("phimoe")).save_pretrained(tmp_path / "m")
+    cfg = qlora_config(tmp_path / "run")
+    cfg.model.hf_dir, cfg.model.kind = str(tmp_path / "m"), "auto"
+    cfg.adapter.target = ["q_proj"]
+    rt = Runtime(type(cfg).from_dict(cfg.to_dict()))
+    names = {id(p): n for n, p in rt.model.named_parameters()}
+    got = sorted(names[i].split(".", 3)[-1] for i in rt.layout.quantizable)
+    assert got == sorted(f"{x}.weight" for x in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                 "self_attn.o_proj") for _ in range(2)), got  # fmt: skip

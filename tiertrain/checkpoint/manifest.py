@@ -79,6 +79,8 @@ class Manifest:
     def write(self, directory: str) -> None:
         path = os.path.join(directory, MANIFEST)
         body = asdict(self)
+        if not body["compute_dtype"]:  # only a 4-bit base records it: other manifests stay as older readers know them
+            del body["compute_dtype"]
         body["version"] = VERSION
         body["checksum"] = _canonical_crc(body)
         with open(path, "w") as f:

@@ -116,8 +116,9 @@ class IOConfig(Section):
         "source",
         "Forward-only commands (eval, generate): 'source' reads each unit from the model's "
         "own files (safetensors, a checkpoint) through the page cache; 'tier' converts them once, unit "
-        "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, checksummed, "
-        "kept for later runs) and reads units from it with O_DIRECT.",
+        "by unit, into weights-<key>.bin on the first io.paths entry (the compute dtype, or a 4-bit "
+        "base's 4 bits; checksummed, kept for later runs) and reads units from it with O_DIRECT. A "
+        "QLoRA checkpoint's 4-bit base is read as it is stored either way.",
     )
     routed_experts: bool = opt(
         True,

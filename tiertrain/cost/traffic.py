@@ -191,7 +191,8 @@ def step_traffic(
             t._add("params", phase, "read", stored.units[u].numel * pdt.itemsize)
             if phase == "forward" and u not in frozen:
                 t.forward_trained_read += stored.units[u].numel * pdt.itemsize
-        if pdt != dtype:  # read or in host memory, a narrower unit is widened (dequantized) at every fetch
+        plain = pdt == torch.uint8 and stored.units[u].plain  # a 4-bit base's unit with nothing quantized
+        if pdt != dtype and not plain:  # read or in host memory, a narrower unit is widened (dequantized)
             t.widen[phase] = t.widen.get(phase, 0) + nbytes[u]
         if separate:  # a fetched unit crosses PCIe, from the file's staging or host memory (a 4-bit base:
             t.up += stored.units[u].numel if pdt == torch.uint8 else nbytes[u]  # its bytes, dequantized there)

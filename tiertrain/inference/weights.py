@@ -27,6 +27,7 @@ from ..config import ConfigError
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
 from ..state.layout import FlatLayout
+from ..state.quant import DequantSource
 from ..state.sources import ParamSource
 
 __all__ = [
@@ -62,31 +63,11 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     from .routed import find_experts
 
     experts = find_experts(rt.model, rt.layout)  # a mixture of experts' experts modules (none: dense)
-    weights = _quantized_base(cfg, rt)
-    if cfg.io.weights == "source":
-        inner: ParamSource = WeightParams(rt.layout, weights, rt.dtype)
-    else:
-        # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
-        # checked) small beside them, so that the bytes read are the bytes asked for; by the model
-        # alone, so that io.routed_experts either way reads the same copy
-        block = min(rt.align, ROUTED_BLOCK) if experts else rt.align
-        key = weights_key(
-            dataclasses.asdict(cfg.model),
-            rt.dtype,
-            rt.layout,
-            source_files(cfg.model),
-            weights.describe + (f", checksum blocks of {block} bytes" if block != rt.align else ""),
-        )
-        inner = TierWeights(
-            rt.layout,
-            weights,
-            rt.dtype,
-            path=cfg.io.paths[0],
-            key=key,
-            checksum=cfg.io.checksum,
-            block=block,
-            progress=progress,
-        )
+    quant = _quant_layout(cfg, rt)
+    if quant is not None and experts:
+        log.info("experts read whole, not as routed: a 4-bit base's units are not laid out by parameter")
+        experts = []
+    inner = _stored(cfg, rt, quant, experts, progress)
     budget, why = resident_budget(cfg, rt, other_bytes)
     try:
         if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
@@ -97,6 +78,59 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
     except BaseException:
         inner.close()
         raise
+
+
+def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
+    """Where the units come from: the model's own files (``io.weights = source``) or their
+    converted copy on the tier; a 4-bit base (``quant``) read in its 4 bits where it can be (a
+    checkpoint's records as stored, or a copy made in 4 bits) and dequantized in the slots."""
+    source = rt.weights
+    records = source.records
+    if quant is not None and records is not None and _same_layout(records.quant, quant):
+        log.info("weights: the checkpoint's 4-bit base read as it is stored (%s)", quant.spec.describe())
+        return DequantSource(records, records.quant, rt.dtype)
+    if cfg.io.weights == "source":
+        return WeightParams(rt.layout, _quantized_base(cfg, rt), rt.dtype)
+    if source.dequantized:  # a checkpoint's base in another layout: converted as its values
+        quant = None
+    # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
+    # checked) small beside them, so that the bytes read are the bytes asked for; by the model
+    # alone, so that io.routed_experts either way reads the same copy
+    block = min(rt.align, ROUTED_BLOCK) if experts else rt.align
+    key = weights_key(
+        dataclasses.asdict(cfg.model),
+        rt.dtype,
+        rt.layout,
+        source_files(cfg.model),
+        source.describe
+        + (f", checksum blocks of {block} bytes" if block != rt.align else "")
+        + (f", in {quant.spec.describe()}" if quant is not None else ""),
+    )
+    tier = TierWeights(
+        rt.layout, source, rt.dtype, path=cfg.io.paths[0], key=key, checksum=cfg.io.checksum, block=block,
+        progress=progress, quant=quant,
+    )  # fmt: skip
+    return tier if quant is None else DequantSource(tier, quant, rt.dtype, owns=True)
+
+
+def _quant_layout(cfg, rt):
+    """The 4-bit base's ``QuantLayout`` of an adapter run that keeps one, else None."""
+    from ..state.quant import base_storage
+
+    if not cfg.adapter.on:
+        return None
+    stored, dtype = base_storage(cfg, rt.layout, rt.dtype, rt.align)
+    return stored if dtype == torch.uint8 else None
+
+
+def _same_layout(a, b) -> bool:
+    """Two 4-bit layouts whose records and dequantized units are interchangeable."""
+    return (
+        a.spec == b.spec
+        and a.dtype == b.dtype
+        and [u.numel for u in a.units] == [u.numel for u in b.units]
+        and [u.numel for u in a.flat.units] == [u.numel for u in b.flat.units]
+    )
 
 
 def _quantized_base(cfg, rt) -> WeightSource:
@@ -222,6 +256,17 @@ class ResidentWeights(ParamSource):
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         return self.inner.load(u, out, slot)
 
+    # the units not kept are the inner source's to finish (a 4-bit base dequantized on the device)
+    def attach(self, dev) -> None:
+        self.inner.attach(dev)
+
+    def filled(self, u: int) -> list[tuple[int, int]] | None:
+        return None if u in self.resident else self.inner.filled(u)
+
+    def finish_on_device(self, u: int, flat: torch.Tensor) -> None:
+        if u not in self.resident:
+            self.inner.finish_on_device(u, flat)
+
     def close(self) -> None:
         self.resident.clear()
         self.inner.close()
@@ -254,10 +299,13 @@ class TierWeights(ParamSource):
         checksum: bool,
         block: int,
         progress: bool = True,
+        quant=None,
     ) -> None:
-        self.layout, self.dtype = layout, dtype
+        """``quant``: a ``QuantLayout``: the copy holds each unit quantized (its records are
+        read with ``read``, through a ``DequantSource``), not in ``dtype``."""
+        self.layout, self.dtype, self.quant = layout, dtype, quant
         self.path = os.path.join(path, f"weights-{key}.bin")
-        size = layout.total_numel * dtype.itemsize
+        size = layout.total_numel * dtype.itemsize if quant is None else quant.total_numel
         if not os.path.exists(self.path):
             self._convert(source, size, checksum, block, progress)
         else:
@@ -279,7 +327,11 @@ class TierWeights(ParamSource):
                     values = source.load(unit.index, [r.name for r in unit.params])
                     for r in unit.params:
                         view[r.offset : r.offset + r.numel].copy_(values[r.name].reshape(-1))
-                    f.write(view, unit.numel * self.dtype.itemsize, unit.offset * self.dtype.itemsize)
+                    if self.quant is not None:  # stored in 4 bits, quantized as a training run does
+                        q = self.quant.units[unit.index]
+                        f.write(self.quant.quantize(unit.index, view), q.numel, q.offset)
+                    else:
+                        f.write(view, unit.numel * self.dtype.itemsize, unit.offset * self.dtype.itemsize)
                 f.flush()
             for suffix in (".crc", ""):  # the file itself last: its presence says it is complete
                 if os.path.exists(tmp + suffix):
@@ -299,6 +351,11 @@ class TierWeights(ParamSource):
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         unit, e = self.layout.units[u], self.dtype.itemsize
         return self.file.pread(out[: unit.numel], unit.numel * e, unit.offset * e)
+
+    def read(self, u: int, buf: torch.Tensor) -> IOFuture:
+        """Unit ``u``'s 4-bit record into ``buf`` (bytes; a copy made with ``quant``)."""
+        q = self.quant.units[u]
+        return self.file.pread(buf, q.numel, q.offset)
 
     def close(self) -> None:
         self.file.close()
@@ -376,11 +433,13 @@ class CheckpointWeights:
         w = weights_file(self.path, man)
         file, self.dtype, entry = w.path, w.weights_dtype, w.entry
         self.config, self.layout, self._w = man.config, w.layout, w
+        self.quant = w.quant
         self.source = WeightSource(
             describe=f"checkpoint {self.path} (step {man.step})",
             load=self.load,
             adapters=_adapters_of(self.path, man),
             dequantized=w.quant is not None,
+            records=self if w.quant is not None else None,
         )
         self._raw = torch.empty(w.max_unit_bytes, dtype=torch.uint8)
         self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype) if w.quant is not None else None
@@ -413,6 +472,18 @@ class CheckpointWeights:
                 f"checkpoint {self.path}: its weights are corrupt (crc32c {crc:#010x}, the manifest "
                 f"says {entry.crc32c:#010x}); use an earlier checkpoint"
             )
+
+    # a 4-bit base's records as stored (``DequantSource`` reads them: ``WeightSource.records``)
+    def read(self, u: int, buf: torch.Tensor) -> IOFuture:
+        """Unit ``u``'s 4-bit record into ``buf`` (bytes), as stored in the checkpoint."""
+        offset, length = self._w.unit_bytes(u)
+        return self._file.pread(buf, length, offset)
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("a checkpoint's records are read, never used in place")
 
     def load(self, u: int, names: list[str]) -> dict[str, torch.Tensor]:
         view = self._read(u)  # one reader thread (WeightParams): the buffer is reused unit after unit

@@ -100,6 +100,8 @@ class WeightSource:
     adapters: dict[str, torch.Tensor] | None = None
     # the weights are a 4-bit base already dequantized (a QLoRA checkpoint's): not quantized again
     dequantized: bool = False
+    # that base's records as stored (``quant``: their QuantLayout; ``read(u, buf)``): read as they are
+    records: Any = None
 
 
 class LayeredModel(nn.Module):

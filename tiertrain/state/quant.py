@@ -27,11 +27,24 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["QUANTIZED", "QuantSpec", "QuantLayout", "quant_spec", "require_bitsandbytes", "base_storage"]
+from ..io import IOFuture
+from ..io.align import round_down
+from .sources import ParamSource
+
+__all__ = [
+    "QUANTIZED",
+    "QuantSpec",
+    "QuantLayout",
+    "DequantSource",
+    "quant_spec",
+    "require_bitsandbytes",
+    "base_storage",
+]
 
 QUANTIZED = ("nf4", "fp4")
 BLOCK = 64  # values per scale: bitsandbytes' 4-bit default (transformers' integration never changes it)
@@ -48,7 +61,7 @@ def require_bitsandbytes(what: str):
 
         raise ConfigError(
             f"{what} needs bitsandbytes (its 4-bit formats and kernels), which does not import here "
-            f"({type(exc).__name__}: {exc}): pip install 'bitsandbytes>=0.45' (or tiertrain[qlora])"
+            f"({type(exc).__name__}: {exc}): pip install 'bitsandbytes>=0.50' (or tiertrain[qlora])"
         ) from None
     return F
 
@@ -84,6 +97,35 @@ def base_storage(cfg, layout, dtype: torch.dtype, align: int):
     return QuantLayout(layout, spec, dtype, align), torch.uint8
 
 
+def same_base(ours: dict, compute_dtype: str, man, where: str) -> None:
+    """Refuse to continue a run whose frozen base is kept in another 4-bit format (``ours``: this
+    run's ``[model]`` section; ``man``: the checkpoint's manifest): its records would be read as
+    another format's, or found corrupt. Named before any state is read."""
+
+    def fmt(m: dict, dtype: str) -> tuple | None:
+        if m.get("base_dtype") not in QUANTIZED:
+            return None
+        return m["base_dtype"], bool(m.get("base_double_quant")), dtype
+
+    theirs, mine = fmt(man.config.get("model", {}), man.compute_dtype), fmt(ours, compute_dtype)
+    if theirs is None and mine is None:
+        return
+    if theirs is not None and mine is not None and (theirs[:2] == mine[:2]) and theirs[2] in ("", mine[2]):
+        return
+
+    def say(f: tuple | None) -> str:
+        if f is None:
+            return "in its float dtype"
+        return f"in {f[0]}{' with double quantization' if f[1] else ''}, made in {f[2] or '?'}"
+
+    from ..config import ConfigError
+
+    raise ConfigError(
+        f"{where} keeps its frozen base {say(theirs)}; this run would keep it {say(mine)}: resume with the "
+        "model.base_dtype, model.base_double_quant and train.param_dtype it was made with"
+    )
+
+
 def _up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -93,7 +135,7 @@ class _Piece:
     """Where one parameter of a unit is in its bytes: ``raw`` (the compute dtype's bytes) or
     quantized (codes, scales, and the scales' scales and offset with double quantization)."""
 
-    rec: object  # layout.ParamRecord
+    rec: Any  # layout.ParamRecord
     quantized: bool
     start: int  # bytes from the unit's start
     codes: int = 0
@@ -117,11 +159,15 @@ class QuantUnit:
 
 
 def quantizable(model) -> set[int]:
-    """``id`` of every parameter quantized: the weights of ``nn.Linear`` modules of the blocks."""
+    """``id`` of every parameter quantized: the weights of the blocks' modules that are exactly
+    ``nn.Linear`` (transformers' bitsandbytes integration converts those and not subclasses: a
+    Phi-MoE or Llama 4 router stays), less those in the model's ``_keep_in_fp32_modules``."""
+    hf = getattr(model, "hf_model", None)
+    keep = set(getattr(hf, "_keep_in_fp32_modules", None) or ())
     out = set()
     for block in model.blocks:
-        for mod in block.modules():
-            if isinstance(mod, nn.Linear):
+        for name, mod in block.named_modules():
+            if type(mod) is nn.Linear and not keep & set(name.split(".")):
                 out.add(id(mod.weight))
     return out
 
@@ -149,7 +195,16 @@ class QuantLayout:
                     self.quantized_params += r.numel
                     pieces.append(self._quantized_piece(r, pos))
                 pos = _up(pieces[-1].end, PIECE_ALIGN)
-            self.units.append(QuantUnit(unit.index, max(_up(pos, align), align), self._end(), tuple(pieces), False))
+            size = max(_up(pos, align), align)
+            if size > unit.numel * e:
+                from ..config import ConfigError
+
+                raise ConfigError(
+                    f"model.base_dtype = {spec.kind!r}: unit {unit.index}'s 4-bit record ({size} bytes) is larger "
+                    f"than the unit in {dtype} ({unit.numel * e} bytes), its linear layers too small to quantize; "
+                    "use model.base_dtype = 'bfloat16'"
+                )
+            self.units.append(QuantUnit(unit.index, size, self._end(), tuple(pieces), False))
         self.total_numel = sum(u.numel for u in self.units)
         self.max_unit_numel = max(u.numel for u in self.units)
 
@@ -269,6 +324,68 @@ class QuantLayout:
             piece[s : s + p.blocks], shape=p.rec.shape, code=_code(self.spec.kind, str(piece.device)), blocksize=BLOCK,
             quant_type=self.spec.kind, dtype=self.dtype, offset=piece[o : o + 4].view(torch.float32)[0], state2=state2,
         )  # fmt: skip
+
+
+class DequantSource(ParamSource):
+    """Units kept in 4 bits, read from ``records`` (a ``TieredRegions`` of the frozen base, or a
+    forward-only run's file: ``read(u, buf)``, ``on_host(u)``, ``host_view(u)`` in
+    ``QuantLayout`` units): each unit's bytes are read into the back of its slot (at an aligned offset, so O_DIRECT reads into it) and dequantized into its
+    front. On CPU that happens once the read is done, on the thread that waits for it, as
+    ``_Upcast`` widens; where device memory is separate only the quantized bytes are uploaded
+    (``filled``) and the device dequantizes them in its slot when the unit is first bound
+    (``finish_on_device``, on the compute stream). A host-resident unit is dequantized from its
+    host bytes (on CPU) or copied into the staging's back (separate device). No memory beyond
+    the slots and one weight's dequantized copy."""
+
+    file_backed = True
+
+    def __init__(self, records, quant: QuantLayout, dtype: torch.dtype, *, owns: bool = False) -> None:
+        """``owns``: ``close`` closes ``records`` too (a forward-only run's copy)."""
+        self.region, self.quant, self.dtype, self.owns = records, quant, dtype, owns
+        self.on_device = False  # the device dequantizes (``attach``: device memory is separate)
+
+    def attach(self, dev) -> None:
+        self.on_device = dev.separate
+
+    def on_host(self, u: int) -> bool:
+        return False  # its bytes are not the slot's values: always loaded, dequantized
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("a quantized unit has no host view")
+
+    def _back(self, u: int) -> tuple[int, int]:
+        """(byte offset, bytes) of unit ``u``'s quantized record in the back of its slot."""
+        q = self.quant.units[u].numel
+        return round_down(self.quant.flat.units[u].numel * self.dtype.itemsize - q), q
+
+    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
+        offset, q = self._back(u)
+        buf = out.view(torch.uint8)[offset : offset + q]
+        if self.region.on_host(u):
+            if self.on_device:
+                buf.copy_(self.region.host_view(u))
+            else:
+                self.quant.dequantize_into(u, self.region.host_view(u), out)
+            return IOFuture.completed(q)
+        if self.on_device:
+            return self.region.read(u, buf)
+        return self.region.read(u, buf).then(lambda: self.quant.dequantize_into(u, buf, out))
+
+    def filled(self, u: int) -> list[tuple[int, int]] | None:
+        if not self.on_device:
+            return None
+        offset, q = self._back(u)
+        e = self.dtype.itemsize
+        return [(offset // e, -(-(offset + q) // e))]
+
+    def close(self) -> None:
+        if self.owns:
+            self.region.close()
+
+    def finish_on_device(self, u: int, flat: torch.Tensor) -> None:
+        if self.on_device:
+            offset, q = self._back(u)
+            self.quant.dequantize_into(u, flat.view(torch.uint8)[offset : offset + q], flat)
 
 
 @functools.cache

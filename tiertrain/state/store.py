@@ -309,11 +309,15 @@ class ParamStore:
             self._finish_read(slot)
             slot.to(SlotState.RESIDENT)
         self.dev.wait(slot.loaded)
-        slot.to(SlotState.BOUND)
-        slot.last_use = self._tick()
         flat = slot.tensor[: self.layout.units[u].numel]
         if loaded_now:  # what the load left to the device (a 4-bit base dequantized), once per load
-            self.source.finish_on_device(u, flat)
+            try:
+                self.source.finish_on_device(u, flat)
+            except BaseException:
+                self._drop(slot)  # half made: never bound as it is
+                raise
+        slot.to(SlotState.BOUND)
+        slot.last_use = self._tick()
         self.layout.bind(u, flat)
         return flat
 

@@ -52,7 +52,7 @@ from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
-from ..state.quant import base_storage, quant_spec
+from ..state.quant import base_storage, quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.lr import lr_at
 from .checkpoints import Checkpoints
@@ -264,7 +264,7 @@ class Trainer:
             rt.canonical_layout,
             lambda: self.user_cfg,
             weights=f"{self._weights_state().name}.bin",
-            compute_dtype=str(self.dtype),
+            compute_dtype=str(self.dtype) if quant_spec(cfg.model) is not None else "",
         )
         self.meter = StepMeter(
             self.storage,
@@ -400,9 +400,9 @@ class Trainer:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
-        same_adapter_config(
-            self.user_cfg.to_dict()["adapter"], Manifest.read(path).config.get("adapter"), f"checkpoint {path}"
-        )
+        man = Manifest.read(path)
+        same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
+        same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:

@@ -22,7 +22,7 @@ from ..io import IOFuture, Storage
 from ..io.align import round_down
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
-from ..state.quant import QuantLayout, base_storage
+from ..state.quant import DequantSource, QuantLayout, base_storage
 from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import RegionParams
@@ -85,62 +85,6 @@ class _Upcast(ParamSource):
         return self.inner.load(u, buf).then(lambda: widen_in_place(out, offset, src))
 
 
-class _Dequant(ParamSource):
-    """The frozen model kept in 4 bits (``state/quant.py``): each unit's bytes are read into the
-    back of its slot (at an aligned offset, so O_DIRECT reads into it) and dequantized into its
-    front. On CPU that happens once the read is done, on the thread that waits for it, as
-    ``_Upcast`` widens; where device memory is separate only the quantized bytes are uploaded
-    (``filled``) and the device dequantizes them in its slot when the unit is first bound
-    (``finish_on_device``, on the compute stream). A host-resident unit is dequantized from its
-    host bytes (on CPU) or copied into the staging's back (separate device). No memory beyond
-    the slots and one weight's dequantized copy."""
-
-    file_backed = True
-
-    def __init__(self, region: TieredRegions, quant: QuantLayout, dtype: torch.dtype) -> None:
-        self.region, self.quant, self.dtype = region, quant, dtype
-        self.on_device = False  # the device dequantizes (``attach``: device memory is separate)
-
-    def attach(self, dev) -> None:
-        self.on_device = dev.separate
-
-    def on_host(self, u: int) -> bool:
-        return False  # its bytes are not the slot's values: always loaded, dequantized
-
-    def host_view(self, u: int) -> torch.Tensor:
-        raise RuntimeError("a quantized unit has no host view")
-
-    def _back(self, u: int) -> tuple[int, int]:
-        """(byte offset, bytes) of unit ``u``'s quantized record in the back of its slot."""
-        q = self.quant.units[u].numel
-        return round_down(self.quant.flat.units[u].numel * self.dtype.itemsize - q), q
-
-    def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
-        offset, q = self._back(u)
-        buf = out.view(torch.uint8)[offset : offset + q]
-        if self.region.on_host(u):
-            if self.on_device:
-                buf.copy_(self.region.host_view(u))
-            else:
-                self.quant.dequantize_into(u, self.region.host_view(u), out)
-            return IOFuture.completed(q)
-        if self.on_device:
-            return self.region.read(u, buf)
-        return self.region.read(u, buf).then(lambda: self.quant.dequantize_into(u, buf, out))
-
-    def filled(self, u: int) -> list[tuple[int, int]] | None:
-        if not self.on_device:
-            return None
-        offset, q = self._back(u)
-        e = self.dtype.itemsize
-        return [(offset // e, -(-(offset + q) // e))]
-
-    def finish_on_device(self, u: int, flat: torch.Tensor) -> None:
-        if self.on_device:
-            offset, q = self._back(u)
-            self.quant.dequantize_into(u, flat.view(torch.uint8)[offset : offset + q], flat)
-
-
 class _NoGrads(GradSink):
     """No unit of a frozen model has a gradient: anything handed here is a bug."""
 
@@ -199,7 +143,7 @@ class FrozenUpdate(Update):
         self._params = TieredRegions(stored, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
         if self.quant is not None:
-            self.params: ParamSource = _Dequant(self._params, self.quant, pdtype)
+            self.params: ParamSource = DequantSource(self._params, self.quant, pdtype)
         else:
             self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
         self.grads = _NoGrads()
