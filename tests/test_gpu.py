@@ -83,15 +83,20 @@ def test_cuda_frozen_units_match_the_cpu_run_and_stay_unwritten(tmp_path, mode):
     assert frozen and all(torch.equal(w_gpu[n], _initial(tr, init, n)) for n in frozen)
 
 
-@pytest.mark.parametrize("base_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("base_dtype", [None, "bfloat16", "nf4"])
 def test_cuda_lora_matches_the_cpu_run(tmp_path, base_dtype):
     """LoRA on CUDA (adapters on the device, the frozen base streamed and uploaded, upcast from
-    bf16 where kept so): the CPU run's losses and adapters within 1e-5 in fp32."""
+    bf16 where kept so, a 4-bit base uploaded in 4 bits and dequantized in the device's slots):
+    the CPU run's losses and adapters within 1e-5 in fp32."""
     from test_lora import lora_config
+
+    if base_dtype == "nf4":
+        pytest.importorskip("bitsandbytes")
 
     def cfg(where, device):
         c = lora_config(tmp_path / where, "llama")
         c.train.device, c.train.param_dtype, c.model.base_dtype = device, "float32", base_dtype
+        c.model.base_double_quant = base_dtype == "nf4"
         return c
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -106,6 +111,38 @@ def test_cuda_lora_matches_the_cpu_run(tmp_path, base_dtype):
     torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
     assert t_gpu.update.name == "frozen" and set(a_gpu) == set(a_cpu)
     same_weights_across_devices(t_gpu, a_gpu, a_cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("double", [False, True])
+def test_cuda_dequantizes_a_4bit_unit_as_the_cpu_does(tmp_path, dtype, double):
+    """A unit's 4-bit record dequantized in a device slot (bitsandbytes' CUDA kernel, the record
+    in the slot's back) equals the CPU's dequantization bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    from tiertrain.models import build_model
+    from tiertrain.state.layout import FlatLayout
+    from tiertrain.state.quant import QuantLayout, QuantSpec
+
+    cfg = small_config(tmp_path, kind="llama", layers=1, d=256)
+    model, source = build_model(cfg.model, param_dtype=dtype, seed=0)
+    layout = FlatLayout(model, unit_align=16384)
+    quant = QuantLayout(layout, QuantSpec("nf4", double), dtype, 65536)
+    unit = next(u for u in layout.units if not quant.units[u.index].plain)
+    values = source.load(unit.index, [r.name for r in unit.params])
+    flat = torch.zeros(unit.numel, dtype=dtype)
+    for r in unit.params:
+        flat[r.offset : r.offset + r.numel].copy_(values[r.name].reshape(-1))
+    rec = quant.quantize(unit.index, flat)
+    want = torch.empty_like(flat)
+    quant.dequantize_into(unit.index, rec, want)
+    slot = torch.full_like(flat, float("nan"), device="cuda")
+    q = quant.units[unit.index].numel
+    back = (flat.numel() * flat.element_size() - q) // 4096 * 4096
+    slot.view(torch.uint8)[back : back + q].copy_(rec.cuda())
+    quant.dequantize_into(unit.index, slot.view(torch.uint8)[back : back + q], slot)
+    got = slot.cpu()
+    for r in unit.params:
+        assert torch.equal(r.view(got), r.view(want)), r.name
 
 
 @pytest.mark.parametrize("tie,mode", [(False, "baseline"), (True, "overlap"), (False, "engines")])
