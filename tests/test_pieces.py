@@ -255,3 +255,35 @@ def test_initial_weights_do_not_depend_on_the_cut(tmp_path, kind):
 
     a, b = initial(None), initial(5)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind,tie", [("llama", False), ("gpt", True)])
+def test_lora_on_a_cut_vocabulary_is_peft_within_the_pieces_rounding(tmp_path, kind, tie):
+    """Adapters on a model whose embedding and head are cut into pieces (a short budget's choice
+    for a large vocabulary): peft's losses and adapters within the cut head's rounding, the
+    frozen pieces never given a gradient nor written (the embedding's backward is skipped: every
+    piece of it is frozen), the storage tier's reads the cost model's."""
+    from test_lora import lora_config, peft_reference
+    from test_parity import run_tiertrain
+
+    from tiertrain.cost import run_traffic
+
+    cfg = lora_config(tmp_path, kind, steps=3, tie=tie)
+    cfg.model.vocab_pieces = 3
+    ref = reference_model(cfg)
+    init = weights_of(ref)
+    ref, names = peft_reference(cfg, ref)
+    ref_losses, ref_weights = reference_train(cfg, ref)
+    losses, weights, tr = run_tiertrain(cfg, init)
+    assert len(tr.model.head_pieces) == 3 and not tr.executor.embed_trains
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    adapters = dict(tr.rt.adapters.named())
+    for name, p in adapters.items():
+        torch.testing.assert_close(p.detach(), ref_weights[names[name]], rtol=0, atol=1e-6)
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in adapters.items())
+    from test_lora import _initial
+
+    for name, w in weights.items():  # the base, pieces included: never written
+        assert torch.equal(w, _initial(tr, init, name)), name
+    t = run_traffic(tr)
+    assert t.by_state.get("grads", [0, 0]) == [0, 0]

@@ -71,11 +71,6 @@ class Runtime:
             from .adapters import LoRA
 
             self.frozen = freeze_all(self.model)
-            if self.model.row_pieces:
-                raise ConfigError(
-                    "adapter.kind = 'lora' with the vocabulary cut into pieces is not supported yet: set "
-                    "model.vocab_pieces=1 (and memory for the whole embedding)"
-                )
             self.adapters = LoRA(self.model, cfg.adapter, seed=cfg.train.seed, device=self.dev.device)
             if cfg.adapter.init_from is not None:  # continue a peft adapter
                 from .adapters.peft_io import load_peft

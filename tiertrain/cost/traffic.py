@@ -180,7 +180,10 @@ def step_traffic(
     # parameters: every fetch of the step's unit visits, replayed against the store's slots;
     # phases as the executor times them: the head's forward and backward end the forward
     frozen = {u.index for u in layout.units if u.frozen}  # train.freeze: no gradient, no update
-    embed_trains = next(r for r in plan if r.role == "embed").index not in frozen
+    # as the executor decides: some parameter of the embedding's unit or its pieces is trained
+    embed_trains = any(
+        layout.units[r.index].params and r.index not in frozen for r in plan if r.role in ("embed", "embed_piece")
+    )
     order = visits(plan, used_pieces, embed_backward=embed_trains)
     n_forward = len(order) - len(blocks) - embed_trains  # the backward: the blocks in reverse, the embed unit
     # host-resident units are bound in place, unless they cross to the device or are converted

@@ -72,7 +72,8 @@ def visits(
         return [embed, *blocks, head] + ([] if forward_only else backward)
     used = role.get("embed_piece", []) if used is None else used
     forward = [*used, embed, *blocks, head, *pieces]
-    return forward if forward_only else [*forward, *reversed(pieces), head, *reversed(blocks), embed]
+    backward = [*reversed(pieces), head, *reversed(blocks), *([embed] if embed_backward else [])]
+    return forward if forward_only else [*forward, *backward]
 
 
 @dataclass
@@ -114,8 +115,11 @@ class LayerMajorExecutor(VocabSteps):
         self.embed_pieces = [r for r in self.plan if r.role == "embed_piece"]
         self.head_pieces = [r for r in self.plan if r.role == "head_piece"]
         self.pieces_used: list[UnitRef] = []  # the embedding pieces the last step's tokens use
-        # train.freeze: a frozen embedding forms no gradient, and nothing before it needs one
-        self.embed_trains = any(p.requires_grad for p in self.embed.module.parameters())
+        # train.freeze, adapters: a frozen embedding (its unit and its vocabulary pieces) forms no
+        # gradient, and nothing before it needs one
+        self.embed_trains = any(
+            p.requires_grad for r in (self.embed, *self.embed_pieces) for p in r.module.parameters()
+        )
         self.walk = UnitWalk(params, visits(self.plan, embed_backward=self.embed_trains))  # acquisitions, in order
         self.kept = KeptGraphs(keep_bytes, lambda u: self.walk.flats[u])
         self.policy = policy or KeepLast()
@@ -253,10 +257,10 @@ class LayerMajorExecutor(VocabSteps):
         return dh
 
     def embed_backward(self, dh: list[torch.Tensor], mbs: list[MicroBatch]) -> None:
+        if not self.embed_trains:  # frozen (train.freeze, adapters): no gradient, nothing before it
+            return
         if self.head_pieces:
             return self._cut_embed_backward(dh, mbs)
-        if not self.embed_trains:
-            return
         ref = self.embed
         self._acquire(ref)
         self.grads.begin(ref.index)

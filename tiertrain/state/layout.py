@@ -109,7 +109,10 @@ class FlatLayout:
                 pos = _up(pos + p.numel(), PARAM_ALIGN)
             numel = max(_up(pos, unit_align), unit_align)
             borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))
-            frozen = bool(own) and not any(p.requires_grad for _, p in own)
+            # none of the parameters it computes with (its own, or borrowed: a tied head's pieces)
+            # requires a gradient: nothing of it is trained (a unit with none at all, an embedding
+            # cut into pieces, neither: it has no gradient or update to wait for)
+            frozen = not any(p.requires_grad for p in model.units[u].parameters())
             units.append(UnitLayout(u, tuple(recs), numel, offset, borrows, frozen))
             offset += numel
         self.units: list[UnitLayout] = units
@@ -150,7 +153,7 @@ class FlatLayout:
 
     def describe_frozen(self, selectors: list[str]) -> str:
         """The frozen units and their parameters (``train.freeze``), in one line."""
-        frozen = [u for u in self.units if u.frozen]
+        frozen = [u for u in self.units if u.frozen and u.params]
         n = sum(u.used for u in frozen)
         return (
             f"frozen (train.freeze = {', '.join(selectors)}): {len(frozen)} of {len(self.units)} units, "
