@@ -121,12 +121,15 @@ def tiertrain_worker(spec: dict) -> dict:
         # less the allocator's slack above the budget (about 100 MiB on the 2.39 B Llama's runs)
         cfg.memory.host_mib = spec["host_mib"] = max(1, spec["rss_mib"] - held - RSS_SLACK_MIB)
     asked = spec["host_mib"]
-    try:
-        tr = Trainer(cfg)
-    except PoolsOverBudget as exc:  # the fixed pools alone exceed it: the least budget that runs, said
-        cfg.memory.host_mib = -(-exc.needed // 2**20) + 32
-        print(f"budget {asked} MiB refused ({exc}); running at {cfg.memory.host_mib} MiB", file=sys.stderr)
-        tr = Trainer(cfg)
+    for attempt in range(4):
+        try:
+            tr = Trainer(cfg)
+            break
+        except PoolsOverBudget as exc:  # the fixed pools alone exceed it: the least budget that runs, said
+            if attempt == 3:
+                raise
+            cfg.memory.host_mib = max(cfg.memory.host_mib + 64, -(-exc.needed // 2**20) + 32)
+            print(f"budget refused ({exc}); running at {cfg.memory.host_mib} MiB", file=sys.stderr)
     with tr:
         tr.initialize(progress=False)
         recs = []

@@ -103,8 +103,7 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
 
     if cfg.memory.host_mib is not None:
         _warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
-    # adapters: the vocabulary stays whole (not cut under adapters yet); a short budget is named
-    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None and not cfg.adapter.on else None
+    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None else None
     resolved, why = None, ""
     if pieces is not None:
         why = _device_short(cfg, rt)
