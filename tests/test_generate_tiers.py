@@ -205,7 +205,7 @@ for layers in (2, 8):
         prompts = [[5, 6, 7, 8] * 8] * 8
         generate(cfg, prompts, Sampling(max_new_tokens=8))  # first call: lazy imports, conversion
         growth = []
-        for _ in range(3):  # the least of three calls: an excess of the streaming is in every call, the
+        for _ in range(5):  # the least of five calls: an excess of the streaming is in every call, the
             # machine's load (heap arenas made under contention, pages mapped around a fault) not
             gc.collect()
             trim_heap()  # what the last call freed goes back: the growth is then this call's, not the heap's luck
@@ -234,8 +234,10 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
     tier's 83-89 MB, about one unit: the file's pages of the unit being copied are mapped, and
     resident, while it is read). The heap is trimmed before each
     measure, so memory the first call freed but kept does not hide the second's growth; the
-    growth is the least of three calls' (a second `make test` beside this one moved a single
-    call's by up to 14 MiB, past the bound, where every call of a run that held more would not)."""
+    growth is the least of five calls' (a second `make test` beside this one moved a single
+    call's by up to 14 MiB, past the bound, where every call of a run that held more would not;
+    under CI's own parallel load three calls of 8 layers read from the tier once all came out
+    8.7 MB above the 2 layers' least, against 0-4 MB when alone)."""
     import os
 
     tests = os.path.dirname(os.path.abspath(__file__))
