@@ -113,7 +113,7 @@ def tiertrain_worker(spec: dict) -> dict:
 
     cfg = load_config(None, flags)
     os.makedirs(f"{spec['scratch']}/ssd", exist_ok=True)
-    with DiskProbe(cfg.io, 1024) as d:
+    with DiskProbe(cfg.io, spec.get("probe_mib", 1024)) as d:
         write = d.write()
         read = d.read()
     held = _rss_mib()  # before training: the interpreter and libraries, outside any budget
@@ -138,7 +138,7 @@ def tiertrain_worker(spec: dict) -> dict:
             print(recs[-1].line(spec["steps"]), file=sys.stderr, flush=True)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         walks = [io_walk(tr) for _ in range(2)]
-        rates = measure_rates(tr.cfg, tr.rt, probe_mib=256)
+        rates = measure_rates(tr.cfg, tr.rt, probe_mib=min(256, spec.get("probe_mib", 1024)))
         L = len(tr.model.blocks)
         compute = spec.get("micro_batches", M) * (
             rates.embed_fwd_s + L * (rates.block_fwd_s + rates.block_bwd_s) + rates.head_s
@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ds-python", default=None, help="an interpreter with DeepSpeed: run ZeRO-3 + peft on the big model"
     )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device (bf16 compute on cuda)")
+    ap.add_argument("--probe-mib", type=int, default=1024, help="MiB the disk probe writes and reads (floors)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -434,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         big = None if args.skip_big else spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
-                 base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches, device=args.device),
+                 base_dtype="bfloat16", seq=args.seq, micro_batches=args.micro_batches, device=args.device,
+                 probe_mib=args.probe_mib),
         )  # fmt: skip
         peer, peer_tt = [], []
         if not args.skip_peer:
@@ -449,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                     "tiertrain",
                     dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, rss_mib=rss,
                          base_dtype=None if args.peer_base_dtype == "compute" else args.peer_base_dtype,
-                         seq=args.seq, micro_batches=args.micro_batches, device=args.device),
+                         seq=args.seq, micro_batches=args.micro_batches, device=args.device,
+                         probe_mib=args.probe_mib),
                 ))  # fmt: skip
                 peer_tt[-1]["asked_rss_mib"] = rss
         ds = None

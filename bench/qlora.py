@@ -39,7 +39,7 @@ def run(args, scratch: str, setting: str) -> dict:
         "tiertrain",
         dict(base=f"{scratch}/base", scratch=f"{scratch}/{setting}", steps=args.steps, host_mib=args.host_mib,
              base_dtype=dtype, double_quant=double, seq=args.seq, micro_batches=args.micro_batches,
-             device=args.device),
+             device=args.device, probe_mib=args.probe_mib),
     )  # fmt: skip
 
 
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=lora.SEQ)
     ap.add_argument("--micro-batches", type=int, default=lora.M)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--probe-mib", type=int, default=1024, help="MiB the disk probe writes and reads (floors)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

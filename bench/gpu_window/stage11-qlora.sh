@@ -14,7 +14,7 @@ if ! BNB_WHY=$("$PY" -c "import bitsandbytes" 2>&1); then
 elif [ "$dry" = 1 ]; then
   step "bench/qlora.py on CPU, 2 layers of 256, bf16 and NF4 bases (dry run)" 0 200 \
     "$PY" bench/qlora.py --device cpu --shape 2x256 --rounds 1 --steps 2 --host-mib 1024 \
-    --base-dtypes bfloat16,nf4 --scratch "$nvme/qlora" --out "$out/stage11-qlora-bench.md"
+    --base-dtypes bfloat16,nf4 --probe-mib 64 --scratch "$nvme/qlora" --out "$out/stage11-qlora-bench.md"
 else
   step "LoRA rank 16 on a frozen 2.46 B Llama, base on the drive in bf16 and in NF4, bf16 on CUDA (bench/qlora.py)" \
     1 520 "$PY" bench/qlora.py --device cuda --rounds 1 --steps 4 --base-dtypes bfloat16,nf4 \

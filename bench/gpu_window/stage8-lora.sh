@@ -10,7 +10,7 @@ source "$(dirname "$0")/lib.sh" "$@"
 
 if [ "$dry" = 1 ]; then
   step "bench/lora.py on CPU, 2 layers of 256, no peer (dry run)" 0 200 \
-    "$PY" bench/lora.py --device cpu --big 2x256 --steps 2 --host-mib 1024 --skip-peer \
+    "$PY" bench/lora.py --device cpu --big 2x256 --steps 2 --host-mib 1024 --skip-peer --probe-mib 64 \
     --scratch "$nvme/lora" --out "$out/stage8-lora-bench.md"
 else
   # peft in device memory was measured in the window of 2026-11-27 (its step is compute alone, 9x
