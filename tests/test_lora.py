@@ -121,6 +121,16 @@ def train_then_evaluate(cfg, tmp_path):
         return ck, w.source.adapters
 
 
+def second_step_and_traffic(t):
+    """Trainer ``t`` initialised, one step run, then the second step's record and the cost
+    model's bytes for it (with the pairs that step kept)."""
+    from tiertrain.cost import run_traffic
+
+    t.initialize(progress=False)
+    t.train_step()
+    return t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)
+
+
 def _initial(tr, init, name):
     from test_parity import ref_name_map
 
@@ -432,7 +442,6 @@ def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_r
     upcast per unit as it is loaded, so a run is peft's on plain PyTorch with the base's weights
     rounded to bf16, bit for bit; the storage tier reads half the bytes (the cost model's too);
     the checkpoint holds the base in bf16 and resumes."""
-    from tiertrain.cost import run_traffic
     from tiertrain.training.trainer import Trainer
 
     cfg = lora_config(tmp_path / "a", "llama", steps=3, stash_host_mib=64, host_param_mib=host_param_mib)
@@ -447,11 +456,7 @@ def test_a_bfloat16_base_under_float32_compute_is_peft_on_the_rounded_base_and_r
     losses, _, trained_path = _train(cfg, init, 3)
     full = lora_config(tmp_path / "b", "llama", steps=3, stash_host_mib=64, host_param_mib=host_param_mib)  # in fp32
     with Trainer(cfg) as tr, Trainer(full) as tf:
-        recs = []
-        for t in (tr, tf):
-            t.initialize(progress=False)
-            t.train_step()
-            recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
+        recs = [second_step_and_traffic(t) for t in (tr, tf)]
         assert tr.update.states[0].dtype == torch.bfloat16
         # the pools: the bf16 base is widened inside the slots, no staging memory of its own
         assert tr.budget.fixed == tf.budget.fixed

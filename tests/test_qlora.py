@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from reference import reference_model, reference_train, weights_of
-from test_lora import _layered, _peft_names, _train, lora_config
+from test_lora import _layered, _peft_names, _train, lora_config, second_step_and_traffic
 from test_parity import run_tiertrain
 
 from tiertrain.adapters import LoRA
@@ -156,7 +156,6 @@ def test_a_4bit_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, 
     """The storage tier reads the base's quantized bytes (under a third of the fp32 base's on a
     model whose blocks are most of it), equal to the cost model's; its pools are the fp32 run's
     (dequantized inside the slots); the plan line names the format."""
-    from tiertrain.cost import run_traffic
     from tiertrain.cost.report import _base_line
     from tiertrain.training.trainer import Trainer
 
@@ -164,11 +163,7 @@ def test_a_4bit_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, 
     cfg = qlora_config(tmp_path / "q", "nf4", **kw)
     full = lora_config(tmp_path / "f", "llama", **kw)
     with Trainer(cfg) as tq, Trainer(full) as tf:
-        recs = []
-        for t in (tq, tf):
-            t.initialize(progress=False)
-            t.train_step()
-            recs.append((t.train_step(), run_traffic(t, kept=len(t.model.blocks) * 2 - t.executor.recomputed)))
+        recs = [second_step_and_traffic(t) for t in (tq, tf)]
         assert tq.update.states[0].dtype == torch.uint8
         assert tq.budget.fixed == tf.budget.fixed
         assert "base in nf4" in _base_line(tq.cfg, tq.rt)[0]

@@ -90,7 +90,9 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
         log.info("weights: the checkpoint's 4-bit base read as it is stored (%s)", quant.spec.describe())
         return DequantSource(records, records.quant, rt.dtype)
     if cfg.io.weights == "source":
-        return WeightParams(rt.layout, _quantized_base(cfg, rt), rt.dtype)
+        # a float base quantized and dequantized as training does it (a checkpoint's is already)
+        made = quant.through(source) if quant is not None and not source.dequantized else source
+        return WeightParams(rt.layout, made, rt.dtype)
     if source.dequantized:  # a checkpoint's base in another layout: converted as its values
         quant = None
     # a routed read takes one expert's rows: its checksum blocks (whole ones are read to be
@@ -131,21 +133,6 @@ def _same_layout(a, b) -> bool:
         and [u.numel for u in a.units] == [u.numel for u in b.units]
         and [u.numel for u in a.flat.units] == [u.numel for u in b.flat.units]
     )
-
-
-def _quantized_base(cfg, rt) -> WeightSource:
-    """The run's weights; with a 4-bit base (``model.base_dtype``, adapter runs) the weights as
-    its training computes with them: each unit quantized and dequantized as it is loaded (a
-    QLoRA checkpoint's are already)."""
-    from ..state.quant import base_storage
-
-    source = rt.weights
-    if not cfg.adapter.on or source.dequantized:
-        return source
-    quant, dtype = base_storage(cfg, rt.layout, rt.dtype, rt.align)
-    if dtype != torch.uint8:
-        return source
-    return quant.through(source)
 
 
 def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:

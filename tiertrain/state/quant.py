@@ -55,7 +55,7 @@ PIECE_ALIGN = 64  # bytes: every piece of a unit starts here (fp32 views of the 
 def require_bitsandbytes(what: str):
     """bitsandbytes' ``functional`` module, or an error that names ``what`` needs it and the fix."""
     try:
-        import bitsandbytes.functional as F
+        return _bnb()
     except ImportError as exc:
         from ..config import ConfigError
 
@@ -63,6 +63,13 @@ def require_bitsandbytes(what: str):
             f"{what} needs bitsandbytes (its 4-bit formats and kernels), which does not import here "
             f"({type(exc).__name__}: {exc}): pip install 'bitsandbytes>=0.50' (or tiertrain[qlora])"
         ) from None
+
+
+@functools.cache
+def _bnb():
+    """Imported once (the dequantization calls it per weight, on the path that waits for a unit)."""
+    import bitsandbytes.functional as F
+
     return F
 
 
@@ -183,9 +190,11 @@ class QuantLayout:
         e = dtype.itemsize
         self.units: list[QuantUnit] = []
         self.quantized_params = 0
+        end = 0  # bytes of the units before this one
         for unit in layout.units:
             if not any(id(r.param) in wanted for r in unit.params):
-                self.units.append(QuantUnit(unit.index, unit.numel * e, self._end(), (), True))
+                self.units.append(QuantUnit(unit.index, unit.numel * e, end, (), True))
+                end += unit.numel * e
                 continue
             pieces, pos = [], 0
             for r in unit.params:
@@ -204,12 +213,10 @@ class QuantLayout:
                     f"than the unit in {dtype} ({unit.numel * e} bytes), its linear layers too small to quantize; "
                     "use model.base_dtype = 'bfloat16'"
                 )
-            self.units.append(QuantUnit(unit.index, size, self._end(), tuple(pieces), False))
-        self.total_numel = sum(u.numel for u in self.units)
+            self.units.append(QuantUnit(unit.index, size, end, tuple(pieces), False))
+            end += size
+        self.total_numel = end
         self.max_unit_numel = max(u.numel for u in self.units)
-
-    def _end(self) -> int:
-        return sum(u.numel for u in self.units)
 
     def _quantized_piece(self, r, pos: int) -> _Piece:
         nb = -(-r.numel // BLOCK)
@@ -285,7 +292,7 @@ class QuantLayout:
             if src.data_ptr() != out.data_ptr():  # read into the slot itself: nothing to do
                 out.view(torch.uint8)[: unit.numel].copy_(src[: unit.numel])
             return
-        F = require_bitsandbytes(f"model.base_dtype = {self.spec.kind!r}")
+        F = _bnb()  # checked at start (the runtime, quantize)
         raw = out.view(torch.uint8)
         base = src.data_ptr() - raw.data_ptr()  # src's place in out's bytes (overlap check), if inside
         inside = 0 <= base < raw.numel()
@@ -306,7 +313,7 @@ class QuantLayout:
         return piece[: (p.rec.numel + 1) // 2].view(-1, 1)
 
     def _state(self, p: _Piece, piece: torch.Tensor):
-        F = require_bitsandbytes(f"model.base_dtype = {self.spec.kind!r}")
+        F = _bnb()  # checked at start (the runtime, quantize)
         s = p.scales - p.start
         if not self.spec.double:
             absmax = piece[s : s + 4 * p.blocks].view(torch.float32)
