@@ -66,14 +66,15 @@ def shape(spec: str) -> dict:
     )
 
 
-def make_base(path: str, spec: str) -> dict:
-    """A random Llama of ``spec`` saved with ``save_pretrained`` in bf16 (once per scratch)."""
+def make_base(path: str, spec: str, family: str = "llama") -> dict:
+    """A random model of ``family`` (llama, or qwen2: biased q/k/v) and ``spec`` saved with
+    ``save_pretrained`` in bf16 (once per scratch)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
-        cfg = LlamaConfig(**shape(spec), tie_word_embeddings=False)
+        cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**shape(spec), tie_word_embeddings=False)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.save_pretrained(path, max_shard_size="2GB")
         del model
@@ -426,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--skip-big leaves only the run against peft: it takes neither --skip-peer nor --ds-python")
     if args.worker:
         kind, spec = args.worker[0], json.loads(args.worker[1])
-        fn = {"tiertrain": tiertrain_worker, "peft": peft_worker, "base": lambda s: make_base(s["path"], s["shape"])}
+        fn = {
+            "tiertrain": tiertrain_worker,
+            "peft": peft_worker,
+            "base": lambda s: make_base(s["path"], s["shape"], s.get("family", "llama")),
+        }
         print(json.dumps(fn[kind](spec)))
         return 0
     out = checked_out(args.out) if args.out else None

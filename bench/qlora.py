@@ -1,7 +1,7 @@
 """LoRA on a frozen base kept in bf16 and in 4 bits (QLoRA): the bytes each reads a step and its
 step against its own floors, the settings alternated in the same run.
 
-A random Llama of ``--shape`` (LAYERSxWIDTH; default 33 x 2560: 2.46 B parameters) saved with
+A random Llama (or ``--family qwen2``) of ``--shape`` (LAYERSxWIDTH; default 33 x 2560: 2.46 B parameters) saved with
 ``save_pretrained`` in bf16; tiertrain trains LoRA (rank 16 on every projection) on it within a
 host budget of ``--host-mib``, the base on the storage tier in each of ``--base-dtypes``
 (``bfloat16``, ``nf4``, ``nf4-dq``: nf4 with its scales quantized too, ``fp4``), fp32 compute on
@@ -13,7 +13,7 @@ visits with no compute (reads, checksums, the widening or dequantization; ``io_w
 = a forward and backward of every unit in memory at this batch (the cost model's unit timings).
 Goal (issue 51): every setting within 1.15x of max(its own I/O floor, compute).
 
-Usage: python bench/qlora.py [--shape 33x2560] [--base-dtypes bfloat16,nf4] [--rounds 2]
+Usage: python bench/qlora.py [--shape 33x2560] [--family llama|qwen2] [--base-dtypes bfloat16,nf4] [--rounds 2]
                              [--steps 3] [--host-mib 2048] [--seq 64] [--micro-batches 2]
                              [--device cpu|cuda] [--scratch DIR] [--out FILE]
 """
@@ -46,9 +46,9 @@ def run(args, scratch: str, setting: str) -> dict:
 def report(args, base: dict, runs: dict[str, list[dict]]) -> str:
     first = next(iter(runs.values()))[0]
     lines = [
-        f"# LoRA on a {first['params'] / 1e9:.2f} B Llama with its frozen base in bf16 and in 4 bits",
+        f"# LoRA on a {first['params'] / 1e9:.2f} B {args.family} model with its frozen base in bf16 and in 4 bits",
         "",
-        f"Machine: {lora.machine()}. Model {args.shape} (layers x width), vocabulary 32000, saved in bf16 "
+        f"Machine: {lora.machine()}. Model {args.family} {args.shape} (layers x width), vocabulary 32000, saved in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB). LoRA rank 16 on {', '.join(lora.TARGETS)}. {lora.where(args)[0]}; "
         f"{args.micro_batches} micro-batches of 1 x {args.seq} tokens; host budget {args.host_mib} MiB; {args.steps} "
         f"steps a run, the first not counted; the settings alternated, {args.rounds} round(s).",
@@ -85,6 +85,7 @@ def report(args, base: dict, runs: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="33x2560", help="LAYERSxWIDTH (default: 2.46 B parameters)")
+    ap.add_argument("--family", default="llama", choices=("llama", "qwen2"), help="the transformers family")
     ap.add_argument("--base-dtypes", default="bfloat16,nf4", help=f"comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--base-dtypes: {', '.join(bad)} unknown; choose from {', '.join(SETTINGS)}")
     out = checked_out(args.out) if args.out else None
     with scratch_dir(args.scratch, "qlora") as scratch:
-        base = lora.spawn("base", {"path": f"{scratch}/base", "shape": args.shape})
+        base = lora.spawn("base", {"path": f"{scratch}/base", "shape": args.shape, "family": args.family})
         runs: dict[str, list[dict]] = {s: [] for s in settings}
         for _ in range(args.rounds):
             for s in settings:
