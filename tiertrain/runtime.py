@@ -112,8 +112,8 @@ class Runtime:
         model's units: refused."""
         if self._given_weights is not None:
             raise ConfigError(
-                "the vocabulary must be cut to fit the memory budget, but this run's weights were given "
-                "for the whole model: set model.vocab_pieces (or raise memory.host_mib)"
+                "the model must be cut to fit the memory budget, but this run's weights were given for the "
+                "uncut model: set model.vocab_pieces and model.layer_pieces (or raise memory.host_mib)"
             )
         self.cfg = cfg
         self._build_model(cfg)

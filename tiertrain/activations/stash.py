@@ -1,7 +1,9 @@
 """The hidden-state stash: block inputs kept from the forward for the backward.
 
-With ``L`` blocks and ``M`` micro-batches there are ``L * M`` entries, all of one shape,
-named by ``(block, micro-batch)`` (an int is the entry's place in forward order). They are
+With ``L`` blocks and ``M`` micro-batches there are ``L * M`` entries, named by ``(block,
+micro-batch)`` (an int is the entry's place in forward order), of one shape but for the last
+dimension, which is each block's input width (``widths``: layers cut into sub-layer units
+hand wider tensors between the MLP's pieces, ``models/sublayers.py``; else the hidden size). They are
 placed once, at start: entries produced last in the forward (consumed first in the
 backward) get host slots while ``host_bytes`` lasts; the earlier ones spill to
 ``stash.bin`` on the storage tier and are prefetched back as the backward approaches
@@ -53,19 +55,25 @@ class HiddenStash:
         host_bytes: int,
         spill_buffers: int | None = None,
         micro_batches: int = 1,
+        widths: list[int] | None = None,
     ) -> None:
         self.dev, self.shape, self.dtype, self.entries = dev, tuple(shape), dtype, entries
-        self.micro_batches = micro_batches
-        self.numel = math.prod(shape)
-        self.entry_bytes, self.host_slots, self.spilled = self.plan(shape, dtype, entries, host_bytes)
-        self._host = aligned_empty(self.host_slots * self.entry_bytes, pin=dev.pin)
-        block = storage.block_for(self.entry_bytes)  # entries sit on whole checksum blocks
-        self._file = (
-            storage.create(FILE, self.spilled * self.entry_bytes, checksum_block=block) if self.spilled else None
+        self.micro_batches, self.widths = micro_batches, widths
+        self._sizes = self.sizes(shape, dtype, entries, widths, micro_batches)
+        self.entry_bytes, self.host_slots, self.spilled = self.plan(
+            shape, dtype, entries, host_bytes, widths, micro_batches
         )
+        # each entry's offset: in the file (spilled, the first ones), else in the host slots
+        self._off = [0] * entries
+        for i in range(1, entries):
+            self._off[i] = 0 if i == self.spilled else self._off[i - 1] + self._sizes[i - 1]
+        self._host = aligned_empty(sum(self._sizes[self.spilled :]), pin=dev.pin)
+        spilled = self._sizes[: self.spilled]
+        block = storage.block_for(math.gcd(*spilled) if spilled else self.entry_bytes)  # on whole checksum blocks
+        self._file = storage.create(FILE, sum(spilled), checksum_block=block) if self.spilled else None
         self._spill = (
             BufferPool(
-                spill_buffers or self.spill_buffers_for(micro_batches),
+                spill_buffers or self.spill_buffers_for(micro_batches, self._widest(shape, widths)),
                 self.entry_bytes,
                 pin=dev.pin,
                 name="stash-spill",
@@ -82,17 +90,33 @@ class HiddenStash:
         self.wait_s = 0.0
 
     @staticmethod
-    def spill_buffers_for(micro_batches: int) -> int:
+    def spill_buffers_for(micro_batches: int, widest: float = 1.0) -> int:
         """Spill buffers: the next block's ``M`` prefetched entries plus the one in use (fewer
-        and a prefetch is dropped to make room, then read again), at least 3."""
-        return max(3, micro_batches + 1)
+        and a prefetch is dropped to make room, then read again), at least 3. ``widest``: the
+        widest entry over a hidden state's (sub-layer units: 5.5 at 70 B): the buffers hold
+        ``M + 1`` hidden states' bytes (a wide piece's entries are prefetched fewer ahead),
+        at least 3 of the widest."""
+        return max(3, math.ceil((micro_batches + 1) / widest))
+
+    @staticmethod
+    def _widest(shape: tuple[int, ...], widths: list[int] | None) -> float:
+        return 1.0 if not widths else max(widths) / shape[-1]
 
     @classmethod
-    def declare(cls, shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> StateDecl:
+    def declare(
+        cls,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        entries: int,
+        host_bytes: int,
+        widths: list[int] | None = None,
+        micro_batches: int = 1,
+    ) -> StateDecl:
         """The stash's state: host slots and the spill file (not checkpointed: rebuilt every step)."""
-        entry, host, spilled = cls.plan(shape, dtype, entries, host_bytes)
-        files = (FileDecl(FILE, spilled * entry, record_bytes=entry),) if spilled else ()
-        return StateDecl("stash", dtype, OWNER, checkpointed=False, host_bytes=host * entry, files=files)
+        entry, host, spilled = cls.plan(shape, dtype, entries, host_bytes, widths, micro_batches)
+        sizes = cls.sizes(shape, dtype, entries, widths, micro_batches)
+        files = (FileDecl(FILE, sum(sizes[:spilled]), record_bytes=entry),) if spilled else ()
+        return StateDecl("stash", dtype, OWNER, checkpointed=False, host_bytes=sum(sizes[spilled:]), files=files)
 
     def _index(self, key) -> int:
         """An entry's place in forward order, from its ``(block, micro-batch)``."""
@@ -102,39 +126,67 @@ class HiddenStash:
         return block * self.micro_batches + m
 
     @staticmethod
-    def plan(shape: tuple[int, ...], dtype: torch.dtype, entries: int, host_bytes: int) -> tuple[int, int, int]:
-        """(bytes per entry, entries in host slots, entries spilled to the file). Entries
-        ``0 .. spilled-1`` (the earliest blocks) go to the file."""
-        entry = round_up(math.prod(shape) * dtype.itemsize, ALIGN)
-        host = min(entries, host_bytes // entry)
-        return entry, host, entries - host
+    def sizes(
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        entries: int,
+        widths: list[int] | None = None,
+        micro_batches: int = 1,
+    ) -> list[int]:
+        """Bytes of each entry, in forward order (``widths``: each block's last dimension)."""
+        if widths is None:
+            return [round_up(math.prod(shape) * dtype.itemsize, ALIGN)] * entries
+        rest = math.prod(shape[:-1]) * dtype.itemsize
+        return [round_up(rest * widths[i // micro_batches], ALIGN) for i in range(entries)]
+
+    @classmethod
+    def plan(
+        cls,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        entries: int,
+        host_bytes: int,
+        widths: list[int] | None = None,
+        micro_batches: int = 1,
+    ) -> tuple[int, int, int]:
+        """(bytes of the largest entry, entries in host slots, entries spilled to the file).
+        Entries ``0 .. spilled-1`` (the earliest blocks) go to the file; the last ones get host
+        slots while ``host_bytes`` lasts."""
+        sizes = cls.sizes(shape, dtype, entries, widths, micro_batches)
+        host, room = 0, host_bytes
+        for b in reversed(sizes):
+            if b > room:
+                break
+            room, host = room - b, host + 1
+        return max(sizes, default=round_up(math.prod(shape) * dtype.itemsize, ALIGN)), host, entries - host
 
     @property
     def pool_bytes(self) -> int:
         return self._host.numel() + (self._spill.size_bytes if self._spill else 0)
 
-    def _host_view(self, i: int) -> torch.Tensor:
-        j = i - self.spilled
-        return (
-            self._host[j * self.entry_bytes : j * self.entry_bytes + self.numel * self.dtype.itemsize]
-            .view(self.dtype)
-            .view(self.shape)
-        )
+    def _shape(self, i: int) -> tuple[int, ...]:
+        """Entry ``i``'s shape: its block's input width last."""
+        return self.shape if self.widths is None else (*self.shape[:-1], self.widths[i // self.micro_batches])
 
-    @staticmethod
-    def _buf_view(buf: PoolBuffer, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        return buf.tensor[: numel * dtype.itemsize].view(dtype).view(shape)
+    def _host_view(self, i: int) -> torch.Tensor:
+        shape = self._shape(i)
+        off = self._off[i]
+        return self._host[off : off + math.prod(shape) * self.dtype.itemsize].view(self.dtype).view(shape)
+
+    def _buf_view(self, buf: PoolBuffer, i: int) -> torch.Tensor:
+        shape = self._shape(i)
+        return buf.tensor[: math.prod(shape) * self.dtype.itemsize].view(self.dtype).view(shape)
 
     def put(self, key, h: torch.Tensor) -> None:
         """Keep entry ``key`` (a device tensor) until ``get``."""
         i = self._index(key)
-        if tuple(h.shape) != self.shape:
-            raise ValueError(f"stash entries are {self.shape}, got {tuple(h.shape)}")
+        if tuple(h.shape) != self._shape(i):
+            raise ValueError(f"stash entry {key} is {self._shape(i)}, got {tuple(h.shape)}")
         if i >= self.spilled:  # after the compute that made h, and after the last upload out of the slot
             self._down[i] = self.dev.download(self._host_view(i), h, after=[self.dev.event(), self._up.pop(i, None)])
             return
         buf = self._acquire_spill()
-        host = self._buf_view(buf, self.numel, self.dtype, self.shape)
+        host = self._buf_view(buf, i)
         self._writes.append(_Spill(i, buf, self.dev.download(host, h)))
         self._reap(block=False)
 
@@ -169,7 +221,7 @@ class HiddenStash:
                     still.append(sp)
                     continue
                 self.dev.sync(sp.copied)  # done, or the one we must wait for
-                sp.write = self._file.pwrite(sp.buf.tensor, self.entry_bytes, sp.index * self.entry_bytes)
+                sp.write = self._file.pwrite(sp.buf.tensor, self._sizes[sp.index], self._off[sp.index])
             if sp.write.done() or first:
                 t0 = time.perf_counter()
                 sp.write.get()
@@ -203,7 +255,7 @@ class HiddenStash:
         if buf is None:
             return
         self._wait_writes()
-        self._reads[i] = (self._file.pread(buf.tensor, self.entry_bytes, i * self.entry_bytes), buf)
+        self._reads[i] = (self._file.pread(buf.tensor, self._sizes[i], self._off[i]), buf)
 
     def _wait_writes(self) -> None:
         while self._writes:
@@ -227,12 +279,12 @@ class HiddenStash:
         if i not in self._reads:
             self._wait_writes()
             buf = self._acquire_spill()
-            self._reads[i] = (self._file.pread(buf.tensor, self.entry_bytes, i * self.entry_bytes), buf)
+            self._reads[i] = (self._file.pread(buf.tensor, self._sizes[i], self._off[i]), buf)
         fut, buf = self._reads.pop(i)
         t0 = time.perf_counter()
         fut.get()  # sync point: the entry is back from the storage tier
         self.wait_s += time.perf_counter() - t0
-        h, ev = self._to_device(self._buf_view(buf, self.numel, self.dtype, self.shape))
+        h, ev = self._to_device(self._buf_view(buf, i))
         self._held[i] = (buf, ev)
         return h
 

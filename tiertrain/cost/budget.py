@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 import torch
@@ -32,6 +33,7 @@ import torch
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..errors import one_line
+from ..models.sublayers import PARTS
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
@@ -92,42 +94,99 @@ PIECES_TOLERANCE = (
 
 
 def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
-    """``resolve_budget``, with the vocabulary whole (exact) unless the budget cannot hold whole
-    vocabulary units (the host's fixed pools, or on CUDA the device's slots and buffers): then,
-    where ``model.vocab_pieces`` is unset and the matrix is larger than a block, the model is
-    built again cut into the fewest pieces no larger than a block (``rt.recut``), said with what
-    it changes, and the budget resolved for it. ``agree``: with ranks, takes rank 0's choice (all
-    ranks must cut alike). The returned config names the pieces (a checkpoint of the run resumes
-    with them)."""
-    from ..models import auto_pieces
-
+    """``resolve_budget``, with the model as configured (exact) unless the budget cannot hold its
+    units (the host's fixed pools, or on CUDA the device's slots and buffers): then cut, as
+    little as fits, each cut only where its field is unset, said with what it changes: first the
+    vocabulary (``model.vocab_pieces``: where its matrix is larger than a block, the fewest pieces
+    no larger than one; the cross-entropy then sums by rounding otherwise), then the decoder
+    layers (``model.layer_pieces``: 2, 3 or 4 sub-layer units, exact), with the vocabulary cut to
+    the pieces' size where it is larger. ``agree``: with ranks, takes rank 0's choice (all ranks
+    must cut alike). The returned config names the cut (a checkpoint of the run resumes with it)."""
     if cfg.memory.host_mib is not None:
         _warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
-    pieces = auto_pieces(rt.model) if cfg.model.vocab_pieces is None else None
-    resolved, why = None, ""
-    if pieces is not None:
-        why = _device_short(cfg, rt)
-        if not why:
-            try:
-                resolved = resolve_budget(cfg, rt, rates_fn, act_fn)
-            except PoolsOverBudget as exc:
-                why = one_line(exc)
-    cut = bool(why)
-    if agree is not None:
-        cut = agree(cut)
-    if not cut:
-        if resolved is not None and not why:
-            return resolved
+    options = _cuts(cfg, rt)
+    if not options:
         return resolve_budget(cfg, rt, rates_fn, act_fn)  # refused here, named, where nothing can be cut
-    cut_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=pieces))
-    rt.recut(cut_cfg)
-    cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)
-    plan.notes.append(
-        f"vocabulary cut into {pieces} pieces (model.vocab_pieces = {pieces}): whole vocabulary units "
-        f"do not fit ({why or 'on rank 0'}); {PIECES_TOLERANCE}. A budget that holds them keeps the "
-        "vocabulary whole and the math exact"
-    )
+    why, resolved = _short(cfg, rt, rates_fn, act_fn)
+    tried: list[str] = []
+    choice = None if not why else len(options)  # len: none fits (the last cut refuses, named)
+    for k, option in enumerate(options if why else []):
+        cut_cfg = _recut(cfg, rt, *option)
+        short, _ = _short(cut_cfg, rt, rates_fn, act_fn, measure=False)
+        tried.append(short)
+        if not short:
+            choice = k
+            break
+    if agree is not None:
+        choice = agree(choice)
+    if choice is None:
+        if resolved is not None and not tried:
+            return resolved
+        if tried:  # rank 0 did not cut: back to the model as configured
+            _recut(cfg, rt, cfg.model.layer_pieces, cfg.model.vocab_pieces)
+        return resolve_budget(cfg, rt, rates_fn, act_fn)
+    layers, vocab = options[min(choice, len(options) - 1)]
+    cut_cfg = _recut(cfg, rt, layers, vocab)
+    cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)  # refused here where even the last cut is short
+    m = cut_cfg.model
+    plan.notes.append(f"the model's units as configured do not fit ({why or 'on rank 0'}): cut")
+    if m.vocab_pieces != cfg.model.vocab_pieces and m.vocab_pieces:
+        plan.notes.append(
+            f"vocabulary cut into {m.vocab_pieces} pieces (model.vocab_pieces = {m.vocab_pieces}): "
+            f"{PIECES_TOLERANCE}. Raise memory.host_mib to hold whole vocabulary units and keep the math exact"
+        )
+    if m.layer_pieces != cfg.model.layer_pieces and m.layer_pieces:
+        plan.notes.append(
+            f"decoder layers cut into {m.layer_pieces} sub-layer units each (model.layer_pieces = {m.layer_pieces}: "
+            f"{' | '.join(PARTS[m.layer_pieces])}): exact (the whole layer's losses and gradients bit for bit); "
+            "the tensors handed between the MLP's pieces are stashed too"
+        )
     return cut_cfg, plan
+
+
+def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
+    """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
+    (a vocabulary unset: cut as ``_recut`` finds it needs)."""
+    from ..models import auto_pieces
+    from ..models.sublayers import cut_problem
+
+    m, out = cfg.model, []
+    if m.vocab_pieces is None and auto_pieces(rt.model) is not None:
+        out.append((m.layer_pieces, auto_pieces(rt.model)))
+    if m.layer_pieces is None and rt.model.layer_parts == 1:
+        out += [(p, m.vocab_pieces) for p in sorted(PARTS) if not cut_problem(rt.model, p)]
+    return out
+
+
+def _recut(cfg: Config, rt, layers: int | None, vocab: int | None) -> Config:
+    """``cfg`` with the model cut into ``layers`` sub-layer units and ``vocab`` pieces (unset:
+    the fewest pieces no larger than the largest unit, where the matrix is larger), ``rt``'s
+    model rebuilt for it."""
+    from ..models import auto_pieces
+
+    cut = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_pieces=layers, vocab_pieces=vocab))
+    rt.recut(cut)
+    if layers and vocab is None:
+        pieces = auto_pieces(rt.model)
+        if pieces is not None:
+            cut = dataclasses.replace(cut, model=dataclasses.replace(cut.model, vocab_pieces=pieces))
+            rt.recut(cut)
+    return cut
+
+
+def _short(cfg: Config, rt, rates_fn, act_fn, *, measure: bool = True) -> tuple[str, Any]:
+    """Why the budget cannot hold ``cfg``'s units ('' where it can) and, where it can and
+    ``measure``, the resolved budget."""
+    why = _device_short(cfg, rt)
+    if why:
+        return why, None
+    try:
+        if not measure:
+            _pools_fit_unmeasured(cfg, rt)
+            return "", None
+        return "", resolve_budget(cfg, rt, rates_fn, act_fn)
+    except PoolsOverBudget as exc:
+        return one_line(exc), None
 
 
 def _device_short(cfg: Config, rt) -> str:
@@ -240,14 +299,14 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     n = rt.state_layout.total_numel  # as placed: units with their padding; ranks: this rank's 1/N
     moments = 2 if cfg.optim.name == "adamw" else 1
     master = 1 if rt.dtype != torch.float32 else 0
-    entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
+    stash = stash_sizes(cfg, rt)
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
     trained = 0 if cfg.adapter.on else 1  # adapters: the model forms no gradient and has no optimizer state
     out = {
         "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
         "optim_host_mib": n * 4 * (moments + master) * trained if own else 0,
-        "stash_host_mib": L * M * entry,
+        "stash_host_mib": sum(stash),
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
     }
@@ -286,8 +345,10 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
     adapters = getattr(rt, "adapters", None)
     if adapters is not None and not rt.dev.separate:  # weights, gradients and AdamW's two moments, fp32
         out["adapters"] = 4 * adapters.nbytes
-    entry, _, _ = HiddenStash.plan((cfg.data.micro_batch_size, cfg.data.seq_len, rt.hidden_size), rt.dtype, 1, 0)
-    out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches) * entry
+    widest = max(rt.model.block_widths or [rt.hidden_size]) / rt.hidden_size
+    out["stash spill buffers"] = HiddenStash.spill_buffers_for(cfg.data.micro_batches, widest) * max(
+        stash_sizes(cfg, rt)
+    )
     if record_bytes:
         out["activation records"] = m.act_buffers * record_bytes
     routed = router_logits_bytes(cfg, rt)
@@ -295,6 +356,15 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
         out["router logits"] = routed
     out["working set"] = working_set(cfg, rt, act_bytes)
     return out
+
+
+def stash_sizes(cfg: Config, rt) -> list[int]:
+    """Bytes of each of the stash's entries, in forward order (each block's input width: layers
+    cut into sub-layer units hand wider tensors between the MLP's pieces)."""
+    d = cfg.data
+    shape = (d.micro_batch_size, d.seq_len, rt.hidden_size)
+    entries = len(rt.model.blocks) * d.micro_batches
+    return HiddenStash.sizes(shape, rt.dtype, entries, rt.model.block_widths, d.micro_batches)
 
 
 def router_logits_bytes(cfg: Config, rt) -> int:

@@ -320,13 +320,17 @@ def _probe_compute(
     model.train()  # dropout as in training
     try:
         for block in distinct_blocks(model):
-            a, r = _saved_bytes(cfg, block, layout, dev, dtype, x, pos)
+            width = getattr(block.module, "in_width", hidden)  # a sub-layer unit's input: maybe wider
+            xb = x if width == hidden else torch.randn(*x.shape[:-1], width, device=dev.device).to(dtype)
+            a, r = _saved_bytes(cfg, block, layout, dev, dtype, xb, pos)
             act, record = max(act, a), max(record, r)
     finally:
         model.train(was)
     if act_only:
         return {"act_bytes": act, "record_bytes": record}
-    L = min(len(model.blocks), 4)  # a few blocks time one as well as all do, at a fraction of the cost
+    # a few blocks time one as well as all do, at a fraction of the cost; whole layers where cut
+    parts = model.layer_parts
+    L = min(len(model.blocks), parts * max(1, 4 // parts))
     budget = cfg.memory.keep_act_mib
     keep = L if budget is None else min(L, (budget << 20) // max(act, 1))  # None: still being planned
     out = time_unit_steps(cfg, model, layout, dev, dtype, hidden, blocks=L, keep=keep, blocks_only=blocks_only)

@@ -227,19 +227,23 @@ def step_traffic(
         t._add("params", "update", "write", nbytes[u])
 
     # hidden states of recomputed pairs: forward pairs 0 .. first_kept-1; spilled: the first ones
-    shape = (d.micro_batch_size, d.seq_len, hidden)
-    entry, _, spilled = HiddenStash.plan(shape, dtype, L * M, m.stash_host_mib * MIB)
+    shape, widths = (d.micro_batch_size, d.seq_len, hidden), model.block_widths
+    sizes = HiddenStash.sizes(shape, dtype, L * M, widths, M)  # per entry: layers cut hand on wider tensors
+    _, _, spilled = HiddenStash.plan(shape, dtype, L * M, m.stash_host_mib * MIB, widths, M)
     stashed = L * M - kept  # recomputed and offloaded pairs stash their input
     # spilled entries are the first pairs; KeepLast keeps the last pairs, FirstFit the first ones
-    spill_rec = max(0, spilled - kept) if m.activations == "keep-first" else min(spilled, stashed)
-    t._add("stash", "forward", "write", spill_rec * entry)
-    t._add("stash", "backward", "read", spill_rec * entry)
+    first = kept if m.activations == "keep-first" else 0
+    spill_bytes = sum(sizes[first : min(spilled, first + stashed)])
+    t._add("stash", "forward", "write", spill_bytes)
+    t._add("stash", "backward", "read", spill_bytes)
     t._add("activations", "forward", "write", offloaded * record)
     t._add("activations", "backward", "read", offloaded * record)
     if separate:
-        h = math.prod(shape) * e
-        t.down += stashed * h + offloaded * record
-        t.up += stashed * h + offloaded * record
+        rows = math.prod(shape[:-1]) * e
+        pairs = range(first, first + stashed)
+        h = sum(rows * (hidden if widths is None else widths[i // M]) for i in pairs)
+        t.down += h + offloaded * record
+        t.up += h + offloaded * record
     return t
 
 

@@ -145,6 +145,7 @@ class _Decoding:
             self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
             self.dims = (self.head_dim, self.head_dim)
         self.eos = eos_ids(m.hf_dir, self.hf)
+        self.layer_of = rt.model.layer_of  # a block unit's layer (its key/value cache's): layers may be cut
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
         return kv_bytes(
@@ -345,10 +346,14 @@ def _step(walk: UnitWalk, groups: list[_Rows], dec: _Decoding, step: int, device
             masks = [dec.mask(x, g.mask.to(device), p, g.cache) for x, g, p in zip(h, groups, poss)]
         elif ref.role == "block":
             out = []
+            layer = dec.layer_of(ref.block)
+            attends = getattr(unit, "attends", True)  # a sub-layer unit of the MLP has no keys or values
             for i, (x, m, p, g) in enumerate(zip(h, masks, poss, groups)):
-                kv.bring(ref.block, i)  # the block's keys and values of micro-batch i in memory
+                if attends:
+                    kv.bring(layer, i)  # the layer's keys and values of micro-batch i in memory
                 out.append(unit.decode(x, m, p, g.cache))
-                kv.send(ref.block, i, x.shape[1])  # the positions this step added, written alone (a window: whole)
+                if attends:
+                    kv.send(layer, i, x.shape[1])  # the positions this step added, written alone (a window: whole)
             h = out
         else:
             h = [unit.logits(x[:, -1:])[:, -1] for x in h]

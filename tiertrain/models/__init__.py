@@ -24,6 +24,7 @@ from .gpt import build_gpt
 from .hf import hf_layout_problem, hf_problem, layer_hf
 from .pieces import cut_vocab, rows_per_piece
 from .routers import describe_experts
+from .sublayers import PARTS, cut_layers, cut_problem, part_numels
 
 __all__ = [
     "LayeredModel",
@@ -37,6 +38,7 @@ __all__ = [
     "model_name",
     "tensor_source",
     "auto_pieces",
+    "auto_layer_pieces",
 ]
 
 
@@ -146,6 +148,7 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
             model.head.lm_head.weight = model.embed.wte.weight
     else:
         model = _build_hf(cfg)
+    _cut_layers(model, cfg)
     _cut(model, cfg)
     materialize_placeholders(model, param_dtype)
     if cfg.init_from is not None:
@@ -153,8 +156,9 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
     if cfg.hf_dir is not None and not cfg.from_scratch:
         return model, safetensors_source(model, cfg.hf_dir)
     whole = None
-    if model.row_pieces:  # the random values are the uncut model's, whatever the cut
-        whole = lambda: build_model(dataclasses.replace(cfg, vocab_pieces=1), param_dtype=param_dtype, seed=seed)[0]  # noqa: E731
+    if model.row_pieces or model.layer_parts > 1:  # the random values are the uncut model's, whatever the cut
+        uncut = dataclasses.replace(cfg, vocab_pieces=1, layer_pieces=1)
+        whole = lambda: build_model(uncut, param_dtype=param_dtype, seed=seed)[0]  # noqa: E731
     return model, random_source(model, seed, whole=whole)
 
 
@@ -173,6 +177,32 @@ def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
     rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, _block_numel(model))
     if rows < vocab:
         cut_vocab(model, rows)
+
+
+def _cut_layers(model: LayeredModel, cfg: ModelConfig) -> None:
+    """Cut each decoder layer into ``model.layer_pieces`` sub-layer units (unset or 1: whole;
+    the planner asks for pieces where the budget cannot hold a whole block, ``auto_layer_pieces``)."""
+    if cfg.layer_pieces in (None, 1):
+        return
+    problem = cut_problem(model, cfg.layer_pieces)
+    if problem:
+        raise ConfigError(
+            f"model.layer_pieces = {cfg.layer_pieces}: this model's layers cannot be cut exactly ({problem}); "
+            "leave it unset (whole layers) or raise memory.host_mib"
+        )
+    cut_layers(model, cfg.layer_pieces)
+
+
+def auto_layer_pieces(model: LayeredModel, fits) -> int | None:
+    """The fewest pieces (2, 3 or 4) an uncut ``model``'s layers cut into exactly whose largest
+    unit ``fits(numel)`` says the budget holds, or None: the layers cannot be cut (``cut_problem``),
+    or no cut fits."""
+    for parts in sorted(PARTS):
+        if cut_problem(model, parts):
+            continue
+        if fits(max(part_numels(model, parts))):
+            return parts
+    return None
 
 
 def _block_numel(model: LayeredModel) -> int:
@@ -206,14 +236,14 @@ def vocab_size_of(model: LayeredModel, cfg) -> int:
 
 def random_source(model: LayeredModel, seed: int, *, whole: Callable[[], LayeredModel] | None = None) -> WeightSource:
     """Seeded initialisation of one unit at a time (generator seeded by seed and unit). A
-    model whose vocabulary is cut takes its values from ``whole()``, the same model uncut:
-    its embedding and head units initialised whole (once for all their pieces) and cut, so
-    that the initial weights never depend on the cut (a budget that cuts keeps the model)."""
-    if not model.row_pieces:
+    model whose vocabulary or layers are cut takes its values from ``whole()``, the same model
+    uncut: its embedding, head and layers initialised whole (once for all their pieces) and
+    cut, so that the initial weights never depend on the cut (a budget that cuts keeps the model)."""
+    if not model.row_pieces and model.layer_parts == 1:
         owned = unit_param_names(model)
         return WeightSource(f"random init (seed {seed})", lambda u, names: _init_values(model, owned, u, seed, names))
     if whole is None:
-        raise ValueError("random_source: a model whose vocabulary is cut needs whole= (the same model uncut)")
+        raise ValueError("random_source: a cut model needs whole= (the same model uncut)")
     canon: list = []
     last: dict = {}  # the canonical unit initialised last: {index: its values}
 
@@ -222,7 +252,8 @@ def random_source(model: LayeredModel, seed: int, *, whole: Callable[[], Layered
             canon.append(whole())
             canon.append(unit_param_names(canon[0]))
         ref = model.plan[u]
-        c = {"embed": 0, "embed_piece": 0, "block": 1 + (ref.block or 0)}.get(ref.role, len(model.blocks) + 1)
+        layers = len(canon[0].blocks)
+        c = {"embed": 0, "embed_piece": 0, "block": 1 + (model.layer_of(ref.block) or 0)}.get(ref.role, layers + 1)
         if c not in last:
             last.clear()  # one whole unit held at a time: the pieces of a matrix come one after another
             last[c] = _init_values(canon[0], canon[1], c, seed, None)

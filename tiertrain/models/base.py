@@ -122,6 +122,10 @@ class LayeredModel(nn.Module):
         self.head_pieces = nn.ModuleList()
         self.row_pieces: dict = {}  # piece parameter name -> pieces.RowPiece
         self.routers: Any = None  # a mixture of experts' auxiliary loss (routers.RouterLoss), where asked for
+        # layers cut into sub-layer units (sublayers.py): each block's layer and input width
+        self.layer_parts = 1
+        self.block_layers: list[int] | None = None
+        self.block_widths: list[int] | None = None
 
     @property
     def units(self) -> list[nn.Module]:
@@ -155,13 +159,34 @@ class LayeredModel(nn.Module):
             h = block(h, positions)
         return self.head(h, targets, divisor)
 
+    def param_order(self) -> list[int] | None:
+        """The ids of the parameters in the uncut model's order, where the units do not follow it
+        (layers cut into sub-layer units: a layer's attention piece holds its input norm, which
+        the whole layer lists after its MLP), else None."""
+        if self.layer_parts == 1:
+            return None
+        layers: dict[int, list[nn.Module]] = {}
+        for layer, block in zip(self.block_layers or [], self.blocks):
+            layers.setdefault(layer, []).append(block)
+        units = [*self.embed_pieces, self.embed, *(b.whole for b in (g[0] for g in layers.values())), self.head,
+                 *self.head_pieces]  # fmt: skip
+        seen: dict[int, None] = {}
+        for unit in units:
+            for p in unit.parameters():
+                seen.setdefault(id(p), None)
+        return list(seen)
+
+    def layer_of(self, block: int | None) -> int | None:
+        """The decoder layer of block unit ``block`` (itself unless layers are cut)."""
+        return block if self.block_layers is None or block is None else self.block_layers[block]
+
     def full_name(self, unit: int, local: str) -> str:
         """The ``state_dict`` name (of the whole ``LayeredModel``) of a unit's parameter."""
         ref = self.plan[unit]
         prefix = {
             "embed_piece": f"embed_pieces.{ref.piece}",
             "head_piece": f"head_pieces.{ref.piece}",
-            "block": f"blocks.{ref.block}",
+            "block": f"blocks.{self.layer_of(ref.block)}",
         }.get(ref.role, ref.role)
         return f"{prefix}.{local}"
 

@@ -85,14 +85,19 @@ class DecoderBlock(nn.Module):
         takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
         self._rope_kw = {"layer_type": kind} if takes_type else {}
 
-    def _rope(self, h: torch.Tensor, position_ids: torch.Tensor):
+    def rope(self, h: torch.Tensor, position_ids: torch.Tensor):
+        """The rotary table of this layer's type at ``position_ids``."""
         return self._rotary(h, position_ids=position_ids, **self._rope_kw)
+
+    def context(self, h: torch.Tensor, positions: torch.Tensor | None):
+        """(position ids, mask, rotary table) of the layer's forward on ``h``, as the model makes them."""
+        pos = hf_positions(h, positions)
+        return pos, causal_mask(self._config, h, packed_positions(positions), self.kind), self.rope(h, pos)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         no_cache(cache)
-        pos = hf_positions(h, positions)
-        mask = causal_mask(self._config, h, packed_positions(positions), self.kind)
-        return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self._rope(h, pos))
+        pos, mask, rope = self.context(h, positions)
+        return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
 
     def decode(self, h: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
         """Generation: the new positions ``h`` attend to themselves and to ``cache`` (updated
@@ -101,7 +106,7 @@ class DecoderBlock(nn.Module):
             h,
             attention_mask=masks[self.kind],
             position_ids=position_ids,
-            position_embeddings=self._rope(h, position_ids),
+            position_embeddings=self.rope(h, position_ids),
             use_cache=True,
             **{cache_keyword(): cache},
         )

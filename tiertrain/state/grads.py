@@ -286,7 +286,11 @@ class GradStore:
     def total_norm(self) -> torch.Tensor:
         """The global 2-norm, over per-parameter norms in model parameter order (as
         ``torch.nn.utils.clip_grad_norm_`` computes it)."""
-        norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
+        order = self.layout.norm_order
+        if order is not None and not self.home.sharded:  # layers cut: the whole model's order
+            norms = [self.norms[u][i] for u, i in order if u in self.norms]
+        else:
+            norms = [n for u in range(len(self.layout)) for n in self.norms.get(u, [])]
         if not norms:  # every unit frozen (adapters train beside them): no gradient here
             return torch.zeros(())
         if self.home.sharded:  # over the ranks' shards: sqrt of the rank-ordered sum of squares

@@ -121,6 +121,14 @@ class FlatLayout:
         self.n_params = sum(x.used for x in units)
         # the parameters a 4-bit base quantizes (model.base_dtype 'nf4'/'fp4': quant.QuantLayout)
         self.quantizable = frozenset(quantizable(model))
+        # (unit, record) of every parameter in the whole model's order where units do not follow
+        # it (layers cut into sub-layer units): the gradient norm sums in that order
+        self.norm_order: list[tuple[int, int]] | None = None
+        order = model.param_order()
+        if order is not None:
+            rank = {pid: k for k, pid in enumerate(order)}
+            placed = [(unit.index, k, rec) for unit in units for k, rec in enumerate(unit.params)]
+            self.norm_order = [(r[0], r[1]) for r in sorted(placed, key=lambda r: rank[id(r[2].param)])]
 
     def __len__(self) -> int:
         return len(self.units)

@@ -42,6 +42,8 @@ def declare_states(cfg: Config, rt, record_bytes: int = 0) -> list[StateDecl]:
         rt.dtype,
         len(rt.model.blocks) * d.micro_batches,
         (m.stash_host_mib or 0) * MIB,
+        rt.model.block_widths,
+        d.micro_batches,
     )
     acts = []
     if m.offload_pairs and record_bytes:

@@ -160,8 +160,12 @@ class Trainer:
         if plan.cfg.memory.trim_heap:
             trim_heap()  # the probes' tensors passed through the heap: given back before the pools are made
         self._rates = plan.rates
-        if plan.cfg.model.vocab_pieces != self.user_cfg.model.vocab_pieces:  # the vocabulary was cut to fit
-            self.user_cfg.model.vocab_pieces = plan.cfg.model.vocab_pieces  # a checkpoint resumes with the same units
+        for cut in (
+            "vocab_pieces",
+            "layer_pieces",
+        ):  # the model was cut to fit: a checkpoint resumes with the same units
+            if getattr(plan.cfg.model, cut) != getattr(self.user_cfg.model, cut):
+                setattr(self.user_cfg.model, cut, getattr(plan.cfg.model, cut))
         for line in plan.lines():
             log.info("%s", line)
         self.cfg, self.budget, self.acts = plan.cfg, plan.budget, plan.acts
@@ -230,6 +234,7 @@ class Trainer:
                 entries=len(self.model.blocks) * d.micro_batches,
                 host_bytes=m.stash_host_mib * MIB,
                 micro_batches=d.micro_batches,
+                widths=self.model.block_widths,
             )
         )
         a = self.acts

@@ -1,0 +1,200 @@
+"""Decoder layers cut into sub-layer units, so that the fixed pools follow the budget, not the
+block: a Llama-3-70B layer is 0.86 B parameters (3.4 GB in fp32), its MLP alone 0.70 B, and
+every slot, gradient buffer and working unit is sized by the largest unit.
+
+A layer is cut *between whole modules*, in the order its forward runs them, never inside a
+matrix (a row range's input gradient is a sum over pieces: another order of additions):
+
+- ``2`` pieces: ``[input norm, attention, residual]`` | ``[post-attention norm, MLP, residual]``;
+- ``3``: attention | ``[post-attention norm, gate, up, act(gate) * up]`` | ``[down, residual]``;
+- ``4``: attention | ``[post-attention norm, gate]`` | ``[up, act(gate) * up]`` | ``[down, residual]``.
+
+Each piece maps one tensor to one tensor, as a whole block does: where the MLP is cut, what
+one piece hands the next is its inputs and outputs concatenated on the last dimension (the
+residual ``h``; the normed ``x`` and the gate's ``g``; the intermediate ``a``), which the next
+piece slices. Concatenating and slicing copy values, and every tensor is used by the same
+operations as in the whole layer, so the gradients are summed in the same order: a cut model
+computes the whole one's losses and gradients bit for bit (``tests/test_sublayers.py``).
+
+Cut only layers whose ``forward`` is, in the installed transformers, the Llama decoder
+layer's (pre-norm: Llama, Mistral, Qwen2, Qwen3 and others; checked on the source, with the
+MLP's for 3 and 4 pieces). Names: a piece's parameters keep the whole layer's names
+(``blocks.3.layer.mlp.up_proj.weight``), so a cut model reads and writes the same files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+
+from .base import LayeredModel, no_cache
+from .decoder import DecoderBlock
+from .masks import cache_keyword
+
+__all__ = ["PARTS", "cut_problem", "cut_layers", "part_numels", "SubLayer"]
+
+# what each cut makes of a layer, in forward order
+PARTS: dict[int, tuple[str, ...]] = {
+    2: ("attention", "mlp"),
+    3: ("attention", "gate_up", "down"),
+    4: ("attention", "gate", "up", "down"),
+}
+
+
+def _source(fn: Any) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+
+
+def cut_problem(model: LayeredModel, parts: int) -> str:
+    """Why ``model``'s layers cannot be cut into ``parts`` pieces exactly ('' where they can)."""
+    if parts not in PARTS:
+        return f"{parts} pieces (a layer cuts into 2, 3 or 4)"
+    if not model.blocks or not all(isinstance(b, DecoderBlock) for b in model.blocks):
+        return f"its layers are not transformers decoder layers (model kind {model.kind!r})"
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+
+    layer_ref, mlp_ref = _source(LlamaDecoderLayer.forward), _source(LlamaMLP.forward)
+    for b in model.blocks:
+        layer = b.layer
+        name = type(layer).__name__
+        moe = any(hasattr(m, "experts") for m in layer.children()) or model.routers is not None
+        if moe or getattr(layer, "mlp", None) is None:
+            return f"{name} has no dense MLP (a mixture of experts' pieces are not built yet)"
+        if _source(type(layer).forward) != layer_ref or layer_ref is None:
+            return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
+        if parts > 2:
+            mlp = layer.mlp
+            if _source(type(mlp).forward) != mlp_ref or not all(
+                hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")
+            ):
+                return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
+    return ""
+
+
+def _shell(**children: nn.Module) -> nn.Module:
+    """A container holding ``children`` under their names (the whole layer's paths)."""
+    shell = nn.Module()
+    for name, child in children.items():
+        setattr(shell, name, child)
+    return shell
+
+
+class SubLayer(nn.Module):
+    """Piece ``kind`` of decoder layer ``layer_index`` (``PARTS``): ``forward(s, positions) ->
+    s'``, where ``s`` is the hidden states or, between the MLP's pieces, the carried tensor.
+    ``in_width`` is the last dimension of what it takes (the stash holds its input)."""
+
+    def __init__(self, block: DecoderBlock, layer_index: int, kind: str, hidden: int, ff: int) -> None:
+        super().__init__()
+        layer = block.layer
+        self.kind, self.layer_index, self.attn_kind = kind, layer_index, block.kind
+        self.attends = kind == "attention"  # holds the layer's attention (and, generating, its key/value cache)
+        self._d, self._ff = hidden, ff
+        object.__setattr__(self, "_block", block)  # masks and rotary tables: not part of this unit
+        object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order), not this unit's
+        mlp = layer.mlp
+        if kind == "attention":
+            self.layer = _shell(input_layernorm=layer.input_layernorm, self_attn=layer.self_attn)
+        elif kind == "mlp":
+            self.layer = _shell(post_attention_layernorm=layer.post_attention_layernorm, mlp=mlp)
+        elif kind == "gate_up":
+            proj = _shell(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj)
+            self.layer = _shell(post_attention_layernorm=layer.post_attention_layernorm, mlp=proj)
+        elif kind == "gate":
+            self.layer = _shell(
+                post_attention_layernorm=layer.post_attention_layernorm, mlp=_shell(gate_proj=mlp.gate_proj)
+            )
+        elif kind == "up":
+            self.layer = _shell(mlp=_shell(up_proj=mlp.up_proj))
+        elif kind == "down":
+            self.layer = _shell(mlp=_shell(down_proj=mlp.down_proj))
+        else:
+            raise ValueError(f"no sub-layer piece {kind!r}")
+        if kind in ("gate_up", "up"):
+            object.__setattr__(self, "_act", mlp.act_fn)
+        d, f = hidden, ff
+        self.in_width = {"attention": d, "mlp": d, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
+        self.out_width = {"attention": d, "mlp": d, "gate_up": d + f, "gate": 2 * d + f, "up": d + f, "down": d}[kind]
+
+    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        no_cache(cache)
+        if self.kind == "attention":
+            pos, mask, rope = self._block.context(s, positions)
+            return self._attention(s, mask, pos, rope, None)
+        return self._mlp(s)
+
+    def _attention(self, h: torch.Tensor, mask, pos, rope, cache) -> torch.Tensor:
+        """The layer's forward up to its first residual, with its arguments to attention."""
+        layer = self.layer
+        residual = h
+        h = layer.input_layernorm(h)
+        h, _ = layer.self_attn(
+            hidden_states=h,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=cache is not None,
+            position_embeddings=rope,
+            **{cache_keyword(): cache},
+        )
+        return residual + h
+
+    def _mlp(self, s: torch.Tensor) -> torch.Tensor:
+        layer, d = self.layer, self._d
+        if self.kind == "mlp":
+            residual = s
+            return residual + layer.mlp(layer.post_attention_layernorm(s))
+        if self.kind == "gate_up":  # the MLP's order: gate, act, up, product
+            x = layer.post_attention_layernorm(s)
+            a = self._act(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
+            return torch.cat([s, a], dim=-1)
+        if self.kind == "gate":
+            x = layer.post_attention_layernorm(s)
+            return torch.cat([s, x, layer.mlp.gate_proj(x)], dim=-1)
+        if self.kind == "up":
+            h, x, g = s[..., :d], s[..., d : 2 * d], s[..., 2 * d :]
+            return torch.cat([h, self._act(g) * layer.mlp.up_proj(x)], dim=-1)
+        h, a = s[..., :d], s[..., d:]  # down: the layer's last residual
+        return h + layer.mlp.down_proj(a)
+
+    def decode(self, s: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: the attention piece with the layer's key/value cache, the others as in training."""
+        if self.kind != "attention":
+            return self._mlp(s)
+        return self._attention(s, masks[self.attn_kind], position_ids, self._block.rope(s, position_ids), cache)
+
+
+def part_numels(model: LayeredModel, parts: int) -> list[int]:
+    """The parameters of each piece of the largest layer cut into ``parts`` (1: the whole block)."""
+    block = max(model.blocks, key=_numel)
+    if parts == 1:
+        return [_numel(block)]
+    d, f = _widths(model)
+    return [_numel(SubLayer(cast(DecoderBlock, block), 0, k, d, f)) for k in PARTS[parts]]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _widths(model: LayeredModel) -> tuple[int, int]:
+    cfg = model.hf_config
+    return cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0
+
+
+def cut_layers(model: LayeredModel, parts: int) -> None:
+    """Replace ``model``'s blocks by their ``parts`` pieces each (``cut_problem`` first)."""
+    d, f = _widths(model)
+    pieces: list[SubLayer] = []
+    for i, block in enumerate(model.blocks):
+        pieces += [SubLayer(cast(DecoderBlock, block), i, k, d, f) for k in PARTS[parts]]
+    model.blocks = nn.ModuleList(pieces)
+    model.block_layers = [p.layer_index for p in pieces]
+    model.block_widths = [p.in_width for p in pieces]
+    model.layer_parts = parts
