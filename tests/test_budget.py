@@ -370,7 +370,8 @@ def test_the_planned_pairs_are_the_pairs_a_step_keeps_with_document_attention(tm
 
 def test_a_budget_below_the_fixed_pools_is_refused_before_the_machine_is_measured(tmp_path, capsys, monkeypatch):
     """`tiertrain plan` of a 70 B shape ran a block's dry run and the probes (6 min 50 s) before
-    refusing a budget below its fixed pools; the least budget that would run is given."""
+    refusing a budget below its fixed pools; the least budget that would run is given (its
+    layers cut into 4 sub-layer units, the most the planner cuts: whole, they need 20 GiB more)."""
     import re
 
     import tiertrain.cost as cost
@@ -390,4 +391,4 @@ def test_a_budget_below_the_fixed_pools_is_refused_before_the_machine_is_measure
     low, about, least = (int(x.replace(",", "")) for x in re.search(
         r"\(([\d,]+) MiB before any activations, about ([\d,]+) MiB with a micro-batch's, estimated\); raise "
         r"memory.host_mib to about ([\d,]+) ", line).groups())  # fmt: skip
-    assert 20_000 < low < about == least < low * 1.1, line
+    assert 5_000 < low < about == least < low * 1.1, line

@@ -160,7 +160,7 @@ def _plan_shape(tmp_path, host_mib, act_mib, **shape):
     state's place given (nothing to rank: no machine measured) and ``act_mib`` of activations a
     (piece, micro-batch) as the probe would measure them."""
     from tiertrain.config import ModelConfig
-    from tiertrain.cost.budget import plan_budget
+    from tiertrain.cost.cuts import plan_budget
     from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, activations="auto", micro_batches=8)

@@ -181,7 +181,8 @@ class HiddenStash:
         """Keep entry ``key`` (a device tensor) until ``get``."""
         i = self._index(key)
         if tuple(h.shape) != self._shape(i):
-            raise ValueError(f"stash entry {key} is {self._shape(i)}, got {tuple(h.shape)}")
+            where = "" if self.widths is None else f" of block {i // self.micro_batches}"
+            raise ValueError(f"stash entries{where} are {self._shape(i)}, got {tuple(h.shape)}")
         if i >= self.spilled:  # after the compute that made h, and after the last upload out of the slot
             self._down[i] = self.dev.download(self._host_view(i), h, after=[self.dev.event(), self._up.pop(i, None)])
             return

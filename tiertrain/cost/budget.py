@@ -25,15 +25,12 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import psutil
 import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
-from ..errors import one_line
-from ..models.sublayers import PARTS
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
@@ -49,8 +46,8 @@ __all__ = [
     "BudgetPlan",
     "resolve_budget",
     "default_host_bytes",
-    "plan_budget",
-    "PIECES_TOLERANCE",
+    "PoolsOverBudget",
+    "warn_above_available",
 ]
 
 log = logging.getLogger("tiertrain")
@@ -86,128 +83,7 @@ def default_host_bytes() -> tuple[int, str]:
     return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
 
 
-# What cutting the vocabulary changes (measured in tests/test_pieces.py): said when the plan cuts.
-PIECES_TOLERANCE = (
-    "the cut head's cross-entropy is an online log-sum-exp over the pieces: losses differ from plain "
-    "PyTorch's by rounding (relative 1e-6), weights after a few steps by up to 1e-5"
-)
-
-
-def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
-    """``resolve_budget``, with the model as configured (exact) unless the budget cannot hold its
-    units (the host's fixed pools, or on CUDA the device's slots and buffers): then cut, as
-    little as fits, each cut only where its field is unset, said with what it changes: first the
-    vocabulary (``model.vocab_pieces``: where its matrix is larger than a block, the fewest pieces
-    no larger than one; the cross-entropy then sums by rounding otherwise), then the decoder
-    layers (``model.layer_pieces``: 2, 3 or 4 sub-layer units, exact), with the vocabulary cut to
-    the pieces' size where it is larger. ``agree``: with ranks, takes rank 0's choice (all ranks
-    must cut alike). The returned config names the cut (a checkpoint of the run resumes with it)."""
-    if cfg.memory.host_mib is not None:
-        _warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
-    options = _cuts(cfg, rt)
-    if not options:
-        return resolve_budget(cfg, rt, rates_fn, act_fn)  # refused here, named, where nothing can be cut
-    why, resolved = _short(cfg, rt, rates_fn, act_fn)
-    tried: list[str] = []
-    choice = None if not why else len(options)  # len: none fits (the last cut refuses, named)
-    for k, option in enumerate(options if why else []):
-        cut_cfg = _recut(cfg, rt, *option)
-        short, _ = _short(cut_cfg, rt, rates_fn, act_fn, measure=False)
-        tried.append(short)
-        if not short:
-            choice = k
-            break
-    if agree is not None:
-        choice = agree(choice)
-    if choice is None:
-        if resolved is not None and not tried:
-            return resolved
-        if tried:  # rank 0 did not cut: back to the model as configured
-            _recut(cfg, rt, cfg.model.layer_pieces, cfg.model.vocab_pieces)
-        return resolve_budget(cfg, rt, rates_fn, act_fn)
-    layers, vocab = options[min(choice, len(options) - 1)]
-    cut_cfg = _recut(cfg, rt, layers, vocab)
-    cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)  # refused here where even the last cut is short
-    m = cut_cfg.model
-    plan.notes.append(f"the model's units as configured do not fit ({why or 'on rank 0'}): cut")
-    if m.vocab_pieces != cfg.model.vocab_pieces and m.vocab_pieces:
-        plan.notes.append(
-            f"vocabulary cut into {m.vocab_pieces} pieces (model.vocab_pieces = {m.vocab_pieces}): "
-            f"{PIECES_TOLERANCE}. Raise memory.host_mib to hold whole vocabulary units and keep the math exact"
-        )
-    if m.layer_pieces != cfg.model.layer_pieces and m.layer_pieces:
-        plan.notes.append(
-            f"decoder layers cut into {m.layer_pieces} sub-layer units each (model.layer_pieces = {m.layer_pieces}: "
-            f"{' | '.join(PARTS[m.layer_pieces])}): exact (the whole layer's losses and gradients bit for bit); "
-            "the tensors handed between the MLP's pieces are stashed too"
-        )
-    return cut_cfg, plan
-
-
-def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
-    """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
-    (a vocabulary unset: cut as ``_recut`` finds it needs)."""
-    from ..models import auto_pieces
-    from ..models.sublayers import cut_problem
-
-    m, out = cfg.model, []
-    if m.vocab_pieces is None and auto_pieces(rt.model) is not None:
-        out.append((m.layer_pieces, auto_pieces(rt.model)))
-    if m.layer_pieces is None and rt.model.layer_parts == 1:
-        out += [(p, m.vocab_pieces) for p in sorted(PARTS) if not cut_problem(rt.model, p)]
-    return out
-
-
-def _recut(cfg: Config, rt, layers: int | None, vocab: int | None) -> Config:
-    """``cfg`` with the model cut into ``layers`` sub-layer units and ``vocab`` pieces (unset:
-    the fewest pieces no larger than the largest unit, where the matrix is larger), ``rt``'s
-    model rebuilt for it."""
-    from ..models import auto_pieces
-
-    cut = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_pieces=layers, vocab_pieces=vocab))
-    rt.recut(cut)
-    if layers and vocab is None:
-        pieces = auto_pieces(rt.model)
-        if pieces is not None:
-            cut = dataclasses.replace(cut, model=dataclasses.replace(cut.model, vocab_pieces=pieces))
-            rt.recut(cut)
-    return cut
-
-
-def _short(cfg: Config, rt, rates_fn, act_fn, *, measure: bool = True) -> tuple[str, Any]:
-    """Why the budget cannot hold ``cfg``'s units ('' where it can) and, where it can and
-    ``measure``, the resolved budget."""
-    why = _device_short(cfg, rt)
-    if why:
-        return why, None
-    try:
-        if not measure:
-            _pools_fit_unmeasured(cfg, rt)
-            return "", None
-        return "", resolve_budget(cfg, rt, rates_fn, act_fn)
-    except PoolsOverBudget as exc:
-        return one_line(exc), None
-
-
-def _device_short(cfg: Config, rt) -> str:
-    """Why the GPU cannot hold the run's fixed device buffers (slots, gradient buffers and
-    accumulators, by the largest unit), or ''."""
-    if not rt.dev.cuda:
-        return ""
-    m, unit = cfg.memory, rt.layout.max_unit_numel * rt.dtype.itemsize
-    need = (m.device_slots + GradStore.buffers_for(rt.layout)) * unit + GradStore.accum_bytes_for(
-        rt.layout, accum_dtype_of(cfg, rt.dtype)
-    )
-    budget = m.device_mib * MIB if m.device_mib is not None else int(0.9 * torch.cuda.mem_get_info(rt.dev.device)[0])
-    if need <= budget:
-        return ""
-    return (
-        f"the device's slots and gradient buffers need {need / GIB:.2f} GiB by the largest unit, "
-        f"{budget / GIB:.2f} GiB are there"
-    )
-
-
-def _warn_above_available(host: int) -> None:
+def warn_above_available(host: int) -> None:
     """A budget set above the memory this machine has available now is taken as given (the
     user may know better, say with memory to be freed), but said, with the figure."""
     avail = psutil.virtual_memory().available
@@ -421,7 +297,7 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
     activations is fixed only where the pairs kept in memory are not all of them."""
     act, record = _act_bytes_estimate(cfg, rt), 0
     if "keep_act_mib" in _todo(cfg) or offload_possible(cfg):
-        _pools_fit_unmeasured(cfg, rt)
+        pools_fit_unmeasured(cfg, rt)
         if act_fn is not None:
             act, record = act_fn()
         else:
@@ -449,7 +325,7 @@ class _Unmeasured(Exception):
     """The placement needs the machine's measurements (the fixed pools fit)."""
 
 
-def _pools_fit_unmeasured(cfg: Config, rt) -> None:
+def pools_fit_unmeasured(cfg: Config, rt) -> None:
     """Raise ``PoolsOverBudget`` now where the budget cannot hold the fixed pools even with no
     activations at all: before the dry run of a block and the probes, which measure what is
     needed only to place the states (minutes for a 70 B block on a CPU, to then refuse)."""

@@ -91,8 +91,9 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     machine). ``measure``: whether the update path's choice may measure the machine (default:
     where ``train.predict`` will anyway); ``rates``: measured already."""
     from ..cost import measure_rates
-    from ..cost.budget import PoolsOverBudget, plan_budget
+    from ..cost.budget import PoolsOverBudget
     from ..cost.choose import resolve_activations, resolve_speculation, resolve_update
+    from ..cost.cuts import plan_budget
     from ..cost.probe import probe_acts
 
     group = group or SoloGroup()

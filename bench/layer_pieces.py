@@ -1,0 +1,185 @@
+"""Sub-layer units: pools, peak memory, bytes and step time of a Llama cut into 1, 2, 3 and 4
+units a layer (``model.layer_pieces``), from the same weights.
+
+A Llama with a wide MLP (ff = 4 x width), states on the storage tier, hidden states spilled:
+whole, a block is the largest unit and sizes every slot and gradient buffer; cut, a piece does,
+and the stash holds the wider tensors handed between the MLP's pieces. Each setting runs in its
+own process (peak RSS is the process's): the largest unit, the fixed pools, peak RSS, seconds
+per step, bytes read and written per step (against the cost model's count), and the losses,
+which must be equal bit for bit.
+
+Usage: python bench/layer_pieces.py [--steps 3] [--d-model 1536] [--layers 6] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+
+from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
+
+MIB = 1 << 20
+
+
+def run_one(args) -> dict:
+    """One setting, in this process: the figures as a dict."""
+    import statistics
+
+    from tiertrain.config import load_config
+    from tiertrain.cost import run_traffic
+    from tiertrain.cost.budget import STATES_ON_STORAGE
+    from tiertrain.training.trainer import Trainer
+
+    flags = [
+        f"--io.paths={args.scratch}",
+        f"--train.run_dir={args.scratch}/run",
+        "--model.kind=llama",
+        f"--model.d_model={args.d_model}",
+        f"--model.n_layers={args.layers}",
+        f"--model.n_heads={args.d_model // 64}",
+        f"--model.d_ff={4 * args.d_model}",
+        "--model.vocab_size=32000",
+        "--model.max_seq_len=256",
+        "--data.seq_len=256",
+        "--data.micro_batch_size=2",
+        "--data.micro_batches=2",
+        f"--train.steps={args.steps}",
+        "--train.progress=false",
+        "--train.predict=false",
+        "--memory.host_mib=16384",
+        *[f"--memory.{k}={v}" for k, v in STATES_ON_STORAGE.items()],
+    ]
+    flags.append(f"--model.layer_pieces={args.pieces}")
+    if args.init:
+        flags.append(f"--model.init_from={args.init}")
+    cfg = load_config(None, flags)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        recs = [tr.train_step() for _ in range(args.steps)]
+        t = run_traffic(tr, kept=0)
+        return dict(
+            pieces=tr.model.layer_parts,
+            largest_unit=tr.layout.max_unit_numel,
+            n_params=tr.layout.n_params,
+            pools=sum(tr.pool_bytes.values()),
+            step_s=statistics.median(r.step_s for r in recs[1:] or recs),
+            read=recs[-1].ssd_read_bytes,
+            write=recs[-1].ssd_write_bytes,
+            model_read=t.read,
+            model_write=t.write,
+            losses=[r.loss for r in recs],
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--d-model", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--pieces", type=int, default=None, help=argparse.SUPPRESS)  # one setting, in a child
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--init", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_one(args)))
+        return 0
+    out = checked_out(args.out) if args.out else None
+    rows = {}
+    with scratch_dir(args.scratch, "layers") as top:
+        init = write_init(args, top)  # every setting starts from these weights
+        for pieces in (1, 2, 3, 4):
+            rows[f"layer_pieces = {pieces}"] = run_child(args, f"layer_pieces = {pieces}", pieces, init, top)
+    report(args, rows, out)
+    return 0
+
+
+def write_init(args, top: str) -> str:
+    """The whole model's seeded initial weights in one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tiertrain.config import ModelConfig
+    from tiertrain.models import build_model, random_source
+
+    mc = ModelConfig(
+        kind="llama",
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.d_model // 64,
+        d_ff=4 * args.d_model,
+        vocab_size=32000,
+        max_seq_len=256,
+    )
+    model, _ = build_model(mc, param_dtype=torch.float32, seed=0)
+    src, tensors = random_source(model, 0), {}
+    from tiertrain.models import unit_param_names
+
+    for u, own in enumerate(unit_param_names(model)):
+        tensors.update(src.load(u, [n for n, _ in own]))
+    path = os.path.join(top, "init.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
+    with scratch_dir(top, "child") as scratch:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            f"--steps={args.steps}",
+            f"--d-model={args.d_model}",
+            f"--layers={args.layers}",
+            f"--scratch={scratch}",
+            f"--init={init}",
+        ] + ([f"--pieces={pieces}"] if pieces else [])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def report(args, rows: dict, out: str | None) -> None:
+    first = next(iter(rows.values()))
+    lines = [
+        f"# Sub-layer units: a {first['n_params'] / 1e6:.0f} M-parameter Llama, width {args.d_model}, "
+        f"ff {4 * args.d_model}, {args.layers} layers",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; fp32 on CPU, every state on the storage tier "
+        f"(hidden states spilled); M = 2 micro-batches of 2 x 256 tokens; {args.steps} steps, median step of the "
+        f"last {max(1, args.steps - 1)}.",
+        "",
+        "| setting | units a layer | largest unit (M elements) | fixed pools (GiB) | peak RSS (GiB) | s/step | "
+        "read GB/step (model) | written GB/step (model) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in rows.items():
+        lines.append(
+            f"| {label} | {r['pieces']} | {r['largest_unit'] / 1e6:.1f} | {r['pools'] / 2**30:.2f} | "
+            f"{r['peak_rss'] / 2**30:.2f} | {r['step_s']:.1f} | {r['read'] / 1e9:.2f} ({r['model_read'] / 1e9:.2f}) | "
+            f"{r['write'] / 1e9:.2f} ({r['model_write'] / 1e9:.2f}) |"
+        )
+    same = all(r["losses"] == first["losses"] for r in rows.values())
+    lines += [
+        "",
+        f"Losses: {', '.join(f'{v:.7f}' for v in first['losses'])}; "
+        + (
+            "equal bit for bit in every setting."
+            if same
+            else "NOT equal in every setting: " + "; ".join(f"{k}: {r['losses']}" for k, r in rows.items())
+        ),
+        "",
+    ]
+    publish("\n".join(lines), out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
