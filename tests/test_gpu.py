@@ -166,6 +166,27 @@ def test_cuda_vocabulary_pieces_match_the_cpu_run(tmp_path, tie, mode):
     same_weights_across_devices(tr, w_gpu, w_cpu)
 
 
+@pytest.mark.parametrize("parts,mode", [(2, "overlap"), (4, "engines")])
+def test_cuda_layer_pieces_match_the_cpu_run(tmp_path, parts, mode):
+    """Layers cut into sub-layer units (the planner cuts them where whole blocks do not fit: a
+    70 B shape's at 16 GiB): the stash's entries of several widths cross the link; the same cut
+    run on CPU, fp32."""
+    runs = []
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu", kind="llama")))
+        for d in ("cpu", "cuda"):
+            cfg = cfg_on(tmp_path / d, d, kind="llama", dtype="float32", activations="recompute")
+            cfg.model.layer_pieces, cfg.update.mode = parts, mode
+            runs.append(run_tiertrain(cfg, init))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (l_cpu, w_cpu, _), (l_gpu, w_gpu, tr) = runs
+    assert tr.model.layer_parts == parts and tr.executor.recomputed > 0
+    torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
+    same_weights_across_devices(tr, w_gpu, w_cpu)
+
+
 def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     """bf16 on CUDA: both update paths run the same fused kernels on the host: identical."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))

@@ -60,7 +60,31 @@ def test_a_cut_llama_is_plain_pytorch_bit_for_bit(tmp_path, parts, micro_batches
         assert tr.acts.offloaded == L * parts * M
 
 
-@pytest.fixture(scope="module", params=["qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("mode", ["overlap", "engines"])
+def test_every_update_path_on_a_cut_model_is_bit_for_bit(tmp_path, mode):
+    """The overlapped update and the engines, speculating under a clip that acts every step
+    (each step's update redone with the clip): the norm the clip judges is the whole model's."""
+    cfg = small_config(tmp_path, kind="llama", micro_batches=2, steps=3, activations="recompute", clip=0.05)
+    cfg.update.mode, cfg.update.speculate = mode, "on"
+    tr, _ = assert_parity(_cut(cfg, 3))
+    assert tr.update.redone == 3
+
+
+@pytest.mark.parametrize("activations,stash_mib", [("recompute", 0), ("offload", 1)])
+def test_through_a_separate_device_memory_bit_for_bit(tmp_path, activations, stash_mib):
+    """As on CUDA (``AsyncCpuDevice``: copies on their own streams, late): the stash's entries
+    of three widths go down to pinned slots or spill buffers and come back up, the offloaded
+    records of each piece kind too."""
+    from tiertrain.device import AsyncCpuDevice
+
+    cfg = small_config(
+        tmp_path, kind="llama", micro_batches=2, steps=2, activations=activations, stash_host_mib=stash_mib
+    )
+    tr, _ = assert_parity(_cut(cfg, 4), AsyncCpuDevice(delay=0.001))
+    assert tr.model.layer_parts == 4 and len(set(tr.model.block_widths)) == 3
+
+
+@pytest.fixture(scope="module", params=["qwen2", "mistral", "qwen3", "gemma", "starcoder2"])
 def family_dir(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     return request.param, str(d), _saved(request.param, d)
@@ -68,11 +92,16 @@ def family_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("parts", [2, 4])
 def test_other_families_cut_are_plain_pytorch_bit_for_bit(tmp_path, family_dir, parts):
-    """Qwen2 (biases, a sliding layer), Mistral (every layer sliding), Qwen3 (Q/K norms): their
-    layers are Llama's forward with their own attention, cut as Llama's."""
+    """Qwen2 (biases, a sliding layer), Mistral (every layer sliding), Qwen3 (Q/K norms), Gemma
+    (scaled embeddings, its own norms and MLP), Starcoder 2 (a two-matrix MLP: cut into 2, and
+    refused into 4): their layers are Llama's forward with their own modules, cut as Llama's."""
     family, path, _ = family_dir
     cfg = small_config(tmp_path, kind="llama", micro_batches=2, steps=3, clip=0.5)
     cfg.model.hf_dir = path
+    if family == "starcoder2" and parts == 4:
+        with pytest.raises(ConfigError, match="Starcoder2MLP is not the Llama MLP"):
+            build_model(_cut(cfg, parts).model, param_dtype=torch.float32, seed=0)
+        return
     tr, _ = assert_parity(_cut(cfg, parts))
     assert tr.model.hf_config.model_type == family and len(tr.model.blocks) == 2 * parts
 
@@ -80,9 +109,9 @@ def test_other_families_cut_are_plain_pytorch_bit_for_bit(tmp_path, family_dir, 
 def test_greedy_generation_of_a_cut_model_is_transformers_generate(tmp_path, family_dir):
     """Each layer's key/value cache goes with its attention piece (a sliding layer's window
     alone, spilled to the storage tier here); the MLP's pieces hold none."""
-    _, path, hf = family_dir
+    family, path, hf = family_dir
     prompts = [list(range(10, 30)), list(range(40, 52))]  # past the 8-token window
-    cfg = _cut(small_config(tmp_path, kind="llama"), 4)
+    cfg = _cut(small_config(tmp_path, kind="llama"), 2 if family == "starcoder2" else 4)
     cfg.model.hf_dir, cfg.data.micro_batch_size, cfg.memory.kv_host_mib = path, 1, 0
     assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=()) == _hf_generate(hf, prompts, 10)
 
