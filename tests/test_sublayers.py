@@ -116,6 +116,32 @@ def test_greedy_generation_of_a_cut_model_is_transformers_generate(tmp_path, fam
     assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=()) == _hf_generate(hf, prompts, 10)
 
 
+@pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
+def test_a_mixture_of_experts_cut_into_attention_and_its_moe_block_is_plain_pytorch(tmp_path, activations):
+    """Qwen3-MoE (a dense first layer, the routers' auxiliary loss on): each layer cut into
+    attention | MLP, the MoE block called whole; the router's logits reach the loss under the
+    layer's number though it is the layer's second unit. Into 3 it is refused: the experts'
+    pieces are not built."""
+    from test_moe import _config as moe_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).save_pretrained(tmp_path / "m")
+    cfg = small_config(
+        tmp_path,
+        kind="llama",
+        micro_batches=2,
+        steps=3,
+        activations=activations,
+        keep_act_mib=64 * (activations == "keep"),
+    )
+    cfg.model.hf_dir = str(tmp_path / "m")
+    tr, _ = assert_parity(_cut(cfg, 2))
+    assert tr.model.routers is not None and tr.model.block_layers == [0, 0, 1, 1]
+    with pytest.raises(ConfigError, match="mixture of experts: it cuts into 2"):
+        build_model(_cut(cfg, 3).model, param_dtype=torch.float32, seed=0)
+
+
 def test_initial_weights_and_names_do_not_depend_on_the_cut(tmp_path):
     """The same seed gives the same weights under the same names cut or whole (each piece
     takes its values from the whole layer's initialisation; names are the layer's)."""
@@ -234,7 +260,7 @@ def test_layers_that_cannot_be_cut_exactly_are_refused_by_name(tmp_path):
     AutoModelForCausalLM.from_config(moe_config("mixtral")).save_pretrained(path)
     cfg = small_config(tmp_path, kind="llama")
     cfg.model.hf_dir = str(path)
-    with pytest.raises(ConfigError, match="a mixture of experts' pieces are not built yet"):
+    with pytest.raises(ConfigError, match="MixtralDecoderLayer's forward is not the pre-norm Llama layer's"):
         build_model(_cut(cfg, 2).model, param_dtype=torch.float32, seed=0)
     with pytest.raises(ConfigError, match=r"model.layer_pieces = 5: must be one of 1, 2, 3, 4"):
         ModelConfig(kind="llama", layer_pieces=5)

@@ -151,7 +151,8 @@ class LayerMajorExecutor(VocabSteps):
         """Block ``b``'s forward for micro-batch ``m``; a mixture of experts' router logits kept
         for the auxiliary loss (``record``) and their gradient hook placed (``models/routers.py``)."""
         routers = self.model.routers
-        with routers.at(b, m, record=record) if routers is not None else contextlib.nullcontext():
+        layer = self.model.layer_of(b)  # layers cut into sub-layer units: the router's layer
+        with routers.at(layer, m, record=record) if routers is not None else contextlib.nullcontext():
             return block(x, positions)
 
     def _with_aux(self, loss: torch.Tensor, m: int, *, backward: bool) -> torch.Tensor:

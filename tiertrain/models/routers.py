@@ -66,8 +66,6 @@ class RouterLoss:
         a recompute in the backward keeps none: the loss was made from the first) and their
         gradient hooks placed."""
         self._key, self._record, self._calls = (block, micro_batch), record, 0
-        if record:
-            self._logits[block, micro_batch] = []
         try:
             yield
         finally:
@@ -79,8 +77,8 @@ class RouterLoss:
         logits = out[self._index]
         key = (block, self._key[1], self._calls)
         self._calls += 1
-        if self._record:
-            self._logits[block, self._key[1]].append(logits.detach())
+        if self._record:  # a layer cut into units: only the one with the router records
+            self._logits.setdefault((block, self._key[1]), []).append(logits.detach())
         if logits.requires_grad:
             logits.register_hook(lambda g, key=key: self._add(key, g))
 

@@ -9,6 +9,9 @@ matrix (a row range's input gradient is a sum over pieces: another order of addi
 - ``3``: attention | ``[post-attention norm, gate, up, act(gate) * up]`` | ``[down, residual]``;
 - ``4``: attention | ``[post-attention norm, gate]`` | ``[up, act(gate) * up]`` | ``[down, residual]``.
 
+A mixture-of-experts layer of that form (Qwen3-MoE's) cuts into 2: attention | the MoE block
+whole (its router's logits go to the auxiliary loss under the layer's number, ``routers.py``).
+
 Each piece maps one tensor to one tensor, as a whole block does: where the MLP is cut, what
 one piece hands the next is its inputs and outputs concatenated on the last dimension (the
 residual ``h``; the normed ``x`` and the gate's ``g``; the intermediate ``a``), which the next
@@ -64,11 +67,12 @@ def cut_problem(model: LayeredModel, parts: int) -> str:
     for b in model.blocks:
         layer = b.layer
         name = type(layer).__name__
-        moe = any(hasattr(m, "experts") for m in layer.children()) or model.routers is not None
-        if moe or getattr(layer, "mlp", None) is None:
-            return f"{name} has no dense MLP (a mixture of experts' pieces are not built yet)"
+        if getattr(layer, "mlp", None) is None:
+            return f"{name} has no mlp"
         if _source(type(layer).forward) != layer_ref or layer_ref is None:
             return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
+        if parts > 2 and any(hasattr(m, "experts") for m in layer.mlp.modules()):
+            return f"{name}'s MLP is a mixture of experts: it cuts into 2 (attention | the MoE block whole; its experts' pieces are not built yet)"
         if parts > 2:
             mlp = layer.mlp
             if _source(type(mlp).forward) != mlp_ref or not all(
