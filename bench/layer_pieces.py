@@ -5,7 +5,8 @@ A Llama with a wide MLP (ff = 4 x width), states on the storage tier, hidden sta
 whole, a block is the largest unit and sizes every slot and gradient buffer; cut, a piece does,
 and the stash holds the wider tensors handed between the MLP's pieces. Each setting runs in its
 own process (peak RSS is the process's): the largest unit, the fixed pools, peak RSS, seconds
-per step, bytes read and written per step (against the cost model's count), and the losses,
+per step, bytes read and written per step (against the cost model's count, less the parameters
+the overlapped update handed to the next forward in memory), and the losses,
 which must be equal bit for bit.
 
 Usage: python bench/layer_pieces.py [--steps 3] [--d-model 1536] [--layers 6] [--out FILE]
@@ -72,7 +73,8 @@ def run_one(args) -> dict:
             step_s=statistics.median(r.step_s for r in recs[1:] or recs),
             read=recs[-1].ssd_read_bytes,
             write=recs[-1].ssd_write_bytes,
-            model_read=t.read,
+            # the overlapped update hands the next forward some new parameters in memory: not read back
+            model_read=t.read - recs[-1].extra.get("handoff_bytes", 0),
             model_write=t.write,
             losses=[r.loss for r in recs],
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
