@@ -120,8 +120,8 @@ def test_greedy_generation_of_a_cut_model_is_transformers_generate(tmp_path, fam
 def test_a_mixture_of_experts_cut_into_attention_and_its_moe_block_is_plain_pytorch(tmp_path, activations):
     """Qwen3-MoE (a dense first layer, the routers' auxiliary loss on): each layer cut into
     attention | MLP, the MoE block called whole; the router's logits reach the loss under the
-    layer's number though it is the layer's second unit. Into 3 it is refused: the experts'
-    pieces are not built."""
+    layer's number though it is the layer's second unit (more pieces: ranges of experts,
+    ``test_experts_cut.py``)."""
     from test_moe import _config as moe_config
     from transformers import AutoModelForCausalLM
 
@@ -138,8 +138,6 @@ def test_a_mixture_of_experts_cut_into_attention_and_its_moe_block_is_plain_pyto
     cfg.model.hf_dir = str(tmp_path / "m")
     tr, _ = assert_parity(_cut(cfg, 2))
     assert tr.model.routers is not None and tr.model.block_layers == [0, 0, 1, 1]
-    with pytest.raises(ConfigError, match="mixture of experts: it cuts into 2"):
-        build_model(_cut(cfg, 3).model, param_dtype=torch.float32, seed=0)
 
 
 def test_initial_weights_and_names_do_not_depend_on_the_cut(tmp_path):
@@ -262,5 +260,9 @@ def test_layers_that_cannot_be_cut_exactly_are_refused_by_name(tmp_path):
     cfg.model.hf_dir = str(path)
     with pytest.raises(ConfigError, match="MixtralDecoderLayer's forward is not the pre-norm Llama layer's"):
         build_model(_cut(cfg, 2).model, param_dtype=torch.float32, seed=0)
-    with pytest.raises(ConfigError, match=r"model.layer_pieces = 5: must be one of 1, 2, 3, 4"):
-        ModelConfig(kind="llama", layer_pieces=5)
+    with pytest.raises(
+        ConfigError, match=r"model.layer_pieces = 5: .*\(5 pieces \(a dense layer cuts into 2, 3 or 4\)\)"
+    ):
+        build_model(_cut(small_config(tmp_path, kind="llama"), 5).model, param_dtype=torch.float32, seed=0)
+    with pytest.raises(ConfigError, match=r"model.layer_pieces = 0: must be >= 1"):
+        ModelConfig(kind="llama", layer_pieces=0)

@@ -70,6 +70,13 @@ class Runtime:
         if cfg.adapter.on:  # the base frozen whole, the adapters beside it on the compute device
             from .adapters import LoRA
 
+            if self.model.cut_params and cfg.adapter.target_parameters:
+                raise ConfigError(
+                    f"adapter.target_parameters = {cfg.adapter.target_parameters!r} with the experts cut into ranges "
+                    f"(model.layer_pieces = {cfg.model.layer_pieces}) is not supported: adapters on the experts need "
+                    "them whole; use model.layer_pieces = 2 (or unset), or adapters on the attention only"
+                )
+
             self.frozen = freeze_all(self.model)
             self.adapters = LoRA(self.model, cfg.adapter, seed=cfg.train.seed, device=self.dev.device)
             if cfg.adapter.init_from is not None:  # continue a peft adapter

@@ -91,7 +91,8 @@ def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | 
     have: dict[str, None] = {}
     stacks: dict[str, None] = {}  # the 3-D parameters' last names
     matched: set[str] = set()
-    for i, block in enumerate(model.blocks):
+    for b, block in enumerate(model.blocks):
+        i = model.layer_of(b)  # layers cut into sub-layer units: the layer's number names them
         for local, module in block.named_modules():
             shape = linear_shape(module)
             if shape is not None:
@@ -138,7 +139,11 @@ def _paths(model: LayeredModel) -> dict[int, str]:
     """The blocks' modules' paths as peft matches parameter names against them: in the
     transformers model (by identity), or tiertrain's own for the built-in model."""
     if model.hf_model is None:
-        return {id(m): f"blocks.{i}.{n}".rstrip(".") for i, b in enumerate(model.blocks) for n, m in b.named_modules()}
+        return {
+            id(m): f"blocks.{model.layer_of(i)}.{n}".rstrip(".")
+            for i, b in enumerate(model.blocks)
+            for n, m in b.named_modules()
+        }
     return {id(m): n for n, m in model.hf_model.named_modules()}
 
 

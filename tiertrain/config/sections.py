@@ -197,10 +197,12 @@ class ModelConfig(Section):
         None,
         "Sub-layer units each decoder layer is cut into, between whole modules, so that slots and "
         "buffers are sized by a piece, not by a block (a 70 B layer is 3.4 GB in fp32): 2 (attention | "
-        "MLP), 3 (attention | norm, gate and up | down), 4 (attention | norm and gate | up | down). "
-        "Exact: losses and gradients are the whole layer's bit for bit. None: whole, unless the memory "
-        "budget cannot hold a whole block: then the fewest pieces that fit, said at start; 1: never cut. "
-        "Pre-norm Llama-layout layers (Llama, Mistral, Qwen2, Qwen3, ...) only.",
+        "MLP), 3 (attention | norm, gate and up | down), 4 (attention | norm and gate | up | down); a "
+        "mixture of experts' layer (Qwen3-MoE's form) into attention | its MoE block (2), or attention and "
+        "N - 1 ranges of whole experts. Exact: losses and gradients are the whole layer's bit for bit (ranges "
+        "of experts with clipping on: the global norm by rounding). None: whole, unless the memory budget "
+        "cannot hold a whole block: then the fewest pieces that fit, said at start; 1: never cut. Pre-norm "
+        "Llama-layout layers (Llama, Mistral, Qwen2, Qwen3, Gemma, ...) only.",
     )
 
     base_dtype: str | None = opt(
@@ -228,7 +230,7 @@ class ModelConfig(Section):
         if self.vocab_pieces is not None:
             self._at_least("vocab_pieces", 1)
         if self.layer_pieces is not None:
-            self._one_of("layer_pieces", (1, 2, 3, 4))
+            self._at_least("layer_pieces", 1)
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
             self._at_least(name, 1)
         if self.d_model % self.n_heads:

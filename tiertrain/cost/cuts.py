@@ -11,7 +11,7 @@ import torch
 
 from ..config import Config
 from ..errors import one_line
-from ..models.sublayers import PARTS
+from ..models.sublayers import cut_options, describe_cut
 from ..state.grads import GradStore
 from .budget import (
     GIB,
@@ -76,11 +76,13 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
             f"vocabulary cut into {m.vocab_pieces} pieces (model.vocab_pieces = {m.vocab_pieces}): "
             f"{PIECES_TOLERANCE}. Raise memory.host_mib to hold whole vocabulary units and keep the math exact"
         )
+    ranges = any(rt.model.cut_params) and cut_cfg.optim.grad_clip > 0
+    clip_note = ", but for the clip's global norm, summed over the experts' ranges: by rounding" if ranges else ""
     if m.layer_pieces != cfg.model.layer_pieces and m.layer_pieces:
         plan.notes.append(
             f"decoder layers cut into {m.layer_pieces} sub-layer units each (model.layer_pieces = {m.layer_pieces}: "
-            f"{' | '.join(PARTS[m.layer_pieces])}): exact (the whole layer's losses and gradients bit for bit); "
-            "the tensors handed between the MLP's pieces are stashed too"
+            f"{describe_cut(rt.model, m.layer_pieces)}): exact (the whole layer's losses and gradients bit for bit"
+            f"{clip_note}); the tensors handed between the MLP's pieces are stashed too"
         )
     return cut_cfg, plan
 
@@ -89,13 +91,14 @@ def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
     """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
     (a vocabulary unset: cut as ``_recut`` finds it needs)."""
     from ..models import auto_pieces
-    from ..models.sublayers import cut_problem
 
     m, out = cfg.model, []
     if m.vocab_pieces is None and auto_pieces(rt.model) is not None:
         out.append((m.layer_pieces, auto_pieces(rt.model)))
     if m.layer_pieces is None and rt.model.layer_parts == 1:
-        out += [(p, m.vocab_pieces) for p in sorted(PARTS) if not cut_problem(rt.model, p)]
+        # adapters on the experts need them whole: ranges of experts are not an option then
+        whole_experts = cfg.adapter.on and bool(cfg.adapter.target_parameters)
+        out += [(p, m.vocab_pieces) for p in cut_options(rt.model, ranges=not whole_experts)]
     return out
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable
 
 import torch
@@ -381,8 +382,11 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
             for name in names:
                 rp = model.row_pieces.get(name)
                 src = locate(rp.whole if rp else name)
-                if rp:
+                if rp and src.converter is None:
                     out[name] = read(src.keys[0][0], slice(rp.start, rp.stop))
+                    continue
+                if rp:  # a range of experts: its experts' checkpoint tensors alone, converted
+                    out[name] = _converted_rows(model, hf_names.get(rp.whole, rp.whole), src, rp, read, what, directory)
                     continue
                 value = convert(model.hf_model, hf_names.get(name, name), src, read)
                 expected = shape_of[name]
@@ -396,6 +400,28 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
         return out
 
     return WeightSource(f"safetensors from {directory}", load)
+
+
+def _converted_rows(
+    model: LayeredModel, target: str, src: Sources, rp, read, what: str, directory: str
+) -> torch.Tensor:
+    """Rows ``[rp.start, rp.stop)`` of a converted parameter (a range of stacked experts), made
+    from the checkpoint tensors of those experts only (one matrix per expert on disk)."""
+    part = Sources(src.converter, [(k, p) for k, p in src.keys if rp.start <= _expert_of(k) < rp.stop])
+    value = convert(model.hf_model, target, part, read)
+    want = (rp.stop - rp.start, *rp.whole_shape[1:])
+    if tuple(value.shape) != want:
+        raise ConfigError(
+            f"{what} = {directory!r}: experts {rp.start}-{rp.stop - 1} of {target!r} made from their checkpoint "
+            f"tensors have shape {tuple(value.shape)}, the range expects {want}: the files are of another model"
+        )
+    return value
+
+
+def _expert_of(key: str) -> int:
+    """The expert number in a checkpoint key (``...mlp.experts.12.gate_proj.weight``), or -1."""
+    found = re.search(r"\.experts\.(\d+)\.", key)
+    return int(found.group(1)) if found else -1
 
 
 def _check_converted(
@@ -450,5 +476,5 @@ def _hf_names(model: LayeredModel) -> dict[str, str]:
     by_id = {id(p): n for n, p in model.hf_model.named_parameters()}
     out = {name: by_id[id(p)] for own in unit_param_names(model) for name, p in own if name not in model.row_pieces}
     for name, rp in model.row_pieces.items():
-        out[name] = out[rp.whole] = by_id[id(rp.module.weight)]
+        out[name] = out[rp.whole] = by_id[id(getattr(rp.module, rp.attr))]
     return out

@@ -126,6 +126,9 @@ class LayeredModel(nn.Module):
         self.layer_parts = 1
         self.block_layers: list[int] | None = None
         self.block_widths: list[int] | None = None
+        # parameters cut into row ranges (experts): (whole's module, attribute) -> the pieces' (module,
+        # attribute); resolved when asked (the parameter objects are replaced by placeholders)
+        self.cut_params: dict[tuple[nn.Module, str], list[tuple[nn.Module, str]]] = {}
 
     @property
     def units(self) -> list[nn.Module]:
@@ -170,10 +173,15 @@ class LayeredModel(nn.Module):
             layers.setdefault(layer, []).append(block)
         units = [*self.embed_pieces, self.embed, *(b.whole for b in (g[0] for g in layers.values())), self.head,
                  *self.head_pieces]  # fmt: skip
+        cut = {
+            id(getattr(mod, attr)): [getattr(m, a) for m, a in pieces]
+            for (mod, attr), pieces in self.cut_params.items()
+        }
         seen: dict[int, None] = {}
         for unit in units:
             for p in unit.parameters():
-                seen.setdefault(id(p), None)
+                for q in cut.get(id(p), [p]):  # an expert parameter cut: its ranges in order
+                    seen.setdefault(id(q), None)
         return list(seen)
 
     def layer_of(self, block: int | None) -> int | None:

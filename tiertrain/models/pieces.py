@@ -45,13 +45,15 @@ __all__ = [
 @dataclass(frozen=True)
 class RowPiece:
     """Rows ``[start, stop)`` of the whole matrix ``whole`` (our name in the uncut model);
-    ``module`` is the whole matrix's original module (for its Hugging Face name)."""
+    ``module`` is the whole matrix's original module and ``attr`` its attribute there (for its
+    Hugging Face name): a vocabulary piece's ``weight``, an expert range's ``gate_up_proj``."""
 
     whole: str
     start: int
     stop: int
     whole_shape: tuple[int, ...]
     module: nn.Module = field(compare=False, repr=False)
+    attr: str = field(default="weight", compare=False)  # the whole matrix's attribute of ``module``
 
 
 class EmbedPiece(nn.Embedding):

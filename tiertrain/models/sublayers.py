@@ -36,9 +36,10 @@ import torch.nn as nn
 
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
+from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
 from .masks import cache_keyword
 
-__all__ = ["PARTS", "cut_problem", "cut_layers", "part_numels", "SubLayer"]
+__all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "part_numels", "SubLayer"]
 
 # what each cut makes of a layer, in forward order
 PARTS: dict[int, tuple[str, ...]] = {
@@ -56,30 +57,70 @@ def _source(fn: Any) -> str | None:
 
 
 def cut_problem(model: LayeredModel, parts: int) -> str:
-    """Why ``model``'s layers cannot be cut into ``parts`` pieces exactly ('' where they can)."""
-    if parts not in PARTS:
-        return f"{parts} pieces (a layer cuts into 2, 3 or 4)"
+    """Why ``model``'s layers cannot be cut into ``parts`` pieces exactly ('' where they can).
+    A dense layer cuts into 2, 3 or 4 (``PARTS``); a mixture-of-experts layer into attention |
+    its MoE block whole (2), or attention and ``parts - 1`` ranges of its experts
+    (``experts_cut.py``); the dense layers of such a model into 2."""
+    if parts < 2:
+        return f"{parts} pieces (a layer cuts into at least 2)"
     if not model.blocks or not all(isinstance(b, DecoderBlock) for b in model.blocks):
         return f"its layers are not transformers decoder layers (model kind {model.kind!r})"
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
     layer_ref, mlp_ref = _source(LlamaDecoderLayer.forward), _source(LlamaMLP.forward)
+    moe = any(is_moe_layer(cast(DecoderBlock, b).layer) for b in model.blocks)
     for b in model.blocks:
-        layer = b.layer
+        layer = cast(DecoderBlock, b).layer
         name = type(layer).__name__
         if getattr(layer, "mlp", None) is None:
             return f"{name} has no mlp"
         if _source(type(layer).forward) != layer_ref or layer_ref is None:
             return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
-        if parts > 2 and any(hasattr(m, "experts") for m in layer.mlp.modules()):
-            return f"{name}'s MLP is a mixture of experts: it cuts into 2 (attention | the MoE block whole; its experts' pieces are not built yet)"
-        if parts > 2:
-            mlp = layer.mlp
-            if _source(type(mlp).forward) != mlp_ref or not all(
-                hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")
-            ):
-                return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
+        if is_moe_layer(layer):
+            count = getattr(layer.mlp.experts, "num_experts", 0)
+            if parts > 2 and (moe_problem(layer) or parts - 1 > count):
+                return moe_problem(layer) or f"{parts - 1} ranges of experts, more than its {count} experts"
+            continue
+        if moe:
+            continue  # a dense layer of a mixture of experts: cut into 2
+        if parts > 4:
+            return f"{parts} pieces (a dense layer cuts into 2, 3 or 4)"
+        mlp = layer.mlp
+        if parts > 2 and (
+            _source(type(mlp).forward) != mlp_ref
+            or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        ):
+            return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
     return ""
+
+
+def cut_options(model: LayeredModel, *, ranges: bool = True) -> list[int]:
+    """The cuts to try for ``model``'s layers, fewest pieces first, those it cuts into exactly:
+    2, 3, 4 for dense layers; for a mixture of experts 2, then (``ranges``) attention and 2, 4,
+    8, ... ranges of experts (at last one expert a range)."""
+    experts = max((cast(DecoderBlock, b).layer.mlp.experts.num_experts for b in model.blocks if _moe(b)), default=0)
+    options = list(PARTS)
+    if experts and not ranges:
+        options = [2]
+    elif experts:
+        counts, r = [], 2
+        while r < experts:
+            counts.append(r)
+            r *= 2
+        options = [2, *(1 + c for c in (*counts, experts))]
+    return [p for p in options if not cut_problem(model, p)]
+
+
+def describe_cut(model: LayeredModel, parts: int) -> str:
+    """What each layer is cut into, for the plan's note."""
+    ranges = [b for b in model.blocks if isinstance(b, ExpertRange)]
+    if not ranges:
+        return " | ".join(PARTS[min(parts, 4)])
+    return f"attention | {parts - 1} ranges of whole experts"
+
+
+def _moe(b: nn.Module) -> bool:
+    return isinstance(b, DecoderBlock) and is_moe_layer(b.layer)
 
 
 def _shell(**children: nn.Module) -> nn.Module:
@@ -176,11 +217,19 @@ class SubLayer(nn.Module):
 
 def part_numels(model: LayeredModel, parts: int) -> list[int]:
     """The parameters of each piece of the largest layer cut into ``parts`` (1: the whole block)."""
-    block = max(model.blocks, key=_numel)
+    block = cast(DecoderBlock, max(model.blocks, key=_numel))
     if parts == 1:
         return [_numel(block)]
     d, f = _widths(model)
-    return [_numel(SubLayer(cast(DecoderBlock, block), 0, k, d, f)) for k in PARTS[parts]]
+    layer = block.layer
+    if parts == 2 or not is_moe_layer(layer):
+        return [_numel(SubLayer(block, 0, k, d, f)) for k in PARTS[2 if is_moe_layer(layer) else parts]]
+    experts = layer.mlp.experts
+    per_expert = _numel(experts) // experts.num_experts
+    first = _numel(layer.post_attention_layernorm) + _numel(layer.mlp.gate)
+    ranges = expert_ranges(experts.num_experts, parts - 1)
+    attention = _numel(SubLayer(block, 0, "attention", d, f))
+    return [attention] + [(hi - lo) * per_expert + (first if k == 0 else 0) for k, (lo, hi) in enumerate(ranges)]
 
 
 def _numel(module: nn.Module) -> int:
@@ -193,12 +242,19 @@ def _widths(model: LayeredModel) -> tuple[int, int]:
 
 
 def cut_layers(model: LayeredModel, parts: int) -> None:
-    """Replace ``model``'s blocks by their ``parts`` pieces each (``cut_problem`` first)."""
+    """Replace ``model``'s blocks by their pieces (``cut_problem`` first)."""
     d, f = _widths(model)
-    pieces: list[SubLayer] = []
-    for i, block in enumerate(model.blocks):
-        pieces += [SubLayer(cast(DecoderBlock, block), i, k, d, f) for k in PARTS[parts]]
+    moe = any(_moe(b) for b in model.blocks)
+    pieces: list[nn.Module] = []
+    for i, b in enumerate(model.blocks):
+        block = cast(DecoderBlock, b)
+        if is_moe_layer(block.layer) and parts > 2:
+            ranges = expert_ranges(block.layer.mlp.experts.num_experts, parts - 1)
+            pieces.append(SubLayer(block, i, "attention", d, f))
+            pieces += [ExpertRange(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
+        else:
+            pieces += [SubLayer(block, i, k, d, f) for k in PARTS[2 if moe else parts]]
     model.blocks = nn.ModuleList(pieces)
-    model.block_layers = [p.layer_index for p in pieces]
-    model.block_widths = [p.in_width for p in pieces]
+    model.block_layers = [cast(Any, p).layer_index for p in pieces]
+    model.block_widths = [cast(Any, p).in_width for p in pieces]
     model.layer_parts = parts

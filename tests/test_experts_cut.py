@@ -1,0 +1,163 @@
+"""A mixture of experts' layers cut into attention and ranges of whole experts
+(``models/experts_cut.py``, ``model.layer_pieces`` > 2): bit-identical to plain PyTorch on the
+whole model (transformers' grouped_mm experts, the routers' auxiliary loss on), read from a
+checkpoint of one matrix per expert, generated from, exported whole, planned where the budget
+needs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from reference import assert_resume_exact, reference_model, reference_train, small_config, weights_of
+from test_generate import _hf_generate
+from test_moe import _config as moe_config
+from test_parity import assert_same_weights, ref_name_map, run_tiertrain
+
+from tiertrain.config import ConfigError
+from tiertrain.inference.generate import Sampling, generate
+from tiertrain.training.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A Qwen3-MoE (4 experts, 2 a token, a dense first layer, the auxiliary loss on) written by
+    save_pretrained: one matrix per expert and projection on disk."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("qwen3_moe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).save_pretrained(d)
+    return str(d)
+
+
+def _cfg(tmp_path, path, parts, **kw):
+    kw.setdefault("micro_batches", 2)
+    kw.setdefault("steps", 3)
+    cfg = small_config(tmp_path, kind="llama", **kw)
+    cfg.model.hf_dir, cfg.model.layer_pieces = path, parts
+    return cfg
+
+
+def _parity(cfg, *, exact=True):
+    ref = reference_model(cfg)
+    ref_losses, ref_weights = reference_train(cfg, ref)
+    losses, weights, tr = run_tiertrain(cfg, weights_of(ref))
+    names = ref_name_map(tr, weights)  # the ranges' names too: ours are the whole parameters'
+    if exact:
+        assert losses == ref_losses
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    assert_same_weights(tr, weights, ref_weights, names={n: names[n] for n in weights}, exact=exact, atol=1e-6)
+    return tr
+
+
+@pytest.mark.parametrize(
+    "parts,activations", [(3, "recompute"), (5, "recompute"), (3, "keep"), (5, "offload")], ids=lambda v: str(v)
+)
+def test_ranges_of_experts_are_plain_pytorch_bit_for_bit(tmp_path, moe_dir, parts, activations):
+    """2 ranges of 2 experts, or 4 of one; the pairs' inputs and outputs carried between them;
+    the router's logits in the auxiliary loss under the layer's number. No clipping: exact."""
+    cfg = _cfg(tmp_path, moe_dir, parts, clip=0.0, activations=activations, keep_act_mib=64 * (activations == "keep"))
+    tr = _parity(cfg)
+    kinds = [b.kind for b in tr.model.blocks]
+    ranges = [f"experts {lo}-{hi - 1}" for lo, hi in ({3: [(0, 2), (2, 4)], 5: [(i, i + 1) for i in range(4)]}[parts])]
+    assert kinds == ["attention", "mlp", "attention", *ranges], kinds  # the dense first layer cut into 2
+    d, k = 64, 2
+    assert tr.model.block_widths == [d, d, d, d, *([(2 * k + 1) * d + 2 * k] * (parts - 2))]
+
+
+def test_with_clipping_the_global_norm_rounds_otherwise_and_the_plan_says_so(tmp_path, moe_dir):
+    """Each range's share of an expert parameter is its own parameter: the clip's global norm
+    is summed over the ranges' norms (within rounding of plain PyTorch's)."""
+    _parity(_cfg(tmp_path, moe_dir, 3, clip=0.05), exact=False)
+
+
+def test_generation_with_ranges_of_experts_is_transformers_generate(tmp_path, moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    hf.config.output_router_logits = False  # transformers' own generate fails with it on
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    cfg = _cfg(tmp_path, moe_dir, 5)
+    cfg.data.micro_batch_size = 1
+    assert generate(cfg, prompts, Sampling(max_new_tokens=8), eos=()) == _hf_generate(hf, prompts, 8)
+
+
+def test_ranges_read_a_checkpoint_of_one_matrix_per_expert_and_export_it_whole(tmp_path, moe_dir):
+    """Each range reads its experts' matrices alone from the checkpoint (stacked as transformers
+    stacks them): the initial weights are those of the whole model; a cut run's export is the
+    model transformers loads, one matrix per expert again."""
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    initial = {}
+    for parts in (None, 5):
+        with Trainer(_cfg(tmp_path / str(parts), moe_dir, parts, steps=1)) as tr:
+            tr.initialize(progress=False)
+            initial[parts] = tr.weights()
+            if parts:
+                tr.train_step()
+                trained, saved = tr.weights(), tr.save_checkpoint()
+    assert set(initial[None]) == set(initial[5]) and all(
+        torch.equal(initial[None][k], initial[5][k]) for k in initial[5]
+    )
+    out = export_checkpoint(saved.path, str(tmp_path / "export"))
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    theirs = dict(hf.named_parameters())
+    names = ref_name_map(tr, trained)
+    for name, t in trained.items():
+        assert torch.equal(theirs[names[name]].detach(), t), name
+
+
+def test_a_cut_run_resumes_bit_for_bit(tmp_path, moe_dir):
+    assert_resume_exact(_cfg(tmp_path / "a", moe_dir, 3, clip=0.0), _cfg(tmp_path / "b", moe_dir, 3, clip=0.0))
+
+
+def test_the_planner_cuts_the_experts_only_where_a_moe_block_does_not_fit(tmp_path):
+    """A Qwen3-235B-A22B shape (94 layers, width 4096, 128 experts of 1536, 8 a token) at a
+    48 GiB budget: whole layers (2.4 B parameters) do not fit; attention | MoE block neither;
+    ranges of experts do. Its smaller sibling, Qwen3-30B-A3B, at 16 GiB."""
+    from transformers import Qwen3MoeConfig
+
+    from tiertrain.cost.cuts import plan_budget
+    from tiertrain.runtime import Runtime
+
+    def plan(host_mib, **shape):
+        d = tmp_path / f"m{host_mib}"
+        d.mkdir()
+        Qwen3MoeConfig(**shape, head_dim=128, vocab_size=151936, max_position_embeddings=4096).save_pretrained(d)
+        cfg = small_config(tmp_path, kind="llama", activations="auto", micro_batches=8)
+        cfg.model.hf_dir, cfg.model.from_scratch = str(d), True
+        cfg.data.seq_len, cfg.data.micro_batch_size = 4096, 1
+        cfg.memory.host_mib, cfg.memory.keep_act_mib = host_mib, 0
+        rt = Runtime(cfg)
+        try:
+            return plan_budget(cfg, rt, None, lambda: (1500 << 20, 0))
+        finally:
+            rt.close()
+
+    big = dict(num_hidden_layers=94, hidden_size=4096, num_attention_heads=64, num_key_value_heads=4)
+    big.update(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288)
+    cfg, budget = plan(48000, **big)
+    assert cfg.model.layer_pieces > 2, cfg.model.layer_pieces
+    note = next(n for n in budget.notes if "decoder layers cut into" in n)
+    assert f"attention | {cfg.model.layer_pieces - 1} ranges of whole experts" in note
+    assert "but for the clip's global norm" in note
+    small = dict(big, num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, moe_intermediate_size=768)
+    cfg, _ = plan(16000, **small)
+    assert cfg.model.layer_pieces > 2
+
+
+def test_what_ranges_of_experts_cannot_do_is_refused_by_name(tmp_path, moe_dir):
+    from tiertrain.models import build_model
+
+    with pytest.raises(ConfigError, match="5 ranges of experts, more than its 4 experts"):
+        build_model(_cfg(tmp_path, moe_dir, 6).model, param_dtype=torch.float32, seed=0)
+    cfg = _cfg(tmp_path, moe_dir, 3)
+    cfg.adapter = dataclasses.replace(cfg.adapter, kind="lora", rank=2, target_parameters=["gate_up_proj"])
+    cfg.update.mode = "auto"
+    with pytest.raises(ConfigError, match="adapters on the experts need them whole"):
+        Trainer(cfg)

@@ -1,0 +1,207 @@
+"""Experts as pieces: a mixture-of-experts layer cut into sub-layer units, its experts' 3-D
+parameters into ranges of whole experts (row ranges of a large parameter, as the vocabulary's
+pieces: ``pieces.RowPiece``), so that slots and buffers follow the budget, not the layer (a
+Qwen3-235B layer is 2.4 B parameters, 9.7 GB in fp32).
+
+``model.layer_pieces = N`` (N >= 3) cuts such a layer into ``attention`` | ``N - 1`` ranges of
+experts. transformers runs the experts with ``grouped_mm`` (``integrations/moe.py``): every
+(token, expert) pair's input gathered in expert order, a product per expert, each token's ``k``
+outputs summed in top-k order. The ranges compute exactly that:
+
+- the first range takes the post-attention norm and the router, gathers *every* pair's input
+  (so that its backward scatters their gradients back in one go, in the whole layer's order),
+  and computes its experts' pairs;
+- each range multiplies its experts' rows of the gathered inputs (they are contiguous: the
+  pairs are sorted by expert) with its experts' weights, group by group as the whole does;
+- the last sums each token's outputs and adds the residual.
+
+Between them goes one tensor, as between any units: the residual, the gathered inputs (``k x
+d`` a token), the pairs' routing weights and expert ids (``k`` each; ids as values of the compute
+dtype, exact up to 256 experts in bf16; each range sorts them again, as the whole does once) and
+the pairs' outputs so far (``k x d``), concatenated
+on the last dimension: about ``(2k + 1) d`` values a token. Each value is made by the operations
+of the whole layer, and every gradient that sums several is summed by one operation as in the
+whole layer (the gather's scatter, the top-k sum), so losses and gradients are the whole
+layer's bit for bit (``tests/test_sublayers.py``). With clipping on, each range's share of an
+expert parameter is a parameter of its own, and the global norm sums over the ranges' norms:
+that rounds otherwise (relative 1e-7 on the norm).
+
+Cut only where the layer's and the MoE block's ``forward`` are Qwen3-MoE's and its experts run
+transformers' ``grouped_mm`` forward as this module replays it (checked on their source).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import textwrap
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .base import no_cache
+from .pieces import RowPiece
+
+__all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer"]
+
+# transformers' grouped_mm experts forward, whose source's sha256 is ``GROUPED_MM_SHA`` where this
+# module replays it: another version's is refused, not replayed inexactly
+_GROUPED_MM = "grouped_mm_experts_forward"
+
+
+def _source(fn: Any) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+
+
+def is_moe_layer(layer: nn.Module) -> bool:
+    return hasattr(getattr(layer, "mlp", None), "experts")
+
+
+def moe_problem(layer: nn.Module) -> str:
+    """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('')."""
+    import transformers.integrations.moe as moe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as ref
+
+    mlp = layer.mlp
+    experts = mlp.experts
+    if _source(type(mlp).forward) != _source(ref.Qwen3MoeSparseMoeBlock.forward):
+        return f"{type(mlp).__name__}'s forward is not Qwen3-MoE's (its router, then its experts, nothing else)"
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if impl != "grouped_mm":
+        return f"its experts run transformers' {impl!r} forward, not the grouped_mm one the ranges replay"
+    got = hashlib.sha256((_source(getattr(moe, _GROUPED_MM, None)) or "").encode()).hexdigest()
+    if got != GROUPED_MM_SHA:
+        return "this transformers' grouped_mm experts forward is not the one the ranges replay"
+    if getattr(experts, "has_bias", False) or not getattr(experts, "has_gate", True):
+        return f"{type(experts).__name__} has biases or no gate (not replayed)"
+    if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "is_transposed", False):
+        return f"{type(experts).__name__} has a post-expert norm or transposed weights (not replayed)"
+    return ""
+
+
+GROUPED_MM_SHA = "54beecae8764c6e99e73d0a6c85f9120c9535d713647d099dd91da6c74e1f15e"  # transformers 5.24's
+
+
+def expert_ranges(experts: int, ranges: int) -> list[tuple[int, int]]:
+    """``ranges`` contiguous ranges of whole experts, as even as possible, first ones larger."""
+    base, extra = divmod(experts, ranges)
+    out, start = [], 0
+    for k in range(ranges):
+        stop = start + base + (1 if k < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+class _Shell(nn.Module):
+    pass
+
+
+class ExpertRange(nn.Module):
+    """Experts ``[lo, hi)`` of decoder layer ``layer_index``, the ``k``-th of ``n`` ranges,
+    their parameters row ranges of the layer's expert parameters (``model.row_pieces``).
+    ``forward(s) -> s'``: the first range takes the hidden states, the others the carried
+    tensor; the last gives the hidden states back."""
+
+    attends = False
+
+    def __init__(self, block: Any, layer_index: int, k: int, n: int, lo: int, hi: int, model: Any) -> None:
+        super().__init__()
+        layer = block.layer
+        mlp = layer.mlp
+        experts = mlp.experts
+        self.kind, self.layer_index, self.k, self.n, self.lo, self.hi = (
+            f"experts {lo}-{hi - 1}",
+            layer_index,
+            k,
+            n,
+            lo,
+            hi,
+        )
+        object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order)
+        object.__setattr__(self, "_experts", experts)  # its activation and gate function
+        self._d, self._k, self._e = experts.hidden_dim, mlp.gate.top_k, experts.num_experts
+        piece = _Shell()
+        for attr in ("gate_up_proj", "down_proj"):
+            whole = getattr(experts, attr)
+            p = nn.Parameter(torch.empty((hi - lo, *whole.shape[1:]), device="meta"), whole.requires_grad)
+            setattr(piece, attr, p)
+            model.row_pieces[f"blocks.{layer_index}.layer.mlp.experts.range{k}.{attr}"] = RowPiece(
+                f"blocks.{layer_index}.layer.mlp.experts.{attr}", lo, hi, tuple(whole.shape), experts, attr
+            )
+            model.cut_params.setdefault((experts, attr), []).append((piece, attr))
+        self.layer = _Shell()
+        if k == 0:
+            self.layer.post_attention_layernorm = layer.post_attention_layernorm
+        self.layer.mlp = _Shell()
+        if k == 0:
+            self.layer.mlp.gate = mlp.gate
+        self.layer.mlp.experts = _Shell()
+        setattr(self.layer.mlp.experts, f"range{k}", piece)
+        object.__setattr__(self, "_piece", piece)
+        d, kk = self._d, self._k
+        carried = (2 * kk + 1) * d + 2 * kk
+        self.in_width = d if k == 0 else carried
+        self.out_width = d if k == n - 1 else carried
+
+    def _unpack(self, s: torch.Tensor):
+        """(residual, gathered inputs, pairs' weights (expert order), expert ids (token order), pairs'
+        outputs (expert order)) of a carried tensor."""
+        d, k = self._d, self._k
+        cuts = [d, k * d, k, k, k * d]
+        h, sel, wg, ids, outs = torch.split(s, cuts, dim=-1)
+        return h, sel.reshape(-1, d), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d)
+
+    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        no_cache(cache)
+        from transformers.integrations.moe import _grouped_linear
+
+        d, k, experts = self._d, self._k, self._experts
+        B, T = s.shape[:2]
+        if self.k == 0:  # the MoE block's start: the norm, the router, every pair's input gathered
+            if s.dtype != torch.float32 and self._e > 256:
+                raise RuntimeError(f"expert ranges carry expert ids as {s.dtype} values: exact up to 256 experts")
+            h = s
+            xr = self.layer.post_attention_layernorm(h).view(-1, d)
+            _, top_k_weights, top_k_index = self.layer.mlp.gate(xr)
+            sample_weights = top_k_weights.reshape(-1)
+            expert_ids = top_k_index.reshape(-1)
+            expert_ids_g, perm = torch.sort(expert_ids)
+            sel = xr[perm // k]
+            wg = sample_weights[perm]
+            outs = torch.zeros_like(sel)
+        else:
+            h, sel, wg, ids, outs = self._unpack(s)
+            expert_ids = ids.detach().long()
+            expert_ids_g, perm = torch.sort(expert_ids)  # the first range's order: a deterministic sort
+            outs = outs.clone()
+        histc_input = expert_ids_g.float() if expert_ids_g.device.type in ("cpu", "mps") else expert_ids_g.int()
+        tokens_per_expert = torch.histc(histc_input, bins=self._e, min=0, max=self._e - 1)
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        start = int(offsets[self.lo - 1]) if self.lo else 0  # sync point: this range's rows
+        stop = int(offsets[self.hi - 1])
+        if stop > start:
+            offs = offsets[self.lo : self.hi] - start
+            proj = _grouped_linear(sel[start:stop], self._piece.gate_up_proj, offs)
+            proj = experts._apply_gate(proj)
+            proj = _grouped_linear(proj, self._piece.down_proj, offs)
+            outs[start:stop] = proj * wg[start:stop].unsqueeze(-1)
+        if self.k == self.n - 1:  # the whole block's end: back to token order, the top-k sum, the residual
+            inv_perm = torch.empty_like(perm)
+            inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+            weighted_out = outs[inv_perm]
+            final = weighted_out.view(B * T, k, d).sum(dim=1).to(h.dtype)
+            return h + final.reshape(B, T, d)
+        ids_out = expert_ids.to(s.dtype)
+        return torch.cat(
+            [h, sel.reshape(B, T, k * d), wg.reshape(B, T, k), ids_out.reshape(B, T, k), outs.reshape(B, T, k * d)],
+            dim=-1,
+        )
+
+    def decode(self, s: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: as in training (no key/value cache here)."""
+        return self.forward(s)
