@@ -200,7 +200,7 @@ class ModelConfig(Section):
         "MLP), 3 (attention | norm, gate and up | down), 4 (attention | norm and gate | up | down); a "
         "mixture of experts' layer (Qwen3-MoE's form) into attention | its MoE block (2), or attention and "
         "N - 1 ranges of whole experts. Exact: losses and gradients are the whole layer's bit for bit (ranges "
-        "of experts with clipping on: the global norm by rounding). None: whole, unless the memory budget "
+        "of experts with clipping on: the clip's global norm by rounding, 3e-4 to 5e-4 relative measured). None: whole, unless the memory budget "
         "cannot hold a whole block: then the fewest pieces that fit, said at start; 1: never cut. Pre-norm "
         "Llama-layout layers (Llama, Mistral, Qwen2, Qwen3, Gemma, ...) only.",
     )

@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..errors import one_line
+from ..models.experts_cut import CLIP_NORM_DEVIATION
 from ..models.sublayers import cut_options, describe_cut
 from ..state.grads import GradStore
 from .budget import (
@@ -77,7 +78,7 @@ def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Con
             f"{PIECES_TOLERANCE}. Raise memory.host_mib to hold whole vocabulary units and keep the math exact"
         )
     ranges = any(rt.model.cut_params) and cut_cfg.optim.grad_clip > 0
-    clip_note = ", but for the clip's global norm, summed over the experts' ranges: by rounding" if ranges else ""
+    clip_note = f"; {CLIP_NORM_DEVIATION}" if ranges else ""
     if m.layer_pieces != cfg.model.layer_pieces and m.layer_pieces:
         plan.notes.append(
             f"decoder layers cut into {m.layer_pieces} sub-layer units each (model.layer_pieces = {m.layer_pieces}: "
