@@ -187,6 +187,35 @@ def test_cuda_layer_pieces_match_the_cpu_run(tmp_path, parts, mode):
     same_weights_across_devices(tr, w_gpu, w_cpu)
 
 
+def test_cuda_ranges_of_experts_match_the_cpu_run(tmp_path):
+    """A Qwen3-MoE's experts cut into ranges (``experts_cut.py``): transformers' grouped_mm
+    replayed range by range on the device (its CUDA kernel, or the per-group fallback), the
+    pairs' inputs and outputs crossing the link in the stash; the same cut run on CPU, fp32."""
+    from test_moe import _config as moe_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).save_pretrained(tmp_path / "m")
+    runs = []
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        init = weights_of(reference_model(_moe_cfg(tmp_path / "r", "cpu", tmp_path / "m")))
+        for d in ("cpu", "cuda"):
+            runs.append(run_tiertrain(_moe_cfg(tmp_path / d, d, tmp_path / "m"), init))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (l_cpu, w_cpu, _), (l_gpu, w_gpu, tr) = runs
+    assert tr.model.layer_parts == 3 and tr.executor.recomputed > 0
+    torch.testing.assert_close(torch.tensor(l_gpu), torch.tensor(l_cpu), rtol=1e-5, atol=1e-5)
+    same_weights_across_devices(tr, w_gpu, w_cpu)
+
+
+def _moe_cfg(tmp_path, device, path):
+    cfg = cfg_on(tmp_path, device, kind="llama", dtype="float32", activations="recompute", clip=0.0)
+    cfg.model.hf_dir, cfg.model.layer_pieces = str(path), 3
+    return cfg
+
+
 def test_cuda_bf16_engines_and_baseline_agree_exactly(tmp_path):
     """bf16 on CUDA: both update paths run the same fused kernels on the host: identical."""
     init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu")))
