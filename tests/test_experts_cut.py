@@ -68,6 +68,37 @@ def test_ranges_of_experts_are_plain_pytorch_bit_for_bit(tmp_path, moe_dir, part
     assert tr.model.block_widths == [d, d, d, d, *([(2 * k + 1) * d + 2 * k] * (parts - 2))]
 
 
+@pytest.fixture(scope="module", params=["mixtral", "olmoe"])
+def other_dir(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(request.param)).save_pretrained(d)
+    return request.param, str(d)
+
+
+@pytest.mark.parametrize("parts,activations", [(3, "recompute"), (5, "offload")], ids=lambda v: str(v))
+def test_mixtral_and_olmoe_ranges_are_plain_pytorch_bit_for_bit(tmp_path, other_dir, parts, activations):
+    """Mixtral (its own layer forward, computing Llama's; fp32 routing weights) and OLMoE (Q/K
+    norms) with the auxiliary loss, cut as Qwen3-MoE."""
+    family, path = other_dir
+    tr = _parity(_cfg(tmp_path, path, parts, clip=0.0, activations=activations))
+    assert tr.model.hf_config.model_type == family
+    assert sum(b.kind.startswith("experts") for b in tr.model.blocks) == 2 * (parts - 1)
+
+
+def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path, other_dir):
+    family, path = other_dir
+    if family != "mixtral":
+        pytest.skip("OLMoE's routing weights are in the compute dtype")
+    cfg = _cfg(tmp_path, path, 3, dtype="bfloat16", steps=1)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        with pytest.raises(RuntimeError, match="float32 routing weights while the model computes in torch.bfloat16"):
+            tr.train_step()
+
+
 def test_with_clipping_the_global_norm_rounds_otherwise_and_the_plan_says_so(tmp_path, moe_dir):
     """Each range's share of an expert parameter is its own parameter: the clip's global norm
     is summed over the ranges' norms (within rounding of plain PyTorch's; at this size the

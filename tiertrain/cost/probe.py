@@ -288,7 +288,7 @@ def _saved_bytes(cfg: Config, block, layout, dev, dtype: torch.dtype, x: torch.T
     try:
         for u in units:
             layout.bind(u, flats[u])
-        slack = routed_slack(block.module)
+        slack = routed_slack(block.module, x)
         record = measure_record(units, flats.__getitem__, fwd, x, cfg.io.checksum_block_kib << 10, slack=slack)
         kept.forward((0, 0), units, fwd, x, lambda n, k: True)
         return kept.kept_bytes, record
@@ -300,13 +300,15 @@ def _saved_bytes(cfg: Config, block, layout, dev, dtype: torch.dtype, x: torch.T
                 rec.param.data = data
 
 
-def routed_slack(block) -> int:
-    """Bytes a block with experts may save beyond what one forward measured: the tokens each
-    expert gets change with the routing (their sum does not), and each expert reached saves a
-    few storages of its own, each padded within the record (``PACK_ALIGN``): room for every
-    expert's, generously 16 storages each."""
+def routed_slack(block, x: torch.Tensor) -> int:
+    """Bytes a block with experts may save beyond what one forward on ``x`` measured: the tokens
+    each expert gets change with the routing (their sum does not), and each expert reached saves
+    a few storages of its own, each padded within the record (``PACK_ALIGN``): room for every
+    expert's, generously 16 storages each. A range of experts (``models/experts_cut.py``) gets
+    from none to every (token, expert) pair: room for them all (``record_slack``)."""
     experts = max((p.shape[0] for p in block.parameters() if p.dim() == 3), default=0)
-    return experts * 16 * PACK_ALIGN
+    extra = block.record_slack(x.shape[0] * x.shape[1], x.dtype.itemsize) if hasattr(block, "record_slack") else 0
+    return experts * 16 * PACK_ALIGN + extra
 
 
 def _probe_compute(

@@ -27,8 +27,9 @@ expert parameter is a parameter of its own, and the global norm sums over the ra
 that rounds otherwise (``CLIP_NORM_DEVIATION``), so the planner cuts experts only where it must
 and says so.
 
-Cut only where the layer's and the MoE block's ``forward`` are Qwen3-MoE's and its experts run
-transformers' ``grouped_mm`` forward as this module replays it (checked on their source).
+Cut only where the layer's and the MoE block's ``forward`` are Qwen3-MoE's, OLMoE's or Mixtral's
+(without its jitter) and the experts run transformers' ``grouped_mm`` forward as this module
+replays it (checked on their source).
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ def is_moe_layer(layer: nn.Module) -> bool:
 def moe_problem(layer: nn.Module) -> str:
     """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('')."""
     import transformers.integrations.moe as moe
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as ref
 
     mlp = layer.mlp
     experts = mlp.experts
-    if _source(type(mlp).forward) != _source(ref.Qwen3MoeSparseMoeBlock.forward):
-        return f"{type(mlp).__name__}'s forward is not Qwen3-MoE's (its router, then its experts, nothing else)"
+    if _source(type(mlp).forward) not in _blocks():
+        return f"{type(mlp).__name__}'s forward is not Qwen3-MoE's, OLMoE's or Mixtral's (its router, then its experts)"
+    if getattr(mlp, "jitter_noise", 0):
+        return f"{type(mlp).__name__}'s jitter_noise = {mlp.jitter_noise} (random in training; not replayed)"
     impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if impl != "grouped_mm":
         return f"its experts run transformers' {impl!r} forward, not the grouped_mm one the ranges replay"
@@ -82,6 +84,21 @@ def moe_problem(layer: nn.Module) -> str:
     if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "is_transposed", False):
         return f"{type(experts).__name__} has a post-expert norm or transposed weights (not replayed)"
     return ""
+
+
+def _blocks() -> set[str | None]:
+    """The MoE blocks' forwards the ranges replay: the router on the flattened normed states, then
+    the experts, reshaped back (Mixtral's adds a jitter, refused where on)."""
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.olmoe import modeling_olmoe
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    blocks = (
+        modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+        modeling_olmoe.OlmoeSparseMoeBlock,
+        modeling_mixtral.MixtralSparseMoeBlock,
+    )
+    return {_source(b.forward) for b in blocks} - {None}
 
 
 GROUPED_MM_SHA = "54beecae8764c6e99e73d0a6c85f9120c9535d713647d099dd91da6c74e1f15e"  # transformers 5.24's
@@ -159,6 +176,13 @@ class ExpertRange(nn.Module):
         self.in_width = d if k == 0 else carried
         self.out_width = d if k == n - 1 else carried
 
+    def record_slack(self, tokens: int, itemsize: int) -> int:
+        """Bytes this range may save for its backward beyond one measured forward: its rows are
+        from none to every (token, expert) pair; each saves its input, its gate and up outputs,
+        the gated product and the weighted output (generously ``3 d + 6 ff`` values)."""
+        ff = self._piece.down_proj.shape[-1]
+        return tokens * self._k * (3 * self._d + 6 * ff + 8) * itemsize
+
     def _unpack(self, s: torch.Tensor):
         """(residual, gathered inputs, pairs' weights (expert order), expert ids (token order), pairs'
         outputs (expert order)) of a carried tensor."""
@@ -179,6 +203,12 @@ class ExpertRange(nn.Module):
             h = s
             xr = self.layer.post_attention_layernorm(h).view(-1, d)
             _, top_k_weights, top_k_index = self.layer.mlp.gate(xr)
+            if top_k_weights.dtype != s.dtype:  # Mixtral's are fp32 whatever the compute dtype
+                raise RuntimeError(
+                    f"{type(self.layer.mlp.gate).__name__} gives {top_k_weights.dtype} routing weights while the model "
+                    f"computes in {s.dtype}: ranges of its experts would carry them rounded; train it in float32 "
+                    "(train.param_dtype) or cut its layers into 2 (model.layer_pieces = 2)"
+                )
             sample_weights = top_k_weights.reshape(-1)
             expert_ids = top_k_index.reshape(-1)
             expert_ids_g, perm = torch.sort(expert_ids)

@@ -66,15 +66,19 @@ def cut_problem(model: LayeredModel, parts: int) -> str:
     if not model.blocks or not all(isinstance(b, DecoderBlock) for b in model.blocks):
         return f"its layers are not transformers decoder layers (model kind {model.kind!r})"
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
-    layer_ref, mlp_ref = _source(LlamaDecoderLayer.forward), _source(LlamaMLP.forward)
+    # Mixtral's layer computes Llama's: the same modules in the same order (its attention takes
+    # no use_cache); checked by tests/test_experts_cut.py
+    layers_ref = {_source(LlamaDecoderLayer.forward), _source(MixtralDecoderLayer.forward)} - {None}
+    mlp_ref = _source(LlamaMLP.forward)
     moe = any(is_moe_layer(cast(DecoderBlock, b).layer) for b in model.blocks)
     for b in model.blocks:
         layer = cast(DecoderBlock, b).layer
         name = type(layer).__name__
         if getattr(layer, "mlp", None) is None:
             return f"{name} has no mlp"
-        if _source(type(layer).forward) != layer_ref or layer_ref is None:
+        if _source(type(layer).forward) not in layers_ref:
             return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
         if is_moe_layer(layer):
             count = getattr(layer.mlp.experts, "num_experts", 0)
