@@ -198,7 +198,7 @@ class ModelConfig(Section):
         "Sub-layer units each decoder layer is cut into, between whole modules, so that slots and "
         "buffers are sized by a piece, not by a block (a 70 B layer is 3.4 GB in fp32): 2 (attention | "
         "MLP), 3 (attention | norm, gate and up | down), 4 (attention | norm and gate | up | down); a "
-        "mixture of experts' layer (Qwen3-MoE's form) into attention | its MoE block (2), or attention and "
+        "mixture of experts' layer (Qwen3-MoE's, OLMoE's, Mixtral's form) into attention | its MoE block (2), or attention and "
         "N - 1 ranges of whole experts. Exact: losses and gradients are the whole layer's bit for bit (ranges "
         "of experts with clipping on: the clip's global norm by rounding, 3e-4 to 5e-4 relative measured). None: whole, unless the memory budget "
         "cannot hold a whole block: then the fewest pieces that fit, said at start; 1: never cut. Pre-norm "
