@@ -207,3 +207,29 @@ def test_the_clip_norm_deviation_said_is_the_one_measured():
         cut = torch.linalg.vector_norm(torch.stack(list(torch._foreach_norm(list(g.chunk(ranges)), 2))))
         assert 0 < abs(cut - whole).item() / whole.item() < 6e-4, ranges  # machines reduce alike within it
     assert "3e-4 to 5e-4 relative" in CLIP_NORM_DEVIATION
+
+
+def test_a_short_budget_trains_a_moe_cut_into_ranges(tmp_path):
+    """A budget between what attention | MoE block and 2 ranges of experts need: the planner
+    cuts into 2 ranges (the fewest that fit), says so, and the run trains; a checkpoint's config
+    names the cut."""
+    from test_sublayers import _needs
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config("qwen3_moe")
+    config.num_experts, config.moe_intermediate_size, config.hidden_size, config.head_dim = 16, 256, 128, 32
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    cfg = small_config(tmp_path, kind="llama", steps=1)
+    cfg.model.hf_dir = str(tmp_path / "m")
+    for f in ("host_param_mib", "grad_host_mib", "optim_host_mib", "stash_host_mib", "keep_act_mib"):
+        setattr(cfg.memory, f, None)  # planned
+    two, three = _needs(cfg, 2), _needs(cfg, 3)
+    assert two - three > 4, (two, three)
+    cfg.memory.host_mib = (two + three) // 2
+    with Trainer(cfg) as tr:
+        assert tr.model.layer_parts == 3 and tr.user_cfg.model.layer_pieces == 3
+        note = next(n for n in tr.budget.notes if "decoder layers cut into 3" in n)
+        assert "attention | 2 ranges of whole experts" in note
+        tr.initialize(progress=False)
+        assert torch.isfinite(torch.tensor(tr.train_step().extra["losses"])).all()
