@@ -140,6 +140,30 @@ def test_a_mixture_of_experts_cut_into_attention_and_its_moe_block_is_plain_pyto
     assert tr.model.routers is not None and tr.model.block_layers == [0, 0, 1, 1]
 
 
+def test_freeze_names_layers_and_mfu_counts_layers_cut_or_not(tmp_path):
+    """``train.freeze = ['blocks:0']`` freezes every unit of layer 0 (its four pieces), and the
+    FLOPs a token counts layers, not units: the same as uncut."""
+    from tiertrain.models.freeze import frozen_units
+    from tiertrain.training.metrics import flops_per_token
+
+    def built(parts):
+        return build_model(_cut(small_config(tmp_path, kind="llama"), parts).model, param_dtype=torch.float32, seed=0)[
+            0
+        ]
+
+    whole, cut = built(None), built(4)
+    units = frozen_units(cut, ["blocks:0"])
+    assert sorted(cut.plan[u].block for u in units) == [0, 1, 2, 3] and all(
+        cut.layer_of(cut.plan[u].block) == 0 for u in units
+    )
+    assert frozen_units(cut, ["blocks:1-2"]) == {
+        r.index for r in cut.plan if r.role == "block" and cut.layer_of(r.block) > 0
+    }
+    with pytest.raises(ConfigError, match="names block 3, but the model has 3 blocks"):
+        frozen_units(cut, ["blocks:3"])
+    assert flops_per_token(cut, 32, 64) == flops_per_token(whole, 32, 64)
+
+
 def test_initial_weights_and_names_do_not_depend_on_the_cut(tmp_path):
     """The same seed gives the same weights under the same names cut or whole (each piece
     takes its values from the whole layer's initialisation; names are the layer's)."""

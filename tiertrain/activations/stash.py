@@ -115,7 +115,8 @@ class HiddenStash:
         """The stash's state: host slots and the spill file (not checkpointed: rebuilt every step)."""
         entry, host, spilled = cls.plan(shape, dtype, entries, host_bytes, widths, micro_batches)
         sizes = cls.sizes(shape, dtype, entries, widths, micro_batches)
-        files = (FileDecl(FILE, sum(sizes[:spilled]), record_bytes=entry),) if spilled else ()
+        block = math.gcd(*sizes[:spilled]) if spilled else entry  # as the file is made: whole checksum blocks
+        files = (FileDecl(FILE, sum(sizes[:spilled]), record_bytes=block),) if spilled else ()
         return StateDecl("stash", dtype, OWNER, checkpointed=False, host_bytes=sum(sizes[spilled:]), files=files)
 
     def _index(self, key) -> int:

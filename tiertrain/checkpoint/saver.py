@@ -182,7 +182,7 @@ class CheckpointIO:
             raise CheckpointError(
                 f"checkpoint {path} was written for another model or precision ({_describe(man.units, man.param_dtype)}) "
                 f"than this run ({_describe(units, str(regions['params.bin'].dtype))}); resume with the config it was "
-                "made with"
+                "made with (its model.layer_pieces and model.vocab_pieces too: they set the units)"
             )
         for name, region in regions.items():
             entry = man.entry(name)

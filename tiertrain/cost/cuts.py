@@ -35,14 +35,28 @@ PIECES_TOLERANCE = (
 )
 
 
-def plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
+def plan_budget(
+    cfg: Config, rt: Any, rates_fn: Any, act_fn: Any = None, agree: Any = None
+) -> tuple[Config, "BudgetPlan"]:
+    """``_plan_budget``; where the experts are cut into ranges and clipping is on, the plan says
+    what that changes, whoever chose the cut."""
+    cfg_out, plan = _plan_budget(cfg, rt, rates_fn, act_fn, agree)
+    if rt.model.cut_params and cfg_out.optim.grad_clip > 0 and not any(CLIP_NORM_DEVIATION in n for n in plan.notes):
+        plan.notes.append(
+            f"experts cut into ranges (model.layer_pieces = {cfg_out.model.layer_pieces}): {CLIP_NORM_DEVIATION}"
+        )
+    return cfg_out, plan
+
+
+def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Config, "BudgetPlan"]:
     """``resolve_budget``, with the model as configured (exact) unless the budget cannot hold its
     units (the host's fixed pools, or on CUDA the device's slots and buffers): then cut, as
     little as fits, each cut only where its field is unset, said with what it changes: first the
     vocabulary (``model.vocab_pieces``: where its matrix is larger than a block, the fewest pieces
     no larger than one; the cross-entropy then sums by rounding otherwise), then the decoder
-    layers (``model.layer_pieces``: 2, 3 or 4 sub-layer units, exact), with the vocabulary cut to
-    the pieces' size where it is larger. ``agree``: with ranks, takes rank 0's choice (all ranks
+    layers (``model.layer_pieces``: 2, 3 or 4 sub-layer units, or a mixture of experts' attention
+    and ranges of experts; exact but for the clip's norm over expert ranges), with the vocabulary
+    cut to the pieces' size where it is larger. ``agree``: with ranks, takes rank 0's choice (all ranks
     must cut alike). The returned config names the cut (a checkpoint of the run resumes with it)."""
     if cfg.memory.host_mib is not None:
         warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
@@ -99,7 +113,7 @@ def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
     if m.layer_pieces is None and rt.model.layer_parts == 1:
         # adapters on the experts need them whole: ranges of experts are not an option then
         whole_experts = cfg.adapter.on and bool(cfg.adapter.target_parameters)
-        out += [(p, m.vocab_pieces) for p in cut_options(rt.model, ranges=not whole_experts)]
+        out += [(p, m.vocab_pieces) for p in cut_options(rt.model, ranges=not whole_experts, dtype=rt.dtype)]
     return out
 
 

@@ -300,7 +300,7 @@ def _saved_bytes(cfg: Config, block, layout, dev, dtype: torch.dtype, x: torch.T
                 rec.param.data = data
 
 
-def routed_slack(block, x: torch.Tensor) -> int:
+def routed_slack(block: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes a block with experts may save beyond what one forward on ``x`` measured: the tokens
     each expert gets change with the routing (their sum does not), and each expert reached saves
     a few storages of its own, each padded within the record (``PACK_ALIGN``): room for every
@@ -324,6 +324,8 @@ def _probe_compute(
         for block in distinct_blocks(model):
             width = getattr(block.module, "in_width", hidden)  # a sub-layer unit's input: maybe wider
             xb = x if width == hidden else torch.randn(*x.shape[:-1], width, device=dev.device).to(dtype)
+            if hasattr(block.module, "example_input"):  # a range of experts: ids of experts, evenly spread
+                xb = block.module.example_input(x)
             a, r = _saved_bytes(cfg, block, layout, dev, dtype, xb, pos)
             act, record = max(act, a), max(record, r)
     finally:

@@ -25,7 +25,7 @@ from .gpt import build_gpt
 from .hf import hf_layout_problem, hf_problem, layer_hf
 from .pieces import cut_vocab, rows_per_piece
 from .routers import describe_experts
-from .sublayers import PARTS, cut_layers, cut_problem, part_numels
+from .sublayers import cut_layers, cut_problem
 
 __all__ = [
     "LayeredModel",
@@ -39,7 +39,6 @@ __all__ = [
     "model_name",
     "tensor_source",
     "auto_pieces",
-    "auto_layer_pieces",
 ]
 
 
@@ -149,7 +148,7 @@ def build_model(cfg: ModelConfig, *, param_dtype: torch.dtype, seed: int) -> tup
             model.head.lm_head.weight = model.embed.wte.weight
     else:
         model = _build_hf(cfg)
-    _cut_layers(model, cfg)
+    _cut_layers(model, cfg, param_dtype)
     _cut(model, cfg)
     materialize_placeholders(model, param_dtype)
     if cfg.init_from is not None:
@@ -180,30 +179,18 @@ def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
         cut_vocab(model, rows)
 
 
-def _cut_layers(model: LayeredModel, cfg: ModelConfig) -> None:
+def _cut_layers(model: LayeredModel, cfg: ModelConfig, dtype: torch.dtype) -> None:
     """Cut each decoder layer into ``model.layer_pieces`` sub-layer units (unset or 1: whole;
-    the planner asks for pieces where the budget cannot hold a whole block, ``auto_layer_pieces``)."""
+    the planner asks for pieces where the budget cannot hold a whole block, ``cost/cuts.py``)."""
     if cfg.layer_pieces in (None, 1):
         return
-    problem = cut_problem(model, cfg.layer_pieces)
+    problem = cut_problem(model, cfg.layer_pieces, dtype)
     if problem:
         raise ConfigError(
-            f"model.layer_pieces = {cfg.layer_pieces}: this model's layers cannot be cut exactly ({problem}); "
-            "leave it unset (whole layers) or raise memory.host_mib"
+            f"model.layer_pieces = {cfg.layer_pieces}: this model's layers cannot be cut exactly that way ({problem}); "
+            "leave it unset for the planner to choose (whole layers where the budget holds them)"
         )
     cut_layers(model, cfg.layer_pieces)
-
-
-def auto_layer_pieces(model: LayeredModel, fits) -> int | None:
-    """The fewest pieces (2, 3 or 4) an uncut ``model``'s layers cut into exactly whose largest
-    unit ``fits(numel)`` says the budget holds, or None: the layers cannot be cut (``cut_problem``),
-    or no cut fits."""
-    for parts in sorted(PARTS):
-        if cut_problem(model, parts):
-            continue
-        if fits(max(part_numels(model, parts))):
-            return parts
-    return None
 
 
 def _block_numel(model: LayeredModel) -> int:

@@ -22,7 +22,8 @@ the pairs' outputs so far (``k x d``), concatenated
 on the last dimension: about ``(2k + 1) d`` values a token. Each value is made by the operations
 of the whole layer, and every gradient that sums several is summed by one operation as in the
 whole layer (the gather's scatter, the top-k sum), so losses and gradients are the whole
-layer's bit for bit (``tests/test_sublayers.py``). With clipping on, each range's share of an
+layer's bit for bit on CPU (``tests/test_experts_cut.py``; on CUDA, where ``grouped_mm``'s kernel
+may tile fewer rows otherwise, checked against the CPU run only, within 1e-5). With clipping on, each range's share of an
 expert parameter is a parameter of its own, and the global norm sums over the ranges' norms:
 that rounds otherwise (``CLIP_NORM_DEVIATION``), so the planner cuts experts only where it must
 and says so.
@@ -63,8 +64,10 @@ def is_moe_layer(layer: nn.Module) -> bool:
     return hasattr(getattr(layer, "mlp", None), "experts")
 
 
-def moe_problem(layer: nn.Module) -> str:
-    """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('')."""
+def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
+    """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('') in the
+    compute ``dtype`` (None: any): the ranges carry the routing weights and expert ids as values
+    of it."""
     import transformers.integrations.moe as moe
 
     mlp = layer.mlp
@@ -78,7 +81,18 @@ def moe_problem(layer: nn.Module) -> str:
         return f"its experts run transformers' {impl!r} forward, not the grouped_mm one the ranges replay"
     got = hashlib.sha256((_source(getattr(moe, _GROUPED_MM, None)) or "").encode()).hexdigest()
     if got != GROUPED_MM_SHA:
-        return "this transformers' grouped_mm experts forward is not the one the ranges replay"
+        import transformers
+
+        return (
+            f"transformers {transformers.__version__}'s grouped_mm experts forward is not the one the ranges replay "
+            "(transformers 5.24's)"
+        )
+    if dtype is not None and dtype != torch.float32:
+        if ".to(router_logits.dtype)" not in (_source(type(mlp.gate).forward) or ""):
+            return f"{type(mlp.gate).__name__} gives float32 routing weights while the model computes in {dtype}: train it in float32"
+        most = 256 if dtype == torch.bfloat16 else 2048  # integers a 16-bit float holds exactly
+        if experts.num_experts > most:
+            return f"{experts.num_experts} experts: their ids are carried as {dtype} values, exact up to {most}"
     if getattr(experts, "has_bias", False) or not getattr(experts, "has_gate", True):
         return f"{type(experts).__name__} has biases or no gate (not replayed)"
     if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "is_transposed", False):
@@ -174,7 +188,18 @@ class ExpertRange(nn.Module):
         d, kk = self._d, self._k
         carried = (2 * kk + 1) * d + 2 * kk
         self.in_width = d if k == 0 else carried
-        self.out_width = d if k == n - 1 else carried
+
+    def example_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What this range takes for hidden states like ``x`` (``[B, T, d]``), routed evenly over
+        the experts (the probes measure it: random values would name no expert)."""
+        if self.k == 0:
+            return x
+        B, T, d = x.shape
+        k, e = self._k, self._e
+        ids = torch.arange(B * T * k, device=x.device).remainder(e).to(x.dtype).view(B, T, k)
+        weights = torch.full((B, T, k), 1.0 / k, dtype=x.dtype, device=x.device)
+        sel = x.repeat_interleave(k, dim=-1)
+        return torch.cat([x, sel, weights, ids, torch.zeros_like(sel)], dim=-1)
 
     def record_slack(self, tokens: int, itemsize: int) -> int:
         """Bytes this range may save for its backward beyond one measured forward: its rows are
@@ -191,7 +216,7 @@ class ExpertRange(nn.Module):
         h, sel, wg, ids, outs = torch.split(s, cuts, dim=-1)
         return h, sel.reshape(-1, d), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d)
 
-    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         no_cache(cache)
         from transformers.integrations.moe import _grouped_linear
 
@@ -243,6 +268,6 @@ class ExpertRange(nn.Module):
             dim=-1,
         )
 
-    def decode(self, s: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    def decode(self, s: torch.Tensor, masks: dict[str, Any], position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """Generation: as in training (no key/value cache here)."""
         return self.forward(s)

@@ -6,7 +6,8 @@ update skips it, and its parameters are never written. As plain PyTorch with
 ``requires_grad=False`` on those parameters and the optimizer over the others.
 
 Selectors name units by role, never by position in the plan: ``embed``, ``head``,
-``blocks`` (all), ``blocks:N`` (block N, from 0) and ``blocks:A-B`` (A to B, inclusive).
+``blocks`` (all), ``blocks:N`` (block N, from 0) and ``blocks:A-B`` (A to B, inclusive); a block
+is a decoder layer, all its units where layers are cut (``model.layer_pieces``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ def frozen_units(model: LayeredModel, selectors: list[str]) -> set[int]:
     """The indices (in ``model.plan``) of the units ``selectors`` name."""
     check_freeze(selectors)
     by_role: dict[str, list[int]] = {}
+    layers: dict[int, list[int]] = {}  # a block is a decoder layer: all its sub-layer units where cut
     for ref in model.plan:
         by_role.setdefault(ref.role, []).append(ref.index)
-    blocks = by_role.get("block", [])
+        if ref.role == "block":
+            layers.setdefault(model.layer_of(ref.block) or 0, []).append(ref.index)
+    blocks = [layers[k] for k in sorted(layers)]
     out: set[int] = set()
     for s in selectors:
         m = FREEZE_SELECTOR.match(s)
@@ -39,7 +43,7 @@ def frozen_units(model: LayeredModel, selectors: list[str]) -> set[int]:
             raise ConfigError(
                 f"train.freeze: {s!r} names block {hi}, but the model has {len(blocks)} blocks (0 to {len(blocks) - 1})"
             )
-        out |= set(blocks[lo : hi + 1])
+        out |= {u for layer in blocks[lo : hi + 1] for u in layer}
     return out
 
 

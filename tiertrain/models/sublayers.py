@@ -39,7 +39,7 @@ from .decoder import DecoderBlock
 from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
 from .masks import cache_keyword
 
-__all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "part_numels", "SubLayer"]
+__all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "SubLayer"]
 
 # what each cut makes of a layer, in forward order
 PARTS: dict[int, tuple[str, ...]] = {
@@ -56,11 +56,11 @@ def _source(fn: Any) -> str | None:
         return None
 
 
-def cut_problem(model: LayeredModel, parts: int) -> str:
+def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = None) -> str:
     """Why ``model``'s layers cannot be cut into ``parts`` pieces exactly ('' where they can).
     A dense layer cuts into 2, 3 or 4 (``PARTS``); a mixture-of-experts layer into attention |
     its MoE block whole (2), or attention and ``parts - 1`` ranges of its experts
-    (``experts_cut.py``); the dense layers of such a model into 2."""
+    (``experts_cut.py``; in the compute ``dtype``, None: any); the dense layers of such a model into 2."""
     if parts < 2:
         return f"{parts} pieces (a layer cuts into at least 2)"
     if not model.blocks or not all(isinstance(b, DecoderBlock) for b in model.blocks):
@@ -82,8 +82,8 @@ def cut_problem(model: LayeredModel, parts: int) -> str:
             return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
         if is_moe_layer(layer):
             count = getattr(layer.mlp.experts, "num_experts", 0)
-            if parts > 2 and (moe_problem(layer) or parts - 1 > count):
-                return moe_problem(layer) or f"{parts - 1} ranges of experts, more than its {count} experts"
+            if parts > 2 and (moe_problem(layer, dtype) or parts - 1 > count):
+                return moe_problem(layer, dtype) or f"{parts - 1} ranges of experts, more than its {count} experts"
             continue
         if moe:
             continue  # a dense layer of a mixture of experts: cut into 2
@@ -98,7 +98,7 @@ def cut_problem(model: LayeredModel, parts: int) -> str:
     return ""
 
 
-def cut_options(model: LayeredModel, *, ranges: bool = True) -> list[int]:
+def cut_options(model: LayeredModel, *, ranges: bool = True, dtype: torch.dtype | None = None) -> list[int]:
     """The cuts to try for ``model``'s layers, fewest pieces first, those it cuts into exactly:
     2, 3, 4 for dense layers; for a mixture of experts 2, then (``ranges``) attention and 2, 4,
     8, ... ranges of experts (at last one expert a range)."""
@@ -112,7 +112,7 @@ def cut_options(model: LayeredModel, *, ranges: bool = True) -> list[int]:
             counts.append(r)
             r *= 2
         options = [2, *(1 + c for c in (*counts, experts))]
-    return [p for p in options if not cut_problem(model, p)]
+    return [p for p in options if not cut_problem(model, p, dtype)]
 
 
 def describe_cut(model: LayeredModel, parts: int) -> str:
@@ -170,9 +170,8 @@ class SubLayer(nn.Module):
             object.__setattr__(self, "_act", mlp.act_fn)
         d, f = hidden, ff
         self.in_width = {"attention": d, "mlp": d, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
-        self.out_width = {"attention": d, "mlp": d, "gate_up": d + f, "gate": 2 * d + f, "up": d + f, "down": d}[kind]
 
-    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         no_cache(cache)
         if self.kind == "attention":
             pos, mask, rope = self._block.context(s, positions)
@@ -212,32 +211,11 @@ class SubLayer(nn.Module):
         h, a = s[..., :d], s[..., d:]  # down: the layer's last residual
         return h + layer.mlp.down_proj(a)
 
-    def decode(self, s: torch.Tensor, masks, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    def decode(self, s: torch.Tensor, masks: dict[str, Any], position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """Generation: the attention piece with the layer's key/value cache, the others as in training."""
         if self.kind != "attention":
             return self._mlp(s)
         return self._attention(s, masks[self.attn_kind], position_ids, self._block.rope(s, position_ids), cache)
-
-
-def part_numels(model: LayeredModel, parts: int) -> list[int]:
-    """The parameters of each piece of the largest layer cut into ``parts`` (1: the whole block)."""
-    block = cast(DecoderBlock, max(model.blocks, key=_numel))
-    if parts == 1:
-        return [_numel(block)]
-    d, f = _widths(model)
-    layer = block.layer
-    if parts == 2 or not is_moe_layer(layer):
-        return [_numel(SubLayer(block, 0, k, d, f)) for k in PARTS[2 if is_moe_layer(layer) else parts]]
-    experts = layer.mlp.experts
-    per_expert = _numel(experts) // experts.num_experts
-    first = _numel(layer.post_attention_layernorm) + _numel(layer.mlp.gate)
-    ranges = expert_ranges(experts.num_experts, parts - 1)
-    attention = _numel(SubLayer(block, 0, "attention", d, f))
-    return [attention] + [(hi - lo) * per_expert + (first if k == 0 else 0) for k, (lo, hi) in enumerate(ranges)]
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def _widths(model: LayeredModel) -> tuple[int, int]:

@@ -43,7 +43,8 @@ def flops_per_token(model, seq_len: int, hidden: int) -> float:
     embedding lookup is not a product) plus attention's 12 x layers x hidden x sequence
     (PaLM's accounting, without halving for the causal mask)."""
     used = {id(p): p for unit in [*model.blocks, model.head, *model.head_pieces] for p in unit.parameters()}
-    return 6 * sum(p.numel() for p in used.values()) + 12 * len(model.blocks) * hidden * seq_len
+    layers = len(set(model.block_layers)) if model.block_layers is not None else len(model.blocks)  # cut: layers
+    return 6 * sum(p.numel() for p in used.values()) + 12 * layers * hidden * seq_len
 
 
 @dataclass

@@ -160,10 +160,8 @@ class Trainer:
         if plan.cfg.memory.trim_heap:
             trim_heap()  # the probes' tensors passed through the heap: given back before the pools are made
         self._rates = plan.rates
-        for cut in (
-            "vocab_pieces",
-            "layer_pieces",
-        ):  # the model was cut to fit: a checkpoint resumes with the same units
+        # the model was cut to fit: a checkpoint resumes with the same units
+        for cut in ("vocab_pieces", "layer_pieces"):
             if getattr(plan.cfg.model, cut) != getattr(self.user_cfg.model, cut):
                 setattr(self.user_cfg.model, cut, getattr(plan.cfg.model, cut))
         for line in plan.lines():
