@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import statistics
 import threading
 import time
@@ -271,7 +272,8 @@ def distinct_blocks(model) -> list:
     is measured on each kind, the most planned for."""
     kinds: dict = {}
     for ref in (r for r in model.plan if r.role == "block"):
-        sig = tuple((n, tuple(p.shape)) for n, p in ref.module.named_parameters())
+        # ranges of experts alike but for their number (``range3.gate_up_proj``) are one kind
+        sig = tuple((re.sub(r"\.range\d+\.", ".range.", n), tuple(p.shape)) for n, p in ref.module.named_parameters())
         kinds.setdefault(sig, ref)
     return list(kinds.values())
 
