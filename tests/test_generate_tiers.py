@@ -244,9 +244,9 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
     growth is the least of five calls' (a second `make test` beside this one moved a single
     call's by up to 14 MiB, past the bound, where every call of a run that held more would not;
     under CI's own parallel load three calls of 8 layers read from the tier once all came out
-    8.7 MB above the 2 layers' least, against 0-4 MB when alone, and once five read from the
-    model's files 11.7 MB above: the calls of 2 and 8 layers now alternate, so that a stretch of
-    load weighs on both)."""
+    8.7 MB above the 2 layers' least, against 0-4 MB when alone: the calls of 2 and 8 layers
+    alternate, so that a stretch of load weighs on both). Read from the model's files, the 8
+    layers may hold up to a unit more at the peak (the mapped pages; see below)."""
     import os
 
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -267,7 +267,11 @@ def test_peak_host_memory_is_the_slots_and_pools_whatever_the_layers(tmp_path):
             mapped = r["unit"] if weights == "source" else 0
             bound = 3 * r["unit"] + r["unit"] + mapped + 2 * r["pair"] + (40 << 20)
             assert r["growth"] <= bound, (weights, r, bound)
-        assert abs(big["growth"] - small["growth"]) < small["unit"] / 2, (weights, got)
+        # from the model's files, the file's pages mapped at the peak vary with the kernel's
+        # readahead and reclaim by up to a unit (CI under load: 8 layers 10.2 and 11.7 MB above 2,
+        # alternating or not; 0-4 MB alone); the tier's reads keep the strict half a layer
+        slack = small["unit"] if weights == "source" else 0
+        assert abs(big["growth"] - small["growth"]) < small["unit"] / 2 + slack, (weights, got)
 
 
 def test_generate_from_a_checkpoint_is_generate_from_its_export(tmp_path, capsys):
