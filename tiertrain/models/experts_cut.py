@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .base import no_cache
+from .layouts import finish, layout_of
 from .pieces import RowPiece
 
 __all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "CLIP_NORM_DEVIATION"]
@@ -176,9 +177,16 @@ class ExpertRange(nn.Module):
                 f"blocks.{layer_index}.layer.mlp.experts.{attr}", lo, hi, tuple(whole.shape), experts, attr
             )
             model.cut_params.setdefault((experts, attr), []).append((piece, attr))
+        layout = layout_of(layer)
+        assert not isinstance(layout, str), "cut_problem first"
+        self._branch = layout.mlp  # its norm before the block (first range), what follows it (last)
         self.layer = _Shell()
         if k == 0:
-            self.layer.post_attention_layernorm = layer.post_attention_layernorm
+            setattr(self.layer, self._branch.pre, getattr(layer, self._branch.pre))
+        if k == n - 1:
+            for m in (self._branch.post, self._branch.dropout):
+                if m:
+                    setattr(self.layer, m, getattr(layer, m))
         self.layer.mlp = _Shell()
         if k == 0:
             self.layer.mlp.gate = mlp.gate
@@ -226,7 +234,7 @@ class ExpertRange(nn.Module):
             if s.dtype != torch.float32 and self._e > 256:
                 raise RuntimeError(f"expert ranges carry expert ids as {s.dtype} values: exact up to 256 experts")
             h = s
-            xr = self.layer.post_attention_layernorm(h).view(-1, d)
+            xr = getattr(self.layer, self._branch.pre)(h).view(-1, d)
             _, top_k_weights, top_k_index = self.layer.mlp.gate(xr)
             if top_k_weights.dtype != s.dtype:  # Mixtral's are fp32 whatever the compute dtype
                 raise RuntimeError(
@@ -261,7 +269,7 @@ class ExpertRange(nn.Module):
             inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
             weighted_out = outs[inv_perm]
             final = weighted_out.view(B * T, k, d).sum(dim=1).to(h.dtype)
-            return h + final.reshape(B, T, d)
+            return finish(self.whole, self._branch, h, final.reshape(B, T, d), self.layer)
         ids_out = expert_ids.to(s.dtype)
         return torch.cat(
             [h, sel.reshape(B, T, k * d), wg.reshape(B, T, k), ids_out.reshape(B, T, k), outs.reshape(B, T, k * d)],

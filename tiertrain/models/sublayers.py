@@ -5,7 +5,8 @@ every slot, gradient buffer and working unit is sized by the largest unit.
 A layer is cut *between whole modules*, in the order its forward runs them, never inside a
 matrix (a row range's input gradient is a sum over pieces: another order of additions):
 
-- ``2`` pieces: ``[input norm, attention, residual]`` | ``[post-attention norm, MLP, residual]``;
+- ``2`` pieces: ``[input norm, attention, residual]`` | ``[post-attention norm, MLP, residual]``
+  (each branch with the norms and residual add its layer has);
 - ``3``: attention | ``[post-attention norm, gate, up, act(gate) * up]`` | ``[down, residual]``;
 - ``4``: attention | ``[post-attention norm, gate]`` | ``[up, act(gate) * up]`` | ``[down, residual]``.
 
@@ -19,9 +20,10 @@ piece slices. Concatenating and slicing copy values, and every tensor is used by
 operations as in the whole layer, so the gradients are summed in the same order: a cut model
 computes the whole one's losses and gradients bit for bit (``tests/test_sublayers.py``).
 
-Cut only layers whose ``forward`` is, in the installed transformers, the Llama decoder
-layer's (pre-norm: Llama, Mistral, Qwen2, Qwen3 and others; checked on the source, with the
-MLP's for 3 and 4 pieces). Names: a piece's parameters keep the whole layer's names
+Cut only layers whose ``forward`` is two residual branches, attention then MLP, as read from
+the installed transformers' source (``layouts.py``: pre-norm Llama and its copies, post-norm
+OLMo 2, Gemma 2 and 3's four norms, residual dropouts and multipliers); into 3 and 4 only where
+the MLP is Llama's (checked on its source) behind a norm of its own. Names: a piece's parameters keep the whole layer's names
 (``blocks.3.layer.mlp.up_proj.weight``), so a cut model reads and writes the same files.
 """
 
@@ -37,7 +39,7 @@ import torch.nn as nn
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
 from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
-from .masks import cache_keyword
+from .layouts import Layout, attention_keywords, finish, layout_of, run_branch
 
 __all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "SubLayer"]
 
@@ -65,36 +67,50 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
         return f"{parts} pieces (a layer cuts into at least 2)"
     if not model.blocks or not all(isinstance(b, DecoderBlock) for b in model.blocks):
         return f"its layers are not transformers decoder layers (model kind {model.kind!r})"
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaMLP
 
-    # Mixtral's layer computes Llama's: the same modules in the same order (its attention takes
-    # no use_cache); checked by tests/test_experts_cut.py
-    layers_ref = {_source(LlamaDecoderLayer.forward), _source(MixtralDecoderLayer.forward)} - {None}
     mlp_ref = _source(LlamaMLP.forward)
     moe = any(is_moe_layer(cast(DecoderBlock, b).layer) for b in model.blocks)
     for b in model.blocks:
         layer = cast(DecoderBlock, b).layer
         name = type(layer).__name__
-        if getattr(layer, "mlp", None) is None:
-            return f"{name} has no mlp"
-        if _source(type(layer).forward) not in layers_ref:
-            return f"{name}'s forward is not the pre-norm Llama layer's (attention, then MLP, each with its norm)"
+        layout = layout_of(layer)
+        if isinstance(layout, str):
+            return f"{name}: {layout}"
+        branch = layout.mlp
         if is_moe_layer(layer):
             count = getattr(layer.mlp.experts, "num_experts", 0)
-            if parts > 2 and (moe_problem(layer, dtype) or parts - 1 > count):
-                return moe_problem(layer, dtype) or f"{parts - 1} ranges of experts, more than its {count} experts"
+            if parts > 2:
+                problem = moe_problem(layer, dtype) or _plain_mlp_branch(name, branch)
+                if problem or parts - 1 > count:
+                    return problem or f"{parts - 1} ranges of experts, more than its {count} experts"
             continue
         if moe:
             continue  # a dense layer of a mixture of experts: cut into 2
         if parts > 4:
             return f"{parts} pieces (a dense layer cuts into 2, 3 or 4)"
-        mlp = layer.mlp
-        if parts > 2 and (
-            _source(type(mlp).forward) != mlp_ref
+        if parts == 2:
+            continue
+        mlp = getattr(layer, branch.module)
+        if (
+            branch.module != "mlp"
+            or branch.outputs != 1
+            or _source(type(mlp).forward) != mlp_ref
             or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         ):
             return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
+        if branch.pre is None:
+            # its input is the residual itself, used three times (residual, gate, up): pieces would
+            # sum those gradients in another order than autograd does in the whole layer
+            return f"{name}'s MLP takes the residual stream with no norm before it: cut it into 2 pieces"
+    return ""
+
+
+def _plain_mlp_branch(name: str, branch: Any) -> str:
+    """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): a
+    pre-norm, the block ``mlp`` returning a tensor (post-norm and residual add: any)."""
+    if branch.module != "mlp" or branch.outputs != 1 or branch.pre is None:
+        return f"{name}'s MoE branch is not a pre-norm, then the block as mlp (expert ranges replay that)"
     return ""
 
 
@@ -138,36 +154,41 @@ def _shell(**children: nn.Module) -> nn.Module:
 class SubLayer(nn.Module):
     """Piece ``kind`` of decoder layer ``layer_index`` (``PARTS``): ``forward(s, positions) ->
     s'``, where ``s`` is the hidden states or, between the MLP's pieces, the carried tensor.
-    ``in_width`` is the last dimension of what it takes (the stash holds its input)."""
+    ``in_width`` is the last dimension of what it takes (the stash holds its input). The
+    layer's ``layout`` (``layouts.py``) names its norms, modules and residual adds."""
 
     def __init__(self, block: DecoderBlock, layer_index: int, kind: str, hidden: int, ff: int) -> None:
         super().__init__()
         layer = block.layer
+        layout = layout_of(layer)
+        assert isinstance(layout, Layout), "cut_problem first"
         self.kind, self.layer_index, self.attn_kind = kind, layer_index, block.kind
         self.attends = kind == "attention"  # holds the layer's attention (and, generating, its key/value cache)
-        self._d, self._ff = hidden, ff
+        self._d, self._ff, self._layout = hidden, ff, layout
         object.__setattr__(self, "_block", block)  # masks and rotary tables: not part of this unit
         object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order), not this unit's
-        mlp = layer.mlp
+        branch = layout.mlp
+        own = {m: getattr(layer, m) for m in branch.modules}
         if kind == "attention":
-            self.layer = _shell(input_layernorm=layer.input_layernorm, self_attn=layer.self_attn)
+            self.layer = _shell(**{m: getattr(layer, m) for m in layout.attention.modules})
         elif kind == "mlp":
-            self.layer = _shell(post_attention_layernorm=layer.post_attention_layernorm, mlp=mlp)
-        elif kind == "gate_up":
-            proj = _shell(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj)
-            self.layer = _shell(post_attention_layernorm=layer.post_attention_layernorm, mlp=proj)
-        elif kind == "gate":
-            self.layer = _shell(
-                post_attention_layernorm=layer.post_attention_layernorm, mlp=_shell(gate_proj=mlp.gate_proj)
-            )
-        elif kind == "up":
-            self.layer = _shell(mlp=_shell(up_proj=mlp.up_proj))
-        elif kind == "down":
-            self.layer = _shell(mlp=_shell(down_proj=mlp.down_proj))
-        else:
-            raise ValueError(f"no sub-layer piece {kind!r}")
+            self.layer = _shell(**own)
+        else:  # the Llama MLP's modules, after its pre-norm (gate_up, gate) or before its post-norm (down)
+            mlp, pre = layer.mlp, own.get(branch.pre or "")
+            names = {
+                "gate_up": ("gate_proj", "up_proj"),
+                "gate": ("gate_proj",),
+                "up": ("up_proj",),
+                "down": ("down_proj",),
+            }
+            if kind not in names:
+                raise ValueError(f"no sub-layer piece {kind!r}")
+            around = {branch.pre: pre} if kind in ("gate_up", "gate") else {}
+            if kind == "down":
+                around = {m: own[m] for m in (branch.post, branch.dropout) if m}
+            self.layer = _shell(**around, mlp=_shell(**{n: getattr(mlp, n) for n in names[kind]}))
         if kind in ("gate_up", "up"):
-            object.__setattr__(self, "_act", mlp.act_fn)
+            object.__setattr__(self, "_act", layer.mlp.act_fn)
         d, f = hidden, ff
         self.in_width = {"attention": d, "mlp": d, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
 
@@ -179,37 +200,25 @@ class SubLayer(nn.Module):
         return self._mlp(s)
 
     def _attention(self, h: torch.Tensor, mask, pos, rope, cache) -> torch.Tensor:
-        """The layer's forward up to its first residual, with its arguments to attention."""
-        layer = self.layer
-        residual = h
-        h = layer.input_layernorm(h)
-        h, _ = layer.self_attn(
-            hidden_states=h,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=cache is not None,
-            position_embeddings=rope,
-            **{cache_keyword(): cache},
-        )
-        return residual + h
+        """The layer's forward up to its first residual add, attention given what the layer gives it."""
+        return run_branch(self.whole, self._layout.attention, h, self.layer, attention_keywords(mask, pos, rope, cache))
 
     def _mlp(self, s: torch.Tensor) -> torch.Tensor:
-        layer, d = self.layer, self._d
+        layer, d, branch = self.layer, self._d, self._layout.mlp
         if self.kind == "mlp":
-            residual = s
-            return residual + layer.mlp(layer.post_attention_layernorm(s))
+            return run_branch(self.whole, branch, s, layer)
         if self.kind == "gate_up":  # the MLP's order: gate, act, up, product
-            x = layer.post_attention_layernorm(s)
+            x = getattr(layer, branch.pre)(s)
             a = self._act(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
             return torch.cat([s, a], dim=-1)
         if self.kind == "gate":
-            x = layer.post_attention_layernorm(s)
+            x = getattr(layer, branch.pre)(s)
             return torch.cat([s, x, layer.mlp.gate_proj(x)], dim=-1)
         if self.kind == "up":
             h, x, g = s[..., :d], s[..., d : 2 * d], s[..., 2 * d :]
             return torch.cat([h, self._act(g) * layer.mlp.up_proj(x)], dim=-1)
-        h, a = s[..., :d], s[..., d:]  # down: the layer's last residual
-        return h + layer.mlp.down_proj(a)
+        h, a = s[..., :d], s[..., d:]  # down: its post-norm, the layer's last residual add
+        return finish(self.whole, branch, h, layer.mlp.down_proj(a), layer)
 
     def decode(self, s: torch.Tensor, masks: dict[str, Any], position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """Generation: the attention piece with the layer's key/value cache, the others as in training."""

@@ -1,0 +1,114 @@
+"""Layer layouts read from each layer's own ``forward`` (``models/layouts.py``), and the layers
+of every layout cut into sub-layer units bit for bit: post-norm (OLMo 2), four norms (Gemma 2
+and 3, GLM-4), residual dropouts (Phi-3), residual multipliers (Granite, HyperCLOVA X), MLPs
+returning tuples (gpt-oss), a MoE block under another name (Granite-MoE)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import small_config
+from test_families import _config, _saved
+from test_generate import _hf_generate
+from test_parity import assert_parity
+
+from tiertrain.config import ConfigError
+from tiertrain.inference.generate import Sampling, generate
+from tiertrain.models import build_model
+from tiertrain.models.layouts import Branch, layout_of
+
+
+def _layer(family: str, moe: bool = False) -> torch.nn.Module:
+    from test_moe import _config as moe_config
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config((moe_config if moe else _config)(family)).model.layers[0]
+
+
+def test_layouts_are_read_from_each_layers_forward():
+    """What each form's branches are, read from transformers' source, not from a class list."""
+    attention = ("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings")
+    llama = layout_of(_layer("llama"))
+    assert llama.attention == Branch("self_attn", "input_layernorm", None, 2, keywords=attention)
+    assert llama.mlp == Branch("mlp", "post_attention_layernorm")
+    olmo2 = layout_of(_layer("olmo2"))  # post-norm: the norms after each module
+    assert olmo2.attention == Branch("self_attn", None, "post_attention_layernorm", 2, keywords=attention)
+    assert olmo2.mlp == Branch("mlp", None, "post_feedforward_layernorm")
+    gemma2 = layout_of(_layer("gemma2"))  # four norms; its attention is given no use_cache
+    assert gemma2.attention.keywords == ("position_embeddings", "attention_mask", "position_ids", "cache")
+    assert gemma2.mlp == Branch("mlp", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    assert layout_of(_layer("phi3")).mlp.dropout == "resid_mlp_dropout"
+    assert layout_of(_layer("granite")).attention.multiplier == "residual_multiplier"
+    assert layout_of(_layer("gpt_oss", moe=True)).mlp == Branch("mlp", "post_attention_layernorm", None, 2)
+    assert layout_of(_layer("granitemoe", moe=True)).mlp.module == "block_sparse_moe"
+    assert layout_of(_layer("jetmoe", moe=True)).attention.module == "self_attention"
+    for family in ("cohere", "phi"):  # attention and MLP side by side on the same normed input
+        assert "not two residual branches" in layout_of(_layer(family))
+
+
+def test_a_forward_of_another_form_is_refused_with_what_differs():
+    class Layer(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask=None):
+            residual = hidden_states
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+            hidden_states = residual - hidden_states
+            return hidden_states
+
+    assert layout_of(Layer()).endswith("a residual add of another form")
+
+
+@pytest.mark.parametrize(
+    "family,parts",
+    [("olmo2", 2), ("gemma2", 4), ("gemma3_text", 3), ("phi3", 2), ("granite", 4), ("glm4", 2), ("hyperclovax", 3)],
+)
+def test_layers_of_every_layout_cut_are_plain_pytorch_bit_for_bit(tmp_path, family, parts):
+    """Losses and weights after 3 steps with clipping, 2 micro-batches, the windows in play."""
+    _saved(family, tmp_path / "m")
+    cfg = small_config(tmp_path, kind="llama", micro_batches=2, steps=3, clip=0.5)
+    cfg.model.hf_dir, cfg.model.layer_pieces = str(tmp_path / "m"), parts
+    tr, _ = assert_parity(cfg)
+    assert tr.model.hf_config.model_type == family and len(tr.model.blocks) == 2 * parts
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoe"])
+def test_mixtures_of_experts_of_other_forms_cut_in_two_are_plain_pytorch(tmp_path, family):
+    """gpt-oss's block returns (states, router scores); Granite-MoE's is ``block_sparse_moe``,
+    its residual adds multiplied: attention | the block whole, the auxiliary loss on."""
+    from test_moe import _config as moe_config
+    from test_moe import _moe_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=2)
+    cfg.model.layer_pieces = 2
+    tr, _ = assert_parity(cfg)
+    assert tr.model.block_layers[:4] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("family,parts", [("gemma3_text", 4), ("olmo2", 2)])
+def test_greedy_generation_of_cut_layouts_is_transformers_generate(tmp_path, family, parts):
+    """Gemma 3: a sliding layer and a full one, each with its rotary table, four norms; OLMo 2:
+    the norms after attention and MLP. Prompts past the 8-token window."""
+    hf = _saved(family, tmp_path / "m")
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    cfg = small_config(tmp_path, kind="llama")
+    cfg.model.hf_dir, cfg.model.layer_pieces, cfg.data.micro_batch_size = str(tmp_path / "m"), parts, 1
+    assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=()) == _hf_generate(hf, prompts, 10)
+
+
+@pytest.mark.parametrize(
+    "family,parts,why",
+    [
+        ("olmo2", 3, "Olmo2DecoderLayer's MLP takes the residual stream with no norm before it: cut it into 2"),
+        ("glm4", 3, "Glm4MLP is not the Llama MLP"),
+        ("cohere", 2, r"CohereDecoderLayer: its forward is not two residual branches .*no residual add"),
+        ("phi", 2, "PhiDecoderLayer: its forward is not two residual branches"),
+    ],
+)
+def test_layers_that_cannot_be_cut_exactly_name_why(tmp_path, family, parts, why):
+    _saved(family, tmp_path / "m")
+    cfg = small_config(tmp_path, kind="llama")
+    cfg.model.hf_dir, cfg.model.layer_pieces = str(tmp_path / "m"), parts
+    with pytest.raises(ConfigError, match=why):
+        build_model(cfg.model, param_dtype=torch.float32, seed=0)

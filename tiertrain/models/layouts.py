@@ -1,0 +1,290 @@
+"""A decoder layer's layout, read from its own ``forward``: the two residual branches it runs
+(attention, then the MLP or mixture of experts), each a module between optional norms and a
+residual add, so that ``sublayers.py`` can run each branch as a unit of its own.
+
+A layer is cut only where its ``forward`` is, statement for statement, this form (read with
+``ast`` from the installed transformers' source, never assumed from the class's name)::
+
+    residual = hidden_states
+    hidden_states = self.<pre>(hidden_states)          # optional: a pre-norm
+    <out>, _ = self.<attention>(hidden_states=hidden_states, <keywords>)
+    <out> = self.<post>(<out>)                         # optional: a post-norm
+    hidden_states = residual + <out>                   # or + self.<dropout>(<out>),
+                                                       # or + <out> * self.<multiplier>
+    residual = hidden_states
+    ... the same for the MLP, called as self.<mlp>(hidden_states) ...
+    return hidden_states
+
+That covers the pre-norm Llama layer and its copies (Mistral, Qwen2 and 3, Gemma, the mixtures
+of experts built on it), the post-norm OLMo 2 (and EXAONE 4, OLMo 3, FlexOlmo), Gemma 2 and 3
+and GLM-4 (four norms), Phi-3 (residual dropouts), Granite and MiniCPM3 (residual
+multipliers), HyperCLOVA X, Apertus, Nemotron, gpt-oss and JetMoE (modules returning tuples).
+Anything else (parallel attention and MLP, branches inside the forward) is refused by name.
+A unit replaying a branch makes the same calls in the same order, so it computes the whole
+layer's values and gradients bit for bit (``tests/test_layouts.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Branch", "Layout", "layout_of", "run_branch", "finish", "attention_keywords"]
+
+# the keywords a layer may pass its attention, each as the same-named argument of its forward
+_ATTENTION_KEYWORDS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "position_embeddings")
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One residual branch: ``h + combine(post(module(pre(h))))``.
+
+    ``module``: the layer's attribute called (``self_attn``, ``mlp``, ``block_sparse_moe``);
+    ``pre``/``post``: norms before and after it (None: none); ``outputs``: how many values it
+    returns (1: a tensor; more: a tuple whose first is taken); ``dropout``: a module applied to
+    its output before the add; ``multiplier``: a layer attribute the output is multiplied by;
+    ``keywords``: for attention, the keywords the layer passes it besides ``hidden_states``."""
+
+    module: str
+    pre: str | None = None
+    post: str | None = None
+    outputs: int = 1
+    dropout: str | None = None
+    multiplier: str | None = None
+    keywords: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The layer's children this branch calls, in order."""
+        return tuple(m for m in (self.pre, self.module, self.post, self.dropout) if m is not None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layer's two branches, in forward order."""
+
+    attention: Branch
+    mlp: Branch
+
+
+class _NotTheForm(Exception):
+    pass
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _self_attr(node: ast.AST) -> str | None:
+    """``x`` for ``self.x``, else None."""
+    if isinstance(node, ast.Attribute) and _is_name(node.value, "self"):
+        return node.attr
+    return None
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise _NotTheForm(what)
+
+
+class _Reader:
+    """Reads the statements of a layer's forward against the form of the module docstring."""
+
+    def __init__(self, body: list[ast.stmt], hidden: str) -> None:
+        self.body, self.i, self.h = body, 0, hidden
+
+    def _next(self) -> ast.stmt:
+        _expect(self.i < len(self.body), "the forward ends early")
+        self.i += 1
+        return self.body[self.i - 1]
+
+    def _peek(self) -> ast.stmt | None:
+        return self.body[self.i] if self.i < len(self.body) else None
+
+    def _unary(self, stmt: ast.stmt | None, var: str) -> str | None:
+        """``m`` where ``stmt`` is ``var = self.m(var)``."""
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and _is_name(stmt.targets[0], var)):
+            return None
+        call = stmt.value
+        if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
+            return None
+        return _self_attr(call.func) if _is_name(call.args[0], var) else None
+
+    def branch(self, attention: bool) -> Branch:
+        h = self.h
+        stmt = self._next()
+        _expect(
+            isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], "residual") and _is_name(stmt.value, h),
+            f"a branch that does not start with residual = {h}",
+        )
+        if not attention:
+            return self._mlp_branch()
+        pre = self._unary(self._peek(), h)
+        if pre is not None:
+            self.i += 1
+        out, outputs, module, keywords = self._call(self._next(), attention)
+        post = self._unary(self._peek(), out)
+        if post is not None:
+            self.i += 1
+        dropout, multiplier = self._residual(self._next(), out)
+        return Branch(module, pre, post, outputs, dropout, multiplier, keywords)
+
+    def _mlp_branch(self) -> Branch:
+        """``h = self.m(h)`` statements: the MLP (the one not named a norm) between at most one
+        norm before and one after; or a tuple-returning MLP call after at most one norm."""
+        h, calls = self.h, []
+        while (m := self._unary(self._peek(), h)) is not None:
+            calls.append(m)
+            self.i += 1
+        if len(calls) <= 1 and isinstance(self._peek(), ast.Assign) and isinstance(self._peek().targets[0], ast.Tuple):  # type: ignore[union-attr]
+            out, outputs, module, _ = self._call(self._next(), attention=False)
+            pre = calls[0] if calls else None
+            _expect(pre is None or "norm" in pre, f"{pre} before the MLP is not a norm")
+            post = self._unary(self._peek(), out)
+            self.i += post is not None
+        else:
+            mains = [i for i, m in enumerate(calls) if "norm" not in m]
+            _expect(len(mains) == 1 and len(calls) <= 3, f"the MLP branch calls {calls}: not one MLP between norms")
+            j = mains[0]
+            _expect(j <= 1 and len(calls) - j <= 2, f"the MLP branch calls {calls}: more than one norm on a side")
+            module, out, outputs = calls[j], h, 1
+            pre = calls[0] if j == 1 else None
+            post = calls[j + 1] if j + 1 < len(calls) else None
+        dropout, multiplier = self._residual(self._next(), out)
+        return Branch(module, pre, post, outputs, dropout, multiplier)
+
+    def _call(self, stmt: ast.stmt, attention: bool) -> tuple[str, int, str, tuple[str, ...]]:
+        _expect(isinstance(stmt, ast.Assign) and len(stmt.targets) == 1, "a branch's module is not called alone")
+        assert isinstance(stmt, ast.Assign)
+        target, call = stmt.targets[0], stmt.value
+        if isinstance(target, ast.Tuple):  # out, _ = ...: the first value taken, the others unused
+            names = [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
+            _expect(all(names) and not any(n in (self.h, "residual") for n in names[1:]), "a tuple output used")
+            out, outputs = names[0], len(names)
+        else:
+            _expect(isinstance(target, ast.Name), "a branch's output is not a name")
+            assert isinstance(target, ast.Name)
+            out, outputs = target.id, 1
+        _expect(isinstance(call, ast.Call) and _self_attr(call.func) is not None, "a branch's module is not self.<m>")
+        assert isinstance(call, ast.Call)
+        module = _self_attr(call.func) or ""
+        if not attention:
+            _expect(len(call.args) == 1 and _is_name(call.args[0], self.h) and not call.keywords, "the MLP's call")
+            return out, outputs, module, ()
+        _expect(not call.args, "attention called with positional arguments")
+        keywords = []
+        for kw in call.keywords:
+            if kw.arg is None:  # **kwargs: the layer's own, empty in the units' calls
+                _expect(_is_name(kw.value, "kwargs"), "attention given ** of something else")
+            elif kw.arg == "hidden_states":
+                _expect(_is_name(kw.value, self.h), "attention given another input")
+            else:
+                _expect(kw.arg in _ATTENTION_KEYWORDS and _is_name(kw.value, kw.arg), f"attention's {kw.arg}=")
+                keywords.append(kw.arg)
+        return out, outputs, module, tuple(keywords)
+
+    def _residual(self, stmt: ast.stmt, out: str) -> tuple[str | None, str | None]:
+        """(dropout, multiplier) of ``h = residual + <out>``, ``+ self.d(<out>)``, ``+ <out> * self.m``."""
+        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], self.h), "no residual add")
+        assert isinstance(stmt, ast.Assign)
+        add = stmt.value
+        _expect(
+            isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add) and _is_name(add.left, "residual"),
+            "a residual add of another form",
+        )
+        assert isinstance(add, ast.BinOp)
+        right = add.right
+        if _is_name(right, out):
+            return None, None
+        if isinstance(right, ast.Call) and len(right.args) == 1 and _is_name(right.args[0], out) and not right.keywords:
+            dropout = _self_attr(right.func)
+            _expect(dropout is not None, "a residual through a function")
+            return dropout, None
+        if isinstance(right, ast.BinOp) and isinstance(right.op, ast.Mult) and _is_name(right.left, out):
+            multiplier = _self_attr(right.right)
+            _expect(multiplier is not None, "a residual multiplied by something else")
+            return None, multiplier
+        raise _NotTheForm("a residual add of another form")
+
+
+def _body(fn: Any) -> tuple[list[ast.stmt], str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    func = tree.body[0]
+    assert isinstance(func, ast.FunctionDef)
+    body = list(func.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    args = [a.arg for a in func.args.args]
+    return body, (args[1] if len(args) > 1 else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(cls: type) -> Layout | str:
+    try:
+        body, hidden = _body(getattr(cls, "forward"))  # noqa: B009 (a class, not a module)
+    except (OSError, TypeError, SyntaxError, AssertionError):
+        return "its forward's source cannot be read"
+    try:
+        reader = _Reader(body, hidden)
+        attention = reader.branch(attention=True)
+        mlp = reader.branch(attention=False)
+        stmt = reader._next()
+        _expect(isinstance(stmt, ast.Return) and _is_name(stmt.value, hidden), "it returns something else")
+        _expect(reader._peek() is None, "statements after the return")
+    except _NotTheForm as e:
+        return f"its forward is not two residual branches (attention, then MLP) as sublayers.py cuts them: {e}"
+    return Layout(attention, mlp)
+
+
+def layout_of(layer: nn.Module) -> Layout | str:
+    """``layer``'s layout, or why its forward is not of the form this module cuts."""
+    return _layout(type(layer))
+
+
+def attention_keywords(mask: Any, position_ids: Any, rope: Any, cache: Any) -> dict[str, Any]:
+    """Every keyword a layer may pass its attention (``run_branch`` gives it those it does), as
+    the layer's forward has them when the model calls it (``use_cache``: with a cache)."""
+    return {
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "position_embeddings": rope,
+        "cache": cache,
+        "past_key_values": cache,
+        "use_cache": cache is not None,
+    }
+
+
+def run_branch(
+    layer: nn.Module, branch: Branch, h: torch.Tensor, modules: nn.Module, keywords: dict[str, Any] | None = None
+) -> torch.Tensor:
+    """``branch`` of ``layer`` on ``h``, calling the children held by ``modules`` (a unit's
+    shell of the layer's own modules) as the layer's forward does. Attention takes ``keywords``
+    (every one of ``_ATTENTION_KEYWORDS``; it is given those the layer passes it); the MLP, None."""
+    x = getattr(modules, branch.pre)(h) if branch.pre else h
+    fn = getattr(modules, branch.module)
+    if keywords is None:
+        out = fn(x)
+    else:
+        out = fn(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
+    if branch.outputs > 1:
+        out = out[0]
+    return finish(layer, branch, h, out, modules)
+
+
+def finish(layer: nn.Module, branch: Branch, h: torch.Tensor, out: torch.Tensor, modules: nn.Module) -> torch.Tensor:
+    """The end of ``branch`` after its module gave ``out``: its post-norm, then the residual add
+    (through its dropout, or times its multiplier)."""
+    if branch.post:
+        out = getattr(modules, branch.post)(out)
+    if branch.dropout:
+        return h + getattr(modules, branch.dropout)(out)
+    if branch.multiplier:
+        return h + out * getattr(layer, branch.multiplier)
+    return h + out
