@@ -88,6 +88,31 @@ def test_mixtral_and_olmoe_ranges_are_plain_pytorch_bit_for_bit(tmp_path, other_
     assert sum(b.kind.startswith("experts") for b in tr.model.blocks) == 2 * (parts - 1)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("parts,activations", [(3, "keep"), (5, "recompute")], ids=lambda v: str(v))
+def test_shared_experts_ranges_are_plain_pytorch_bit_for_bit(tmp_path, family, parts, activations):
+    """Qwen2-MoE (a shared expert before the router, gated by a sigmoid after the experts),
+    DeepSeek-V3 (latent attention, grouped routing, shared experts after them) and GLM-4.5 (its
+    block DeepSeek's): the shared experts in the first range, in the block's order, their output
+    carried to the last; a dense first layer where the config has one."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _cfg(tmp_path, str(tmp_path / "m"), parts, clip=0.0, activations=activations, keep_act_mib=64)
+    tr = _parity(cfg)
+    ranges = [b for b in tr.model.blocks if b.kind.startswith("experts")]
+    assert len(ranges) >= parts - 1 and ranges[0].in_width == 64
+    d, k = 64, tr.model.hf_config.num_experts_per_tok
+    assert ranges[1].in_width == (2 * k + 1) * d + 2 * k + d  # the shared experts' output carried
+    if parts == 3 and activations == "keep":  # generating too: latent attention's cache, shared experts
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+        hf.config.output_router_logits = False
+        prompts = [list(range(10, 30)), list(range(40, 52))]
+        cfg.data.micro_batch_size = 1
+        assert generate(cfg, prompts, Sampling(max_new_tokens=8), eos=()) == _hf_generate(hf, prompts, 8)
+
+
 def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path, other_dir):
     """Mixtral's router gives fp32 weights whatever the compute dtype: ranges would carry them
     rounded. Refused when asked for, and never offered by the planner (attention | MoE block is)."""

@@ -28,13 +28,19 @@ expert parameter is a parameter of its own, and the global norm sums over the ra
 that rounds otherwise (``CLIP_NORM_DEVIATION``), so the planner cuts experts only where it must
 and says so.
 
-Cut only where the layer's and the MoE block's ``forward`` are Qwen3-MoE's, OLMoE's or Mixtral's
-(without its jitter) and the experts run transformers' ``grouped_mm`` forward as this module
-replays it (checked on their source).
+Shared experts (``_forms``: Qwen2-MoE's gated one, DeepSeek-V3's) run in the first range, in
+their block's order around the router and the first range's experts (the order autograd sums
+the normed states' gradients in: a test pins it), and their output is carried to the last range
+(``d`` values a token more), which adds it as the block does.
+
+Cut only where the MoE block's ``forward`` is one of ``_forms`` (without Mixtral's jitter)
+and the experts run transformers' ``grouped_mm`` forward as this module replays it (checked
+on their source).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import textwrap
@@ -73,8 +79,11 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
 
     mlp = layer.mlp
     experts = mlp.experts
-    if _source(type(mlp).forward) not in _blocks():
-        return f"{type(mlp).__name__}'s forward is not Qwen3-MoE's, OLMoE's or Mixtral's (its router, then its experts)"
+    if form_of(mlp) is None:
+        return (
+            f"{type(mlp).__name__}'s forward is not one the ranges replay (Qwen3-MoE's, OLMoE's, Mixtral's: a router, "
+            "then the experts; DeepSeek-V3's and Qwen2-MoE's: with shared experts)"
+        )
     if getattr(mlp, "jitter_noise", 0):
         return f"{type(mlp).__name__}'s jitter_noise = {mlp.jitter_noise} (random in training; not replayed)"
     impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
@@ -101,19 +110,36 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     return ""
 
 
-def _blocks() -> set[str | None]:
-    """The MoE blocks' forwards the ranges replay: the router on the flattened normed states, then
-    the experts, reshaped back (Mixtral's adds a jitter, refused where on)."""
+# the MoE blocks' forms the ranges replay (``_forms``):
+PLAIN = "plain"  # the router, then the experts (Qwen3-MoE, OLMoE, Mixtral without jitter)
+SHARED = "shared"  # router, experts, then + shared_experts(x) (DeepSeek-V2/V3, GLM-4.5, dots.llm1)
+GATED = (
+    "gated shared"  # shared_expert(x) first, router, experts, then + sigmoid(shared_expert_gate(x)) * it (Qwen2-MoE)
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _forms() -> dict[str | None, str]:
+    """The forms of MoE blocks' forwards the ranges replay, by their source."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmoe import modeling_olmoe
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    blocks = (
-        modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
-        modeling_olmoe.OlmoeSparseMoeBlock,
-        modeling_mixtral.MixtralSparseMoeBlock,
-    )
-    return {_source(b.forward) for b in blocks} - {None}
+    forms: dict[Any, str] = {
+        modeling_qwen3_moe.Qwen3MoeSparseMoeBlock: PLAIN,
+        modeling_olmoe.OlmoeSparseMoeBlock: PLAIN,
+        modeling_mixtral.MixtralSparseMoeBlock: PLAIN,
+        modeling_deepseek_v3.DeepseekV3MoE: SHARED,
+        modeling_qwen2_moe.Qwen2MoeSparseMoeBlock: GATED,
+    }
+    return {_source(b.forward): form for b, form in forms.items() if _source(b.forward)}
+
+
+def form_of(mlp: nn.Module) -> str | None:
+    """The form of a MoE block (None: not one the ranges replay)."""
+    return _forms().get(_source(type(mlp).forward))
 
 
 GROUPED_MM_SHA = "54beecae8764c6e99e73d0a6c85f9120c9535d713647d099dd91da6c74e1f15e"  # transformers 5.24's
@@ -188,13 +214,18 @@ class ExpertRange(nn.Module):
                 if m:
                     setattr(self.layer, m, getattr(layer, m))
         self.layer.mlp = _Shell()
-        if k == 0:
+        self._form = form_of(mlp)
+        if k == 0:  # the router and the shared experts (their parameters in the first range)
             self.layer.mlp.gate = mlp.gate
+            for name in ("shared_experts", "shared_expert", "shared_expert_gate"):
+                if self._form != PLAIN and hasattr(mlp, name):
+                    setattr(self.layer.mlp, name, getattr(mlp, name))
         self.layer.mlp.experts = _Shell()
         setattr(self.layer.mlp.experts, f"range{k}", piece)
         object.__setattr__(self, "_piece", piece)
         d, kk = self._d, self._k
-        carried = (2 * kk + 1) * d + 2 * kk
+        self._shared = d if self._form != PLAIN else 0  # the shared experts' output, carried to the last range
+        carried = (2 * kk + 1) * d + 2 * kk + self._shared
         self.in_width = d if k == 0 else carried
 
     def example_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +238,8 @@ class ExpertRange(nn.Module):
         ids = torch.arange(B * T * k, device=x.device).remainder(e).to(x.dtype).view(B, T, k)
         weights = torch.full((B, T, k), 1.0 / k, dtype=x.dtype, device=x.device)
         sel = x.repeat_interleave(k, dim=-1)
-        return torch.cat([x, sel, weights, ids, torch.zeros_like(sel)], dim=-1)
+        shared = x[..., : self._shared]
+        return torch.cat([x, sel, weights, ids, torch.zeros_like(sel), shared], dim=-1)
 
     def record_slack(self, tokens: int, itemsize: int) -> int:
         """Bytes this range may save for its backward beyond one measured forward: its rows are
@@ -218,11 +250,43 @@ class ExpertRange(nn.Module):
 
     def _unpack(self, s: torch.Tensor):
         """(residual, gathered inputs, pairs' weights (expert order), expert ids (token order), pairs'
-        outputs (expert order)) of a carried tensor."""
+        outputs (expert order), the shared experts' output (``[B, T, d]``; empty: none)) of a
+        carried tensor."""
         d, k = self._d, self._k
-        cuts = [d, k * d, k, k, k * d]
-        h, sel, wg, ids, outs = torch.split(s, cuts, dim=-1)
-        return h, sel.reshape(-1, d), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d)
+        cuts = [d, k * d, k, k, k * d, self._shared]
+        h, sel, wg, ids, outs, shared = torch.split(s, cuts, dim=-1)
+        return h, sel.reshape(-1, d), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d), shared
+
+    def _route(self, h: torch.Tensor, dtype: torch.dtype):
+        """The block's start, in its forward's order: (the flattened normed states, routing
+        weights, expert ids, the shared experts' output so far). Only the first range."""
+        d, mlp = self._d, self.layer.mlp
+        x = getattr(self.layer, self._branch.pre)(h)
+        shared = None
+        if self._form == SHARED:  # the router takes the [B, T, d] states and flattens them itself
+            _, weights, index = mlp.gate(x)
+            xr = x.view(-1, d)
+        else:
+            xr = x.view(-1, d)
+            if self._form == GATED:
+                shared = mlp.shared_expert(xr)
+            _, weights, index = mlp.gate(xr)
+        if weights.dtype != dtype:  # Mixtral's and DeepSeek's are fp32 whatever the compute dtype
+            raise RuntimeError(
+                f"{type(mlp.gate).__name__} gives {weights.dtype} routing weights while the model "
+                f"computes in {dtype}: ranges of its experts would carry them rounded; train it in float32 "
+                "(train.param_dtype) or cut its layers into 2 (model.layer_pieces = 2)"
+            )
+        return x, xr, weights.reshape(-1), index.reshape(-1), shared
+
+    def _shared_end(self, x: torch.Tensor, xr: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The shared experts' part of the block, after the (first range's) experts, as the
+        block computes it: ``[B, T, d]``."""
+        mlp = self.layer.mlp
+        if self._form == SHARED:
+            return mlp.shared_experts(x)
+        assert shared is not None
+        return (torch.sigmoid(mlp.shared_expert_gate(xr)) * shared).view(x.shape)
 
     def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         no_cache(cache)
@@ -234,22 +298,13 @@ class ExpertRange(nn.Module):
             if s.dtype != torch.float32 and self._e > 256:
                 raise RuntimeError(f"expert ranges carry expert ids as {s.dtype} values: exact up to 256 experts")
             h = s
-            xr = getattr(self.layer, self._branch.pre)(h).view(-1, d)
-            _, top_k_weights, top_k_index = self.layer.mlp.gate(xr)
-            if top_k_weights.dtype != s.dtype:  # Mixtral's are fp32 whatever the compute dtype
-                raise RuntimeError(
-                    f"{type(self.layer.mlp.gate).__name__} gives {top_k_weights.dtype} routing weights while the model "
-                    f"computes in {s.dtype}: ranges of its experts would carry them rounded; train it in float32 "
-                    "(train.param_dtype) or cut its layers into 2 (model.layer_pieces = 2)"
-                )
-            sample_weights = top_k_weights.reshape(-1)
-            expert_ids = top_k_index.reshape(-1)
+            x, xr, sample_weights, expert_ids, shared = self._route(h, s.dtype)
             expert_ids_g, perm = torch.sort(expert_ids)
             sel = xr[perm // k]
             wg = sample_weights[perm]
             outs = torch.zeros_like(sel)
         else:
-            h, sel, wg, ids, outs = self._unpack(s)
+            h, sel, wg, ids, outs, shared = self._unpack(s)
             expert_ids = ids.detach().long()
             expert_ids_g, perm = torch.sort(expert_ids)  # the first range's order: a deterministic sort
             outs = outs.clone()
@@ -264,17 +319,21 @@ class ExpertRange(nn.Module):
             proj = experts._apply_gate(proj)
             proj = _grouped_linear(proj, self._piece.down_proj, offs)
             outs[start:stop] = proj * wg[start:stop].unsqueeze(-1)
+        if self.k == 0 and self._form != PLAIN:
+            shared = self._shared_end(x, xr, shared)
         if self.k == self.n - 1:  # the whole block's end: back to token order, the top-k sum, the residual
             inv_perm = torch.empty_like(perm)
             inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
             weighted_out = outs[inv_perm]
             final = weighted_out.view(B * T, k, d).sum(dim=1).to(h.dtype)
+            if self._form == GATED:  # the block adds its gated shared expert to the [T, d] sum
+                final = final + shared.reshape(B * T, d)
+            elif self._form == SHARED:  # ... its shared experts' to the [B, T, d] one
+                final = final.view(B, T, d) + shared
             return finish(self.whole, self._branch, h, final.reshape(B, T, d), self.layer)
         ids_out = expert_ids.to(s.dtype)
-        return torch.cat(
-            [h, sel.reshape(B, T, k * d), wg.reshape(B, T, k), ids_out.reshape(B, T, k), outs.reshape(B, T, k * d)],
-            dim=-1,
-        )
+        pieces = [h, sel.reshape(B, T, k * d), wg.reshape(B, T, k), ids_out.reshape(B, T, k), outs.reshape(B, T, k * d)]
+        return torch.cat([*pieces, shared] if self._form != PLAIN else pieces, dim=-1)
 
     def decode(self, s: torch.Tensor, masks: dict[str, Any], position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """Generation: as in training (no key/value cache here)."""
