@@ -1,7 +1,8 @@
 """Layer layouts read from each layer's own ``forward`` (``models/layouts.py``), and the layers
 of every layout cut into sub-layer units bit for bit: post-norm (OLMo 2), four norms (Gemma 2
 and 3, GLM-4), residual dropouts (Phi-3), residual multipliers (Granite, HyperCLOVA X), MLPs
-returning tuples (gpt-oss), a MoE block under another name (Granite-MoE)."""
+returning tuples (gpt-oss), a MoE block under another name (Granite-MoE), attention and MLP
+side by side (Cohere, Command R7B, Phi: the normed input carried to the MLP's unit)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def test_layouts_are_read_from_each_layers_forward():
     assert layout_of(_layer("gpt_oss", moe=True)).mlp == Branch("mlp", "post_attention_layernorm", None, 2)
     assert layout_of(_layer("granitemoe", moe=True)).mlp.module == "block_sparse_moe"
     assert layout_of(_layer("jetmoe", moe=True)).attention.module == "self_attention"
-    for family in ("cohere", "phi"):  # attention and MLP side by side on the same normed input
-        assert "not two residual branches" in layout_of(_layer(family))
+    cohere, phi = layout_of(_layer("cohere")), layout_of(_layer("phi"))  # side by side on one normed input
+    assert cohere.parallel == ("residual", "attention", "mlp") and phi.parallel == ("attention", "mlp", "residual")
+    assert phi.attention.dropout == phi.mlp.dropout == "resid_dropout" and phi.mlp.pre is None
+    assert "nor attention and MLP side by side" in layout_of(_layer("llama4_text", moe=True))
 
 
 def test_a_forward_of_another_form_is_refused_with_what_differs():
@@ -59,7 +62,8 @@ def test_a_forward_of_another_form_is_refused_with_what_differs():
 
 @pytest.mark.parametrize(
     "family,parts",
-    [("olmo2", 2), ("gemma2", 4), ("gemma3_text", 3), ("phi3", 2), ("granite", 4), ("glm4", 2), ("hyperclovax", 3)],
+    [("olmo2", 2), ("gemma2", 4), ("gemma3_text", 3), ("phi3", 2), ("granite", 4), ("glm4", 2), ("hyperclovax", 3)]
+    + [("cohere", 2), ("cohere2", 2), ("phi", 2)],
 )
 def test_layers_of_every_layout_cut_are_plain_pytorch_bit_for_bit(tmp_path, family, parts):
     """Losses and weights after 3 steps with clipping, 2 micro-batches, the windows in play."""
@@ -86,7 +90,7 @@ def test_mixtures_of_experts_of_other_forms_cut_in_two_are_plain_pytorch(tmp_pat
     assert tr.model.block_layers[:4] == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("family,parts", [("gemma3_text", 4), ("olmo2", 2)])
+@pytest.mark.parametrize("family,parts", [("gemma3_text", 4), ("olmo2", 2), ("cohere2", 2)])
 def test_greedy_generation_of_cut_layouts_is_transformers_generate(tmp_path, family, parts):
     """Gemma 3: a sliding layer and a full one, each with its rotary table, four norms; OLMo 2:
     the norms after attention and MLP. Prompts past the 8-token window."""
@@ -102,8 +106,8 @@ def test_greedy_generation_of_cut_layouts_is_transformers_generate(tmp_path, fam
     [
         ("olmo2", 3, "Olmo2DecoderLayer's MLP takes the residual stream with no norm before it: cut it into 2"),
         ("glm4", 3, "Glm4MLP is not the Llama MLP"),
-        ("cohere", 2, r"CohereDecoderLayer: its forward is not two residual branches .*no residual add"),
-        ("phi", 2, "PhiDecoderLayer: its forward is not two residual branches"),
+        ("cohere", 3, "CohereDecoderLayer runs attention and MLP side by side: cut it into 2 pieces"),
+        ("stablelm", 2, r"StableLmDecoderLayer: its forward is not two residual branches .*nor attention and MLP"),
     ],
 )
 def test_layers_that_cannot_be_cut_exactly_name_why(tmp_path, family, parts, why):

@@ -19,7 +19,9 @@ That covers the pre-norm Llama layer and its copies (Mistral, Qwen2 and 3, Gemma
 of experts built on it), the post-norm OLMo 2 (and EXAONE 4, OLMo 3, FlexOlmo), Gemma 2 and 3
 and GLM-4 (four norms), Phi-3 (residual dropouts), Granite and MiniCPM3 (residual
 multipliers), HyperCLOVA X, Apertus, Nemotron, gpt-oss and JetMoE (modules returning tuples).
-Anything else (parallel attention and MLP, branches inside the forward) is refused by name.
+Attention and MLP side by side on one normed input, their outputs added to the residual in
+some order (Cohere, Command R7B, Phi), are read as ``Layout.parallel``. Anything else
+(branches inside the forward: StableLM, Llama 4) is refused by name.
 A unit replaying a branch makes the same calls in the same order, so it computes the whole
 layer's values and gradients bit for bit (``tests/test_layouts.py``).
 """
@@ -36,7 +38,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Branch", "Layout", "layout_of", "run_branch", "finish", "attention_keywords"]
+__all__ = [
+    "Branch",
+    "Layout",
+    "layout_of",
+    "run_branch",
+    "finish",
+    "attention_keywords",
+    "parallel_attention",
+    "parallel_mlp",
+]
 
 # the keywords a layer may pass its attention, each as the same-named argument of its forward
 _ATTENTION_KEYWORDS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "position_embeddings")
@@ -68,10 +79,14 @@ class Branch:
 
 @dataclass(frozen=True)
 class Layout:
-    """A layer's two branches, in forward order."""
+    """A layer's two branches, in forward order. ``parallel``: None where the MLP's branch takes
+    the attention branch's output; else attention and MLP side by side on the attention's
+    normed input (``mlp.pre`` None), their outputs added to the residual in this order of
+    ``"residual"``, ``"attention"``, ``"mlp"`` (Cohere, Phi)."""
 
     attention: Branch
     mlp: Branch
+    parallel: tuple[str, ...] | None = None
 
 
 class _NotTheForm(Exception):
@@ -99,6 +114,11 @@ class _Reader:
 
     def __init__(self, body: list[ast.stmt], hidden: str) -> None:
         self.body, self.i, self.h = body, 0, hidden
+
+    def end(self) -> None:
+        stmt = self._next()
+        _expect(isinstance(stmt, ast.Return) and _is_name(stmt.value, self.h), "it returns something else")
+        _expect(self._peek() is None, "statements after the return")
 
     def _next(self) -> ast.stmt:
         _expect(self.i < len(self.body), "the forward ends early")
@@ -159,6 +179,47 @@ class _Reader:
             post = calls[j + 1] if j + 1 < len(calls) else None
         dropout, multiplier = self._residual(self._next(), out)
         return Branch(module, pre, post, outputs, dropout, multiplier)
+
+    def parallel(self) -> Layout:
+        """The side-by-side form: ``residual = h; h = self.norm(h); a, _ = self.attn(...);
+        [a = self.drop(a)]; m = [self.drop(]self.mlp(h)[)]; h = <residual, a, m added>``."""
+        h = self.h
+        stmt = self._next()
+        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], "residual"), "no residual = first")
+        pre = self._unary(self._next(), h)
+        _expect(pre is not None, "no norm first")
+        a, outputs, attention, keywords = self._call(self._next(), attention=True)
+        a_drop = self._unary(self._peek(), a)
+        self.i += a_drop is not None
+        stmt = self._next()
+        _expect(isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name), "no MLP output")
+        assert isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+        m, call, m_drop = stmt.targets[0].id, stmt.value, None
+        if isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Call):
+            m_drop, call = _self_attr(call.func), call.args[0]  # self.drop(self.mlp(h))
+            _expect(m_drop is not None, "the MLP's output through a function")
+        _expect(isinstance(call, ast.Call) and len(call.args) == 1 and _is_name(call.args[0], h), "the MLP's call")
+        assert isinstance(call, ast.Call)
+        mlp = _self_attr(call.func)
+        _expect(mlp is not None and not call.keywords, "the MLP is not self.<m>(h)")
+        stmt = self._next()
+        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], h), "no sum")
+        assert isinstance(stmt, ast.Assign)
+        terms: list[str] = []
+        node = stmt.value
+        while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.right, ast.Name):
+            terms.insert(0, node.right.id)
+            node = node.left
+        _expect(isinstance(node, ast.Name), "a sum of another form")
+        assert isinstance(node, ast.Name)
+        terms.insert(0, node.id)
+        names = {"residual": "residual", a: "attention", m: "mlp"}
+        _expect(sorted(terms) == sorted(names), "a sum of other terms")
+        return Layout(
+            Branch(attention, pre, None, outputs, a_drop, None, keywords),
+            Branch(mlp or "", None, None, 1, m_drop),
+            tuple(names[t] for t in terms),
+        )
 
     def _call(self, stmt: ast.stmt, attention: bool) -> tuple[str, int, str, tuple[str, ...]]:
         _expect(isinstance(stmt, ast.Assign) and len(stmt.targets) == 1, "a branch's module is not called alone")
@@ -233,14 +294,22 @@ def _layout(cls: type) -> Layout | str:
         return "its forward's source cannot be read"
     try:
         reader = _Reader(body, hidden)
-        attention = reader.branch(attention=True)
-        mlp = reader.branch(attention=False)
-        stmt = reader._next()
-        _expect(isinstance(stmt, ast.Return) and _is_name(stmt.value, hidden), "it returns something else")
-        _expect(reader._peek() is None, "statements after the return")
+        layout = Layout(reader.branch(attention=True), reader.branch(attention=False))
+        reader.end()
+        return layout
     except _NotTheForm as e:
-        return f"its forward is not two residual branches (attention, then MLP) as sublayers.py cuts them: {e}"
-    return Layout(attention, mlp)
+        why = str(e)
+    try:
+        reader = _Reader(body, hidden)
+        layout = reader.parallel()
+        reader.end()
+        return layout
+    except _NotTheForm:
+        pass
+    return (
+        f"its forward is not two residual branches (attention, then MLP), nor attention and MLP side by side, "
+        f"as sublayers.py cuts them: {why}"
+    )
 
 
 def layout_of(layer: nn.Module) -> Layout | str:
@@ -288,3 +357,30 @@ def finish(layer: nn.Module, branch: Branch, h: torch.Tensor, out: torch.Tensor,
     if branch.multiplier:
         return h + out * getattr(layer, branch.multiplier)
     return h + out
+
+
+def parallel_attention(layout: Layout, h: torch.Tensor, modules: nn.Module, keywords: dict[str, Any]) -> torch.Tensor:
+    """The first unit of a side-by-side layer: ``[h, x, a]`` (the residual, the normed input
+    the MLP takes too, the attention's output through its dropout), concatenated."""
+    branch = layout.attention
+    x = getattr(modules, branch.pre)(h)
+    a = getattr(modules, branch.module)(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
+    a = a[0] if branch.outputs > 1 else a
+    if branch.dropout:
+        a = getattr(modules, branch.dropout)(a)
+    return torch.cat([h, x, a], dim=-1)
+
+
+def parallel_mlp(layout: Layout, s: torch.Tensor, modules: nn.Module) -> torch.Tensor:
+    """The second: the MLP on ``x``, then the three terms added in the layer's order."""
+    h, x, a = s.chunk(3, dim=-1)
+    branch = layout.mlp
+    m = getattr(modules, branch.module)(x)
+    if branch.dropout:
+        m = getattr(modules, branch.dropout)(m)
+    terms = {"residual": h, "attention": a, "mlp": m}
+    order = layout.parallel or ()
+    out = terms[order[0]]
+    for name in order[1:]:
+        out = out + terms[name]
+    return out

@@ -39,7 +39,7 @@ import torch.nn as nn
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
 from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
-from .layouts import Layout, attention_keywords, finish, layout_of, run_branch
+from .layouts import Layout, attention_keywords, finish, layout_of, parallel_attention, parallel_mlp, run_branch
 
 __all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "SubLayer"]
 
@@ -91,6 +91,8 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
             return f"{parts} pieces (a dense layer cuts into 2, 3 or 4)"
         if parts == 2:
             continue
+        if layout.parallel:
+            return f"{name} runs attention and MLP side by side: cut it into 2 pieces"
         mlp = getattr(layer, branch.module)
         if (
             branch.module != "mlp"
@@ -190,7 +192,8 @@ class SubLayer(nn.Module):
         if kind in ("gate_up", "up"):
             object.__setattr__(self, "_act", layer.mlp.act_fn)
         d, f = hidden, ff
-        self.in_width = {"attention": d, "mlp": d, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
+        mlp_in = 3 * d if layout.parallel else d  # side by side: the residual, the normed input, attention's output
+        self.in_width = {"attention": d, "mlp": mlp_in, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
 
     def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         no_cache(cache)
@@ -201,10 +204,15 @@ class SubLayer(nn.Module):
 
     def _attention(self, h: torch.Tensor, mask, pos, rope, cache) -> torch.Tensor:
         """The layer's forward up to its first residual add, attention given what the layer gives it."""
-        return run_branch(self.whole, self._layout.attention, h, self.layer, attention_keywords(mask, pos, rope, cache))
+        keywords = attention_keywords(mask, pos, rope, cache)
+        if self._layout.parallel:
+            return parallel_attention(self._layout, h, self.layer, keywords)
+        return run_branch(self.whole, self._layout.attention, h, self.layer, keywords)
 
     def _mlp(self, s: torch.Tensor) -> torch.Tensor:
         layer, d, branch = self.layer, self._d, self._layout.mlp
+        if self.kind == "mlp" and self._layout.parallel:
+            return parallel_mlp(self._layout, s, layer)
         if self.kind == "mlp":
             return run_branch(self.whole, branch, s, layer)
         if self.kind == "gate_up":  # the MLP's order: gate, act, up, product
