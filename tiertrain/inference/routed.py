@@ -6,7 +6,8 @@ no token of the pass reaches need not be read at all. With ``io.weights = "tier"
 converted copy, one file in the runtime's flat layout, where expert ``e`` of a parameter
 ``[E, ...]`` is one contiguous range) a block's unit is read without its experts' ranges
 (``RoutedReads.load``); a forward pre-hook on each experts module (transformers' experts
-modules take the routing as ``top_k_index`` or ``router_indices``) reads the experts the
+modules take the routing as ``top_k_index`` or ``router_indices``; so do the ranges of experts
+of a cut layer, ``models/experts_cut.py``, numbering their own from 0) reads the experts the
 micro-batch's routing names and this unit's slot does not hold yet, before they compute. An
 expert read once stays for the rest of the unit's residency (the other micro-batches of the
 pass); a unit read again starts with none.

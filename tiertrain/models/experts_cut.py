@@ -170,6 +170,25 @@ class _Shell(nn.Module):
     pass
 
 
+class _RangeExperts(nn.Module):
+    """A range's experts: its rows of the layer's ``gate_up_proj`` and ``down_proj`` (set by
+    ``ExpertRange``). It takes the routing as ``top_k_index`` (the pairs' experts, numbered within
+    the range), as transformers' experts modules do, so that a forward-only run's routed reads
+    (``inference/routed.py``) read the experts it names alone."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, offsets: torch.Tensor, experts: Any) -> torch.Tensor:
+        """The products of ``x`` (the pairs' inputs, sorted by expert; ``offsets``: each
+        expert's end among them) with their experts, group by group as the whole layer's."""
+        from transformers.integrations.moe import _grouped_linear
+
+        proj = _grouped_linear(x, self.gate_up_proj, offsets)
+        proj = experts._apply_gate(proj)
+        return _grouped_linear(proj, self.down_proj, offsets)
+
+
 class ExpertRange(nn.Module):
     """Experts ``[lo, hi)`` of decoder layer ``layer_index``, the ``k``-th of ``n`` ranges,
     their parameters row ranges of the layer's expert parameters (``model.row_pieces``).
@@ -194,7 +213,7 @@ class ExpertRange(nn.Module):
         object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order)
         object.__setattr__(self, "_experts", experts)  # its activation and gate function
         self._d, self._k, self._e = experts.hidden_dim, mlp.gate.top_k, experts.num_experts
-        piece = _Shell()
+        piece = _RangeExperts()
         for attr in ("gate_up_proj", "down_proj"):
             whole = getattr(experts, attr)
             p = nn.Parameter(torch.empty((hi - lo, *whole.shape[1:]), device="meta"), whole.requires_grad)
@@ -290,8 +309,6 @@ class ExpertRange(nn.Module):
 
     def forward(self, s: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
         no_cache(cache)
-        from transformers.integrations.moe import _grouped_linear
-
         d, k, experts = self._d, self._k, self._experts
         B, T = s.shape[:2]
         if self.k == 0:  # the MoE block's start: the norm, the router, every pair's input gathered
@@ -315,9 +332,8 @@ class ExpertRange(nn.Module):
         stop = int(offsets[self.hi - 1])
         if stop > start:
             offs = offsets[self.lo : self.hi] - start
-            proj = _grouped_linear(sel[start:stop], self._piece.gate_up_proj, offs)
-            proj = experts._apply_gate(proj)
-            proj = _grouped_linear(proj, self._piece.down_proj, offs)
+            local = expert_ids_g[start:stop] - self.lo
+            proj = self._piece(sel[start:stop], top_k_index=local, offsets=offs, experts=experts)
             outs[start:stop] = proj * wg[start:stop].unsqueeze(-1)
         if self.k == 0 and self._form != PLAIN:
             shared = self._shared_end(x, xr, shared)
