@@ -169,9 +169,7 @@ def test_eval_with_routed_reads_is_transformers_forward_loss(tmp_path, wide_moe,
     from tiertrain.data import EvalSet
     from tiertrain.inference.evaluate import evaluate
 
-    family, path, hf = wide_moe
-    if parts and family == "gpt_oss":
-        pytest.skip("gpt-oss's experts are not replayed in ranges")
+    _, path, hf = wide_moe
     text = tmp_path / "held_out.txt"
     text.write_text("".join(f"{i} held-out words, {i * 7 % 5} of them.\n" for i in range(40)))
     cfg = _cfg(tmp_path, path, 0)
@@ -221,11 +219,9 @@ def test_routed_reads_off_read_whole_blocks_ahead(tmp_path, wide_moe, reads, cap
 
 def test_ranges_of_experts_read_the_reached_experts_only(tmp_path, wide_moe, reads):
     """Layers cut into attention and 2 ranges of 8 experts (``model.layer_pieces = 3``): each
-    range reads the experts of its own that the routing reaches, nothing else of its rows; the
-    tokens are transformers' (gpt-oss's experts cut into 2 only: refused in ranges)."""
-    family, path, hf = wide_moe
-    if family == "gpt_oss":
-        pytest.skip("gpt-oss's experts are not replayed in ranges")
+    range reads the experts of its own that the routing reaches (gpt-oss: their biases' rows
+    too), nothing else of its rows; the tokens are transformers'."""
+    _, path, hf = wide_moe
     cfg = _cfg(tmp_path, path, 0)
     cfg.model.layer_pieces = 3
     assert generate(cfg, PROMPTS, Sampling(max_new_tokens=10), eos=()) == _hf_generate(hf, PROMPTS, 10)

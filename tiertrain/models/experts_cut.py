@@ -33,6 +33,9 @@ their block's order around the router and the first range's experts (the order a
 the normed states' gradients in: a test pins it), and their output is carried to the last range
 (``d`` values a token more), which adds it as the block does.
 
+gpt-oss's experts add a bias per pair (its rows gathered by the pairs' experts before each
+product, as the whole gathers them) and keep their weights transposed: replayed too.
+
 Cut only where the MoE block's ``forward`` is one of ``_forms`` (without Mixtral's jitter)
 and the experts run transformers' ``grouped_mm`` forward as this module replays it (checked
 on their source).
@@ -43,6 +46,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import re
 import textwrap
 from typing import Any
 
@@ -98,20 +102,27 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
             "(transformers 5.24's)"
         )
     if dtype is not None and dtype != torch.float32:
-        if ".to(router_logits.dtype)" not in (_source(type(mlp.gate).forward) or ""):
-            return f"{type(mlp.gate).__name__} gives float32 routing weights while the model computes in {dtype}: train it in float32"
+        src = _source(type(_router(mlp)).forward) or ""
+        # routing weights in float32 (softmax in float, DeepSeek's scores of float32 logits) unless cast back
+        if re.search(r"torch\.float\b|torch\.float32|\.float\(\)", src) and ".to(router_logits.dtype)" not in src:
+            return (
+                f"{type(_router(mlp)).__name__} gives float32 routing weights while the model computes in {dtype}: "
+                "train it in float32"
+            )
         most = 256 if dtype == torch.bfloat16 else 2048  # integers a 16-bit float holds exactly
         if experts.num_experts > most:
             return f"{experts.num_experts} experts: their ids are carried as {dtype} values, exact up to {most}"
-    if getattr(experts, "has_bias", False) or not getattr(experts, "has_gate", True):
-        return f"{type(experts).__name__} has biases or no gate (not replayed)"
-    if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "is_transposed", False):
-        return f"{type(experts).__name__} has a post-expert norm or transposed weights (not replayed)"
+    if not getattr(experts, "has_gate", True) or getattr(experts, "_is_expert_parallel", False):
+        return f"{type(experts).__name__} has no gate or runs expert-parallel (not replayed)"
+    if getattr(experts, "has_post_expert_norm", False):
+        return f"{type(experts).__name__} has a post-expert norm (not replayed)"
+    if getattr(experts, "has_bias", False) != all(getattr(experts, a, None) is not None for a in _ATTRS):
+        return f"{type(experts).__name__}'s biases are not gate_up_proj_bias and down_proj_bias"
     return ""
 
 
 # the MoE blocks' forms the ranges replay (``_forms``):
-PLAIN = "plain"  # the router, then the experts (Qwen3-MoE, OLMoE, Mixtral without jitter)
+PLAIN = "plain"  # the router, then the experts (Qwen3-MoE, OLMoE, Mixtral without jitter, gpt-oss)
 SHARED = "shared"  # router, experts, then + shared_experts(x) (DeepSeek-V2/V3, GLM-4.5, dots.llm1)
 GATED = (
     "gated shared"  # shared_expert(x) first, router, experts, then + sigmoid(shared_expert_gate(x)) * it (Qwen2-MoE)
@@ -122,6 +133,7 @@ GATED = (
 def _forms() -> dict[str | None, str]:
     """The forms of MoE blocks' forwards the ranges replay, by their source."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmoe import modeling_olmoe
     from transformers.models.qwen2_moe import modeling_qwen2_moe
@@ -131,6 +143,7 @@ def _forms() -> dict[str | None, str]:
         modeling_qwen3_moe.Qwen3MoeSparseMoeBlock: PLAIN,
         modeling_olmoe.OlmoeSparseMoeBlock: PLAIN,
         modeling_mixtral.MixtralSparseMoeBlock: PLAIN,
+        modeling_gpt_oss.GptOssMLP: PLAIN,  # its router's attribute is router; (states, scores) returned
         modeling_deepseek_v3.DeepseekV3MoE: SHARED,
         modeling_qwen2_moe.Qwen2MoeSparseMoeBlock: GATED,
     }
@@ -170,6 +183,14 @@ class _Shell(nn.Module):
     pass
 
 
+_ATTRS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # the experts' parameters cut
+_ROUTERS = ("gate", "router")  # a MoE block's router, by its attribute (gpt-oss: router)
+
+
+def _router(mlp: nn.Module) -> Any:
+    return getattr(mlp, _ROUTERS[0], None) or getattr(mlp, _ROUTERS[1])
+
+
 class _RangeExperts(nn.Module):
     """A range's experts: its rows of the layer's ``gate_up_proj`` and ``down_proj`` (set by
     ``ExpertRange``). It takes the routing as ``top_k_index`` (the pairs' experts, numbered within
@@ -178,15 +199,26 @@ class _RangeExperts(nn.Module):
 
     gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
+    gate_up_proj_bias: nn.Parameter | None  # gpt-oss's; None: no biases
+    down_proj_bias: nn.Parameter | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("gate_up_proj_bias", None)
+        self.register_parameter("down_proj_bias", None)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, offsets: torch.Tensor, experts: Any) -> torch.Tensor:
         """The products of ``x`` (the pairs' inputs, sorted by expert; ``offsets``: each
-        expert's end among them) with their experts, group by group as the whole layer's."""
+        expert's end among them) with their experts, group by group as the whole layer's (each
+        pair's bias rows gathered before its product, as the whole gathers them)."""
         from transformers.integrations.moe import _grouped_linear
 
-        proj = _grouped_linear(x, self.gate_up_proj, offsets)
+        t = bool(getattr(experts, "is_transposed", False))
+        bias = self.gate_up_proj_bias[top_k_index] if self.gate_up_proj_bias is not None else None
+        proj = _grouped_linear(x, self.gate_up_proj, offsets, bias=bias, is_transposed=t)
         proj = experts._apply_gate(proj)
-        return _grouped_linear(proj, self.down_proj, offsets)
+        bias = self.down_proj_bias[top_k_index] if self.down_proj_bias is not None else None
+        return _grouped_linear(proj, self.down_proj, offsets, bias=bias, is_transposed=t)
 
 
 class ExpertRange(nn.Module):
@@ -212,10 +244,14 @@ class ExpertRange(nn.Module):
         )
         object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order)
         object.__setattr__(self, "_experts", experts)  # its activation and gate function
-        self._d, self._k, self._e = experts.hidden_dim, mlp.gate.top_k, experts.num_experts
+        router = _router(mlp)
+        self._d = getattr(experts, "hidden_dim", None) or experts.hidden_size
+        self._k, self._e = router.top_k, experts.num_experts
         piece = _RangeExperts()
-        for attr in ("gate_up_proj", "down_proj"):
-            whole = getattr(experts, attr)
+        for attr in _ATTRS:
+            whole = getattr(experts, attr, None)
+            if whole is None:
+                continue
             p = nn.Parameter(torch.empty((hi - lo, *whole.shape[1:]), device="meta"), whole.requires_grad)
             setattr(piece, attr, p)
             model.row_pieces[f"blocks.{layer_index}.layer.mlp.experts.range{k}.{attr}"] = RowPiece(
@@ -235,7 +271,7 @@ class ExpertRange(nn.Module):
         self.layer.mlp = _Shell()
         self._form = form_of(mlp)
         if k == 0:  # the router and the shared experts (their parameters in the first range)
-            self.layer.mlp.gate = mlp.gate
+            setattr(self.layer.mlp, _ROUTERS[0] if hasattr(mlp, _ROUTERS[0]) else _ROUTERS[1], router)
             for name in ("shared_experts", "shared_expert", "shared_expert_gate"):
                 if self._form != PLAIN and hasattr(mlp, name):
                     setattr(self.layer.mlp, name, getattr(mlp, name))
@@ -280,19 +316,20 @@ class ExpertRange(nn.Module):
         """The block's start, in its forward's order: (the flattened normed states, routing
         weights, expert ids, the shared experts' output so far). Only the first range."""
         d, mlp = self._d, self.layer.mlp
+        gate = _router(mlp)
         x = getattr(self.layer, self._branch.pre)(h)
         shared = None
         if self._form == SHARED:  # the router takes the [B, T, d] states and flattens them itself
-            _, weights, index = mlp.gate(x)
+            _, weights, index = gate(x)
             xr = x.view(-1, d)
         else:
             xr = x.view(-1, d)
             if self._form == GATED:
                 shared = mlp.shared_expert(xr)
-            _, weights, index = mlp.gate(xr)
+            _, weights, index = gate(xr)
         if weights.dtype != dtype:  # Mixtral's and DeepSeek's are fp32 whatever the compute dtype
             raise RuntimeError(
-                f"{type(mlp.gate).__name__} gives {weights.dtype} routing weights while the model "
+                f"{type(gate).__name__} gives {weights.dtype} routing weights while the model "
                 f"computes in {dtype}: ranges of its experts would carry them rounded; train it in float32 "
                 "(train.param_dtype) or cut its layers into 2 (model.layer_pieces = 2)"
             )

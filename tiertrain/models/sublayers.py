@@ -110,8 +110,9 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
 
 def _plain_mlp_branch(name: str, branch: Any) -> str:
     """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): a
-    pre-norm, the block ``mlp`` returning a tensor (post-norm and residual add: any)."""
-    if branch.module != "mlp" or branch.outputs != 1 or branch.pre is None:
+    pre-norm, the block ``mlp`` (its first output the states: gpt-oss's returns its scores too;
+    post-norm and residual add: any)."""
+    if branch.module != "mlp" or branch.pre is None:
         return f"{name}'s MoE branch is not a pre-norm, then the block as mlp (expert ranges replay that)"
     return ""
 
