@@ -1,7 +1,8 @@
-"""Sub-layer units: pools, peak memory, bytes and step time of a Llama cut into 1, 2, 3 and 4
+"""Sub-layer units: pools, peak memory, bytes and step time of a model cut into 1, 2, 3 and 4
 units a layer (``model.layer_pieces``), from the same weights.
 
-A Llama with a wide MLP (ff = 4 x width), states on the storage tier, hidden states spilled:
+A Llama (or, with ``--family``, a transformers model of that family, its weights written by
+``save_pretrained``) with a wide MLP (ff = 4 x width), states on the storage tier, hidden states spilled:
 whole, a block is the largest unit and sizes every slot and gradient buffer; cut, a piece does,
 and the stash holds the wider tensors handed between the MLP's pieces. Each setting runs in its
 own process (peak RSS is the process's): the largest unit, the fixed pools, peak RSS, seconds
@@ -9,7 +10,7 @@ per step, bytes read and written per step (against the cost model's count, less 
 the overlapped update handed to the next forward in memory), and the losses,
 which must be equal bit for bit.
 
-Usage: python bench/layer_pieces.py [--steps 3] [--d-model 1536] [--layers 6] [--out FILE]
+Usage: python bench/layer_pieces.py [--family gemma2] [--steps 3] [--d-model 1536] [--layers 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 
+from tiertrain.bench.children import hf_model, initial_weights, run_child
 from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
 MIB = 1 << 20
@@ -40,12 +41,19 @@ def run_one(args) -> dict:
         f"--io.paths={args.scratch}",
         f"--train.run_dir={args.scratch}/run",
         "--model.kind=llama",
-        f"--model.d_model={args.d_model}",
-        f"--model.n_layers={args.layers}",
-        f"--model.n_heads={args.d_model // 64}",
-        f"--model.d_ff={4 * args.d_model}",
-        "--model.vocab_size=4096",
-        "--model.max_seq_len=256",
+        *(
+            [f"--model.hf_dir={args.init}"]
+            if args.family != "llama"
+            else [
+                f"--model.d_model={args.d_model}",
+                f"--model.n_layers={args.layers}",
+                f"--model.n_heads={args.d_model // 64}",
+                f"--model.d_ff={4 * args.d_model}",
+                "--model.vocab_size=4096",
+                "--model.max_seq_len=256",
+                f"--model.init_from={args.init}",
+            ]
+        ),
         "--data.seq_len=256",
         "--data.micro_batch_size=2",
         "--data.micro_batches=2",
@@ -58,8 +66,6 @@ def run_one(args) -> dict:
         "--memory.activations=recompute",
     ]
     flags.append(f"--model.layer_pieces={args.pieces}")
-    if args.init:
-        flags.append(f"--model.init_from={args.init}")
     cfg = load_config(None, flags)
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
@@ -67,6 +73,7 @@ def run_one(args) -> dict:
         t = run_traffic(tr, kept=0)
         return dict(
             pieces=tr.model.layer_parts,
+            model=type(tr.model.hf_model).__name__ if getattr(tr.model, "hf_model", None) is not None else "Llama",
             largest_unit=tr.layout.max_unit_numel,
             n_params=tr.layout.n_params,
             pools=sum(tr.budget.fixed.values()),
@@ -83,6 +90,7 @@ def run_one(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="llama", help="llama (built in), or a transformers model type: gemma2, ...")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=6)
@@ -100,61 +108,48 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(args.scratch, "layers") as top:
         init = write_init(args, top)  # every setting starts from these weights
         for pieces in (1, 2, 3, 4):
-            rows[f"layer_pieces = {pieces}"] = run_child(args, f"layer_pieces = {pieces}", pieces, init, top)
+            rows[f"layer_pieces = {pieces}"] = _child(args, f"layer_pieces = {pieces}", pieces, init, top)
     report(args, rows, out)
     return 0
 
 
 def write_init(args, top: str) -> str:
-    """The whole model's seeded initial weights in one safetensors file."""
-    import torch
-    from safetensors.torch import save_file
-
+    """Every setting's initial weights: the built-in Llama's, seeded, in one safetensors file;
+    or a transformers model of ``--family`` written by ``save_pretrained`` (its directory)."""
+    d = args.d_model
+    if args.family != "llama":
+        heads = d // 64
+        return hf_model(
+            args.family,
+            os.path.join(top, "hf"),
+            hidden_size=d,
+            intermediate_size=4 * d,
+            num_hidden_layers=args.layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=64,
+            vocab_size=4096,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
     from tiertrain.config import ModelConfig
-    from tiertrain.models import build_model, random_source
 
     mc = ModelConfig(
-        kind="llama",
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.d_model // 64,
-        d_ff=4 * args.d_model,
-        vocab_size=4096,
-        max_seq_len=256,
+        kind="llama", d_model=d, n_layers=args.layers, n_heads=d // 64, d_ff=4 * d, vocab_size=4096, max_seq_len=256
     )
-    model, _ = build_model(mc, param_dtype=torch.float32, seed=0)
-    src, tensors = random_source(model, 0), {}
-    from tiertrain.models import unit_param_names
-
-    for u, own in enumerate(unit_param_names(model)):
-        tensors.update(src.load(u, [n for n, _ in own]))
-    path = os.path.join(top, "init.safetensors")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-    return path
+    return initial_weights(mc, os.path.join(top, "init.safetensors"))
 
 
-def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
-    with scratch_dir(top, "child") as scratch:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            f"--steps={args.steps}",
-            f"--d-model={args.d_model}",
-            f"--layers={args.layers}",
-            f"--scratch={scratch}",
-            f"--init={init}",
-        ] + ([f"--pieces={pieces}"] if pieces else [])
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def _child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
+    flags = [f"--family={args.family}", f"--steps={args.steps}", f"--d-model={args.d_model}"]
+    flags += [f"--layers={args.layers}", f"--init={init}"] + ([f"--pieces={pieces}"] if pieces else [])
+    return run_child(__file__, label, flags, top)
 
 
 def report(args, rows: dict, out: str | None) -> None:
     first = next(iter(rows.values()))
     lines = [
-        f"# Sub-layer units: a {first['n_params'] / 1e6:.0f} M-parameter Llama, width {args.d_model}, "
+        f"# Sub-layer units: a {first['n_params'] / 1e6:.0f} M-parameter {first['model']}, width {args.d_model}, "
         f"ff {4 * args.d_model}, {args.layers} layers",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores; fp32 on CPU, every state on the storage tier "

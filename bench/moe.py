@@ -1,7 +1,7 @@
 """A mixture of experts trained by tiertrain within a fraction of plain PyTorch's memory, against
 plain PyTorch in memory (``vs_plain.py``'s run, on a transformers MoE config).
 
-The model: a transformers config of the chosen family (Qwen3-MoE, Mixtral, OLMoE, ...) at the
+The model: a transformers config of the chosen family (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) at the
 given shape, with the routers' auxiliary loss on (``output_router_logits``, coefficient 0.01 as
 Mixtral's and Qwen3-MoE's configs default to), random weights (the reference's initialisation,
 seed 0) written once and read by both systems. Everything else is ``vs_plain.py``'s: each system
@@ -49,6 +49,14 @@ def write_config(family: str, shape: dict[str, int], seq_len: int, directory: st
         ),
         "mixtral": lambda: t.MixtralConfig(**common, num_local_experts=s["experts"], intermediate_size=s["moe_ff"]),
         "olmoe": lambda: t.OlmoeConfig(**common, num_experts=s["experts"], intermediate_size=s["moe_ff"]),
+        # a shared expert 4 x an expert's width, gated (Qwen1.5-MoE's proportions)
+        "qwen2_moe": lambda: t.Qwen2MoeConfig(
+            **common,
+            num_experts=s["experts"],
+            moe_intermediate_size=s["moe_ff"],
+            shared_expert_intermediate_size=4 * s["moe_ff"],
+            intermediate_size=4 * s["moe_ff"],
+        ),
     }
     if family not in made:
         raise SystemExit(f"--family {family!r}: one of {', '.join(made)}")

@@ -18,9 +18,9 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 
+from tiertrain.bench.children import initial_weights, run_child
 from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir
 
 MIB = 1 << 20
@@ -102,18 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(args.scratch, "vocab") as top:
         init = write_init(args, top)  # both settings start from these weights
         for label, pieces in (("uncut (vocab_pieces = 1)", 1), ("cut (the planner's pieces)", -1)):
-            rows[label] = run_child(args, label, pieces, init, top)
+            rows[label] = _child(args, label, pieces, init, top)
     report(args, rows, out)
     return 0
 
 
 def write_init(args, top: str) -> str:
     """The uncut model's seeded initial weights in one safetensors file."""
-    import torch
-    from safetensors.torch import save_file
-
     from tiertrain.config import ModelConfig
-    from tiertrain.models import build_model, random_source
 
     mc = ModelConfig(
         kind="llama",
@@ -124,33 +120,12 @@ def write_init(args, top: str) -> str:
         max_seq_len=256,
         vocab_pieces=1,
     )
-    model, _ = build_model(mc, param_dtype=torch.float32, seed=0)
-    src, tensors = random_source(model, 0), {}
-    from tiertrain.models import unit_param_names
-
-    for u, own in enumerate(unit_param_names(model)):
-        tensors.update(src.load(u, [n for n, _ in own]))
-    path = os.path.join(top, "init.safetensors")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-    return path
+    return initial_weights(mc, os.path.join(top, "init.safetensors"))
 
 
-def run_child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
-    with scratch_dir(top, "child") as scratch:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            f"--steps={args.steps}",
-            f"--d-model={args.d_model}",
-            f"--layers={args.layers}",
-            f"--scratch={scratch}",
-            f"--init={init}",
-        ] + ([f"--pieces={pieces}"] if pieces else [])
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{label} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def _child(args, label: str, pieces: int | None, init: str, top: str) -> dict:
+    flags = [f"--steps={args.steps}", f"--d-model={args.d_model}", f"--layers={args.layers}", f"--init={init}"]
+    return run_child(__file__, label, flags + ([f"--pieces={pieces}"] if pieces else []), top)
 
 
 def report(args, rows: dict, out: str | None) -> None:
