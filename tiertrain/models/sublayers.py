@@ -100,6 +100,8 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
             or _source(type(mlp).forward) != mlp_ref
             or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         ):
+            if hasattr(mlp, "experts") or "moe" in type(mlp).__name__.lower():
+                return f"{type(mlp).__name__} is a mixture of experts whose experts are not cut into ranges: cut it into 2 pieces"
             return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
         if branch.pre is None:
             # its input is the residual itself, used three times (residual, gate, up): pieces would
