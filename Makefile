@@ -12,8 +12,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: setup train test test-fast lint bench-io clean
-# test workers (pytest-xdist): one per CPU; the tests marked serial run after them, alone
-JOBS ?= auto
+# test workers (pytest-xdist): one per CPU and one more, since the tests wait on the disk and on
+# their child processes part of the time (the whole parallel stage on the 2-core VM: 730 s with
+# 2 workers, 599 s with 3); the tests marked serial run after them, alone
+JOBS ?= $(shell echo $$(( $$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1) + 1 )))
 
 # The torch spec the venv was set up with: rewritten (and the venv brought up to date) only
 # when TORCH_SPEC changes, so `make train TORCH_SPEC=...` on an existing .venv takes effect.

@@ -49,15 +49,67 @@ def test_layouts_are_read_from_each_layers_forward():
     assert "nor attention and MLP side by side" in layout_of(_layer("llama4_text", moe=True))
 
 
-def test_a_forward_of_another_form_is_refused_with_what_differs():
-    class Layer(torch.nn.Module):
-        def forward(self, hidden_states, attention_mask=None):
-            residual = hidden_states
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
-            hidden_states = residual - hidden_states
-            return hidden_states
+class _Forms(torch.nn.Module):
+    """Forwards close to the forms read, each of which the units would replay wrongly."""
 
-    assert layout_of(Layer()).endswith("a residual add of another form")
+    def attention_output_overwrites_the_normed_input(self, hidden_states, attention_mask=None):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        m = self.mlp(hidden_states)  # the MLP takes attention's output here, not the normed input
+        hidden_states = residual + hidden_states + m
+        return hidden_states
+
+    def residual_not_the_input(self, hidden_states, attention_mask=None):
+        residual = self.proj(hidden_states)
+        hidden_states = self.input_layernorm(hidden_states)
+        a, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        m = self.mlp(hidden_states)
+        hidden_states = residual + a + m
+        return hidden_states
+
+    def output_named_residual(self, hidden_states, attention_mask=None):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        residual, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states = residual + residual
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+    def subtracted(self, hidden_states, attention_mask=None):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states = residual - hidden_states
+        return hidden_states
+
+    @torch.no_grad()
+    def decorated(self, hidden_states, attention_mask=None):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+@pytest.mark.parametrize(
+    "form,why",
+    [
+        ("attention_output_overwrites_the_normed_input", "no residual add"),
+        ("residual_not_the_input", "does not start with residual = hidden_states"),
+        ("output_named_residual", "a branch's output named residual"),
+        ("subtracted", "a residual add of another form"),
+        ("decorated", "its forward is decorated with no_grad"),
+    ],
+)
+def test_a_forward_of_another_form_is_refused_with_what_differs(form, why):
+    layer = type("Layer", (torch.nn.Module,), {"forward": getattr(_Forms, form)})()
+    assert why in layout_of(layer)
 
 
 @pytest.mark.parametrize(

@@ -91,8 +91,14 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     if getattr(mlp, "jitter_noise", 0):
         return f"{type(mlp).__name__}'s jitter_noise = {mlp.jitter_noise} (random in training; not replayed)"
     impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if impl != "grouped_mm":
-        return f"its experts run transformers' {impl!r} forward, not the grouped_mm one the ranges replay"
+    wrapped = hasattr(type(experts).forward, "__wrapped__") and all(
+        hasattr(experts, a) for a in ("is_transposed", "has_gate", "_is_expert_parallel")
+    )  # transformers' use_experts_implementation: the forward it dispatches is the implementation named
+    if impl != "grouped_mm" or not wrapped:
+        return (
+            f"{type(experts).__name__} runs {'its own forward' if not wrapped else repr(impl)}, not transformers' "
+            "grouped_mm experts forward the ranges replay: cut it into 2 (model.layer_pieces = 2)"
+        )
     got = hashlib.sha256((_source(getattr(moe, _GROUPED_MM, None)) or "").encode()).hexdigest()
     if got != GROUPED_MM_SHA:
         import transformers
@@ -109,9 +115,12 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
                 f"{type(_router(mlp)).__name__} gives float32 routing weights while the model computes in {dtype}: "
                 "train it in float32"
             )
-        most = 256 if dtype == torch.bfloat16 else 2048  # integers a 16-bit float holds exactly
+        most = exact_ids(dtype)
         if experts.num_experts > most:
-            return f"{experts.num_experts} experts: their ids are carried as {dtype} values, exact up to {most}"
+            return (
+                f"{experts.num_experts} experts: their ids are carried as {dtype} values, exact up to {most}; "
+                "train in float32 (train.param_dtype) or cut it into 2 (model.layer_pieces = 2)"
+            )
     if not getattr(experts, "has_gate", True) or getattr(experts, "_is_expert_parallel", False):
         return f"{type(experts).__name__} has no gate or runs expert-parallel (not replayed)"
     if getattr(experts, "has_post_expert_norm", False):
@@ -166,6 +175,12 @@ CLIP_NORM_DEVIATION = (
     "a 12.6 M-element expert parameter (where torch's own fp32 norm of the whole is 5e-4 from the exact value), "
     "and so does the clip's factor in a step where it acts"
 )
+
+
+def exact_ids(dtype: torch.dtype) -> int:
+    """The most experts whose ids a carried tensor of ``dtype`` holds exactly (every integer up
+    to 2 ** (mantissa bits + 1))."""
+    return {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 24)
 
 
 def expert_ranges(experts: int, ranges: int) -> list[tuple[int, int]]:
@@ -300,7 +315,8 @@ class ExpertRange(nn.Module):
         """Bytes this range may save for its backward beyond one measured forward: its rows are
         from none to every (token, expert) pair; each saves its input, its gate and up outputs,
         the gated product and the weighted output (generously ``3 d + 6 ff`` values)."""
-        ff = self._piece.down_proj.shape[-1]
+        down = self._piece.down_proj  # [E, d, ff], or [E, ff, d] transposed (gpt-oss)
+        ff = down.shape[-2] if getattr(self._experts, "is_transposed", False) else down.shape[-1]
         return tokens * self._k * (3 * self._d + 6 * ff + 8) * itemsize
 
     def _unpack(self, s: torch.Tensor):
@@ -349,8 +365,11 @@ class ExpertRange(nn.Module):
         d, k, experts = self._d, self._k, self._experts
         B, T = s.shape[:2]
         if self.k == 0:  # the MoE block's start: the norm, the router, every pair's input gathered
-            if s.dtype != torch.float32 and self._e > 256:
-                raise RuntimeError(f"expert ranges carry expert ids as {s.dtype} values: exact up to 256 experts")
+            if self._e > exact_ids(s.dtype):
+                raise RuntimeError(
+                    f"expert ranges carry expert ids as {s.dtype} values, exact up to {exact_ids(s.dtype)} experts, "
+                    f"and this layer has {self._e}: train in float32 or cut it into 2 (model.layer_pieces = 2)"
+                )
             h = s
             x, xr, sample_weights, expert_ids, shared = self._route(h, s.dtype)
             expert_ids_g, perm = torch.sort(expert_ids)
@@ -378,7 +397,7 @@ class ExpertRange(nn.Module):
             inv_perm = torch.empty_like(perm)
             inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
             weighted_out = outs[inv_perm]
-            final = weighted_out.view(B * T, k, d).sum(dim=1).to(h.dtype)
+            final = weighted_out.view(B * T, k, d).sum(dim=1).to(sel.dtype)  # the block's input's, as transformers
             if self._form == GATED:  # the block adds its gated shared expert to the [T, d] sum
                 final = final + shared.reshape(B * T, d)
             elif self._form == SHARED:  # ... its shared experts' to the [B, T, d] one

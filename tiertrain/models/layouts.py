@@ -19,7 +19,11 @@ That covers the pre-norm Llama layer and its copies (Mistral, Qwen2 and 3, Gemma
 of experts built on it), the post-norm OLMo 2 (and EXAONE 4, OLMo 3, FlexOlmo), Gemma 2 and 3
 and GLM-4 (four norms), Phi-3 (residual dropouts), Granite and MiniCPM3 (residual
 multipliers), HyperCLOVA X, Apertus, Nemotron, gpt-oss and JetMoE (modules returning tuples).
-Attention and MLP side by side on one normed input, their outputs added to the residual in
+Each statement is matched whole: one target a statement, ``residual`` the input, the outputs
+named apart from the names read later, attention given ``hidden_states=``, no decorator but
+``deprecate_kwarg`` (a keyword renamed) and ``auto_docstring``; residual multipliers must be
+numbers and no module with parameters may serve both branches (``layout_of``). Attention and
+MLP side by side on one normed input, their outputs added to the residual in
 some order (Cohere, Command R7B, Phi), are read as ``Layout.parallel``. Anything else
 (branches inside the forward: StableLM, Llama 4) is refused by name.
 A unit replaying a branch makes the same calls in the same order, so it computes the whole
@@ -109,6 +113,17 @@ def _expect(ok: bool, what: str) -> None:
         raise _NotTheForm(what)
 
 
+def _assign(stmt: ast.stmt | None, what: str) -> ast.Assign:
+    """``stmt`` as an assignment to one target (not ``a = b = ...``), else not the form."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        raise _NotTheForm(what)
+    return stmt
+
+
+# the decorators a layer's forward may have: they rename a keyword or write its docstring
+_DECORATORS = {"deprecate_kwarg", "auto_docstring"}
+
+
 class _Reader:
     """Reads the statements of a layer's forward against the form of the module docstring."""
 
@@ -139,9 +154,9 @@ class _Reader:
 
     def branch(self, attention: bool) -> Branch:
         h = self.h
-        stmt = self._next()
+        stmt = _assign(self._next(), f"a branch that does not start with residual = {h}")
         _expect(
-            isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], "residual") and _is_name(stmt.value, h),
+            _is_name(stmt.targets[0], "residual") and _is_name(stmt.value, h),
             f"a branch that does not start with residual = {h}",
         )
         if not attention:
@@ -163,7 +178,8 @@ class _Reader:
         while (m := self._unary(self._peek(), h)) is not None:
             calls.append(m)
             self.i += 1
-        if len(calls) <= 1 and isinstance(self._peek(), ast.Assign) and isinstance(self._peek().targets[0], ast.Tuple):  # type: ignore[union-attr]
+        nxt = self._peek()
+        if len(calls) <= 1 and isinstance(nxt, ast.Assign) and isinstance(nxt.targets[0], ast.Tuple):
             out, outputs, module, _ = self._call(self._next(), attention=False)
             pre = calls[0] if calls else None
             _expect(pre is None or "norm" in pre, f"{pre} before the MLP is not a norm")
@@ -184,27 +200,30 @@ class _Reader:
         """The side-by-side form: ``residual = h; h = self.norm(h); a, _ = self.attn(...);
         [a = self.drop(a)]; m = [self.drop(]self.mlp(h)[)]; h = <residual, a, m added>``."""
         h = self.h
-        stmt = self._next()
-        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], "residual"), "no residual = first")
+        stmt = _assign(self._next(), "no residual = first")
+        _expect(_is_name(stmt.targets[0], "residual") and _is_name(stmt.value, h), f"no residual = {h} first")
         pre = self._unary(self._next(), h)
         _expect(pre is not None, "no norm first")
         a, outputs, attention, keywords = self._call(self._next(), attention=True)
+        # the MLP takes the normed input: attention's output must not overwrite it
+        _expect(a not in (h, "residual"), f"attention's output named {a}")
         a_drop = self._unary(self._peek(), a)
         self.i += a_drop is not None
-        stmt = self._next()
-        _expect(isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name), "no MLP output")
-        assert isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+        stmt = _assign(self._next(), "no MLP output")
+        _expect(isinstance(stmt.targets[0], ast.Name), "no MLP output")
+        assert isinstance(stmt.targets[0], ast.Name)
         m, call, m_drop = stmt.targets[0].id, stmt.value, None
+        _expect(m not in (h, "residual", a), f"the MLP's output named {m}")
         if isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Call):
+            _expect(not call.keywords, "the MLP's output through a call with keywords")
             m_drop, call = _self_attr(call.func), call.args[0]  # self.drop(self.mlp(h))
             _expect(m_drop is not None, "the MLP's output through a function")
         _expect(isinstance(call, ast.Call) and len(call.args) == 1 and _is_name(call.args[0], h), "the MLP's call")
         assert isinstance(call, ast.Call)
         mlp = _self_attr(call.func)
         _expect(mlp is not None and not call.keywords, "the MLP is not self.<m>(h)")
-        stmt = self._next()
-        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], h), "no sum")
-        assert isinstance(stmt, ast.Assign)
+        stmt = _assign(self._next(), "no sum")
+        _expect(_is_name(stmt.targets[0], h), "no sum")
         terms: list[str] = []
         node = stmt.value
         while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.right, ast.Name):
@@ -222,8 +241,7 @@ class _Reader:
         )
 
     def _call(self, stmt: ast.stmt, attention: bool) -> tuple[str, int, str, tuple[str, ...]]:
-        _expect(isinstance(stmt, ast.Assign) and len(stmt.targets) == 1, "a branch's module is not called alone")
-        assert isinstance(stmt, ast.Assign)
+        stmt = _assign(stmt, "a branch's module is not called alone")
         target, call = stmt.targets[0], stmt.value
         if isinstance(target, ast.Tuple):  # out, _ = ...: the first value taken, the others unused
             names = [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
@@ -233,6 +251,7 @@ class _Reader:
             _expect(isinstance(target, ast.Name), "a branch's output is not a name")
             assert isinstance(target, ast.Name)
             out, outputs = target.id, 1
+        _expect(out != "residual", "a branch's output named residual")
         _expect(isinstance(call, ast.Call) and _self_attr(call.func) is not None, "a branch's module is not self.<m>")
         assert isinstance(call, ast.Call)
         module = _self_attr(call.func) or ""
@@ -240,6 +259,8 @@ class _Reader:
             _expect(len(call.args) == 1 and _is_name(call.args[0], self.h) and not call.keywords, "the MLP's call")
             return out, outputs, module, ()
         _expect(not call.args, "attention called with positional arguments")
+        given = {kw.arg for kw in call.keywords}
+        _expect("hidden_states" in given, "attention not given hidden_states=")
         keywords = []
         for kw in call.keywords:
             if kw.arg is None:  # **kwargs: the layer's own, empty in the units' calls
@@ -253,8 +274,8 @@ class _Reader:
 
     def _residual(self, stmt: ast.stmt, out: str) -> tuple[str | None, str | None]:
         """(dropout, multiplier) of ``h = residual + <out>``, ``+ self.d(<out>)``, ``+ <out> * self.m``."""
-        _expect(isinstance(stmt, ast.Assign) and _is_name(stmt.targets[0], self.h), "no residual add")
-        assert isinstance(stmt, ast.Assign)
+        stmt = _assign(stmt, "no residual add")
+        _expect(_is_name(stmt.targets[0], self.h), "no residual add")
         add = stmt.value
         _expect(
             isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add) and _is_name(add.left, "residual"),
@@ -275,10 +296,19 @@ class _Reader:
         raise _NotTheForm("a residual add of another form")
 
 
+def _decorator(node: ast.expr) -> str:
+    """A decorator's name (``deprecate_kwarg`` of ``@deprecate_kwarg(...)``)."""
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
 def _body(fn: Any) -> tuple[list[ast.stmt], str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     func = tree.body[0]
+    _expect(isinstance(func, ast.FunctionDef), "its forward is not a def")
     assert isinstance(func, ast.FunctionDef)
+    odd = [n for n in map(_decorator, func.decorator_list) if n not in _DECORATORS]
+    _expect(not odd, f"its forward is decorated with {', '.join(odd) or 'something'}")
     body = list(func.body)
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
@@ -290,8 +320,10 @@ def _body(fn: Any) -> tuple[list[ast.stmt], str]:
 def _layout(cls: type) -> Layout | str:
     try:
         body, hidden = _body(getattr(cls, "forward"))  # noqa: B009 (a class, not a module)
-    except (OSError, TypeError, SyntaxError, AssertionError):
+    except (OSError, TypeError, SyntaxError):
         return "its forward's source cannot be read"
+    except _NotTheForm as e:
+        return f"{e} (not read as two branches)"
     try:
         reader = _Reader(body, hidden)
         layout = Layout(reader.branch(attention=True), reader.branch(attention=False))
@@ -313,8 +345,19 @@ def _layout(cls: type) -> Layout | str:
 
 
 def layout_of(layer: nn.Module) -> Layout | str:
-    """``layer``'s layout, or why its forward is not of the form this module cuts."""
-    return _layout(type(layer))
+    """``layer``'s layout, or why its forward is not of the form this module cuts (its
+    residual multipliers numbers, and no module with parameters in both branches: each
+    branch's modules go to a unit of their own)."""
+    layout = _layout(type(layer))
+    if isinstance(layout, str):
+        return layout
+    for m in {layout.attention.multiplier, layout.mlp.multiplier} - {None}:
+        if not isinstance(getattr(layer, m or "", None), (int, float)):
+            return f"its residual multiplier {m} is not a number"
+    for m in set(layout.attention.modules) & set(layout.mlp.modules):
+        if any(True for _ in getattr(layer, m).parameters()):
+            return f"its module {m} is in both branches and has parameters"
+    return layout
 
 
 def attention_keywords(mask: Any, position_ids: Any, rope: Any, cache: Any) -> dict[str, Any]:

@@ -115,7 +115,10 @@ def _plain_mlp_branch(name: str, branch: Any) -> str:
     pre-norm, the block ``mlp`` (its first output the states: gpt-oss's returns its scores too;
     post-norm and residual add: any)."""
     if branch.module != "mlp" or branch.pre is None:
-        return f"{name}'s MoE branch is not a pre-norm, then the block as mlp (expert ranges replay that)"
+        return (
+            f"{name}'s MoE branch is not a norm, then the block as mlp (what expert ranges replay): "
+            "cut it into 2 (model.layer_pieces = 2)"
+        )
     return ""
 
 
