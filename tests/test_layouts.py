@@ -2,7 +2,9 @@
 of every layout cut into sub-layer units bit for bit: post-norm (OLMo 2), four norms (Gemma 2
 and 3, GLM-4), residual dropouts (Phi-3), residual multipliers (Granite, HyperCLOVA X), MLPs
 returning tuples (gpt-oss), a MoE block under another name (Granite-MoE), attention and MLP
-side by side (Cohere, Command R7B, Phi: the normed input carried to the MLP's unit)."""
+side by side (Cohere, Command R7B, Phi: the normed input carried to the MLP's unit), MLPs of
+other forms cut before their down_proj (Phi-3's and GLM-4's fused gate and up, Nemotron's two
+matrices, BitNet's norm inside)."""
 
 from __future__ import annotations
 
@@ -114,8 +116,8 @@ def test_a_forward_of_another_form_is_refused_with_what_differs(form, why):
 
 @pytest.mark.parametrize(
     "family,parts",
-    [("olmo2", 2), ("gemma2", 4), ("gemma3_text", 3), ("phi3", 2), ("granite", 4), ("glm4", 2), ("hyperclovax", 3)]
-    + [("cohere", 2), ("cohere2", 2), ("phi", 2)],
+    [("olmo2", 2), ("gemma2", 4), ("gemma3_text", 3), ("phi3", 3), ("granite", 4), ("glm4", 3), ("hyperclovax", 3)]
+    + [("cohere", 2), ("cohere2", 2), ("phi", 2), ("nemotron", 3), ("bitnet", 3)],
 )
 def test_layers_of_every_layout_cut_are_plain_pytorch_bit_for_bit(tmp_path, family, parts):
     """Losses and weights after 3 steps with clipping, 2 micro-batches, the windows in play."""
@@ -157,7 +159,8 @@ def test_greedy_generation_of_cut_layouts_is_transformers_generate(tmp_path, fam
     "family,parts,why",
     [
         ("olmo2", 3, "Olmo2DecoderLayer's MLP takes the residual stream with no norm before it: cut it into 2"),
-        ("glm4", 3, "Glm4MLP is not the Llama MLP"),
+        ("glm4", 4, r"Glm4MLP is not the Llama MLP \(down\(act\(gate\(x\)\) \* up\(x\)\)\): cut it into 2 or 3"),
+        ("starcoder2", 3, "Starcoder2MLP's forward does not end in its down_proj"),
         ("cohere", 3, "CohereDecoderLayer runs attention and MLP side by side: cut it into 2 pieces"),
         ("stablelm", 2, r"StableLmDecoderLayer: its forward is not two residual branches .*nor attention and MLP"),
     ],

@@ -51,6 +51,8 @@ __all__ = [
     "attention_keywords",
     "parallel_attention",
     "parallel_mlp",
+    "down_last_problem",
+    "before_down",
 ]
 
 # the keywords a layer may pass its attention, each as the same-named argument of its forward
@@ -427,3 +429,53 @@ def parallel_mlp(layout: Layout, s: torch.Tensor, modules: nn.Module) -> torch.T
     for name in order[1:]:
         out = out + terms[name]
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def down_last_problem(cls: type) -> str:
+    """Why an MLP class's ``forward`` is not ``... return self.down_proj(<a>)`` with
+    ``self.down_proj`` named once ('' where it is): then ``before_down`` gives ``<a>``, the
+    MLP's computation up to its last matrix, whatever its form (gated, fused, two matrices)."""
+    try:
+        body, _ = _body(getattr(cls, "forward"))  # noqa: B009 (a class, not a module)
+        src = ast.unparse(ast.Module(body=body, type_ignores=[]))
+    except (OSError, TypeError, SyntaxError, _NotTheForm):
+        return f"{cls.__name__}'s forward cannot be read"
+    if src.count("self.down_proj") != 1:
+        return f"{cls.__name__} does not call self.down_proj once"
+    last = body[-1]
+    if not isinstance(last, ast.Return) or last.value is None:
+        return f"{cls.__name__}'s forward does not end in a return"
+    value = last.value
+    if isinstance(value, ast.Name) and len(body) >= 2:  # down = self.down_proj(...); return down
+        prev = body[-2]
+        if isinstance(prev, ast.Assign) and len(prev.targets) == 1 and _is_name(prev.targets[0], value.id):
+            value = prev.value
+    if not (isinstance(value, ast.Call) and _self_attr(value.func) == "down_proj" and len(value.args) == 1):
+        return f"{cls.__name__}'s forward does not end in self.down_proj(...)"
+    return ""
+
+
+class _Stop(Exception):
+    """Raised by the hook on ``down_proj``: the MLP's forward stops with its input."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+def before_down(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What ``mlp``'s forward hands ``down_proj`` for ``x`` (``down_last_problem`` first): its
+    own forward, run up to that call and stopped there, so every operation before it is the
+    model's (``down_proj`` itself never runs: its weights may be in another unit)."""
+
+    def stop(module, args):
+        raise _Stop(args[0])
+
+    handle = mlp.down_proj.register_forward_pre_hook(stop)
+    try:
+        mlp(x)
+    except _Stop as got:
+        return got.value
+    finally:
+        handle.remove()
+    raise RuntimeError(f"{type(mlp).__name__}'s forward returned without calling down_proj")

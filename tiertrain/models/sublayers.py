@@ -7,7 +7,9 @@ matrix (a row range's input gradient is a sum over pieces: another order of addi
 
 - ``2`` pieces: ``[input norm, attention, residual]`` | ``[post-attention norm, MLP, residual]``
   (each branch with the norms and residual add its layer has);
-- ``3``: attention | ``[post-attention norm, gate, up, act(gate) * up]`` | ``[down, residual]``;
+- ``3``: attention | ``[post-attention norm, the MLP up to down_proj]`` | ``[down, residual]``
+  (any MLP whose forward ends in ``self.down_proj(...)``: gated, fused, two matrices; its own
+  forward run and stopped at that call, ``layouts.before_down``);
 - ``4``: attention | ``[post-attention norm, gate]`` | ``[up, act(gate) * up]`` | ``[down, residual]``.
 
 A mixture-of-experts layer of that form (Qwen3-MoE's) cuts into 2: attention | the MoE block
@@ -39,7 +41,17 @@ import torch.nn as nn
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
 from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
-from .layouts import Layout, attention_keywords, finish, layout_of, parallel_attention, parallel_mlp, run_branch
+from .layouts import (
+    Layout,
+    attention_keywords,
+    before_down,
+    down_last_problem,
+    finish,
+    layout_of,
+    parallel_attention,
+    parallel_mlp,
+    run_branch,
+)
 
 __all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "SubLayer"]
 
@@ -94,15 +106,16 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
         if layout.parallel:
             return f"{name} runs attention and MLP side by side: cut it into 2 pieces"
         mlp = getattr(layer, branch.module)
-        if (
-            branch.module != "mlp"
-            or branch.outputs != 1
-            or _source(type(mlp).forward) != mlp_ref
+        if hasattr(mlp, "experts") or "moe" in type(mlp).__name__.lower():
+            return f"{type(mlp).__name__} is a mixture of experts whose experts are not cut into ranges: cut it into 2 pieces"
+        last = down_last_problem(type(mlp)) if branch.module == "mlp" and branch.outputs == 1 else "not the mlp"
+        if last:  # 3: attention | the MLP up to down_proj | down_proj
+            return f"{type(mlp).__name__}'s forward does not end in its down_proj ({last}): cut it into 2 pieces"
+        if parts == 4 and (
+            _source(type(mlp).forward) != mlp_ref
             or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         ):
-            if hasattr(mlp, "experts") or "moe" in type(mlp).__name__.lower():
-                return f"{type(mlp).__name__} is a mixture of experts whose experts are not cut into ranges: cut it into 2 pieces"
-            return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 pieces"
+            return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 or 3 pieces"
         if branch.pre is None:
             # its input is the residual itself, used three times (residual, gate, up): pieces would
             # sum those gradients in another order than autograd does in the whole layer
@@ -184,7 +197,8 @@ class SubLayer(nn.Module):
         else:  # the Llama MLP's modules, after its pre-norm (gate_up, gate) or before its post-norm (down)
             mlp, pre = layer.mlp, own.get(branch.pre or "")
             names = {
-                "gate_up": ("gate_proj", "up_proj"),
+                # everything of the MLP but down_proj (gate and up; a fused gate_up_proj; up alone)
+                "gate_up": tuple(n for n, _ in mlp.named_children() if n != "down_proj"),
                 "gate": ("gate_proj",),
                 "up": ("up_proj",),
                 "down": ("down_proj",),
@@ -195,9 +209,10 @@ class SubLayer(nn.Module):
             if kind == "down":
                 around = {m: own[m] for m in (branch.post, branch.dropout) if m}
             self.layer = _shell(**around, mlp=_shell(**{n: getattr(mlp, n) for n in names[kind]}))
-        if kind in ("gate_up", "up"):
+        if kind == "up":
             object.__setattr__(self, "_act", layer.mlp.act_fn)
-        d, f = hidden, ff
+        # what down_proj takes (the intermediate width; Phi-3's fused MLP: half its first matrix's)
+        d, f = hidden, getattr(getattr(getattr(layer, "mlp", None), "down_proj", None), "in_features", ff)
         mlp_in = 3 * d if layout.parallel else d  # side by side: the residual, the normed input, attention's output
         self.in_width = {"attention": d, "mlp": mlp_in, "gate_up": d, "gate": d, "up": 2 * d + f, "down": d + f}[kind]
 
@@ -221,10 +236,9 @@ class SubLayer(nn.Module):
             return parallel_mlp(self._layout, s, layer)
         if self.kind == "mlp":
             return run_branch(self.whole, branch, s, layer)
-        if self.kind == "gate_up":  # the MLP's order: gate, act, up, product
+        if self.kind == "gate_up":  # the MLP's own forward, up to what it hands down_proj
             x = getattr(layer, branch.pre)(s)
-            a = self._act(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
-            return torch.cat([s, a], dim=-1)
+            return torch.cat([s, before_down(self.whole.mlp, x)], dim=-1)
         if self.kind == "gate":
             x = getattr(layer, branch.pre)(s)
             return torch.cat([s, x, layer.mlp.gate_proj(x)], dim=-1)
