@@ -68,7 +68,7 @@ def test_ranges_of_experts_are_plain_pytorch_bit_for_bit(tmp_path, moe_dir, part
     assert tr.model.block_widths == [d, d, d, d, *([(2 * k + 1) * d + 2 * k] * (parts - 2))]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss", "flex_olmo"])
 def other_dir(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +82,8 @@ def other_dir(request, tmp_path_factory):
 def test_mixtral_olmoe_and_gpt_oss_ranges_are_plain_pytorch_bit_for_bit(tmp_path, other_dir, parts, activations):
     """Mixtral (its own layer forward, computing Llama's; fp32 routing weights), OLMoE (Q/K
     norms) and gpt-oss (experts' biases gathered per pair, transposed weights, its own gate
-    function, attention sinks) with the auxiliary loss, cut as Qwen3-MoE."""
+    function, attention sinks) and FlexOlmo (OLMoE's block on the residual stream itself, its
+    norm after it) with the auxiliary loss, cut as Qwen3-MoE."""
     family, path = other_dir
     tr = _parity(_cfg(tmp_path, path, parts, clip=0.0, activations=activations))
     assert tr.model.hf_config.model_type == family

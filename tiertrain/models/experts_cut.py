@@ -277,7 +277,7 @@ class ExpertRange(nn.Module):
         assert not isinstance(layout, str), "cut_problem first"
         self._branch = layout.mlp  # its norm before the block (first range), what follows it (last)
         self.layer = _Shell()
-        if k == 0:
+        if k == 0 and self._branch.pre:  # FlexOlmo's block takes the residual stream itself
             setattr(self.layer, self._branch.pre, getattr(layer, self._branch.pre))
         if k == n - 1:
             for m in (self._branch.post, self._branch.dropout):
@@ -333,7 +333,7 @@ class ExpertRange(nn.Module):
         weights, expert ids, the shared experts' output so far). Only the first range."""
         d, mlp = self._d, self.layer.mlp
         gate = _router(mlp)
-        x = getattr(self.layer, self._branch.pre)(h)
+        x = getattr(self.layer, self._branch.pre)(h) if self._branch.pre else h
         shared = None
         if self._form == SHARED:  # the router takes the [B, T, d] states and flattens them itself
             _, weights, index = gate(x)

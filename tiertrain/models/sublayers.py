@@ -124,10 +124,10 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
 
 
 def _plain_mlp_branch(name: str, branch: Any) -> str:
-    """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): a
-    pre-norm, the block ``mlp`` (its first output the states: gpt-oss's returns its scores too;
+    """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): the
+    block ``mlp`` after its norm or none (its first output the states: gpt-oss's returns its scores too;
     post-norm and residual add: any)."""
-    if branch.module != "mlp" or branch.pre is None:
+    if branch.module != "mlp":
         return (
             f"{name}'s MoE branch is not a norm, then the block as mlp (what expert ranges replay): "
             "cut it into 2 (model.layer_pieces = 2)"
