@@ -48,7 +48,9 @@ def test_layouts_are_read_from_each_layers_forward():
     cohere, phi = layout_of(_layer("cohere")), layout_of(_layer("phi"))  # side by side on one normed input
     assert cohere.parallel == ("residual", "attention", "mlp") and phi.parallel == ("attention", "mlp", "residual")
     assert phi.attention.dropout == phi.mlp.dropout == "resid_dropout" and phi.mlp.pre is None
-    assert "nor attention and MLP side by side" in layout_of(_layer("llama4_text", moe=True))
+    assert "nor attention and MLP side by side" in layout_of(_layer("stablelm"))  # an if inside
+    llama4 = layout_of(_layer("llama4_text", moe=True))  # a MoE layer's block gives a tuple; a view
+    assert llama4.mlp == Branch("feed_forward", "post_attention_layernorm", tuple_if="is_moe_layer", view=True)
 
 
 class _Forms(torch.nn.Module):
@@ -128,20 +130,26 @@ def test_layers_of_every_layout_cut_are_plain_pytorch_bit_for_bit(tmp_path, fami
     assert tr.model.hf_config.model_type == family and len(tr.model.blocks) == 2 * parts
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "granitemoe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoe", "llama4_text"])
 def test_mixtures_of_experts_of_other_forms_cut_in_two_are_plain_pytorch(tmp_path, family):
     """gpt-oss's block returns (states, router scores); Granite-MoE's is ``block_sparse_moe``,
-    its residual adds multiplied: attention | the block whole, the auxiliary loss on."""
+    its residual adds multiplied; Llama 4's ``feed_forward`` returns a tuple on its MoE layers
+    alone, viewed as the residual: attention | the block whole, the auxiliary loss on."""
     from test_moe import _config as moe_config
     from test_moe import _moe_config
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(moe_config(family)).save_pretrained(tmp_path / "m")
+    config = moe_config(family)
+    if family == "llama4_text":
+        config.moe_layers = [1, 3]  # dense and MoE layers alternating: a tuple on every second
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
     cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=2)
     cfg.model.layer_pieces = 2
     tr, _ = assert_parity(cfg)
     assert tr.model.block_layers[:4] == [0, 0, 1, 1]
+    if family == "llama4_text":
+        assert [b.whole.is_moe_layer for b in tr.model.blocks[1::2]] == [False, True, False, True]
 
 
 @pytest.mark.parametrize("family,parts", [("gemma3_text", 4), ("olmo2", 2), ("cohere2", 2)])

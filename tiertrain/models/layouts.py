@@ -67,7 +67,10 @@ class Branch:
     ``pre``/``post``: norms before and after it (None: none); ``outputs``: how many values it
     returns (1: a tensor; more: a tuple whose first is taken); ``dropout``: a module applied to
     its output before the add; ``multiplier``: a layer attribute the output is multiplied by;
-    ``keywords``: for attention, the keywords the layer passes it besides ``hidden_states``."""
+    ``keywords``: for attention, the keywords the layer passes it besides ``hidden_states``;
+    ``tuple_if``: a layer attribute under which the module's output is a tuple whose first is
+    taken (Llama 4's MoE layers); ``view``: the output viewed as the residual's shape before
+    the add (Llama 4's)."""
 
     module: str
     pre: str | None = None
@@ -76,6 +79,8 @@ class Branch:
     dropout: str | None = None
     multiplier: str | None = None
     keywords: tuple[str, ...] = ()
+    tuple_if: str | None = None
+    view: bool = False
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -170,8 +175,8 @@ class _Reader:
         post = self._unary(self._peek(), out)
         if post is not None:
             self.i += 1
-        dropout, multiplier = self._residual(self._next(), out)
-        return Branch(module, pre, post, outputs, dropout, multiplier, keywords)
+        dropout, multiplier, view = self._residual(self._next(), out)
+        return Branch(module, pre, post, outputs, dropout, multiplier, keywords, view=view)
 
     def _mlp_branch(self) -> Branch:
         """``h = self.m(h)`` statements: the MLP (the one not named a norm) between at most one
@@ -195,8 +200,26 @@ class _Reader:
             module, out, outputs = calls[j], h, 1
             pre = calls[0] if j == 1 else None
             post = calls[j + 1] if j + 1 < len(calls) else None
-        dropout, multiplier = self._residual(self._next(), out)
-        return Branch(module, pre, post, outputs, dropout, multiplier)
+        tuple_if = self._tuple_if(out) if outputs == 1 and post is None else None
+        dropout, multiplier, view = self._residual(self._next(), out)
+        return Branch(module, pre, post, outputs, dropout, multiplier, (), tuple_if, view)
+
+    def _tuple_if(self, out: str) -> str | None:
+        """``flag`` where the next statement is ``if self.flag: <out>, _ = <out>`` (no else)."""
+        stmt = self._peek()
+        if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1):
+            return None
+        flag, inner = _self_attr(stmt.test), stmt.body[0]
+        if flag is None or not isinstance(inner, ast.Assign) or len(inner.targets) != 1:
+            return None
+        target = inner.targets[0]
+        if not (isinstance(target, ast.Tuple) and _is_name(inner.value, out) and target.elts):
+            return None
+        names = [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
+        if names[0] != out or not all(names) or any(n in (self.h, "residual") for n in names[1:]):
+            return None
+        self.i += 1
+        return flag
 
     def parallel(self) -> Layout:
         """The side-by-side form: ``residual = h; h = self.norm(h); a, _ = self.attn(...);
@@ -274,8 +297,9 @@ class _Reader:
                 keywords.append(kw.arg)
         return out, outputs, module, tuple(keywords)
 
-    def _residual(self, stmt: ast.stmt, out: str) -> tuple[str | None, str | None]:
-        """(dropout, multiplier) of ``h = residual + <out>``, ``+ self.d(<out>)``, ``+ <out> * self.m``."""
+    def _residual(self, stmt: ast.stmt, out: str) -> tuple[str | None, str | None, bool]:
+        """(dropout, multiplier, view) of ``h = residual + <out>``, ``+ self.d(<out>)``, ``+ <out>
+        * self.m``, ``+ <out>.view(residual.shape)``."""
         stmt = _assign(stmt, "no residual add")
         _expect(_is_name(stmt.targets[0], self.h), "no residual add")
         add = stmt.value
@@ -286,16 +310,31 @@ class _Reader:
         assert isinstance(add, ast.BinOp)
         right = add.right
         if _is_name(right, out):
-            return None, None
+            return None, None, False
+        if isinstance(right, ast.Call) and len(right.args) == 1 and not right.keywords and _is_view(right, out):
+            return None, None, True
         if isinstance(right, ast.Call) and len(right.args) == 1 and _is_name(right.args[0], out) and not right.keywords:
             dropout = _self_attr(right.func)
             _expect(dropout is not None, "a residual through a function")
-            return dropout, None
+            return dropout, None, False
         if isinstance(right, ast.BinOp) and isinstance(right.op, ast.Mult) and _is_name(right.left, out):
             multiplier = _self_attr(right.right)
             _expect(multiplier is not None, "a residual multiplied by something else")
-            return None, multiplier
+            return None, multiplier, False
         raise _NotTheForm("a residual add of another form")
+
+
+def _is_view(call: ast.Call, out: str) -> bool:
+    """``call`` is ``<out>.view(residual.shape)``."""
+    f, arg = call.func, call.args[0]
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr == "view"
+        and _is_name(f.value, out)
+        and isinstance(arg, ast.Attribute)
+        and arg.attr == "shape"
+        and _is_name(arg.value, "residual")
+    )
 
 
 def _decorator(node: ast.expr) -> str:
@@ -387,7 +426,7 @@ def run_branch(
         out = fn(x)
     else:
         out = fn(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
-    if branch.outputs > 1:
+    if branch.outputs > 1 or (branch.tuple_if and getattr(layer, branch.tuple_if)):
         out = out[0]
     return finish(layer, branch, h, out, modules)
 
@@ -397,6 +436,8 @@ def finish(layer: nn.Module, branch: Branch, h: torch.Tensor, out: torch.Tensor,
     (through its dropout, or times its multiplier)."""
     if branch.post:
         out = getattr(modules, branch.post)(out)
+    if branch.view:
+        return h + out.view(h.shape)
     if branch.dropout:
         return h + getattr(modules, branch.dropout)(out)
     if branch.multiplier:
