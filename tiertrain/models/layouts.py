@@ -25,7 +25,9 @@ named apart from the names read later, attention given ``hidden_states=``, no de
 numbers and no module with parameters may serve both branches (``layout_of``). Attention and
 MLP side by side on one normed input, their outputs added to the residual in
 some order (Cohere, Command R7B, Phi), are read as ``Layout.parallel``. Anything else
-(branches inside the forward: StableLM, Llama 4) is refused by name.
+(a branch of another form inside the forward: StableLM) is refused by name. Llama 4's
+``if self.is_moe_layer: out, _ = out`` and ``residual + out.view(residual.shape)`` are read
+too (``Branch.tuple_if``, ``Branch.view``).
 A unit replaying a branch makes the same calls in the same order, so it computes the whole
 layer's values and gradients bit for bit (``tests/test_layouts.py``).
 """
