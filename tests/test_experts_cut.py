@@ -107,6 +107,15 @@ def test_shared_experts_ranges_are_plain_pytorch_bit_for_bit(tmp_path, family, p
     assert len(ranges) >= parts - 1 and ranges[0].in_width == 64
     d, k = 64, tr.model.hf_config.num_experts_per_tok
     assert ranges[1].in_width == (2 * k + 1) * d + 2 * k + d  # the shared experts' output carried
+    if parts == 5 and family == "deepseek_v3":
+        # the compute probe times whole layers: its dense first layer is 2 units, its MoE layers 5
+        # (a prefix of parts units once ended inside a layer and handed the head a carried tensor)
+        from tiertrain.cost.probe import probe_compute
+
+        with Trainer(cfg) as t:
+            assert t.model.block_layers[:4] == [0, 0, 1, 1]
+            out = probe_compute(t.cfg, t.model, t.layout, t.dev, t.dtype, t.rt.hidden_size)
+            assert out["head_s"] > 0 and out["block_bwd_s"] > 0
     if parts == 3 and activations == "keep":  # generating too: latent attention's cache, shared experts
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
         hf.config.output_router_logits = False
@@ -126,6 +135,10 @@ def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path, other_dir
         pytest.skip("OLMoE's routing weights are in the compute dtype")
     with pytest.raises(ConfigError, match="gives float32 routing weights while the model computes in torch.bfloat16"):
         Trainer(_cfg(tmp_path, path, 3, dtype="bfloat16", steps=1))
+    short = _cfg(tmp_path, path, None, dtype="bfloat16", steps=1)
+    short.memory.host_mib = 60  # below whole blocks' pools: the refusal says what would let it cut
+    with pytest.raises(ConfigError, match=r"train in float32 \(train.param_dtype = 'float32'\) to let the planner"):
+        Trainer(short)
     cfg = _cfg(tmp_path, path, None, dtype="bfloat16")
     rt = Runtime(cfg)
     try:

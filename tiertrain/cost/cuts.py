@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..errors import one_line
+from ..errors import ConfigError, one_line
 from ..models.experts_cut import CLIP_NORM_DEVIATION
 from ..models.sublayers import cut_options, describe_cut
 from ..state.grads import GradStore
@@ -61,6 +61,7 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
     if cfg.memory.host_mib is not None:
         warn_above_available(cfg.memory.host_mib * MIB)  # once: the budget is resolved several times
     options = _cuts(cfg, rt)
+    hint = _ranges_off(cfg, rt) if options else ""  # on the whole model, before any cut is tried
     if not options:
         return resolve_budget(cfg, rt, rates_fn, act_fn)  # refused here, named, where nothing can be cut
     why, resolved = _short(cfg, rt, rates_fn, act_fn)
@@ -83,7 +84,12 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
         return resolve_budget(cfg, rt, rates_fn, act_fn)
     layers, vocab = options[min(choice, len(options) - 1)]
     cut_cfg = _recut(cfg, rt, layers, vocab)
-    cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)  # refused here where even the last cut is short
+    try:
+        cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)  # refused here where even the last cut is short
+    except ConfigError as exc:
+        if not hint or choice != len(options):
+            raise
+        raise ConfigError(f"{exc}; {hint}") from None
     m = cut_cfg.model
     plan.notes.append(f"the model's units as configured do not fit ({why or 'on rank 0'}): cut")
     if m.vocab_pieces != cfg.model.vocab_pieces and m.vocab_pieces:
@@ -100,6 +106,27 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
             f"{clip_note}); the tensors handed between the MLP's pieces are stashed too"
         )
     return cut_cfg, plan
+
+
+def _ranges_off(cfg: Config, rt) -> str:
+    """Why the planner could not cut a mixture of experts' experts into ranges, where another
+    setting would let it ('' where nothing would): the compute dtype, or adapters on them."""
+    if cfg.model.layer_pieces is not None or not any(_moe_block(b) for b in rt.model.blocks):
+        return ""
+    if cfg.adapter.on and cfg.adapter.target_parameters:
+        return "adapters on the experts (adapter.target_parameters) need them whole, so they were not cut into ranges"
+    if rt.dtype != torch.float32 and max(cut_options(rt.model, dtype=torch.float32), default=0) > 2:
+        return (
+            f"its experts cut into ranges would fit more, but not in {rt.dtype} (ranges carry its routing weights, "
+            "float32 in this model, as compute-dtype values): train in float32 (train.param_dtype = 'float32') to let "
+            "the planner cut them"
+        )
+    return ""
+
+
+def _moe_block(b) -> bool:
+    layer = getattr(b, "layer", None)
+    return hasattr(getattr(layer, "mlp", None), "experts")
 
 
 def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:

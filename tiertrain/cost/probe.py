@@ -335,8 +335,13 @@ def _probe_compute(
     if act_only:
         return {"act_bytes": act, "record_bytes": record}
     # a few blocks time one as well as all do, at a fraction of the cost; whole layers where cut
+    # (the head takes hidden states: a mixture of experts' dense layers cut into fewer units than
+    # its MoE layers, the prefix is extended to a layer's end)
     parts = model.layer_parts
     L = min(len(model.blocks), parts * max(1, 4 // parts))
+    layers = model.block_layers
+    while layers is not None and L < len(layers) and layers[L] == layers[L - 1]:
+        L += 1
     budget = cfg.memory.keep_act_mib
     keep = L if budget is None else min(L, (budget << 20) // max(act, 1))  # None: still being planned
     out = time_unit_steps(cfg, model, layout, dev, dtype, hidden, blocks=L, keep=keep, blocks_only=blocks_only)
