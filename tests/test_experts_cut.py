@@ -124,15 +124,17 @@ def test_shared_experts_ranges_are_plain_pytorch_bit_for_bit(tmp_path, family, p
         assert generate(cfg, prompts, Sampling(max_new_tokens=8), eos=()) == _hf_generate(hf, prompts, 8)
 
 
-def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path, other_dir):
+def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path):
     """Mixtral's router gives fp32 weights whatever the compute dtype: ranges would carry them
     rounded. Refused when asked for, and never offered by the planner (attention | MoE block is)."""
+    from transformers import AutoModelForCausalLM
+
     from tiertrain.models.sublayers import cut_options
     from tiertrain.runtime import Runtime
 
-    family, path = other_dir
-    if family != "mixtral":
-        pytest.skip("OLMoE's routing weights are in the compute dtype")
+    torch.manual_seed(0)
+    path = str(tmp_path / "mixtral")
+    AutoModelForCausalLM.from_config(moe_config("mixtral")).save_pretrained(path)
     with pytest.raises(ConfigError, match="gives float32 routing weights while the model computes in torch.bfloat16"):
         Trainer(_cfg(tmp_path, path, 3, dtype="bfloat16", steps=1))
     short = _cfg(tmp_path, path, None, dtype="bfloat16", steps=1)

@@ -89,15 +89,7 @@ class _Forms(torch.nn.Module):
         return hidden_states
 
     @torch.no_grad()
-    def decorated(self, hidden_states, attention_mask=None):
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
+    def decorated(self, hidden_states, attention_mask=None):  # refused on its decorator, before its body is read
         return hidden_states
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError, one_line
-from ..models.experts_cut import CLIP_NORM_DEVIATION
+from ..models.experts_cut import CLIP_NORM_DEVIATION, is_moe_layer
 from ..models.sublayers import cut_options, describe_cut
 from ..state.grads import GradStore
 from .budget import (
@@ -111,7 +111,7 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
 def _ranges_off(cfg: Config, rt) -> str:
     """Why the planner could not cut a mixture of experts' experts into ranges, where another
     setting would let it ('' where nothing would): the compute dtype, or adapters on them."""
-    if cfg.model.layer_pieces is not None or not any(_moe_block(b) for b in rt.model.blocks):
+    if cfg.model.layer_pieces is not None or not any(is_moe_layer(getattr(b, "layer", b)) for b in rt.model.blocks):
         return ""
     if cfg.adapter.on and cfg.adapter.target_parameters:
         return "adapters on the experts (adapter.target_parameters) need them whole, so they were not cut into ranges"
@@ -122,11 +122,6 @@ def _ranges_off(cfg: Config, rt) -> str:
             "the planner cut them"
         )
     return ""
-
-
-def _moe_block(b) -> bool:
-    layer = getattr(b, "layer", None)
-    return hasattr(getattr(layer, "mlp", None), "experts")
 
 
 def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:

@@ -45,16 +45,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import re
-import textwrap
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from .base import no_cache
-from .layouts import finish, layout_of
+from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
 
 __all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "CLIP_NORM_DEVIATION"]
@@ -62,13 +60,6 @@ __all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "CLIP_
 # transformers' grouped_mm experts forward, whose source's sha256 is ``GROUPED_MM_SHA`` where this
 # module replays it: another version's is refused, not replayed inexactly
 _GROUPED_MM = "grouped_mm_experts_forward"
-
-
-def _source(fn: Any) -> str | None:
-    try:
-        return textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return None
 
 
 def is_moe_layer(layer: nn.Module) -> bool:
@@ -79,8 +70,6 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('') in the
     compute ``dtype`` (None: any): the ranges carry the routing weights and expert ids as values
     of it."""
-    import transformers.integrations.moe as moe
-
     mlp = layer.mlp
     experts = mlp.experts
     if form_of(mlp) is None:
@@ -99,8 +88,7 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
             f"{type(experts).__name__} runs {'its own forward' if not wrapped else repr(impl)}, not transformers' "
             "grouped_mm experts forward the ranges replay: cut it into 2 (model.layer_pieces = 2)"
         )
-    got = hashlib.sha256((_source(getattr(moe, _GROUPED_MM, None)) or "").encode()).hexdigest()
-    if got != GROUPED_MM_SHA:
+    if not _grouped_mm_replayed():
         import transformers
 
         return (
@@ -108,7 +96,7 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
             "(transformers 5.24's)"
         )
     if dtype is not None and dtype != torch.float32:
-        src = _source(type(_router(mlp)).forward) or ""
+        src = source_of(type(_router(mlp)).forward) or ""
         # routing weights in float32 (softmax in float, DeepSeek's scores of float32 logits) unless cast back
         if re.search(r"torch\.float\b|torch\.float32|\.float\(\)", src) and ".to(router_logits.dtype)" not in src:
             return (
@@ -156,12 +144,12 @@ def _forms() -> dict[str | None, str]:
         modeling_deepseek_v3.DeepseekV3MoE: SHARED,
         modeling_qwen2_moe.Qwen2MoeSparseMoeBlock: GATED,
     }
-    return {_source(b.forward): form for b, form in forms.items() if _source(b.forward)}
+    return {source_of(b.forward): form for b, form in forms.items() if source_of(b.forward)}
 
 
 def form_of(mlp: nn.Module) -> str | None:
     """The form of a MoE block (None: not one the ranges replay)."""
-    return _forms().get(_source(type(mlp).forward))
+    return _forms().get(source_of(type(mlp).forward))
 
 
 GROUPED_MM_SHA = "54beecae8764c6e99e73d0a6c85f9120c9535d713647d099dd91da6c74e1f15e"  # transformers 5.24's
@@ -175,6 +163,16 @@ CLIP_NORM_DEVIATION = (
     "a 12.6 M-element expert parameter (where torch's own fp32 norm of the whole is 5e-4 from the exact value), "
     "and so does the clip's factor in a step where it acts"
 )
+
+
+@functools.lru_cache(maxsize=1)
+def _grouped_mm_replayed() -> bool:
+    """Whether the installed transformers' grouped_mm experts forward is the one the ranges
+    replay (its source's hash; read once, not for every layer of every cut planned)."""
+    import transformers.integrations.moe as moe
+
+    got = hashlib.sha256((source_of(getattr(moe, _GROUPED_MM, None)) or "").encode()).hexdigest()
+    return got == GROUPED_MM_SHA
 
 
 def exact_ids(dtype: torch.dtype) -> int:

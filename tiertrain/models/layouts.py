@@ -55,6 +55,7 @@ __all__ = [
     "parallel_mlp",
     "down_last_problem",
     "before_down",
+    "source_of",
 ]
 
 # the keywords a layer may pass its attention, each as the same-named argument of its forward
@@ -104,6 +105,15 @@ class Layout:
 
 class _NotTheForm(Exception):
     pass
+
+
+@functools.lru_cache(maxsize=None)
+def source_of(fn: Any) -> str | None:
+    """``fn``'s source, dedented (None where it cannot be read): what the forms are checked on."""
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -423,14 +433,19 @@ def run_branch(
     shell of the layer's own modules) as the layer's forward does. Attention takes ``keywords``
     (every one of ``_ATTENTION_KEYWORDS``; it is given those the layer passes it); the MLP, None."""
     x = getattr(modules, branch.pre)(h) if branch.pre else h
+    return finish(layer, branch, h, _module_out(layer, branch, x, modules, keywords), modules)
+
+
+def _module_out(
+    layer: nn.Module, branch: Branch, x: torch.Tensor, modules: nn.Module, keywords: dict[str, Any] | None
+) -> torch.Tensor:
+    """``branch``'s module on ``x`` as the layer calls it (attention: ``hidden_states=`` and the
+    keywords it passes), the first of a tuple where it returns one."""
     fn = getattr(modules, branch.module)
-    if keywords is None:
-        out = fn(x)
-    else:
-        out = fn(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
+    out = fn(x) if keywords is None else fn(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
     if branch.outputs > 1 or (branch.tuple_if and getattr(layer, branch.tuple_if)):
         out = out[0]
-    return finish(layer, branch, h, out, modules)
+    return out
 
 
 def finish(layer: nn.Module, branch: Branch, h: torch.Tensor, out: torch.Tensor, modules: nn.Module) -> torch.Tensor:
@@ -447,23 +462,24 @@ def finish(layer: nn.Module, branch: Branch, h: torch.Tensor, out: torch.Tensor,
     return h + out
 
 
-def parallel_attention(layout: Layout, h: torch.Tensor, modules: nn.Module, keywords: dict[str, Any]) -> torch.Tensor:
+def parallel_attention(
+    layer: nn.Module, layout: Layout, h: torch.Tensor, modules: nn.Module, keywords: dict[str, Any]
+) -> torch.Tensor:
     """The first unit of a side-by-side layer: ``[h, x, a]`` (the residual, the normed input
     the MLP takes too, the attention's output through its dropout), concatenated."""
     branch = layout.attention
     x = getattr(modules, branch.pre)(h)
-    a = getattr(modules, branch.module)(hidden_states=x, **{k: keywords[k] for k in branch.keywords})
-    a = a[0] if branch.outputs > 1 else a
+    a = _module_out(layer, branch, x, modules, keywords)
     if branch.dropout:
         a = getattr(modules, branch.dropout)(a)
     return torch.cat([h, x, a], dim=-1)
 
 
-def parallel_mlp(layout: Layout, s: torch.Tensor, modules: nn.Module) -> torch.Tensor:
+def parallel_mlp(layer: nn.Module, layout: Layout, s: torch.Tensor, modules: nn.Module) -> torch.Tensor:
     """The second: the MLP on ``x``, then the three terms added in the layer's order."""
     h, x, a = s.chunk(3, dim=-1)
     branch = layout.mlp
-    m = getattr(modules, branch.module)(x)
+    m = _module_out(layer, branch, x, modules, None)
     if branch.dropout:
         m = getattr(modules, branch.dropout)(m)
     terms = {"residual": h, "attention": a, "mlp": m}

@@ -31,8 +31,6 @@ the MLP is Llama's (checked on its source) behind a norm of its own. Names: a pi
 
 from __future__ import annotations
 
-import inspect
-import textwrap
 from typing import Any, cast
 
 import torch
@@ -51,6 +49,7 @@ from .layouts import (
     parallel_attention,
     parallel_mlp,
     run_branch,
+    source_of,
 )
 
 __all__ = ["PARTS", "cut_problem", "cut_layers", "cut_options", "describe_cut", "SubLayer"]
@@ -61,13 +60,6 @@ PARTS: dict[int, tuple[str, ...]] = {
     3: ("attention", "gate_up", "down"),
     4: ("attention", "gate", "up", "down"),
 }
-
-
-def _source(fn: Any) -> str | None:
-    try:
-        return textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return None
 
 
 def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = None) -> str:
@@ -81,7 +73,7 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
         return f"its layers are not transformers decoder layers (model kind {model.kind!r})"
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    mlp_ref = _source(LlamaMLP.forward)
+    mlp_ref = source_of(LlamaMLP.forward)
     moe = any(is_moe_layer(cast(DecoderBlock, b).layer) for b in model.blocks)
     for b in model.blocks:
         layer = cast(DecoderBlock, b).layer
@@ -112,7 +104,7 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
         if last:  # 3: attention | the MLP up to down_proj | down_proj
             return f"{type(mlp).__name__}'s forward does not end in its down_proj ({last}): cut it into 2 pieces"
         if parts == 4 and (
-            _source(type(mlp).forward) != mlp_ref
+            source_of(type(mlp).forward) != mlp_ref
             or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         ):
             return f"{type(mlp).__name__} is not the Llama MLP (down(act(gate(x)) * up(x))): cut it into 2 or 3 pieces"
@@ -185,7 +177,7 @@ class SubLayer(nn.Module):
         assert isinstance(layout, Layout), "cut_problem first"
         self.kind, self.layer_index, self.attn_kind = kind, layer_index, block.kind
         self.attends = kind == "attention"  # holds the layer's attention (and, generating, its key/value cache)
-        self._d, self._ff, self._layout = hidden, ff, layout
+        self._d, self._layout = hidden, layout
         object.__setattr__(self, "_block", block)  # masks and rotary tables: not part of this unit
         object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order), not this unit's
         branch = layout.mlp
@@ -227,13 +219,13 @@ class SubLayer(nn.Module):
         """The layer's forward up to its first residual add, attention given what the layer gives it."""
         keywords = attention_keywords(mask, pos, rope, cache)
         if self._layout.parallel:
-            return parallel_attention(self._layout, h, self.layer, keywords)
+            return parallel_attention(self.whole, self._layout, h, self.layer, keywords)
         return run_branch(self.whole, self._layout.attention, h, self.layer, keywords)
 
     def _mlp(self, s: torch.Tensor) -> torch.Tensor:
         layer, d, branch = self.layer, self._d, self._layout.mlp
         if self.kind == "mlp" and self._layout.parallel:
-            return parallel_mlp(self._layout, s, layer)
+            return parallel_mlp(self.whole, self._layout, s, layer)
         if self.kind == "mlp":
             return run_branch(self.whole, branch, s, layer)
         if self.kind == "gate_up":  # the MLP's own forward, up to what it hands down_proj
