@@ -16,6 +16,7 @@ rate, measured in the same run), and the tokens are compared with transformers' 
 ``generate`` on the model in memory (the peer, timed too).
 
 Usage: python bench/moe_routed.py [--family olmoe] [--shape layers=8,hidden=512,experts=64,top_k=8,...]
+                                  [--layer-pieces N]   (N > 2: the experts cut into N - 1 ranges)
                                   [--prompts 4] [--prompt-len 32] [--new-tokens 8] [--rounds 2] [--out FILE]
 """
 
@@ -54,6 +55,7 @@ def run_ours(
     cache_mib: int,
     device: str = "cpu",
     dtype: str = "float32",
+    layer_pieces: int | None = None,
 ) -> dict:
     from tiertrain.config import load_config
     from tiertrain.inference.generate import Sampling, generate
@@ -71,6 +73,7 @@ def run_ours(
             f"--train.device={device}",
             f"--train.param_dtype={dtype}",
             "--train.progress=false",
+            *([f"--model.layer_pieces={layer_pieces}"] if layer_pieces else []),
         ],
     )
     h = _Lines()
@@ -103,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     from tiertrain.bench.output import SCRATCH_HELP, publish, scratch_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="olmoe", help="qwen3_moe, mixtral or olmoe")
+    ap.add_argument("--family", default="olmoe", help="qwen3_moe, mixtral, olmoe or qwen2_moe")
+    ap.add_argument(
+        "--layer-pieces", type=int, default=None, help="model.layer_pieces: N > 2 cuts the experts into N - 1 ranges"
+    )
     ap.add_argument("--shape", default="", help="overrides of " + ",".join(f"{k}={v}" for k, v in SHAPE.items()))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (tiertrain and transformers' generate alike)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, both systems' compute dtype")
@@ -140,13 +146,23 @@ def main(argv: list[str] | None = None) -> int:
         cache_mib = int(experts_bytes * args.cache_fraction) >> 20
         variants = {"whole": (False, 0), "routed": (True, 0), "routed + cache": (True, cache_mib)}
         run_ours(
-            model_dir, scratch, prompts[:1], 1, True, 0, args.device, args.dtype
+            model_dir, scratch, prompts[:1], 1, True, 0, args.device, args.dtype, args.layer_pieces
         )  # the converted copy, made once, untimed
         runs: dict[str, list[dict]] = {k: [] for k in variants}
         for r in range(args.rounds):
             for name, (routed, mib) in variants.items():
                 runs[name].append(
-                    run_ours(model_dir, scratch, prompts, args.new_tokens, routed, mib, args.device, args.dtype)
+                    run_ours(
+                        model_dir,
+                        scratch,
+                        prompts,
+                        args.new_tokens,
+                        routed,
+                        mib,
+                        args.device,
+                        args.dtype,
+                        args.layer_pieces,
+                    )
                 )
                 print(f"round {r + 1} {name}: {runs[name][-1]['s']:.2f} s, {runs[name][-1]['gb']:.3f} GB", flush=True)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval().to(args.device)
@@ -205,7 +221,13 @@ def report(args, shape, n_params, runs, want, hf_s: float, rbw: float, cache_mib
             f"{args.new_tokens} new tokens each (greedy), one micro-batch",
             "- tiertrain: io.weights = tier (the converted copy, O_DIRECT), memory.host_param_mib = 0 (every pass "
             f"reads the model); expert cache {cache_mib} MiB in 'routed + cache' ({args.cache_fraction:.0%} of the "
-            f"experts' bytes); {args.rounds} rounds alternating the variants, medians",
+            f"experts' bytes); {args.rounds} rounds alternating the variants, medians"
+            + (
+                f"; layers cut into attention and {args.layer_pieces - 1} ranges of experts (model.layer_pieces = "
+                f"{args.layer_pieces}), each range reading the experts of its own the routing reaches"
+                if args.layer_pieces and args.layer_pieces > 2
+                else ""
+            ),
             "",
             *rows,
             "",
