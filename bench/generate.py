@@ -16,15 +16,27 @@ bandwidth measured in the same run (`tiertrain bench io`'s reader): all of them 
 formula), and those outside the weight budget. A plot of tokens/s and peak RSS goes next to
 ``--out`` (``.png``).
 
+A mixture of experts (``--family qwen3_moe`` and the other families of ``bench/moe.py``, its
+``--shape``): tiertrain reads a block without its experts and only the experts the routing
+reaches (``io.routed_experts``, the default), the hottest kept in the expert cache the weight
+budget leaves; ``--layer-pieces N`` cuts each block into attention and N - 1 ranges of experts,
+so that the slots follow the budget, not the block. The report adds the bytes a token against
+two references, both counted from the plain run's own routing (a hook on each router): reading
+every expert (the whole model each pass, as accelerate does) and the routed floor (each pass's
+dense part plus the experts its tokens reached, each once).
+
     python bench/generate.py [--batches 1,16,64] [--new-tokens 8] [--layers 16] --out FILE
+    python bench/generate.py --family qwen3_moe --shape layers=16,hidden=1024,experts=128,... --layer-pieces 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -68,12 +80,16 @@ def worker(system: str, spec: dict) -> dict:
                 "--train.device=cpu",
                 "--memory.device_slots=3",
                 f"--memory.host_param_mib={spec['budget_mib']}",
+                *([f"--model.layer_pieces={spec['layer_pieces']}"] if spec.get("layer_pieces") else []),
             ],
         )
         generate(cfg, prompts[:1], Sampling(max_new_tokens=1))  # converts the weights once (not timed)
         meter.reset_peak()
+        lines = _Lines()
         r0, t0 = meter.io()[0], time.perf_counter()
-        out = generate(cfg, prompts, Sampling(max_new_tokens=n))
+        with lines:
+            out = generate(cfg, prompts, Sampling(max_new_tokens=n), eos=())
+        extra = lines.counted()
     else:
         from transformers import AutoModelForCausalLM
 
@@ -85,9 +101,11 @@ def worker(system: str, spec: dict) -> dict:
                 offload_folder=os.path.join(spec["scratch"], "offload"),
             )
         model = AutoModelForCausalLM.from_pretrained(spec["model"], **kw).eval()
+        model.config.output_router_logits = False  # transformers' generate fails with it
         ids = torch.tensor(prompts)
         with torch.no_grad():  # warm-up, as tiertrain's conversion call (not timed)
             model.generate(input_ids=ids[:1], max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None)
+        extra = _Routing(model) if system == "plain" else None
         meter.reset_peak()
         r0, t0 = meter.io()[0], time.perf_counter()
         with torch.no_grad():
@@ -100,10 +118,69 @@ def worker(system: str, spec: dict) -> dict:
                 eos_token_id=None,
             )
         out = got[:, ids.shape[1] :].tolist()
+        extra = extra.counted() if extra else {}
     seconds = time.perf_counter() - t0
     return dict(
-        seconds=seconds, tokens=sum(map(len, out)), peak_rss=meter.peak_rss(), read=meter.io()[0] - r0, first=out[0]
+        seconds=seconds,
+        tokens=sum(map(len, out)),
+        peak_rss=meter.peak_rss(),
+        read=meter.io()[0] - r0,
+        first=out[0],
+        same=out,
+        **extra,
     )
+
+
+class _Lines(logging.Handler):
+    """tiertrain's summary line of ``generate``: the bytes its storage tier counted, the experts reached."""
+
+    _READ = re.compile(r"weights: (\d+) unit loads, ([\d.]+) GB read")
+    _EXPERTS = re.compile(r"experts: (\d+) of (\d+) reached")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_Lines":
+        log = logging.getLogger("tiertrain")
+        log.addHandler(self)
+        log.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("tiertrain").removeHandler(self)
+
+    def counted(self) -> dict:
+        line = next(ln for ln in self.lines if ln.startswith("generated"))
+        m, e = self._READ.search(line), self._EXPERTS.search(line)
+        return dict(tier_gb=float(m.group(2)), **({"tier_reached": int(e.group(1))} if e else {}))
+
+
+class _Routing:
+    """The experts each forward pass of a mixture of experts reaches, counted from its routers'
+    outputs (transformers' routers return the chosen experts' ids last): the routed floor's
+    input, independent of tiertrain's own count."""
+
+    def __init__(self, model) -> None:
+        self.calls, self.reached = 0, 0
+        self.hooks = [
+            m.register_forward_hook(self._hook)
+            for name, m in model.named_modules()
+            if name.endswith("mlp.gate") or name.endswith("mlp.router")
+        ]
+
+    def _hook(self, module, args, out) -> None:
+        if isinstance(out, tuple):
+            self.calls += 1
+            self.reached += int(out[-1].unique().numel())
+
+    def counted(self) -> dict:
+        for h in self.hooks:
+            h.remove()
+        return dict(router_calls=self.calls, reached=self.reached) if self.hooks else {}
 
 
 class MemoryCgroup:
@@ -172,14 +249,25 @@ def run(system: str, spec: dict, limit_bytes: int | None = None) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def make_model(directory: str, args) -> int:
+def make_model(directory: str, args) -> tuple[int, int]:
+    """The model, random (seed 0), saved in ``directory``: its parameter count and, for a
+    mixture of experts, the parameters of one expert of one layer (else 0)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tiertrain.config import ModelConfig
     from tiertrain.models import hf_config_from
 
     torch.manual_seed(0)
+    if args.family != "llama":
+        from moe import write_config
+
+        write_config(args.family, args.moe_shape, args.prompt_len + args.new_tokens, directory)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        model.save_pretrained(directory)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        shape = args.moe_shape
+        return sum(p.numel() for p in model.parameters()), experts // (shape["layers"] * shape["experts"])
     cfg = hf_config_from(
         ModelConfig(
             kind="llama",
@@ -193,7 +281,7 @@ def make_model(directory: str, args) -> int:
     )
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(directory)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()), 0
 
 
 def main() -> int:
@@ -212,6 +300,13 @@ def main() -> int:
     )
     ap.add_argument("--systems", default="tiertrain,accelerate,plain")
     ap.add_argument(
+        "--family", default="llama", help="llama (dense), or a mixture of experts: qwen3_moe, mixtral, olmoe, qwen2_moe"
+    )
+    ap.add_argument("--shape", default="", help="a mixture of experts' shape: overrides of bench/moe.py's SHAPE")
+    ap.add_argument(
+        "--layer-pieces", type=int, default=None, help="tiertrain's model.layer_pieces (N > 2: experts in N - 1 ranges)"
+    )
+    ap.add_argument(
         "--memory-limit-mib",
         type=int,
         default=None,
@@ -223,6 +318,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from moe import SHAPE
+
+    args.moe_shape = dict(SHAPE, **{k: int(v) for k, v in (kv.split("=") for kv in args.shape.split(",") if kv)})
     if args.worker:
         with open(args.worker[1]) as f:
             print(json.dumps(worker(args.worker[0], json.load(f))))
@@ -231,7 +329,7 @@ def main() -> int:
     systems = args.systems.split(",")
     with scratch_dir(args.scratch, "generate") as scratch:
         model = os.path.join(scratch, "model")
-        n_params = make_model(model, args)
+        n_params, expert_params = make_model(model, args)
         from tiertrain.bench.io import run_io_bench
 
         io = run_io_bench([scratch], size_bytes=1 << 30, repeats=2, use_fio=False, progress=False)
@@ -246,12 +344,16 @@ def main() -> int:
                     new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len,
                     budget_mib=args.budget_mib,
+                    layer_pieces=args.layer_pieces,
                 )
                 print(f"batch {b}: {s} ...", flush=True)
                 limit = args.memory_limit_mib << 20 if args.memory_limit_mib and s != "plain" else None
                 rows[b, s] = run(s, spec, limit)
                 print(f"  {rows[b, s]['tokens'] / rows[b, s]['seconds']:.1f} tok/s", flush=True)
-    publish(render(rows, systems, args, n_params, read_gbps), out)
+    text = render(rows, systems, args, n_params, read_gbps)
+    if expert_params:
+        text += render_routed(rows, args, n_params, expert_params)
+    publish(text, out)
     if out:
         plot(rows, systems, os.path.splitext(out)[0] + ".png")
     return 0
@@ -283,6 +385,40 @@ def plot(rows: dict, systems: list[str], path: str) -> None:
     print(f"plot: {path}")
 
 
+def render_routed(rows: dict, args, n_params: int, expert_params: int) -> str:
+    """Bytes a generated token for a mixture of experts: tiertrain's storage tier against reading
+    every expert and against the routed floor, both from the plain run's routing."""
+    shape = args.moe_shape
+    expert_b = expert_params * 4
+    dense_b = n_params * 4 - shape["layers"] * shape["experts"] * expert_b
+    lines = [
+        "",
+        f"Bytes a token (fp32; one expert of one layer {expert_b / 2**20:.2f} MiB, the dense part "
+        f"{dense_b / 1e9:.3f} GB; counted over the timed call, prefill included). Every expert: the whole "
+        "model each pass. Routed floor: each pass's dense part and the experts its tokens reached, each once "
+        "(from the plain run's routers). tiertrain: what its storage tier read (the weight budget and the "
+        "expert cache serve the rest).",
+        "",
+        "| batch | passes | experts reached (plain / tiertrain) | every expert MB/token | routed floor MB/token | "
+        "tiertrain MB/token | tiertrain / routed floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in sorted({b for b, _ in rows}):
+        plain, ours = rows.get((b, "plain")), rows.get((b, "tiertrain"))
+        if not plain or not ours or "reached" not in plain:
+            continue
+        passes = plain["router_calls"] // shape["layers"]
+        every = passes * n_params * 4
+        floor = passes * dense_b + plain["reached"] * expert_b
+        tier = ours["tier_gb"] * 1e9
+        tok = ours["tokens"]
+        lines.append(
+            f"| {b} | {passes} | {plain['reached']} / {ours.get('tier_reached', '-')} | {every / tok / 1e6:.1f} | "
+            f"{floor / tok / 1e6:.1f} | {tier / tok / 1e6:.1f} | {tier / floor:.2f}x (goal <= 1.2x) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float) -> str:
     weight_gb = n_params * 4 / 1e9
     lines = [
@@ -290,8 +426,15 @@ def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, no GPU; storage tier read {read_gbps:.2f} GB/s "
         "(measured in this run)",
-        f"- model: Llama, {n_params / 1e6:.0f} M parameters ({args.layers} layers, d {args.d_model}, ff {args.d_ff}), "
-        f"fp32 ({weight_gb:.2f} GB of weights), random; prompts of {args.prompt_len} tokens, {args.new_tokens} new "
+        (
+            f"- model: Llama, {n_params / 1e6:.0f} M parameters ({args.layers} layers, d {args.d_model}, ff {args.d_ff}), "
+            if args.family == "llama"
+            else f"- model: {args.family}, {n_params / 1e6:.0f} M parameters ("
+            + ", ".join(f"{k} {v}" for k, v in args.moe_shape.items())
+            + (f"; tiertrain's model.layer_pieces = {args.layer_pieces}" if args.layer_pieces else "")
+            + "), "
+        )
+        + f"fp32 ({weight_gb:.2f} GB of weights), random; prompts of {args.prompt_len} tokens, {args.new_tokens} new "
         "tokens, greedy",
         f"- weight budget: {args.budget_mib} MiB of CPU memory for both (accelerate's max_memory, tiertrain's "
         "memory.host_param_mib, loaded inside the timed call), the rest offloaded to disk; tiertrain: 3 slots of "
@@ -344,8 +487,8 @@ def render(rows: dict, systems: list[str], args, n_params: int, read_gbps: float
             if "accelerate" in per:
                 line += f"; accelerate's is {per['accelerate'] / per['tiertrain']:.2f}x tiertrain's (goal: >= 10x)"
             lines.append(line)
-    same = all(rows[b, s]["first"] == rows[b, systems[0]]["first"] for b, s in rows)
-    lines += ["", f"Greedy tokens of the first prompt identical across systems: {'yes' if same else 'NO'}."]
+    same = all(rows[b, s]["same"] == rows[b, systems[0]]["same"] for b, s in rows)
+    lines += ["", f"Greedy tokens of every prompt identical across systems: {'yes' if same else 'NO'}."]
     return "\n".join(lines) + "\n"
 
 
