@@ -43,6 +43,7 @@ from tiertrain.data import Corpus
 from tiertrain.models import build_model, tensor_source
 from tiertrain.reference import reference_model, weights_of
 from tiertrain.training.trainer import Trainer
+from tiertrain.update.adamw8bit import plain_optimizer
 
 MODEL = dict(kind="llama", n_layers=12, d_model=768, n_heads=12, d_ff=2048, vocab_size=32000, max_seq_len=256)
 
@@ -66,6 +67,9 @@ MODES = {  # name: (label, update section, memory fields other than the defaults
         {"activations": "keep-first"},
     ),
     "baseline-recompute": ("baseline, recompute all", UpdateConfig(mode="baseline"), {"activations": "recompute"}),
+    # 8-bit optimizer states (bitsandbytes' AdamW8bit; plain PyTorch runs it too)
+    "baseline-8bit": ("baseline, 8-bit states", UpdateConfig(mode="baseline"), {"optim": "adamw8bit"}),
+    "overlap-8bit": ("overlap, 8-bit states", UpdateConfig(mode="overlap"), {"optim": "adamw8bit"}),
 }
 
 
@@ -84,7 +88,8 @@ def config(
     # states on the storage tier, as DeepSpeed's (the budget would place this model in RAM)
     planned = memory.get("planned", False)
     clip = memory.get("grad_clip", OptimConfig().grad_clip)
-    memory = {k: v for k, v in memory.items() if k not in ("planned", "grad_clip")}
+    name = memory.get("optim", OptimConfig().name)
+    memory = {k: v for k, v in memory.items() if k not in ("planned", "grad_clip", "optim")}
     memory = {
         **({} if planned else STATES_ON_STORAGE),
         **memory,
@@ -95,7 +100,7 @@ def config(
         model=ModelConfig(**MODEL),
         data=DataConfig(seq_len=64, micro_batch_size=1, micro_batches=micro_batches),
         update=update,
-        optim=OptimConfig(grad_clip=clip),
+        optim=OptimConfig(name=name, grad_clip=clip),
         memory=MemoryConfig(**memory),
         checkpoint=CheckpointConfig(at_end=False),
         train=TrainConfig(
@@ -115,9 +120,7 @@ def plain_steps(cfg: Config, model: torch.nn.Module, in_place: bool = False) -> 
     m = model if in_place and dev.type == "cpu" else copy.deepcopy(model)
     m = m.to(dev, getattr(torch, DEVICE["dtype"]))
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        m.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    opt = plain_optimizer(o, m.parameters())  # torch's fused AdamW, or bitsandbytes' AdamW8bit
     corpus, M, times = Corpus(cfg.data), cfg.data.micro_batches, []
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
@@ -206,11 +209,17 @@ def run(args, mbs: list[int], modes: list[str], checksums: list[bool]):
     io = run_io_bench([args.scratch], size_bytes=int(args.io_gib * 2**30), repeats=2, use_fio=False, progress=False)
     rbw, wbw = io.median("ours", "read") * 1e9, io.median("ours", "write") * 1e9
     rows = []
-    for M in mbs:  # one M: plain PyTorch trains the reference itself (init holds the weights)
-        plain = statistics.median(plain_steps(config(args.scratch, M, args.steps), ref, in_place=len(mbs) == 1)[1:])
+    for M in mbs:  # one M and one optimizer: plain PyTorch trains the reference itself (init holds the weights)
+        plain = {}
+        optims = {config(args.scratch, M, args.steps, mode).optim.name: mode for mode in modes}
+        for name, mode in optims.items():  # its optimizer's own (AdamW8bit's kernels are not fused AdamW's)
+            cfg = config(args.scratch, M, args.steps, mode)
+            # in place with one M: the reference trained on by the next optimizer's rows is only timed
+            plain[name] = statistics.median(plain_steps(cfg, ref, in_place=len(mbs) == 1)[1:])
         for ck in checksums:
             for mode in modes:
-                rows.append(measure(args, mode, M, plain, init, rbw, wbw, ck))
+                name = config(args.scratch, M, args.steps, mode).optim.name
+                rows.append(measure(args, mode, M, plain[name], init, rbw, wbw, ck))
     return rows, rbw, wbw, init
 
 

@@ -13,6 +13,7 @@ from .config import Config
 from .data import open_corpus
 from .models import hf_config_from
 from .models.gpt import build_gpt
+from .update.adamw8bit import plain_optimizer
 from .update.lr import lr_at
 
 __all__ = ["HFWrapper", "reference_model", "weights_of", "reference_train"]
@@ -80,12 +81,7 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         opt_params = [nn.Parameter(w) for w in master]
     else:
         opt_params = trained
-    if o.name == "sgd":
-        opt = torch.optim.SGD(opt_params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=True)
-    else:
-        opt = torch.optim.AdamW(
-            opt_params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-        )
+    opt = plain_optimizer(o, opt_params)
     losses = []
     torch.manual_seed(cfg.train.seed)  # dropout's draws, as the trainer seeds them after initialising
     for step in range(cfg.train.steps):
@@ -149,9 +145,7 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
     model = copy.deepcopy(model)
     _freeze(model, cfg.train.freeze)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    opt = plain_optimizer(o, params)
     losses = []
     torch.manual_seed(cfg.train.seed)
     for step in range(cfg.train.steps):

@@ -21,8 +21,9 @@ from .io import Storage
 from .io.storage import record_align
 from .models import WeightSource, build_model
 from .models.freeze import apply_freeze, freeze_all
-from .state.layout import FlatLayout, chunk_align
+from .state.layout import PARAM_ALIGN, FlatLayout, chunk_align
 from .state.quant import quant_spec, require_bitsandbytes
+from .state.scales import param_align
 from .state.store import ParamStore
 
 __all__ = ["Runtime", "align_of", "hidden_size_of"]
@@ -31,6 +32,16 @@ __all__ = ["Runtime", "align_of", "hidden_size_of"]
 def align_of(cfg: Config) -> int:
     """Bytes every unit's record starts on in state files (known before any file exists)."""
     return record_align(cfg.io.checksum, cfg.io.checksum_block_kib << 10)
+
+
+def layout_aligns(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """(unit, parameter) alignment of the flat layout, in elements, for a model whose narrowest
+    kept dtype is ``dtype``: units on whole checksum blocks of every state file of 2- or 4-byte
+    elements, parameters on 64 elements (8-bit moments: their 256-element blocks). 8-bit
+    moments' files (1-byte codes) are not padded to whole blocks a unit: a unit's record starts on
+    one (``regions.place``) and its last chunk's end is patched through the bounce buffer."""
+    trained = not cfg.adapter.on
+    return chunk_align(align_of(cfg), dtype), param_align(cfg.optim) if trained else PARAM_ALIGN
 
 
 def hidden_size_of(model, cfg: Config) -> int:
@@ -88,15 +99,18 @@ class Runtime:
         else:
             self.frozen = apply_freeze(self.model, cfg.train.freeze)  # before the layouts: they record it
         # units start where a record of the narrowest dtype kept starts (the frozen model's may be narrower)
-        align = chunk_align(align_of(cfg), self.base_dtype)
+        align, p_align = layout_aligns(cfg, self.base_dtype)
         world, rank = self.world, self.rank
-        self.layout = FlatLayout(self.model, unit_align=world * align)
+        self.layout = FlatLayout(self.model, unit_align=world * align, param_align=p_align)
         self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)
         # the layout of one rank: what checkpoints are written in, whatever the world
-        self.canonical_layout = self.layout if world == 1 else FlatLayout(self.model, unit_align=align)
+        self.canonical_layout = (
+            self.layout if world == 1 else FlatLayout(self.model, unit_align=align, param_align=p_align)
+        )
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
         self._check_quantized(cfg)
+        self._check_optim(cfg)
 
     def _check_quantized(self, cfg: Config) -> None:
         """A 4-bit base (``model.base_dtype``): bitsandbytes present, something to quantize, one rank."""
@@ -112,6 +126,23 @@ class Runtime:
             )
         if self.world > 1:
             raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or unset it")
+
+    def _check_optim(self, cfg: Config) -> None:
+        """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present; one rank and
+        the trainer's own update paths, whose checkpoints hold the states' scales as they are."""
+        if cfg.optim.name != "adamw8bit":
+            return
+        what = "optim.name = 'adamw8bit'"
+        require_bitsandbytes(what)
+        if cfg.adapter.on:
+            return  # the adapters' optimizer: bitsandbytes' own AdamW8bit, in memory
+        if self.world > 1:
+            raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or use 'adamw'")
+        if cfg.update.mode == "engines":
+            raise ConfigError(
+                f"{what} with update.mode = 'engines' is not supported yet (a checkpoint would not gather the "
+                "engines' scales): use update.mode = 'overlap' or 'baseline', or optim.name = 'adamw'"
+            )
 
     def recut(self, cfg: Config) -> None:
         """The model built again for ``cfg`` (another ``model.vocab_pieces``), on the same device,

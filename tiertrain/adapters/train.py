@@ -16,6 +16,7 @@ import json
 import torch
 
 from ..config import Config, ConfigError, OptimConfig
+from ..update.adamw8bit import plain_optimizer
 from .lora import LoRA
 
 __all__ = ["AdapterUpdate", "ADAPTER_FILE", "same_adapter_config"]
@@ -50,15 +51,7 @@ class AdapterUpdate:
     def __init__(self, lora: LoRA, optim: OptimConfig) -> None:
         self.lora, self.o = lora, optim
         ps = lora.params()
-        if optim.name == "sgd":
-            self.opt: torch.optim.Optimizer = torch.optim.SGD(
-                ps, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay, fused=True
-            )
-        else:
-            self.opt = torch.optim.AdamW(
-                ps, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
-                fused=True,
-            )  # fmt: skip
+        self.opt: torch.optim.Optimizer = plain_optimizer(optim, ps)
 
     def reduce(self, group) -> None:
         """With ranks: every adapter's gradient summed over the ranks, in rank order (as the
@@ -98,7 +91,9 @@ class AdapterUpdate:
         for i, p in enumerate(self.lora.params()):
             for k, v in self.opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
-                    out[f"optimizer.{i}.{k}"] = v.detach().cpu().contiguous()
+                    out[f"optimizer.{i}.{k}"] = v.detach().cpu().clone()  # bitsandbytes shares its maps
+                elif isinstance(v, int):  # bitsandbytes' step count (torch's is a float32 tensor)
+                    out[f"optimizer.{i}.{k}"] = torch.tensor(v, dtype=torch.int64)
         return out, {"adapter": json.dumps(_section(cfg))}
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], cfg: Config, where: str) -> None:
@@ -107,7 +102,11 @@ class AdapterUpdate:
         self.lora.load_named(tensors)
         self.opt.state.clear()
         for i, p in enumerate(self.lora.params()):
-            state = {k.split(".", 2)[2]: v.to(p.device) for k, v in tensors.items() if k.startswith(f"optimizer.{i}.")}
+            state = {
+                k.split(".", 2)[2]: int(v) if v.dtype == torch.int64 and v.dim() == 0 else v.to(p.device)
+                for k, v in tensors.items()
+                if k.startswith(f"optimizer.{i}.")
+            }
             if state:
                 self.opt.state[p] = state
 

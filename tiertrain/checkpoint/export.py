@@ -33,8 +33,8 @@ from ..models.base import LayeredModel
 from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir, mode_as_created
-from ..runtime import align_of
-from ..state.layout import FlatLayout, chunk_align
+from ..runtime import align_of, layout_aligns
+from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
@@ -153,7 +153,8 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
     if quantized:
         pdtype = getattr(torch, man.compute_dtype.removeprefix("torch."))
     model, _ = build_model(cfg.model, param_dtype=pdtype, seed=0)
-    layout = FlatLayout(model, unit_align=chunk_align(align_of(cfg), pdtype))  # checkpoints: the one-rank layout
+    unit_align, p_align = layout_aligns(cfg, pdtype)
+    layout = FlatLayout(model, unit_align=unit_align, param_align=p_align)  # checkpoints: the one-rank layout
     if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
     name, dtype = man.weights, man.weights_dtype

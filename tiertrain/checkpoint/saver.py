@@ -25,6 +25,7 @@ from ..io.checksum import crc32c
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
+from ..state.scales import ScaleLayout
 from .manifest import CheckpointError, FileEntry, Manifest, latest_checkpoint, list_checkpoints
 
 __all__ = ["CheckpointIO", "SaveResult", "write_tensors", "read_tensors"]
@@ -60,7 +61,7 @@ class CheckpointIO:
         """The layout ``region`` is written in: a 4-bit base's own (its units are bytes), else
         the checkpoint's."""
         own = getattr(region, "layout", None)
-        return own if isinstance(own, QuantLayout) else self.layout
+        return own if isinstance(own, (QuantLayout, ScaleLayout)) else self.layout
 
     def file_size(self, region: TieredRegions) -> int:
         return self._layout(region).total_numel * region.esize

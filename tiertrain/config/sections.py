@@ -395,7 +395,12 @@ class OptimConfig(Section):
     """Optimizer and learning-rate schedule."""
 
     SECTION: ClassVar[str] = "optim"
-    name: str = opt("adamw", "'adamw' (torch's fused kernel) or 'sgd' (with momentum).")
+    name: str = opt(
+        "adamw",
+        "'adamw' (torch's fused kernel), 'adamw8bit' (bitsandbytes' AdamW8bit: both moments in 8 bits, "
+        "blockwise, 2 bytes a parameter instead of 8; not plain AdamW's bits, bitsandbytes' own) or 'sgd' "
+        "(with momentum).",
+    )
     lr: float = opt(3e-4, "Peak learning rate.")
     beta1: float = opt(0.9, "AdamW beta1.")
     beta2: float = opt(0.95, "AdamW beta2.")
@@ -408,7 +413,7 @@ class OptimConfig(Section):
     min_lr_ratio: float = opt(0.1, "Final learning rate of the cosine schedule, as a fraction of lr.")
 
     def __post_init__(self) -> None:
-        self._one_of("name", ("adamw", "sgd"))
+        self._one_of("name", ("adamw", "adamw8bit", "sgd"))
         self._in_range("lr", 0.0, 10.0)
         self._in_range("beta1", 0.0, 0.999999)
         self._in_range("beta2", 0.0, 0.999999999)

@@ -34,6 +34,7 @@ from ..config import Config, ConfigError
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
+from ..update.adamw8bit import moment_bytes
 
 
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
@@ -173,7 +174,6 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     """Bytes each planned field needs to hold all it can hold."""
     e, M, L = rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
     n = rt.state_layout.total_numel  # as placed: units with their padding; ranks: this rank's 1/N
-    moments = 2 if cfg.optim.name == "adamw" else 1
     master = 1 if rt.dtype != torch.float32 else 0
     stash = stash_sizes(cfg, rt)
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
@@ -181,7 +181,7 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     out = {
         "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
-        "optim_host_mib": n * 4 * (moments + master) * trained if own else 0,
+        "optim_host_mib": int(n * (moment_bytes(cfg.optim) + 4 * master)) * trained if own else 0,
         "stash_host_mib": sum(stash),
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,

@@ -212,12 +212,29 @@ def probe_widen(src: torch.dtype, dst: torch.dtype, numel: int) -> float:
 
 
 def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
-    """Seconds per element of one AdamW step on the host (fp32 states)."""
+    """Seconds per element of one optimizer step on the host: fused AdamW on fp32 states, or
+    bitsandbytes' AdamW8bit kernel on 8-bit ones (``optim.name``)."""
     n = max(1 << 16, min(numel, 1 << 20))
     gen = torch.Generator().manual_seed(0)  # not the global one: the run's draws stay its own
     p, g, m, v = (torch.randn(n, generator=gen) * 0.02 for _ in range(4))
     v.abs_()
+    if cfg.optim.name == "adamw8bit":
+        return _timed(lambda: _adamw8bit_once(p, g, cfg), repeats=2) / n
     return _timed(lambda: adamw_segments([p], [g], [m], [v], step=2, lr=1e-4, cfg=cfg.optim), repeats=2) / n
+
+
+def _adamw8bit_once(p: torch.Tensor, g: torch.Tensor, cfg: Config) -> None:
+    """One AdamW8bit step of ``p`` (one 8-bit parameter: codes and scales made here)."""
+    from ..state.scales import BLOCK, UnitScales
+    from ..update.adamw8bit import adamw8bit_segments
+
+    n = p.numel()
+    unit = UnitScales(0, [(0, n, n)], 1)
+    record = torch.zeros(unit.numel)
+    codes = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+    rec = type("Rec", (), {"offset": 0, "numel": n})()
+    assert n % BLOCK == 0
+    adamw8bit_segments([(rec, 0, n)], [p], [g], codes[:1], codes[1:], unit, record, step=2, lr=1e-4, cfg=cfg.optim)
 
 
 def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> int:

@@ -98,6 +98,23 @@ def _activations(cfg, rt, r) -> str:
     )
 
 
+def _optim_name(cfg) -> str:
+    return {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "sgd": "SGD"}[cfg.optim.name]
+
+
+def _states_line(cfg, rt) -> list[str]:
+    """What 8-bit optimizer states save, where they are chosen."""
+    if cfg.optim.name != "adamw8bit" or cfg.adapter.on:
+        return []
+    from ..update.adamw8bit import moment_bytes
+
+    n = rt.state_layout.total_numel
+    return [
+        f"optimizer states: AdamW8bit (bitsandbytes' blockwise 8-bit moments), {n * moment_bytes(cfg.optim) / GB:.2f} "
+        f"GB instead of fp32 AdamW's {n * 8 / GB:.2f} GB, read and written each step"
+    ]
+
+
 def path_name(mode: str, eager: bool, speculative: bool) -> str:
     """An update path as the plan names it: ``overlap (eager), speculative``."""
     return mode + (" (eager)" if eager else "") + (", speculative" if speculative else "")
@@ -120,6 +137,7 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
     lines = [
         f"model: {model_name(rt.model, cfg.model)}, {rt.dtype}, {rt.layout.describe()}",
         *_base_line(cfg, rt),
+        *_states_line(cfg, rt),
         f"step: {cfg.data.micro_batches} micro-batches of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens,"
         f" update path {path_name(cfg.update.mode, cfg.update.eager, cfg.update.speculate == 'on')}, checksums {'on' if cfg.io.checksum else 'off'}, device {rt.dev.device}",
         "",
@@ -141,7 +159,7 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f"measured here: storage read {r.read_gbps:.2f} GB/s, write {r.write_gbps:.2f} GB/s; CRC32C {r.crc_gbps:.2f}"
         f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
         f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
-        f" block and micro-batch; AdamW {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s"
+        f" block and micro-batch; {_optim_name(cfg)} {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s"
         + (f"; the base {_made(cfg)} at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else ""),
         _activations(cfg, rt, r),
         "",

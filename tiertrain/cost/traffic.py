@@ -30,7 +30,8 @@ from ..config import Config
 from ..execute.executor import visits
 from ..state.quant import base_storage
 from ..state.regions import place
-from ..update.streamed import optimizer_states
+from ..state.scales import ScaleLayout
+from ..update.streamed import optimizer_shares, optimizer_states
 
 __all__ = ["Traffic", "step_traffic", "run_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
 
@@ -214,10 +215,11 @@ def step_traffic(
 
     # the optimizer's states (and parameters without a master copy), read and written once
     states = optimizer_states(cfg.optim, layout, dtype, align, m.optim_host_mib * MIB, owner="")
-    share = m.optim_host_mib * MIB // len(states)
+    shares = optimizer_shares(cfg.optim, layout, dtype, m.optim_host_mib * MIB)
     for st in states:
-        for u in _on_file(layout, st.dtype, share, align) - frozen:
-            n = layout.units[u].numel * st.dtype.itemsize
+        lay = ScaleLayout(layout) if st.name == "exp_avg_scales" else layout  # 8-bit states' scales
+        for u in _on_file(lay, st.dtype, shares[st.name], align) - frozen:
+            n = lay.units[u].numel * st.dtype.itemsize
             t._add(st.name, "update", "read", n)
             t._add(st.name, "update", "write", n)
     has_master = dtype != torch.float32

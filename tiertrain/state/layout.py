@@ -92,13 +92,17 @@ class UnitLayout:
 class FlatLayout:
     """The flat layout of a ``LayeredModel``: units, their sizes and global offsets."""
 
-    def __init__(self, model: LayeredModel, unit_align: int = UNIT_ALIGN) -> None:
+    def __init__(self, model: LayeredModel, unit_align: int = UNIT_ALIGN, param_align: int = PARAM_ALIGN) -> None:
         """``unit_align``: elements every unit is padded to (a multiple of ``UNIT_ALIGN``; the
         runtime gives ``chunk_align``, so that with checksums a unit's record ends on a whole
         checksum block: its reads and writes then go straight between the file and the
-        caller's buffer, never through a bounce buffer or a read-modify-write)."""
+        caller's buffer, never through a bounce buffer or a read-modify-write).
+        ``param_align``: elements every parameter starts on (a multiple of ``PARAM_ALIGN``
+        dividing ``unit_align``; 8-bit optimizer states: their 256-element blocks)."""
         if unit_align % UNIT_ALIGN:
             raise ValueError(f"unit_align {unit_align} is not a multiple of {UNIT_ALIGN}")
+        if param_align % PARAM_ALIGN or unit_align % param_align:
+            raise ValueError(f"param_align {param_align}: not a multiple of {PARAM_ALIGN} dividing {unit_align}")
         owned = unit_param_names(model)
         owner = {id(p): u for u, own in enumerate(owned) for _, p in own}
         units, offset = [], 0
@@ -106,7 +110,7 @@ class FlatLayout:
             recs, pos = [], 0
             for name, p in own:
                 recs.append(ParamRecord(name, p, p.shape, pos, p.numel()))
-                pos = _up(pos + p.numel(), PARAM_ALIGN)
+                pos = _up(pos + p.numel(), param_align)
             numel = max(_up(pos, unit_align), unit_align)
             borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))
             # none of the parameters it computes with (its own, or borrowed: a tied head's pieces)

@@ -60,7 +60,7 @@ def require_bitsandbytes(what: str):
         from ..config import ConfigError
 
         raise ConfigError(
-            f"{what} needs bitsandbytes (its 4-bit formats and kernels), which does not import here "
+            f"{what} needs bitsandbytes (its formats and kernels), which does not import here "
             f"({type(exc).__name__}: {exc}): pip install 'bitsandbytes>=0.50' (or tiertrain[qlora])"
         ) from None
 

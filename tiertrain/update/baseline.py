@@ -26,6 +26,8 @@ from ..state.decl import Region, StateDecl
 from ..state.double import build_region, declare_state
 from ..state.layout import FlatLayout
 from ..state.regions import TieredRegions
+from ..state.scales import ScaleLayout
+from .adamw8bit import eight_bit
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .speculate import Speculation
 from .streamed import StreamedOptimizer, optimizer_states
@@ -95,7 +97,10 @@ class BaselineUpdate(Update):
 
     @classmethod
     def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
-        return {"update buffers": 3 * (cfg.memory.update_buffer_kib << 10)}  # the streamed optimizer's sets
+        pools = {"update buffers": 3 * (cfg.memory.update_buffer_kib << 10)}  # the streamed optimizer's sets
+        if eight_bit(cfg.optim):  # a record of scales a unit in flight (``StreamedOptimizer``)
+            pools["8-bit states' scales"] = 3 * 4 * ScaleLayout(rt.state_layout).max_unit_numel
+        return pools
 
     @classmethod
     def predict_step(cls, c):

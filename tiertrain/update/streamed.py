@@ -25,10 +25,12 @@ from ..state.decl import StateDecl
 from ..state.double import DoubleRegions, build_region, declare_state
 from ..state.layout import FlatLayout, chunk_align
 from ..state.regions import TieredRegions
+from ..state.scales import ScaleLayout
+from .adamw8bit import adamw8bit_segments, align_dtype, eight_bit
 from .base import UpdateStats
 from .kernels import adamw_segments, sgd_segments
 
-__all__ = ["StreamedOptimizer", "optimizer_states"]
+__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_states"]
 
 F32 = torch.float32
 
@@ -45,8 +47,10 @@ class _BufferSet:
     g32: torch.Tensor
     w: torch.Tensor
 
-    def __init__(self, chunk: int, pdtype: torch.dtype, master: bool, moments: int = 2) -> None:
-        parts = [("p", pdtype), ("g", pdtype), ("m", F32)] + ([("v", F32)] if moments == 2 else [])
+    def __init__(
+        self, chunk: int, pdtype: torch.dtype, master: bool, moments: int = 2, mdtype: torch.dtype = F32
+    ) -> None:
+        parts = [("p", pdtype), ("g", pdtype), ("m", mdtype)] + ([("v", mdtype)] if moments == 2 else [])
         if pdtype != F32:
             parts += [("g32", F32), ("w", F32)]
         total = sum(chunk * d.itemsize for _, d in parts)
@@ -72,17 +76,17 @@ def optimizer_states(
     double: bool = False,
 ) -> list[StateDecl]:
     """The optimizer's states: fp32 master weights (when parameters are lower precision),
-    then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; SGD: ``momentum``), each within an
-    equal share of ``host_bytes``. ``file(name)``: the file a state lives in on ``path``;
+    then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; AdamW8bit: the same as one-byte codes,
+    and their scales, ``exp_avg_scales``; SGD: ``momentum``), each within its share of
+    ``host_bytes`` (``optimizer_shares``). ``file(name)``: the file a state lives in on ``path``;
     ``double``: each held twice (the speculative update's ``DoubleRegions``)."""
-    names = (["master"] if pdtype != F32 else []) + (["exp_avg", "exp_avg_sq"] if cfg.name == "adamw" else ["momentum"])
-    share = host_bytes // len(names)
+    shares = optimizer_shares(cfg, layout, pdtype, host_bytes)
     return [
         declare_state(
             double,
-            layout,
+            ScaleLayout(layout) if n == "exp_avg_scales" else layout,
             file(n),
-            F32,
+            _dtype(cfg, n),
             share,
             align,
             name=n,
@@ -91,8 +95,30 @@ def optimizer_states(
             path=path,
             weights=n == "master",
         )
-        for n in names
+        for n, share in shares.items()
     ]
+
+
+def optimizer_shares(cfg: OptimConfig, layout, pdtype: torch.dtype, host_bytes: int) -> dict[str, int]:
+    """Each optimizer state's share of ``host_bytes``, by name, in proportion to its bytes (equal
+    shares for fp32 states; AdamW8bit's scales, 1/64 of its codes, a share to match)."""
+    names = (["master"] if pdtype != F32 else []) + _moments(cfg)
+    numel = lambda lay: sum(u.numel for u in lay.units)  # noqa: E731  (an engine's slices have no total)
+    sizes = {
+        n: numel(ScaleLayout(layout) if n == "exp_avg_scales" else layout) * _dtype(cfg, n).itemsize for n in names
+    }
+    total = max(1, sum(sizes.values()))
+    return {n: host_bytes * size // total for n, size in sizes.items()}
+
+
+def _dtype(cfg: OptimConfig, name: str) -> torch.dtype:
+    return torch.uint8 if name in ("exp_avg", "exp_avg_sq") and eight_bit(cfg) else F32
+
+
+def _moments(cfg: OptimConfig) -> list[str]:
+    if cfg.name == "sgd":
+        return ["momentum"]
+    return ["exp_avg", "exp_avg_sq"] + (["exp_avg_scales"] if eight_bit(cfg) else [])
 
 
 class StreamedOptimizer:
@@ -122,38 +148,47 @@ class StreamedOptimizer:
         self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
         pdtype = params.dtype
         self.has_master = pdtype != F32
-        self.adamw = cfg.name == "adamw"
+        self.adamw = cfg.name != "sgd"
+        self.eight_bit = eight_bit(cfg)
         moments = 2 if self.adamw else 1
-        per_elem = 2 * pdtype.itemsize + 4 * moments + (8 if self.has_master else 0)
+        mdtype = torch.uint8 if self.eight_bit else F32
+        per_elem = 2 * pdtype.itemsize + mdtype.itemsize * moments + (8 if self.has_master else 0)
         # Chunks start at multiples of `step` elements: whole checksum blocks in every state
-        # file and multiples of 64 elements per parameter (the fused kernel's exactness).
-        step = chunk_align(storage.record_align, pdtype)
+        # file and multiples of 64 elements per parameter (the fused kernel's exactness; 8-bit
+        # states: of 256, their blocks, as parameters then start on them).
+        step = chunk_align(storage.record_align, align_dtype(cfg, pdtype))
         chunk = max(step, (buffer_bytes // per_elem) // step * step)
         self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
-        regions = {d.name: build_region(layout, storage, d) for d in states}
+        scales = ScaleLayout(layout) if self.eight_bit else None  # fp32 records
+        regions = {d.name: build_region(scales if d.name == "exp_avg_scales" else layout, storage, d) for d in states}
         self.m = regions["exp_avg" if self.adamw else "momentum"]
         self.v = regions.get("exp_avg_sq")
         self.master = regions.get("master")
+        self.scales = _Scales(regions["exp_avg_scales"]) if self.eight_bit else None
         self._double = [r for r in (*self.state_files, params) if isinstance(r, DoubleRegions)]  # fixed at start
-        self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(3)]
+        self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments, mdtype) for _ in range(3)]
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
         # Never more sets than the step has chunks: a budget larger than the state holds all of it.
         self.trainable = [u for u in layout.units if not u.frozen]  # a full step's units (train.freeze: not all)
         self._all_chunks = self._chunks()  # a full step's chunks, in order (the layout is fixed)
         n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._all_chunks))
-        self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments) for _ in range(n_ahead)]
+        self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments, mdtype) for _ in range(n_ahead)]
+        if self.scales is not None:
+            self.scales.allocate(3 + n_ahead)
         self._ahead: dict[int, list[IOFuture]] = {}  # chunk index -> its state reads in flight
         self.step_count = 0
         self.stats = UpdateStats()
 
     @property
     def pool_bytes(self) -> int:
-        return sum(s.nbytes for s in self.sets + self.ahead_sets) + sum(r.host_bytes for r in self.state_files)
+        own = sum(s.nbytes for s in self.sets + self.ahead_sets) + (self.scales.pool_bytes if self.scales else 0)
+        return own + sum(r.host_bytes for r in self.state_files)
 
     @property
     def state_files(self) -> list[TieredRegions | DoubleRegions]:
-        return [r for r in (self.master, self.m, self.v) if r is not None]
+        scales = self.scales.region if self.scales is not None else None
+        return [r for r in (self.master, self.m, self.v, scales) if r is not None]
 
     def flip(self, u: int) -> None:
         """Unit ``u``'s state written by the last step (every write of it complete) becomes
@@ -199,6 +234,8 @@ class StreamedOptimizer:
         for futs in self._ahead.values():
             _wait(futs)
         self._ahead = {}
+        if self.scales is not None:
+            self.scales.drop()
 
     def step(
         self,
@@ -264,6 +301,8 @@ class StreamedOptimizer:
                 on_chunk(u, a, b, self._pview(bs, u, a, b))
             st.compute_s += time.perf_counter() - t0
             writes[slot(i)] = self._write(bs, u, a, b)
+            if self.scales is not None and b == self.layout.units[u].numel:  # the unit's last chunk
+                unit_writes.append(self.scales.write(u))
             unit_writes += writes[slot(i)]
             if on_unit_done is not None and (i + 1 == len(chunks) or chunks[i + 1][0] != u):
                 st.wait_s += _wait(unit_writes)  # the unit is complete on storage
@@ -273,6 +312,8 @@ class StreamedOptimizer:
                 announced += 1
         for w in writes:
             st.wait_s += _wait(w)
+        if self.scales is not None:
+            st.wait_s += self.scales.settle()
         report_until(None)
         st.seconds, st.chunks = time.perf_counter() - t_start, len(chunks)
         self.stats = st
@@ -286,6 +327,8 @@ class StreamedOptimizer:
 
     def _read_state(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
         futs = [self.m.read(u, bs.m, a, b)]
+        if self.scales is not None and a == 0:  # the unit's first chunk: its scales, read whole
+            futs += self.scales.read(u)
         if self.v is not None:
             futs.append(self.v.read(u, bs.v, a, b))
         if not self._in_place(u) and not self.has_master:
@@ -306,7 +349,13 @@ class StreamedOptimizer:
             g.mul_(coef)  # as clip_grad_norm_ does (fp32: on the gradient itself, bit-identical)
         segs = self.layout.segments(u, a, b)
         cut = lambda t: [t[x - a : y - a] for _, x, y in segs]  # noqa: E731
-        if self.adamw:
+        if self.scales is not None:
+            unit, record = self.scales.of(u)
+            adamw8bit_segments(
+                segs, cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), unit, record, step=self.step_count, lr=lr,
+                cfg=self.cfg,
+            )  # fmt: skip
+        elif self.adamw:
             adamw_segments(cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
         else:
             sgd_segments(cut(w), cut(g), cut(bs.m[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
@@ -326,6 +375,67 @@ class StreamedOptimizer:
     def close(self) -> None:
         for r in self.state_files:
             r.close()
+
+
+class _Scales:
+    """The 8-bit states' per-unit records (``exp_avg_scales``), each read whole with its unit's
+    first chunk into a buffer of its own and written whole after its last: a few buffers
+    rotate over the units in flight (the read-ahead ones, the one read next, the one being
+    updated, the ones still being written)."""
+
+    def __init__(self, region) -> None:
+        self.region = region
+        self.layout: ScaleLayout = region.layout
+        self.bufs: list[torch.Tensor] = []
+        self.free: list[int] = []
+        self.held: dict[int, int] = {}  # unit -> its buffer
+        self.pending: dict[int, IOFuture] = {}  # buffer -> its write in flight
+
+    def allocate(self, n: int) -> None:
+        size = self.layout.max_unit_numel * 4
+        self.bufs = [aligned_empty(size).view(F32) for _ in range(n)] if size else []
+        self.free = list(range(len(self.bufs)))
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(b.numel() * 4 for b in self.bufs)
+
+    def read(self, u: int) -> list[IOFuture]:
+        n = self.layout.units[u].numel
+        if not n:
+            return []
+        if not self.free:  # the oldest written unit's buffer (reads come in unit order)
+            raise RuntimeError("8-bit states: more units in flight than scale buffers")
+        assert u not in self.held, "a unit's scales read twice (read ahead, then again)"
+        k = self.free.pop(0)
+        if k in self.pending:
+            self.pending.pop(k).get()  # sync point: its last unit's record is on storage
+        self.held[u] = k
+        return [self.region.read(u, self.bufs[k], 0, n)]
+
+    def of(self, u: int):
+        unit = self.layout.units[u]
+        return unit, (self.bufs[self.held[u]] if unit.numel else torch.empty(0))
+
+    def write(self, u: int) -> IOFuture:
+        n = self.layout.units[u].numel
+        if not n:
+            return IOFuture.completed(0)
+        k = self.held.pop(u)
+        f = self.pending[k] = _put(self.region, u, self.bufs[k], 0, n)
+        self.free.append(k)
+        return f
+
+    def settle(self) -> float:
+        t0 = time.perf_counter()
+        for k in list(self.pending):
+            self.pending.pop(k).get()
+        return time.perf_counter() - t0
+
+    def drop(self) -> None:
+        """Forget the units read ahead (their records are read again when needed)."""
+        self.free.extend(self.held.values())
+        self.held.clear()
 
 
 def _put(region, u: int, src: torch.Tensor, a: int, b: int) -> IOFuture:
