@@ -166,5 +166,37 @@ def test_what_it_does_not_run_yet_is_refused_by_name(tmp_path):
         Trainer(cfg)
     with pytest.raises(ConfigError, match=r"optim.name = 'adamw8bit' with 2 ranks is not supported yet"):
         Runtime(_config(tmp_path / "ranks"), world=2)
+    cut = _config(tmp_path / "pieces")
+    cut.model.vocab_pieces = 2
+    with pytest.raises(ConfigError, match=r"row pieces.*leave model.vocab_pieces unset"):
+        Runtime(cut)
+
+
+def test_an_old_bitsandbytes_is_named(tmp_path, monkeypatch):
+    import bitsandbytes
+
+    from tiertrain.runtime import Runtime
+
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.44.1")
+    with pytest.raises(ConfigError, match=r"bitsandbytes >= 0.50.*0.44.1 is installed"):
+        Runtime(_config(tmp_path))
+
+
+@pytest.mark.parametrize("first,then", [("adamw", "adamw8bit"), ("adamw8bit", "adamw")])
+def test_a_checkpoint_resumed_with_the_other_optimizer_is_refused_by_name(tmp_path, first, then):
+    """Its states are in another form and its parameters on other offsets: named before any state
+    is read, not found corrupt (nor read wrongly)."""
+    cfg = _config(tmp_path, steps=1)
+    cfg.optim.name = first
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        saved = tr.save_checkpoint().path
+    cfg.optim.name = then
+    with (
+        Trainer(cfg) as tr,
+        pytest.raises(ConfigError, match=rf"made with optim.name = '{first}'.*--optim.name={first}"),
+    ):
+        tr.restore(saved)
     with pytest.raises(ConfigError, match=r"optim.name.*'adamw8bit'"):
         _config(tmp_path / "bad").optim.__class__(name="adam8bit")

@@ -134,8 +134,22 @@ class Runtime:
             return
         what = "optim.name = 'adamw8bit'"
         require_bitsandbytes(what)
+        import bitsandbytes
+
+        if tuple(int(x) for x in bitsandbytes.__version__.split(".")[:2]) < (0, 50):
+            raise ConfigError(
+                f"{what} needs bitsandbytes >= 0.50 (its CPU kernels), and {bitsandbytes.__version__} is installed: "
+                "pip install -U 'bitsandbytes>=0.50'"
+            )
         if cfg.adapter.on:
             return  # the adapters' optimizer: bitsandbytes' own AdamW8bit, in memory
+        if self.model.row_pieces:
+            raise ConfigError(
+                f"{what} with the model cut into row pieces (vocabulary pieces or ranges of experts) is not "
+                "supported yet: bitsandbytes counts its 256-element blocks from a whole matrix's start, a piece from "
+                "its own; leave model.vocab_pieces unset and model.layer_pieces at most 2 (raise memory.host_mib if the "
+                "plan cut them), or use optim.name = 'adamw'"
+            )
         if self.world > 1:
             raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or use 'adamw'")
         if cfg.update.mode == "engines":

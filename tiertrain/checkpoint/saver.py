@@ -206,6 +206,12 @@ class CheckpointIO:
             raise CheckpointError(
                 f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}"
             )
+        if entry.size != self.file_size(region):  # intact, but made for another layout or state format
+            raise CheckpointError(
+                f"checkpoint file {path} holds {entry.size} bytes where this run's {entry.name} takes "
+                f"{self.file_size(region)}: it was made with another model layout or optimizer (the file is intact, "
+                "as the manifest records it); resume with the configuration it was made with"
+            )
         esize, units = region.esize, self._layout(region).units
         with FileHandle(path, "r", workers=self.workers) as f:
             crc = self._copy(

@@ -34,7 +34,7 @@ from ..config import Config, ConfigError
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
-from ..update.adamw8bit import moment_bytes
+from ..update.streamed import optimizer_sizes
 
 
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
@@ -174,14 +174,13 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     """Bytes each planned field needs to hold all it can hold."""
     e, M, L = rt.dtype.itemsize, cfg.data.micro_batches, len(rt.model.blocks)
     n = rt.state_layout.total_numel  # as placed: units with their padding; ranks: this rank's 1/N
-    master = 1 if rt.dtype != torch.float32 else 0
     stash = stash_sizes(cfg, rt)
     own = UPDATES[cfg.update.mode].states_in_trainer  # else the path keeps them in files of its own
     trained = 0 if cfg.adapter.on else 1  # adapters: the model forms no gradient and has no optimizer state
     out = {
         "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
-        "optim_host_mib": int(n * (moment_bytes(cfg.optim) + 4 * master)) * trained if own else 0,
+        "optim_host_mib": sum(optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype).values()) * trained if own else 0,
         "stash_host_mib": sum(stash),
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,

@@ -106,12 +106,13 @@ def _states_line(cfg, rt) -> list[str]:
     """What 8-bit optimizer states save, where they are chosen."""
     if cfg.optim.name != "adamw8bit" or cfg.adapter.on:
         return []
-    from ..update.adamw8bit import moment_bytes
+    from ..update.streamed import optimizer_sizes
 
-    n = rt.state_layout.total_numel
+    sizes = optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype)
+    moments = sum(v for k, v in sizes.items() if k != "master")
     return [
-        f"optimizer states: AdamW8bit (bitsandbytes' blockwise 8-bit moments), {n * moment_bytes(cfg.optim) / GB:.2f} "
-        f"GB instead of fp32 AdamW's {n * 8 / GB:.2f} GB, read and written each step"
+        f"optimizer states: AdamW8bit (bitsandbytes' blockwise 8-bit moments), {moments / GB:.2f} GB instead of fp32 "
+        f"AdamW's {rt.state_layout.total_numel * 8 / GB:.2f} GB, read and written each step"
     ]
 
 

@@ -54,6 +54,7 @@ from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage, quant_spec, same_base
 from ..update import UPDATES, Update
+from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .checkpoints import Checkpoints
 from .guard import LossGuard
@@ -406,6 +407,7 @@ class Trainer:
         man = Manifest.read(path)
         same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
+        same_optimizer(self.cfg.optim.name, man.config.get("optim", {}).get("name", "adamw"), f"checkpoint {path}")
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:

@@ -38,14 +38,14 @@ import functools
 import torch
 
 from ..config import OptimConfig
-from ..state.scales import BLOCK, MIN_8BIT, UnitScales
+from ..state.scales import MIN_8BIT, UnitScales
 
 __all__ = [
+    "same_optimizer",
     "EIGHT_BIT",
     "adamw8bit_segments",
     "align_dtype",
     "eight_bit",
-    "moment_bytes",
     "plain_optimizer",
     "require_bnb_optim",
 ]
@@ -57,16 +57,25 @@ def eight_bit(optim: OptimConfig) -> bool:
     return optim.name == EIGHT_BIT
 
 
-def moment_bytes(optim: OptimConfig) -> float:
-    """Bytes of optimizer moments a parameter element: SGD's one fp32, AdamW's two, AdamW8bit's
-    two codes and their blocks' two fp32 scales (small parameters' fp32 moments aside)."""
-    return {"sgd": 4.0, EIGHT_BIT: 2.0 + 8.0 / BLOCK}.get(optim.name, 8.0)
-
-
 def align_dtype(optim: OptimConfig, dtype: torch.dtype) -> torch.dtype:
     """The narrowest element of the optimizer's states and parameters (``dtype``): what its
     chunk starts keep whole checksum blocks of (``chunk_align``). 8-bit moments: one byte."""
     return torch.uint8 if eight_bit(optim) else dtype
+
+
+def same_optimizer(ours: str, theirs: str, where: str) -> None:
+    """Refuse to continue a run whose optimizer keeps its states in another form (fp32 or 8-bit
+    moments, SGD's momentum): its files would be read as the other's (found corrupt, or worse,
+    parameters laid out on other offsets). Named before any state is read."""
+    if ours == theirs:
+        return
+    from ..config import ConfigError
+
+    raise ConfigError(
+        f"{where} was made with optim.name = {theirs!r}; this run has {ours!r}, whose optimizer states (and "
+        f"parameter layout) differ: resume with --optim.name={theirs}, or start a new run from its weights "
+        "(tiertrain export, then --model.hf_dir)"
+    )
 
 
 def require_bnb_optim(what: str = f"optim.name = {EIGHT_BIT!r}"):

@@ -30,7 +30,7 @@ from .adamw8bit import adamw8bit_segments, align_dtype, eight_bit
 from .base import UpdateStats
 from .kernels import adamw_segments, sgd_segments
 
-__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_states"]
+__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_sizes", "optimizer_states"]
 
 F32 = torch.float32
 
@@ -99,14 +99,18 @@ def optimizer_states(
     ]
 
 
-def optimizer_shares(cfg: OptimConfig, layout, pdtype: torch.dtype, host_bytes: int) -> dict[str, int]:
-    """Each optimizer state's share of ``host_bytes``, by name, in proportion to its bytes (equal
-    shares for fp32 states; AdamW8bit's scales, 1/64 of its codes, a share to match)."""
+def optimizer_sizes(cfg: OptimConfig, layout, pdtype: torch.dtype) -> dict[str, int]:
+    """Each optimizer state's bytes over ``layout``, by name (AdamW8bit's scales with the small
+    parameters' fp32 moments and each record's padding: what the budget holds)."""
     names = (["master"] if pdtype != F32 else []) + _moments(cfg)
     numel = lambda lay: sum(u.numel for u in lay.units)  # noqa: E731  (an engine's slices have no total)
-    sizes = {
-        n: numel(ScaleLayout(layout) if n == "exp_avg_scales" else layout) * _dtype(cfg, n).itemsize for n in names
-    }
+    return {n: numel(ScaleLayout(layout) if n == "exp_avg_scales" else layout) * _dtype(cfg, n).itemsize for n in names}
+
+
+def optimizer_shares(cfg: OptimConfig, layout, pdtype: torch.dtype, host_bytes: int) -> dict[str, int]:
+    """Each optimizer state's share of ``host_bytes``, by name, in proportion to its bytes (equal
+    shares for fp32 states; AdamW8bit's scales, about 1/64 of its codes, a share to match)."""
+    sizes = optimizer_sizes(cfg, layout, pdtype)
     total = max(1, sum(sizes.values()))
     return {n: host_bytes * size // total for n, size in sizes.items()}
 
@@ -271,6 +275,8 @@ class StreamedOptimizer:
                     on_unit_done(order[announced])
                 announced += 1
 
+        if self.scales is not None and not self._ahead:  # nothing read ahead: no unit's scales are held
+            st.wait_s += self.scales.reset()  # (a step that raised may have left some)
         # Chunks 0..K-1 use the read-ahead sets (their state already read or on its way),
         # the rest rotate through the 3 sets: read i+1 while i is updated and i-1 written.
         ahead, self._ahead = (self._ahead, {}) if units is None else ({}, self._ahead)
@@ -431,6 +437,12 @@ class _Scales:
         for k in list(self.pending):
             self.pending.pop(k).get()
         return time.perf_counter() - t0
+
+    def reset(self) -> float:
+        """Every buffer free, every write settled; the seconds waited."""
+        waited = self.settle()
+        self.drop()
+        return waited
 
     def drop(self) -> None:
         """Forget the units read ahead (their records are read again when needed)."""
