@@ -219,22 +219,22 @@ def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
     p, g, m, v = (torch.randn(n, generator=gen) * 0.02 for _ in range(4))
     v.abs_()
     if cfg.optim.name == "adamw8bit":
-        return _timed(lambda: _adamw8bit_once(p, g, cfg), repeats=2) / n
+        return _timed(_adamw8bit_step(p, g, cfg), repeats=2) / n
     return _timed(lambda: adamw_segments([p], [g], [m], [v], step=2, lr=1e-4, cfg=cfg.optim), repeats=2) / n
 
 
-def _adamw8bit_once(p: torch.Tensor, g: torch.Tensor, cfg: Config) -> None:
-    """One AdamW8bit step of ``p`` (one 8-bit parameter: codes and scales made here)."""
-    from ..state.scales import BLOCK, UnitScales
+def _adamw8bit_step(p: torch.Tensor, g: torch.Tensor, cfg: Config):
+    """One AdamW8bit step of ``p`` as one 8-bit parameter, its codes and scales made here, once:
+    the step alone is timed."""
+    from ..state.scales import UnitScales
+    from ..state.slices import Piece
     from ..update.adamw8bit import adamw8bit_segments
 
     n = p.numel()
     unit = UnitScales(0, [(0, n, n)], 1)
-    record = torch.zeros(unit.numel)
-    codes = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
-    rec = type("Rec", (), {"offset": 0, "numel": n})()
-    assert n % BLOCK == 0
-    adamw8bit_segments([(rec, 0, n)], [p], [g], codes[:1], codes[1:], unit, record, step=2, lr=1e-4, cfg=cfg.optim)
+    record, c1, c2 = torch.zeros(unit.numel), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    segs = [(Piece(0, n), 0, n)]
+    return lambda: adamw8bit_segments(segs, [p], [g], [c1], [c2], unit, record, step=2, lr=1e-4, cfg=cfg.optim)
 
 
 def probe_act_bytes(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> int:
