@@ -122,6 +122,20 @@ def test_ranks_train_the_grouped_reference_bit_for_bit(tmp_path, world, mode, se
 
 
 @pytest.mark.slow
+def test_ranks_with_a_tied_embedding_train_the_grouped_reference_bit_for_bit(tmp_path):
+    """A tied embedding on 2 ranks of a separate-memory device, 2 micro-batches each: each
+    rank sums its head's and embedding's gradients in plain order (``execute/tied.py``)
+    before the ranks' sum."""
+    cfg = small_config(tmp_path, kind="gpt2", layers=2, d=64, micro_batches=2, steps=3, clip=0.0, tie=True)
+    cfg.update.mode, cfg.update.eager = "overlap", True
+    ref_model, out = run_ranks(tmp_path, cfg, 2, separate=True)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)
+
+
+@pytest.mark.slow
 def test_ranks_in_bf16_sum_in_float32_the_same_on_a_separate_memory_device(tmp_path):
     """bf16 with M = 2: each rank's gradient is summed in a float32 accumulator, reduced over the
     ranks in float32 on the host and rounded once. With separate device memory the float32 sum

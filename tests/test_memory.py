@@ -107,6 +107,23 @@ def test_pool_sizes_follow_the_config_formulas(tmp_path):
         assert tr.stash.spilled == 4 * 3 - tr.stash.host_slots
 
 
+def test_a_tied_embeddings_kept_rows_follow_the_formula(tmp_path):
+    """Plain order for a tied embedding's gradient (execute/tied.py) holds M + 1 copies of the
+    step's distinct tokens' rows at most; the budget counts the bound min(V, M x B x T)."""
+    from tiertrain.cost.budget import fixed_pools
+
+    cfg = small_config(tmp_path, kind="gpt2", layers=2, d=64, micro_batches=3, steps=2, tie=True)
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        for _ in range(cfg.train.steps):
+            tr.train_step()
+        tied = tr.executor.tied_rows
+        M, vocab, d, tokens = 3, cfg.model.vocab_size, cfg.model.d_model, cfg.data.micro_batch_size * cfg.data.seq_len
+        bound = (M + 1) * min(vocab, M * tokens) * d * 4
+        assert 0 < tied.peak_bytes <= bound and tied.peak_bytes % ((M + 1) * d * 4) == 0  # M + 1 copies of |R| rows
+        assert fixed_pools(cfg, tr.rt)["tied embedding's rows"] == bound
+
+
 def test_host_budgets_move_states_off_disk(tmp_path):
     cfg = small_config(tmp_path, layers=3, d=64, host_param_mib=64, grad_host_mib=64)
     with Trainer(cfg) as tr:

@@ -28,6 +28,7 @@ def _many_experts(family: str, n: int = 16):
         if getattr(c, k, None):
             setattr(c, k, n)
     c.output_router_logits = False  # transformers' generate fails with it; not part of a forward-only run
+    c.tie_word_embeddings = False  # the byte formulas count each unit once a pass (a tied head re-reads the embedding)
     return c
 
 

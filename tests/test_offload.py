@@ -34,7 +34,7 @@ def _acts(rec):
 
 
 # -- parity -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,micro_batches", [("gpt", 1), ("llama", 3), ("gpt2", 1)])  # tied: exact at M = 1 only
+@pytest.mark.parametrize("kind,micro_batches", [("gpt", 1), ("llama", 3), ("gpt2", 2)])  # gpt2: tied
 def test_offload_all_bit_identical(tmp_path, kind, micro_batches):
     cfg = small_config(tmp_path, kind=kind, micro_batches=micro_batches, activations="offload", tie=kind == "gpt2")
     tr, _ = assert_parity(cfg)

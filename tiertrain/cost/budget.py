@@ -31,6 +31,7 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
+from ..execute.tied import tied_rows_bytes
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
@@ -217,6 +218,7 @@ def fixed_pools(cfg: Config, rt, act_bytes: int = 0, record_bytes: int = 0) -> d
         out["parameter slots"] = m.device_slots * unit
         out["gradient buffers"] = GradStore.buffers_for(layout) * unit
         out["gradient accumulators"] = GradStore.accum_bytes_for(layout, accum_dtype_of(cfg, rt.dtype))
+        out["tied embedding's rows"] = _tied_bytes(cfg, rt)
     adapters = getattr(rt, "adapters", None)
     if adapters is not None and not rt.dev.separate:  # weights, gradients and AdamW's two moments, fp32
         out["adapters"] = 4 * adapters.nbytes
@@ -528,5 +530,13 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
         + 2 * act
         + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype))
         + router_logits_bytes(cfg, rt)
+        + _tied_bytes(cfg, rt)
     )
     return max(0, min(need, budget - fixed))
+
+
+def _tied_bytes(cfg: Config, rt) -> int:
+    """A tied embedding's gradient rows kept in plain order (``execute/tied.py``)."""
+    d = cfg.data
+    accum = accum_dtype_of(cfg, rt.dtype)
+    return tied_rows_bytes(rt.model, rt.layout, d.micro_batches, d.micro_batch_size * d.seq_len, rt.dtype, accum)

@@ -68,6 +68,8 @@ class _Grads:
 
     def __init__(self, layout, dev, dtype: torch.dtype) -> None:
         self.layout, self.dev, self.dtype = layout, dev, dtype
+        # as GradStore's default (train.grad_accum_dtype): float32 sums under narrower gradients
+        self.accum_dtype = None if dtype == torch.float32 else torch.float32
         self._buf: dict[int, torch.Tensor] = {}
 
     def begin(self, u: int, bind: bool = True) -> None:

@@ -49,6 +49,7 @@ from ..state.grads import GradStore
 from ..state.store import ParamStore
 from .loss import LossScale
 from .rng import UnitRng as _Rng
+from .tied import TiedRows, tied_rows
 from .vocab import VocabSteps, used_pieces
 from .walk import UnitWalk
 
@@ -132,6 +133,8 @@ class LayerMajorExecutor(VocabSteps):
         self.after_unit = after_unit
         self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
         self.aux_weight = 1.0  # an evaluation's share of the auxiliary loss per micro-batch (``evaluate``)
+        self.tied_rows = tied_rows(model, grads)
+        self._tied: TiedRows | None = None  # the step's, with several micro-batches
 
     # -- parameter residency ------------------------------------------------------------------------
     def _units(self, ref: UnitRef) -> tuple[int, ...]:
@@ -215,7 +218,11 @@ class LayerMajorExecutor(VocabSteps):
             x = x.requires_grad_()
             head = self.model.head
             loss = self._with_aux(head.loss(head.logits(x), mb.targets, self.scale.divisor), m, backward=True)
+            if self._tied is not None:
+                self._tied.head_before()
             self.scale.share(loss).backward()
+            if self._tied is not None:
+                self._tied.head_after()
             if self.model.routers is not None:
                 self.model.routers.collect()
             self.grads.fold(self._units(ref))
@@ -268,8 +275,14 @@ class LayerMajorExecutor(VocabSteps):
         for m, mb in enumerate(mbs):
             self._rng[ref.index, m].restore()
             out = self.model.embed(mb.ids, mb.positions)
+            if self._tied is not None:
+                self._tied.embed_before(m)
             torch.autograd.backward(out, dh[m])
+            if self._tied is not None:
+                self._tied.embed_after(m)
             self.grads.fold(self._units(ref))
+        if self._tied is not None:
+            self._tied.finish()
         self.grads.end(ref.index)
         self._release(ref)
 
@@ -362,6 +375,9 @@ class LayerMajorExecutor(VocabSteps):
         if self.offloaded is not None:
             self.offloaded.clear()
         self.kept_pairs = 0
+        self._tied = self.tied_rows if M > 1 else None
+        if self._tied is not None:
+            self._tied.begin([mb.ids for mb in mbs])
         self.policy.begin_step(len(self.blocks), M, self.kept.budget)
         t0 = time.perf_counter()
 

@@ -45,6 +45,7 @@ from ..dist.launch import resume_command
 from ..errors import one_line
 from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
+from ..execute.tied import tied_rows_bytes
 from ..inference.validation import validation_loss
 from ..io import aligned_empty
 from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
@@ -205,6 +206,14 @@ class Trainer:
                 "parameter slots (memory.device_slots)": m.device_slots * unit,
                 "gradient buffers": GradStore.buffers_for(self.layout) * unit,
                 "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(self.layout, accum),
+                "tied embedding's gradient rows": tied_rows_bytes(
+                    rt.model,
+                    self.layout,
+                    cfg.data.micro_batches,
+                    cfg.data.micro_batch_size * cfg.data.seq_len,
+                    self.dtype,
+                    accum,
+                ),
                 "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB,
                 **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
             }
