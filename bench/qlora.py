@@ -1,10 +1,10 @@
-"""LoRA on a frozen base kept in bf16 and in 4 bits (QLoRA): the bytes each reads a step and its
+"""LoRA on a frozen base kept in bf16, in int8 and in 4 bits (QLoRA): the bytes each reads a step and its
 step against its own floors, the settings alternated in the same run.
 
 A random Llama (or ``--family qwen2``) of ``--shape`` (LAYERSxWIDTH; default 33 x 2560: 2.46 B parameters) saved with
 ``save_pretrained`` in bf16; tiertrain trains LoRA (rank 16 on every projection) on it within a
 host budget of ``--host-mib``, the base on the storage tier in each of ``--base-dtypes``
-(``bfloat16``, ``nf4``, ``nf4-dq``: nf4 with its scales quantized too, ``fp4``), fp32 compute on
+(``bfloat16``, ``int8``: LLM.int8()'s weights, ``nf4``, ``nf4-dq``: nf4 with its scales quantized too, ``fp4``), fp32 compute on
 CPU (bf16 on CUDA). Each run in its own process (``bench/lora.py``'s worker), the settings
 alternated ``--rounds`` times (the disk drifts between minutes). Per setting: bytes read a step,
 s/step (median after the first), and the floors measured in the same process: I/O = two reads
@@ -30,7 +30,13 @@ import lora  # noqa: E402  (the LoRA benchmark's workers: base, tiertrain)
 
 from tiertrain.bench.output import SCRATCH_HELP, checked_out, publish, scratch_dir  # noqa: E402
 
-SETTINGS = {"bfloat16": ("bfloat16", False), "nf4": ("nf4", False), "nf4-dq": ("nf4", True), "fp4": ("fp4", False)}
+SETTINGS = {
+    "bfloat16": ("bfloat16", False),
+    "int8": ("int8", False),
+    "nf4": ("nf4", False),
+    "nf4-dq": ("nf4", True),
+    "fp4": ("fp4", False),
+}
 
 
 def run(args, scratch: str, setting: str) -> dict:
@@ -46,7 +52,7 @@ def run(args, scratch: str, setting: str) -> dict:
 def report(args, base: dict, runs: dict[str, list[dict]]) -> str:
     first = next(iter(runs.values()))[0]
     lines = [
-        f"# LoRA on a {first['params'] / 1e9:.2f} B {args.family} model with its frozen base in bf16 and in 4 bits",
+        f"# LoRA on a {first['params'] / 1e9:.2f} B {args.family} model with its frozen base in bf16 and quantized",
         "",
         f"Machine: {lora.machine()}. Model {args.family} {args.shape} (layers x width), vocabulary 32000, saved in bf16 "
         f"({base['bytes_bf16'] / 1e9:.2f} GB). LoRA rank 16 on {', '.join(lora.TARGETS)}. {lora.where(args)[0]}; "

@@ -25,14 +25,11 @@ peft = pytest.importorskip("peft")
 def quantized_reference(cfg, plain, tmp_path, kind="nf4", double=False):
     """transformers' model of ``plain``'s weights loaded as users load QLoRA's base, with peft's
     LoRA injected and set to the adapters tiertrain starts from; (model, peft's names)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     where = tmp_path / "hf-plain"
     plain.hf.save_pretrained(where)
-    qc = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
-        bnb_4bit_compute_dtype=torch.float32,
-    )  # fmt: skip
+    qc = bnb_config(kind, double)
     q = AutoModelForCausalLM.from_pretrained(where, quantization_config=qc, dtype=torch.float32, device_map="cpu")
     q.config.use_cache = False
     # trained as users train it (from_pretrained gives eval mode, where bitsandbytes repacks a
@@ -49,6 +46,18 @@ def quantized_reference(cfg, plain, tmp_path, kind="nf4", double=False):
         for name, p in ours.named():
             state[names[name]].copy_(p)
     return HFWrapper(inner), names
+
+
+def bnb_config(kind: str, double: bool = False):
+    """transformers' quantization config for ``kind`` as users write it (int8: LLM.int8())."""
+    from transformers import BitsAndBytesConfig
+
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=torch.float32,
+    )  # fmt: skip
 
 
 def qlora_config(tmp_path, kind="nf4", double=False, **kw):
@@ -88,6 +97,9 @@ def _plain(cfg):
         ("fp4", True, 0, "llama"),
         ("nf4", True, 0, "qwen2"),
         ("nf4", False, 0, "phimoe"),  # a mixture of experts, the routers' auxiliary loss on
+        ("int8", False, 0, "llama"),  # LLM.int8(): Linear8bitLt's training forward
+        ("int8", False, 64, "qwen2"),
+        ("int8", False, 0, "phimoe"),
     ],
 )
 def test_qlora_trains_as_peft_on_a_bitsandbytes_base(tmp_path, kind, double, host_param_mib, family):
@@ -123,8 +135,8 @@ def assert_qlora_parity(tmp_path, kind, double, host_param_mib, family, device=N
     return tr
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
-def test_qlora_on_a_device_with_memory_of_its_own(tmp_path, direct):
+@pytest.mark.parametrize("direct,kind", [(False, "nf4"), (True, "nf4"), (False, "int8")])
+def test_qlora_on_a_device_with_memory_of_its_own(tmp_path, direct, kind):
     """As on CUDA (the simulated device: copies that complete later, memory poisoned when given
     back): only the quantized bytes cross to the device (staged, or read straight into the slot
     as with GPUDirect), which dequantizes them in the slot when the unit is first bound; some
@@ -133,13 +145,13 @@ def test_qlora_on_a_device_with_memory_of_its_own(tmp_path, direct):
     from test_moe_routed import _Counted
 
     dev = _Counted(delay=0.001, direct=direct)
-    tr = assert_qlora_parity(tmp_path / "q", "nf4", True, 1, "llama", dev)
+    tr = assert_qlora_parity(tmp_path / "q", kind, kind != "int8", 1, "llama", dev)
     full_dev = _Counted(delay=0.001, direct=direct)
     full_cfg = lora_config(tmp_path / "f", "llama", host_param_mib=1, steps=3)
     _, _, full = run_tiertrain(full_cfg, weights_of(reference_model(full_cfg)), full_dev)
     if not direct:  # direct reads land in the slots: nothing staged is uploaded
         assert 0 < dev.uploaded < 0.6 * full_dev.uploaded
-    assert _up(tr) < 0.6 * _up(full)  # the cost model counts what crosses in 4 bits
+    assert _up(tr) < 0.6 * _up(full)  # the cost model counts what crosses quantized
 
 
 def _up(t) -> int:
@@ -151,26 +163,26 @@ def _up(t) -> int:
     ).up
 
 
-@pytest.mark.parametrize("host_param_mib", [0, 64])
-def test_a_4bit_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, host_param_mib):
-    """The storage tier reads the base's quantized bytes (under a third of the fp32 base's on a
-    model whose blocks are most of it), equal to the cost model's; its pools are the fp32 run's
-    (dequantized inside the slots); the plan line names the format."""
+@pytest.mark.parametrize("host_param_mib,kind", [(0, "nf4"), (64, "nf4"), (0, "int8")])
+def test_a_quantized_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_path, host_param_mib, kind):
+    """The storage tier reads the base's quantized bytes (under a third of the fp32 base's in 4
+    bits, under 0.4x in int8, on a model whose blocks are most of it), equal to the cost model's;
+    its pools are the fp32 run's (dequantized inside the slots); the plan line names the format."""
     from tiertrain.cost.report import _base_line
     from tiertrain.training.trainer import Trainer
 
     kw = dict(steps=2, stash_host_mib=64, host_param_mib=host_param_mib, layers=4, d=128)
-    cfg = qlora_config(tmp_path / "q", "nf4", **kw)
+    cfg = qlora_config(tmp_path / "q", kind, **kw)
     full = lora_config(tmp_path / "f", "llama", **kw)
     with Trainer(cfg) as tq, Trainer(full) as tf:
         recs = [second_step_and_traffic(t) for t in (tq, tf)]
         assert tq.update.states[0].dtype == torch.uint8
         assert tq.budget.fixed == tf.budget.fixed
-        assert "base in nf4" in _base_line(tq.cfg, tq.rt)[0]
+        assert f"base in {kind}" in _base_line(tq.cfg, tq.rt)[0]
     (q, t_q), (f, t_f) = recs
     assert q.ssd_read_bytes == t_q.read and f.ssd_read_bytes == t_f.read
     if host_param_mib == 0:
-        assert 0 < q.ssd_read_bytes / f.ssd_read_bytes < 0.34
+        assert 0 < q.ssd_read_bytes / f.ssd_read_bytes < (0.34 if kind == "nf4" else 0.4)
     else:
         assert q.ssd_read_bytes == f.ssd_read_bytes == 0
 
@@ -197,6 +209,9 @@ def test_a_resumed_qlora_run_is_the_straight_run_and_a_corrupt_base_is_caught(tm
     with pytest.raises(ConfigError, match=r"keeps its frozen base in nf4 with double quantization, made in "
                        r"torch.float32; this run would keep it in fp4 with double quantization"):  # fmt: skip
         _train(other, init, 1, resume=ckpt)
+    int8 = qlora_config(tmp_path / "e", "int8", steps=4)
+    with pytest.raises(ConfigError, match=r"this run would keep it in int8, made in torch.float32"):
+        _train(int8, init, 1, resume=ckpt)
     plain = lora_config(tmp_path / "d", "llama", steps=4)
     with pytest.raises(ConfigError, match=r"this run would keep it in its float dtype"):
         _train(plain, init, 1, resume=ckpt)
@@ -204,14 +219,16 @@ def test_a_resumed_qlora_run_is_the_straight_run_and_a_corrupt_base_is_caught(tm
         _train(cfg2, init, 1, resume=ckpt)
 
 
-def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_base(tmp_path):
+@pytest.mark.parametrize("kind,double", [("nf4", True), ("int8", False)])
+def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_quantized_base(tmp_path, kind, double):
     """A QLoRA run on a transformers directory (Qwen2), then: ``evaluate`` of its checkpoint is
     the run's logged validation loss; ``generate`` from the checkpoint, and from the base
-    directory with the exported peft adapter and ``model.base_dtype = 'nf4'``, give the greedy
-    tokens of transformers' 4-bit model with ``PeftModel.from_pretrained``; ``--merge`` writes
+    directory with the exported peft adapter and ``model.base_dtype``, give the greedy tokens of
+    transformers' quantized model with ``PeftModel.from_pretrained`` (in training mode: int8's
+    eval-mode kernel quantizes the activations too, module docstring of state/quant.py); ``--merge`` writes
     the adapters folded into the dequantized base, which transformers loads."""
     from test_lora import train_then_evaluate
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     from tiertrain.checkpoint.export import export_checkpoint
     from tiertrain.config import Config, ModelConfig
@@ -221,14 +238,11 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
 
     base_dir = qwen2_base(tmp_path)
     cfg = qlora_config(tmp_path / "run", steps=2)
-    cfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
+    cfg.model = ModelConfig(hf_dir=base_dir, base_dtype=kind, base_double_quant=double)
     cfg.optim.lr = 2e-2  # adapters that move the tokens
     ck, _ = train_then_evaluate(cfg, tmp_path)
     out = export_checkpoint(ck, str(tmp_path / "adapter"))
-    qc = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )  # fmt: skip
+    qc = bnb_config(kind, double)
     base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=qc, dtype=torch.float32, device_map="cpu")
     loaded = peft.PeftModel.from_pretrained(base, out).train()  # bitsandbytes' training kernels (no CPU repack)
     prompts = [[3, 17, 42, 9], [5, 8]]
@@ -244,15 +258,15 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
             ]
     assert want != plain  # the adapters change the tokens
     s = Sampling(max_new_tokens=8, stop_at_eos=False)
-    with CheckpointWeights(ck) as w:  # its 4-bit records read as stored, on CPU and a separate device
+    with CheckpointWeights(ck) as w:  # its quantized records read as stored, on CPU and a separate device
         assert w.source.dequantized and w.source.records is not None
         gcfg = Config.from_dict(w.config, environment=False)
         for dev in (None, AsyncCpuDevice(delay=0.001)):
             assert generate(gcfg, prompts, s, weights=w.source, device=dev) == want
         assert not glob.glob(f"{gcfg.io.paths[0]}/weights-*.bin")  # no converted copy
-    for where in ("source", "tier"):  # the float base quantized as training does: in memory, or a 4-bit copy
+    for where in ("source", "tier"):  # the float base quantized as training does: in memory, or a quantized copy
         pcfg = qlora_config(tmp_path / f"gen-{where}")
-        pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype="nf4", base_double_quant=True)
+        pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype=kind, base_double_quant=double)
         pcfg.adapter.init_from, pcfg.io.weights = out, where
         assert generate(pcfg, prompts, s) == want
     copies = glob.glob(f"{pcfg.io.paths[0]}/weights-*.bin")
@@ -262,7 +276,7 @@ def test_a_qlora_checkpoint_evaluates_generates_and_exports_as_peft_on_the_4bit_
 
     rt = Runtime(pcfg)
     quant, _ = base_storage(pcfg, rt.layout, rt.dtype, rt.align)
-    assert os.path.getsize(copies[0]) == quant.total_numel < rt.layout.total_numel * 4  # the 4-bit records
+    assert os.path.getsize(copies[0]) == quant.total_numel < rt.layout.total_numel * 4  # the quantized records
     merged_dir = export_checkpoint(ck, str(tmp_path / "merged"), merge=True)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     x = torch.tensor([prompts[0]])

@@ -113,7 +113,7 @@ class Runtime:
         self._check_optim(cfg)
 
     def _check_quantized(self, cfg: Config) -> None:
-        """A 4-bit base (``model.base_dtype``): bitsandbytes present, something to quantize, one rank."""
+        """A quantized base (``model.base_dtype``): bitsandbytes present, something to quantize, one rank."""
         spec = quant_spec(cfg.model)
         if spec is None:
             return

@@ -212,7 +212,10 @@ class ModelConfig(Section):
         "dtype (train.param_dtype) as it is loaded. 'nf4' or 'fp4': QLoRA's 4-bit base, bitsandbytes' "
         "formats, as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...) quantizes it (the "
         "blocks' linear weights, in blocks of 64; about 0.56 bytes a weight), dequantized per unit as it "
-        "is loaded; needs bitsandbytes. None: the compute dtype.",
+        "is loaded; needs bitsandbytes. 'int8': LLM.int8()'s base, as BitsAndBytesConfig(load_in_8bit=True) "
+        "quantizes it (each output row's weights to int8 with one scale; about 1 byte a weight), computed as "
+        "bitsandbytes' Linear8bitLt trains (the dequantized weight; its eval-mode kernel, which quantizes the "
+        "activations too, differs by about 0.6% relative). None: the compute dtype.",
     )
 
     base_double_quant: bool = opt(
@@ -223,7 +226,7 @@ class ModelConfig(Section):
 
     def __post_init__(self) -> None:
         if self.base_dtype is not None:
-            self._one_of("base_dtype", ("float32", "bfloat16", "float16", "nf4", "fp4"))
+            self._one_of("base_dtype", ("float32", "bfloat16", "float16", "nf4", "fp4", "int8"))
         if self.base_double_quant and self.base_dtype not in ("nf4", "fp4"):
             self._fail("base_double_quant", "quantizes a 4-bit base's scales: set model.base_dtype = 'nf4' or 'fp4'")
         self._one_of("kind", ("auto", "gpt", "llama", "gpt2"))

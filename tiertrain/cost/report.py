@@ -127,7 +127,7 @@ def _made(cfg) -> str:
 
 
 def _base_line(cfg, rt) -> list[str]:
-    """A 4-bit base's format and bytes, where it is one."""
+    """A quantized base's format and bytes, where it is one."""
     if quant_spec(cfg.model) is None or not cfg.adapter.on:
         return []
     return [base_storage(cfg, rt.layout, rt.dtype, rt.align)[0].describe()]

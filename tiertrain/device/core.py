@@ -59,7 +59,7 @@ def cpu_has_fast_bf16() -> bool:
 def base_dtype_of(name: str | None, compute: torch.dtype) -> torch.dtype:
     """The float dtype a frozen model is kept in (``model.base_dtype``; None, or a quantized base,
     whose units are bytes of their own layout: ``state/quant.py``: the compute dtype)."""
-    return getattr(torch, name) if name and name not in ("nf4", "fp4") else compute
+    return getattr(torch, name) if name and name not in ("nf4", "fp4", "int8") else compute
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -1,19 +1,29 @@
-"""A frozen base kept in 4 bits (``model.base_dtype = 'nf4' | 'fp4'``): bitsandbytes' formats.
+"""A frozen base kept quantized (``model.base_dtype = 'nf4' | 'fp4' | 'int8'``): bitsandbytes' formats.
 
 What is quantized is what transformers' bitsandbytes integration quantizes when a user loads a
-model with ``BitsAndBytesConfig(load_in_4bit=True)``: the weight of every ``nn.Linear`` inside
-the decoder blocks (not the embedding, not the output head, not norms or biases), in blocks of
-64 values with one scale each (``absmax``), the scales themselves quantized to 8 bits in blocks
-of 256 with ``model.base_double_quant`` (bitsandbytes' ``bnb_4bit_use_double_quant``). The
-quantization is bitsandbytes' own (``quantize_4bit``), from the weights in the compute dtype, as
-transformers quantizes the weights it loaded in the model's dtype; so is the dequantization
-(``dequantize_4bit``). On CPU, with fp32 compute, ``F.linear`` of the dequantized weight is
-``Linear4bit``'s forward and backward bit for bit (bitsandbytes dequantizes there too): a LoRA
-run on a quantized base is peft's QLoRA bit for bit.
+model with ``BitsAndBytesConfig(load_in_4bit=True)`` or ``load_in_8bit=True``: the weight of
+every ``nn.Linear`` inside the decoder blocks (not the embedding, not the output head, not norms
+or biases).
+
+- 4-bit (``nf4``, ``fp4``): in blocks of 64 values with one scale each (``absmax``), the scales
+  themselves quantized to 8 bits in blocks of 256 with ``model.base_double_quant``
+  (bitsandbytes' ``bnb_4bit_use_double_quant``). The quantization is bitsandbytes' own
+  (``quantize_4bit``), from the weights in the compute dtype, as transformers quantizes the
+  weights it loaded in the model's dtype; so is the dequantization (``dequantize_4bit``). On
+  CPU, with fp32 compute, ``F.linear`` of the dequantized weight is ``Linear4bit``'s forward
+  and backward bit for bit (bitsandbytes dequantizes there too): a LoRA run on a quantized base
+  is peft's QLoRA bit for bit.
+- ``int8`` (LLM.int8()): each output row's weights to int8 with one fp32 scale (``SCB``, the
+  row's absolute maximum), by bitsandbytes' ``int8_vectorwise_quant`` from the weights in
+  float16, as ``Int8Params`` quantizes them. Dequantized as ``Linear8bitLt`` does in training
+  (``CB * (SCB / 127)`` in the compute dtype, then ``F.linear``: bit for bit on CPU in fp32).
+  bitsandbytes' eval-mode kernel quantizes the activations too (int8 matmul, fp16 outliers
+  above 6.0), about 0.6% relative away; evaluation and generation here keep the training
+  forward.
 
 Layout (``QuantLayout``): a unit of the base is one record of bytes. A unit with a quantized
-weight holds, per parameter in the unit's order, either its packed 4-bit codes, its scales (and
-with double quantization the scales' own scales and offset), or, for a parameter left as it is,
+weight holds, per parameter in the unit's order, either its codes (packed 4-bit, or one byte),
+its scales (and with double quantization the scales' own scales and offset), or, for a parameter left as it is,
 its bytes in the compute dtype; each piece starts on 64 bytes. A unit with nothing quantized
 (the embedding, the head) is the plain unit's bytes. Units end on ``align`` bytes (whole
 checksum blocks, as every unit of every state).
@@ -46,7 +56,7 @@ __all__ = [
     "base_storage",
 ]
 
-QUANTIZED = ("nf4", "fp4")
+QUANTIZED = ("nf4", "fp4", "int8")
 BLOCK = 64  # values per scale: bitsandbytes' 4-bit default (transformers' integration never changes it)
 BLOCK2 = 256  # scales per scale of the scales (double quantization), bitsandbytes' fixed choice
 PIECE_ALIGN = 64  # bytes: every piece of a unit starts here (fp32 views of the scales stay aligned)
@@ -75,12 +85,19 @@ def _bnb():
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How the base is quantized: ``kind`` ('nf4' or 'fp4'), ``double`` (scales quantized too)."""
+    """How the base is quantized: ``kind`` ('nf4', 'fp4' or 'int8'), ``double`` (4-bit scales
+    quantized too)."""
 
     kind: str
     double: bool = False
 
+    @property
+    def int8(self) -> bool:
+        return self.kind == "int8"
+
     def describe(self) -> str:
+        if self.int8:
+            return "int8 (bitsandbytes' LLM.int8() weights, one scale a row)"
         return f"{self.kind}{' with double quantization' if self.double else ''} (bitsandbytes, blocks of {BLOCK})"
 
 
@@ -94,7 +111,7 @@ def quant_spec(model_cfg) -> QuantSpec | None:
 def base_storage(cfg, layout, dtype: torch.dtype, align: int):
     """(the layout a frozen base is stored in, its element dtype) for ``cfg`` computed in ``dtype``
     over ``layout``: the layout itself in ``model.base_dtype`` (the compute dtype unless
-    narrower), or a 4-bit base's ``QuantLayout`` of bytes. What the frozen update path builds,
+    narrower), or a quantized base's ``QuantLayout`` of bytes. What the frozen update path builds,
     the budget places and the cost model reads."""
     from ..device.core import base_dtype_of
 
@@ -105,7 +122,7 @@ def base_storage(cfg, layout, dtype: torch.dtype, align: int):
 
 
 def same_base(ours: dict, compute_dtype: str, man, where: str) -> None:
-    """Refuse to continue a run whose frozen base is kept in another 4-bit format (``ours``: this
+    """Refuse to continue a run whose frozen base is kept in another quantized format (``ours``: this
     run's ``[model]`` section; ``man``: the checkpoint's manifest): its records would be read as
     another format's, or found corrupt. Named before any state is read."""
 
@@ -209,7 +226,7 @@ class QuantLayout:
                 from ..config import ConfigError
 
                 raise ConfigError(
-                    f"model.base_dtype = {spec.kind!r}: unit {unit.index}'s 4-bit record ({size} bytes) is larger "
+                    f"model.base_dtype = {spec.kind!r}: unit {unit.index}'s quantized record ({size} bytes) is larger "
                     f"than the unit in {dtype} ({unit.numel * e} bytes), its linear layers too small to quantize; "
                     "use model.base_dtype = 'bfloat16'"
                 )
@@ -219,8 +236,11 @@ class QuantLayout:
         self.max_unit_numel = max(u.numel for u in self.units)
 
     def _quantized_piece(self, r, pos: int) -> _Piece:
-        nb = -(-r.numel // BLOCK)
         codes = pos
+        if self.spec.int8:  # one byte a weight, then one fp32 scale a row
+            scales = _up(codes + r.numel, PIECE_ALIGN)
+            return _Piece(r, True, pos, codes, scales, end=scales + 4 * r.shape[0])
+        nb = -(-r.numel // BLOCK)
         scales = _up(codes + (r.numel + 1) // 2, PIECE_ALIGN)
         if not self.spec.double:
             return _Piece(r, True, pos, codes, scales, end=scales + 4 * nb)
@@ -271,6 +291,11 @@ class QuantLayout:
             if not p.quantized:
                 out[p.start : p.end].copy_(w.reshape(-1).view(torch.uint8))
                 continue
+            if self.spec.int8:  # as Int8Params: from the weights in float16
+                cb, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16).contiguous())
+                out[p.codes : p.codes + cb.numel()].copy_(cb.reshape(-1).view(torch.uint8))
+                out[p.scales : p.scales + 4 * scb.numel()].copy_(scb.float().view(torch.uint8))
+                continue
             q, st = F.quantize_4bit(
                 w.contiguous(), blocksize=BLOCK, compress_statistics=self.spec.double, quant_type=self.spec.kind
             )
@@ -307,6 +332,12 @@ class QuantLayout:
             if not p.quantized:
                 w.view(-1).copy_(piece.view(self.dtype))
                 continue
+            if self.spec.int8:  # Linear8bitLt's training forward: CB.to(dtype).mul_(SCB / 127), in place
+                s = p.scales - p.start
+                scb = piece[s : s + 4 * p.rec.shape[0]].view(torch.float32)
+                w.copy_(piece[: p.rec.numel].view(torch.int8).view(p.rec.shape))
+                w.mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
+                continue
             w.copy_(F.dequantize_4bit(self._codes(p, piece), self._state(p, piece)))
 
     def _codes(self, p: _Piece, piece: torch.Tensor) -> torch.Tensor:
@@ -334,7 +365,7 @@ class QuantLayout:
 
 
 class DequantSource(ParamSource):
-    """Units kept in 4 bits, read from ``records`` (a ``TieredRegions`` of the frozen base, or a
+    """Units kept quantized, read from ``records`` (a ``TieredRegions`` of the frozen base, or a
     forward-only run's file: ``read(u, buf)``, ``on_host(u)``, ``host_view(u)`` in
     ``QuantLayout`` units): each unit's bytes are read into the back of its slot (at an aligned offset, so O_DIRECT reads into it) and dequantized into its
     front. On CPU that happens once the read is done, on the thread that waits for it, as
