@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import os
 
-import psutil
-
 from .errors import UsageError
+from .memlimit import available_memory
 
 __all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
 
@@ -35,11 +34,12 @@ def check_ranks_fit(nproc: int, host_mib: int | None) -> None:
             f"least (ranks sharing a core wait on each other at every collective): use --nproc {cores} or fewer"
         )
     each = RANK_PROCESS_MIB + (host_mib or 0)
-    avail = psutil.virtual_memory().available >> 20
+    avail_bytes, where = available_memory()  # a container's limit, where tighter than the machine
+    avail = avail_bytes >> 20
     if nproc * each > avail:
         budget = f" and memory.host_mib = {host_mib:,} MiB" if host_mib else ""
         raise UsageError(
             f"--nproc {nproc}: {nproc} ranks need {nproc * each:,} MiB (each {RANK_PROCESS_MIB} MiB for its "
-            f"process{budget}), this machine has {avail:,} MiB available; use --nproc {max(1, avail // each)} "
+            f"process{budget}), this machine has {avail:,} MiB {where}; use --nproc {max(1, avail // each)} "
             f"or fewer{', or lower memory.host_mib' if host_mib else ''}"
         )

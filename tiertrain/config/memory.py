@@ -19,8 +19,10 @@ class MemoryConfig(Section):
     SECTION: ClassVar[str] = "memory"
     host_mib: int | None = opt(
         None,
-        "Host memory tiertrain may use for its pools and states, MiB (None: half of the "
-        "memory available at start, printed; for the built-in default job, the default model on "
+        "Host memory tiertrain may use for its pools and states, MiB, beyond what the process holds "
+        "at start (interpreter, libraries) (None: half of the memory available at start, within a "
+        "memory cgroup's limit where one is tighter (a container's, a Slurm job's), printed; a budget "
+        "that with what the cgroup holds would pass its limit is refused; for the built-in default job, the default model on "
         "the bundled corpus, its fixed pools and a quarter of its states, so that it shows the "
         "rest streaming from io.paths). The fixed pools come first; parameters, "
         "gradients, optimizer state, hidden states (and, on CPU, kept activations) are placed "

@@ -26,12 +26,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
 from ..execute.tied import tied_rows_bytes
+from ..memlimit import available_memory, cgroup_memory
 from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
@@ -75,26 +75,55 @@ BUILTIN_STATES = 0.25  # of its states' bytes the built-in default job keeps in 
 
 
 def default_host_bytes() -> tuple[int, str]:
-    avail = psutil.virtual_memory().available
+    avail, where = available_memory()  # a memory cgroup's limit, where one is tighter than the machine
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this machine share it
     if ranks > 1:
         return (
             int(avail * HOST_FRACTION / ranks),
-            f"half of the {avail / GIB:.1f} GiB available now, shared by this machine's {ranks} ranks",
+            f"half of the {avail / GIB:.1f} GiB {where}, shared by this machine's {ranks} ranks",
         )
-    return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB available now"
+    return int(avail * HOST_FRACTION), f"half of the {avail / GIB:.1f} GiB {where}"
+
+
+LIMIT_MARGIN = 0.1  # of a cgroup's limit kept free of the budget: page cache under writeback, allocator slack
 
 
 def warn_above_available(host: int) -> None:
     """A budget set above the memory this machine has available now is taken as given (the
-    user may know better, say with memory to be freed), but said, with the figure."""
-    avail = psutil.virtual_memory().available
+    user may know better, say with memory to be freed), but said, with the figure. Above a
+    memory cgroup's limit (with what the cgroup holds already: this process's interpreter,
+    libraries and model skeleton among it) it is refused: the kernel would kill the run
+    (SIGKILL, no checkpoint) once it grew that far; within ``LIMIT_MARGIN`` of it, said."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cg = cgroup_memory()
+    if cg is not None:
+        need = host * ranks + cg.used
+        fix = max(0, int(cg.limit * (1 - LIMIT_MARGIN) - cg.used) // ranks // MIB)  # keeps the margin
+        each = f" for each of this machine's {ranks} ranks" if ranks > 1 else ""
+        if need > cg.limit:
+            raise ConfigError(
+                f"memory.host_mib = {host // MIB:,} MiB{each} and the {cg.used // MIB:,} MiB its memory cgroup holds "
+                f"already (this process's interpreter and libraries among it) exceed the cgroup's limit of "
+                f"{cg.limit // MIB:,} MiB ({cg.where}): the kernel would kill the run once it grew that far; set "
+                f"memory.host_mib at most {fix:,} (or leave it unset for half of what the limit leaves)"
+            )
+        if need > cg.limit * (1 - LIMIT_MARGIN):
+            log.warning(
+                "memory.host_mib = %s MiB%s and the %s MiB its memory cgroup holds already come within %d%% of the "
+                "cgroup's limit of %s MiB (%s): page cache and allocator slack may have the kernel kill the run; "
+                "memory.host_mib = %s keeps that margin",
+                f"{host // MIB:,}", each, f"{cg.used // MIB:,}", int(LIMIT_MARGIN * 100), f"{cg.limit // MIB:,}",
+                cg.where, f"{fix:,}",
+            )  # fmt: skip
+            return
+    avail, where = available_memory()
     if host > avail:
         log.warning(
-            "memory.host_mib = %s MiB is more than the %s MiB this machine has available now: the states "
-            "placed in memory by it may not fit (leave memory.host_mib unset for half of what is available)",
+            "memory.host_mib = %s MiB is more than the %s MiB %s: the states placed in memory by it may not fit "
+            "(leave memory.host_mib unset for half of that)",
             f"{host // MIB:,}",
             f"{avail // MIB:,}",
+            where,
         )
 
 
