@@ -183,6 +183,9 @@ def test_a_quantized_base_reads_its_quantized_bytes_as_the_cost_model_says(tmp_p
     assert q.ssd_read_bytes == t_q.read and f.ssd_read_bytes == t_f.read
     if host_param_mib == 0:
         assert 0 < q.ssd_read_bytes / f.ssd_read_bytes < (0.34 if kind == "nf4" else 0.4)
+        # the store counts the bytes its loads read (generation's "GB read"), not the slots' fp32 bytes
+        fetched = tq.params.stats.fetch_bytes / tf.params.stats.fetch_bytes
+        assert fetched == pytest.approx(q.ssd_read_bytes / f.ssd_read_bytes, rel=0.05)
     else:
         assert q.ssd_read_bytes == f.ssd_read_bytes == 0
 

@@ -391,6 +391,9 @@ class DequantSource(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         raise RuntimeError("a quantized unit has no host view")
 
+    def loaded_bytes(self, u: int, numel: int, itemsize: int) -> int:
+        return self.quant.units[u].numel  # its quantized record
+
     def _back(self, u: int) -> tuple[int, int]:
         """(byte offset, bytes) of unit ``u``'s quantized record in the back of its slot."""
         q = self.quant.units[u].numel

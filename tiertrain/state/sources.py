@@ -39,6 +39,12 @@ class ParamSource(abc.ABC):
         ``slot`` of the store, when the store's slots are shared with the update). Never
         blocks; the future's ``get`` waits for the update of ``u`` where it is still running."""
 
+    def loaded_bytes(self, u: int, numel: int, itemsize: int) -> int:
+        """Bytes a load of unit ``u`` (``numel`` elements of ``itemsize`` bytes in its slot) reads
+        from where the unit is kept: the slot's bytes, unless it is kept narrower (a widened or
+        quantized frozen base)."""
+        return numel * itemsize
+
     def attach(self, dev) -> None:
         """The parameter store that loads from this source runs on ``dev`` (called once, before
         any load): a source may then leave work to the device (``finish_on_device``)."""

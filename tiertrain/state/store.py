@@ -173,7 +173,7 @@ class ParamStore:
         slot.to(SlotState.LOADING)
         self.stats.fetches += 1
         n = self.layout.units[u].numel
-        self.stats.fetch_bytes += n * self.esize
+        self.stats.fetch_bytes += self.source.loaded_bytes(u, n, self.esize)  # a narrower base: its own bytes
         if self.source.on_host(u):  # separate device memory: a host-resident unit is one upload
             self.stats.wait_s += self.source.settle(u)  # sync point where the update still writes it
             slot.loaded = self.dev.upload(slot.tensor[:n], self.source.host_view(u), after=slot.released)

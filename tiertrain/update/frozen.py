@@ -74,6 +74,9 @@ class _Upcast(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         raise RuntimeError("a converted unit has no host view")
 
+    def loaded_bytes(self, u: int, numel: int, itemsize: int) -> int:
+        return numel * self.inner.dtype.itemsize  # its narrow bytes
+
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         src = self.inner.dtype
         if self.inner.on_host(u):  # upcast straight from host memory
