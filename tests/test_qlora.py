@@ -320,3 +320,22 @@ def test_what_is_quantized_is_what_transformers_quantizes(tmp_path):
     got = sorted(names[i].split(".", 3)[-1] for i in rt.layout.quantizable)
     assert got == sorted(f"{x}.weight" for x in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                  "self_attn.o_proj") for _ in range(2)), got  # fmt: skip
+
+
+def test_forward_only_sources_count_the_bytes_their_loads_read(tmp_path):
+    """Generation's and evaluation's "GB read": the units kept in memory wrap the quantized
+    records (their bytes, not the slots'), as routed reads wrap theirs."""
+    from tiertrain.inference.weights import ResidentWeights
+    from tiertrain.io import IOFuture
+    from tiertrain.runtime import Runtime
+    from tiertrain.state.quant import DequantSource, base_storage
+
+    rt = Runtime(qlora_config(tmp_path, "int8", layers=2, d=128))
+    quant, _ = base_storage(rt.cfg, rt.layout, rt.dtype, rt.align)
+    inner = DequantSource(None, quant, rt.dtype)
+    inner.load = lambda u, out, slot=None: IOFuture.completed(0)  # nothing read: the counting alone
+    kept = ResidentWeights(inner, rt.layout, budget=0, pin=False, why="test", progress=False)
+    for unit in rt.layout.units:
+        want = quant.units[unit.index].numel
+        assert kept.loaded_bytes(unit.index, unit.numel, 4) == inner.loaded_bytes(unit.index, unit.numel, 4) == want
+    assert any(quant.units[u.index].numel < u.numel * 2 for u in rt.layout.units)  # quantized units: under half

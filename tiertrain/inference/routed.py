@@ -206,6 +206,9 @@ class RoutedReads(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         return self.inner.host_view(u)
 
+    def loaded_bytes(self, u: int, numel: int, itemsize: int) -> int:
+        return self.inner.loaded_bytes(u, numel, itemsize)
+
     @property
     def host_bytes(self) -> int:
         return self.inner.host_bytes + (self.cache.bytes if self.cache is not None else 0)

@@ -240,6 +240,9 @@ class ResidentWeights(ParamSource):
     def host_view(self, u: int) -> torch.Tensor:
         return self.resident[u][: self.layout.units[u].numel]
 
+    def loaded_bytes(self, u: int, numel: int, itemsize: int) -> int:
+        return self.inner.loaded_bytes(u, numel, itemsize)  # a quantized base's records
+
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
         return self.inner.load(u, out, slot)
 
