@@ -119,12 +119,12 @@ def test_a_run_in_a_small_memory_cgroup_plans_within_it_and_a_budget_over_it_is_
 
 
 def test_generation_gives_the_heap_back_past_its_budget(tmp_path):
-    """Generation trims the heap after a unit once the process has grown past its start and
+    """Generation and evaluation trim the heap after a unit once the process has grown past its start and
     budget less a unit (as training does): the transient tensors of a pass stay in glibc's
     heap otherwise (measured 0.5 GB over a 1 GiB budget on a 1.2 B NF4 base)."""
     from reference import small_config
 
-    from tiertrain.inference.generate import _heap_trim
+    from tiertrain.inference.weights import heap_trim as _heap_trim
     from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, kind="llama")

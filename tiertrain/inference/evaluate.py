@@ -26,6 +26,7 @@ import torch
 
 from ..config import Config, ConfigError
 from ..data import EvalSet
+from ..device.host import host_rss
 from ..execute.executor import LayerMajorExecutor
 from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
@@ -66,6 +67,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         )
     evalset = EvalSet(cfg.data)
     rt = Runtime(cfg, weights=weights, device=device)
+    rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)
     vocab = vocab_size_of(rt.model, cfg)
     if evalset.vocab_size > vocab:
         rt.close()
@@ -73,7 +75,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
             f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
             f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)"
         )
-    from .weights import forward_params
+    from .weights import forward_params, heap_trim
 
     try:
         source = forward_params(cfg, rt)
@@ -82,7 +84,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         raise
     try:
         store = rt.bind_params(source)
-        executor = LayerMajorExecutor(rt.model, store, None, None, rt.dev)
+        executor = LayerMajorExecutor(rt.model, store, None, None, rt.dev, after_unit=heap_trim(cfg, rt, rss_at_start))
         log.info(
             "model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), rt.weights.describe
         )

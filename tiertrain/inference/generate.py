@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from ..config import Config, ConfigError
-from ..device.host import HeapTrim, host_rss
+from ..device.host import host_rss
 from ..execute.walk import UnitWalk
 from ..models import WeightSource
 from ..models.gpt_decode import GPTCache
@@ -46,7 +46,7 @@ from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
 from ..runtime import Runtime
 from .kvcache import TieredKV
 from .routed import weights_read
-from .weights import forward_params
+from .weights import forward_params, heap_trim
 
 __all__ = ["Sampling", "generate", "eos_ids"]
 
@@ -246,7 +246,7 @@ def generate(
         )
         gen = torch.Generator().manual_seed(sampling.seed)
         walk = UnitWalk(store, model.plan, repeat=True)  # a pass over the model's units per token
-        trim = _heap_trim(cfg, rt, rss_at_start)
+        trim = heap_trim(cfg, rt, rss_at_start)
         t0, steps = time.perf_counter(), 0
         with torch.no_grad():
             model.eval()
@@ -328,19 +328,6 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
             f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "
             "tokenize with the model's own tokenizer"
         )
-
-
-def _heap_trim(cfg: Config, rt, rss_at_start: int) -> HeapTrim | None:
-    """The heap given back after a unit once the process has grown past its start and budget
-    less a unit (``memory.trim_heap``): the transient tensors of a pass (a dequantized weight,
-    activations) otherwise stay in glibc's heap, measured 0.5 GB over a 1 GiB budget on a
-    1.2 B NF4 base."""
-    if not cfg.memory.trim_heap:
-        return None
-    from ..cost.budget import default_host_bytes
-
-    host = cfg.memory.host_mib << 20 if cfg.memory.host_mib is not None else default_host_bytes()[0]
-    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
 
 
 def _step(
