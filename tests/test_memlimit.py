@@ -134,3 +134,103 @@ def test_generation_gives_the_heap_back_past_its_budget(tmp_path):
     assert trim.limit == 1000 + 300 * MIB - rt.layout.max_unit_numel * 4
     cfg.memory.trim_heap = False
     assert _heap_trim(cfg, rt, 1000) is None
+
+
+def test_a_cpu_quota_is_read_from_v1_and_v2_trees(tmp_path):
+    from tiertrain.memlimit import cpu_quota
+
+    root = tmp_path / "cg"
+    _write(root / "kubepods" / "pod1", "cpu.max", "150000 100000\n")
+    _write(root / "kubepods", "cpu.max", "max 100000\n")
+    _write(tmp_path, "v2", "0::/kubepods/pod1\n")
+    assert cpu_quota(str(tmp_path / "v2"), str(root)) == 1.5
+    _write(root / "kubepods" / "pod1", "cpu.max", "max 100000\n")
+    assert cpu_quota(str(tmp_path / "v2"), str(root)) is None
+    v1 = tmp_path / "v1root"
+    _write(v1 / "cpu" / "docker" / "c1", "cpu.cfs_quota_us", "200000")
+    _write(v1 / "cpu" / "docker" / "c1", "cpu.cfs_period_us", "100000")
+    _write(v1 / "cpu", "cpu.cfs_quota_us", "-1")
+    _write(v1 / "cpu", "cpu.cfs_period_us", "100000")
+    _write(tmp_path, "v1", "3:cpu,cpuacct:/docker/c1\n9:memory:/docker/c1\n")
+    assert cpu_quota(str(tmp_path / "v1"), str(v1)) == 2.0
+
+
+def test_torchs_threads_fit_the_quota_unless_omp_num_threads_chooses(monkeypatch, caplog):
+    import torch
+
+    import tiertrain.runtime as runtime
+
+    was = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(8)
+        monkeypatch.setattr(runtime, "cpu_quota", lambda: 3.5)
+        monkeypatch.setattr(runtime, "_QUOTA_SAID", False)
+        with caplog.at_level(logging.INFO, logger="tiertrain"):
+            assert runtime.fit_threads_to_quota() == 3 and torch.get_num_threads() == 3
+        assert "compute threads: 3, the 3.5 cores' worth of this cgroup's CPU quota (torch would take 8" in caplog.text
+        torch.set_num_threads(8)
+        assert runtime.fit_threads_to_quota(2) == 1  # two ranks of this machine share it
+        torch.set_num_threads(2)
+        assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 2  # never raised
+        torch.set_num_threads(8)
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")
+        assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 8
+        monkeypatch.setattr(runtime, "cpu_quota", lambda: None)
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(was)
+
+
+_QUOTA_CHILD = """
+import logging, pathlib, sys, torch
+logging.basicConfig(level=logging.INFO)
+sys.path.insert(0, sys.argv[1])
+from reference import small_config
+from tiertrain.runtime import Runtime
+torch.set_num_threads(2)
+Runtime(small_config(pathlib.Path(sys.argv[2]), kind="llama"))
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.slow
+def test_in_a_real_cpu_cgroup_of_one_core_torch_computes_on_one_thread(tmp_path):
+    """A v1 or v2 CPU cgroup with a quota of one core (skipped where none can be made)."""
+    pid = os.getpid()
+    if os.path.isdir("/sys/fs/cgroup/cpu"):
+        path = f"/sys/fs/cgroup/cpu/tiertrain-test-{pid}"
+        files = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}
+    elif os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        path, files = f"/sys/fs/cgroup/tiertrain-test-cpu-{pid}", {"cpu.max": "100000 100000"}
+    else:
+        pytest.skip("no cpu cgroup file system here")
+    try:
+        os.mkdir(path)
+        for name, value in files.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(value)
+    except OSError as exc:
+        pytest.skip(f"cannot make a cpu cgroup at {path}: {exc}")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    try:
+        r = subprocess.run(
+            ["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c", _QUOTA_CHILD,
+             os.path.dirname(__file__), str(tmp_path)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split()[-1] == "1", (r.stdout, r.stderr[-2000:])
+        assert "compute threads: 1, the 1.0 cores' worth of this cgroup's CPU quota (torch would take 2" in r.stderr
+    finally:
+        subprocess.run(["sh", "-c", f"rmdir {path} 2>/dev/null || true"], check=False)
+
+
+def test_nprocs_fit_check_counts_the_cpu_quota(monkeypatch):
+    import tiertrain.ranks_fit as fit
+
+    monkeypatch.setattr(fit, "cpu_quota", lambda: 1.5)
+    assert fit._cores() == 1  # 1.5 cores' worth: one rank at most computes without waiting on another
+    monkeypatch.setattr(fit, "cpu_quota", lambda: None)
+    assert fit._cores() == len(os.sched_getaffinity(0))

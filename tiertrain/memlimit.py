@@ -1,4 +1,5 @@
-"""The host memory this process may still take: the machine's available memory, or less where a
+"""The host memory this process may still take, and the cores it may compute on: the machine's,
+or less where a cgroup limits them. Memory: the machine's available memory, or less where a
 memory cgroup limits it (a container's ``--memory``, a Kubernetes limit, a Slurm job's
 ``--mem``, systemd's ``MemoryMax``).
 
@@ -10,6 +11,11 @@ read from ``/proc/self/cgroup`` and the cgroup file system: cgroup v2 (``memory.
 ``hierarchical_memory_limit``, ``memory.usage_in_bytes``). What the cgroup holds now is its
 charge less the inactive page cache, which the kernel reclaims before it kills anything (the
 working set, as Kubernetes counts it).
+
+Cores: a CPU quota (``docker --cpus``, a Kubernetes CPU limit; cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) leaves the affinity mask, and so torch's default
+thread count, at the machine's cores: 64 threads sharing 2 cores' worth of time are throttled
+in turn at every matrix product. ``cpu_quota`` says how many cores' worth the quota gives.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["CgroupMemory", "cgroup_memory", "available_memory"]
+__all__ = ["CgroupMemory", "cgroup_memory", "available_memory", "cpu_quota"]
 
 _UNLIMITED = 1 << 60  # v1 writes "no limit" as a page-rounded 2**63 - 1
 
@@ -121,3 +127,56 @@ def available_memory() -> tuple[int, str]:
             f"{cg.used / 2**30:.2f} GiB held)"
         )
     return avail, "available now"
+
+
+def cpu_quota(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """Cores' worth of CPU time a cgroup's quota gives this process (the tightest from its cgroup
+    up to the mount's root), or None where none limits it."""
+    text = _read(proc)
+    if text is None:
+        return None
+    best: float | None = None
+    for line in text.splitlines():
+        hid, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if "cpu" in controllers.split(","):
+            for base in (os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")):
+                q = _walk(base, rel, _v1_quota)
+                if q is not None:
+                    best = q if best is None else min(best, q)
+                    break
+        elif hid == "0" and controllers == "":
+            q = _walk(root, rel, _v2_quota)
+            if q is not None:
+                best = q if best is None else min(best, q)
+    return best
+
+
+def _v1_quota(path: str) -> float | None:
+    quota, period = _read(os.path.join(path, "cpu.cfs_quota_us")), _read(os.path.join(path, "cpu.cfs_period_us"))
+    if quota and period and quota.lstrip("-").isdigit() and period.isdigit() and int(quota) > 0 < int(period):
+        return int(quota) / int(period)
+    return None
+
+
+def _v2_quota(path: str) -> float | None:
+    text = _read(os.path.join(path, "cpu.max"))
+    if not text:
+        return None
+    quota, _, period = text.partition(" ")
+    if quota.isdigit() and period.strip().isdigit() and int(period) > 0:
+        return int(quota) / int(period)
+    return None
+
+
+def _walk(root: str, rel: str, read) -> float | None:
+    """The least of ``read(dir)`` from ``root/rel`` up to ``root`` (None where no directory has one)."""
+    if not os.path.isdir(root):
+        return None
+    path, best = os.path.normpath(os.path.join(root, rel.lstrip("/"))), None
+    while True:
+        q = read(path)
+        if q is not None:
+            best = q if best is None else min(best, q)
+        if path == os.path.normpath(root) or os.path.dirname(path) == path:
+            return best
+        path = os.path.dirname(path)

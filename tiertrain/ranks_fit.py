@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from .errors import UsageError
-from .memlimit import available_memory
+from .memlimit import available_memory, cpu_quota
 
 __all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
 
@@ -18,9 +18,11 @@ RANK_PROCESS_MIB = 256
 
 def _cores() -> int:
     try:
-        return len(os.sched_getaffinity(0))  # the cores this process may use (a container's, a taskset's)
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (a container's, a taskset's)
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()  # a CPU quota (docker --cpus) leaves the affinity at the machine's cores
+    return cores if quota is None else max(1, min(cores, int(quota)))
 
 
 def check_ranks_fit(nproc: int, host_mib: int | None) -> None:

@@ -12,6 +12,9 @@ store), ``io`` (storage). It knows nothing of gradients, optimizers or checkpoin
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from .config import Config, ConfigError
@@ -19,6 +22,7 @@ from .device.core import Device, base_dtype_of, make_device, resolve_dtype
 from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
+from .memlimit import cpu_quota
 from .models import WeightSource, build_model
 from .models.freeze import apply_freeze, freeze_all
 from .state.layout import PARAM_ALIGN, FlatLayout, chunk_align
@@ -48,6 +52,36 @@ def hidden_size_of(model, cfg: Config) -> int:
     return model.hf_config.hidden_size if model.hf_config is not None else cfg.model.d_model
 
 
+log = logging.getLogger("tiertrain")
+_QUOTA_SAID = False
+
+
+def fit_threads_to_quota(world: int = 1) -> int | None:
+    """Torch's compute threads lowered to the cores' worth a cgroup's CPU quota gives (shared by
+    this machine's ``world`` ranks), where torch would take more and ``OMP_NUM_THREADS`` does not
+    choose; said once. Returns the count set, or None where nothing changed."""
+    global _QUOTA_SAID
+    quota = cpu_quota()
+    if quota is None or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    want = max(1, int(quota / max(1, world)))
+    have = torch.get_num_threads()
+    if have <= want:
+        return None
+    torch.set_num_threads(want)
+    if not _QUOTA_SAID:
+        _QUOTA_SAID = True
+        log.info(
+            "compute threads: %d, the %.1f cores' worth of this cgroup's CPU quota%s (torch would take %d, each "
+            "throttled in turn; OMP_NUM_THREADS chooses)",
+            want,
+            quota,
+            f" shared by {world} ranks" if world > 1 else "",
+            have,
+        )
+    return want
+
+
 class Runtime:
     def __init__(
         self,
@@ -62,6 +96,7 @@ class Runtime:
         shards and ``state_layout`` is this rank's (the whole layout with one rank)."""
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
+        fit_threads_to_quota(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # this machine's ranks share the quota
         self.dtype: torch.dtype = resolve_dtype(cfg.train.param_dtype, self.dev.device)
         self.base_dtype = base_dtype_of(cfg.model.base_dtype, self.dtype)
         if self.base_dtype.itemsize > self.dtype.itemsize:
