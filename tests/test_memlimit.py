@@ -164,6 +164,7 @@ def test_torchs_threads_fit_the_quota_unless_omp_num_threads_chooses(monkeypatch
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         torch.set_num_threads(8)
+        monkeypatch.setattr(runtime, "_default_threads", lambda: 8)  # torch's default on an 8-core machine
         monkeypatch.setattr(runtime, "cpu_quota", lambda: 3.5)
         monkeypatch.setattr(runtime, "_QUOTA_SAID", False)
         with caplog.at_level(logging.INFO, logger="tiertrain"):
@@ -173,6 +174,8 @@ def test_torchs_threads_fit_the_quota_unless_omp_num_threads_chooses(monkeypatch
         assert runtime.fit_threads_to_quota(2) == 1  # two ranks of this machine share it
         torch.set_num_threads(2)
         assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 2  # never raised
+        torch.set_num_threads(5)
+        assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 5  # the caller's choice
         torch.set_num_threads(8)
         monkeypatch.setenv("OMP_NUM_THREADS", "8")
         assert runtime.fit_threads_to_quota() is None and torch.get_num_threads() == 8

@@ -9,8 +9,8 @@ checkpoint, no message) once it grows past the container's limit. The cgroup's o
 read from ``/proc/self/cgroup`` and the cgroup file system: cgroup v2 (``memory.max``,
 ``memory.current``; every ancestor's ``memory.max`` counts) and v1 (``memory.stat``'s
 ``hierarchical_memory_limit``, ``memory.usage_in_bytes``). What the cgroup holds now is its
-charge less the inactive page cache, which the kernel reclaims before it kills anything (the
-working set, as Kubernetes counts it).
+charge less its clean page cache (file pages neither dirty nor under writeback), which the
+kernel reclaims before it kills anything.
 
 Cores: a CPU quota (``docker --cpus``, a Kubernetes CPU limit; cgroup v2 ``cpu.max``, v1
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) leaves the affinity mask, and so torch's default
@@ -70,7 +70,10 @@ def _v2(root: str, rel: str) -> CgroupMemory | None:
         limit = _read(os.path.join(path, "memory.max"))
         current = _read(os.path.join(path, "memory.current"))
         if limit and limit != "max" and limit.isdigit() and current and current.isdigit():
-            used = int(current) - _stat(path).get("inactive_file", 0)
+            st = _stat(path)  # clean file pages are reclaimed before anything is killed
+            used = int(current) - max(
+                0, st.get("file", st.get("inactive_file", 0)) - st.get("file_dirty", 0) - st.get("file_writeback", 0)
+            )
             cand = CgroupMemory(int(limit), max(0, used), path)
             if best is None or cand.free < best.free:
                 best = cand
@@ -93,8 +96,13 @@ def _v1(root: str, rel: str) -> CgroupMemory | None:
         if limit is not None and usage and usage.isdigit():
             if limit >= _UNLIMITED:
                 return None
-            inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-            return CgroupMemory(limit, max(0, int(usage) - inactive), path)
+            clean = stat.get("total_active_file", stat.get("active_file", 0)) + stat.get(
+                "total_inactive_file", stat.get("inactive_file", 0)
+            )  # clean file pages are reclaimed before anything is killed
+            clean -= stat.get("total_dirty", stat.get("dirty", 0)) + stat.get(
+                "total_writeback", stat.get("writeback", 0)
+            )
+            return CgroupMemory(limit, max(0, int(usage) - max(0, clean)), path)
     return None
 
 

@@ -56,18 +56,26 @@ log = logging.getLogger("tiertrain")
 _QUOTA_SAID = False
 
 
+def _default_threads() -> int:
+    """Torch's default thread count: one per core this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def fit_threads_to_quota(world: int = 1) -> int | None:
     """Torch's compute threads lowered to the cores' worth a cgroup's CPU quota gives (shared by
-    this machine's ``world`` ranks), where torch would take more and ``OMP_NUM_THREADS`` does not
-    choose; said once. Returns the count set, or None where nothing changed."""
+    this machine's ``world`` ranks), where torch would take more, its count is still its default
+    (not set by the caller) and ``OMP_NUM_THREADS`` does not choose; said once. Returns the count set, or None where nothing changed."""
     global _QUOTA_SAID
     quota = cpu_quota()
     if quota is None or os.environ.get("OMP_NUM_THREADS"):
         return None
     want = max(1, int(quota / max(1, world)))
     have = torch.get_num_threads()
-    if have <= want:
-        return None
+    if have <= want or have != _default_threads():
+        return None  # fewer already, or chosen by the caller (torch.set_num_threads): left alone
     torch.set_num_threads(want)
     if not _QUOTA_SAID:
         _QUOTA_SAID = True

@@ -54,7 +54,7 @@ class TiedRows:
 
     def begin(self, ids: list[torch.Tensor]) -> None:
         """The step's micro-batches' token ids: their distinct rows are the ones kept."""
-        self._rows = torch.unique(torch.cat([x.reshape(-1) for x in ids]))  # sync point: the count of rows
+        self._rows = torch.unique(torch.cat([x.reshape(-1) for x in ids])).long()  # sync point: the count of rows
         self._head, self._sum = [], None
 
     def head_before(self) -> None:

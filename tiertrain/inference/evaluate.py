@@ -75,8 +75,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
             f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
             f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)"
         )
-    from .weights import forward_params, heap_trim
+    from .weights import forward_params, heap_trim, host_budget
 
+    host = host_budget(cfg)  # before any weight is read: what is available drops as they are
     try:
         source = forward_params(cfg, rt)
     except BaseException:
@@ -84,7 +85,9 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         raise
     try:
         store = rt.bind_params(source)
-        executor = LayerMajorExecutor(rt.model, store, None, None, rt.dev, after_unit=heap_trim(cfg, rt, rss_at_start))
+        executor = LayerMajorExecutor(
+            rt.model, store, None, None, rt.dev, after_unit=heap_trim(cfg, rt, rss_at_start, host)
+        )
         log.info(
             "model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), rt.weights.describe
         )

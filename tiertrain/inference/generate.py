@@ -46,7 +46,7 @@ from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
 from ..runtime import Runtime
 from .kvcache import TieredKV
 from .routed import weights_read
-from .weights import forward_params, heap_trim
+from .weights import forward_params, heap_trim, host_budget
 
 __all__ = ["Sampling", "generate", "eos_ids"]
 
@@ -201,6 +201,7 @@ def generate(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
     rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)
+    host = host_budget(cfg)  # before any weight is read: what is available drops as they are
     budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
     b = cfg.data.micro_batch_size
     try:  # what is refused is refused before any weight is read
@@ -246,7 +247,7 @@ def generate(
         )
         gen = torch.Generator().manual_seed(sampling.seed)
         walk = UnitWalk(store, model.plan, repeat=True)  # a pass over the model's units per token
-        trim = heap_trim(cfg, rt, rss_at_start)
+        trim = heap_trim(cfg, rt, rss_at_start, host)
         t0, steps = time.perf_counter(), 0
         with torch.no_grad():
             model.eval()
@@ -335,7 +336,7 @@ def _step(
 ) -> list[torch.Tensor]:
     """One decoding step over every micro-batch, unit by unit along the model's plan: the last
     logits of each. The units ahead are prefetched, round into the next step's where there is
-    one (``more``); ``trim``: called after each unit (``_heap_trim``)."""
+    one (``more``); ``trim``: called after each unit (``weights.heap_trim``)."""
     ins, masks, poss = [], [], []
     for g in groups:
         new = g.ids.shape[1] if step == 0 else 1

@@ -191,18 +191,25 @@ def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:
     return max(0, host - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
 
 
-def heap_trim(cfg, rt, rss_at_start: int) -> HeapTrim | None:
+def heap_trim(cfg, rt, rss_at_start: int, host: int | None = None) -> HeapTrim | None:
     """The heap given back after a unit (generation's and evaluation's passes) once the process
     has grown past ``rss_at_start`` (taken once the runtime is built) and its budget less a unit
-    (``memory.trim_heap``, as training does): the transient tensors of a pass (a dequantized weight,
-    activations) otherwise stay in glibc's heap, measured 0.5 GB over a 1 GiB budget on a
-    1.2 B NF4 base."""
+    (``memory.trim_heap``, as training does): the transient tensors of a pass (a dequantized
+    weight, activations) otherwise stay in glibc's heap, measured 0.5 GB over a 1 GiB budget on
+    a 1.2 B NF4 base. ``host``: the budget, taken before any weight was read (default:
+    ``memory.host_mib``, or half the memory available now)."""
     if not cfg.memory.trim_heap:
         return None
+    if host is None:
+        host = host_budget(cfg)
+    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
+
+
+def host_budget(cfg) -> int:
+    """``memory.host_mib`` in bytes, or half the memory available now (``default_host_bytes``)."""
     from ..cost.budget import default_host_bytes
 
-    host = cfg.memory.host_mib << 20 if cfg.memory.host_mib is not None else default_host_bytes()[0]
-    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
+    return cfg.memory.host_mib << 20 if cfg.memory.host_mib is not None else default_host_bytes()[0]
 
 
 class ResidentWeights(ParamSource):
