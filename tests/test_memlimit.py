@@ -124,16 +124,17 @@ def test_generation_gives_the_heap_back_past_its_budget(tmp_path):
     heap otherwise (measured 0.5 GB over a 1 GiB budget on a 1.2 B NF4 base)."""
     from reference import small_config
 
-    from tiertrain.inference.weights import heap_trim as _heap_trim
+    from tiertrain.inference.weights import heap_trim, host_budget
     from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, kind="llama")
     cfg.memory.host_mib = 300
     rt = Runtime(cfg)
-    trim = _heap_trim(cfg, rt, 1000)
+    assert host_budget(cfg) == (300 * MIB, "memory.host_mib = 300")
+    trim = heap_trim(cfg, rt, 1000, host_budget(cfg)[0])
     assert trim.limit == 1000 + 300 * MIB - rt.layout.max_unit_numel * 4
     cfg.memory.trim_heap = False
-    assert _heap_trim(cfg, rt, 1000) is None
+    assert heap_trim(cfg, rt, 1000, 300 * MIB) is None
 
 
 def test_a_cpu_quota_is_read_from_v1_and_v2_trees(tmp_path):
@@ -164,7 +165,7 @@ def test_torchs_threads_fit_the_quota_unless_omp_num_threads_chooses(monkeypatch
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         torch.set_num_threads(8)
-        monkeypatch.setattr(runtime, "_default_threads", lambda: 8)  # torch's default on an 8-core machine
+        monkeypatch.setattr(runtime, "affinity_cores", lambda: 8)  # torch's default on an 8-core machine
         monkeypatch.setattr(runtime, "cpu_quota", lambda: 3.5)
         monkeypatch.setattr(runtime, "_QUOTA_SAID", False)
         with caplog.at_level(logging.INFO, logger="tiertrain"):

@@ -137,7 +137,7 @@ def test_units_kept_in_host_memory_beside_routed_ones(tmp_path, wide_moe, reads,
         kept = sum(u.numel for u in rt.layout.units[:2]) * rt.dtype.itemsize
     finally:
         rt.close()
-    monkeypatch.setattr(weights, "resident_budget", lambda cfg, rt, other=0: (kept, "the test's"))
+    monkeypatch.setattr(weights, "resident_budget", lambda cfg, rt, other=0, host=None: (kept, "the test's"))
     ours = generate(cfg, PROMPTS, Sampling(max_new_tokens=5), eos=())
     assert ours == _hf_generate(hf, PROMPTS, 5)
     ((src, file_bytes),) = reads

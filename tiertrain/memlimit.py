@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["CgroupMemory", "cgroup_memory", "available_memory", "cpu_quota"]
+__all__ = ["CgroupMemory", "cgroup_memory", "available_memory", "cpu_quota", "affinity_cores"]
 
 _UNLIMITED = 1 << 60  # v1 writes "no limit" as a page-rounded 2**63 - 1
 
@@ -61,28 +61,18 @@ def _stat(path: str) -> dict[str, int]:
     return out
 
 
+def _v2_memory(path: str) -> CgroupMemory | None:
+    limit, current = _read(os.path.join(path, "memory.max")), _read(os.path.join(path, "memory.current"))
+    if not (limit and limit.isdigit() and current and current.isdigit()):
+        return None  # "max": no limit here
+    st = _stat(path)  # clean file pages are reclaimed before anything is killed
+    clean = st.get("file", st.get("inactive_file", 0)) - st.get("file_dirty", 0) - st.get("file_writeback", 0)
+    return CgroupMemory(int(limit), max(0, int(current) - max(0, clean)), path)
+
+
 def _v2(root: str, rel: str) -> CgroupMemory | None:
     """The tightest ``memory.max`` from the process's cgroup up to the mount's root."""
-    here = os.path.normpath(os.path.join(root, rel.lstrip("/")))
-    best: CgroupMemory | None = None
-    path = here
-    while True:
-        limit = _read(os.path.join(path, "memory.max"))
-        current = _read(os.path.join(path, "memory.current"))
-        if limit and limit != "max" and limit.isdigit() and current and current.isdigit():
-            st = _stat(path)  # clean file pages are reclaimed before anything is killed
-            used = int(current) - max(
-                0, st.get("file", st.get("inactive_file", 0)) - st.get("file_dirty", 0) - st.get("file_writeback", 0)
-            )
-            cand = CgroupMemory(int(limit), max(0, used), path)
-            if best is None or cand.free < best.free:
-                best = cand
-        if os.path.normpath(path) == os.path.normpath(root):
-            return best
-        parent = os.path.dirname(path)
-        if parent == path:
-            return best
-        path = parent
+    return _walk(root, rel, _v2_memory, key=lambda m: m.free)
 
 
 def _v1(root: str, rel: str) -> CgroupMemory | None:
@@ -176,15 +166,25 @@ def _v2_quota(path: str) -> float | None:
     return None
 
 
-def _walk(root: str, rel: str, read) -> float | None:
-    """The least of ``read(dir)`` from ``root/rel`` up to ``root`` (None where no directory has one)."""
+def _walk(root: str, rel: str, read, key=lambda x: x):
+    """The least (by ``key``) of ``read(dir)`` from ``root/rel`` up to ``root`` (None where no
+    directory has one: every ancestor's limit applies, the tightest binds)."""
     if not os.path.isdir(root):
         return None
     path, best = os.path.normpath(os.path.join(root, rel.lstrip("/"))), None
     while True:
-        q = read(path)
-        if q is not None:
-            best = q if best is None else min(best, q)
+        found = read(path)
+        if found is not None and (best is None or key(found) < key(best)):
+            best = found
         if path == os.path.normpath(root) or os.path.dirname(path) == path:
             return best
         path = os.path.dirname(path)
+
+
+def affinity_cores() -> int:
+    """The cores this process may run on (a container's cpuset, a taskset's): torch's default
+    thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -4,10 +4,8 @@ memory of every rank's process and budget. Without torch: the launcher never imp
 
 from __future__ import annotations
 
-import os
-
 from .errors import UsageError
-from .memlimit import available_memory, cpu_quota
+from .memlimit import affinity_cores, available_memory, cpu_quota
 
 __all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
 
@@ -17,10 +15,7 @@ RANK_PROCESS_MIB = 256
 
 
 def _cores() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))  # the cores this process may use (a container's, a taskset's)
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = affinity_cores()
     quota = cpu_quota()  # a CPU quota (docker --cpus) leaves the affinity at the machine's cores
     return cores if quota is None else max(1, min(cores, int(quota)))
 

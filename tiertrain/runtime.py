@@ -22,7 +22,7 @@ from .device.core import Device, base_dtype_of, make_device, resolve_dtype
 from .dist.shard import ShardLayout
 from .io import Storage
 from .io.storage import record_align
-from .memlimit import cpu_quota
+from .memlimit import affinity_cores, cpu_quota
 from .models import WeightSource, build_model
 from .models.freeze import apply_freeze, freeze_all
 from .state.layout import PARAM_ALIGN, FlatLayout, chunk_align
@@ -56,14 +56,6 @@ log = logging.getLogger("tiertrain")
 _QUOTA_SAID = False
 
 
-def _default_threads() -> int:
-    """Torch's default thread count: one per core this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def fit_threads_to_quota(world: int = 1) -> int | None:
     """Torch's compute threads lowered to the cores' worth a cgroup's CPU quota gives (shared by
     this machine's ``world`` ranks), where torch would take more, its count is still its default
@@ -74,7 +66,7 @@ def fit_threads_to_quota(world: int = 1) -> int | None:
         return None
     want = max(1, int(quota / max(1, world)))
     have = torch.get_num_threads()
-    if have <= want or have != _default_threads():
+    if have <= want or have != affinity_cores():
         return None  # fewer already, or chosen by the caller (torch.set_num_threads): left alone
     torch.set_num_threads(want)
     if not _QUOTA_SAID:

@@ -566,6 +566,4 @@ def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
 
 def _tied_bytes(cfg: Config, rt) -> int:
     """A tied embedding's gradient rows kept in plain order (``execute/tied.py``)."""
-    d = cfg.data
-    accum = accum_dtype_of(cfg, rt.dtype)
-    return tied_rows_bytes(rt.model, rt.layout, d.micro_batches, d.micro_batch_size * d.seq_len, rt.dtype, accum)
+    return tied_rows_bytes(rt.model, rt.layout, cfg.data, rt.dtype, accum_dtype_of(cfg, rt.dtype))

@@ -109,11 +109,13 @@ def tied_rows(model, grads) -> TiedRows | None:
     return TiedRows(lambda: grads.views(owner)[k])
 
 
-def tied_rows_bytes(model, layout, micro_batches: int, tokens: int, dtype, accum_dtype) -> int:
-    """The most bytes a step's ``TiedRows`` holds (``tokens``: a micro-batch's): the step's
-    distinct tokens are at most ``min(vocabulary, micro_batches x tokens)`` rows."""
+def tied_rows_bytes(model, layout, data, dtype, accum_dtype) -> int:
+    """The most bytes a step's ``TiedRows`` holds (``data``: the ``[data]`` section: ``M``
+    micro-batches of ``micro_batch_size x seq_len`` tokens): the step's distinct tokens are at
+    most ``min(vocabulary, M x tokens)`` rows."""
     found = _tied(model, layout, accum_dtype)
     if found is None:
         return 0
     rows, width = found[2].shape
-    return TiedRows.bytes_for(micro_batches, min(rows, micro_batches * tokens), width, dtype.itemsize)
+    m, tokens = data.micro_batches, data.micro_batch_size * data.seq_len
+    return TiedRows.bytes_for(m, min(rows, m * tokens), width, dtype.itemsize)

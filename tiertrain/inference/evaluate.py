@@ -77,16 +77,16 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         )
     from .weights import forward_params, heap_trim, host_budget
 
-    host = host_budget(cfg)  # before any weight is read: what is available drops as they are
+    host = host_budget(cfg)  # once, before any weight is read: what is available drops as they are
     try:
-        source = forward_params(cfg, rt)
+        source = forward_params(cfg, rt, host=host)
     except BaseException:
         rt.close()
         raise
     try:
         store = rt.bind_params(source)
         executor = LayerMajorExecutor(
-            rt.model, store, None, None, rt.dev, after_unit=heap_trim(cfg, rt, rss_at_start, host)
+            rt.model, store, None, None, rt.dev, after_unit=heap_trim(cfg, rt, rss_at_start, host[0])
         )
         log.info(
             "model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), rt.weights.describe

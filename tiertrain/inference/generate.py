@@ -201,7 +201,7 @@ def generate(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
     rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)
-    host = host_budget(cfg)  # before any weight is read: what is available drops as they are
+    host = host_budget(cfg)  # once, before any weight is read: what is available drops as they are
     budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
     b = cfg.data.micro_batch_size
     try:  # what is refused is refused before any weight is read
@@ -217,7 +217,7 @@ def generate(
             )
         groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
         kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
-        source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total))
+        source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total), host=host)
     except BaseException:
         rt.close()
         raise
@@ -247,7 +247,7 @@ def generate(
         )
         gen = torch.Generator().manual_seed(sampling.seed)
         walk = UnitWalk(store, model.plan, repeat=True)  # a pass over the model's units per token
-        trim = heap_trim(cfg, rt, rss_at_start, host)
+        trim = heap_trim(cfg, rt, rss_at_start, host[0])
         t0, steps = time.perf_counter(), 0
         with torch.no_grad():
             model.eval()

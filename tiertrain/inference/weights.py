@@ -56,11 +56,13 @@ def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: 
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> ParamSource:
+def forward_params(
+    cfg, rt, progress: bool = True, *, other_bytes: int = 0, host: tuple[int, str] | None = None
+) -> ParamSource:
     """The parameter source of a forward-only run of ``rt`` (``io.weights``): the model's own
     files, or their converted copy on the storage tier, with as many units kept in host memory
     as ``resident_budget`` allows (``other_bytes``: the run's other fixed host memory, e.g. the
-    key/value cache). Closed with ``close()``."""
+    key/value cache; ``host``: the run's ``host_budget``, taken once). Closed with ``close()``."""
     from .routed import find_experts
 
     experts = find_experts(rt.model, rt.layout)  # a mixture of experts' experts modules (none: dense)
@@ -69,7 +71,7 @@ def forward_params(cfg, rt, progress: bool = True, *, other_bytes: int = 0) -> P
         log.info("experts read whole, not as routed: a 4-bit base's units are not laid out by parameter")
         experts = []
     inner = _stored(cfg, rt, quant, experts, progress)
-    budget, why = resident_budget(cfg, rt, other_bytes)
+    budget, why = resident_budget(cfg, rt, other_bytes, host)
     try:
         if budget < min(u.numel for u in rt.layout.units) * rt.dtype.itemsize:
             log.info("weights in host memory: none (%s); every unit read at every pass", why)
@@ -172,44 +174,39 @@ def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:
     return RoutedReads(inner, tier, experts, rt.dev, cache)
 
 
-def resident_budget(cfg, rt, other_bytes: int = 0) -> tuple[int, str]:
+def resident_budget(cfg, rt, other_bytes: int = 0, host: tuple[int, str] | None = None) -> tuple[int, str]:
     """Host bytes for weights kept in memory across passes, and why: ``memory.host_param_mib``
-    where set, else what ``memory.host_mib`` (default: half the memory available) leaves after
-    the parameter slots, ``other_bytes`` and one unit's activations per micro-batch (a margin
-    of the largest unit again)."""
-    from ..cost.budget import default_host_bytes
-
+    where set, else what the run's budget (``host``, default ``host_budget``) leaves after the
+    parameter slots, ``other_bytes`` and one unit's activations per micro-batch (a margin of the
+    largest unit again)."""
     if cfg.memory.host_param_mib is not None:
         return cfg.memory.host_param_mib << 20, f"memory.host_param_mib = {cfg.memory.host_param_mib}"
-    host, src = (
-        (cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}")
-        if cfg.memory.host_mib is not None
-        else default_host_bytes()
-    )
+    total, src = host if host is not None else host_budget(cfg)
     unit = rt.layout.max_unit_numel * rt.dtype.itemsize
     fixed = (0 if rt.dev.separate else cfg.memory.device_slots * unit) + unit + other_bytes
-    return max(0, host - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
+    return max(0, total - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
 
 
-def heap_trim(cfg, rt, rss_at_start: int, host: int | None = None) -> HeapTrim | None:
-    """The heap given back after a unit (generation's and evaluation's passes) once the process
-    has grown past ``rss_at_start`` (taken once the runtime is built) and its budget less a unit
-    (``memory.trim_heap``, as training does): the transient tensors of a pass (a dequantized
-    weight, activations) otherwise stay in glibc's heap, measured 0.5 GB over a 1 GiB budget on
-    a 1.2 B NF4 base. ``host``: the budget, taken before any weight was read (default:
-    ``memory.host_mib``, or half the memory available now)."""
-    if not cfg.memory.trim_heap:
-        return None
-    if host is None:
-        host = host_budget(cfg)
-    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
-
-
-def host_budget(cfg) -> int:
-    """``memory.host_mib`` in bytes, or half the memory available now (``default_host_bytes``)."""
+def host_budget(cfg) -> tuple[int, str]:
+    """A forward-only run's host budget and where it comes from: ``memory.host_mib``, or half
+    the memory available now (``default_host_bytes``). Taken once, before any weight is read:
+    what is available drops as they are."""
     from ..cost.budget import default_host_bytes
 
-    return cfg.memory.host_mib << 20 if cfg.memory.host_mib is not None else default_host_bytes()[0]
+    if cfg.memory.host_mib is not None:
+        return cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}"
+    return default_host_bytes()
+
+
+def heap_trim(cfg, rt, rss_at_start: int, host: int) -> HeapTrim | None:
+    """The heap given back after a unit (generation's and evaluation's passes) once the process
+    has grown past ``rss_at_start`` (taken once the runtime is built) and its budget ``host``
+    less a unit (``memory.trim_heap``, as training does): the transient tensors of a pass (a
+    dequantized weight, activations) otherwise stay in glibc's heap, measured 0.5 GB over a
+    1 GiB budget on a 1.2 B NF4 base."""
+    if not cfg.memory.trim_heap:
+        return None
+    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
 
 
 class ResidentWeights(ParamSource):

@@ -206,14 +206,7 @@ class Trainer:
                 "parameter slots (memory.device_slots)": m.device_slots * unit,
                 "gradient buffers": GradStore.buffers_for(self.layout) * unit,
                 "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(self.layout, accum),
-                "tied embedding's gradient rows": tied_rows_bytes(
-                    rt.model,
-                    self.layout,
-                    cfg.data.micro_batches,
-                    cfg.data.micro_batch_size * cfg.data.seq_len,
-                    self.dtype,
-                    accum,
-                ),
+                "tied embedding's gradient rows": tied_rows_bytes(rt.model, self.layout, cfg.data, self.dtype, accum),
                 "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB,
                 **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
             }
