@@ -68,7 +68,7 @@ def test_ranges_of_experts_are_plain_pytorch_bit_for_bit(tmp_path, moe_dir, part
     assert tr.model.block_widths == [d, d, d, d, *([(2 * k + 1) * d + 2 * k] * (parts - 2))]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss", "flex_olmo"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss", "flex_olmo", "phimoe", "granitemoe"])
 def other_dir(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -122,6 +122,54 @@ def test_shared_experts_ranges_are_plain_pytorch_bit_for_bit(tmp_path, family, p
         prompts = [list(range(10, 30)), list(range(40, 52))]
         cfg.data.micro_batch_size = 1
         assert generate(cfg, prompts, Sampling(max_new_tokens=8), eos=()) == _hf_generate(hf, prompts, 8)
+
+
+def test_phi_moes_random_routing_in_ranges_is_plain_pytorch_at_one_micro_batch(tmp_path):
+    """Phi-3.5-MoE's own jitters (0.01 each, the auxiliary loss off as in its config): in
+    training its block multiplies the states by uniform noise in place and its sparsemixer samples
+    the experts (Gumbel), both random. The first range draws them as the block does, once, and
+    restores them for its recompute: bit-identical to plain PyTorch at one micro-batch (as dropout;
+    with several, layer-major order draws them in another order, as for dropout)."""
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config("phimoe")
+    config.router_jitter_noise = config.input_jitter_noise = 0.01
+    config.output_router_logits = False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    for parts in (3, 5):
+        cfg = _cfg(tmp_path / str(parts), str(tmp_path / "m"), parts, micro_batches=1, clip=0.0)
+        tr = _parity(cfg)
+        noisy = reference_train(cfg, reference_model(cfg))[0]
+        assert sum(b.kind.startswith("experts") for b in tr.model.blocks) == 2 * (parts - 1)
+    # the noise matters: the same run without it gives other losses
+    config.router_jitter_noise = config.input_jitter_noise = 0.0
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "quiet")
+    quiet = _cfg(tmp_path / "q", str(tmp_path / "quiet"), 3, micro_batches=1, clip=0.0)
+    assert reference_train(quiet, reference_model(quiet))[0] != noisy
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "phimoe"])
+def test_ranges_in_bf16_are_the_whole_blocks_bits(tmp_path, family):
+    """Granite-MoE's router rounds its fp32 softmax back to the compute dtype (``type_as``), and
+    Phi-MoE's sparsemixer computes in it: in bf16 the ranges carry its routing weights exactly,
+    so the planner may cut them and a cut run is the uncut run's bits (losses and weights)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(family)).save_pretrained(tmp_path / "m")
+    runs = []
+    for parts in (2, 3):
+        cfg = _cfg(tmp_path / str(parts), str(tmp_path / "m"), parts, dtype="bfloat16", clip=0.0)
+        with Trainer(cfg) as tr:
+            tr.initialize(progress=False)
+            losses = [tr.train_step().extra["losses"] for _ in range(cfg.train.steps)]
+            runs.append((losses, tr.weights(), sum(b.kind.startswith("experts") for b in tr.model.blocks)))
+    (whole, w_whole, n_whole), (cut, w_cut, n_cut) = runs
+    assert (n_whole, n_cut) == (0, 4) and whole == cut
+    assert w_whole.keys() == w_cut.keys()
+    for name, w in w_whole.items():
+        assert torch.equal(w, w_cut[name]), name
 
 
 def test_mixtrals_fp32_routing_weights_refuse_ranges_in_bf16(tmp_path):

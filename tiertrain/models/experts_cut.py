@@ -55,27 +55,37 @@ from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
 
-__all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "CLIP_NORM_DEVIATION"]
+__all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "moe_block", "CLIP_NORM_DEVIATION"]
 
 # transformers' grouped_mm experts forward, whose source's sha256 is ``GROUPED_MM_SHA`` where this
 # module replays it: another version's is refused, not replayed inexactly
 _GROUPED_MM = "grouped_mm_experts_forward"
 
 
+# a decoder layer's attribute holding its MoE block (Granite-MoE's: block_sparse_moe)
+_BLOCKS = ("mlp", "block_sparse_moe")
+
+
+def moe_block(layer: nn.Module) -> str | None:
+    """The attribute of ``layer`` holding its mixture-of-experts block (one with ``experts``), or
+    None: a dense layer."""
+    return next((n for n in _BLOCKS if hasattr(getattr(layer, n, None), "experts")), None)
+
+
 def is_moe_layer(layer: nn.Module) -> bool:
-    return hasattr(getattr(layer, "mlp", None), "experts")
+    return moe_block(layer) is not None
 
 
 def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     """Why a mixture-of-experts layer's experts cannot be cut into ranges exactly ('') in the
     compute ``dtype`` (None: any): the ranges carry the routing weights and expert ids as values
     of it."""
-    mlp = layer.mlp
+    mlp = getattr(layer, moe_block(layer) or "mlp")
     experts = mlp.experts
     if form_of(mlp) is None:
         return (
-            f"{type(mlp).__name__}'s forward is not one the ranges replay (Qwen3-MoE's, OLMoE's, Mixtral's: a router, "
-            "then the experts; DeepSeek-V3's and Qwen2-MoE's: with shared experts)"
+            f"{type(mlp).__name__}'s forward is not one the ranges replay (Qwen3-MoE's, OLMoE's, Mixtral's, "
+            "Granite-MoE's, Phi-MoE's: a router, then the experts; DeepSeek-V3's and Qwen2-MoE's: with shared experts)"
         )
     if getattr(mlp, "jitter_noise", 0):
         return f"{type(mlp).__name__}'s jitter_noise = {mlp.jitter_noise} (random in training; not replayed)"
@@ -98,7 +108,8 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     if dtype is not None and dtype != torch.float32:
         src = source_of(type(_router(mlp)).forward) or ""
         # routing weights in float32 (softmax in float, DeepSeek's scores of float32 logits) unless cast back
-        if re.search(r"torch\.float\b|torch\.float32|\.float\(\)", src) and ".to(router_logits.dtype)" not in src:
+        cast_back = any(c in src for c in (".to(router_logits.dtype)", ".type_as(hidden_states)"))
+        if re.search(r"torch\.float\b|torch\.float32|\.float\(\)", src) and not cast_back:
             return (
                 f"{type(_router(mlp)).__name__} gives float32 routing weights while the model computes in {dtype}: "
                 "train it in float32"
@@ -119,11 +130,12 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
 
 
 # the MoE blocks' forms the ranges replay (``_forms``):
-PLAIN = "plain"  # the router, then the experts (Qwen3-MoE, OLMoE, Mixtral without jitter, gpt-oss)
+PLAIN = "plain"  # the router, then the experts (Qwen3-MoE, OLMoE, Mixtral without jitter, gpt-oss, Granite-MoE)
 SHARED = "shared"  # router, experts, then + shared_experts(x) (DeepSeek-V2/V3, GLM-4.5, dots.llm1)
 GATED = (
     "gated shared"  # shared_expert(x) first, router, experts, then + sigmoid(shared_expert_gate(x)) * it (Qwen2-MoE)
 )
+JITTER = "input jitter"  # training: the states times uniform noise in place, then router, experts (Phi-MoE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,8 +143,10 @@ def _forms() -> dict[str | None, str]:
     """The forms of MoE blocks' forwards the ranges replay, by their source."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
     from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers.models.granitemoe import modeling_granitemoe
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.olmoe import modeling_olmoe
+    from transformers.models.phimoe import modeling_phimoe
     from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -143,6 +157,8 @@ def _forms() -> dict[str | None, str]:
         modeling_gpt_oss.GptOssMLP: PLAIN,  # its router's attribute is router; (states, scores) returned
         modeling_deepseek_v3.DeepseekV3MoE: SHARED,
         modeling_qwen2_moe.Qwen2MoeSparseMoeBlock: GATED,
+        modeling_granitemoe.GraniteMoeMoE: PLAIN,  # as block_sparse_moe; its router's attribute is router
+        modeling_phimoe.PhimoeSparseMoeBlock: JITTER,  # its router's sparsemixer: random in training, as dropout
     }
     return {source_of(b.forward): form for b, form in forms.items() if source_of(b.forward)}
 
@@ -245,7 +261,9 @@ class ExpertRange(nn.Module):
     def __init__(self, block: Any, layer_index: int, k: int, n: int, lo: int, hi: int, model: Any) -> None:
         super().__init__()
         layer = block.layer
-        mlp = layer.mlp
+        name = moe_block(layer)
+        assert name, "a MoE layer"
+        mlp = getattr(layer, name)
         experts = mlp.experts
         self.kind, self.layer_index, self.k, self.n, self.lo, self.hi = (
             f"experts {lo}-{hi - 1}",
@@ -267,8 +285,8 @@ class ExpertRange(nn.Module):
                 continue
             p = nn.Parameter(torch.empty((hi - lo, *whole.shape[1:]), device="meta"), whole.requires_grad)
             setattr(piece, attr, p)
-            model.row_pieces[f"blocks.{layer_index}.layer.mlp.experts.range{k}.{attr}"] = RowPiece(
-                f"blocks.{layer_index}.layer.mlp.experts.{attr}", lo, hi, tuple(whole.shape), experts, attr
+            model.row_pieces[f"blocks.{layer_index}.layer.{name}.experts.range{k}.{attr}"] = RowPiece(
+                f"blocks.{layer_index}.layer.{name}.experts.{attr}", lo, hi, tuple(whole.shape), experts, attr
             )
             model.cut_params.setdefault((experts, attr), []).append((piece, attr))
         layout = layout_of(layer)
@@ -281,18 +299,23 @@ class ExpertRange(nn.Module):
             for m in (self._branch.post, self._branch.dropout):
                 if m:
                     setattr(self.layer, m, getattr(layer, m))
-        self.layer.mlp = _Shell()
+        shell = _Shell()
+        setattr(self.layer, name, shell)
+        object.__setattr__(self, "_mlp", shell)  # the block's shell: router, shared experts, this range
         self._form = form_of(mlp)
+        self._noise = float(getattr(mlp, "input_jitter_noise", 0.0) or 0.0)  # Phi-MoE's
         if k == 0:  # the router and the shared experts (their parameters in the first range)
-            setattr(self.layer.mlp, _ROUTERS[0] if hasattr(mlp, _ROUTERS[0]) else _ROUTERS[1], router)
-            for name in ("shared_experts", "shared_expert", "shared_expert_gate"):
-                if self._form != PLAIN and hasattr(mlp, name):
-                    setattr(self.layer.mlp, name, getattr(mlp, name))
-        self.layer.mlp.experts = _Shell()
-        setattr(self.layer.mlp.experts, f"range{k}", piece)
+            setattr(shell, _ROUTERS[0] if hasattr(mlp, _ROUTERS[0]) else _ROUTERS[1], router)
+            for attr in ("shared_experts", "shared_expert", "shared_expert_gate"):
+                if self._form in (SHARED, GATED) and hasattr(mlp, attr):
+                    setattr(shell, attr, getattr(mlp, attr))
+        shell.experts = _Shell()
+        setattr(shell.experts, f"range{k}", piece)
         object.__setattr__(self, "_piece", piece)
         d, kk = self._d, self._k
-        self._shared = d if self._form != PLAIN else 0  # the shared experts' output, carried to the last range
+        self._shared = (
+            d if self._form in (SHARED, GATED) else 0
+        )  # the shared experts' output, carried to the last range
         carried = (2 * kk + 1) * d + 2 * kk + self._shared
         self.in_width = d if k == 0 else carried
 
@@ -329,7 +352,7 @@ class ExpertRange(nn.Module):
     def _route(self, h: torch.Tensor, dtype: torch.dtype):
         """The block's start, in its forward's order: (the flattened normed states, routing
         weights, expert ids, the shared experts' output so far). Only the first range."""
-        d, mlp = self._d, self.layer.mlp
+        d, mlp = self._d, self._mlp
         gate = _router(mlp)
         x = getattr(self.layer, self._branch.pre)(h) if self._branch.pre else h
         shared = None
@@ -337,6 +360,8 @@ class ExpertRange(nn.Module):
             _, weights, index = gate(x)
             xr = x.view(-1, d)
         else:
+            if self._form == JITTER and mlp.training and self._noise > 0:  # in place, as the block
+                x *= torch.empty_like(x).uniform_(1.0 - self._noise, 1.0 + self._noise)
             xr = x.view(-1, d)
             if self._form == GATED:
                 shared = mlp.shared_expert(xr)
@@ -352,7 +377,7 @@ class ExpertRange(nn.Module):
     def _shared_end(self, x: torch.Tensor, xr: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         """The shared experts' part of the block, after the (first range's) experts, as the
         block computes it: ``[B, T, d]``."""
-        mlp = self.layer.mlp
+        mlp = self._mlp
         if self._form == SHARED:
             return mlp.shared_experts(x)
         assert shared is not None
@@ -389,7 +414,7 @@ class ExpertRange(nn.Module):
             local = expert_ids_g[start:stop] - self.lo
             proj = self._piece(sel[start:stop], top_k_index=local, offsets=offs, experts=experts)
             outs[start:stop] = proj * wg[start:stop].unsqueeze(-1)
-        if self.k == 0 and self._form != PLAIN:
+        if self.k == 0 and self._shared:
             shared = self._shared_end(x, xr, shared)
         if self.k == self.n - 1:  # the whole block's end: back to token order, the top-k sum, the residual
             inv_perm = torch.empty_like(perm)
@@ -403,7 +428,7 @@ class ExpertRange(nn.Module):
             return finish(self.whole, self._branch, h, final.reshape(B, T, d), self.layer)
         ids_out = expert_ids.to(s.dtype)
         pieces = [h, sel.reshape(B, T, k * d), wg.reshape(B, T, k), ids_out.reshape(B, T, k), outs.reshape(B, T, k * d)]
-        return torch.cat([*pieces, shared] if self._form != PLAIN else pieces, dim=-1)
+        return torch.cat([*pieces, shared] if self._shared else pieces, dim=-1)
 
     def decode(self, s: torch.Tensor, masks: dict[str, Any], position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """Generation: as in training (no key/value cache here)."""

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
-from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_problem
+from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_block, moe_problem
 from .layouts import (
     Layout,
     attention_keywords,
@@ -83,9 +83,9 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
             return f"{name}: {layout}"
         branch = layout.mlp
         if is_moe_layer(layer):
-            count = getattr(layer.mlp.experts, "num_experts", 0)
+            count = _experts(layer).num_experts
             if parts > 2:
-                problem = moe_problem(layer, dtype) or _plain_mlp_branch(name, branch)
+                problem = moe_problem(layer, dtype) or _plain_mlp_branch(name, branch, moe_block(layer))
                 if problem or parts - 1 > count:
                     return problem or f"{parts - 1} ranges of experts, more than its {count} experts"
             continue
@@ -115,11 +115,16 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
     return ""
 
 
-def _plain_mlp_branch(name: str, branch: Any) -> str:
+def _experts(layer: nn.Module) -> Any:
+    """A MoE layer's experts module."""
+    return getattr(layer, moe_block(layer) or "mlp").experts
+
+
+def _plain_mlp_branch(name: str, branch: Any, block: str | None) -> str:
     """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): the
-    block ``mlp`` after its norm or none (its first output the states: gpt-oss's returns its scores too;
-    post-norm and residual add: any)."""
-    if branch.module != "mlp":
+    MoE ``block`` after its norm or none (its first output the states: gpt-oss's returns its scores too;
+    post-norm and residual add, or times a multiplier: any)."""
+    if branch.module != block:
         return (
             f"{name}'s MoE branch is not a norm, then the block as mlp (what expert ranges replay): "
             "cut it into 2 (model.layer_pieces = 2)"
@@ -131,7 +136,7 @@ def cut_options(model: LayeredModel, *, ranges: bool = True, dtype: torch.dtype 
     """The cuts to try for ``model``'s layers, fewest pieces first, those it cuts into exactly:
     2, 3, 4 for dense layers; for a mixture of experts 2, then (``ranges``) attention and 2, 4,
     8, ... ranges of experts (at last one expert a range)."""
-    experts = max((cast(DecoderBlock, b).layer.mlp.experts.num_experts for b in model.blocks if _moe(b)), default=0)
+    experts = max((_experts(cast(DecoderBlock, b).layer).num_experts for b in model.blocks if _moe(b)), default=0)
     options = list(PARTS)
     if experts and not ranges:
         options = [2]
@@ -260,7 +265,7 @@ def cut_layers(model: LayeredModel, parts: int) -> None:
     for i, b in enumerate(model.blocks):
         block = cast(DecoderBlock, b)
         if is_moe_layer(block.layer) and parts > 2:
-            ranges = expert_ranges(block.layer.mlp.experts.num_experts, parts - 1)
+            ranges = expert_ranges(_experts(block.layer).num_experts, parts - 1)
             pieces.append(SubLayer(block, i, "attention", d, f))
             pieces += [ExpertRange(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
         else:
