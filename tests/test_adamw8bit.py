@@ -108,6 +108,58 @@ def test_a_resumed_run_is_the_straight_run_bit_for_bit(tmp_path, mode):
     assert_resume_exact(*(_config(tmp_path / s, mode=mode, steps=4) for s in ("a", "b")))
 
 
+def _slices_cut_a_parameter(tr) -> None:
+    """The engines' slices cut an 8-bit parameter (at a block boundary from its start)."""
+    cut = [
+        (r.name, s.start)
+        for i, slices in enumerate(tr.update.slices[1:])
+        for s in slices
+        for r in tr.layout.units[s.unit].params
+        if s.numel and r.offset < s.start < r.offset + r.numel and r.numel >= MIN_8BIT
+    ]
+    assert cut and all((start - next(p.offset for u in tr.layout.units for p in u.params if p.name == n)) % BLOCK == 0
+                       for n, start in cut)  # fmt: skip
+
+
+@pytest.mark.parametrize("clip,speculate", [(0.05, "off"), (1e3, "on")], ids=["clipped", "speculating"])
+def test_the_update_engines_are_bitsandbytes_bit_for_bit(tmp_path, clip, speculate):
+    """Two engines, each updating its slice of every unit with bitsandbytes' kernels and keeping
+    one scales record a slice in its own files; slices cut 8-bit parameters."""
+    cfg = _config(tmp_path, mode="engines", paths=2, clip=clip, steps=4)
+    cfg.update.speculate = speculate
+    tr, losses = assert_parity(cfg)
+    _slices_cut_a_parameter(tr)
+    if speculate == "on":
+        assert tr.update.spec.summary() == "speculation held in 4 of 4 steps"
+
+
+def test_the_engines_checkpoint_is_the_one_rank_files_and_resumes_on_any_path(tmp_path):
+    """A checkpoint of the engines holds the whole units' scales records, joined from the engines'
+    slices: byte for byte the baseline path's checkpoint at the same step; resumed by the engines
+    or the overlapped path, it continues the straight run bit for bit."""
+    saved = {}
+    for mode in ("baseline", "engines"):
+        with Trainer(_config(tmp_path / mode, mode=mode, paths=2, steps=2)) as tr:
+            tr.initialize(progress=False)
+            for _ in range(2):
+                tr.train_step()
+            saved[mode] = tr.save_checkpoint().path
+    for name in ("exp_avg_scales.bin", "exp_avg.bin", "exp_avg_sq.bin", "params.bin"):
+        with open(f"{saved['baseline']}/{name}", "rb") as a, open(f"{saved['engines']}/{name}", "rb") as b:
+            assert a.read() == b.read(), name
+    with Trainer(_config(tmp_path / "straight", mode="overlap", paths=2, steps=4)) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().extra["losses"] for _ in range(4)]
+        want = tr.weights()
+    for mode in ("engines", "overlap"):
+        with Trainer(_config(tmp_path / f"resumed-{mode}", mode=mode, paths=2, steps=4)) as tr:
+            tr.restore(saved["engines"])
+            rest = [tr.train_step().extra["losses"] for _ in range(2)]
+            got = tr.weights()
+        assert rest == straight[2:], mode
+        assert all(torch.equal(got[k], want[k]) for k in want), mode
+
+
 def test_a_corrupt_scales_file_in_a_checkpoint_is_caught(tmp_path):
     cfg = _config(tmp_path, steps=1)
     with Trainer(cfg) as tr:
@@ -161,11 +213,6 @@ def test_lora_adapters_step_with_bitsandbytes_as_peft_users_do(tmp_path):
 def test_what_it_does_not_run_yet_is_refused_by_name(tmp_path):
     from tiertrain.runtime import Runtime
 
-    cfg = _config(tmp_path / "engines", mode="engines", paths=2)
-    with pytest.raises(ConfigError, match=r"optim.name = 'adamw8bit' with update.mode = 'engines'.*'overlap'"):
-        Trainer(cfg)
-    with pytest.raises(ConfigError, match=r"optim.name = 'adamw8bit' with 2 ranks is not supported yet"):
-        Runtime(_config(tmp_path / "ranks"), world=2)
     cut = _config(tmp_path / "pieces")
     cut.model.vocab_pieces = 2
     with pytest.raises(ConfigError, match=r"row pieces.*leave model.vocab_pieces unset"):
@@ -200,3 +247,46 @@ def test_a_checkpoint_resumed_with_the_other_optimizer_is_refused_by_name(tmp_pa
         tr.restore(saved)
     with pytest.raises(ConfigError, match=r"optim.name.*'adamw8bit'"):
         _config(tmp_path / "bad").optim.__class__(name="adam8bit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["baseline", "engines"])
+def test_ranks_are_bitsandbytes_on_the_grouped_reference_bit_for_bit(tmp_path, mode):
+    """2 ranks, each updating its shard of every unit (shards cut 8-bit parameters at block
+    boundaries, a scales record per unit and rank), on the trainer's path and each rank's
+    engines: plain PyTorch + bitsandbytes' AdamW8bit summing the same gradients in the same
+    grouping, bit for bit. No clipping: the ranks' global norm sums their shards' squares, within
+    rounding of the whole's, as with fp32 states (``test_dist_train``)."""
+    from test_dist_train import _Named, run_ranks
+
+    cfg = _config(tmp_path, mode=mode, steps=3, clip=0.0)
+    ref_model, out = run_ranks(tmp_path, cfg, 2)
+    ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)
+    assert [o["mode"] for o in out] == [mode] * 2 and out[0]["state"] * 2 == out[0]["full"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_ranks_is_the_one_rank_files_and_loads_on_any_number(tmp_path):
+    """The ranks' scales records joined into the whole units' (the checkpoint a one-rank run
+    writes): saved by 2 ranks, loaded by 1 and saved again at once, the same bytes; the other way
+    round, 1 to 3 ranks; and from 2 ranks' engines (a slice of each rank's shard each) to one
+    rank's trainer. Training goes on from it."""
+    from test_dist_train import ckpt_run
+
+    for first, then, mode in ((2, 1, "baseline"), (1, 3, "baseline"), (2, 1, "engines")):
+        root = tmp_path / f"{first}-{then}-{mode}"
+        root.mkdir()
+        cfg = _config(root / "a", steps=4, micro_batches=6 // first, mode=mode, paths=2)
+        saved = ckpt_run(root, "save", cfg, first, steps=2, save=True)
+        cfg2 = _config(root / "b", steps=4, micro_batches=6 // then)
+        again = ckpt_run(root, "again", cfg2, then, resume=saved["path"], save=True)
+        for name in ("exp_avg_scales.bin", "exp_avg.bin", "exp_avg_sq.bin", "params.bin"):
+            with open(f"{saved['path']}/{name}", "rb") as a, open(f"{again['path']}/{name}", "rb") as b:
+                assert a.read() == b.read(), (first, then, mode, name)
+        if (first, mode) != (2, "baseline"):
+            continue  # training on from a checkpoint: once
+        on = ckpt_run(root, "on", cfg2, then, resume=saved["path"], steps=1)
+        assert on["step"] == 3 and any(not torch.equal(on["weights"][k], saved["weights"][k]) for k in saved["weights"])

@@ -163,8 +163,8 @@ class Runtime:
             raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or unset it")
 
     def _check_optim(self, cfg: Config) -> None:
-        """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present; one rank and
-        the trainer's own update paths, whose checkpoints hold the states' scales as they are."""
+        """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present (>= 0.50), no
+        row pieces (bitsandbytes' blocks count from a whole matrix's start)."""
         if cfg.optim.name != "adamw8bit":
             return
         what = "optim.name = 'adamw8bit'"
@@ -184,13 +184,6 @@ class Runtime:
                 "supported yet: bitsandbytes counts its 256-element blocks from a whole matrix's start, a piece from "
                 "its own; leave model.vocab_pieces unset and model.layer_pieces at most 2 (raise memory.host_mib if the "
                 "plan cut them), or use optim.name = 'adamw'"
-            )
-        if self.world > 1:
-            raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or use 'adamw'")
-        if cfg.update.mode == "engines":
-            raise ConfigError(
-                f"{what} with update.mode = 'engines' is not supported yet (a checkpoint would not gather the "
-                "engines' scales): use update.mode = 'overlap' or 'baseline', or optim.name = 'adamw'"
             )
 
     def recut(self, cfg: Config) -> None:

@@ -15,6 +15,10 @@ ones: a 1-rank run resumes a 2-rank checkpoint and the other way round).
 - Restore: every rank reads the checkpoint's files itself (they are on a filesystem every rank
   sees) through ``ScatteredRegion`` s, which keep the part of each chunk that falls in the
   rank's shard; every rank checks every file's CRC32C.
+- 8-bit optimizer states' scales (``exp_avg_scales``) are one record per unit and rank, not
+  elements at the units' offsets: the whole unit's record is its ranks' records section by
+  section (``state/scales.py: JoinedRecords``), gathered for the writer (``gathered_scales``)
+  and cut back to this rank's on restore (``scattered_scales``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,65 @@ import torch
 
 from ..io import IOFuture, aligned_empty
 from ..state.layout import FlatLayout
+from ..state.scales import JoinedRecords, ScaleLayout
 from .shard import ShardLayout
 
 
-__all__ = ["GatheredRegion", "ScatteredRegion", "follow"]
+__all__ = ["GatheredRegion", "ScatteredRegion", "follow", "gathered_scales", "scattered_scales", "is_scales"]
+
+
+def is_scales(region) -> bool:
+    """A region of per-unit records (8-bit states' scales), not of elements at units' offsets."""
+    return isinstance(getattr(region, "layout", None), ScaleLayout)
+
+
+def _joined(layout: ShardLayout, read_parts, write_parts) -> JoinedRecords:
+    parts = [ScaleLayout(layout.of_rank(r)) for r in range(layout.world)]
+    return JoinedRecords(ScaleLayout(layout.full), parts, read_parts, write_parts)
+
+
+def gathered_scales(region, layout: ShardLayout, group) -> JoinedRecords:
+    """``region`` (this rank's records) as the whole units' records, for the checkpoint writer:
+    a unit's is gathered from every rank once (a sync point with every rank; ``gather(u)``, as a
+    ``GatheredRegion``'s, for the ranks that ``follow``)."""
+    mine = region.layout.units
+    own: torch.Tensor | None = None  # this rank's record, padded to the largest rank's
+
+    def read_parts(u: int, records: list[torch.Tensor]) -> None:
+        nonlocal own
+        m = max(r.numel() for r in records)  # every rank's records padded to the largest of unit u
+        n = mine[u].numel
+        if own is None:
+            own = aligned_empty(max(max(p.max_unit_numel for p in joined.parts), 1) * 4).view(torch.float32)
+        if n:
+            region.read(u, own[:n]).get()
+        own[n:m].zero_()
+        every = torch.empty(m * group.world, dtype=torch.float32)
+        group.all_gather(every, own[:m])
+        for r, rec in enumerate(records):
+            rec.copy_(every[r * m : r * m + rec.numel()])
+
+    def write_parts(u: int, records: list[torch.Tensor]) -> None:
+        raise RuntimeError("gathered scales are read by the checkpoint writer only")
+
+    joined = _joined(layout, read_parts, write_parts)
+    joined.gather = joined.join  # type: ignore[attr-defined]
+    return joined
+
+
+def scattered_scales(region, layout: ShardLayout) -> JoinedRecords:
+    """This rank's records of ``region`` written from the whole units' records (a checkpoint
+    being restored): each whole record is cut into the ranks' and this rank's is kept."""
+
+    def read_parts(u: int, records: list[torch.Tensor]) -> None:
+        raise RuntimeError("scattered scales are written by the checkpoint reader only")
+
+    def write_parts(u: int, records: list[torch.Tensor]) -> None:
+        own = records[layout.rank]
+        if own.numel():
+            region.write(u, own).get()
+
+    return _joined(layout, read_parts, write_parts)
 
 
 class GatheredRegion:
@@ -64,8 +123,9 @@ def follow(regions: dict[str, GatheredRegion], canonical: FlatLayout) -> None:
     """What ranks other than 0 do while rank 0 writes a checkpoint: the same gathers, in the
     writer's order (every state, every unit that has elements)."""
     for region in regions.values():
-        for unit in canonical.units:
-            region.gather(unit.index)
+        for unit in region.layout.units if is_scales(region) else canonical.units:
+            if unit.numel:
+                region.gather(unit.index)
 
 
 class ScatteredRegion:

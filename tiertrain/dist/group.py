@@ -122,17 +122,20 @@ class _Sharding:
         """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""
         if self.world == 1:
             return regions
-        from .checkpoint import GatheredRegion
+        from .checkpoint import GatheredRegion, gathered_scales, is_scales
 
-        return {n: GatheredRegion(r, layout, self._ranks()) for n, r in regions.items()}
+        return {
+            n: gathered_scales(r, layout, self._ranks()) if is_scales(r) else GatheredRegion(r, layout, self._ranks())
+            for n, r in regions.items()
+        }
 
     def scattered(self, regions: dict, layout) -> dict:
         """Regions every rank restores its shard of from the one-rank layout's files."""
         if self.world == 1:
             return regions
-        from .checkpoint import ScatteredRegion
+        from .checkpoint import ScatteredRegion, is_scales, scattered_scales
 
-        return {n: ScatteredRegion(r, layout) for n, r in regions.items()}
+        return {n: scattered_scales(r, layout) if is_scales(r) else ScatteredRegion(r, layout) for n, r in regions.items()}
 
     def read_unit(self, region, u: int, buf: torch.Tensor, layout) -> None:
         """Unit ``u`` of ``region`` whole into ``buf``: this rank's shard, the others' gathered."""

@@ -64,8 +64,12 @@ class ShardLayout(SliceLayout):
             per = unit.numel // world
             slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
         super().__init__(unit_records(full), slices, {u.index for u in full.units if u.frozen})
-        self.full, self.rank, self.world = full, rank, world
+        self.full, self.rank, self.world, self.align = full, rank, world, align
         self.total_numel = sum(u.numel for u in self.units)
+
+    def of_rank(self, rank: int) -> "ShardLayout":
+        """Rank ``rank``'s share of the same units."""
+        return ShardLayout(self.full, rank, self.world, self.align)
 
     def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's share of unit ``u``'s whole flat buffer ``full`` (a view)."""

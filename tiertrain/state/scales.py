@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import OptimConfig
+from ..io import IOFuture, aligned_empty
 from .layout import PARAM_ALIGN
 
-__all__ = ["BLOCK", "MIN_8BIT", "ScaleLayout", "UnitScales", "param_align"]
+__all__ = ["BLOCK", "MIN_8BIT", "JoinedRecords", "ScaleLayout", "UnitScales", "param_align"]
 
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 moments
 BLOCK = 256  # elements per scale (bitsandbytes' blockwise optimizers, fixed)
@@ -102,3 +103,84 @@ class ScaleLayout:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+class JoinedRecords:
+    """The records of the whole units (``whole``, a ``ScaleLayout`` of the one-rank layout: what
+    a checkpoint holds) made of the records of parts of them (``parts``: the ``ScaleLayout`` s of
+    the update engines' slices, or of the ranks' shards, in element order). Parts cut parameters
+    at block boundaries, so each section of a whole record (first moment's scales, second's,
+    small parameters' first moments, second's) is its parts' sections one after the other.
+
+    A region of the whole records for the checkpoint writer and reader (``read``/``write`` per
+    unit, as ``TieredRegions``): ``read_parts(u, records)`` fills each part's record of unit
+    ``u`` (views of a buffer, each its part's size), ``write_parts(u, records)`` stores them. A
+    unit's whole record is joined once and read in any pieces; a written one is split once
+    every element of it has been written."""
+
+    def __init__(self, whole: ScaleLayout, parts: list[ScaleLayout], read_parts, write_parts) -> None:
+        self.layout, self.parts = whole, parts
+        self.dtype, self.esize = torch.float32, 4
+        self._read_parts, self._write_parts = read_parts, write_parts
+        self._buf = aligned_empty(whole.max_unit_numel * 4).view(torch.float32)
+        self._part_bufs = [aligned_empty(max(p.max_unit_numel, 1) * 4).view(torch.float32) for p in parts]
+        self._unit: int | None = None  # the unit whose whole record is in the buffer (read)
+        self._filling: tuple[int, int] | None = None  # (unit, elements written so far)
+        for u in whole.units:
+            got = [sum(p.units[u.index].blocks for p in parts), sum(p.units[u.index].small for p in parts)]
+            assert got == [u.blocks, u.small], f"unit {u.index}: parts' records are not the whole's ({got})"
+
+    def _sections(self, rec: UnitScales) -> list[tuple[int, int]]:
+        b, s = rec.blocks, rec.small
+        return [(0, b), (b, b), (2 * b, s), (2 * b + s, s)]
+
+    def _part_records(self, u: int) -> list[torch.Tensor]:
+        return [buf[: p.units[u].numel] for p, buf in zip(self.parts, self._part_bufs)]
+
+    def join(self, u: int) -> None:
+        """Unit ``u``'s whole record, joined from its parts' into the buffer."""
+        records = self._part_records(u)
+        self._read_parts(u, records)
+        whole = self._buf[: self.layout.units[u].numel]
+        whole.zero_()  # the record's padding
+        for k, (at, _) in enumerate(self._sections(self.layout.units[u])):
+            for p, rec in zip(self.parts, records):
+                a, n = self._sections(p.units[u])[k]
+                whole[at : at + n].copy_(rec[a : a + n])
+                at += n
+        self._unit = u
+
+    def _split(self, u: int) -> None:
+        records = self._part_records(u)
+        for rec in records:
+            rec.zero_()
+        whole = self._buf
+        for k, (at, _) in enumerate(self._sections(self.layout.units[u])):
+            for p, rec in zip(self.parts, records):
+                a, n = self._sections(p.units[u])[k]
+                rec[a : a + n].copy_(whole[at : at + n])
+                at += n
+        self._write_parts(u, records)
+
+    def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None):
+        end = self.layout.units[u].numel if end is None else end
+        if self._unit != u:
+            self.join(u)
+        out[: end - start].copy_(self._buf[start:end])
+        return IOFuture.completed((end - start) * 4)
+
+    def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None):
+        """Elements ``[start, end)`` of unit ``u``'s whole record; a unit is written in order,
+        whole, before the next (as the checkpoint reader writes)."""
+        numel = self.layout.units[u].numel
+        end = numel if end is None else end
+        done = self._filling[1] if self._filling and self._filling[0] == u else 0
+        if start != done:
+            raise RuntimeError(f"unit {u}'s scales written from element {start}, after {done}: in order, whole")
+        self._unit = None
+        self._buf[start:end].copy_(src[: end - start])
+        self._filling = (u, end)
+        if end == numel:
+            self._split(u)
+            self._filling = None
+        return IOFuture.completed((end - start) * 4)

@@ -41,7 +41,7 @@ from ..speculate import Speculation
 from . import protocol as P
 from .decl import MIB, SLOTS, declare_states, engine_file, engine_states, frozen_of, slice_views, slot_bytes_of
 from .protocol import ENGINE, EngineError, EngineState
-from .seams import EngineGrads, EngineParams, EngineRegion, Handoff
+from .seams import EngineGrads, EngineParams, EngineRegion, EngineScales, Handoff
 from .sockets import launch
 
 __all__ = ["EngineUpdate", "EngineError", "engine_file"]
@@ -483,12 +483,14 @@ class EngineUpdate(Update):
             for d in self.states:
                 if d.name == "residual":
                     regions[d.name] = self.feedback.region
+                elif d.name == "exp_avg_scales":  # per slice records, joined into whole units'
+                    regions[d.name] = EngineScales(self)
                 elif d.checkpointed:
                     regions[d.name] = EngineRegion(self, d.name, d.dtype)
             yield regions
         finally:
             for r in regions.values():
-                if isinstance(r, EngineRegion):
+                if isinstance(r, (EngineRegion, EngineScales)):
                     r.close()
             for i in range(self.n):
                 self._send(i, P.Reopen())

@@ -11,9 +11,10 @@ import torch
 
 from ...io import IOFuture
 from ...state.regions import place
+from ...state.scales import JoinedRecords, ScaleLayout
 from ...state.sources import GradSink, ParamSource
 
-__all__ = ["EngineParams", "EngineGrads", "EngineRegion", "Handoff", "Deferred"]
+__all__ = ["EngineParams", "EngineGrads", "EngineRegion", "EngineScales", "Handoff", "Deferred"]
 
 
 class Handoff:
@@ -121,6 +122,40 @@ class EngineRegion:
 
     def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
         return self.g.slice_io(self.g.files_of(self.files, u), self.place, self.esize, True, u, src, start, end)
+
+    def close(self) -> None:
+        for f in (h for hs in self.files for h in hs):
+            if f is not None:
+                f.close()
+
+
+class EngineScales(JoinedRecords):
+    """8-bit states' scales (``exp_avg_scales``) across all engines' files, as the whole units'
+    records a checkpoint holds: each engine keeps one record per slice of a unit
+    (``state/scales.py``), joined on reading and split on writing (engines paused)."""
+
+    def __init__(self, group, kind: str = "exp_avg_scales") -> None:
+        parts = [ScaleLayout(v) for v in group.views]
+        self.g = group
+        self.place = [place(p, torch.float32, 0, group.align) for p in parts]
+        self.files = [
+            [group.open_file(i, kind, "r+", torch.float32, h) for h in range(group.halves)] for i in range(group.n)
+        ]
+        super().__init__(ScaleLayout(group.layout), parts, self._read_parts, self._write_parts)
+
+    def _io(self, u: int, records: list[torch.Tensor], write: bool) -> None:
+        futs = []
+        for i, (f, rec) in enumerate(zip(self.g.files_of(self.files, u), records)):
+            if rec.numel():
+                op = f.pwrite if write else f.pread
+                futs.append(op(rec, rec.numel() * 4, self.place[i][u] * 4))
+        IOFuture.gather(futs).get()
+
+    def _read_parts(self, u: int, records: list[torch.Tensor]) -> None:
+        self._io(u, records, False)
+
+    def _write_parts(self, u: int, records: list[torch.Tensor]) -> None:
+        self._io(u, records, True)
 
     def close(self) -> None:
         for f in (h for hs in self.files for h in hs):
