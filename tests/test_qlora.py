@@ -339,3 +339,41 @@ def test_forward_only_sources_count_the_bytes_their_loads_read(tmp_path):
         want = quant.units[unit.index].numel
         assert kept.loaded_bytes(unit.index, unit.numel, 4) == inner.loaded_bytes(unit.index, unit.numel, 4) == want
     assert any(quant.units[u.index].numel < u.numel * 2 for u in rt.layout.units)  # quantized units: under half
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,separate", [("nf4", False), ("int8", True)])
+def test_qlora_on_ranks_is_the_grouped_peft_reference_bit_for_bit(tmp_path, kind, separate):
+    """2 ranks: each keeps an equal share of every unit's quantized record (bytes; a rank quantizes
+    the unit whole at start and keeps its share), gathers the bytes of a unit whole and then
+    dequantizes it; adapter gradients summed in rank order. peft's QLoRA on bitsandbytes' model
+    trained on the same grouping of micro-batches, bit for bit; each rank's base file is half the
+    one-rank records; a checkpoint of the 2 ranks is the one-rank files (loads on one rank). On a
+    device with memory of its own (``separate``) the gathered bytes are uploaded and dequantized
+    there, some of each rank's share in host memory."""
+    from test_dist_train import ckpt_run, run_ranks
+
+    from tiertrain.training.trainer import Trainer
+
+    cfg = qlora_config(tmp_path, kind, layers=2, micro_batches=2, steps=3, host_param_mib=int(separate))
+    plain, out = run_ranks(tmp_path / "ranks", cfg, 2, separate=separate)
+    ref, names = quantized_reference(cfg, plain, tmp_path, kind)
+    ref_losses, ref_weights = reference_train(cfg, ref, ranks=2)
+    for step, want in enumerate(ref_losses):
+        assert [x for r in range(2) for x in out[r]["losses"][step]] == want
+    assert [o["mode"] for o in out] == ["frozen", "frozen"]
+    for name, p in out[0]["adapters"].items():
+        assert torch.equal(p, ref_weights[names[name]]), name
+        assert torch.equal(p, out[1]["adapters"][name])
+    one = qlora_config(tmp_path / "one", kind, layers=2, micro_batches=4, steps=1)
+    with Trainer(one) as tr:
+        records = tr.update.quant.total_numel
+    for o in out:
+        assert o["files"].get("params.bin", 0) < records / 2 + (1 << 20)  # its share (less what host memory holds)
+        assert separate or o["files"]["params.bin"] >= records / 2
+    saved = ckpt_run(tmp_path, "save", cfg, 2, steps=1, save=True)
+    loaded = ckpt_run(tmp_path, "load", one, 1, resume=saved["path"], save=False)
+    assert os.path.getsize(f"{saved['path']}/params.bin") == records
+    assert set(loaded["restored"]) == set(saved["weights"])
+    for name, w in saved["weights"].items():
+        assert torch.equal(loaded["restored"][name], w), name

@@ -137,10 +137,12 @@ class Runtime:
         align, p_align = layout_aligns(cfg, self.base_dtype)
         world, rank = self.world, self.rank
         self.layout = FlatLayout(self.model, unit_align=world * align, param_align=p_align)
-        self.state_layout = self.layout if world == 1 else ShardLayout(self.layout, rank, world, align)
         # the layout of one rank: what checkpoints are written in, whatever the world
         self.canonical_layout = (
             self.layout if world == 1 else FlatLayout(self.model, unit_align=align, param_align=p_align)
+        )
+        self.state_layout = (
+            self.layout if world == 1 else ShardLayout(self.layout, rank, world, align, self.canonical_layout)
         )
         if self.dev.separate:
             _buffers_to(self.model, self.dev.device)
@@ -148,7 +150,7 @@ class Runtime:
         self._check_optim(cfg)
 
     def _check_quantized(self, cfg: Config) -> None:
-        """A quantized base (``model.base_dtype``): bitsandbytes present, something to quantize, one rank."""
+        """A quantized base (``model.base_dtype``): bitsandbytes present, something to quantize."""
         spec = quant_spec(cfg.model)
         if spec is None:
             return
@@ -159,8 +161,6 @@ class Runtime:
                 f"{what}: this model's blocks have no nn.Linear layer to quantize (GPT-2's are Conv1D); use "
                 "model.base_dtype = 'bfloat16' to halve its bytes, or leave it unset"
             )
-        if self.world > 1:
-            raise ConfigError(f"{what} with {self.world} ranks is not supported yet: run one rank, or unset it")
 
     def _check_optim(self, cfg: Config) -> None:
         """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present (>= 0.50), no

@@ -60,7 +60,7 @@ class CheckpointIO:
     def _layout(self, region):
         """The layout ``region`` is written in: a 4-bit base's own (its units are bytes), else
         the checkpoint's."""
-        own = getattr(region, "layout", None)
+        own = getattr(region, "file_layout", None) or getattr(region, "layout", None)  # ranks: the one-rank records'
         return own if isinstance(own, (QuantLayout, ScaleLayout)) else self.layout
 
     def file_size(self, region: TieredRegions) -> int:

@@ -29,10 +29,22 @@ import torch
 from ..io import IOFuture, aligned_empty
 from ..state.layout import FlatLayout
 from ..state.scales import JoinedRecords, ScaleLayout
-from .shard import ShardLayout
+from .shard import ByteShards, ShardLayout
 
 
-__all__ = ["GatheredRegion", "ScatteredRegion", "follow", "gathered_scales", "scattered_scales", "is_scales"]
+__all__ = ["GatheredRegion", "ScatteredRegion", "follow", "gathered_scales", "scattered_scales", "is_scales", "shards_of"]
+
+
+def _file_layout(layout):
+    """The layout a checkpoint's file is written in where it is not the canonical units of
+    elements: a quantized base's one-rank records (``ByteShards``), else None."""
+    return layout.canonical if isinstance(layout, ByteShards) else None
+
+
+def shards_of(region, layout):
+    """The shards ``region`` is cut in: its own where they are a quantized base's bytes, else ``layout``."""
+    own = getattr(region, "layout", None)
+    return own if isinstance(own, ByteShards) else layout
 
 
 def is_scales(region) -> bool:
@@ -95,6 +107,7 @@ class GatheredRegion:
 
     def __init__(self, region, layout: ShardLayout, group) -> None:
         self.region, self.layout, self.group = region, layout, group
+        self.file_layout = _file_layout(layout)
         self.dtype, self.esize = region.dtype, region.dtype.itemsize
         self._buf = aligned_empty(layout.full.max_unit_numel * self.esize).view(self.dtype)
         self._own = aligned_empty(layout.max_unit_numel * self.esize).view(self.dtype)
@@ -134,6 +147,7 @@ class ScatteredRegion:
 
     def __init__(self, region, layout: ShardLayout) -> None:
         self.region, self.layout = region, layout
+        self.file_layout = _file_layout(layout)
         self.dtype, self.esize = region.dtype, region.dtype.itemsize
 
     def write(self, u: int, src: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:

@@ -118,14 +118,22 @@ class _Sharding:
 
         return ShardedParams(source, layout, self._ranks()), ShardedGrads(sink, layout, self._ranks())
 
+    def gather_records(self, inner, layout):
+        """A rank's shard of records (``inner``: a ``ParamSource`` of bytes over ``layout``, a
+        ``ByteShards``) read and gathered whole, in load order (``ShardedParams``)."""
+        from .shard import ShardedParams
+
+        return ShardedParams(inner, layout, self._ranks())
+
     def gathered(self, regions: dict, layout) -> dict:
         """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""
         if self.world == 1:
             return regions
-        from .checkpoint import GatheredRegion, gathered_scales, is_scales
+        from .checkpoint import GatheredRegion, gathered_scales, is_scales, shards_of
 
+        g = self._ranks()
         return {
-            n: gathered_scales(r, layout, self._ranks()) if is_scales(r) else GatheredRegion(r, layout, self._ranks())
+            n: gathered_scales(r, layout, g) if is_scales(r) else GatheredRegion(r, shards_of(r, layout), g)
             for n, r in regions.items()
         }
 
@@ -133,9 +141,12 @@ class _Sharding:
         """Regions every rank restores its shard of from the one-rank layout's files."""
         if self.world == 1:
             return regions
-        from .checkpoint import ScatteredRegion, is_scales, scattered_scales
+        from .checkpoint import ScatteredRegion, is_scales, scattered_scales, shards_of
 
-        return {n: scattered_scales(r, layout) if is_scales(r) else ScatteredRegion(r, layout) for n, r in regions.items()}
+        return {
+            n: scattered_scales(r, layout) if is_scales(r) else ScatteredRegion(r, shards_of(r, layout))
+            for n, r in regions.items()
+        }
 
     def read_unit(self, region, u: int, buf: torch.Tensor, layout) -> None:
         """Unit ``u`` of ``region`` whole into ``buf``: this rank's shard, the others' gathered."""

@@ -47,7 +47,7 @@ from ..state.sources import GradSink, ParamSource
 from ..state.slices import Slice, SliceLayout, unit_records
 
 
-__all__ = ["ShardLayout", "ShardedParams", "ShardedGrads"]
+__all__ = ["ShardLayout", "ByteShards", "ShardedParams", "ShardedGrads", "ShardedRecords"]
 
 
 class ShardLayout(SliceLayout):
@@ -55,7 +55,10 @@ class ShardLayout(SliceLayout):
     layout: what the states, the streamed optimizer and the budget are built on. The update
     engines' slices (``SliceLayout``) with one slice per unit: this rank's."""
 
-    def __init__(self, full: FlatLayout, rank: int, world: int, align: int) -> None:
+    def __init__(
+        self, full: FlatLayout, rank: int, world: int, align: int, canonical: FlatLayout | None = None
+    ) -> None:
+        """``canonical``: the layout of one rank (what checkpoints are written in)."""
         slices = []
         for unit in full.units:
             if unit.numel % (world * align):
@@ -64,12 +67,12 @@ class ShardLayout(SliceLayout):
             per = unit.numel // world
             slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
         super().__init__(unit_records(full), slices, {u.index for u in full.units if u.frozen})
-        self.full, self.rank, self.world, self.align = full, rank, world, align
+        self.full, self.rank, self.world, self.align, self.canonical = full, rank, world, align, canonical
         self.total_numel = sum(u.numel for u in self.units)
 
     def of_rank(self, rank: int) -> "ShardLayout":
         """Rank ``rank``'s share of the same units."""
-        return ShardLayout(self.full, rank, self.world, self.align)
+        return ShardLayout(self.full, rank, self.world, self.align, self.canonical)
 
     def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's share of unit ``u``'s whole flat buffer ``full`` (a view)."""
@@ -79,6 +82,71 @@ class ShardLayout(SliceLayout):
     def describe(self) -> str:
         return (f"rank {self.rank} of {self.world}: {self.total_numel / 1e6:.2f} M of "
                 f"{self.full.total_numel / 1e6:.2f} M elements")
+
+
+class ByteShards(SliceLayout):
+    """Rank ``rank``'s share of a quantized base's records (``full``: a ``QuantLayout`` whose
+    units, of bytes, are padded to ``world`` x the record alignment): an equal 1/N of every
+    unit's bytes, as ``ShardLayout`` shares elements. A unit is gathered whole (bytes) before it
+    is dequantized. ``canonical``: the one-rank ``QuantLayout`` checkpoints are written in (its
+    pieces at the same offsets, its units padded for one rank)."""
+
+    def __init__(self, full, rank: int, world: int, canonical) -> None:
+        slices = []
+        for unit in full.units:
+            if unit.numel % world:
+                raise ValueError(f"unit {unit.index}'s record has {unit.numel} bytes: not {world} equal shards")
+            per = unit.numel // world
+            slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
+        super().__init__([[] for _ in full.units], slices, {u.index for u in full.units})
+        self.full, self.rank, self.world, self.canonical = full, rank, world, canonical
+        self.total_numel = sum(u.numel for u in self.units)
+
+    def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        s = self.slices[u]
+        return full[s.start : s.end]
+
+    def of_rank(self, rank: int) -> "ByteShards":
+        return ByteShards(self.full, rank, self.world, self.canonical)
+
+
+class _Then:
+    """A gather's future that runs ``fn`` once it is done (in the getter's thread)."""
+
+    def __init__(self, inner, fn) -> None:
+        self.inner, self.fn, self._result = inner, fn, None
+
+    def done(self) -> bool:
+        return self._result is not None or self.inner.done()
+
+    def get(self, timeout: float | None = None):
+        if self._result is None:
+            self.inner.get()
+            self.fn()
+            self._result = 0
+        return self._result
+
+
+class ShardedRecords:
+    """A sharded region of records (a quantized base's bytes, ``ByteShards``) seen as whole
+    records by ``DequantSource``: ``read(u, buf)`` reads this rank's shard and gathers the
+    others' into ``buf`` (``ShardedParams`` over bytes: in load order on every rank)."""
+
+    ordered = True
+
+    def __init__(self, params: "ShardedParams") -> None:
+        self.params = params
+
+    def on_host(self, u: int) -> bool:
+        return False
+
+    def host_view(self, u: int) -> torch.Tensor:
+        raise RuntimeError("sharded records are never used in place")
+
+    def read(self, u: int, buf: torch.Tensor):
+        fut = self.params.load(u, buf)
+        fut.then = lambda fn: _Then(fut, fn)  # type: ignore[attr-defined]
+        return fut
 
 
 class _Gather:

@@ -118,6 +118,12 @@ def base_storage(cfg, layout, dtype: torch.dtype, align: int):
     spec = quant_spec(cfg.model)
     if spec is None:
         return layout, base_dtype_of(cfg.model.base_dtype, dtype)
+    world = getattr(layout, "world", 1)
+    if world > 1:  # a rank's shard (``dist/shard.py``): its share of every unit's record, in bytes
+        from ..dist.shard import ByteShards
+
+        full = QuantLayout(layout.full, spec, dtype, align * world)
+        return ByteShards(full, layout.rank, world, QuantLayout(layout.canonical, spec, dtype, align)), torch.uint8
     return QuantLayout(layout, spec, dtype, align), torch.uint8
 
 
@@ -384,6 +390,14 @@ class DequantSource(ParamSource):
 
     def attach(self, dev) -> None:
         self.on_device = dev.separate
+
+    @property
+    def ordered(self) -> bool:  # type: ignore[override]
+        """Loads in the schedule's order alone where the records are gathered from ranks."""
+        return bool(getattr(self.region, "ordered", False))
+
+    def can_prefetch(self, u: int) -> bool:
+        return True  # never updated
 
     def on_host(self, u: int) -> bool:
         return False  # its bytes are not the slot's values: always loaded, dequantized

@@ -105,8 +105,9 @@ class Checkpoints:
         raw = None if quant is None else aligned_empty(quant.max_unit_numel)
         whole = WholeTensors(row_pieces)
         for unit in layout.units:
-            if quant is not None:  # one rank (quantized bases refuse ranks)
-                region.read(unit.index, raw[: quant.units[unit.index].numel]).get()
+            if quant is not None:  # ranks: the record's bytes gathered whole (the region's own shards)
+                lay = region.layout if hasattr(region.layout, "full") else None
+                self.group.read_unit(region, unit.index, raw[: quant.units[unit.index].numel], lay)
                 quant.dequantize_into(unit.index, raw, buf)
             else:
                 self.group.read_unit(region, unit.index, buf, self.state_layout)

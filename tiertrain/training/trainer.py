@@ -220,7 +220,11 @@ class Trainer:
         # units are the slots' (a rank's update has its shard of a unit, a slot the whole unit)
         shared = self.update.share_slots(m.device_slots, self.layout.max_unit_numel) if rt.update_writes_slots else None
         # with ranks, whole units gathered from the shards and gradients summed over the ranks
-        source, sink = self.group.wrap_stores(self.update.params, self.update.grads, rt.state_layout)
+        if getattr(self.update, "shards", None) is not None:  # a quantized base's bytes gathered, then dequantized
+            self.update.shard_records(self.group.gather_records)
+            source, sink = self.update.params, self.update.grads
+        else:
+            source, sink = self.group.wrap_stores(self.update.params, self.update.grads, rt.state_layout)
         self.params = self._part(
             rt.bind_params(source, slots=m.device_slots, slot_tensors=shared)
         )  # closed before the update
@@ -364,7 +368,8 @@ class Trainer:
                         f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
                     )
                 view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
-            self.update.init_unit(unit.index, self.rt.state_layout.shard(unit.index, view))  # this rank's share
+            whole = getattr(self.update, "init_whole", False)  # a rank's quantized base: quantized whole
+            self.update.init_unit(unit.index, view if whole else self.rt.state_layout.shard(unit.index, view))
         self.update.finish_init()
         self.params.invalidate()
         # dropout draws from the global generators, which PyTorch seeds at random per process

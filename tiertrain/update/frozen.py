@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from ..config import Config
+from ..dist.shard import ByteShards
 from ..io import IOFuture, Storage
 from ..io.align import round_down
 from ..state.decl import Region, StateDecl
@@ -142,10 +143,12 @@ class FrozenUpdate(Update):
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         stored, _ = base_storage(cfg, layout, pdtype, storage.record_align)
-        self.quant = stored if isinstance(stored, QuantLayout) else None
+        self.shards = stored if isinstance(stored, ByteShards) else None  # a rank's share of the records
+        self.quant = stored.full if self.shards is not None else stored if isinstance(stored, QuantLayout) else None
         self._params = TieredRegions(stored, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
         if self.quant is not None:
+            # with ranks the records are gathered whole first (``shard_records``, by the group)
             self.params: ParamSource = DequantSource(self._params, self.quant, pdtype)
         else:
             self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
@@ -153,9 +156,25 @@ class FrozenUpdate(Update):
         # initial weights go straight into the base's dtype (a 4-bit base: quantized from the compute dtype's)
         self.init_dtype = pdtype if self.quant is not None else self._params.dtype
 
+    @property
+    def init_whole(self) -> bool:
+        """``init_unit`` takes whole units (a rank quantizes the unit, then keeps its bytes' share)."""
+        return self.shards is not None
+
+    def shard_records(self, wrap) -> None:
+        """With ranks: the records read through ``wrap(source, shards)`` (the group's gathering
+        ``ShardedParams``), so a unit's bytes are whole before they are dequantized."""
+        from ..dist.shard import ShardedRecords
+
+        assert isinstance(self.params, DequantSource) and self.shards is not None
+        self.params.region = ShardedRecords(wrap(RegionParams(self._params), self.shards))
+
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         if self.quant is not None:
-            self._params.write(u, self.quant.quantize(u, flat32)).get()
+            record = self.quant.quantize(u, flat32)
+            if self.shards is not None:
+                record = self.shards.shard(u, record)
+            self._params.write(u, record).get()
             return
         d = self._params.dtype
         self._params.write(u, flat32 if flat32.dtype == d else flat32.to(d)).get()
