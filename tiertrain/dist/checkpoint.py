@@ -29,7 +29,8 @@ import torch
 from ..io import IOFuture, aligned_empty
 from ..state.layout import FlatLayout
 from ..state.scales import JoinedRecords, ScaleLayout
-from .shard import ByteShards, ShardLayout
+from ..state.quant import ByteShards
+from .shard import ShardLayout
 
 
 __all__ = ["GatheredRegion", "ScatteredRegion", "follow", "gathered_scales", "scattered_scales", "is_scales", "shards_of"]

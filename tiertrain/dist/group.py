@@ -120,10 +120,10 @@ class _Sharding:
 
     def gather_records(self, inner, layout):
         """A rank's shard of records (``inner``: a ``ParamSource`` of bytes over ``layout``, a
-        ``ByteShards``) read and gathered whole, in load order (``ShardedParams``)."""
-        from .shard import ShardedParams
+        ``ByteShards``) read and gathered whole, in load order (``ShardedRecords``)."""
+        from .shard import ShardedParams, ShardedRecords
 
-        return ShardedParams(inner, layout, self._ranks())
+        return ShardedRecords(ShardedParams(inner, layout, self._ranks()))
 
     def gathered(self, regions: dict, layout) -> dict:
         """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""

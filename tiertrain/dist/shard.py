@@ -47,7 +47,7 @@ from ..state.sources import GradSink, ParamSource
 from ..state.slices import Slice, SliceLayout, unit_records
 
 
-__all__ = ["ShardLayout", "ByteShards", "ShardedParams", "ShardedGrads", "ShardedRecords"]
+__all__ = ["ShardLayout", "ShardedParams", "ShardedGrads", "ShardedRecords"]
 
 
 class ShardLayout(SliceLayout):
@@ -82,32 +82,6 @@ class ShardLayout(SliceLayout):
     def describe(self) -> str:
         return (f"rank {self.rank} of {self.world}: {self.total_numel / 1e6:.2f} M of "
                 f"{self.full.total_numel / 1e6:.2f} M elements")
-
-
-class ByteShards(SliceLayout):
-    """Rank ``rank``'s share of a quantized base's records (``full``: a ``QuantLayout`` whose
-    units, of bytes, are padded to ``world`` x the record alignment): an equal 1/N of every
-    unit's bytes, as ``ShardLayout`` shares elements. A unit is gathered whole (bytes) before it
-    is dequantized. ``canonical``: the one-rank ``QuantLayout`` checkpoints are written in (its
-    pieces at the same offsets, its units padded for one rank)."""
-
-    def __init__(self, full, rank: int, world: int, canonical) -> None:
-        slices = []
-        for unit in full.units:
-            if unit.numel % world:
-                raise ValueError(f"unit {unit.index}'s record has {unit.numel} bytes: not {world} equal shards")
-            per = unit.numel // world
-            slices.append(Slice(unit.index, rank * per, (rank + 1) * per))
-        super().__init__([[] for _ in full.units], slices, {u.index for u in full.units})
-        self.full, self.rank, self.world, self.canonical = full, rank, world, canonical
-        self.total_numel = sum(u.numel for u in self.units)
-
-    def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
-        s = self.slices[u]
-        return full[s.start : s.end]
-
-    def of_rank(self, rank: int) -> "ByteShards":
-        return ByteShards(self.full, rank, self.world, self.canonical)
 
 
 class _Then:

@@ -50,6 +50,7 @@ __all__ = [
     "QUANTIZED",
     "QuantSpec",
     "QuantLayout",
+    "ByteShards",
     "DequantSource",
     "quant_spec",
     "require_bitsandbytes",
@@ -120,11 +121,56 @@ def base_storage(cfg, layout, dtype: torch.dtype, align: int):
         return layout, base_dtype_of(cfg.model.base_dtype, dtype)
     world = getattr(layout, "world", 1)
     if world > 1:  # a rank's shard (``dist/shard.py``): its share of every unit's record, in bytes
-        from ..dist.shard import ByteShards
-
         full = QuantLayout(layout.full, spec, dtype, align * world)
         return ByteShards(full, layout.rank, world, QuantLayout(layout.canonical, spec, dtype, align)), torch.uint8
     return QuantLayout(layout, spec, dtype, align), torch.uint8
+
+
+@dataclass(frozen=True)
+class _Share:
+    """A rank's bytes ``[start, end)`` of unit ``index``'s record: as a unit of its own layout
+    (``index``, ``numel``) and as a slice of the whole record (``start``, ``end``)."""
+
+    index: int
+    start: int
+    end: int
+    params: tuple = ()
+    frozen: bool = True
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class ByteShards:
+    """Rank ``rank``'s share of a quantized base's records (``full``: a ``QuantLayout`` whose
+    units, of bytes, are padded to ``world`` x the record alignment): an equal 1/N of every
+    unit's bytes, as ``dist/shard.py``'s ``ShardLayout`` shares elements; a layout of its own
+    (``units``) and the slices of the whole (``slices``). A unit is gathered whole (bytes) before
+    it is dequantized. ``canonical``: the one-rank ``QuantLayout`` checkpoints are written in
+    (its pieces at the same offsets, its units padded for one rank)."""
+
+    def __init__(self, full: "QuantLayout", rank: int, world: int, canonical: "QuantLayout") -> None:
+        self.units: list[_Share] = []
+        for unit in full.units:
+            if unit.numel % world:
+                raise ValueError(f"unit {unit.index}'s record has {unit.numel} bytes: not {world} equal shards")
+            per = unit.numel // world
+            self.units.append(_Share(unit.index, rank * per, (rank + 1) * per))
+        self.slices = self.units
+        self.full, self.rank, self.world, self.canonical = full, rank, world, canonical
+        self.total_numel = sum(u.numel for u in self.units)
+        self.max_unit_numel = max((u.numel for u in self.units), default=0)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def shard(self, u: int, full: torch.Tensor) -> torch.Tensor:
+        s = self.units[u]
+        return full[s.start : s.end]
+
+    def of_rank(self, rank: int) -> "ByteShards":
+        return ByteShards(self.full, rank, self.world, self.canonical)
 
 
 def same_base(ours: dict, compute_dtype: str, man, where: str) -> None:

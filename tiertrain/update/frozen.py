@@ -18,12 +18,11 @@ from typing import Iterator
 import torch
 
 from ..config import Config
-from ..dist.shard import ByteShards
 from ..io import IOFuture, Storage
 from ..io.align import round_down
 from ..state.decl import Region, StateDecl
 from ..state.layout import FlatLayout
-from ..state.quant import DequantSource, QuantLayout, base_storage
+from ..state.quant import ByteShards, DequantSource, QuantLayout, base_storage
 from ..state.regions import TieredRegions
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .baseline import RegionParams
@@ -162,12 +161,10 @@ class FrozenUpdate(Update):
         return self.shards is not None
 
     def shard_records(self, wrap) -> None:
-        """With ranks: the records read through ``wrap(source, shards)`` (the group's gathering
-        ``ShardedParams``), so a unit's bytes are whole before they are dequantized."""
-        from ..dist.shard import ShardedRecords
-
+        """With ranks: the records read through ``wrap(source, shards)`` (the group's, gathering
+        them: ``ShardedRecords``), so a unit's bytes are whole before they are dequantized."""
         assert isinstance(self.params, DequantSource) and self.shards is not None
-        self.params.region = ShardedRecords(wrap(RegionParams(self._params), self.shards))
+        self.params.region = wrap(RegionParams(self._params), self.shards)
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         if self.quant is not None:
