@@ -13,6 +13,7 @@ store), ``io`` (storage). It knows nothing of gradients, optimizers or checkpoin
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -27,7 +28,7 @@ from .models import WeightSource, build_model
 from .models.freeze import apply_freeze, freeze_all
 from .state.layout import PARAM_ALIGN, FlatLayout, chunk_align
 from .state.quant import quant_spec, require_bitsandbytes
-from .state.scales import param_align
+from .state.scales import BLOCK, MIN_8BIT, param_align
 from .state.store import ParamStore
 
 __all__ = ["Runtime", "align_of", "hidden_size_of"]
@@ -163,8 +164,9 @@ class Runtime:
             )
 
     def _check_optim(self, cfg: Config) -> None:
-        """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present (>= 0.50), no
-        row pieces (bitsandbytes' blocks count from a whole matrix's start)."""
+        """8-bit optimizer states (``optim.name = 'adamw8bit'``): bitsandbytes present (>= 0.50); row
+        pieces (vocabulary pieces, ranges of experts) starting on its blocks, which count from the
+        whole matrix's start."""
         if cfg.optim.name != "adamw8bit":
             return
         what = "optim.name = 'adamw8bit'"
@@ -178,13 +180,14 @@ class Runtime:
             )
         if cfg.adapter.on:
             return  # the adapters' optimizer: bitsandbytes' own AdamW8bit, in memory
-        if self.model.row_pieces:
-            raise ConfigError(
-                f"{what} with the model cut into row pieces (vocabulary pieces or ranges of experts) is not "
-                "supported yet: bitsandbytes counts its 256-element blocks from a whole matrix's start, a piece from "
-                "its own; leave model.vocab_pieces unset and model.layer_pieces at most 2 (raise memory.host_mib if the "
-                "plan cut them), or use optim.name = 'adamw'"
-            )
+        for name, piece in self.model.row_pieces.items():
+            row = math.prod(piece.whole_shape[1:])
+            if math.prod(piece.whole_shape) >= MIN_8BIT and piece.start * row % BLOCK:
+                raise ConfigError(
+                    f"{what}: the row piece {name} starts at element {piece.start * row} of {piece.whole}, not on one of "
+                    f"bitsandbytes' {BLOCK}-element blocks (counted from the whole matrix's start); cut it otherwise "
+                    "(model.vocab_pieces, model.layer_pieces) or leave them unset, or use optim.name = 'adamw'"
+                )
 
     def recut(self, cfg: Config) -> None:
         """The model built again for ``cfg`` (another ``model.vocab_pieces``), on the same device,

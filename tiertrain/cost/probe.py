@@ -231,7 +231,7 @@ def _adamw8bit_step(p: torch.Tensor, g: torch.Tensor, cfg: Config):
     from ..update.adamw8bit import adamw8bit_segments
 
     n = p.numel()
-    unit = UnitScales(0, [(0, n, n)], 1)
+    unit = UnitScales(0, [(0, n, n, n)], 1)
     record, c1, c2 = torch.zeros(unit.numel), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     segs = [(Piece(0, n), 0, n)]
     return lambda: adamw8bit_segments(segs, [p], [g], [c1], [c2], unit, record, step=2, lr=1e-4, cfg=cfg.optim)

@@ -17,6 +17,8 @@ optimizer moments; only the element size differs between files.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +71,9 @@ class ParamRecord:
     shape: torch.Size
     offset: int  # elements from the start of the unit
     numel: int
+    # a row piece's whole matrix's elements (vocabulary pieces, ranges of experts: what decides
+    # whether bitsandbytes keeps 8-bit moments of it); its own numel for a whole parameter
+    whole: int = 0
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset : self.offset + self.numel].view(self.shape)
@@ -104,12 +109,14 @@ class FlatLayout:
         if param_align % PARAM_ALIGN or unit_align % param_align:
             raise ValueError(f"param_align {param_align}: not a multiple of {PARAM_ALIGN} dividing {unit_align}")
         owned = unit_param_names(model)
+        pieces = getattr(model, "row_pieces", {})
         owner = {id(p): u for u, own in enumerate(owned) for _, p in own}
         units, offset = [], 0
         for u, own in enumerate(owned):
             recs, pos = [], 0
             for name, p in own:
-                recs.append(ParamRecord(name, p, p.shape, pos, p.numel()))
+                whole = math.prod(pieces[name].whole_shape) if name in pieces else p.numel()
+                recs.append(ParamRecord(name, p, p.shape, pos, p.numel(), whole))
                 pos = _up(pos + p.numel(), param_align)
             numel = max(_up(pos, unit_align), unit_align)
             borrows = tuple(sorted({owner[id(p)] for p in model.units[u].parameters()} - {u}))

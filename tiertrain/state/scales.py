@@ -21,10 +21,17 @@ from ..config import OptimConfig
 from ..io import IOFuture, aligned_empty
 from .layout import PARAM_ALIGN
 
-__all__ = ["BLOCK", "MIN_8BIT", "JoinedRecords", "ScaleLayout", "UnitScales", "param_align"]
+__all__ = ["BLOCK", "MIN_8BIT", "JoinedRecords", "ScaleLayout", "UnitScales", "param_align", "whole_numel"]
 
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 moments
 BLOCK = 256  # elements per scale (bitsandbytes' blockwise optimizers, fixed)
+
+
+def whole_numel(p) -> int:
+    """The elements of the matrix a parameter record (``ParamRecord``, an engine's ``Piece``) is
+    part of: a row piece's whole (vocabulary pieces, ranges of experts), else its own. bitsandbytes
+    keeps 8-bit moments of the whole matrix by its size."""
+    return getattr(p, "whole", 0) or p.numel
 
 
 def param_align(optim: OptimConfig) -> int:
@@ -47,17 +54,18 @@ class UnitScales:
     """The fp32 record of one unit's 8-bit state beyond the codes: ``[scales of exp_avg's
     blocks | scales of exp_avg_sq's | small parameters' exp_avg | their exp_avg_sq]``."""
 
-    def __init__(self, index: int, pieces: list[tuple[int, int, int]], numel_align: int) -> None:
-        """``pieces``: (parameter offset in the unit, parameter numel, unit numel) of every
-        parameter that overlaps the unit (offsets may be negative: an engine's slice)."""
+    def __init__(self, index: int, pieces: list[tuple[int, int, int, int]], numel_align: int) -> None:
+        """``pieces``: (parameter offset in the unit, parameter numel, unit numel, its whole
+        matrix's numel: a row piece's decides as the whole) of every parameter that overlaps
+        the unit (offsets may be negative: an engine's slice)."""
         self.index = index
         self.offset = 0  # set by ScaleLayout
         self.entries: dict[int, _Entry] = {}
         blocks = small = 0
-        for offset, numel, unit_numel in pieces:
+        for offset, numel, unit_numel, whole in pieces:
             lo, hi = max(0, offset), min(unit_numel, offset + numel)
             first = lo - offset
-            if numel < MIN_8BIT:
+            if whole < MIN_8BIT:
                 self.entries[offset] = _Entry(lo, first, small, True)
                 small += hi - lo
             else:
@@ -93,7 +101,8 @@ class ScaleLayout:
 
     def __init__(self, layout, numel_align: int = 1024) -> None:
         self.units = [
-            UnitScales(u.index, [(p.offset, p.numel, u.numel) for p in u.params], numel_align) for u in layout.units
+            UnitScales(u.index, [(p.offset, p.numel, u.numel, whole_numel(p)) for p in u.params], numel_align)
+            for u in layout.units
         ]
         pos = 0
         for unit in self.units:  # elements from the start of the whole layout (a checkpoint's file)

@@ -40,17 +40,20 @@ def partition(layout: FlatLayout, engines: int, align: int) -> list[list[Slice]]
     return out
 
 
-def unit_records(layout: FlatLayout) -> list[list[tuple[int, int]]]:
-    """``(offset, numel)`` of every parameter of every unit: all an engine needs of the model."""
-    return [[(r.offset, r.numel) for r in unit.params] for unit in layout.units]
+def unit_records(layout: FlatLayout) -> list[list[tuple[int, int, int]]]:
+    """``(offset, numel, whole)`` of every parameter of every unit (``whole``: its whole
+    matrix's elements, a row piece's; else its own): all an engine needs of the model."""
+    return [[(r.offset, r.numel, r.whole or r.numel) for r in unit.params] for unit in layout.units]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A parameter as an engine sees it: offset relative to the slice start, full length."""
+    """A parameter as an engine sees it: offset relative to the slice start, full length;
+    ``whole``: its whole matrix's elements where it is a row piece (0: its own)."""
 
     offset: int
     numel: int
+    whole: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class SliceLayout:
             _UnitView(
                 s.unit,
                 s.numel,
-                tuple(Piece(o - s.start, n) for o, n in records[s.unit] if o < s.end and o + n > s.start),
+                tuple(Piece(o - s.start, n, w) for o, n, w in records[s.unit] if o < s.end and o + n > s.start),
                 s.unit in frozen,
             )
             for s in slices

@@ -38,7 +38,7 @@ import functools
 import torch
 
 from ..config import OptimConfig
-from ..state.scales import MIN_8BIT, UnitScales
+from ..state.scales import MIN_8BIT, UnitScales, whole_numel
 
 __all__ = [
     "same_optimizer",
@@ -136,7 +136,7 @@ def adamw8bit_segments(
     F = require_bnb_optim()
     q1, q2 = _qmaps(params[0].device.type) if params else (None, None)
     for (rec, x, y), p, g, c1, c2 in zip(segs, params, grads, codes1, codes2):
-        if rec.numel < MIN_8BIT:
+        if whole_numel(rec) < MIN_8BIT:
             s1, s2 = unit.moments(record, rec.offset, x, y)
             F.optimizer_update_32bit(
                 "adam", g, p, s1, cfg.beta1, cfg.eps, step, lr, s2, cfg.beta2, 0.0, 0.0, cfg.weight_decay, 1.0
