@@ -18,7 +18,6 @@ optimizer moments; only the element size differs between files.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
