@@ -73,7 +73,7 @@ class SliceLayout:
     """
 
     def __init__(
-        self, records: list[list[tuple[int, int]]], slices: list[Slice], frozen: set[int] = frozenset()
+        self, records: list[list[tuple[int, int, int]]], slices: list[Slice], frozen: set[int] = frozenset()
     ) -> None:
         """``frozen``: the units ``train.freeze`` keeps (never updated)."""
         self.slices = slices
