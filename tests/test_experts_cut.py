@@ -332,3 +332,30 @@ def test_a_short_budget_trains_a_moe_cut_into_ranges(tmp_path):
         assert "attention | 2 ranges of whole experts" in note
         tr.initialize(progress=False)
         assert torch.isfinite(torch.tensor(tr.train_step().extra["losses"])).all()
+
+
+@pytest.mark.parametrize("parts,activations", [(3, "recompute"), (5, "keep")], ids=lambda v: str(v))
+def test_llama4s_every_expert_block_in_ranges_is_plain_pytorch_bit_for_bit(tmp_path, parts, activations):
+    """Llama 4's MoE block runs every expert on every token (a ``bmm`` over the experts of the
+    tokens times their sigmoid scores): the first range makes every expert's input and runs the
+    shared expert, each range a ``bmm`` of its experts, the last sums over the experts
+    (``models/experts_dense.py``). Bit-identical to plain PyTorch; generation (parts 3) token for
+    token transformers' ``generate`` past its 8-token attention chunks."""
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config("llama4_text")
+    config.num_experts_per_tok = 3  # Llama 4's own: 1; with 3 a token the sum over the experts rounds by its order
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    cfg = _cfg(tmp_path, str(tmp_path / "m"), parts, clip=0.0, activations=activations, keep_act_mib=64)
+    tr = _parity(cfg)
+    moe = len(tr.model.hf_config.moe_layers)
+    assert moe and sum(b.kind.startswith("experts") for b in tr.model.blocks) == moe * (parts - 1)
+    d, e = 64, tr.model.hf_config.num_local_experts
+    assert {b.in_width for b in tr.model.blocks if b.kind.startswith("experts") and b.k} == {(2 * e + 2) * d}
+    if parts == 3:
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+        hf.config.output_router_logits = False
+        prompts = [list(range(10, 30)), list(range(40, 52))]
+        cfg.data.micro_batch_size = 1
+        assert generate(cfg, prompts, Sampling(max_new_tokens=8), eos=()) == _hf_generate(hf, prompts, 8)

@@ -63,7 +63,7 @@ _GROUPED_MM = "grouped_mm_experts_forward"
 
 
 # a decoder layer's attribute holding its MoE block (Granite-MoE's: block_sparse_moe)
-_BLOCKS = ("mlp", "block_sparse_moe")
+_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")  # Llama 4's: feed_forward
 
 
 def moe_block(layer: nn.Module) -> str | None:
@@ -82,6 +82,10 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     of it."""
     mlp = getattr(layer, moe_block(layer) or "mlp")
     experts = mlp.experts
+    from .experts_dense import dense_form
+
+    if dense_form(mlp):  # Llama 4's: every expert on every token (``experts_dense.py``)
+        return ""
     if form_of(mlp) is None:
         return (
             f"{type(mlp).__name__}'s forward is not one the ranges replay (Qwen3-MoE's, OLMoE's, Mixtral's, "

@@ -39,6 +39,7 @@ import torch.nn as nn
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
 from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_block, moe_problem
+from .experts_dense import DenseExpertRange, dense_form
 from .layouts import (
     Layout,
     attention_keywords,
@@ -151,7 +152,7 @@ def cut_options(model: LayeredModel, *, ranges: bool = True, dtype: torch.dtype 
 
 def describe_cut(model: LayeredModel, parts: int) -> str:
     """What each layer is cut into, for the plan's note."""
-    ranges = [b for b in model.blocks if isinstance(b, ExpertRange)]
+    ranges = [b for b in model.blocks if isinstance(b, (ExpertRange, DenseExpertRange))]
     if not ranges:
         return " | ".join(PARTS[min(parts, 4)])
     return f"attention | {parts - 1} ranges of whole experts"
@@ -267,7 +268,14 @@ def cut_layers(model: LayeredModel, parts: int) -> None:
         if is_moe_layer(block.layer) and parts > 2:
             ranges = expert_ranges(_experts(block.layer).num_experts, parts - 1)
             pieces.append(SubLayer(block, i, "attention", d, f))
-            pieces += [ExpertRange(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
+            name = moe_block(block.layer)
+            assert name is not None
+            if dense_form(getattr(block.layer, name)):  # Llama 4's: every expert on every token
+                pieces += [
+                    DenseExpertRange(block, i, k, len(ranges), lo, hi, model, name) for k, (lo, hi) in enumerate(ranges)
+                ]
+            else:
+                pieces += [ExpertRange(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
         else:
             pieces += [SubLayer(block, i, k, d, f) for k in PARTS[2 if moe else parts]]
     model.blocks = nn.ModuleList(pieces)
