@@ -264,6 +264,23 @@ def test_a_70b_shape_plans_within_16_gib_and_a_405b_shape_plans(tmp_path):
     assert cfg.model.layer_pieces == 4 and sum(plan.fixed.values()) <= 40000 << 20
 
 
+def test_jetmoes_two_routers_in_two_units_keep_their_auxiliary_gradients(tmp_path):
+    """JetMoE's layer has two routers (its attention's mixture of heads and its MLP's experts),
+    both in the auxiliary loss; cut into attention | MLP they run in different units. Each
+    router's share of the auxiliary loss's gradient goes back to that router (known by its
+    module: counting the routers a unit calls gave both the first share, and the training was off
+    from plain PyTorch from the second step)."""
+    from test_moe import _config as moe_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config("jetmoe")).save_pretrained(tmp_path / "m")
+    cfg = small_config(tmp_path, kind="llama", micro_batches=2, steps=3)
+    cfg.model.hf_dir = str(tmp_path / "m")
+    tr, _ = assert_parity(_cut(cfg, 2))
+    assert tr.model.routers is not None and tr.model.routers.count == 2 * len(tr.model.routers.blocks)
+
+
 def test_layers_that_cannot_be_cut_exactly_are_refused_by_name(tmp_path):
     cfg = small_config(tmp_path, kind="gpt")
     with pytest.raises(ConfigError, match=r"model.layer_pieces = 2: this model's layers cannot be cut exactly"):

@@ -35,8 +35,10 @@ __all__ = ["RouterLoss", "router_loss", "describe_experts"]
 class RouterLoss:
     """The auxiliary loss of a mixture-of-experts model whose config asks for it (``router_loss``).
     A layer may have several routers (JetMoE: its attention's and its MLP's): their logits are
-    kept per (block, micro-batch, call), in the order the layer calls them, which is the order
-    transformers records them in."""
+    kept per (block, micro-batch, router), in the order the layer calls them, which is the order
+    transformers records them in. A router is known by its module, not by how many routers the
+    unit running has called: a layer cut into units calls them from different units (JetMoE's
+    attention and its experts), and a recompute calls one unit's alone."""
 
     def __init__(
         self, hf: Any, layers: list[nn.Module], router_class: type, index: int, fn: Any, coef: tuple[str, float]
@@ -45,9 +47,9 @@ class RouterLoss:
         self.experts, self.top_k = hf.num_experts, hf.num_experts_per_tok
         self._fn, self._index = fn, index
         self._key: tuple[int, int] | None = None  # (block, micro-batch) of the forward running
-        self._calls = 0  # routers the running forward has called
         self._record = False
-        self._logits: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # per (block, micro-batch): (router's number in its layer, logits), in the order called
+        self._logits: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
         self._grads: dict[tuple[int, int, int], torch.Tensor] = {}
         self._leaves: dict[tuple[int, int, int], torch.Tensor] = {}
         self.blocks = []
@@ -55,8 +57,8 @@ class RouterLoss:
         for b, layer in enumerate(layers):
             routers = [m for m in layer.modules() if isinstance(m, router_class)]
             self.count += len(routers)
-            for r in routers:
-                r.register_forward_hook(lambda mod, args, out, b=b: self._seen(b, out))
+            for i, r in enumerate(routers):
+                r.register_forward_hook(lambda mod, args, out, b=b, i=i: self._seen(b, i, out))
             if routers:
                 self.blocks.append(b)
 
@@ -65,20 +67,19 @@ class RouterLoss:
         """Around a block's forward for a micro-batch: its router logits are kept (``record``;
         a recompute in the backward keeps none: the loss was made from the first) and their
         gradient hooks placed."""
-        self._key, self._record, self._calls = (block, micro_batch), record, 0
+        self._key, self._record = (block, micro_batch), record
         try:
             yield
         finally:
             self._key = None
 
-    def _seen(self, block: int, out: Any) -> None:
+    def _seen(self, block: int, router: int, out: Any) -> None:
         if self._key is None:  # generation, or a forward outside the schedule: no loss to feed
             return
         logits = out[self._index]
-        key = (block, self._key[1], self._calls)
-        self._calls += 1
+        key = (block, self._key[1], router)
         if self._record:  # a layer cut into units: only the one with the router records
-            self._logits.setdefault((block, self._key[1]), []).append(logits.detach())
+            self._logits.setdefault((block, self._key[1]), []).append((router, logits.detach()))
         if logits.requires_grad:
             logits.register_hook(lambda g, key=key: self._add(key, g))
 
@@ -96,7 +97,7 @@ class RouterLoss:
             raise RuntimeError(f"router logits of blocks {missing} were not kept in the forward")
         keys, leaves = [], []
         for b in self.blocks:
-            for i, t in enumerate(self._logits.pop((b, micro_batch))):
+            for i, t in self._logits.pop((b, micro_batch)):
                 keys.append((b, micro_batch, i))
                 leaves.append(t.requires_grad_(backward))
         if backward:
