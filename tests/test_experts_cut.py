@@ -68,7 +68,7 @@ def test_ranges_of_experts_are_plain_pytorch_bit_for_bit(tmp_path, moe_dir, part
     assert tr.model.block_widths == [d, d, d, d, *([(2 * k + 1) * d + 2 * k] * (parts - 2))]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss", "flex_olmo", "phimoe", "granitemoe"])
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "gpt_oss", "flex_olmo", "phimoe", "granitemoe", "jetmoe"])
 def other_dir(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 

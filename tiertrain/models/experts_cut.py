@@ -55,7 +55,15 @@ from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
 
-__all__ = ["moe_problem", "expert_ranges", "ExpertRange", "is_moe_layer", "moe_block", "CLIP_NORM_DEVIATION"]
+__all__ = [
+    "moe_problem",
+    "expert_ranges",
+    "ExpertRange",
+    "is_moe_layer",
+    "moe_block",
+    "num_experts",
+    "CLIP_NORM_DEVIATION",
+]
 
 # transformers' grouped_mm experts forward, whose source's sha256 is ``GROUPED_MM_SHA`` where this
 # module replays it: another version's is refused, not replayed inexactly
@@ -66,10 +74,21 @@ _GROUPED_MM = "grouped_mm_experts_forward"
 _BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")  # Llama 4's: feed_forward
 
 
+def _is_moe(block: Any) -> bool:
+    """A mixture-of-experts block: ``experts`` (transformers' 3-D ones), or JetMoE's two
+    parallel-experts linears and router."""
+    return hasattr(block, "experts") or all(hasattr(block, a) for a in ("input_linear", "output_linear", "router"))
+
+
 def moe_block(layer: nn.Module) -> str | None:
-    """The attribute of ``layer`` holding its mixture-of-experts block (one with ``experts``), or
-    None: a dense layer."""
-    return next((n for n in _BLOCKS if hasattr(getattr(layer, n, None), "experts")), None)
+    """The attribute of ``layer`` holding its mixture-of-experts block, or None: a dense layer."""
+    return next((n for n in _BLOCKS if _is_moe(getattr(layer, n, None))), None)
+
+
+def num_experts(layer: nn.Module) -> int:
+    """A MoE layer's number of experts."""
+    block = getattr(layer, moe_block(layer) or "mlp")
+    return (block.experts if hasattr(block, "experts") else block.input_linear).num_experts
 
 
 def is_moe_layer(layer: nn.Module) -> bool:
@@ -81,11 +100,19 @@ def moe_problem(layer: nn.Module, dtype: torch.dtype | None = None) -> str:
     compute ``dtype`` (None: any): the ranges carry the routing weights and expert ids as values
     of it."""
     mlp = getattr(layer, moe_block(layer) or "mlp")
-    experts = mlp.experts
     from .experts_dense import dense_form
+    from .experts_list import list_form
 
     if dense_form(mlp):  # Llama 4's: every expert on every token (``experts_dense.py``)
         return ""
+    if not hasattr(mlp, "experts"):  # JetMoE's parallel experts (``experts_list.py``)
+        if not list_form(mlp):
+            return f"{type(mlp).__name__}'s forward is not JetMoE's, the one its ranges replay"
+        most = exact_ids(dtype) if dtype is not None else 1 << 24
+        if num_experts(layer) > most:
+            return f"{num_experts(layer)} experts: their ids are carried as {dtype} values, exact up to {most}"
+        return ""
+    experts = mlp.experts
     if form_of(mlp) is None:
         return (
             f"{type(mlp).__name__}'s forward is not one the ranges replay (Qwen3-MoE's, OLMoE's, Mixtral's, "

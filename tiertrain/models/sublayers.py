@@ -31,6 +31,7 @@ the MLP is Llama's (checked on its source) behind a norm of its own. Names: a pi
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -38,8 +39,9 @@ import torch.nn as nn
 
 from .base import LayeredModel, no_cache
 from .decoder import DecoderBlock
-from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_block, moe_problem
+from .experts_cut import ExpertRange, expert_ranges, is_moe_layer, moe_block, moe_problem, num_experts
 from .experts_dense import DenseExpertRange, dense_form
+from .experts_list import ListExpertRange
 from .layouts import (
     Layout,
     attention_keywords,
@@ -84,7 +86,7 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
             return f"{name}: {layout}"
         branch = layout.mlp
         if is_moe_layer(layer):
-            count = _experts(layer).num_experts
+            count = num_experts(layer)
             if parts > 2:
                 problem = moe_problem(layer, dtype) or _plain_mlp_branch(name, branch, moe_block(layer))
                 if problem or parts - 1 > count:
@@ -116,11 +118,6 @@ def cut_problem(model: LayeredModel, parts: int, dtype: torch.dtype | None = Non
     return ""
 
 
-def _experts(layer: nn.Module) -> Any:
-    """A MoE layer's experts module."""
-    return getattr(layer, moe_block(layer) or "mlp").experts
-
-
 def _plain_mlp_branch(name: str, branch: Any, block: str | None) -> str:
     """Why a MoE layer's MLP branch is not the form expert ranges replay ('' where it is): the
     MoE ``block`` after its norm or none (its first output the states: gpt-oss's returns its scores too;
@@ -137,7 +134,7 @@ def cut_options(model: LayeredModel, *, ranges: bool = True, dtype: torch.dtype 
     """The cuts to try for ``model``'s layers, fewest pieces first, those it cuts into exactly:
     2, 3, 4 for dense layers; for a mixture of experts 2, then (``ranges``) attention and 2, 4,
     8, ... ranges of experts (at last one expert a range)."""
-    experts = max((_experts(cast(DecoderBlock, b).layer).num_experts for b in model.blocks if _moe(b)), default=0)
+    experts = max((num_experts(cast(DecoderBlock, b).layer) for b in model.blocks if _moe(b)), default=0)
     options = list(PARTS)
     if experts and not ranges:
         options = [2]
@@ -152,7 +149,7 @@ def cut_options(model: LayeredModel, *, ranges: bool = True, dtype: torch.dtype 
 
 def describe_cut(model: LayeredModel, parts: int) -> str:
     """What each layer is cut into, for the plan's note."""
-    ranges = [b for b in model.blocks if isinstance(b, (ExpertRange, DenseExpertRange))]
+    ranges = [b for b in model.blocks if isinstance(b, (ExpertRange, DenseExpertRange, ListExpertRange))]
     if not ranges:
         return " | ".join(PARTS[min(parts, 4)])
     return f"attention | {parts - 1} ranges of whole experts"
@@ -266,16 +263,18 @@ def cut_layers(model: LayeredModel, parts: int) -> None:
     for i, b in enumerate(model.blocks):
         block = cast(DecoderBlock, b)
         if is_moe_layer(block.layer) and parts > 2:
-            ranges = expert_ranges(_experts(block.layer).num_experts, parts - 1)
+            ranges = expert_ranges(num_experts(block.layer), parts - 1)
             pieces.append(SubLayer(block, i, "attention", d, f))
             name = moe_block(block.layer)
             assert name is not None
-            if dense_form(getattr(block.layer, name)):  # Llama 4's: every expert on every token
-                pieces += [
-                    DenseExpertRange(block, i, k, len(ranges), lo, hi, model, name) for k, (lo, hi) in enumerate(ranges)
-                ]
+            moe = getattr(block.layer, name)
+            if dense_form(moe):  # Llama 4's: every expert on every token
+                kind: Any = functools.partial(DenseExpertRange, name=name)
+            elif not hasattr(moe, "experts"):  # JetMoE's parallel experts
+                kind = functools.partial(ListExpertRange, name=name)
             else:
-                pieces += [ExpertRange(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
+                kind = ExpertRange
+            pieces += [kind(block, i, k, len(ranges), lo, hi, model) for k, (lo, hi) in enumerate(ranges)]
         else:
             pieces += [SubLayer(block, i, k, d, f) for k in PARTS[2 if moe else parts]]
     model.blocks = nn.ModuleList(pieces)
