@@ -377,3 +377,28 @@ def test_qlora_on_ranks_is_the_grouped_peft_reference_bit_for_bit(tmp_path, kind
     assert set(loaded["restored"]) == set(saved["weights"])
     for name, w in saved["weights"].items():
         assert torch.equal(loaded["restored"][name], w), name
+
+
+@pytest.mark.slow
+def test_a_killed_rank_of_a_qlora_run_resumes_to_the_straight_runs_files(tmp_path):
+    """`tiertrain train --nproc 2` of QLoRA (an NF4 base shared as bytes) with bitsandbytes'
+    AdamW8bit on the adapters, a checkpoint every step: rank 1 killed (SIGKILL) in the backward of
+    step 3 stops the run, step 2's checkpoint is intact, and `--resume` on 2 ranks ends with the
+    files of a run never stopped (the base's CRC32C, the adapters' bytes)."""
+    from test_dist_train import _cli, _final
+
+    extra = ("--adapter.kind=lora", "--model.base_dtype=nf4", "--optim.name=adamw8bit")
+    straight = _cli(tmp_path / "a", *extra)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _cli(tmp_path / "b", *extra, env={"TIERTRAIN_KILL_AT": "backward:9", "TIERTRAIN_KILL_RANK": "1"})
+    assert killed.returncode != 0 and "rank 1 of 2 was ended by SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert _final(tmp_path / "b")[0] == 2
+    resumed = _cli(tmp_path / "b", *extra, "--resume", str(tmp_path / "b" / "run"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _final(tmp_path / "b") == _final(tmp_path / "a")
+    adapters = [
+        glob.glob(str(tmp_path / s / "run" / "checkpoints" / "step-00000004" / "adapter.safetensors")) for s in "ab"
+    ]
+    assert all(len(a) == 1 for a in adapters)
+    with open(adapters[0][0], "rb") as a, open(adapters[1][0], "rb") as b:
+        assert a.read() == b.read()

@@ -210,7 +210,8 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
     out = {
         "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
-        "optim_host_mib": sum(optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype).values()) * trained if own else 0,
+        # (adapters: the base has no optimizer state, and its layout is not laid for one: not sized)
+        "optim_host_mib": sum(optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype).values()) if own and trained else 0,
         "stash_host_mib": sum(stash),
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
