@@ -418,14 +418,21 @@ def test_eval_and_generate_apply_the_adapters_of_a_checkpoint_or_a_peft_director
 
 
 @pytest.mark.slow
-def test_lora_on_ranks_trains_the_grouped_peft_reference_bit_for_bit(tmp_path):
-    """2 ranks, the frozen base sharded over their tiers and gathered per unit, each rank's
-    adapter gradients summed in rank order: peft's LoRA trained on the same grouping of
-    micro-batches in one process, bit for bit; the same adapters on every rank."""
+@pytest.mark.parametrize("base_dtype", [None, "bfloat16"])
+def test_lora_on_ranks_trains_the_grouped_peft_reference_bit_for_bit(tmp_path, base_dtype):
+    """2 ranks, the frozen base sharded over their tiers and gathered per unit (a bf16 base
+    gathered in bf16, widened after: the link carries half the bytes), each rank's adapter
+    gradients summed in rank order: peft's LoRA trained on the same grouping of micro-batches in
+    one process (on the bf16-rounded base), bit for bit; the same adapters on every rank."""
     from test_dist_train import run_ranks
 
     cfg = lora_config(tmp_path, "llama", layers=2, micro_batches=2, steps=3)
+    cfg.model.base_dtype = base_dtype
     ref_model, out = run_ranks(tmp_path / "ranks", cfg, 2)
+    if base_dtype:
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())  # the base as the run keeps it
     ref_model, names = peft_reference(cfg, ref_model)
     ref_losses, ref_weights = reference_train(cfg, ref_model, ranks=2)
     for step, want in enumerate(ref_losses):

@@ -109,6 +109,15 @@ class _Sharding:
         """Rank 0: the one that writes checkpoints and speaks for the ranks."""
         return self.rank == 0
 
+    def wrap_update(self, update, layout):
+        """The update path's parameter source and gradient sink as the stores use them
+        (``wrap_stores``); a frozen base kept narrower or quantized is gathered as it is stored
+        and converted after (the update path wraps its own reads: ``gather_shards``)."""
+        if self.world > 1 and getattr(update, "narrow_shards", False):
+            update.gather_shards(self)
+            return update.params, update.grads
+        return self.wrap_stores(update.params, update.grads, layout)
+
     def wrap_stores(self, source, sink, layout):
         """The update's parameter source and gradient sink as the stores use them: whole units
         gathered from the ranks' shards, gradients summed over the ranks (``shard.py``)."""
@@ -124,6 +133,13 @@ class _Sharding:
         from .shard import ShardedParams, ShardedRecords
 
         return ShardedRecords(ShardedParams(inner, layout, self._ranks()))
+
+    def gather_units(self, inner, layout):
+        """A rank's shard of the units (``inner``, over ``layout``: a narrower frozen base's) read
+        and gathered whole in its own dtype, in load order (``ShardedParams``)."""
+        from .shard import ShardedParams
+
+        return ShardedParams(inner, layout, self._ranks())
 
     def gathered(self, regions: dict, layout) -> dict:
         """Checkpointed regions in the one-rank layout (written by rank 0: ``checkpoint.py``)."""

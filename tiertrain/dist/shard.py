@@ -118,9 +118,7 @@ class ShardedRecords:
         raise RuntimeError("sharded records are never used in place")
 
     def read(self, u: int, buf: torch.Tensor):
-        fut = self.params.load(u, buf)
-        fut.then = lambda fn: _Then(fut, fn)  # type: ignore[attr-defined]
-        return fut
+        return self.params.load(u, buf)
 
 
 class _Gather:
@@ -144,6 +142,10 @@ class _GatherFuture:
     def get(self, timeout: float | None = None):
         self.owner.finish(self.g)
         return None
+
+    def then(self, fn) -> "_Then":
+        """A future that also runs ``fn`` once the unit is whole (a narrower base widened)."""
+        return _Then(self, fn)
 
 
 class _HostCopy:

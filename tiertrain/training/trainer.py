@@ -220,11 +220,7 @@ class Trainer:
         # units are the slots' (a rank's update has its shard of a unit, a slot the whole unit)
         shared = self.update.share_slots(m.device_slots, self.layout.max_unit_numel) if rt.update_writes_slots else None
         # with ranks, whole units gathered from the shards and gradients summed over the ranks
-        if getattr(self.update, "shards", None) is not None:  # a quantized base's bytes gathered, then dequantized
-            self.update.shard_records(self.group.gather_records)
-            source, sink = self.update.params, self.update.grads
-        else:
-            source, sink = self.group.wrap_stores(self.update.params, self.update.grads, rt.state_layout)
+        source, sink = self.group.wrap_update(self.update, rt.state_layout)
         self.params = self._part(
             rt.bind_params(source, slots=m.device_slots, slot_tensors=shared)
         )  # closed before the update

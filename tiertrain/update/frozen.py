@@ -65,8 +65,13 @@ class _Upcast(ParamSource):
 
     file_backed = True
 
-    def __init__(self, inner: RegionParams, dtype: torch.dtype) -> None:
+    def __init__(self, inner: ParamSource, dtype: torch.dtype) -> None:
         self.inner, self.dtype = inner, dtype
+
+    @property
+    def ordered(self) -> bool:  # type: ignore[override]
+        """Loads in the schedule's order alone where the units are gathered from ranks."""
+        return bool(getattr(self.inner, "ordered", False))
 
     def on_host(self, u: int) -> bool:
         return False  # its bytes are not the slot's dtype: always loaded, converted
@@ -147,7 +152,7 @@ class FrozenUpdate(Update):
         self._params = TieredRegions(stored, storage, self.states[0], pin=pin)
         params = RegionParams(self._params)
         if self.quant is not None:
-            # with ranks the records are gathered whole first (``shard_records``, by the group)
+            # with ranks the records are gathered whole first (``gather_shards``)
             self.params: ParamSource = DequantSource(self._params, self.quant, pdtype)
         else:
             self.params = params if self._params.dtype == pdtype else _Upcast(params, pdtype)
@@ -156,15 +161,25 @@ class FrozenUpdate(Update):
         self.init_dtype = pdtype if self.quant is not None else self._params.dtype
 
     @property
+    def narrow_shards(self) -> bool:
+        """With ranks, the base is gathered as it is stored (quantized bytes, narrower elements)
+        and converted after: ``gather_shards`` wraps its reads, not the trainer's usual wrap."""
+        return self.shards is not None or (isinstance(self.params, _Upcast) and getattr(self.layout, "world", 1) > 1)
+
+    def gather_shards(self, group) -> None:
+        """The base's reads through ``group``'s gathers, before the conversion: a quantized
+        base's records (``ByteShards``) before they are dequantized, a narrower base's units
+        before they are widened (the link carries the stored bytes)."""
+        if self.shards is not None:
+            assert isinstance(self.params, DequantSource)
+            self.params.region = group.gather_records(RegionParams(self._params), self.shards)
+        else:
+            self.params = _Upcast(group.gather_units(RegionParams(self._params), self.layout), self.params.dtype)
+
+    @property
     def init_whole(self) -> bool:
         """``init_unit`` takes whole units (a rank quantizes the unit, then keeps its bytes' share)."""
         return self.shards is not None
-
-    def shard_records(self, wrap) -> None:
-        """With ranks: the records read through ``wrap(source, shards)`` (the group's, gathering
-        them: ``ShardedRecords``), so a unit's bytes are whole before they are dequantized."""
-        assert isinstance(self.params, DequantSource) and self.shards is not None
-        self.params.region = wrap(RegionParams(self._params), self.shards)
 
     def init_unit(self, u: int, flat32: torch.Tensor) -> None:
         if self.quant is not None:
