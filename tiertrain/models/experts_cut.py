@@ -54,6 +54,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
+from .ranges import even_routing, place_range
 
 __all__ = [
     "moe_problem",
@@ -296,14 +297,7 @@ class ExpertRange(nn.Module):
         assert name, "a MoE layer"
         mlp = getattr(layer, name)
         experts = mlp.experts
-        self.kind, self.layer_index, self.k, self.n, self.lo, self.hi = (
-            f"experts {lo}-{hi - 1}",
-            layer_index,
-            k,
-            n,
-            lo,
-            hi,
-        )
+        place_range(self, layer_index, k, n, lo, hi)
         object.__setattr__(self, "whole", layer)  # the whole layer (its parameters' order)
         object.__setattr__(self, "_experts", experts)  # its activation and gate function
         router = _router(mlp)
@@ -356,10 +350,9 @@ class ExpertRange(nn.Module):
         if self.k == 0:
             return x
         B, T, d = x.shape
-        k, e = self._k, self._e
-        ids = torch.arange(B * T * k, device=x.device).remainder(e).to(x.dtype).view(B, T, k)
+        k = self._k
+        ids, sel = even_routing(x, k, self._e)
         weights = torch.full((B, T, k), 1.0 / k, dtype=x.dtype, device=x.device)
-        sel = x.repeat_interleave(k, dim=-1)
         shared = x[..., : self._shared]
         return torch.cat([x, sel, weights, ids, torch.zeros_like(sel), shared], dim=-1)
 

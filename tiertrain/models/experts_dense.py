@@ -36,6 +36,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of
 from .pieces import RowPiece
+from .ranges import place_range
 
 __all__ = ["DenseExpertRange", "dense_form", "dense_problem"]
 
@@ -97,14 +98,7 @@ class DenseExpertRange(nn.Module):
         layer = block.layer
         moe = getattr(layer, name)
         experts = moe.experts
-        self.kind, self.layer_index, self.k, self.n, self.lo, self.hi = (
-            f"experts {lo}-{hi - 1}",
-            layer_index,
-            k,
-            n,
-            lo,
-            hi,
-        )
+        place_range(self, layer_index, k, n, lo, hi)
         object.__setattr__(self, "whole", layer)
         self._d, self._e = moe.hidden_dim, moe.num_experts
         piece = _RangeExperts(experts)

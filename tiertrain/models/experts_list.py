@@ -36,6 +36,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
+from .ranges import even_routing, place_range
 
 __all__ = ["ListExpertRange", "list_form"]
 
@@ -83,14 +84,7 @@ class ListExpertRange(nn.Module):
         super().__init__()
         layer = block.layer
         moe = getattr(layer, name)
-        self.kind, self.layer_index, self.k, self.n, self.lo, self.hi = (
-            f"experts {lo}-{hi - 1}",
-            layer_index,
-            k,
-            n,
-            lo,
-            hi,
-        )
+        place_range(self, layer_index, k, n, lo, hi)
         object.__setattr__(self, "whole", layer)
         object.__setattr__(self, "_act", moe.activation)
         self._d, self._k, self._e = moe.input_size, moe.router.top_k, moe.router.num_experts
@@ -130,9 +124,8 @@ class ListExpertRange(nn.Module):
         if self.k == 0:
             return x
         B, T, _ = x.shape
-        k, e = self._k, self._e
-        ids = torch.arange(B * T * k, device=x.device).remainder(e).to(x.dtype).view(B, T, k)
-        sel = x.repeat_interleave(k, dim=-1)
+        k = self._k
+        ids, sel = even_routing(x, k, self._e)
         return torch.cat([x, sel, torch.full((B, T, k), 1.0 / k, dtype=x.dtype, device=x.device), ids, sel], dim=-1)
 
     def record_slack(self, tokens: int, itemsize: int) -> int:
