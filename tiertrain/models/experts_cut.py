@@ -54,7 +54,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
-from .ranges import even_routing, place_range
+from .ranges import Shell, even_routing, exact_ids, place_range
 
 __all__ = [
     "moe_problem",
@@ -223,12 +223,6 @@ def _grouped_mm_replayed() -> bool:
     return got == GROUPED_MM_SHA
 
 
-def exact_ids(dtype: torch.dtype) -> int:
-    """The most experts whose ids a carried tensor of ``dtype`` holds exactly (every integer up
-    to 2 ** (mantissa bits + 1))."""
-    return {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 24)
-
-
 def expert_ranges(experts: int, ranges: int) -> list[tuple[int, int]]:
     """``ranges`` contiguous ranges of whole experts, as even as possible, first ones larger."""
     base, extra = divmod(experts, ranges)
@@ -238,10 +232,6 @@ def expert_ranges(experts: int, ranges: int) -> list[tuple[int, int]]:
         out.append((start, stop))
         start = stop
     return out
-
-
-class _Shell(nn.Module):
-    pass
 
 
 _ATTRS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # the experts' parameters cut
@@ -317,14 +307,14 @@ class ExpertRange(nn.Module):
         layout = layout_of(layer)
         assert not isinstance(layout, str), "cut_problem first"
         self._branch = layout.mlp  # its norm before the block (first range), what follows it (last)
-        self.layer = _Shell()
+        self.layer = Shell()
         if k == 0 and self._branch.pre:  # FlexOlmo's block takes the residual stream itself
             setattr(self.layer, self._branch.pre, getattr(layer, self._branch.pre))
         if k == n - 1:
             for m in (self._branch.post, self._branch.dropout):
                 if m:
                     setattr(self.layer, m, getattr(layer, m))
-        shell = _Shell()
+        shell = Shell()
         setattr(self.layer, name, shell)
         object.__setattr__(self, "_mlp", shell)  # the block's shell: router, shared experts, this range
         self._form = form_of(mlp)
@@ -334,7 +324,7 @@ class ExpertRange(nn.Module):
             for attr in ("shared_experts", "shared_expert", "shared_expert_gate"):
                 if self._form in (SHARED, GATED) and hasattr(mlp, attr):
                     setattr(shell, attr, getattr(mlp, attr))
-        shell.experts = _Shell()
+        shell.experts = Shell()
         setattr(shell.experts, f"range{k}", piece)
         object.__setattr__(self, "_piece", piece)
         d, kk = self._d, self._k

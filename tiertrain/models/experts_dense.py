@@ -36,7 +36,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of
 from .pieces import RowPiece
-from .ranges import place_range
+from .ranges import Shell, place_range
 
 __all__ = ["DenseExpertRange", "dense_form", "dense_problem"]
 
@@ -62,10 +62,6 @@ def dense_problem(moe: nn.Module) -> str:
     if not dense_form(moe):
         return f"{type(moe).__name__}'s forward is not Llama 4's (every expert on every token) the ranges replay"
     return ""
-
-
-class _Shell(nn.Module):
-    pass
 
 
 class _RangeExperts(nn.Module):
@@ -114,14 +110,14 @@ class DenseExpertRange(nn.Module):
         layout = layout_of(layer)
         assert not isinstance(layout, str), "cut_problem first"
         self._branch = layout.mlp
-        self.layer = _Shell()
+        self.layer = Shell()
         if k == 0 and self._branch.pre:
             setattr(self.layer, self._branch.pre, getattr(layer, self._branch.pre))
-        shell = _Shell()
+        shell = Shell()
         setattr(self.layer, name, shell)
         if k == 0:  # the router and the shared expert (their parameters in the first range)
             shell.router, shell.shared_expert = moe.router, moe.shared_expert
-        shell.experts = _Shell()
+        shell.experts = Shell()
         setattr(shell.experts, f"range{k}", piece)
         object.__setattr__(self, "_shell", shell)
         object.__setattr__(self, "_piece", piece)

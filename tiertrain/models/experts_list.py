@@ -36,7 +36,7 @@ import torch.nn as nn
 from .base import no_cache
 from .layouts import finish, layout_of, source_of
 from .pieces import RowPiece
-from .ranges import even_routing, place_range
+from .ranges import Shell, even_routing, exact_ids, place_range
 
 __all__ = ["ListExpertRange", "list_form"]
 
@@ -53,10 +53,6 @@ def list_form(moe: nn.Module) -> bool:
         and all(source_of(type(getattr(moe, a)).forward) == source_of(JetMoeParallelExperts.forward) for a in _LINEARS)
         and source_of(type(moe.router).forward) == source_of(JetMoeTopKGating.forward)
     )
-
-
-class _Shell(nn.Module):
-    pass
 
 
 class _RangeLinear(nn.Module):
@@ -91,8 +87,8 @@ class ListExpertRange(nn.Module):
         layout = layout_of(layer)
         assert not isinstance(layout, str), "cut_problem first"
         self._branch = layout.mlp
-        self.layer = _Shell()
-        shell = _Shell()
+        self.layer = Shell()
+        shell = Shell()
         setattr(self.layer, name, shell)
         if k == 0:
             if self._branch.pre:
@@ -106,7 +102,7 @@ class ListExpertRange(nn.Module):
             piece.weight = nn.Parameter(
                 torch.empty((hi - lo, *whole.weight.shape[1:]), device="meta"), whole.weight.requires_grad
             )
-            holder = _Shell()
+            holder = Shell()
             setattr(holder, f"range{k}", piece)
             setattr(shell, attr, holder)
             model.row_pieces[f"blocks.{layer_index}.layer.{name}.{attr}.range{k}.weight"] = RowPiece(
@@ -145,7 +141,7 @@ class ListExpertRange(nn.Module):
         d, k, e = self._d, self._k, self._e
         B, T = s.shape[:2]
         if self.k == 0:  # the block's start: the norm, the router, every pair's input gathered
-            if e > (256 if s.dtype == torch.bfloat16 else 2048 if s.dtype == torch.float16 else 1 << 24):
+            if e > exact_ids(s.dtype):
                 raise RuntimeError(f"{e} experts: their ids carried as {s.dtype} values would round; train in float32")
             h = s
             x = getattr(self.layer, self._branch.pre)(h) if self._branch.pre else h

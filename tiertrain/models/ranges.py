@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["place_range", "even_routing"]
+__all__ = ["place_range", "even_routing", "exact_ids", "Shell"]
 
 
 def place_range(unit: nn.Module, layer_index: int, k: int, n: int, lo: int, hi: int) -> None:
@@ -29,3 +29,13 @@ def even_routing(x: torch.Tensor, k: int, e: int) -> tuple[torch.Tensor, torch.T
     B, T, _ = x.shape
     ids = torch.arange(B * T * k, device=x.device).remainder(e).to(x.dtype).view(B, T, k)
     return ids, x.repeat_interleave(k, dim=-1)
+
+
+def exact_ids(dtype: torch.dtype) -> int:
+    """The most experts whose ids a carried tensor of ``dtype`` holds exactly (every integer up
+    to 2 ** (mantissa bits + 1))."""
+    return {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 24)
+
+
+class Shell(nn.Module):
+    """A unit's container of the whole layer's modules it calls, under their paths."""

@@ -106,6 +106,19 @@ class EngineGrads(GradSink):
         return self.g.send_grads(u, src)
 
 
+def open_engine_files(group, kind: str, dtype: torch.dtype) -> list[list]:
+    """Per engine, its file of ``kind`` (None: it has none), each half where states are held
+    twice (speculation); a unit's committed state is in the half the engine's last ``Done``
+    of it named (``group.files_of``)."""
+    return [[group.open_file(i, kind, "r+", dtype, h) for h in range(group.halves)] for i in range(group.n)]
+
+
+def close_engine_files(files: list[list]) -> None:
+    for f in (h for hs in files for h in hs):
+        if f is not None:
+            f.close()
+
+
 class EngineRegion:
     """One kind of state across all engines' files, read and written by the trainer while
     the engines are paused (checkpoints). Same calls as ``TieredRegions``."""
@@ -115,7 +128,7 @@ class EngineRegion:
         self.place = [place(v, dtype, 0, group.align) for v in group.views]
         # per engine, its file's halves (states held twice: speculation); a unit's committed
         # state is in the half the engine's last ``Done`` of it named
-        self.files = [[group.open_file(i, kind, "r+", dtype, h) for h in range(group.halves)] for i in range(group.n)]
+        self.files = open_engine_files(group, kind, dtype)
 
     def read(self, u: int, out: torch.Tensor, start: int = 0, end: int | None = None) -> IOFuture:
         return self.g.slice_io(self.g.files_of(self.files, u), self.place, self.esize, False, u, out, start, end)
@@ -124,9 +137,7 @@ class EngineRegion:
         return self.g.slice_io(self.g.files_of(self.files, u), self.place, self.esize, True, u, src, start, end)
 
     def close(self) -> None:
-        for f in (h for hs in self.files for h in hs):
-            if f is not None:
-                f.close()
+        close_engine_files(self.files)
 
 
 class EngineScales(JoinedRecords):
@@ -138,9 +149,7 @@ class EngineScales(JoinedRecords):
         parts = [ScaleLayout(v) for v in group.views]
         self.g = group
         self.place = [place(p, torch.float32, 0, group.align) for p in parts]
-        self.files = [
-            [group.open_file(i, kind, "r+", torch.float32, h) for h in range(group.halves)] for i in range(group.n)
-        ]
+        self.files = open_engine_files(group, kind, torch.float32)
         super().__init__(ScaleLayout(group.layout), parts, self._read_parts, self._write_parts)
 
     def _io(self, u: int, records: list[torch.Tensor], write: bool) -> None:
@@ -158,6 +167,4 @@ class EngineScales(JoinedRecords):
         self._io(u, records, True)
 
     def close(self) -> None:
-        for f in (h for hs in self.files for h in hs):
-            if f is not None:
-                f.close()
+        close_engine_files(self.files)
