@@ -57,6 +57,24 @@ def write_config(family: str, shape: dict[str, int], seq_len: int, directory: st
             shared_expert_intermediate_size=4 * s["moe_ff"],
             intermediate_size=4 * s["moe_ff"],
         ),
+        # every expert run on every token (those not picked on zeros), a shared expert of an
+        # expert's width, chunked attention off (chunks longer than the sequence)
+        "llama4_text": lambda: t.Llama4TextConfig(
+            **common,
+            num_local_experts=s["experts"],
+            intermediate_size=s["moe_ff"],
+            intermediate_size_mlp=4 * s["moe_ff"],
+            head_dim=s["hidden"] // s["heads"],
+            attention_chunk_size=max(seq_len, 128),
+        ),
+        # a mixture of attention heads (as many experts) and of MLPs: routing as counts
+        "jetmoe": lambda: t.JetMoeConfig(
+            **{k: v for k, v in common.items() if k not in ("num_attention_heads", "router_aux_loss_coef")},
+            num_local_experts=s["experts"],
+            intermediate_size=s["moe_ff"],
+            kv_channels=s["hidden"] // s["heads"],
+            aux_loss_coef=0.01,
+        ),
     }
     if family not in made:
         raise SystemExit(f"--family {family!r}: one of {', '.join(made)}")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiertrain.bench.output import SCRATCH_HELP, publish, scratch_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="olmoe", help="qwen3_moe, mixtral, olmoe or qwen2_moe")
+    ap.add_argument("--family", default="olmoe", help="qwen3_moe, mixtral, olmoe, qwen2_moe, llama4_text or jetmoe")
     ap.add_argument(
         "--layer-pieces", type=int, default=None, help="model.layer_pieces: N > 2 cuts the experts into N - 1 ranges"
     )

@@ -10,12 +10,19 @@ modules take the routing as ``top_k_index`` or ``router_indices``; so do the ran
 of a cut layer, ``models/experts_cut.py``, numbering their own from 0) reads the experts the
 micro-batch's routing names and this unit's slot does not hold yet, before they compute. An
 expert read once stays for the rest of the unit's residency (the other micro-batches of the
-pass); a unit read again starts with none.
+pass); a unit read again starts with none. Two other forms name the experts reached their own
+way: JetMoE's ``JetMoeParallelExperts`` take each expert's count of (token, expert) pairs
+(``expert_size``: an expert with none is reached by no token), and Llama 4's experts module runs
+every expert on every token, on an expert-major input where an expert no token picked has only
+rows of zeros (``models/experts_dense.py: every_expert_module``).
 
 Exactness: transformers' experts forwards (eager, ``grouped_mm``, ``batched_mm``) compute
 each token with its routed experts' rows only; the rows of the experts not reached are never
 read by the arithmetic (tested with them set to NaN), so the outputs are those of the whole
-block, bit for bit.
+block, bit for bit; so do JetMoE's (an expert's product over no pairs is empty). Llama 4's
+experts do read every expert's rows: an expert not reached multiplies zeros, whose products
+are zero for any finite weights, so its rows in the slot are set to zeros instead of read (a
+fill in the slot's memory, no read), and the sum over the experts adds the same zeros.
 
 The expert cache: host memory for the experts reached most often (counted over the run),
 one fixed pool of rows claimed at start (``memory.expert_cache_mib``; by default what the
@@ -42,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from ..io import IOFuture, aligned_empty
+from ..models.experts_dense import every_expert_module
 from ..state.layout import FlatLayout, ParamRecord
 from ..state.sources import ParamSource
 
@@ -51,12 +59,15 @@ log = logging.getLogger("tiertrain")
 
 BOUNCE_ROWS = 8  # experts read at once through a separate device's bounce buffer
 _INDEX_ARGS = ("top_k_index", "router_indices")  # transformers' names of the routing argument
+_COUNTS_ARG = "expert_size"  # JetMoE's: each expert's count of (token, expert) pairs
 
 
 @dataclass(frozen=True)
 class Experts:
     """One experts module of unit ``unit``: its parameters indexed by expert (first dimension
-    ``n``), and where its forward takes the routing (``arg``, positional index ``pos``)."""
+    ``n``), and where its forward takes the routing (``arg``, positional index ``pos``) in which
+    form (``kind``): ``"index"``, the experts of each (token, slot); ``"counts"``, each expert's
+    number of pairs; ``"rows"``, the expert-major input itself (an expert not reached: zeros)."""
 
     unit: int
     module: nn.Module = field(repr=False, compare=False)
@@ -64,6 +75,17 @@ class Experts:
     n: int
     arg: str
     pos: int
+    kind: str = "index"
+
+    def reached(self, args: tuple, kwargs: dict) -> list[int]:
+        """The experts the routing of this call reaches (a sync point but for ``counts``)."""
+        val = kwargs[self.arg] if self.arg in kwargs else args[self.pos]
+        if self.kind == "counts":
+            counts = val.tolist() if torch.is_tensor(val) else list(val)
+            return [e for e, c in enumerate(counts) if c]
+        if self.kind == "rows":
+            return val.reshape(self.n, -1).ne(0).any(1).nonzero().flatten().tolist()
+        return [e for e in torch.unique(val).tolist() if 0 <= e < self.n]
 
     @property
     def row(self) -> int:
@@ -71,20 +93,36 @@ class Experts:
         return sum(r.numel // self.n for r in self.records)
 
 
+def _routing(mod: nn.Module, names: list[str]) -> tuple[str, str] | None:
+    """(argument, form) of an experts module's routing, or None (see ``Experts``)."""
+    arg = next((a for a in _INDEX_ARGS if a in names), None)
+    if arg is not None:
+        return arg, "index"
+    if _COUNTS_ARG in names:
+        return _COUNTS_ARG, "counts"
+    if len(names) == 1 and every_expert_module(mod):
+        return names[0], "rows"
+    return None
+
+
 def find_experts(model: nn.Module, layout: FlatLayout) -> list[Experts]:
-    """The experts modules whose forward takes the routing, with their unit and parameters
-    (those whose first dimension is the number of experts: 3-D weights, 2-D biases)."""
+    """The experts modules whose forward takes the routing (in one of ``Experts``' forms), with
+    their unit and parameters (those whose first dimension is the number of experts: 3-D
+    weights, 2-D biases)."""
     owner = {id(r.param): (u.index, r) for u in layout.units for r in u.params}
     out = []
     for mod in model.modules():
+        own = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
+        if not own or any(id(p) not in owner for p in own):
+            continue
         try:
             names = list(inspect.signature(mod.forward).parameters)
         except (TypeError, ValueError):
             continue
-        arg = next((a for a in _INDEX_ARGS if a in names), None)
-        own = [p for p in mod.parameters(recurse=False) if p.dim() == 3]
-        if arg is None or not own or any(id(p) not in owner for p in own):
+        routing = _routing(mod, names)
+        if routing is None:
             continue
+        arg, kind = routing
         n = own[0].shape[0]
         params = [p for p in mod.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
         if any(id(p) not in owner for p in params):
@@ -93,7 +131,7 @@ def find_experts(model: nn.Module, layout: FlatLayout) -> list[Experts]:
         if len(units) != 1:
             continue
         recs = tuple(sorted((owner[id(p)][1] for p in params), key=lambda r: r.offset))
-        out.append(Experts(units.pop(), mod, recs, n, arg, names.index(arg)))
+        out.append(Experts(units.pop(), mod, recs, n, arg, names.index(arg), kind))
     return out
 
 
@@ -183,6 +221,7 @@ class RoutedReads(ParamSource):
             self.by_unit.setdefault(ex.unit, []).append(ex)
         self.keep = {u: _complement(self.layout.units[u].numel, exs) for u, exs in self.by_unit.items()}
         self.present: dict[int, set[tuple[int, int]]] = {}  # unit -> (experts module, expert) in its slot
+        self.zeroed: dict[int, set[int]] = {}  # unit -> its "rows" experts modules whose slot rows are zeros or read
         self._row = max(ex.row for ex in experts)
         # a separate device's rows cross through pinned host memory, BOUNCE_ROWS reads at a time
         self._bounce = (
@@ -221,7 +260,7 @@ class RoutedReads(ParamSource):
         """Unit ``u`` without its experts (those read when the routing reaches them)."""
         if u not in self.keep:
             return self.inner.load(u, out, slot)
-        self.present[u] = set()
+        self.present[u], self.zeroed[u] = set(), set()
         unit, e = self.layout.units[u], self.dtype.itemsize
         self.stats.skipped_bytes += (unit.numel - sum(b - a for a, b in self.keep[u])) * e
         self.stats.of += sum(ex.n for ex in self.by_unit[u])
@@ -239,12 +278,16 @@ class RoutedReads(ParamSource):
         """Forward pre-hook of an experts module: the experts its routing names, loaded."""
         if self.inner.on_host(ex.unit):  # kept whole in host memory
             return
-        idx = kwargs[ex.arg] if ex.arg in kwargs else args[ex.pos]
         have = self.present.setdefault(ex.unit, set())
         # sync point: the routing is needed on the host to know what to read
-        miss = [e for e in torch.unique(idx).tolist() if 0 <= e < ex.n and (j, e) not in have]
+        miss = [e for e in ex.reached(args, kwargs) if (j, e) not in have]
         try:
             self._load(ex, j, miss)
+            if ex.kind == "rows" and j not in self.zeroed.setdefault(ex.unit, set()):
+                # the experts not reached multiply zeros: their rows zero, not read (the slot's
+                # rows may hold anything, NaN included, and NaN times zero is NaN)
+                self._zero(ex, [e for e in range(ex.n) if (j, e) not in have and e not in miss])
+                self.zeroed[ex.unit].add(j)
         except BaseException:
             self.present.pop(ex.unit, None)  # what the slot holds is unknown: read again if asked
             raise
@@ -285,6 +328,13 @@ class RoutedReads(ParamSource):
             self.dev.sync(ev)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.read_bytes += len(reads) * ex.row * self.dtype.itemsize
+
+    def _zero(self, ex: Experts, ids: list[int]) -> None:
+        """Experts ``ids``' rows in the slot set to zeros (on the compute stream, before the
+        experts' forward: ordered after the unit's upload and the reached experts' rows)."""
+        for a, b in _runs(ids):
+            for r in ex.records:
+                r.param.data[a:b].zero_()
 
     def _read(self, ex: Experts, e: int, dst: list[torch.Tensor]) -> IOFuture:
         """Read into ``dst`` (one tensor per parameter) the rows of experts ``e``, ``e + 1``, ...

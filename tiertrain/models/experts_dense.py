@@ -38,7 +38,7 @@ from .layouts import finish, layout_of
 from .pieces import RowPiece
 from .ranges import Shell, place_range
 
-__all__ = ["DenseExpertRange", "dense_form", "dense_problem"]
+__all__ = ["DenseExpertRange", "dense_form", "dense_problem", "every_expert_module"]
 
 _ATTRS = ("gate_up_proj", "down_proj")
 
@@ -54,6 +54,21 @@ def dense_form(moe: nn.Module) -> bool:
         and source_of(type(moe.experts).forward) == source_of(Llama4TextExperts.forward)
         and all(hasattr(moe, a) for a in ("router", "shared_expert", "hidden_dim", "num_experts"))
     )
+
+
+def every_expert_module(module: nn.Module) -> bool:
+    """Whether ``module`` is Llama 4's experts module (``Llama4TextExperts``) or a range's: it
+    takes one expert-major input, ``[E x tokens, d]``, and runs every expert on its rows. An
+    expert no token picked gets rows of zeros (its score is 0), so its output is zero whatever
+    its weights, as long as they are finite: what lets a forward-only run leave it unread
+    (``inference/routed.py``)."""
+    if isinstance(module, _RangeExperts):
+        return True
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from .layouts import source_of
+
+    return source_of(type(module).forward) == source_of(Llama4TextExperts.forward)
 
 
 def dense_problem(moe: nn.Module) -> str:

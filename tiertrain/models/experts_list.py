@@ -66,8 +66,9 @@ class _RangeLinear(nn.Module):
         self.num_experts, self.input_size, self.output_size = experts, whole.input_size, whole.output_size
         object.__setattr__(self, "_forward", type(whole).forward)
 
-    def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return self._forward(self, x, sizes)
+    def forward(self, x: torch.Tensor, expert_size: list[int]) -> torch.Tensor:
+        # named as JetMoE's: the routed reads take the counts by this name (inference/routed.py)
+        return self._forward(self, x, expert_size)
 
 
 class ListExpertRange(nn.Module):
