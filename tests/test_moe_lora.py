@@ -38,6 +38,8 @@ def _lora(tmp_path, path, *, target=(), params=("gate_up_proj", "down_proj"), **
         ("mixtral", (), ("gate_up_proj", "down_proj")),  # both stacks of a module: peft's nested wrappers
         ("qwen3_moe", ("q_proj",), ("mlp.experts.down_proj",)),  # with attention; a dense first layer
         ("gpt_oss", (), ("gate_up_proj",)),  # experts stored [experts, in, out] (is_transposed)
+        ("llama4_text", (), ("gate_up_proj", "down_proj")),  # every expert on every token, transposed too
+        ("jetmoe", (), ("mlp.input_linear.weight",)),  # JetMoeParallelExperts' [experts, out, in] weight
     ],
 )
 def test_lora_on_the_experts_is_peft_bit_for_bit(tmp_path, family, target, params):
