@@ -395,3 +395,37 @@ def test_the_disk_probe_times_an_overwrite_as_training_writes(tmp_path):
         assert writes == 2 * list(range(0, d.size, d.piece)) and pieces == 2  # laid out, then timed
         d.write()
         assert len(writes) == 3 * pieces  # once laid out, every pass is timed
+
+
+def test_a_long_probe_pass_is_followed_by_one_timed_pass(tmp_path, monkeypatch, caplog):
+    """The compute probe times ``repeats`` passes after a warm-up; where the warm-up took more
+    than ``LONG_PASS_S`` (large units on a CPU), one (a plan's wait: two passes, not three).
+    The busy probe takes the quiet one's activation bytes instead of measuring them again."""
+    import logging
+
+    from tiertrain.cost import measure_rates, unit_timing
+    from tiertrain.cost import probe as probe_mod
+    from tiertrain.execute.executor import LayerMajorExecutor
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, kind="llama", layers=3, micro_batches=2)
+    rt = Runtime(cfg)
+    passes, acts = [], []
+    embed, measure = LayerMajorExecutor.embed_forward, probe_mod._measure_acts
+    monkeypatch.setattr(LayerMajorExecutor, "embed_forward", lambda self, *a: passes.append(1) or embed(self, *a))
+    monkeypatch.setattr(probe_mod, "_measure_acts", lambda *a: acts.append(1) or measure(*a))
+    try:
+        args = (cfg, rt.model, rt.layout, rt.dev, rt.dtype, rt.hidden_size)
+        probe_mod.probe_compute(*args)
+        assert len(passes) == 3 and len(acts) == 1  # a warm-up, then the median of 2
+        passes.clear()
+        monkeypatch.setattr(unit_timing, "LONG_PASS_S", 0.0)
+        with caplog.at_level(logging.INFO, logger="tiertrain"):
+            out = probe_mod.probe_compute(*args)
+        assert len(passes) == 2 and "one more timed, not 2" in caplog.text
+        assert out["block_fwd_s"] > 0 and out["block_bwd_s"] > 0 and out["head_s"] > 0
+        acts.clear()
+        rates = measure_rates(cfg, rt, probe_mib=8)
+        assert len(acts) == 1 and rates.act_bytes > 0 and rates.io_slowdown >= 1.0
+    finally:
+        rt.close()

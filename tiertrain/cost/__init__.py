@@ -52,7 +52,7 @@ def _measure_rates(cfg, rt, probe_mib: int) -> Rates:
         io_cpu = d.cpu_s / (2 * d.size / 1e9)
         comp = probe_compute(*args)
         with d.reading():  # the same blocks while the storage tier reads: what the overlap costs
-            busy = probe_compute(*args, blocks_only=True)
+            busy = probe_compute(*args, blocks_only=True, acts=(comp["act_bytes"], comp["record_bytes"]))
     quiet = comp["block_fwd_s"] + comp["block_bwd_s"]
     slow = max(1.0, (busy["block_fwd_s"] + busy["block_bwd_s"]) / quiet) if quiet > 0 else 1.0
     return Rates(

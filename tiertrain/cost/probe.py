@@ -260,13 +260,15 @@ def probe_compute(
     *,
     act_only: bool = False,
     blocks_only: bool = False,
+    acts: tuple[int, int] | None = None,
 ) -> dict:
     """Run in a forked RNG: a probe never changes what the run draws (dropout, resume).
 
     Per micro-batch: seconds of the embedding's forward and backward, one block's forward
-    and backward, the head's forward + backward; and one block's activation bytes."""
+    and backward, the head's forward + backward; and one block's activation bytes and record
+    (``acts``: those already measured, not again)."""
     with torch.random.fork_rng(devices=[dev.device] if dev.cuda else []):
-        return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only, blocks_only)
+        return _probe_compute(cfg, model, layout, dev, dtype, hidden, act_only, blocks_only, acts)
 
 
 def _positions(cfg: Config, device) -> torch.Tensor:
@@ -281,6 +283,27 @@ def _positions(cfg: Config, device) -> torch.Tensor:
         return pos
     half = d.seq_len // 2
     return torch.cat([pos[:half], pos[: d.seq_len - half]]).expand(d.micro_batch_size, -1).contiguous()
+
+
+def _measure_acts(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int) -> tuple[int, int]:
+    """(kept graph bytes, offload record bytes) of one pair, the most of any kind of block."""
+    d = cfg.data
+    x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
+    pos = _positions(cfg, dev.device)
+    act = record = 0
+    was = model.training
+    model.train()  # dropout as in training
+    try:
+        for block in distinct_blocks(model):
+            width = getattr(block.module, "in_width", hidden)  # a sub-layer unit's input: maybe wider
+            xb = x if width == hidden else torch.randn(*x.shape[:-1], width, device=dev.device).to(dtype)
+            if hasattr(block.module, "example_input"):  # a range of experts: ids of experts, evenly spread
+                xb = block.module.example_input(x)
+            a, r = _saved_bytes(cfg, block, layout, dev, dtype, xb, pos)
+            act, record = max(act, a), max(record, r)
+    finally:
+        model.train(was)
+    return act, record
 
 
 def distinct_blocks(model) -> list:
@@ -331,24 +354,17 @@ def routed_slack(block: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 def _probe_compute(
-    cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: int, act_only: bool, blocks_only: bool
+    cfg: Config,
+    model,
+    layout,
+    dev,
+    dtype: torch.dtype,
+    hidden: int,
+    act_only: bool,
+    blocks_only: bool,
+    acts: tuple[int, int] | None,
 ) -> dict:
-    d = cfg.data
-    x = torch.randn(d.micro_batch_size, d.seq_len, hidden, device=dev.device).to(dtype)
-    pos = _positions(cfg, dev.device)
-    act = record = 0
-    was = model.training
-    model.train()  # dropout as in training
-    try:
-        for block in distinct_blocks(model):
-            width = getattr(block.module, "in_width", hidden)  # a sub-layer unit's input: maybe wider
-            xb = x if width == hidden else torch.randn(*x.shape[:-1], width, device=dev.device).to(dtype)
-            if hasattr(block.module, "example_input"):  # a range of experts: ids of experts, evenly spread
-                xb = block.module.example_input(x)
-            a, r = _saved_bytes(cfg, block, layout, dev, dtype, xb, pos)
-            act, record = max(act, a), max(record, r)
-    finally:
-        model.train(was)
+    act, record = acts if acts is not None else _measure_acts(cfg, model, layout, dev, dtype, hidden)
     if act_only:
         return {"act_bytes": act, "record_bytes": record}
     # a few blocks time one as well as all do, at a fraction of the cost; whole layers where cut

@@ -14,6 +14,7 @@ whole vocabulary matrix.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -23,7 +24,16 @@ from ..activations.policy import ActivationPolicy
 from ..execute.executor import LayerMajorExecutor, MicroBatch, used_pieces, visits
 from ..execute.loss import LossScale
 
-__all__ = ["time_unit_steps"]
+__all__ = ["time_unit_steps", "LONG_PASS_S"]
+
+log = logging.getLogger("tiertrain")
+
+# A warm-up pass longer than this (large units computed by a CPU: a 70 B layer's pieces at 4,096
+# tokens, a Llama 4 Scout layer's every expert on every token take minutes) is followed by one
+# timed pass, not ``repeats``: a plan's wait is two passes, not three. The warm-up is still not a
+# measurement: a first pass ran 20-30% slower than the next on a 2 x 4096 Llama block at 1,024
+# tokens (first touches of the activations' memory), its units' buffers drawn before it.
+LONG_PASS_S = 10.0
 
 
 class _Params:
@@ -151,7 +161,8 @@ def time_unit_steps(
 ) -> dict[str, float]:
     """Seconds per micro-batch of the embedding's forward and backward, one block's forward and
     (graph kept) backward, and the head's forward + backward, as the executor runs them: the
-    medians of ``repeats`` passes after one warm-up. ``blocks``: how many blocks a pass runs
+    medians of ``repeats`` passes after one warm-up (one pass where the warm-up took more than
+    ``LONG_PASS_S``). ``blocks``: how many blocks a pass runs
     (a few time one as well as all do); ``keep``: how many of them keep their graph (at least
     one). ``blocks_only``: the blocks alone (no embedding or head times)."""
     d = cfg.data
@@ -213,7 +224,15 @@ def time_unit_steps(
     # block's router logits, is left out of the head's time (it is small: tokens x experts a block)
     model.routers = None
     try:
-        one_pass()  # warm-up (allocator, kernels)
+        for ref in order:  # every unit's buffers drawn before the clock runs
+            params.acquire(ref.index)
+            grads.begin(ref.index, bind=False)
+        t0 = time.perf_counter()
+        one_pass()  # warm-up (allocator, kernels, first touches)
+        took = time.perf_counter() - t0
+        if took > LONG_PASS_S:
+            log.info("compute probe: a pass took %.0f s; one more timed, not %d", took, repeats)
+            repeats = 1
         runs = [one_pass() for _ in range(repeats)]
         return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     finally:
