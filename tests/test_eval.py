@@ -90,6 +90,10 @@ def test_eval_of_a_checkpoint_is_its_runs_validation_loss_and_damage_is_named(tm
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "res.json").read_text())["loss"] == logged  # the same windows, the same weights
+    # its weights are laid out by its run's units: cut otherwise, refused by name (was a KeyError)
+    cut = _cli("--checkpoint", run, "--model.layer_pieces=2", f"--data.eval_corpus={_text(tmp_path)}", cwd=tmp_path)
+    assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr[-3000:]
+    assert "model.layer_pieces = 2 with --checkpoint: the checkpoint's weights are laid out" in cut.stderr
     ck = os.path.join(run, "checkpoints", "step-00000002")
     weights = next(n for n in os.listdir(ck) if n in ("params.bin", "master.bin"))
     with open(os.path.join(ck, weights), "r+b") as f:

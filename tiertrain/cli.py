@@ -185,9 +185,10 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
     if flag == "--checkpoint":
-        from .inference.weights import refuse_other_model
+        from .inference.weights import refuse_other_cut, refuse_other_model
 
         refuse_other_model(given)
+        refuse_other_cut(given, stored)
     if flag == "--resume":
         return path, Config.from_dict(resumed_tree(stored, path, given))
     for section, values in given.items():

@@ -40,6 +40,7 @@ __all__ = [
     "resident_budget",
     "weights_key",
     "refuse_other_model",
+    "refuse_other_cut",
 ]
 
 log = logging.getLogger("tiertrain")
@@ -423,6 +424,23 @@ def refuse_other_model(given: dict, flag: str = "--checkpoint") -> None:
             f"model.{named[0]} = {given['model'][named[0]]!r} with {flag}: the model is the checkpoint's (its "
             f"config and weights); drop model.{named[0]}, or leave out {flag} to run the model it names"
         )
+
+
+# what lays out a checkpoint's weights by unit: a forward-only run of it must cut as it was trained
+_CUT_FIELDS = ("layer_pieces", "vocab_pieces")
+
+
+def refuse_other_cut(given: dict, stored: dict, flag: str = "--checkpoint") -> None:
+    """``given`` (as in ``refuse_other_model``) must not cut the model otherwise than the
+    checkpoint's run (``stored``, its config): its weights file holds that run's units."""
+    for f in _CUT_FIELDS:
+        want, had = (given.get("model") or {}).get(f), (stored.get("model") or {}).get(f)
+        if f in (given.get("model") or {}) and want != had:
+            raise ConfigError(
+                f"model.{f} = {want!r} with {flag}: the checkpoint's weights are laid out by the units its run "
+                f"trained (model.{f} = {had!r}); drop model.{f} to use its cut, or export the checkpoint "
+                f"(tiertrain export --checkpoint ... --out DIR) and run --model.hf_dir=DIR cut as you like"
+            )
 
 
 class CheckpointWeights:
