@@ -264,6 +264,18 @@ def test_adapter_init_from_without_adapters_is_refused(tmp_path, capsys):
     nothing_left(tmp_path, "adapter")
 
 
+@pytest.mark.parametrize(
+    "flag", ["--adapter.target_parameters=down_proj", "--adapter.rank=8", "--adapter.target=q_proj,v_proj"]
+)
+def test_adapter_settings_without_adapters_are_refused(tmp_path, capsys, flag):
+    """They were ignored: the run fine-tuned every weight of the model, without a word."""
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, flag)], 2)
+    name = flag.split("=")[0].removeprefix("--")
+    assert line.startswith(f"tiertrain: config error: {name} = ") and "adapter.kind = 'none' trains the model" in line
+    assert "set adapter.kind = 'lora' too, or unset it" in line
+    nothing_left(tmp_path)
+
+
 def test_an_export_has_one_file_mode(tmp_path):
     """The safetensors shards were 0600 (safetensors writes through a temporary file), the rest 0644."""
     mask = os.umask(0o022)

@@ -9,6 +9,8 @@ from .sections import Section, opt
 
 __all__ = ["AdapterConfig"]
 
+_SCALARS = ("rank", "alpha", "dropout")  # the adapters' settings with a plain default
+
 
 @dataclass(kw_only=True)
 class AdapterConfig(Section):
@@ -58,11 +60,20 @@ class AdapterConfig(Section):
             self._fail("init_from", "is a peft adapter to start from: set adapter.kind = 'lora' too, or unset it")
         if isinstance(self.target, str):
             self.target = [self.target]
+        if isinstance(self.target_parameters, str):
+            self.target_parameters = [self.target_parameters]
+        if not self.on:  # an adapter's setting without adapters would be ignored: the model itself trained
+            unset = {"target": [], "target_parameters": [], **{f: getattr(AdapterConfig, f) for f in _SCALARS}}
+            for name, default in unset.items():
+                if getattr(self, name) != default:
+                    self._fail(
+                        name,
+                        "sets up adapters, but adapter.kind = 'none' trains the model itself: set "
+                        "adapter.kind = 'lora' too, or unset it",
+                    )
         bad = [t for t in self.target if not isinstance(t, str) or not t or not t.replace("_", "").isalnum()]
         if bad:
             self._fail("target", f"{bad!r} are not module names (letters, digits and '_', such as 'q_proj')")
-        if isinstance(self.target_parameters, str):
-            self.target_parameters = [self.target_parameters]
         bad = [t for t in self.target_parameters if not isinstance(t, str) or not _dotted(t)]
         if bad:
             self._fail(
