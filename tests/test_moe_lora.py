@@ -122,6 +122,13 @@ def test_bad_parameter_targets_are_named(tmp_path):
         load_config(None, ["--adapter.kind=lora", "--adapter.target_parameters=down_proj", "--adapter.dropout=0.1"])
     with pytest.raises(ConfigError, match=r"adapter.target_parameters = \['down proj'\]"):
         load_config(None, ["--adapter.kind=lora", "--adapter.target_parameters=down proj"])
+    # JetMoE's stacks are each a module's "weight": the names offered are those that then work
+    (tmp_path / "jet").mkdir()
+    jet = _saved(tmp_path / "jet", "jetmoe")
+    with pytest.raises(ConfigError, match=r"3-D parameters are input_linear.weight, output_linear.weight$"):
+        Trainer(_lora(tmp_path / "jet", jet, params=("gate_up_proj",)))
+    with Trainer(_lora(tmp_path / "jet", jet, params=("input_linear.weight", "output_linear.weight"))) as tr:
+        assert tr.rt.adapters.stacks == ["input_linear.weight", "output_linear.weight"]
 
 
 def test_export_eval_and_generate_apply_the_experts_adapters(tmp_path):

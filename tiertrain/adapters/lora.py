@@ -102,7 +102,7 @@ def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | 
                     out.append(Target(f"blocks.{i}.{local}", module, *shape))
             for pname, p in module.named_parameters(recurse=False):
                 if p.dim() == 3:
-                    stacks[pname] = None
+                    stacks[stack_name(f"{local}.{pname}")] = None
                 key = f"{paths.get(id(module), f'blocks.{i}.{local}')}.{pname}"
                 hits = [n for n in parameters if key == n or key.endswith(f".{n}")]
                 if not hits:
@@ -133,6 +133,13 @@ def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | 
             )
         )
     return out
+
+
+def stack_name(path: str) -> str:
+    """The name a 3-D parameter at ``path`` is targeted by: its own (``gate_up_proj``), or
+    with its module's where that alone names nothing apart (JetMoE's ``input_linear.weight``)."""
+    parts = path.strip(".").split(".")
+    return ".".join(parts[-2:]) if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
 
 
 def _paths(model: LayeredModel) -> dict[int, str]:
@@ -225,8 +232,8 @@ class LoRA(nn.Module):
 
     @property
     def stacks(self) -> list[str]:
-        """The targeted 3-D parameters' names, sorted."""
-        return sorted({t.param for t in self.targets if t.param is not None})
+        """The targeted 3-D parameters' names (``stack_name``), sorted."""
+        return sorted({stack_name(t.name) for t in self.targets if t.param is not None})
 
     def reset(self, seed: int) -> None:
         """peft's initialisation from ``seed``: A Kaiming-uniform (a = sqrt(5)), B zero."""
