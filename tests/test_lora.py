@@ -341,7 +341,7 @@ def test_export_gives_a_peft_adapter_that_transformers_loads_with_the_same_logit
 
 def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
     """``adapter.init_from``: the exported adapter read back as the starting point; a directory
-    made with another rank is refused, naming it."""
+    made with another rank is refused, naming it; left unset, its settings are the directory's."""
     from tiertrain.checkpoint.export import export_checkpoint
 
     cfg = lora_config(tmp_path / "a", "llama", steps=2)
@@ -361,6 +361,14 @@ def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
     bad.adapter.init_from = out
     with pytest.raises(ConfigError, match=r"was made with rank 4 \(here 8\)"):
         Trainer(bad)
+    # what the flags leave unset is the directory's own: no need to restate its rank and targets
+    from tiertrain.config import load_config
+
+    own = load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}"]).adapter
+    assert (own.rank, own.alpha, own.target, own.target_parameters) == (4, 9.0, sorted(cfg.adapter.target), [])
+    assert (
+        load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}", "--adapter.rank=8"]).adapter.rank == 8
+    )
 
 
 def _hf_base(tmp_path, kind):

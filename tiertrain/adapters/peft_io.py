@@ -21,6 +21,7 @@ import os
 import torch
 
 from ..config import AdapterConfig, ConfigError
+from ..config.adapter import PEFT_CONFIG, peft_settings
 from ..models.base import LayeredModel
 from ..paths import mode_as_created
 from .lora import LoRA
@@ -28,7 +29,6 @@ from .lora import LoRA
 __all__ = ["module_names", "peft_state", "export_peft", "load_peft", "read_peft_config", "PEFT_WEIGHTS", "PEFT_CONFIG"]
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
 
 
 def module_names(model: LayeredModel, lora: LoRA) -> dict[str, str]:
@@ -95,23 +95,7 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
 
 def read_peft_config(directory: str) -> AdapterConfig:
     """The ``[adapter]`` section a peft LoRA directory was made with."""
-    path = os.path.join(directory, PEFT_CONFIG)
-    try:
-        with open(path) as f:
-            c = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} does not load ({exc})") from None
-    if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
-        raise ConfigError(
-            f"adapter.init_from = {directory!r}: not a plain LoRA adapter (peft_type {c.get('peft_type')!r})"
-        )
-    targets = c.get("target_modules") or []
-    if isinstance(targets, str):
-        raise ConfigError(f"adapter.init_from = {directory!r}: target_modules {targets!r} (a pattern) is not supported")
-    return AdapterConfig(
-        kind="lora", rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
-        target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []), init_from=directory,
-    )  # fmt: skip
+    return AdapterConfig(kind="lora", init_from=directory, **peft_settings(directory))
 
 
 def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .adapter import AdapterConfig
+from .adapter import AdapterConfig, with_peft_settings
 from .memory import MemoryConfig
 from .sections import (
     TOKENIZER_MARKERS,
@@ -207,6 +207,8 @@ class Config:
                 raise ConfigError(f"unknown config section [{name}]{suggest(name, sections)}")
             if not isinstance(values, dict):
                 raise ConfigError(f"[{name}] must be a table of fields, got {values!r}")
+            if name == "adapter":  # an adapter directory to apply: what the table leaves unset is its own
+                values = with_peft_settings(values)
             kw[name] = _make_section(_section_class(name), values)
         return cls(**kw)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from ..errors import ConfigError
 from .sections import Section, opt
 
-__all__ = ["AdapterConfig"]
+__all__ = ["AdapterConfig", "PEFT_CONFIG", "peft_settings", "with_peft_settings"]
+
+PEFT_CONFIG = "adapter_config.json"
 
 _SCALARS = ("rank", "alpha", "dropout")  # the adapters' settings with a plain default
 
@@ -45,8 +50,8 @@ class AdapterConfig(Section):
     init_from: str | None = opt(
         None,
         "A peft adapter directory (adapter_model.safetensors, adapter_config.json) to start from instead of "
-        "the seeded initialisation (or, in eval and generate, to apply); adapter.rank, alpha, target and "
-        "target_parameters must be its own (a difference is named).",
+        "the seeded initialisation (or, in eval and generate, to apply); adapter.rank, alpha, dropout, target and "
+        "target_parameters left unset are its own, and set must be its own (a difference is named).",
     )
 
     def __post_init__(self) -> None:
@@ -98,3 +103,35 @@ class AdapterConfig(Section):
 
 def _dotted(name: str) -> bool:
     return all(part and part.replace("_", "").isalnum() for part in name.split("."))
+
+
+def peft_settings(directory: str) -> dict[str, Any]:
+    """The ``[adapter]`` fields a peft LoRA directory (its ``adapter_config.json``) was made
+    with: rank, alpha, dropout, target and target_parameters."""
+    path = os.path.join(directory, PEFT_CONFIG)
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} does not load ({exc})") from None
+    if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
+        raise ConfigError(
+            f"adapter.init_from = {directory!r}: not a plain LoRA adapter (peft_type {c.get('peft_type')!r})"
+        )
+    targets = c.get("target_modules") or []
+    if isinstance(targets, str):
+        raise ConfigError(f"adapter.init_from = {directory!r}: target_modules {targets!r} (a pattern) is not supported")
+    return dict(
+        rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
+        target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []),
+    )  # fmt: skip
+
+
+def with_peft_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """An ``[adapter]`` table (the fields a config file and flags set) with those it leaves
+    unset taken from its ``init_from``'s peft config, where adapters are on: an adapter applied
+    or continued is described by its own directory (those set must agree: ``load_peft``)."""
+    unset = [f for f in ("rank", "alpha", "dropout", "target", "target_parameters") if f not in values]
+    if values.get("kind") != "lora" or not values.get("init_from") or not unset:
+        return values
+    return {**peft_settings(str(values["init_from"])), **values}
