@@ -4,6 +4,7 @@ different lengths padded on the left, split into micro-batches); sampling repeat
 seed; stop tokens; bad input named."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -139,6 +140,14 @@ def test_the_command_streams_one_prompt_and_writes_jsonl(tmp_path, llama_dir):
     assert one.returncode == 0, one.stderr[-2000:]
     want = _hf_generate(hf, [list(b"Hi")], 5)[0]  # the byte tokenizer: no tokenizer files in the directory
     assert one.stdout == "Hi" + bytes(want).decode("utf-8", errors="replace") + "\n"  # the prompt, as with several
+    # a model that fails before its first token: the error alone (the prompt was printed first, glued to it)
+    import shutil
+
+    (tmp_path / "no-weights").mkdir()
+    shutil.copy(os.path.join(path, "config.json"), tmp_path / "no-weights")
+    bad = [*base[:4], f"--model.hf_dir={tmp_path / 'no-weights'}", *base[5:], "--prompt", "Hi"]
+    failed = subprocess.run(bad, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert failed.returncode != 0 and failed.stdout == "" and "Traceback" not in failed.stderr, failed.stderr[-2000:]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hi\nHello there\n")
     out = tmp_path / "out.jsonl"

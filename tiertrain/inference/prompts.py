@@ -87,11 +87,11 @@ def run_generate(
         if not p:
             raise ConfigError(f"generate: the prompt {t!r} has no tokens")
     stream = len(prompts) == 1 and out is None
-    if stream:  # the prompt, then its completion as it comes: as several prompts are printed
-        sys.stdout.write(texts[0])
-        sys.stdout.flush()
+    started = []  # the prompt, then its completion as it comes: as several prompts are printed
 
     def show(tokens):
+        if not started:  # with the first token: an error before it is not glued to the prompt
+            started.append(sys.stdout.write(texts[0]))
         if not tokens:  # the end: the line ended before generate logs its summary
             sys.stdout.write("\n")
             sys.stdout.flush()
