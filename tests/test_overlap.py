@@ -79,9 +79,11 @@ def test_new_parameters_are_handed_to_the_waiting_forward(tmp_path):
             reads[mode] = sum(s.read_bytes for s in tr.storage.stats().values())
             handed = sum(r.extra.get("handoff_bytes", 0) for r in recs) + tr.update.record().get("handoff_bytes", 0)
     # units asked for before the update reached them (6 slots for 6 units: most of them) are
-    # handed over: exactly those bytes are not read back (units here are whole 4 KiB blocks)
+    # handed over: exactly those bytes are not read back (units here are whole 4 KiB blocks).
+    # How many depends on the threads' timing: 2-3 models' worth over the 3 updates a forward
+    # waits on, 1.9 once on a loaded CI machine (the bound was 2 then); at least one here
     assert all(u.numel * 4 % 4096 == 0 for u in tr.layout.units)
-    assert handed >= 2 * tr.layout.total_numel * 4
+    assert handed >= tr.layout.total_numel * 4
     assert reads["baseline"] - reads["overlap"] == handed
 
 
