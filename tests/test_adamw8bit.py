@@ -331,3 +331,37 @@ def test_vocabulary_pieces_on_blocks_train_within_the_pieces_rounding(tmp_path):
     atol = cfg.optim.lr / 16
     assert_same_weights(tr, weights, ref_weights, names={n: names[n] for n in weights}, exact=False, atol=atol)
     assert any("embed_pieces" in r.name for u in tr.layout.units for r in u.params)
+
+
+def test_the_planners_vocabulary_cut_starts_its_pieces_on_the_8bit_blocks(tmp_path):
+    """A 6,401 x 192 vocabulary the budget cannot hold whole: with fp32 states the planner cuts
+    it into 4 even pieces (1,601 rows), which start off bitsandbytes' 256-element blocks; with
+    8-bit states it takes the fewest on them, 9 (712 rows). It was refused at planning, telling
+    the user to leave unset the cut they had left unset."""
+    from test_pieces import _gqa_llama
+
+    from tiertrain.cost.budget import PoolsOverBudget, resolve_budget
+    from tiertrain.runtime import Runtime
+
+    def cfg(pieces=None, host=1, name="adamw8bit"):
+        c = _gqa_llama(tmp_path / f"p{pieces}-{host}-{name}", vocab=6401)
+        c.optim.name, c.model.vocab_pieces, c.memory.host_mib = name, pieces, host
+        return c
+
+    needed = []
+    for pieces in (None, 9):  # the fixed pools whole, and cut as 8-bit states need
+        c = cfg(pieces)
+        rt = Runtime(c)
+        try:
+            with pytest.raises(PoolsOverBudget) as exc:
+                resolve_budget(c, rt, None, lambda: (1 << 20, 0))
+            needed.append(exc.value.needed >> 20)
+        finally:
+            rt.close()
+    host = sum(needed) // 2  # holds the cut pools, not the whole ones
+    assert needed[1] < host < needed[0]
+    for name, pieces in (("adamw", 4), ("adamw8bit", 9)):
+        with Trainer(cfg(host=host, name=name)) as tr:
+            assert tr.cfg.model.vocab_pieces == pieces
+            rows = tr.model.row_pieces
+            assert (name == "adamw8bit") == all(p.start * 192 % BLOCK == 0 for p in rows.values() if "embed" in p.whole)

@@ -14,6 +14,7 @@ from ..errors import ConfigError, one_line
 from ..models.experts_cut import CLIP_NORM_DEVIATION, is_moe_layer
 from ..models.sublayers import cut_options, describe_cut
 from ..state.grads import GradStore
+from ..state.scales import BLOCK
 from .budget import (
     GIB,
     MIB,
@@ -127,11 +128,9 @@ def _ranges_off(cfg: Config, rt) -> str:
 def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
     """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
     (a vocabulary unset: cut as ``_recut`` finds it needs)."""
-    from ..models import auto_pieces
-
     m, out = cfg.model, []
-    if m.vocab_pieces is None and auto_pieces(rt.model) is not None:
-        out.append((m.layer_pieces, auto_pieces(rt.model)))
+    if m.vocab_pieces is None and _auto_vocab(cfg, rt) is not None:
+        out.append((m.layer_pieces, _auto_vocab(cfg, rt)))
     if m.layer_pieces is None and rt.model.layer_parts == 1:
         # adapters on the experts need them whole: ranges of experts are not an option then
         whole_experts = cfg.adapter.on and bool(cfg.adapter.target_parameters)
@@ -143,16 +142,29 @@ def _recut(cfg: Config, rt, layers: int | None, vocab: int | None) -> Config:
     """``cfg`` with the model cut into ``layers`` sub-layer units and ``vocab`` pieces (unset:
     the fewest pieces no larger than the largest unit, where the matrix is larger), ``rt``'s
     model rebuilt for it."""
-    from ..models import auto_pieces
-
     cut = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layer_pieces=layers, vocab_pieces=vocab))
     rt.recut(cut)
     if layers and vocab is None:
-        pieces = auto_pieces(rt.model)
+        pieces = _auto_vocab(cut, rt)
         if pieces is not None:
             cut = dataclasses.replace(cut, model=dataclasses.replace(cut.model, vocab_pieces=pieces))
             rt.recut(cut)
     return cut
+
+
+def _auto_vocab(cfg: Config, rt) -> int | None:
+    """The pieces the planner cuts ``rt``'s (uncut) vocabulary into (``auto_pieces``); with
+    8-bit optimizer states on it, the fewest from there whose pieces start on bitsandbytes'
+    blocks (an even count off the blocks was refused by the runtime, which the planner's own
+    choice must not be)."""
+    from ..models import auto_pieces
+    from ..models.pieces import aligned_count
+
+    pieces = auto_pieces(rt.model)
+    if pieces is None or cfg.optim.name != "adamw8bit" or cfg.adapter.on:
+        return pieces
+    vocab, dim = getattr(rt.model.embed, rt.model.embed.TOKENS).weight.shape
+    return aligned_count(vocab, dim, pieces, BLOCK) or pieces  # none: the runtime's refusal names the cut
 
 
 def _short(cfg: Config, rt, rates_fn, act_fn, *, measure: bool = True) -> tuple[str, Any]:

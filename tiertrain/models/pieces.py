@@ -37,6 +37,7 @@ __all__ = [
     "PiecedEmbedding",
     "PiecedLinear",
     "rows_per_piece",
+    "aligned_count",
     "cut_vocab",
     "WholeTensors",
 ]
@@ -128,6 +129,16 @@ def rows_per_piece(setting: int | None, vocab: int, dim: int, block_numel: int) 
         return vocab
     rows = max(1, block_numel // dim)
     return -(-vocab // -(-vocab // rows))  # the same pieces, rows balanced between them
+
+
+def aligned_count(vocab: int, dim: int, least: int, block: int) -> int | None:
+    """The fewest pieces, ``least`` or more, whose rows (``rows_per_piece``'s for that count)
+    start every piece on a ``block``-element boundary of the whole ``vocab x dim`` matrix, as
+    8-bit optimizer states' blocks need; None where no count up to 8 x ``least`` does."""
+    for count in range(least, min(vocab, 8 * least) + 1):
+        if rows_per_piece(count, vocab, dim, 0) * dim % block == 0:
+            return count
+    return None
 
 
 def cut_vocab(model, rows: int) -> None:
