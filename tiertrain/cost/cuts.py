@@ -129,8 +129,9 @@ def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
     """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
     (a vocabulary unset: cut as ``_recut`` finds it needs)."""
     m, out = cfg.model, []
-    if m.vocab_pieces is None and _auto_vocab(cfg, rt) is not None:
-        out.append((m.layer_pieces, _auto_vocab(cfg, rt)))
+    vocab = _auto_vocab(cfg, rt) if m.vocab_pieces is None else None
+    if vocab is not None:
+        out.append((m.layer_pieces, vocab))
     if m.layer_pieces is None and rt.model.layer_parts == 1:
         # adapters on the experts need them whole: ranges of experts are not an option then
         whole_experts = cfg.adapter.on and bool(cfg.adapter.target_parameters)
