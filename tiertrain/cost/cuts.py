@@ -128,7 +128,8 @@ def _ranges_off(cfg: Config, rt) -> str:
 def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
     """The cuts to try, in order, after the model as configured: ``(layer_pieces, vocab_pieces)``
     (a vocabulary unset: cut as ``_recut`` finds it needs)."""
-    m, out = cfg.model, []
+    m = cfg.model
+    out: list[tuple[int | None, int | None]] = []
     vocab = _auto_vocab(cfg, rt) if m.vocab_pieces is None else None
     if vocab is not None:
         out.append((m.layer_pieces, vocab))
