@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from test_dist_train import _final, _rank_pid, _start_ranks, _steps_done
 from test_signals import engine_pids, start, wait_for
 
@@ -228,3 +229,52 @@ def test_a_signal_arriving_while_the_ranks_agree_waits_for_the_next_boundary():
     assert other.agreed(type("G", (), {"max": lambda self, v: max(v, int(signal.SIGTERM))})()) == (
         "SIGTERM to another rank"
     )
+
+
+class _FailedRead:
+    def done(self) -> bool:
+        return True
+
+    def get(self, timeout=None):
+        raise OSError("EIO: unit 0's shard")
+
+
+class _Inner:
+    dtype = torch.float32
+
+    def on_host(self, u):
+        return False
+
+    def load(self, u, out):
+        return _FailedRead()
+
+
+class _Halves:
+    def shard(self, u, out):
+        return out[: out.numel() // 2]
+
+
+class _Group:
+    def __init__(self):
+        self.gathers = 0
+
+    def start_all_gather(self, out, shard):
+        self.gathers += 1
+        return object()
+
+    def wait(self, work, name):
+        pass
+
+
+def test_a_failed_shard_read_is_raised_again_when_asked_twice():
+    """The collective is still issued (the other ranks wait on it), and a second ``get`` of the
+    same unit raises the read's error again, never a bookkeeping error that hides it."""
+    from tiertrain.dist.shard import ShardedParams
+
+    group = _Group()
+    params = ShardedParams(_Inner(), _Halves(), group)
+    fut = params.load(0, torch.zeros(8))
+    for _ in range(2):
+        with pytest.raises(OSError, match="EIO: unit 0"):
+            fut.get()
+    assert group.gathers == 1

@@ -126,6 +126,7 @@ class _Gather:
         self.u, self.out, self.read = u, out, read
         self.work = None  # the collective, once issued
         self.error: BaseException | None = None
+        self.finished = False  # waited for once: a second ``get`` answers the same, never waits again
 
 
 class _GatherFuture:
@@ -214,7 +215,14 @@ class ShardedParams(ParamSource):
         g.work = self.group.start_all_gather(g.out, self.layout.shard(g.u, g.out).clone())
 
     def finish(self, g: _Gather) -> None:
-        """Wait until ``g``'s unit is whole: every gather before it is issued first."""
+        """Wait until ``g``'s unit is whole: every gather before it is issued first. Asked again,
+        it raises the same read error (or returns): the gather is waited for once."""
+        if not g.finished:
+            self._wait(g)
+        if g.error is not None:
+            raise g.error
+
+    def _wait(self, g: _Gather) -> None:
         for x in self._fifo:
             if x.work is None:
                 self._issue(x)
@@ -222,10 +230,11 @@ class ShardedParams(ParamSource):
                 break
         try:
             self.group.wait(g.work, "all_gather")  # sync point: the unit is whole
+        except BaseException as exc:  # noqa: BLE001 - kept for a second ``get``; the read's error comes first
+            g.error = g.error or exc
         finally:
             self._fifo.remove(g)
-        if g.error is not None:
-            raise g.error
+            g.finished = True
 
     def settle(self, u: int) -> float:
         return self.inner.settle(u)
