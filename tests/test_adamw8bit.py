@@ -133,6 +133,41 @@ def test_the_update_engines_are_bitsandbytes_bit_for_bit(tmp_path, clip, specula
         assert tr.update.spec.summary() == "speculation held in 4 of 4 steps"
 
 
+def test_the_engines_read_ahead_holds_its_units_scales_within_the_budgets_pools(tmp_path):
+    """Engines reading ahead keep one scales record per unit in flight (not one per chunk read
+    ahead), the read-ahead's records within the read-ahead's bytes: what each engine holds is
+    within the planner's pools for the engines, scales included, and the run is bitsandbytes'."""
+    from tiertrain.cost.budget import fixed_pools
+
+    cfg = _config(tmp_path, mode="engines", paths=2, steps=3, update_kib=64)
+    cfg.memory.engine_read_ahead_mib = 1  # the engines' together: half a MiB each
+    tr, _ = assert_parity(cfg)
+    fixed = fixed_pools(tr.cfg, tr.rt)
+    reports = tr.engines.stepped
+    assert all(0 < r["ahead"] < r["chunks"] for r in reports)  # some chunks read ahead, not all
+    per_step = [reports[i : i + 2] for i in range(0, len(reports), 2)]
+    held = max(sum(r["pool"] for r in step) for step in per_step)
+    assert held <= fixed["engine buffers"] + fixed["8-bit states' scales (engines)"], (held, fixed)
+
+
+def test_a_read_ahead_takes_one_scales_record_per_unit_within_its_bytes(tmp_path):
+    """Each chunk read ahead takes a buffer set; each unit it starts, one record of scales (the
+    largest), within the same bytes: a unit cut into many chunks holds one record, not one a
+    chunk (that had the engines hold, uncounted, up to a record per chunk read ahead)."""
+    with Trainer(_config(tmp_path, update_kib=64)) as tr:
+        opt, scales = tr.optim, ScaleLayout(tr.optim.layout)
+        chunks, set_bytes, record = opt._all_chunks, opt.sets[0].nbytes, 4 * scales.max_unit_numel
+        assert record and len(chunks) > len({u for u, _, _ in chunks}) + 2  # units of several chunks
+        for budget in (0, set_bytes + record - 1, set_bytes + record, 7 * set_bytes + 3 * record, 1 << 30):
+            n, units = opt._ahead_fit(budget, set_bytes, scales)
+            started = len({u for u, _, _ in chunks[:n]})
+            assert units == started and n * set_bytes + units * record <= budget
+            if n < len(chunks):  # the next chunk would not fit
+                nxt = set_bytes + (record if chunks[n][1] == 0 else 0)
+                assert n * set_bytes + units * record + nxt > budget
+        assert opt._ahead_fit(1 << 30, set_bytes, scales) == (len(chunks), len({u for u, _, _ in chunks}))
+
+
 def test_the_engines_checkpoint_is_the_one_rank_files_and_resumes_on_any_path(tmp_path):
     """A checkpoint of the engines holds the whole units' scales records, joined from the engines'
     slices: byte for byte the baseline path's checkpoint at the same step; resumed by the engines

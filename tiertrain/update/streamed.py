@@ -176,13 +176,26 @@ class StreamedOptimizer:
         # Never more sets than the step has chunks: a budget larger than the state holds all of it.
         self.trainable = [u for u in layout.units if not u.frozen]  # a full step's units (train.freeze: not all)
         self._all_chunks = self._chunks()  # a full step's chunks, in order (the layout is fixed)
-        n_ahead = min(ahead_bytes // self.sets[0].nbytes, len(self._all_chunks))
+        n_ahead, ahead_units = self._ahead_fit(ahead_bytes, self.sets[0].nbytes, scales)
         self.ahead_sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments, mdtype) for _ in range(n_ahead)]
-        if self.scales is not None:
-            self.scales.allocate(3 + n_ahead)
+        if self.scales is not None:  # a record per unit in flight: 3 sets' units, the read-ahead's units
+            self.scales.allocate(3 + ahead_units)
         self._ahead: dict[int, list[IOFuture]] = {}  # chunk index -> its state reads in flight
         self.step_count = 0
         self.stats = UpdateStats()
+
+    def _ahead_fit(self, ahead_bytes: int, set_bytes: int, scales: ScaleLayout | None) -> tuple[int, int]:
+        """How many of the step's first chunks are read ahead within ``ahead_bytes``, and how many
+        units they span: each chunk takes a buffer set, and (8-bit states) the first chunk of
+        each unit a buffer of the largest scales record, within the same bytes."""
+        record = 4 * scales.max_unit_numel if scales is not None else 0
+        n, units, used = 0, 0, 0
+        for u, a, _ in self._all_chunks:
+            more = set_bytes + (record if a == 0 else 0)
+            if used + more > ahead_bytes:
+                break
+            n, units, used = n + 1, units + (a == 0), used + more
+        return n, units
 
     @property
     def pool_bytes(self) -> int:

@@ -15,18 +15,24 @@ ENGINE_PROCESS = 320 * MIB  # an engine's interpreter with torch loaded, before 
 
 def engine_pools(cfg: Config, rt) -> dict[str, int]:
     """Host memory of the engines for a run of ``cfg`` on the runtime ``rt``."""
-    from .decl import engine_slot_bytes
+    from ...state.layout import chunk_align
+    from ...state.scales import ScaleLayout
+    from ..adamw8bit import eight_bit
+    from .decl import engine_slot_bytes, slice_views
 
     m, chunk = cfg.memory, cfg.io.chunk_kib << 10
     n = cfg.update.engines or len(cfg.io.paths)
-    return {
+    pools = {
         "engine slots (shared)": engine_slot_bytes(rt.layout, n, rt.align, rt.dtype),
-        "engine buffers": n
-        * (
-            3 * (m.update_buffer_kib << 10) + (m.engine_read_ahead_mib << 20) + 2 * 2 * 2 * chunk
-        ),  # update sets, read-ahead, two I/O queues
+        # update sets and two I/O queues each; the read-ahead (with its units' 8-bit scales) is
+        # the engines' together, each taking its share (``StreamedOptimizer._ahead_fit``)
+        "engine buffers": n * (3 * (m.update_buffer_kib << 10) + 2 * 2 * 2 * chunk) + (m.engine_read_ahead_mib << 20),
         "engine interpreters": n * ENGINE_PROCESS,
     }
+    if eight_bit(cfg.optim):  # each engine's three sets' units' records of scales (fp32)
+        _, views = slice_views(rt.layout, n, chunk_align(rt.align, rt.dtype))
+        pools["8-bit states' scales (engines)"] = sum(3 * 4 * ScaleLayout(v).max_unit_numel for v in views)
+    return pools
 
 
 def predict_engines(c):
