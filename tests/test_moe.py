@@ -16,6 +16,8 @@ transformers' ``generate``; LoRA on the attention projections is peft's bit for 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from reference import small_config
@@ -467,6 +469,10 @@ def test_validation_on_masked_targets_adds_the_mean_auxiliary_loss(tmp_path, mon
             ce, aux = ce + float(out.loss - coef * out.aux_loss), aux + [float(out.aux_loss)]
     assert len(aux) >= 2 and scored
     assert res.loss == pytest.approx(ce + coef * sum(aux) / len(aux), rel=1e-6, abs=0)
+    # the perplexity is the cross-entropy's alone; the auxiliary part is shown apart
+    assert res.aux == pytest.approx(coef * sum(aux) / len(aux), rel=1e-5) and res.aux > 0
+    assert res.perplexity == pytest.approx(math.exp(ce), rel=1e-6)
+    assert f"cross-entropy {ce:.4f} + routers' aux" in res.line()
 
 
 def test_phi_moes_router_jitter_with_the_auxiliary_loss_is_refused_in_one_line(tmp_path):

@@ -258,7 +258,7 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dataclasses.asdict(res), f)
+            json.dump({**dataclasses.asdict(res), "cross_entropy": res.cross_entropy}, f)
     return 0
 
 

@@ -133,6 +133,7 @@ class LayerMajorExecutor(VocabSteps):
         self.after_unit = after_unit
         self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
         self.aux_weight = 1.0  # an evaluation's share of the auxiliary loss per micro-batch (``evaluate``)
+        self.eval_aux: list = []  # an evaluation's auxiliary parts of its losses, per micro-batch
         self.tied_rows = tied_rows(model, grads)
         self._tied: TiedRows | None = None  # the step's, with several micro-batches
 
@@ -163,7 +164,12 @@ class LayerMajorExecutor(VocabSteps):
         (in an evaluation, ``aux_weight`` times it)."""
         routers = self.model.routers
         weight = 1.0 if backward else self.aux_weight
-        return loss if routers is None else routers.add(loss, m, backward=backward, weight=weight)
+        if routers is None:
+            return loss
+        total = routers.add(loss, m, backward=backward, weight=weight)
+        if not backward:  # an evaluation: its auxiliary part, reported apart from the cross-entropy
+            self.eval_aux.append(routers.last)
+        return total
 
     # -- unit steps ------------------------------------------------------------------------------------
     def embed_forward(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -299,8 +305,9 @@ class LayerMajorExecutor(VocabSteps):
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
         ``scored``, ``positions``: as ``step``'s; ``aux_weight``: what a mixture of experts'
-        auxiliary loss is multiplied by in each micro-batch's loss (``validation_loss``)."""
-        self.aux_weight = aux_weight
+        auxiliary loss is multiplied by in each micro-batch's loss (``validation_loss``); that
+        part of each loss is left in ``eval_aux`` (empty without routers)."""
+        self.aux_weight, self.eval_aux = aux_weight, []
         mbs = self._micro_batches(batches, positions)
         self.scale = LossScale(len(batches), scored=scored)
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
@@ -320,6 +327,7 @@ class LayerMajorExecutor(VocabSteps):
             losses = self._cut_head_loss(h, mbs) if self.head_pieces else self._head_loss(h, mbs)
         finally:
             self.model.train(was)
+        self.eval_aux = [float(a) for a in self.eval_aux]
         return [float(v) for v in losses]  # sync point: losses to the host
 
     def _head_loss(self, h: list[torch.Tensor], mbs: list[MicroBatch]) -> list[torch.Tensor]:

@@ -10,7 +10,9 @@ activations per micro-batch, whatever the model's size.
 
 The text is ``data.eval_corpus`` cut into windows as the validation loss cuts it
 (``data.EvalSet``), all of them by default; the loss is the mean over its micro-batches of the
-mean cross-entropy, and the perplexity its exponential. A tiertrain checkpoint is read
+mean cross-entropy (with a mixture of experts whose config asks for it, plus the routers'
+auxiliary loss, as the model's forward adds it: shown apart), and the perplexity the
+exponential of the cross-entropy alone. A tiertrain checkpoint is read
 directly (``CheckpointWeights``: its weights file, checksummed first); ``io.weights = tier``
 reads a converted copy instead (``weights.py``).
 """
@@ -40,17 +42,24 @@ log = logging.getLogger("tiertrain")
 
 @dataclass
 class EvalResult:
-    loss: float  # mean cross-entropy, nats per token
-    perplexity: float
+    loss: float  # the model's loss as its forward computes it: the mean cross-entropy (plus, where
+    # the config asks for it, the routers' auxiliary loss), nats per token
+    perplexity: float  # exp of the cross-entropy alone
     tokens: int  # targets scored
     micro_batches: int
     seconds: float
     read_bytes: int = 0  # the weights' bytes read (routed experts: those reached)
     experts: str = ""  # a mixture of experts' routed reads, in words ('' without)
+    aux: float = 0.0  # the routers' auxiliary loss in ``loss`` (coefficient included; 0 without)
+
+    @property
+    def cross_entropy(self) -> float:
+        return self.loss - self.aux
 
     def line(self) -> str:
+        parts = f" (cross-entropy {self.cross_entropy:.4f} + routers' aux {self.aux:.4f})" if self.aux else ""
         return (
-            f"eval: {self.tokens:,} tokens in {self.micro_batches} micro-batches | loss {self.loss:.4f} | "
+            f"eval: {self.tokens:,} tokens in {self.micro_batches} micro-batches | loss {self.loss:.4f}{parts} | "
             f"perplexity {self.perplexity:.2f} | {self.tokens / self.seconds:,.0f} tok/s | weights "
             f"{self.read_bytes / 1e9:.3f} GB read ({self.read_bytes / max(1, self.tokens) / 1e6:.3f} MB a token)"
             + (f" | {self.experts}" if self.experts else "")
@@ -93,7 +102,8 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         )
         t0 = time.perf_counter()
         with torch.no_grad():
-            loss = validation_loss(evalset, executor, cfg.data.micro_batches)
+            aux: list[float] = []
+            loss = validation_loss(evalset, executor, cfg.data.micro_batches, aux=aux)
         seconds = time.perf_counter() - t0
         read, experts = weights_read(store, source)
     finally:
@@ -102,4 +112,7 @@ def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -
         finally:
             source.close()  # its files and threads, and the hooks routed reads put on the model
     tokens = evalset.total_scored() or evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
-    return EvalResult(loss, math.exp(loss) if loss < 700 else math.inf, tokens, evalset.count, seconds, read, experts)
+    ce = loss - aux[0]  # perplexity is the cross-entropy's: the auxiliary loss is not a likelihood
+    return EvalResult(
+        loss, math.exp(ce) if ce < 700 else math.inf, tokens, evalset.count, seconds, read, experts, aux[0]
+    )

@@ -25,20 +25,25 @@ from ..execute.loss import LossScale
 __all__ = ["validation_loss"]
 
 
-def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None) -> float:
+def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None, aux: list | None = None) -> float:
     """The mean loss over ``evalset`` (see the module docstring); ``group``: the ranks (one
-    process: a group of one)."""
+    process: a group of one). ``aux``: where given, the auxiliary loss's part of that mean is
+    appended to it (0.0 without routers): the cross-entropy is the loss less that."""
     group = group or SoloGroup()
     rank, world = group.rank, group.world
     mine = evalset.micro_batches(rank, world)
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
     scored, positions = evalset.total_scored(world), evalset.positions(rank, world)
-    total = 0.0
+    total, aux_total = 0.0, 0.0
     aux_weight = 1.0 / (len(mine) * world) if scored else 1.0  # summed losses: the auxiliary loss's mean
     for i in range(0, len(mine), micro_batches):
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
         pos = positions[i : i + micro_batches] if positions is not None else None
         total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos, aux_weight))
-    total = float(group.sum_in_rank_order(torch.tensor(total, dtype=torch.float64)))  # sync point (ranks)
-    return LossScale(len(mine), world, scored).mean(total)
+        aux_total += sum(executor.eval_aux)
+    sums = group.sum_in_rank_order(torch.tensor([total, aux_total], dtype=torch.float64))  # sync point (ranks)
+    scale = LossScale(len(mine), world, scored)
+    if aux is not None:
+        aux.append(scale.mean(float(sums[1])))
+    return scale.mean(float(sums[0]))

@@ -47,6 +47,7 @@ class RouterLoss:
         self.experts, self.top_k = hf.num_experts, hf.num_experts_per_tok
         self._fn, self._index = fn, index
         self._key: tuple[int, int] | None = None  # (block, micro-batch) of the forward running
+        self.last: torch.Tensor | None = None  # the (weighted) auxiliary loss ``add`` added last
         self._record = False
         # per (block, micro-batch): (router's number in its layer, logits), in the order called
         self._logits: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
@@ -104,7 +105,9 @@ class RouterLoss:
             self._leaves = dict(zip(keys, leaves))
         aux = self._fn(tuple(leaves), self.experts, self.top_k, None)
         if weight != 1.0:
-            return loss + weight * (self.coef * aux.to(loss.device))
+            self.last = (weight * (self.coef * aux.to(loss.device))).detach()
+            return loss + self.last
+        self.last = (self.coef * aux.to(loss.device)).detach()  # what was added (an evaluation reports it apart)
         return loss + self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
 
     def collect(self) -> None:
