@@ -82,13 +82,13 @@ def test_generation_reads_the_reached_experts_only_and_is_transformers_generate(
     s, es = src.stats, src.dtype.itemsize
     experts = [ex for exs in src.by_unit.values() for ex in exs]
     assert 0 < s.reached < s.of  # decoding two rows a step reaches a few of the 16 experts
-    _assert_reached_bytes(s, experts, es, s.read_bytes + s.cached_bytes)
+    _assert_reached_bytes(s, experts, es, s.read_bytes + s.cached_bytes + s.hit_bytes)
     assert (s.cached_bytes > 0) == bool(cache_mib)
     # what the storage tier counted: every unit load, less the experts left out, plus those read
     units = sum(u.numel for u in src.layout.units) * es
     expert_bytes = sum(r.numel for ex in experts for r in ex.records) * es
     passes = 10  # the prefill, then one a token; the last token's pass is not run
-    assert file_bytes == passes * units - s.skipped_bytes + s.read_bytes
+    assert file_bytes == passes * units - s.skipped_bytes + s.read_bytes + s.guessed_bytes
     assert s.skipped_bytes == passes * expert_bytes
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("generated"))
     assert re.search(rf"experts: {s.reached} of {s.of} reached and loaded", line)
@@ -130,7 +130,16 @@ def test_the_rows_never_read_are_never_used_on_a_separate_device(tmp_path, wide_
     assert src.stats.reached < src.stats.of
     if not direct:  # units uploaded without their experts: less than every pass's whole units
         whole = 6 * sum(u.numel for u in src.layout.units) * src.dtype.itemsize
-        assert 0 < dev.uploaded < whole - src.stats.skipped_bytes + src.stats.read_bytes + src.stats.cached_bytes + 1
+        assert (
+            0
+            < dev.uploaded
+            < whole
+            - src.stats.skipped_bytes
+            + src.stats.read_bytes
+            + src.stats.cached_bytes
+            + src.stats.guessed_bytes
+            + 1
+        )
 
 
 def test_units_kept_in_host_memory_beside_routed_ones(tmp_path, wide_moe, reads, monkeypatch):
@@ -153,7 +162,11 @@ def test_units_kept_in_host_memory_beside_routed_ones(tmp_path, wide_moe, reads,
     assert src.base_bytes == kept  # the units kept, read once before the passes: not counted in them
     assert 0 not in src.by_unit and 1 not in src.by_unit and src.by_unit  # kept whole: not routed
     rest = sum(u.numel for u in src.layout.units[2:]) * src.dtype.itemsize
-    assert 0 < file_bytes - src.base_bytes <= 5 * rest - src.stats.skipped_bytes + src.stats.read_bytes
+    assert (
+        0
+        < file_bytes - src.base_bytes
+        <= 5 * rest - src.stats.skipped_bytes + src.stats.read_bytes + src.stats.guessed_bytes
+    )
 
 
 def test_a_cache_smaller_than_the_experts_reached_evicts_the_least_reached(tmp_path, reads):
@@ -245,7 +258,48 @@ def test_ranges_of_experts_read_the_reached_experts_only(tmp_path, wide_moe, rea
     experts = [ex for exs in src.by_unit.values() for ex in exs]
     # JetMoE's attention's experts (16, in the attention's unit) are not cut
     assert {ex.n for ex in experts} == ({8, 16} if family == "jetmoe" else {8}) and 0 < s.reached < s.of
-    _assert_reached_bytes(s, experts, es, s.read_bytes)
+    _assert_reached_bytes(s, experts, es, s.read_bytes + s.hit_bytes)
     units = sum(u.numel for u in src.layout.units) * es
-    assert file_bytes == 10 * units - s.skipped_bytes + s.read_bytes
+    assert file_bytes == 10 * units - s.skipped_bytes + s.read_bytes + s.guessed_bytes
     assert s.skipped_bytes == 10 * sum(r.numel for ex in experts for r in ex.records) * es
+
+
+@pytest.mark.parametrize("device", ["host", "separate"])
+def test_experts_the_passes_reach_again_are_read_ahead_with_their_block(tmp_path, wide_moe, reads, device):
+    """Eval in passes of 2 micro-batches of 2 rows: each pass reaches nearly every expert, so
+    from the third pass on a block's load reads its last pass's experts with it (guessed), ahead
+    of the compute; the loss is transformers' bit for bit, with guesses and without, on the
+    simulated separate device too (the rows never read hold poison there); the storage tier counts
+    the guessed bytes, and the routing then reads fewer experts itself."""
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.evaluate import evaluate
+
+    _, path, hf = wide_moe
+    text = tmp_path / "held_out.txt"
+    text.write_text("".join(f"{i} held-out words, {i * 7 % 5} of them.\n" for i in range(60)))
+    want, stats = None, {}
+    for guess in (True, False):
+        cfg = _cfg(tmp_path, path, 0)
+        cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.data.micro_batches = str(text), 0, 2
+        cfg.memory.device_slots = 2  # fewer slots than units: every unit read at every pass
+        cfg.io.guess_experts = guess
+        if want is None:
+            with torch.no_grad():
+                ref = [
+                    float(hf(input_ids=x, labels=y, shift_labels=y).loss) for x, y in EvalSet(cfg.data).micro_batches()
+                ]
+            want, passes = sum(ref) / len(ref), -(-len(ref) // 2)
+            assert passes >= 4
+        dev = _Counted(delay=0.001) if device == "separate" else None
+        assert evaluate(cfg, device=dev).loss == want
+        src, file_bytes = reads[-1]
+        s, es = src.stats, src.dtype.itemsize
+        units = sum(u.numel for u in src.layout.units) * es
+        assert file_bytes == passes * units - s.skipped_bytes + s.read_bytes + s.guessed_bytes
+        stats[guess] = s
+    on, off = stats[True], stats[False]
+    assert off.guessed == off.guessed_bytes == off.guess_hits == 0
+    assert on.guess_hits > on.guessed // 2 > 0  # most guesses reached
+    assert on.reached == off.reached  # the same pairs reached, fewer of them read after the router
+    assert on.read_bytes < off.read_bytes and on.read_bytes + on.hit_bytes == off.read_bytes
+    assert f"({on.guess_hits} of {on.guessed} reached)" in on.line()

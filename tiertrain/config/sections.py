@@ -127,6 +127,14 @@ class IOConfig(Section):
         "pass (exact: the experts not reached are never computed with). false: read blocks whole, "
         "ahead of the compute (faster where nearly every expert is reached: a long prefill).",
     )
+    guess_experts: bool = opt(
+        True,
+        "Routed reads: read a block's experts its last pass reached ahead, with the block, once "
+        "the passes show that the next pass reaches at least half of them again (eval and long "
+        "prompts: nearly every expert, read ahead of the compute instead of after the router); "
+        "exact either way (an expert read and not reached is never computed with). false: experts "
+        "are read only after the router names them.",
+    )
     gds: str = opt(
         "auto",
         "GPUDirect Storage on CUDA: parameters read from SSD straight into GPU memory through "

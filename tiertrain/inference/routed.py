@@ -30,10 +30,15 @@ host budget for weights leaves after the units kept whole, ``weights.resident_bu
 reached expert found there is copied from it instead of read; one read from the file takes a
 free row, or the row of the cached expert reached least often when that one was reached less.
 
-The reads are synchronous (a sync point: the routing is known only when the block's router
-has run), so where nearly every expert is reached (a long prefill, eval of many tokens) the
-bytes are those of the whole block without the prefetch's overlap; generation's decoding steps,
-a few tokens a step, are where it pays.
+A read the routing asks for is synchronous (a sync point: the routing is known only when the
+block's router has run). Guesses (``io.guess_experts``) take those reads off the compute's
+path where the routing repeats: each unit remembers the experts its last residency reached
+and how many of them the next reached (a running mean, ``GUESS_DECAY``); where that mean is at
+least ``GUESS_AT`` (eval of many tokens, a long prompt's passes: nearly every expert each
+time), a load reads those experts with the unit, ahead of the compute, as the whole block's
+prefetch would. Decoding a few tokens a step reaches other experts each step (the mean stays
+low): nothing is guessed there, and the bytes stay the routing's. A guessed expert the routing
+does not reach costs its bytes and nothing else: no expert not reached is computed with.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ __all__ = ["ExpertCache", "Experts", "RoutedReads", "RoutedStats", "find_experts
 log = logging.getLogger("tiertrain")
 
 BOUNCE_ROWS = 8  # experts read at once through a separate device's bounce buffer
+GUESS_AT = 0.5  # least running share of the last residency's experts reached again, to guess them
+GUESS_DECAY = 0.5  # weight of the past in that running share
 _INDEX_ARGS = ("top_k_index", "router_indices")  # transformers' names of the routing argument
 _COUNTS_ARG = "expert_size"  # JetMoE's: each expert's count of (token, expert) pairs
 
@@ -146,14 +153,19 @@ class RoutedStats:
     reached: int = 0  # (unit residency, expert) pairs the routing reached
     of: int = 0  # (unit residency, expert) pairs there were
     wait_s: float = 0.0  # seconds the compute waited for the experts' reads
+    guessed: int = 0  # (unit residency, expert) pairs read ahead with their unit
+    guessed_bytes: int = 0
+    guess_hits: int = 0  # of those, the pairs the routing then reached
+    hit_bytes: int = 0  # their bytes (reached: with ``read_bytes`` and ``cached_bytes``, the reached experts')
 
     def line(self) -> str:
         """The stats in words, for the summary lines."""
+        never = self.skipped_bytes - self.read_bytes - self.cached_bytes - self.guessed_bytes
         return (
             f"experts: {self.reached} of {self.of} reached and loaded ({self.read_bytes / 1e9:.3f} GB read in "
-            f"{self.wait_s:.2f} s waited, {self.cached_bytes / 1e9:.3f} GB from the expert cache, "
-            f"{(self.skipped_bytes - self.read_bytes - self.cached_bytes) / 1e9:.3f} GB of experts not reached "
-            "never read)"
+            f"{self.wait_s:.2f} s waited, {self.guessed_bytes / 1e9:.3f} GB read ahead as guessed ({self.guess_hits} "
+            f"of {self.guessed} reached), {self.cached_bytes / 1e9:.3f} GB from the expert cache, "
+            f"{never / 1e9:.3f} GB of experts not reached never read)"
         )
 
 
@@ -212,8 +224,10 @@ class RoutedReads(ParamSource):
 
     file_backed = True
 
-    def __init__(self, inner: ParamSource, tier, experts: list[Experts], dev, cache: ExpertCache | None) -> None:
-        self.inner, self.tier, self.dev, self.cache = inner, tier, dev, cache
+    def __init__(
+        self, inner: ParamSource, tier, experts: list[Experts], dev, cache: ExpertCache | None, *, guess: bool = True
+    ) -> None:
+        self.inner, self.tier, self.dev, self.cache, self.guess = inner, tier, dev, cache, guess
         self.dtype, self.layout = inner.dtype, tier.layout
         self.stats = RoutedStats()
         self.by_unit: dict[int, list[Experts]] = {}
@@ -222,6 +236,13 @@ class RoutedReads(ParamSource):
         self.keep = {u: _complement(self.layout.units[u].numel, exs) for u, exs in self.by_unit.items()}
         self.present: dict[int, set[tuple[int, int]]] = {}  # unit -> (experts module, expert) in its slot
         self.zeroed: dict[int, set[int]] = {}  # unit -> its "rows" experts modules whose slot rows are zeros or read
+        # guesses (module docstring): per unit, the (experts module, expert) pairs reached in its
+        # residency now and in its last one, those read ahead now, and the running share
+        self.now: dict[int, set[tuple[int, int]]] = {}
+        self.last: dict[int, set[tuple[int, int]]] = {}
+        self.guessed: dict[int, set[tuple[int, int]]] = {}
+        self.share: dict[int, float] = {}
+        self._filled: dict[int, list[tuple[int, int]]] = {}  # unit -> the ranges its load fills
         self._row = max(ex.row for ex in experts)
         # a separate device's rows cross through pinned host memory, BOUNCE_ROWS reads at a time
         self._bounce = (
@@ -253,19 +274,48 @@ class RoutedReads(ParamSource):
         return self.inner.host_bytes + (self.cache.bytes if self.cache is not None else 0)
 
     def filled(self, u: int) -> list[tuple[int, int]] | None:
-        """The element ranges of unit ``u`` a load fills (its experts left out; None: all)."""
-        return self.keep.get(u)
+        """The element ranges of unit ``u`` its last load filled (its experts left out but those
+        guessed; None: all)."""
+        return self._filled.get(u, self.keep.get(u))
 
     def load(self, u: int, out: torch.Tensor, slot: int | None = None) -> IOFuture:
-        """Unit ``u`` without its experts (those read when the routing reaches them)."""
+        """Unit ``u`` without its experts (those read when the routing reaches them), but those
+        guessed (see the module docstring)."""
         if u not in self.keep:
             return self.inner.load(u, out, slot)
-        self.present[u], self.zeroed[u] = set(), set()
+        guess = self._guess(u)
+        self.present[u], self.zeroed[u], self.guessed[u] = set(guess), set(), set(guess)
         unit, e = self.layout.units[u], self.dtype.itemsize
+        ranges = self._filled[u] = _merged(self.keep[u] + self._rows(u, guess))
         self.stats.skipped_bytes += (unit.numel - sum(b - a for a, b in self.keep[u])) * e
         self.stats.of += sum(ex.n for ex in self.by_unit[u])
+        self.stats.guessed += len(guess)
+        self.stats.guessed_bytes += sum(self.by_unit[u][j].row for j, _ in guess) * e
         f = self.tier.file
-        return IOFuture.gather([f.pread(out[a:b], (b - a) * e, (unit.offset + a) * e) for a, b in self.keep[u]])
+        return IOFuture.gather([f.pread(out[a:b], (b - a) * e, (unit.offset + a) * e) for a, b in ranges])
+
+    def _guess(self, u: int) -> list[tuple[int, int]]:
+        """The pairs to read ahead with unit ``u``'s load; its last residency's record closed."""
+        now = self.now.pop(u, None)
+        if now:  # a residency that ran: how much of the one before it came again
+            last = self.last.get(u)
+            if last:
+                again = len(last & now) / len(last)
+                self.share[u] = GUESS_DECAY * self.share.get(u, 0.0) + (1 - GUESS_DECAY) * again
+            self.last[u] = now
+        self.now[u] = set()
+        if not self.guess or self.share.get(u, 0.0) < GUESS_AT:
+            return []
+        cached = self.cache.where if self.cache is not None else {}
+        return sorted(p for p in self.last.get(u, ()) if (u, *p) not in cached)  # the cache's are copied, not read
+
+    def _rows(self, u: int, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Element ranges (in unit ``u``) of the rows of ``pairs``, per parameter, runs merged."""
+        out = []
+        for j, ex in enumerate(self.by_unit[u]):
+            for a, b in _runs([e for i, e in pairs if i == j]):
+                out += [(r.offset + a * (r.numel // ex.n), r.offset + b * (r.numel // ex.n)) for r in ex.records]
+        return out
 
     def close(self) -> None:
         for h in self._hooks:
@@ -280,7 +330,9 @@ class RoutedReads(ParamSource):
             return
         have = self.present.setdefault(ex.unit, set())
         # sync point: the routing is needed on the host to know what to read
-        miss = [e for e in ex.reached(args, kwargs) if (j, e) not in have]
+        reached = ex.reached(args, kwargs)
+        miss = [e for e in reached if (j, e) not in have]
+        self._tally(ex, j, reached)
         try:
             self._load(ex, j, miss)
             if ex.kind == "rows" and j not in self.zeroed.setdefault(ex.unit, set()):
@@ -293,6 +345,19 @@ class RoutedReads(ParamSource):
             raise
         have.update((j, e) for e in miss)
         self.stats.reached += len(miss)
+
+    def _tally(self, ex: Experts, j: int, reached: list[int]) -> None:
+        """The pairs reached in this residency (guesses' record), and the guessed ones reached
+        for the first time in it."""
+        now, guessed = self.now.setdefault(ex.unit, set()), self.guessed.get(ex.unit, set())
+        hits = [e for e in reached if (j, e) in guessed and (j, e) not in now]
+        now.update((j, e) for e in reached)
+        self.stats.guess_hits += len(hits)
+        self.stats.hit_bytes += len(hits) * ex.row * self.dtype.itemsize
+        self.stats.reached += len(hits)
+        if self.cache is not None:
+            for e in hits:
+                self.cache.reached((ex.unit, j, e))
 
     def _load(self, ex: Experts, j: int, miss: list[int]) -> None:
         """Experts ``miss`` of ``ex`` into the slot: from the cache where kept, else read."""
@@ -386,6 +451,17 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], e + 1)
         else:
             out.append((e, e + 1))
+    return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``[a, b)`` ranges, touching ones joined (fewer, larger reads and uploads)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] >= a:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
     return out
 
 

@@ -172,7 +172,7 @@ def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:
         rows * row / 2**20,
         f"memory.expert_cache_mib = {mib}" if mib is not None else "what the weights' host budget leaves",
     )
-    return RoutedReads(inner, tier, experts, rt.dev, cache)
+    return RoutedReads(inner, tier, experts, rt.dev, cache, guess=cfg.io.guess_experts)
 
 
 def resident_budget(cfg, rt, other_bytes: int = 0, host: tuple[int, str] | None = None) -> tuple[int, str]:
