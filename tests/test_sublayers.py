@@ -304,3 +304,43 @@ def test_layers_that_cannot_be_cut_exactly_are_refused_by_name(tmp_path):
         build_model(_cut(small_config(tmp_path, kind="llama"), 5).model, param_dtype=torch.float32, seed=0)
     with pytest.raises(ConfigError, match=r"model.layer_pieces = 0: must be >= 1"):
         ModelConfig(kind="llama", layer_pieces=0)
+
+
+def test_a_cut_its_measured_activations_make_short_gives_way_to_a_deeper_one(tmp_path):
+    """The planner picks the shallowest cut whose pools fit before any activation is measured
+    (measuring a 70 B piece's takes minutes); where that cut's measured activations then do not
+    fit, the next deeper cut is measured and taken (it refused before, after the probes). Where
+    even the deepest cut is short by its activations, the refusal names them and the rows a
+    micro-batch that make them."""
+    from tiertrain.config import ModelConfig
+    from tiertrain.cost.cuts import plan_budget
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, activations="auto", micro_batches=8)
+    cfg.model = ModelConfig(**SEVENTY_B, max_seq_len=4096)
+    cfg.data.seq_len, cfg.data.micro_batch_size = 4096, 2
+    cfg.memory.keep_act_mib = 0
+    rt = Runtime(cfg)
+    measured = []
+
+    def acts():  # a piece's activations: smaller the finer the cut
+        measured.append(rt.model.layer_parts)
+        return (12000 // rt.model.layer_parts) << 20, 0
+
+    try:
+        cfg.memory.host_mib = 24000  # 3 pieces fit but for their activations (21,432 MiB before them)
+        planned, plan = plan_budget(cfg, rt, None, acts)
+        assert planned.model.layer_pieces == 4 and measured == [3, 4], measured
+        assert sum(plan.fixed.values()) <= 24000 << 20
+    finally:
+        rt.close()
+    cfg.memory.host_mib = 16000
+    rt = Runtime(cfg)
+    try:
+        with pytest.raises(ConfigError) as err:
+            plan_budget(cfg, rt, None, lambda: (6400 << 20, 0))
+    finally:
+        rt.close()
+    msg = str(err.value)
+    assert "of which 12,800 MiB are activations of a micro-batch of 2 x 4,096 tokens, as measured" in msg, msg
+    assert "fewer rows a micro-batch (data.micro_batch_size" in msg

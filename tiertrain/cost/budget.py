@@ -388,10 +388,12 @@ class PoolsOverBudget(ConfigError):
         self.needed, self.host, self.source = needed, host, source
 
     @classmethod
-    def of(cls, host: int, source: str, needed: int, estimated: int = 0) -> "PoolsOverBudget":
+    def of(cls, host: int, source: str, needed: int, estimated: int = 0, acts: int = 0, data=None) -> "PoolsOverBudget":
         """The refusal of budget ``host`` (from ``source``) where ``needed`` bytes are the least
         that would run; ``estimated``: refused before measuring, that figure with one pair's
-        activations estimated (``needed``: with none)."""
+        activations estimated (``needed``: with none). ``acts``: of ``needed``, the measured
+        activations' bytes (a micro-batch's, held while a block computes, and the records'), for
+        the rows and tokens of ``data`` (its config section): named where they are what is short."""
         least = -(-(estimated or needed) // MIB)
         figure = (
             f"{needed / MIB:,.0f} MiB before any activations, about {estimated / MIB:,.0f} MiB with a micro-batch's, "
@@ -399,9 +401,20 @@ class PoolsOverBudget(ConfigError):
             if estimated
             else f"{needed / MIB:,.0f} MiB"
         )
+        if acts and data is not None:
+            figure += (
+                f", of which {acts / MIB:,.0f} MiB are activations of a micro-batch of {data.micro_batch_size} x "
+                f"{data.seq_len:,} tokens, as measured"
+            )
+        fewer = ""
+        if acts and data is not None and needed - acts <= host:  # the activations are what does not fit
+            fewer = (
+                "fewer rows a micro-batch (data.micro_batch_size, with more data.micro_batches for the same tokens), "
+            )
         return cls(
             f"memory.host_mib: the budget ({host / MIB:,.0f} MiB, {source}) is less than the fixed pools, the working "
-            f"set and the sizes set explicitly ({figure}); raise memory.host_mib to {'about' if estimated else 'at least'} "
+            f"set and the sizes set explicitly ({figure}); {fewer and 'take ' + fewer + 'or '}raise memory.host_mib to "
+            f"{'about' if estimated else 'at least'} "
             f"{least:,} or lower memory.device_slots / memory.update_buffer_kib / io.chunk_kib / memory.act_buffers / "
             "the *_mib fields set",
             needed=needed,
@@ -517,7 +530,8 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
     plan.demand = need
     left = host - sum(fixed.values()) - sum(v for f, v in explicit.items() if f in host_need)
     if left < 0:
-        raise PoolsOverBudget.of(host, source, host - left)
+        acts = (0 if device_acts else 2 * act) + fixed.get("activation records", 0)  # ``working_set``'s, the records'
+        raise PoolsOverBudget.of(host, source, host - left, acts=acts, data=cfg.data)
     given = dict(explicit)
     # initialisation's units, which no step holds: room the kept activations (only ever held in
     # steps) may take too, beyond what is left

@@ -83,11 +83,9 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
         if tried:  # rank 0 did not cut: back to the model as configured
             _recut(cfg, rt, cfg.model.layer_pieces, cfg.model.vocab_pieces)
         return resolve_budget(cfg, rt, rates_fn, act_fn)
-    layers, vocab = options[min(choice, len(options) - 1)]
-    cut_cfg = _recut(cfg, rt, layers, vocab)
     try:
-        cut_cfg, plan = resolve_budget(cut_cfg, rt, rates_fn, act_fn)  # refused here where even the last cut is short
-    except ConfigError as exc:
+        cut_cfg, plan = _resolve_cut(cfg, rt, rates_fn, act_fn, options, choice, agree)
+    except ConfigError as exc:  # refused here where even the last cut is short
         if not hint or choice != len(options):
             raise
         raise ConfigError(f"{exc}; {hint}") from None
@@ -107,6 +105,27 @@ def _plan_budget(cfg: Config, rt, rates_fn, act_fn=None, agree=None) -> tuple[Co
             f"{clip_note}); the tensors handed between the MLP's pieces are stashed too"
         )
     return cut_cfg, plan
+
+
+def _resolve_cut(cfg: Config, rt, rates_fn, act_fn, options: list, choice: int, agree) -> tuple[Config, Any]:
+    """The budget of cut ``options[choice]``; where its measured activations make it short (the
+    choice was made without them), of the next deeper cut that fits, measured in turn (ranks:
+    rank 0's). The last cut's refusal is raised."""
+    while True:
+        layers, vocab = options[min(choice, len(options) - 1)]
+        cut_cfg = _recut(cfg, rt, layers, vocab)
+        try:
+            out, short = resolve_budget(cut_cfg, rt, rates_fn, act_fn), None
+        except PoolsOverBudget as exc:
+            out, short = None, exc
+        deeper = short is not None and choice + 1 < len(options)
+        if agree is not None:  # every rank asks, every round: rank 0's answer
+            deeper = agree(deeper)
+        if not deeper:
+            if out is None:
+                raise short  # type: ignore[misc]
+            return out
+        choice += 1
 
 
 def _ranges_off(cfg: Config, rt) -> str:
