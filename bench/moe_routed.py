@@ -15,7 +15,7 @@ storage tier counted (per generated token) against the I/O floor (those bytes at
 rate, measured in the same run), and the tokens are compared with transformers' greedy
 ``generate`` on the model in memory (the peer, timed too).
 
-Usage: python bench/moe_routed.py [--family olmoe] [--shape layers=8,hidden=512,experts=64,top_k=8,...]
+Usage: python bench/moe_routed.py [--task generate or eval] [--passes 8] [--family olmoe] [--shape layers=8,hidden=512,experts=64,top_k=8,...]
                                   [--layer-pieces N]   (N > 2: the experts cut into N - 1 ranges)
                                   [--prompts 4] [--prompt-len 32] [--new-tokens 8] [--rounds 2] [--out FILE]
 """
@@ -98,6 +98,39 @@ def run_ours(
     )
 
 
+def run_eval(
+    model_dir: str, scratch: str, variant: str, passes: int, rows: int, seq: int, device: str, dtype: str
+) -> dict:
+    """``tiertrain eval`` of the bundled text (byte-level tokens), ``passes`` passes of two
+    micro-batches of ``rows`` rows: ``whole``, ``routed`` (no guesses), ``routed + guesses``."""
+    from tiertrain.config import load_config
+    from tiertrain.inference.evaluate import evaluate
+
+    cfg = load_config(
+        None,
+        [
+            f"--model.hf_dir={model_dir}",
+            f"--io.paths={scratch}/ssd",
+            "--io.weights=tier",
+            f"--io.routed_experts={str(variant != 'whole').lower()}",
+            f"--io.guess_experts={str(variant == 'routed + guesses').lower()}",
+            "--memory.host_param_mib=0",
+            "--memory.expert_cache_mib=0",
+            "--data.eval_corpus=bundled",
+            "--data.tokenizer=bytes",
+            f"--data.micro_batch_size={rows}",
+            f"--data.seq_len={seq}",
+            "--data.micro_batches=2",
+            f"--data.eval_micro_batches={2 * passes}",
+            f"--train.device={device}",
+            f"--train.param_dtype={dtype}",
+            "--train.progress=false",
+        ],
+    )
+    res = evaluate(cfg)
+    return dict(tokens=res.loss, s=res.seconds, gb=res.read_bytes / 1e9, reached=None, line=res.line(), n=res.tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from moe import write_config
@@ -113,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="", help="overrides of " + ",".join(f"{k}={v}" for k, v in SHAPE.items()))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (tiertrain and transformers' generate alike)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16, both systems' compute dtype")
+    ap.add_argument(
+        "--task",
+        default="generate",
+        help="generate, or eval: passes of two micro-batches of --prompts rows of --prompt-len tokens over the "
+        "bundled text (whole blocks, routed reads, routed reads with guesses)",
+    )
+    ap.add_argument("--passes", type=int, default=8, help="eval: passes")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -144,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             * getattr(torch, args.dtype).itemsize
         )
         cache_mib = int(experts_bytes * args.cache_fraction) >> 20
+        if args.task == "eval":
+            text = _eval_task(args, shape, model_dir, scratch)
+            publish(text, args.out)
+            return 0
         variants = {"whole": (False, 0), "routed": (True, 0), "routed + cache": (True, cache_mib)}
         run_ours(
             model_dir, scratch, prompts[:1], 1, True, 0, args.device, args.dtype, args.layer_pieces
@@ -183,6 +227,62 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, shape, n_params, runs, want, hf_s, rbw, cache_mib)
     publish(text, args.out)
     return 0
+
+
+def _eval_task(args, shape, model_dir: str, scratch: str) -> str:
+    """The eval task's rounds (the variants alternated), the disk measured, the report."""
+    import platform
+
+    from tiertrain.bench.io import run_io_bench
+
+    # the converted copy, made once, untimed
+    run_eval(model_dir, scratch, "routed", 1, args.prompts, args.prompt_len, args.device, args.dtype)
+    names = ("whole", "routed", "routed + guesses")
+    runs: dict[str, list[dict]] = {k: [] for k in names}
+    for r in range(args.rounds):
+        for name in names:
+            runs[name].append(
+                run_eval(model_dir, scratch, name, args.passes, args.prompts, args.prompt_len, args.device, args.dtype)
+            )
+            print(f"round {r + 1} {name}: {runs[name][-1]['s']:.2f} s, {runs[name][-1]['gb']:.3f} GB", flush=True)
+    io = run_io_bench([f"{scratch}/ssd"], size_bytes=args.io_mib << 20, repeats=2, use_fio=False, progress=False)
+    rbw = io.median("ours", "read")
+    rows = [
+        "| variant | s (per round) | tokens/s | GB read | I/O floor s | vs floor | loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    med = {}
+    for name, rs in runs.items():
+        s, gb = statistics.median(r["s"] for r in rs), statistics.median(r["gb"] for r in rs)
+        med[name] = (s, gb)
+        per = ", ".join(f"{r['s']:.2f}" for r in rs)
+        rows.append(
+            f"| {name} | {s:.2f} ({per}) | {rs[0]['n'] / s:,.0f} | {gb:.3f} | "
+            f"{gb / rbw:.2f} | {s / (gb / rbw):.2f}x | {rs[0]['tokens']:.6f} |"
+        )
+    same = len({r["tokens"] for rs in runs.values() for r in rs}) == 1
+    (ws, wgb), (rs_, rgb), (gs, ggb) = med["whole"], med["routed"], med["routed + guesses"]
+    line = runs["routed + guesses"][-1]["line"]
+    return "\n".join(
+        [
+            f"# Eval of a mixture of experts from the storage tier: routed reads with guesses ({args.family}), "
+            f"{time.strftime('%Y-%m-%d')}",
+            "",
+            f"- machine: {platform.machine()}, {os.cpu_count()} cores, one disk; disk read {rbw:.2f} GB/s (measured in this run)",
+            f"- model: {args.family} (" + ", ".join(f"{k} {v}" for k, v in shape.items()) + f"), random weights, "
+            f"{args.dtype} on {args.device}; `tiertrain eval` of the bundled text, byte-level tokens, {args.passes} passes "
+            f"of 2 micro-batches of {args.prompts} x {args.prompt_len} tokens; io.weights = tier, "
+            "memory.host_param_mib = 0 (every pass reads the model), no expert cache; "
+            f"{args.rounds} rounds alternating the variants, medians",
+            "",
+            *rows,
+            "",
+            f"- routed / whole: {rgb / wgb:.2f}x the bytes, {rs_ / ws:.2f}x the time; routed + guesses / whole: "
+            f"{ggb / wgb:.2f}x the bytes, {gs / ws:.2f}x the time; routed + guesses / routed: {gs / rs_:.2f}x the time",
+            f"- losses of every run equal: {same}",
+            f"- the last guessed run's line: `{line}`",
+        ]
+    )
 
 
 def report(args, shape, n_params, runs, want, hf_s: float, rbw: float, cache_mib: int) -> str:
