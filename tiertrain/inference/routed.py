@@ -36,7 +36,8 @@ path where the routing repeats: each unit remembers the experts its last residen
 and how many of them the next reached (a running mean, ``GUESS_DECAY``); where that mean is at
 least ``GUESS_AT`` (eval of many tokens, a long prompt's passes: nearly every expert each
 time), a load reads those experts with the unit, ahead of the compute, as the whole block's
-prefetch would. Decoding a few tokens a step reaches other experts each step (the mean stays
+prefetch would; where they were at least ``GUESS_ALL`` of a module's experts, it reads all of
+that module's (the few others would each wait on a read after the router). Decoding a few tokens a step reaches other experts each step (the mean stays
 low): nothing is guessed there, and the bytes stay the routing's. A guessed expert the routing
 does not reach costs its bytes and nothing else: no expert not reached is computed with.
 """
@@ -65,6 +66,7 @@ log = logging.getLogger("tiertrain")
 BOUNCE_ROWS = 8  # experts read at once through a separate device's bounce buffer
 GUESS_AT = 0.5  # least running share of the last residency's experts reached again, to guess them
 GUESS_DECAY = 0.5  # weight of the past in that running share
+GUESS_ALL = 0.75  # a module whose last residency reached this share of its experts: all guessed
 _INDEX_ARGS = ("top_k_index", "router_indices")  # transformers' names of the routing argument
 _COUNTS_ARG = "expert_size"  # JetMoE's: each expert's count of (token, expert) pairs
 
@@ -300,14 +302,18 @@ class RoutedReads(ParamSource):
         if now:  # a residency that ran: how much of the one before it came again
             last = self.last.get(u)
             if last:
-                again = len(last & now) / len(last)
-                self.share[u] = GUESS_DECAY * self.share.get(u, 0.0) + (1 - GUESS_DECAY) * again
+                again = len(last & now) / len(last)  # the first is taken as it is
+                self.share[u] = GUESS_DECAY * self.share.get(u, again) + (1 - GUESS_DECAY) * again
             self.last[u] = now
         self.now[u] = set()
         if not self.guess or self.share.get(u, 0.0) < GUESS_AT:
             return []
+        last = set(self.last.get(u, ()))
+        for j, ex in enumerate(self.by_unit[u]):  # nearly every expert last time: all of them (no miss to wait on)
+            if sum(i == j for i, _ in last) >= GUESS_ALL * ex.n:
+                last.update((j, e) for e in range(ex.n))
         cached = self.cache.where if self.cache is not None else {}
-        return sorted(p for p in self.last.get(u, ()) if (u, *p) not in cached)  # the cache's are copied, not read
+        return sorted(p for p in last if (u, *p) not in cached)  # the cache's are copied, not read
 
     def _rows(self, u: int, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Element ranges (in unit ``u``) of the rows of ``pairs``, per parameter, runs merged."""
