@@ -332,8 +332,9 @@ def report(args, shape, n_params, runs, want, hf_s: float, rbw: float, cache_mib
             *rows,
             "",
             f"- routed / whole: {rgb / wgb:.2f}x the bytes, {rs_ / ws:.2f}x the time",
-            "- I/O floor: the bytes the storage tier counted at the disk's read rate; the routed reads are "
-            "synchronous (after the router), the whole blocks' read ahead of the compute",
+            "- I/O floor: the bytes the storage tier counted at the disk's read rate; the routed reads wait on "
+            "the router but for those guessed (io.guess_experts: read ahead where a block's passes reach the same "
+            "experts again), the whole blocks' are read ahead of the compute",
         ]
     )
 
