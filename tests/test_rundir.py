@@ -236,3 +236,19 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, capsys, monk
     assert main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"]) == 0
     assert not (out / "model-00007-of-00007.safetensors").exists() and (out / "tiertrain.json").exists()
     assert tree_bytes(run) == {k[len("run/") :]: v for k, v in before.items() if k.startswith("run/")}
+
+
+def test_a_run_keeping_its_checkpoints_elsewhere_resumes_from_its_run_directory(tmp_path, capsys):
+    """With checkpoint.dir outside the run directory, `--resume RUN_DIR` (the command a stopped
+    run prints) finds them through the run's config; it said "stopped before its first
+    checkpoint" and offered --train.overwrite, which then deleted them without a word."""
+    run, ck = tmp_path / "run", tmp_path / "elsewhere"
+    assert main(["train", *tiny_flags(tmp_path, f"--checkpoint.dir={ck}", steps=3)]) == 0
+    assert names(ck) == ["step-00000003"] and not (run / "checkpoints").exists()
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--train.steps=5"]) == 0
+    assert "done: 2 steps" in capsys.readouterr().err
+    assert names(ck) == ["step-00000003", "step-00000005"] and steps_in(run) == [1, 2, 3, 4, 5]
+    assert main(["train", *tiny_flags(tmp_path, f"--checkpoint.dir={ck}", "--train.overwrite=true", steps=1)]) == 0
+    err = capsys.readouterr().err
+    assert f"train.overwrite: deleting 2 checkpoint(s) of the earlier run in {ck} (step-00000003, step-00000005)" in err

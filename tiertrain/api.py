@@ -53,11 +53,12 @@ def train(
     from .training.trainer import Trainer
 
     if resume is not None:
-        from .checkpoint import Manifest, find_checkpoint
+        from .checkpoint import Manifest
         from .config import parse_overrides
+        from .training.advice import find_resumable
         from .training.rundir import resumed_tree
 
-        resume = find_checkpoint(resume, "resume")  # a run directory: its latest checkpoint
+        resume = find_resumable(resume, "resume")  # a run directory: its latest checkpoint (where it keeps them)
         if config is None:  # the checkpoint's own config where it now is, the overrides on top
             config = resumed_tree(Manifest.read(resume).config, resume, parse_overrides(overrides))
             overrides = ()

@@ -9,7 +9,7 @@ import os
 
 from .rundir import METRICS, no_checkpoint_advice
 
-__all__ = ["resume_hint", "find_resumable"]
+__all__ = ["resume_hint", "find_resumable", "stored_checkpoint_root"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -43,10 +43,32 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
     try:
         return find_checkpoint(where, flag)
     except CheckpointError:
+        elsewhere = stored_checkpoint_root(where)  # the run's checkpoint.dir, outside the run directory
+        if elsewhere is not None:
+            return find_checkpoint(elsewhere, flag)
         run_dir = where if _holds_steps(where) else os.path.dirname(os.path.normpath(os.path.abspath(where)))
         if not _holds_steps(run_dir):
             raise
         raise CheckpointError(f"{flag} {where}: no checkpoint there; {no_checkpoint_advice(run_dir)}") from None
+
+
+def stored_checkpoint_root(run_dir: str) -> str | None:
+    """Where run directory ``run_dir``'s run writes checkpoints when that is not under it (its
+    config.json's ``checkpoint.dir``, made absolute as the run made it; None: under it, or no
+    run there)."""
+    import json
+
+    from .rundir import CONFIG
+
+    try:
+        with open(os.path.join(run_dir, CONFIG)) as f:
+            tree = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ck = (tree.get("checkpoint") or {}).get("dir") if isinstance(tree, dict) else None
+    if not isinstance(ck, str) or not ck:
+        return None
+    return ck if os.path.isabs(ck) else os.path.join(run_dir, ck)
 
 
 def _holds_steps(run_dir: str) -> bool:

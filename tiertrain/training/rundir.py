@@ -86,7 +86,15 @@ class RunDir:
                 f"`tiertrain train --resume {self.path}`, start over with --train.overwrite=true "
                 "(deletes its checkpoints and metrics), or give another --train.run_dir"
             )
-        for ck in list_checkpoints(self.checkpoint_root):
+        gone = list_checkpoints(self.checkpoint_root)
+        if gone:  # asked for (train.overwrite), said: they cannot be had back
+            log.warning(
+                "train.overwrite: deleting %d checkpoint(s) of the earlier run in %s (%s)",
+                len(gone),
+                self.checkpoint_root,
+                ", ".join(os.path.basename(c) for c in gone[:4]) + (", ..." if len(gone) > 4 else ""),
+            )
+        for ck in gone:
             shutil.rmtree(ck)
         for name in (METRICS, CONFIG):
             p = os.path.join(self.path, name)
