@@ -5,6 +5,7 @@ never written; checkpoints resumed bit for bit; bad adapter configs named."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -423,6 +424,38 @@ def test_eval_and_generate_apply_the_adapters_of_a_checkpoint_or_a_peft_director
     pcfg.model = ModelConfig(hf_dir=base_dir)
     pcfg.adapter.init_from = out
     assert generate(pcfg, prompts, s) == want
+
+
+def test_a_bfloat16_bases_adapter_evaluates_on_the_model_directory_as_on_its_checkpoint(tmp_path):
+    """An adapter trained on a bf16 base (fp32 compute) applied to the model directory with
+    ``--model.base_dtype=bfloat16``: eval and generation compute on the base rounded as the run
+    kept it, equal to the checkpoint's (the flag was ignored: the fp32 base, another loss)."""
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.config import Config, ModelConfig
+    from tiertrain.inference.evaluate import evaluate
+    from tiertrain.inference.generate import Sampling, generate
+    from tiertrain.inference.weights import CheckpointWeights
+
+    base_dir, _ = _hf_base(tmp_path, "llama")
+    cfg = lora_config(tmp_path / "run", "llama", steps=2)
+    cfg.model = ModelConfig(hf_dir=base_dir, base_dtype="bfloat16")
+    cfg.optim.lr = 2e-2
+    ck, _ = train_then_evaluate(cfg, tmp_path)
+    out = export_checkpoint(ck, str(tmp_path / "adapter"))
+    prompts, s = [[3, 17, 42, 9], [5, 8]], Sampling(max_new_tokens=8, stop_at_eos=False)
+    with CheckpointWeights(ck) as w:
+        ecfg = Config.from_dict(w.config, environment=False)
+        ecfg.train.run_dir = str(tmp_path / "eval-run")
+        want, tokens = evaluate(ecfg, weights=w.source).loss, generate(ecfg, prompts, s, weights=w.source)
+    for rounded in (True, False):
+        pcfg = lora_config(tmp_path / "gen", "llama")
+        pcfg.model = ModelConfig(hf_dir=base_dir, base_dtype="bfloat16" if rounded else None)
+        pcfg.adapter.init_from = out
+        pcfg.data = dataclasses.replace(ecfg.data)
+        got = evaluate(pcfg).loss
+        assert (got == want) == rounded, (got, want)
+    pcfg.model.base_dtype = "bfloat16"
+    assert generate(pcfg, prompts, s) == tokens
 
 
 @pytest.mark.slow

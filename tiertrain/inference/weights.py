@@ -88,7 +88,7 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
     """Where the units come from: the model's own files (``io.weights = source``) or their
     converted copy on the tier; a 4-bit base (``quant``) read in its 4 bits where it can be (a
     checkpoint's records as stored, or a copy made in 4 bits) and dequantized in the slots."""
-    source = rt.weights
+    source = _rounded(cfg, rt, rt.weights)
     records = source.records
     if quant is not None and records is not None and _same_layout(records.quant, quant):
         log.info("weights: the checkpoint's 4-bit base read as it is stored (%s)", quant.spec.describe())
@@ -117,6 +117,22 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
         progress=progress, quant=quant,
     )  # fmt: skip
     return tier if quant is None else DequantSource(tier, quant, rt.dtype, owns=True)
+
+
+def _rounded(cfg, rt, source):
+    """``source`` with each unit's weights rounded to a narrower float base's dtype and back
+    (``model.base_dtype = 'bfloat16'`` under float32 compute), as the adapter run trained on
+    them: it keeps its base in that dtype (a checkpoint's already is: rounding it again changes
+    nothing). Unchanged where the base is the compute dtype or quantized."""
+
+    base = rt.base_dtype
+    if not cfg.adapter.on or base == rt.dtype or not base.is_floating_point or source.dequantized:
+        return source
+
+    def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: t.to(base).to(rt.dtype) if t.is_floating_point() else t for n, t in source.load(u, names).items()}
+
+    return dataclasses.replace(source, describe=f"{source.describe}, rounded to {base} as the base", load=load)
 
 
 def _quant_layout(cfg, rt):
