@@ -456,6 +456,19 @@ def test_a_bfloat16_bases_adapter_evaluates_on_the_model_directory_as_on_its_che
         assert (got == want) == rounded, (got, want)
     pcfg.model.base_dtype = "bfloat16"
     assert generate(pcfg, prompts, s) == tokens
+    # merged: written in float32, as config.json says (it was bf16 labelled float32, the deltas rounded)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged = export_checkpoint(ck, str(tmp_path / "merged"), merge=True)
+    shards = [load_file(os.path.join(merged, n)) for n in os.listdir(merged) if n.endswith(".safetensors")]
+    assert {t.dtype for sd in shards for t in sd.values()} == {torch.float32}
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert model.dtype == torch.float32
+    with torch.no_grad():
+        got = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+               for p in prompts]  # fmt: skip
+    assert got == tokens
 
 
 @pytest.mark.slow

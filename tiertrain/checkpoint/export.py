@@ -227,7 +227,13 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     cfg, model, layout, file, entry = w.cfg, w.model, w.layout, w.path, w.entry
     names = _hf_names(model) if model.hf_model is not None else {}
     deltas = _merged(adapters)
+    # a merge is written in float32, as a 4-bit base's is: a narrower base (model.base_dtype =
+    # 'bfloat16') widened and the adapters' deltas added there (not rounded into bf16), every
+    # tensor in the dtype config.json names
+    wide = torch.float32 if adapters is not None else None
     if model.hf_config is not None:
+        if wide is not None:
+            model.hf_config.dtype = torch.float32
         model.hf_config.save_pretrained(out)
     weight_map, total, crc = {}, 0, 0
     n = len(layout.units)
@@ -247,6 +253,8 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
             tensors = {}
             for r in unit.params:  # a vocabulary piece's rows go into its whole matrix, saved with its last rows
                 for key, t in whole.add(r.name, view[r.offset : r.offset + r.numel].view(r.shape).clone()):
+                    if wide is not None and t.is_floating_point():  # --merge: in the compute dtype, as trained
+                        t = t.to(wide)
                     if key in deltas:  # --merge: the adapter folded into its base weight
                         t = (t + deltas[key].to(t.dtype)).contiguous()
                     tensors[names.get(key, key)] = t
