@@ -241,3 +241,20 @@ def test_a_socket_directory_left_by_a_killed_start_is_removed_by_the_next(monkey
     )
     assert not left.exists() and running.exists() and other.exists()
     shutil.rmtree(tmp_path)
+
+
+def test_a_disk_probe_file_of_a_killed_run_is_removed_by_the_next(tmp_path):
+    """A run killed while it measured the disk left `.tiertrain-probe-<pid>` (64 MiB) that no
+    later run removed. The next run on the path removes one whose process is gone, and leaves a
+    live process's probe alone."""
+    from tiertrain.io.scratch import clean_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    gone, live = ssd / f".tiertrain-probe-{dead.pid}", ssd / f".tiertrain-probe-{os.getppid()}"
+    for f in (gone, live):
+        f.write_bytes(b"x" * 4096)
+    removed = clean_stale([str(ssd)], known=["params.bin"])
+    assert removed == [(str(gone), 4096)] and live.exists() and not gone.exists()

@@ -185,7 +185,9 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
         if not os.path.isdir(p):
             continue
         for name in os.listdir(p):
-            if ".tmp" in name:  # a temporary file of one of ours: always stale
+            if _dead_probe(name):  # a disk probe's file whose process is gone (killed mid-probe)
+                stale = True
+            elif ".tmp" in name:  # a temporary file of one of ours: always stale
                 stale = matches(name.split(".tmp")[0].removesuffix(".crc"), known | keep)
             else:
                 base = name.removesuffix(".crc")
@@ -195,6 +197,24 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
                 removed.append((full, os.path.getsize(full)))
                 os.remove(full)
     return removed
+
+
+def _dead_probe(name: str) -> bool:
+    """``name`` is a disk probe's file (``.tiertrain-probe-<pid>``: ``cost/probe.py``,
+    ``paths.py``) whose process no longer runs."""
+    prefix = ".tiertrain-probe-"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return False
+    pid = int(name[len(prefix) :])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's live process
+        return False
+    return False
 
 
 def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
