@@ -252,3 +252,17 @@ def test_a_run_keeping_its_checkpoints_elsewhere_resumes_from_its_run_directory(
     assert main(["train", *tiny_flags(tmp_path, f"--checkpoint.dir={ck}", "--train.overwrite=true", steps=1)]) == 0
     err = capsys.readouterr().err
     assert f"train.overwrite: deleting 2 checkpoint(s) of the earlier run in {ck} (step-00000003, step-00000005)" in err
+
+
+def test_a_resume_with_another_precision_names_what_it_was_made_with_and_nothing_else(tmp_path, capsys):
+    """An intact checkpoint made with another precision or cut: the refusal names the settings it
+    was made with; no earlier checkpoint (it fails alike) nor --train.overwrite (it deletes the
+    run) is offered."""
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", steps=2)]) == 0
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--train.param_dtype=bfloat16", "--train.steps=3"]) != 0
+    err = capsys.readouterr().err
+    assert "was written for another model or precision" in err and "train.param_dtype = 'float32'" in err, err
+    assert "newest intact" not in err and "overwrite" not in err, err
+    assert names(run / "checkpoints") == ["step-00000001", "step-00000002"]

@@ -2,6 +2,7 @@
 
 from .manifest import (
     CheckpointError,
+    CheckpointMismatch,
     Manifest,
     clean_incomplete,
     find_checkpoint,
@@ -16,6 +17,7 @@ from .saver import CheckpointIO, SaveResult, read_tensors, write_tensors
 
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatch",
     "CheckpointIO",
     "Manifest",
     "SaveResult",

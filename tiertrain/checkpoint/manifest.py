@@ -27,6 +27,7 @@ __all__ = [
     "Manifest",
     "FileEntry",
     "CheckpointError",
+    "CheckpointMismatch",
     "list_checkpoints",
     "latest_checkpoint",
     "find_checkpoint",
@@ -50,6 +51,11 @@ def _canonical_crc(body: dict) -> int:
 
 class CheckpointError(TiertrainError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit this run."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint made with another config than this run's (no earlier checkpoint, and
+    no fresh start, is the remedy: the config it was made with is)."""
 
 
 @dataclass

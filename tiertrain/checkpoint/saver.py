@@ -26,7 +26,7 @@ from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
 from ..state.scales import ScaleLayout
-from .manifest import CheckpointError, FileEntry, Manifest, latest_checkpoint, list_checkpoints
+from .manifest import CheckpointError, CheckpointMismatch, FileEntry, Manifest, latest_checkpoint, list_checkpoints
 
 __all__ = ["CheckpointIO", "SaveResult", "write_tensors", "read_tensors"]
 
@@ -180,10 +180,10 @@ class CheckpointIO:
         man = Manifest.read(path)
         units = [u.numel for u in self.layout.units]
         if man.units != units or man.param_dtype != str(regions["params.bin"].dtype):
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"checkpoint {path} was written for another model or precision ({_describe(man.units, man.param_dtype)}) "
                 f"than this run ({_describe(units, str(regions['params.bin'].dtype))}); resume with the config it was "
-                "made with (its model.layer_pieces and model.vocab_pieces too: they set the units)"
+                f"made with: {_made_with(man.config, man.param_dtype)}"
             )
         for name, region in regions.items():
             entry = man.entry(name)
@@ -207,7 +207,7 @@ class CheckpointIO:
                 f"checkpoint file {path} is truncated or damaged: {actual} bytes, the manifest says {entry.size}"
             )
         if entry.size != self.file_size(region):  # intact, but made for another layout or state format
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"checkpoint file {path} holds {entry.size} bytes where this run's {entry.name} takes "
                 f"{self.file_size(region)}: it was made with another model layout or optimizer (the file is intact, "
                 "as the manifest records it); resume with the configuration it was made with"
@@ -237,6 +237,16 @@ class CheckpointIO:
 
     def close(self) -> None:
         self.workers.shutdown()
+
+
+def _made_with(config: dict, param_dtype: str) -> str:
+    """The settings that set a checkpoint's units and precision, as it stored them (the
+    parameters' dtype as it resolved: 'auto' is the machine's choice)."""
+    fields = (("model", "n_layers"), ("model", "d_model"), ("model", "layer_pieces"), ("model", "vocab_pieces"),
+              ("model", "base_dtype"))  # fmt: skip
+    said = [f"{sec}.{name} = {(config.get(sec) or {}).get(name)!r}" for sec, name in fields]
+    said.append(f"train.param_dtype = {param_dtype.removeprefix('torch.')!r} (its parameters' dtype)")
+    return ", ".join(said)
 
 
 def _describe(units: list[int], dtype: str) -> str:

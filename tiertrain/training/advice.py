@@ -16,10 +16,12 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     """`` (...)`` to append to ``exc``'s line: resume from the newest checkpoint, or, where the
     checkpoint ``resumed`` from is the damaged one, from the newest intact one before it; where
     the run wrote steps but no checkpoint, start over."""
-    from ..checkpoint import CheckpointError, intact_checkpoint, latest_checkpoint, step_of
+    from ..checkpoint import CheckpointError, CheckpointMismatch, intact_checkpoint, latest_checkpoint, step_of
     from ..dist import env_world
     from ..dist.launch import resume_command
 
+    if isinstance(exc, CheckpointMismatch):  # intact: its own config is the remedy, said in the error
+        return ""
     world = env_world()[1]
     root = os.path.abspath(cfg.checkpoint_root)
     run_dir = os.path.abspath(cfg.train.run_dir)
