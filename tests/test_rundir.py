@@ -59,6 +59,7 @@ def test_resume_past_rotation_then_a_finished_run(tmp_path, capsys):
     assert main(["train", f"--resume={run}", "--train.steps=12", "--checkpoint.every=3"]) == 0
     err = capsys.readouterr().err
     assert "done: 9 steps" in err
+    assert "resume: settings changed from the checkpoint's config: checkpoint.every 0 -> 3" in err, err
     assert names(run / "checkpoints") == ["step-00000009", "step-00000012"]
     assert steps_in(run) == list(range(1, 13))
     assert main(["train", f"--resume={run}"]) == 0

@@ -215,6 +215,14 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
         here = os.path.dirname(os.path.abspath(os.path.normpath(checkpoint)))
         if not _same(root, here):
             _move(tree, run_dir, root, here, "run_dir" in given.get("train", {}))
+    changed = [
+        f"{section}.{k} {tree.get(section, {}).get(k)!r} -> {v!r}"
+        for section, values in given.items()
+        for k, v in values.items()
+        if str(tree.get(section, {}).get(k)) != str(v) and (section, k) != ("train", "steps")
+    ]
+    if changed:  # said: a resumed run that trains otherwise than it began is the user's choice, never silent
+        log.info("resume: settings changed from the checkpoint's config: %s", ", ".join(changed))
     for section, values in given.items():
         tree.setdefault(section, {}).update(values)
     return tree
