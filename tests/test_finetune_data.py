@@ -505,3 +505,26 @@ def test_a_models_own_tokenizer_is_used_for_its_text(tmp_path):
     assert res.tokens == (140 - 1) // 16 * 16  # words, not bytes (the text has 140 words, 700 bytes)
     assert res.loss == evaluate(load_config(None, [*flags, f"--data.tokenizer={d}"])).loss
     assert load_config(None, [*flags, "--data.tokenizer=bytes"]).absolute().data.tokenizer == "bytes"  # bytes asked for
+
+
+def test_a_damaged_prepared_cache_entry_is_prepared_again(tmp_path, monkeypatch, caplog):
+    """A truncated token file in the prepared-data cache (which the user never made by hand) is
+    found at the next run, said, and prepared again: the rows are the same as before. The
+    refusal told the user to run `tiertrain prepare`, which does not touch the cache."""
+    import logging
+    import os
+
+    from tiertrain.data.loader import prepared_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, chat, tok)
+    out = prepared_cache(cfg.data, chat, "data.corpus")
+    ids = os.path.join(out, "ids.tokens")
+    whole = open(ids, "rb").read()
+    with open(ids, "r+b") as f:
+        f.truncate(len(whole) - 7)
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        assert prepared_cache(cfg.data, chat, "data.corpus") == out
+    assert "is damaged" in caplog.text and "truncated" in caplog.text, caplog.text
+    assert open(ids, "rb").read() == whole

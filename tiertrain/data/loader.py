@@ -204,6 +204,20 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
     )
 
 
+def _damaged(prepared: str) -> str:
+    """Why a prepared directory's token files do not read whole ('' where they do: header,
+    size and checksum)."""
+    from .tokens import TokenFileError, read_tokens
+
+    for name in sorted(os.listdir(prepared)):
+        if name.endswith(".tokens"):
+            try:
+                read_tokens(os.path.join(prepared, name), verify=True)
+            except TokenFileError as exc:
+                return str(exc).split(";")[0]
+    return ""
+
+
 def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     """Rows prepared once into ``$XDG_CACHE_HOME/tiertrain/prepared/<key>`` (default
     ``~/.cache``), the key hashing the input's path, size and modification time, the tokenizer's
@@ -226,8 +240,15 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     from .examples import is_prepared
 
     if is_prepared(out):
-        log.info("%s: %s prepared before, in %s", what, path, out)
-        return out
+        damage = _damaged(out)
+        if not damage:
+            log.info("%s: %s prepared before, in %s", what, path, out)
+            return out
+        # a cache entry is ours to make again: the user never prepared it by hand
+        log.warning("%s: the prepared copy in %s is damaged (%s): prepared again", what, out, damage)
+        import shutil
+
+        shutil.rmtree(out)
     log.info("%s: preparing %s into %s (once)", what, path, out)
     prepare_examples([path], out, tokenizer=cfg.tokenizer, kind=cfg.format, mask_prompt=cfg.mask_prompt)
     return out
