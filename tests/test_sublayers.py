@@ -237,16 +237,22 @@ def _plan_shape(tmp_path, host_mib, act_mib, **shape):
     state's place given (nothing to rank: no machine measured) and ``act_mib`` of activations a
     (piece, micro-batch) as the probe would measure them."""
     from tiertrain.config import ModelConfig
-    from tiertrain.cost.cuts import plan_budget
-    from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, activations="auto", micro_batches=8)
     cfg.model = ModelConfig(**shape, max_seq_len=4096)
     cfg.data.seq_len, cfg.data.micro_batch_size = 4096, 1
     cfg.memory.host_mib, cfg.memory.keep_act_mib = host_mib, 0
+    return _planned(cfg, lambda rt: (act_mib << 20, 0))
+
+
+def _planned(cfg, acts):
+    """``plan_budget`` of ``cfg`` on a runtime of its own, ``acts(rt)`` one pair's activations."""
+    from tiertrain.cost.cuts import plan_budget
+    from tiertrain.runtime import Runtime
+
     rt = Runtime(cfg)
     try:
-        return plan_budget(cfg, rt, None, lambda: (act_mib << 20, 0))
+        return plan_budget(cfg, rt, None, lambda: acts(rt))
     finally:
         rt.close()
 
@@ -313,34 +319,24 @@ def test_a_cut_its_measured_activations_make_short_gives_way_to_a_deeper_one(tmp
     even the deepest cut is short by its activations, the refusal names them and the rows a
     micro-batch that make them."""
     from tiertrain.config import ModelConfig
-    from tiertrain.cost.cuts import plan_budget
-    from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, activations="auto", micro_batches=8)
     cfg.model = ModelConfig(**SEVENTY_B, max_seq_len=4096)
     cfg.data.seq_len, cfg.data.micro_batch_size = 4096, 2
     cfg.memory.keep_act_mib = 0
-    rt = Runtime(cfg)
     measured = []
 
-    def acts():  # a piece's activations: smaller the finer the cut
+    def acts(rt):  # a piece's activations: smaller the finer the cut
         measured.append(rt.model.layer_parts)
         return (12000 // rt.model.layer_parts) << 20, 0
 
-    try:
-        cfg.memory.host_mib = 24000  # 3 pieces fit but for their activations (21,432 MiB before them)
-        planned, plan = plan_budget(cfg, rt, None, acts)
-        assert planned.model.layer_pieces == 4 and measured == [3, 4], measured
-        assert sum(plan.fixed.values()) <= 24000 << 20
-    finally:
-        rt.close()
+    cfg.memory.host_mib = 24000  # 3 pieces fit but for their activations (21,432 MiB before them)
+    planned, plan = _planned(cfg, acts)
+    assert planned.model.layer_pieces == 4 and measured == [3, 4], measured
+    assert sum(plan.fixed.values()) <= 24000 << 20
     cfg.memory.host_mib = 16000
-    rt = Runtime(cfg)
-    try:
-        with pytest.raises(ConfigError) as err:
-            plan_budget(cfg, rt, None, lambda: (6400 << 20, 0))
-    finally:
-        rt.close()
+    with pytest.raises(ConfigError) as err:
+        _planned(cfg, lambda rt: (6400 << 20, 0))
     msg = str(err.value)
     assert "of which 12,800 MiB are activations of a micro-batch of 2 x 4,096 tokens, as measured" in msg, msg
     assert "fewer rows a micro-batch (data.micro_batch_size" in msg

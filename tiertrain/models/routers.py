@@ -104,11 +104,11 @@ class RouterLoss:
         if backward:
             self._leaves = dict(zip(keys, leaves))
         aux = self._fn(tuple(leaves), self.experts, self.top_k, None)
+        added = self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
         if weight != 1.0:
-            self.last = (weight * (self.coef * aux.to(loss.device))).detach()
-            return loss + self.last
-        self.last = (self.coef * aux.to(loss.device)).detach()  # what was added (an evaluation reports it apart)
-        return loss + self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
+            added = weight * added
+        self.last = added.detach()  # what was added (an evaluation reports it apart)
+        return loss + added
 
     def collect(self) -> None:
         """After the head's backward of a micro-batch: each router's share of the gradient,
