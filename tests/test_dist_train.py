@@ -335,7 +335,11 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     assert step == 2
     resumed = _cli(tmp_path / "b", "--resume", str(tmp_path / "b" / "run"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "this run has" not in resumed.stderr  # resumed on the ranks it was trained on: nothing to say
     assert _final(tmp_path / "b") == _final(tmp_path / "a")
+    from tiertrain.checkpoint import Manifest, latest_checkpoint
+
+    assert Manifest.read(latest_checkpoint(str(tmp_path / "b" / "run" / "checkpoints"))).ranks == 2
 
 
 @pytest.mark.slow

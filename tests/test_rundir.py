@@ -267,3 +267,36 @@ def test_a_resume_with_another_precision_names_what_it_was_made_with_and_nothing
     assert "was written for another model or precision" in err and "train.param_dtype = 'float32'" in err, err
     assert "newest intact" not in err and "overwrite" not in err, err
     assert names(run / "checkpoints") == ["step-00000001", "step-00000002"]
+
+
+def test_another_adapter_kind_on_resume_is_refused_for_the_kind_and_options_alone_mean_train(tmp_path, capsys):
+    """A full fine-tune on the engines resumed with --adapter.kind=lora was first refused for its
+    update mode (which suits the checkpoint's kind), not for the kind; and `tiertrain --resume
+    RUN` (no command, as no command runs the main job) took the run directory for a command."""
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--update.mode=engines", steps=1)]) == 0
+    capsys.readouterr()
+    assert main(["train", f"--resume={run}", "--adapter.kind=lora", "--train.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "was made with adapter kind 'none'; this run has kind 'lora'" in err and "update.mode" not in err, err
+    assert main(["--resume", str(run), "--train.steps=2"]) == 0
+    assert "done: 1 step" in capsys.readouterr().err and steps_in(run) == [1, 2]
+
+
+def test_a_checkpoint_resumed_on_other_ranks_says_the_global_batch_it_now_takes(tmp_path):
+    """Each rank takes its own micro-batches: a 1-rank checkpoint resumed on 2 ranks doubles the
+    global batch. --nproc is no config setting, so the changed-settings line never said it. The
+    checkpoint records its ranks (a 2-rank run's: tests/test_dist_train.py)."""
+    from tiertrain.training.checkpoints import other_ranks_note
+
+    cfg = small_config(tmp_path, steps=1)
+    with Trainer(cfg) as t:
+        t.run()
+    assert Manifest.read(list_checkpoints(str(tmp_path / "run" / "checkpoints"))[-1]).ranks == 1
+    assert other_ranks_note(1, 2, 4, 2) == (
+        "was trained on 1 rank(s), this run has 2: each rank takes 4 micro-batches of 2 sequences, so a step now "
+        "takes 16 sequences (the checkpoint's steps took 8); --data.micro_batches=2 keeps the checkpoint's"
+    )
+    assert other_ranks_note(2, 1, 3, 1).endswith("took 6); --data.micro_batches=6 keeps the checkpoint's")
+    assert other_ranks_note(1, 2, 3, 1).endswith("no whole data.micro_batches keeps the checkpoint's")
+    assert other_ranks_note(2, 2, 3, 1) is None and other_ranks_note(0, 2, 3, 1) is None  # 0: an older checkpoint

@@ -512,12 +512,24 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _train_by_default(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     _setup_logging(args.verbose)
     with _sigterm_interrupts():
         return _run(parser, args, rest)
+
+
+def _train_by_default(argv: list[str]) -> list[str]:
+    """Options given without a command are ``train``'s (no command runs the main job):
+    ``tiertrain --resume DIR`` is ``tiertrain train --resume DIR``. argparse alone would take
+    the option's value for a command and refuse it."""
+    i = 0
+    while i < len(argv) and argv[i] in ("-v", "--verbose"):
+        i += 1
+    if i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-h", "--help"):
+        return [*argv[:i], "train", *argv[i:]]
+    return argv
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:

@@ -77,6 +77,9 @@ class Manifest:
     weights_dtype: str = ""
     # the compute dtype, where the weights file holds a 4-bit base (its dtype is then uint8)
     compute_dtype: str = ""
+    # the ranks that trained it (0: not recorded, older checkpoints); each rank's micro-batches
+    # are its own, so a run resumed on other ranks takes another global batch (said at resume)
+    ranks: int = 0
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:

@@ -113,12 +113,14 @@ class CheckpointIO:
         weights: str = "",
         extra: dict[str, tuple[dict, dict]] | None = None,
         compute_dtype: str = "",
+        ranks: int = 1,
     ) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
         (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
         that holds the weights (named in the manifest: what export and eval read); ``extra``:
         small files by name, (tensors, metadata) each (the adapters), checked as the rest;
-        ``compute_dtype``: recorded where a region holds a 4-bit base (what its weights are made in)."""
+        ``compute_dtype``: recorded where a region holds a 4-bit base (what its weights are made in);
+        ``ranks``: the ranks that trained it (recorded)."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -141,6 +143,7 @@ class CheckpointIO:
                 weights=weights,
                 weights_dtype=str(regions[weights].dtype) if weights else "",
                 compute_dtype=compute_dtype,
+                ranks=ranks,
             ).write(tmp)
             _fsync_dir(tmp)
             _replace_dir(tmp, final)

@@ -20,9 +20,28 @@ from ..dist.checkpoint import follow
 from ..io import aligned_empty
 from ..models.pieces import WholeTensors
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "other_ranks_note"]
 
 log = logging.getLogger("tiertrain")
+
+
+def other_ranks_note(trained: int, world: int, micro_batches: int, rows: int) -> str | None:
+    """What a checkpoint trained on ``trained`` ranks (0: not recorded) resumed on ``world`` must
+    say, None where nothing changes. Allowed (every checkpoint holds whole states), but each rank
+    takes its own ``micro_batches`` of ``rows`` sequences, so the global batch changes."""
+    if not trained or trained == world:
+        return None
+    keep = trained * micro_batches
+    hint = (
+        f"--data.micro_batches={keep // world} keeps the checkpoint's"
+        if keep % world == 0
+        else "no whole data.micro_batches keeps the checkpoint's"
+    )
+    return (
+        f"was trained on {trained} rank(s), this run has {world}: each rank takes {micro_batches} micro-batches "
+        f"of {rows} sequences, so a step now takes {world * micro_batches * rows} sequences (the checkpoint's steps "
+        f"took {keep * rows}); {hint}"
+    )
 
 
 class Checkpoints:
@@ -66,6 +85,7 @@ class Checkpoints:
                 weights=self.weights_file,
                 extra=extra,
                 compute_dtype=self.compute_dtype,
+                ranks=g.world,
             )
         else:
             follow(whole, self.canonical)

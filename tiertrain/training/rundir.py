@@ -223,9 +223,27 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
     ]
     if changed:  # said: a resumed run that trains otherwise than it began is the user's choice, never silent
         log.info("resume: settings changed from the checkpoint's config: %s", ", ".join(changed))
+    _same_adapter_kind(stored, given, checkpoint)
     for section, values in given.items():
         tree.setdefault(section, {}).update(values)
     return tree
+
+
+def _same_adapter_kind(stored: dict, given: dict, checkpoint: str) -> None:
+    """A resumed run's adapter kind is its checkpoint's. Checked here, before the merged config
+    is validated: a kind another than the run was made with would otherwise first be refused for
+    the settings that suit the checkpoint's kind (its update mode), not for the kind itself."""
+    kind = given.get("adapter", {}).get("kind")
+    theirs = stored.get("adapter") or {}
+    if kind is None or kind == theirs.get("kind", "none"):
+        return
+    from dataclasses import asdict
+
+    from ..adapters.train import same_adapter_config
+    from ..config import AdapterConfig
+
+    ours = {**asdict(AdapterConfig()), **theirs, **given["adapter"]}
+    same_adapter_config(ours, theirs, f"checkpoint {checkpoint}")
 
 
 def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -> None:

@@ -57,7 +57,7 @@ from ..state.quant import base_storage, quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, other_ranks_note
 from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
@@ -411,6 +411,7 @@ class Trainer:
         same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
         same_optimizer(self.cfg.optim.name, man.config.get("optim", {}).get("name", "adamw"), f"checkpoint {path}")
+        self._say_other_ranks(man, path)
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:
@@ -420,6 +421,14 @@ class Trainer:
         self.step = man.step
         self.update.restored(man.step)
         return man
+
+    def _say_other_ranks(self, man: Manifest, path: str) -> None:
+        """Said, since ``--nproc`` is not a config setting that the changed-settings line names."""
+        note = other_ranks_note(
+            man.ranks, self.group.world, self.cfg.data.micro_batches, self.cfg.data.micro_batch_size
+        )
+        if note and self.group.leader:
+            log.warning("checkpoint %s %s", path, note)
 
     @property
     def resume_command(self) -> str:
