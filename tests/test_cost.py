@@ -2,6 +2,7 @@
 prediction's arithmetic, and `tiertrain plan`. (How close its times come to measured steps
 is a benchmark: bench/cost_model.py.)"""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -429,3 +430,66 @@ def test_a_long_probe_pass_is_followed_by_one_timed_pass(tmp_path, monkeypatch, 
         assert len(acts) == 1 and rates.act_bytes > 0 and rates.io_slowdown >= 1.0
     finally:
         rt.close()
+
+
+def test_the_link_is_measured_and_in_the_forward_and_the_backward(tmp_path):
+    """Where device memory is separate, a step's host <-> device copies (``Traffic.up`` and
+    ``down``) at the probed rates are half in the forward's I/O and half in the backward's (they
+    were counted by the traffic, never timed: a CUDA step's prediction left out the link)."""
+    from tiertrain.cost.probe import probe_link
+    from tiertrain.device import Device
+    from tiertrain.device.simulated import AsyncCpuDevice
+
+    dev = AsyncCpuDevice(delay=0.0)
+    up, down = probe_link(dev, mib=4)
+    assert up > 0 and down > 0 and probe_link(Device(), mib=4) == (0.0, 0.0)
+    cfg = small_config(tmp_path, layers=4, micro_batches=2)
+    cfg.io.checksum = False
+    t = Traffic(forward_read=int(0.5e9), backward_read=int(1e9), up=int(6e9), down=int(2e9))
+    args = dict(blocks=4, kept=8, n_trained=10**8, first_read=0, cpu_compute=False)
+    without = predict(cfg, t, _rates(), **args)
+    p = predict(cfg, t, _rates(up_gbps=3.0, down_gbps=1.0), **args)  # 2 s up, 2 s down
+    for phase, disk in (("forward", 0.5), ("backward", 1.0)):
+        assert without.phase(phase).io_s == pytest.approx(disk), phase
+        assert p.phase(phase).io_s == pytest.approx(disk + 2.0) and p.phase(phase).bound == "I/O", phase
+    cfg.update.mode = "engines"  # every path's phases carry it, once
+    assert predict(cfg, t, _rates(up_gbps=3.0, down_gbps=1.0), **args).phase("backward").io_s == pytest.approx(3.0)
+    cfg.update.mode, cfg.update.eager, cfg.optim.grad_clip = "overlap", True, 0.0
+    eager = predict(cfg, t, _rates(up_gbps=3.0, down_gbps=1.0, read_gbps=1e9, write_gbps=1e9), **args)
+    assert eager.phase("backward").io_s == pytest.approx(2.0, rel=1e-6)
+
+
+def test_the_plan_names_the_tokens_a_step_from_which_the_step_is_compute_bound(tmp_path):
+    """`tiertrain plan`'s knee: the fewest micro-batches (powers of two) at which the device's
+    forward and backward take at least 90% of the predicted step, and what bounds the step
+    below (each resource alone: the device, the drive, the link, the host's update)."""
+    from tiertrain.cost import predict_with
+    from tiertrain.cost.report import COMPUTE_BOUND, _terms, knee
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, kind="llama", layers=3, micro_batches=1, slots=2, host_param_mib=0)
+    cfg.io.checksum = False
+    rt = Runtime(cfg)
+    r = _rates(block_fwd_s=0.01, block_bwd_s=0.02, head_s=0.005, read_gbps=0.01, write_gbps=0.01)
+    pred = predict_with(cfg, rt, r)
+    terms = _terms(pred)
+    assert terms["the drive"] > terms["the device's compute"] and terms["the link"] == 0.0
+    said = knee(cfg, rt, pred)
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_len
+    m = int(said.split("(")[1].split(" micro-batches")[0])
+    assert said.startswith(f"compute-bound from {m * tokens:,} tokens a step ({m} micro-batches") and m > 1, said
+    assert "below that bound by the drive: this run's" in said, said
+
+    def share(k):
+        c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batches=k))
+        p = predict_with(c, rt, r)
+        return _terms(p)["the device's compute"] / p.step_s
+
+    assert share(m) >= COMPUTE_BOUND > share(m // 2)
+    fast = dataclasses.replace(r, read_gbps=1e6, write_gbps=1e6)
+    assert knee(cfg, rt, predict_with(cfg, rt, fast)).startswith("compute-bound: this run's")
+    slow = dataclasses.replace(r, update_elem_s=1.0)  # the host's update outweighs any batch here
+    assert knee(cfg, rt, predict_with(cfg, rt, slow), most=8).startswith(
+        f"not compute-bound up to {8 * tokens:,} tokens a step"
+    )
+    assert "bound by the host's update" in knee(cfg, rt, predict_with(cfg, rt, slow), most=8)

@@ -12,7 +12,7 @@ import os
 
 from ..execute.executor import visits
 from .model import Phase, Prediction, predict
-from .probe import DiskProbe, Rates, probe_base, probe_compute, probe_crc, probe_update
+from .probe import DiskProbe, Rates, probe_base, probe_compute, probe_crc, probe_link, probe_update
 from .traffic import Traffic, kept_pairs, offloaded_pairs, run_traffic, step_traffic
 
 __all__ = [
@@ -53,6 +53,7 @@ def _measure_rates(cfg, rt, probe_mib: int) -> Rates:
         comp = probe_compute(*args)
         with d.reading():  # the same blocks while the storage tier reads: what the overlap costs
             busy = probe_compute(*args, blocks_only=True, acts=(comp["act_bytes"], comp["record_bytes"]))
+    up, down = probe_link(rt.dev)
     quiet = comp["block_fwd_s"] + comp["block_bwd_s"]
     slow = max(1.0, (busy["block_fwd_s"] + busy["block_bwd_s"]) / quiet) if quiet > 0 else 1.0
     return Rates(
@@ -64,6 +65,8 @@ def _measure_rates(cfg, rt, probe_mib: int) -> Rates:
         update_elem_s=probe_update(rt.dtype, rt.layout.max_unit_numel, cfg),
         widen_gbps=probe_base(cfg, rt),
         cores=len(os.sched_getaffinity(0)),
+        up_gbps=up,
+        down_gbps=down,
         **comp,
     )
 

@@ -20,7 +20,7 @@ from ..update.base import Phase
 from .probe import Rates
 from .traffic import Traffic
 
-__all__ = ["Phase", "Prediction", "StepCosts", "predict"]
+__all__ = ["Phase", "Prediction", "StepCosts", "link_s", "predict"]
 
 
 @dataclass
@@ -90,12 +90,13 @@ class StepCosts:
     upd_cpu: float  # CPU seconds of the update: its kernel, checksums, I/O threads
     first_read: int  # bytes of the forward's first unit read from a file (nothing hides it)
     cpu_compute: bool  # the device is this CPU: the update takes its cores
-    pcie_s: float  # seconds of host <-> device copies a phase waits for, per phase
+    pcie_s: float  # seconds of host <-> device copies in each of the forward and the backward (``phase`` adds them)
 
     def phase(
         self, name: str, compute: float, read: int, write: int, *, extra_io: float = 0.0, extra_cpu: float = 0.0
     ) -> Phase:
-        """A phase of ``compute`` seconds moving ``read`` / ``write`` bytes on the storage tier."""
+        """A forward's or backward's phase of ``compute`` seconds moving ``read`` / ``write`` bytes
+        on the storage tier, and its share of the host <-> device copies."""
         return _phase(
             name,
             compute,
@@ -104,12 +105,18 @@ class StepCosts:
             self.rates,
             self.cfg.io.checksum,
             cpu_compute=self.cpu_compute,
-            extra_io=extra_io,
+            extra_io=extra_io + self.pcie_s,
             extra_cpu=extra_cpu,
         )
 
     def first_read_s(self) -> float:
         return self.first_read / (self.rates.read_gbps * 1e9)
+
+
+def link_s(traffic: Traffic, r: Rates) -> float:
+    """Seconds of a step's host <-> device copies at the measured rates (0 without a link)."""
+    up = traffic.up / (r.up_gbps * 1e9) if r.up_gbps > 0 else 0.0
+    return up + (traffic.down / (r.down_gbps * 1e9) if r.down_gbps > 0 else 0.0)
 
 
 def predict(
@@ -122,7 +129,6 @@ def predict(
     n_trained: int,
     first_read: int,
     cpu_compute: bool,
-    pcie_gbps: float | None = None,
     offloaded: int = 0,
 ) -> Prediction:
     """The predicted step of a run of ``cfg`` (see the module docstring). ``n_trained``: the
@@ -141,8 +147,10 @@ def predict(
     if cpu_compute and r.widen_gbps > 0:  # a narrower base widened on the compute's thread, per fetch
         fwd_c += traffic.widen.get("forward", 0) / (r.widen_gbps * 1e9)
         bwd_c += traffic.widen.get("backward", 0) / (r.widen_gbps * 1e9)
-    pcie_s = ((traffic.up + traffic.down) / (pcie_gbps * 1e9) if pcie_gbps else 0.0) / 2
-    fwd = _phase("forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute)
+    pcie_s = link_s(traffic, r) / 2  # half of it in each phase, beside the disk's
+    fwd = _phase(
+        "forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute, extra_io=pcie_s
+    )
     fwd.time_s += first_read / (r.read_gbps * 1e9)
     bwd = _phase(
         "backward",

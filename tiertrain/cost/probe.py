@@ -31,6 +31,7 @@ from ..update.kernels import adamw_segments
 from .unit_timing import time_unit_steps
 
 __all__ = [
+    "probe_link",
     "Rates",
     "DiskProbe",
     "probe_compute",
@@ -61,6 +62,10 @@ class Rates:
     cores: int
     record_bytes: int = 0  # one pair's record of offloaded activations (its input, in the stash, not counted)
     widen_gbps: float = 0.0  # GB/s of the compute dtype made from a narrower or 4-bit base (0: none to make)
+    # host <-> device copies where device memory is separate (pinned host memory, one copy in
+    # flight, each direction alone), GB/s; 0: the device computes in host memory (no link)
+    up_gbps: float = 0.0
+    down_gbps: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +173,29 @@ class DiskProbe:
             except FileNotFoundError:
                 pass
         self.st.close()
+
+
+def probe_link(dev, mib: int = 64) -> tuple[float, float]:
+    """GB/s of host -> device and device -> host copies of ``mib`` MiB, as the stores copy
+    (page-locked host memory where the device pins, its upload and download streams), each
+    direction timed alone; (0, 0) where the device computes in host memory."""
+    if not dev.separate:
+        return 0.0, 0.0
+    n = mib << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.pin)
+    d = dev.empty(n, torch.uint8)
+
+    def copy(fn) -> float:
+        def once() -> None:
+            fn()
+            dev.synchronize()  # sync point: the copy has run
+
+        return n / _timed(once, repeats=2) / 1e9
+
+    try:
+        return copy(lambda: dev.upload(d, host, after=dev.event())), copy(lambda: dev.download(host, d))
+    finally:
+        dev.release(d)
 
 
 def probe_crc(mib: int = 64) -> float:

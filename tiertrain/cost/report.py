@@ -10,7 +10,7 @@ from ..models import model_name
 from ..state.quant import base_storage, quant_spec
 from .model import Prediction
 
-__all__ = ["plan_report", "advice"]
+__all__ = ["plan_report", "advice", "knee"]
 
 GB, MIB = 1e9, 1 << 20
 
@@ -83,6 +83,60 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
         verdict = f"{best} is predicted {times[this] / times[best]:.2f}x faster than {this} (update.mode)"
     out.append(f"update path: {listed} per step: {verdict}")
     return out
+
+
+def _terms(p: Prediction) -> dict[str, float]:
+    """A predicted step's seconds of each resource, as if each ran alone: the device's forward
+    and backward (recomputes included), the drive's reads and writes, the host <-> device link,
+    the optimizer's kernel on the host."""
+    from .model import link_s
+
+    t, r = p.traffic, p.rates
+    return {
+        "the device's compute": sum(ph.compute_s for ph in p.phases[:2]),
+        "the drive": t.read / (r.read_gbps * GB) + t.write / (r.write_gbps * GB),
+        "the link": link_s(t, r),
+        "the host's update": p.phases[2].compute_s if len(p.phases) > 2 else 0.0,
+    }
+
+
+COMPUTE_BOUND = 0.9  # the device computes at least this share of the predicted step
+
+
+def knee(cfg, rt, pred: Prediction, most: int = 4096) -> str:
+    """The fewest tokens a step (powers of two of micro-batches, up to ``most``) at which the
+    step is compute-bound: the device's forward and backward take at least 90% of it, predicted
+    with the same rates; and what bounds this run's step where it is not."""
+    from . import predict_with
+
+    d = cfg.data
+    rows = d.micro_batch_size * d.seq_len
+
+    def at(m: int) -> Prediction:
+        return (
+            pred
+            if m == d.micro_batches
+            else predict_with(dataclasses.replace(cfg, data=dataclasses.replace(d, micro_batches=m)), rt, pred.rates)
+        )
+
+    def bound(p: Prediction) -> bool:
+        return _terms(p)["the device's compute"] >= COMPUTE_BOUND * p.step_s
+
+    terms = _terms(pred)
+    said = ", ".join(f"{k} {v:.2f} s" for k, v in terms.items() if v > 0)
+    here = f"this run's {d.micro_batches * rows:,} tokens a step: {pred.step_s:.2f} s predicted ({said})"
+    if bound(pred):
+        return f"compute-bound: {here}"
+    worst = max((k for k in terms if k != "the device's compute"), key=terms.get)
+    m = 1
+    while m <= most and not bound(p := at(m)):
+        m *= 2
+    if m > most:
+        return f"not compute-bound up to {most * rows:,} tokens a step; {here}: bound by {worst}"
+    return (
+        f"compute-bound from {m * rows:,} tokens a step ({m} micro-batches; {p.step_s:.2f} s predicted, "
+        f"{m * rows / p.step_s:,.0f} tokens/s); below that bound by {worst}: {here}"
+    )
 
 
 def _activations(cfg, rt, r) -> str:
@@ -161,13 +215,15 @@ def plan_report(cfg, rt, states, pred: Prediction, budget=None) -> str:
         f" GB/s per core, {r.cores} cores; per micro-batch: block forward {r.block_fwd_s * 1e3:.1f} ms, backward"
         f" {r.block_bwd_s * 1e3:.1f} ms, head {r.head_s * 1e3:.1f} ms; activations {r.act_bytes / MIB:.1f} MiB per"
         f" block and micro-batch; {_optim_name(cfg)} {1 / max(r.update_elem_s, 1e-15) / 1e6:.0f} M elements/s"
-        + (f"; the base {_made(cfg)} at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else ""),
+        + (f"; the base {_made(cfg)} at {r.widen_gbps:.1f} GB/s" if r.widen_gbps > 0 else "")
+        + (f"; host -> device {r.up_gbps:.1f} GB/s, device -> host {r.down_gbps:.1f} GB/s" if r.up_gbps > 0 else ""),
         _activations(cfg, rt, r),
         "",
         "predicted step:",
         pred.table(),
         *pred.notes,
         "",
+        knee(cfg, rt, pred),
         *advice(cfg, rt, pred),
     ]
     return "\n".join(lines)

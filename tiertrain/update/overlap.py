@@ -156,7 +156,7 @@ class OverlapUpdate(BaselineUpdate):
                 c.bwd_c,
                 t.backward_read,
                 t.backward_write,
-                extra_io=c.pcie_s + c.upd.io_s,
+                extra_io=c.upd.io_s,
                 extra_cpu=extra_cpu,
             )
             b.time_s = max(b.time_s, own)

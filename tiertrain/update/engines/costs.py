@@ -51,7 +51,6 @@ def predict_engines(c):
         c.bwd_c,
         t.backward_read,
         t.backward_write,
-        extra_io=c.pcie_s,
         extra_cpu=c.upd_cpu - share if c.cpu_compute else 0.0,
     )
     speculate = c.cfg.update.speculate == "on"
