@@ -36,6 +36,7 @@ STAGES = [
     "stage9-cost-scale",
     "stage10-moe",
     "stage11-qlora",
+    "stage12-compute-bound",
 ]
 LIMIT_S = 540  # a stage's budget: 9 minutes, inside the machine's 10-minute commands
 
@@ -129,10 +130,15 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
         "stage8-lora": ("bench", ["the I/O floor", "nothing written (0.00 GB"]),
         "stage10-moe": ("bench", ["A mixture of experts (qwen3_moe)", "Qwen3MoeForCausalLM", "| plain PyTorch, in memory |"]),
         "stage11-qlora": ("bench", ["| bfloat16 | 1 |", "| nf4 | 1 |", "- `nf4`:"]),
+        "stage12-compute-bound": ("3b", ["| plain PyTorch in memory (without activation checkpointing) |",
+                                         "| tiertrain |", "tokens a step", "GFLOP a token", "- losses: largest"]),
     }  # fmt: skip
     if name in bench:
         report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
         assert all(want in report for want in bench[name][1]), report
+    if name == "stage12-compute-bound":  # and tiertrain alone, plain not run, said
+        alone = (machine.base / "out" / name / f"{name}-8b.md").read_text()
+        assert "- plain PyTorch not run: --plain off" in alone and "| tiertrain |" in alone, alone
     if name == "stage10-moe":  # and generation with routed expert reads, tokens equal to transformers'
         routed = (machine.base / "out" / name / f"{name}-routed.md").read_text()
         assert "| tiertrain routed |" in routed and routed.count(" | True |") == 3, routed
@@ -154,8 +160,8 @@ def test_the_whole_window_runs_in_one_command_within_its_seconds(machine):
         env=machine.env,
         timeout=300,
     )
-    r = run("--seconds", "200", "--stages", "4 12")
-    assert r.returncode == 2 and "all.sh: no stage 12" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    r = run("--seconds", "200", "--stages", "4 13")
+    assert r.returncode == 2 and "all.sh: no stage 13" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "== stage4-deepspeed.sh with 190 s" in r.stdout or "== stage4-deepspeed.sh with 18" in r.stdout
     assert "# GPU window, stage4-deepspeed" in r.stdout and "0 step(s) failed" in r.stdout
     assert (out / "stage4-deepspeed.md").exists() and (machine.base / "out-all.tgz").exists()
