@@ -1,6 +1,7 @@
 """Nothing left behind: what a failed, interrupted or finished command made and no longer needs
 is gone (or, where it belongs to a dead run, removed and said by the next one)."""
 
+import json
 import logging
 import os
 import subprocess
@@ -99,6 +100,7 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
     from tiertrain.inference.generate import Sampling, generate
     from tiertrain.inference.kvcache import NAME, TieredKV
     from tiertrain.io import ChecksumError
+    from tiertrain.io.scratch import LOCK, ScratchInUseError
 
     cfg = _cfg(tmp_path, _llama_dir(tmp_path))
     cfg.memory.kv_host_mib, cfg.io.paths = 0, [str(tmp_path / "fresh")]
@@ -122,6 +124,12 @@ def test_the_kv_cache_file_goes_after_a_checksum_error_and_a_stale_one_is_said(t
     monkeypatch.undo()
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / NAME).write_bytes(b"\0" * 4096)
+    # with no lock record of a tiertrain run there, a kv.bin is the user's: refused, kept
+    with pytest.raises(ScratchInUseError, match=r"fresh holds kv.bin, which no tiertrain run there recorded making"):
+        generate(cfg, PROMPTS, Sampling(max_new_tokens=3))
+    assert os.listdir(tmp_path / "fresh") == [NAME]
+    # a killed generation's: its lock record names the file it made
+    (tmp_path / "fresh" / LOCK).write_text(json.dumps({"pid": 2**22 + 7, "state": "running", "files": [NAME]}))
     lines = _Lines()
     logging.getLogger("tiertrain").addHandler(lines)
     try:
@@ -258,3 +266,28 @@ def test_a_disk_probe_file_of_a_killed_run_is_removed_by_the_next(tmp_path):
         f.write_bytes(b"x" * 4096)
     removed = clean_stale([str(ssd)], known=["params.bin"])
     assert removed == [(str(gone), 4096)] and live.exists() and not gone.exists()
+
+
+def test_a_users_files_in_io_paths_are_never_replaced_or_removed(tmp_path, capsys):
+    """Files in io.paths named as tiertrain's state files, which no tiertrain run there made (a
+    user's, a checkpoint's when io.paths names a checkpoint directory): they were removed as
+    "stale", or overwritten by the run's own. Now a run whose states are all in memory leaves
+    them, and one that would write such a file is refused before opening any, naming them."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    for name in ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin.crc"):
+        (ssd / name).write_text(f"the user's {name}")
+    in_memory = [f for f in tiny_flags(tmp_path, steps=1) if not f.startswith("--memory.host_param_mib")]
+    in_memory = [f for f in in_memory if f.split("=")[0] not in ("--memory.grad_host_mib", "--memory.optim_host_mib")]
+    assert main(["train", *in_memory, "--memory.host_mib=4000"]) == 0
+    capsys.readouterr()
+    assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 1
+    err = capsys.readouterr().err
+    assert f"{ssd} holds exp_avg.bin, exp_avg_sq.bin.crc, params.bin, which no tiertrain" in err, (
+        err
+    )  # grads: in memory
+    assert "this run would overwrite them; give io.paths an empty directory" in err, err
+    for name in ("params.bin", "grads.bin", "exp_avg.bin", "exp_avg_sq.bin.crc"):
+        assert (ssd / name).read_text() == f"the user's {name}", name
+    # a directory of tiertrain's own: a run killed there leaves files its next run takes over
+    assert main(["train", *tiny_flags(tmp_path / "own", steps=1)]) == 0

@@ -126,6 +126,12 @@ class TieredKV:
             # take this one's file for a killed one's and replace it under it
             self.lock = ScratchLock([path])
             stale = os.path.join(path, NAME)
+            try:  # a kv.bin no tiertrain run there made is the user's: never replaced
+                self.lock.refuse_others([NAME])
+            except BaseException:
+                self.lock.release(remove=not self.lock.locks[0].existed)
+                raise
+            self.lock.record_files([NAME])  # a generation killed from here on leaves it to the next
             if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's
                 log.warning(
                     "replacing %s, left by a generation that did not finish (%.1f MiB)",

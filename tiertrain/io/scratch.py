@@ -37,6 +37,7 @@ _UNRECORDED = (
     "stash.bin",
     "residual.bin",
     "engine*.bin",
+    "kv.bin",  # a generation's key/value cache (its lock recorded no files before 2026-11-29)
 )
 
 
@@ -62,6 +63,9 @@ class DirLock:
         self.disposable = disposable  # tiertrain's own directory (a rank's): removed when left empty
         os.makedirs(self.path, exist_ok=True)
         self.file = os.path.join(self.path, LOCK)
+        # no lock file: no tiertrain run has used this directory (or the last one finished and
+        # removed it with its files); what is in it is the user's, never a stale file of ours
+        self.existed = os.path.exists(self.file)
         fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,8 +145,26 @@ class ScratchLock:
         """Names of the files the last runs on these paths made (what may be stale now)."""
         out: set[str] = set()
         for lk in self.locks:
-            out.update(lk.previous.get("files", _UNRECORDED))
+            out.update(lk.previous.get("files", _UNRECORDED) if lk.existed else ())
         return out
+
+    def refuse_others(self, names: Iterable[str]) -> None:
+        """Refuse to start where a scratch path holds a file named as one this run makes (or its
+        checksums) that no tiertrain run there recorded making: the run would overwrite it,
+        and remove it when it ends. The user's files are never ours to replace."""
+        ours = self.previous_files()
+        for lk in self.locks:
+            theirs = sorted(
+                n
+                for n in os.listdir(lk.path)
+                if n.removesuffix(".crc") in set(names) and n.removesuffix(".crc") not in ours
+            )
+            if theirs:
+                raise ScratchInUseError(
+                    f"io.paths {lk.path} holds {', '.join(theirs)}, which no tiertrain run there recorded making: "
+                    f"this run would overwrite {'it' if len(theirs) == 1 else 'them'}; give io.paths an empty "
+                    "directory (or one only tiertrain uses)"
+                )
 
     def record_files(self, names: list[str]) -> None:
         """Name the files this run makes, before it makes them: a later run removes them if
@@ -239,7 +261,7 @@ def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
             except ScratchInUseError:
                 continue  # another run's, running now
             try:
-                removed += clean_stale([d], lock.previous.get("files", _UNRECORDED))
+                removed += clean_stale([d], lock.previous.get("files", _UNRECORDED) if lock.existed else ())
             finally:
                 lock.release(remove=True)
     return removed

@@ -104,6 +104,7 @@ class Trainer:
         self.lock: ScratchLock | None = None
         self.rundir: RunDir | None = None
         self.plan: SpacePlan | None = None  # set by _plan(), before anything reads it
+        self._files_ours = False  # the plan's scratch files are this run's to remove (none was the user's)
         self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
@@ -126,6 +127,8 @@ class Trainer:
                     info.get("started"),
                 )
             self.plan = self._plan()
+            self.lock.refuse_others(self.plan.names)  # before any file is opened: a user's is never replaced
+            self._files_ours = True  # from here on the scratch files of the plan's names are this run's
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
             self._clean_leftovers()
@@ -616,7 +619,7 @@ class Trainer:
         self._parts = []
         self.storage = None
         if self.lock is not None:
-            if self.plan is not None:
+            if self.plan is not None and self._files_ours:
                 with contextlib.suppress(OSError):
                     clean_stale(self.cfg.io.paths, self.plan.names)
             self.lock.release(remove=True)
