@@ -300,3 +300,22 @@ def test_a_checkpoint_resumed_on_other_ranks_says_the_global_batch_it_now_takes(
     assert other_ranks_note(2, 1, 3, 1).endswith("took 6); --data.micro_batches=6 keeps the checkpoint's")
     assert other_ranks_note(1, 2, 3, 1).endswith("no whole data.micro_batches keeps the checkpoint's")
     assert other_ranks_note(2, 2, 3, 1) is None and other_ranks_note(0, 2, 3, 1) is None  # 0: an older checkpoint
+
+
+def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, capsys):
+    """A run directory holding a transformers model's config.json was "a run" whose start-over
+    (--train.overwrite=true, as the refusal advised) replaced that config.json with the run's:
+    the model no longer loaded. Empty paths meant the current directory, unnamed."""
+    model = tmp_path / "run"  # where tiny_flags trains
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    for overwrite in ("false", "true"):
+        assert main(["train", *tiny_flags(tmp_path, f"--train.overwrite={overwrite}", steps=1)]) == 1
+        err = capsys.readouterr().err
+        assert "holds a config.json that is not a tiertrain run's (a transformers model's, model_type 'llama')" in err
+        assert "--resume" not in err and "overwrite" not in err, err
+    assert (model / "config.json").read_text() == '{"model_type": "llama", "hidden_size": 8}'
+    assert sorted(os.listdir(model)) == ["config.json"]
+    for flag in ("--train.run_dir=", "--model.hf_dir= ", "--model.init_from="):
+        assert main(["train", *tiny_flags(tmp_path / "b", flag, steps=1)]) == 2
+        assert f"{flag.split('=')[0][2:]} = {flag.split('=')[1]!r}: empty: name a" in capsys.readouterr().err, flag

@@ -233,6 +233,9 @@ class ModelConfig(Section):
     )
 
     def __post_init__(self) -> None:
+        for name in ("hf_dir", "init_from"):  # '' would read the current directory, unnamed
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                self._fail(name, "empty: name a model directory or file ('.' for the current directory)")
         if self.base_dtype is not None:
             self._one_of("base_dtype", ("float32", "bfloat16", "float16", "nf4", "fp4", "int8"))
         if self.base_double_quant and self.base_dtype not in ("nf4", "fp4"):
@@ -575,6 +578,8 @@ class TrainConfig(Section):
     )
 
     def __post_init__(self) -> None:
+        if not self.run_dir.strip():  # '' would be the current directory, unnamed
+            self._fail("run_dir", "empty: name a directory ('.' for the current one)")
         if self.tensorboard and env_checks():
             import importlib.util
 

@@ -75,6 +75,13 @@ class RunDir:
         found = self.holds_a_run()
         if not found:
             return
+        foreign = _not_a_runs_config(self.config_path)
+        if foreign:  # a model directory's (say): never "a run", never deleted by train.overwrite
+            raise RunDirError(
+                f"train.run_dir {self.path} holds a config.json that is not a tiertrain run's ({foreign}): a run "
+                "writes its own config.json there; give another --train.run_dir (a model directory is read "
+                "through --model.hf_dir, never trained into)"
+            )
         if not overwrite:
             shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
             if not list_checkpoints(self.checkpoint_root):  # --resume would be refused: not offered
@@ -167,7 +174,8 @@ class RunDir:
     def release(self, *, remove_if_empty: bool = False) -> None:
         """Give up the lock; ``remove_if_empty``: a run that stopped before writing anything
         leaves no directory behind (when it made it)."""
-        empty = remove_if_empty and not self.holds_a_run()
+        # nothing of a run here (a model directory refused as one: no lock file left in it either)
+        empty = remove_if_empty and (not self.holds_a_run() or bool(_not_a_runs_config(self.config_path)))
         self.lock.release(remove=empty)
 
 
@@ -244,6 +252,24 @@ def _same_adapter_kind(stored: dict, given: dict, checkpoint: str) -> None:
 
     ours = {**asdict(AdapterConfig()), **theirs, **given["adapter"]}
     same_adapter_config(ours, theirs, f"checkpoint {checkpoint}")
+
+
+def _not_a_runs_config(path: str) -> str:
+    """Why the config.json at ``path`` is not a tiertrain run's ('' where it is one, or none is
+    there): a run's is its config tree, a section per table, ``train`` and ``model`` among them."""
+    if not os.path.exists(path):
+        return ""
+    try:
+        with open(path, "rb") as f:
+            tree = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"it does not read as JSON: {type(exc).__name__}"
+    if not isinstance(tree, dict):
+        return "not a JSON object"
+    if isinstance(tree.get("train"), dict) and isinstance(tree.get("model"), dict):
+        return ""
+    kind = tree.get("model_type")
+    return f"a transformers model's, model_type {kind!r}" if kind else "it has no [train] and [model] sections"
 
 
 def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -> None:
