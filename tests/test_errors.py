@@ -2,7 +2,9 @@
 code; and nothing left behind."""
 
 import json
+import math
 import os
+import re
 
 import pytest
 import torch
@@ -426,3 +428,20 @@ def test_a_nan_in_the_weights_stops_at_the_first_step(tmp_path, capsys, caplog):
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path / "b", f"--model.init_from={out}", steps=3)], 1)
     assert line.startswith("tiertrain: step 1: the loss nan and the gradient norm nan are not finite"), line
     assert not os.path.exists(tmp_path / "b" / "run" / "checkpoints")
+
+
+def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
+    """Python API: Trainer.train_step() without initialize() trained a model of zeros (the
+    states are allocated zeroed): the loss was exactly ln(vocabulary), and an hf_dir's weights
+    were never read. Now refused by name, as a checkpoint of those zeros is."""
+    from reference import small_config
+
+    from tiertrain.errors import TiertrainError
+    from tiertrain.training.trainer import Trainer
+
+    with Trainer(small_config(tmp_path, steps=1)) as tr:
+        for call, name in ((tr.train_step, "train_step()"), (tr.save_checkpoint, "save_checkpoint()")):
+            with pytest.raises(TiertrainError, match=rf"Trainer.{re.escape(name)}: no weights yet; call initialize"):
+                call()
+        tr.initialize(progress=False)
+        assert math.isfinite(tr.train_step().loss)

@@ -42,7 +42,7 @@ from ..data import EvalSet, open_corpus
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
 from ..dist.group import BrokenGroupError, SoloGroup
 from ..dist.launch import resume_command
-from ..errors import one_line
+from ..errors import TiertrainError, one_line
 from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
 from ..execute.tied import tied_rows_bytes
@@ -284,6 +284,16 @@ class Trainer:
         )
         self.adapter_update = AdapterUpdate(rt.adapters, cfg.optim) if rt.adapters is not None else None
         self.step = 0
+        self._weighted = False  # initialize() or restore() gave the states their values
+
+    def _need_weights(self, what: str) -> None:
+        """Refuse ``what`` before the states have values: they are allocated zeroed, and a step
+        from them trains a model of zeros without a word."""
+        if not self._weighted:
+            raise TiertrainError(
+                f"Trainer.{what}: no weights yet; call initialize() (the configured initial weights) or "
+                "restore(checkpoint) first (Trainer.run() does)"
+            )
 
     def _part(self, obj):
         self._parts.append(obj)
@@ -375,6 +385,7 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         if self.cfg.memory.trim_heap:
             trim_heap()  # the units' weights passed through the heap: none of it stays for the steps
+        self._weighted = True
 
     def _weights_state(self):
         """The declared state that holds the weights: master weights where kept, else the parameters."""
@@ -400,6 +411,7 @@ class Trainer:
     def save_checkpoint(self) -> SaveResult | None:
         """A complete checkpoint of the current step (after the last finished step). Ranks:
         every rank calls it; rank 0 writes and returns the result, the others None."""
+        self._need_weights("save_checkpoint()")
         extra = None
         if self.adapter_update is not None:
             extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)}
@@ -423,6 +435,7 @@ class Trainer:
         self.params.invalidate()
         self.step = man.step
         self.update.restored(man.step)
+        self._weighted = True
         return man
 
     def _say_other_ranks(self, man: Manifest, path: str) -> None:
@@ -440,6 +453,7 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
+        self._need_weights("train_step()")
         cfg = self.cfg
         self.meter.begin()
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
