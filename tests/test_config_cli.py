@@ -48,6 +48,9 @@ def test_toml_then_flags(tmp_path):
         (["--train.progres=false"], r"unknown field train\.progres; did you mean 'progress'\?"),
         (["--trian.steps=3"], r"unknown config section \[trian\]; did you mean 'train'\?"),
         (["--train.steps"], r"--train\.steps needs a value"),
+        # the next flag is never taken for a value (it ran in a directory named '--train.steps=1')
+        (["--train.run_dir", "--train.steps=1"], r"^--train\.run_dir needs a value: --train\.run_dir=VALUE$"),
+        (["--train.overwrite", "--train.steps=3"], r"^--train\.overwrite needs a value"),
         (["steps=3"], r"unexpected argument 'steps=3': overrides look like --section\.field=value"),
     ],
 )

@@ -73,7 +73,7 @@ def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
         key, eq, value = flag[2:].partition("=")
         if not eq:
             following = next(it, None)
-            if following is None:
+            if following is None or following.startswith("--"):  # a flag: not this one's value
                 raise ConfigError(f"{flag} needs a value: {flag}=VALUE")
             value = following
         section, _, name = key.partition(".")
