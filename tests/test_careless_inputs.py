@@ -302,3 +302,35 @@ def test_the_readmes_example_step_line_has_the_fields_a_run_prints(tmp_path, cap
         return re.sub(r"\d[\d,]*(\.\d+)?", "N", re.sub(r" +", " ", line))
 
     assert fields(shown) == fields(printed), (shown, printed)
+
+
+def test_no_output_overwrites_what_the_command_reads_a_checkpoint_or_a_users_file(tmp_path, capsys):
+    """`generate --out` the prompts file replaced the prompts by its JSONL; an --out inside a
+    checkpoint destroyed it (eval then: "format version None"); `prepare --output` replaced a
+    user's text by tokens; `eval --out DIR` raised IsADirectoryError after the whole eval."""
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    ck = str(tmp_path / "run" / "checkpoints" / "step-00000001")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\nhow are you\n")
+    mine = tmp_path / "n.txt"
+    mine.write_text("precious")
+    capsys.readouterr()
+    cases = [
+        (["generate", "--checkpoint", ck, "--prompts-file", str(prompts), "--out", str(prompts)],
+         "is also what the command reads; give another file"),
+        (["generate", "--checkpoint", ck, "--prompt", "hi", "--out", f"{ck}/manifest.json"],
+         f"is inside a checkpoint ({ck}): writing it would damage the checkpoint"),
+        (["eval", "--checkpoint", ck, "--out", f"{ck}/eval.json"], "writing it would damage the checkpoint"),
+        (["eval", "--checkpoint", ck, "--out", str(tmp_path)], "is a directory; give a file name"),
+        (["prepare", "--input", str(prompts), "--output", str(mine)], "exists and is not a token file tiertrain wrote"),
+    ]  # fmt: skip
+    for argv, want in cases:
+        assert main(argv) != 0, argv
+        err = capsys.readouterr().err
+        assert want in err and "Traceback" not in err and "loss" not in err, (argv, err)
+    assert prompts.read_text() == "hello there\nhow are you\n" and mine.read_text() == "precious"
+    assert "eval.json" not in os.listdir(ck)
+    assert main(["eval", "--checkpoint", ck, "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]) == 0
+    tok = tmp_path / "t.tok"
+    assert main(["prepare", "--input", str(prompts), "--output", str(tok)]) == 0
+    assert main(["prepare", "--input", str(prompts), "--output", str(tok)]) == 0  # a token file is replaced

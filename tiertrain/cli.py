@@ -246,8 +246,11 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
 
+    from .paths import prepare_output_file
+
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides):
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
+    out = prepare_output_file("eval --out", args.out) if args.out else None  # before the work, not after
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, overrides)
         with weights:
@@ -255,9 +258,8 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     else:
         res = evaluate(load_config(args.config, overrides))
     print(res.line())
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump({**dataclasses.asdict(res), "cross_entropy": res.cross_entropy}, f)
     return 0
 
@@ -267,7 +269,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.prompts import checked_out, read_prompts, run_generate
 
     texts = read_prompts(args.prompt, args.prompts_file)  # bad prompts fail before the model loads
-    out = checked_out(args.out)  # and a bad --out
+    out = checked_out(args.out, args.prompts_file)  # and a bad --out
     stop = tuple(args.stop or ())
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 
 from .errors import ConfigError
 
@@ -76,19 +77,35 @@ def check_input_file(what: str, path: str, error: type[Exception] | None = None)
         raise err(f"{what} = {path!r} is not readable by this user")
 
 
-def prepare_output_file(what: str, path: str) -> str:
+def prepare_output_file(what: str, path: str, inputs: Sequence[str | None] = ()) -> str:
     """Make the directory of output file ``path`` now (before any long work) and check that
-    it can be written there; return the absolute path. Raises ``UsageError`` naming ``what``."""
+    it can be written there; return the absolute path. Never one of ``inputs`` (the files the
+    command reads), nor a file of a checkpoint (a directory with a manifest). Raises
+    ``UsageError`` naming ``what``."""
     from .errors import UsageError
 
     path = os.path.abspath(path)
     if os.path.isdir(path):
         raise UsageError(f"{what} = {path!r} is a directory; give a file name")
+    refuse_overwriting(what, path, inputs, UsageError)
     directory = os.path.dirname(path)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
     os.makedirs(directory, exist_ok=True)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
     return path
+
+
+def refuse_overwriting(what: str, path: str, inputs: Sequence[str | None], error: type[Exception]) -> None:
+    """Refuse output ``path`` where writing it would destroy what the command reads (one of
+    ``inputs``) or a checkpoint (a file in a directory holding ``manifest.json``)."""
+    for given in inputs:
+        if given and os.path.exists(path) and os.path.exists(given) and os.path.samefile(given, path):
+            raise error(f"{what} = {path!r} is also what the command reads; give another file")
+    if os.path.exists(os.path.join(os.path.dirname(path), "manifest.json")):
+        raise error(
+            f"{what} = {path!r} is inside a checkpoint ({os.path.dirname(path)}): writing it would damage the "
+            "checkpoint; give a file elsewhere"
+        )
 
 
 def missing_dirs(path: str) -> list[str]:

@@ -11,9 +11,9 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import UsageError
-from ..paths import check_input_file
+from ..paths import check_input_file, refuse_overwriting
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
-from .tokens import write_tokens
+from .tokens import is_token_file, write_tokens
 
 __all__ = ["prepare", "prepare_examples"]
 
@@ -103,6 +103,12 @@ def _check(inputs: Sequence[str], output: str) -> None:
                 f"prepare --output {output} is also an --input; it would overwrite the text: give another output file"
             )
     out_dir = os.path.dirname(os.path.abspath(output))
+    refuse_overwriting("prepare --output", os.path.abspath(output), [], UsageError)
+    if os.path.isfile(output) and not is_token_file(output):  # a user's file: never replaced by tokens
+        raise UsageError(
+            f"prepare --output {output} exists and is not a token file tiertrain wrote; give a new file name "
+            "(a token file is replaced)"
+        )
     if os.path.isdir(output):
         raise UsageError(
             f"prepare --output {output} is a directory; give a file name, e.g. {os.path.join(output, 'corpus.tokens')}"

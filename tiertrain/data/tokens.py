@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import TiertrainError
 from ..io.checksum import crc32c
 
-__all__ = ["write_tokens", "read_tokens", "TokenFileError", "HEADER_BYTES"]
+__all__ = ["write_tokens", "read_tokens", "is_token_file", "TokenFileError", "HEADER_BYTES"]
 
 _MAGIC = b"TTTOKENS"
 _HEAD = struct.Struct("<8sIIQQI")
@@ -52,6 +52,15 @@ def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> in
             os.remove(tmp)
         raise
     return count
+
+
+def is_token_file(path: str) -> bool:
+    """Whether ``path`` starts as a token file ``write_tokens`` wrote (its magic)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
 
 
 def read_tokens(path: str, *, verify: bool = False) -> tuple[np.ndarray, int]:

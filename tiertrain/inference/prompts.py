@@ -62,12 +62,13 @@ def _text_lines(path: str) -> list[str]:
     return list(io.StringIO(text, newline=None))  # lines as a text file reads them (universal newlines)
 
 
-def checked_out(out: str | None) -> str | None:
+def checked_out(out: str | None, prompts_file: str | None = None) -> str | None:
     """``--out``, checked before any work (a file, in a directory that is or can be made and is
-    writable; the directory made): it was found only after generating, as a traceback."""
+    writable; the directory made; never the prompts file nor a checkpoint's file): it was found
+    only after generating, as a traceback."""
     from ..paths import prepare_output_file
 
-    return None if out is None else prepare_output_file("generate --out", out)
+    return None if out is None else prepare_output_file("generate --out", out, [prompts_file])
 
 
 def _tokenizer(cfg: Config):
