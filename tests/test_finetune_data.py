@@ -528,3 +528,37 @@ def test_a_damaged_prepared_cache_entry_is_prepared_again(tmp_path, monkeypatch,
         assert prepared_cache(cfg.data, chat, "data.corpus") == out
     assert "is damaged" in caplog.text and "truncated" in caplog.text, caplog.text
     assert open(ids, "rb").read() == whole
+
+
+def test_data_prepared_with_another_tokenizer_is_refused_and_its_own_settings_said(tmp_path, caplog):
+    """A directory or token file `tiertrain prepare` made with another tokenizer (bytes, by
+    default) than the run's: its ids were read as this tokenizer's, silently (another vocabulary
+    entirely). And a prepared directory's loss mask and format are its own: settings asking
+    otherwise were ignored without a word."""
+    from tiertrain.config import ConfigError
+    from tiertrain.data import open_corpus
+    from tiertrain.data.prepare import prepare
+
+    tok, pc, _ = _finetune_data(tmp_path)
+    as_bytes = str(tmp_path / "bytes")
+    prepare_examples([pc], as_bytes, tokenizer=None, progress=False)
+    cfg = _finetune_cfg(tmp_path, as_bytes, tok)
+    with pytest.raises(ConfigError, match=r"was prepared with tokenizer 'bytes', not this run's data.tokenizer"):
+        open_corpus(cfg.data)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world how are you fine thanks " * 20)
+    prepare([str(text)], str(tmp_path / "t.tok"))  # bytes: a vocabulary of 256
+    cfg.data.corpus = str(tmp_path / "t.tok")
+    with pytest.raises(
+        ConfigError, match=rf"holds token ids of a vocabulary of 256 .* \({len(WORDS)}\); prepare it again"
+    ):
+        open_corpus(cfg.data)
+    mine = str(tmp_path / "mine")
+    prepare_examples([pc], mine, tokenizer=tok, progress=False, mask_prompt=False)
+    cfg.data.corpus, cfg.data.format = mine, "text"
+    with caplog.at_level("WARNING", logger="tiertrain"):
+        open_corpus(cfg.data)  # this tokenizer's: read as prepared
+    assert (
+        "is used as it was prepared: data.mask_prompt = True (prepared with False) and data.format = 'text' (prepared as 'completion') not applied"
+        in caplog.text
+    )

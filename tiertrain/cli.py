@@ -245,7 +245,6 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
-
     from .paths import prepare_output_file
 
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides):

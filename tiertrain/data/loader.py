@@ -66,6 +66,12 @@ class Corpus:
                     path,
                 )
             self.tokens, self.vocab_size = read_tokens(path)
+            if cfg.tokenizer not in (None, BYTES) and self.vocab_size != load_tokenizer(cfg.tokenizer).vocab_size:
+                raise ConfigError(
+                    f"{what} = {path!r} holds token ids of a vocabulary of {self.vocab_size:,} (tokenized when it was "
+                    f"prepared), not this run's data.tokenizer {cfg.tokenizer!r} "
+                    f"({load_tokenizer(cfg.tokenizer).vocab_size:,}); prepare it again with --tokenizer {cfg.tokenizer}"
+                )
         self.path = path
         need = cfg.seq_len + 1
         if len(self.tokens) < need:
@@ -191,8 +197,11 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
         path = prepared_cache(cfg, path, what)
     if path == "bundled" or not is_prepared(path):
         return Corpus(cfg, what)
+    prepared = PreparedExamples(path, what)
+    if path == cfg.corpus:  # prepared by the user (a cache entry is keyed by these settings)
+        _as_prepared(cfg, prepared.meta, path, what)
     return ExampleBatches(
-        PreparedExamples(path, what),
+        prepared,
         seq_len=cfg.seq_len,
         micro_batch_size=cfg.micro_batch_size,
         micro_batches=cfg.micro_batches,
@@ -202,6 +211,31 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
         shuffle=shuffle,
         by_document=cfg.packed_attention == "document",
     )
+
+
+def _as_prepared(cfg: DataConfig, meta: dict, path: str, what: str) -> None:
+    """A directory ``tiertrain prepare`` made is read as it was made: with another tokenizer
+    than this run's its ids are another vocabulary's (refused); its format and loss mask are
+    its own (said where this run's settings ask otherwise: they are not applied)."""
+    if cfg.tokenizer not in (None, BYTES) and meta.get("tokenizer_sha") not in (
+        None,
+        tokenizer_fingerprint(cfg.tokenizer),
+    ):
+        raise ConfigError(
+            f"{what} = {path} was prepared with tokenizer {meta.get('tokenizer')!r}, not this run's data.tokenizer "
+            f"{cfg.tokenizer!r}: its token ids are another vocabulary's; prepare it again with --tokenizer "
+            f"{cfg.tokenizer}"
+        )
+    said = []
+    if cfg.mask_prompt != meta.get("mask_prompt", cfg.mask_prompt):
+        said.append(f"data.mask_prompt = {cfg.mask_prompt} (prepared with {meta.get('mask_prompt')})")
+    if cfg.format not in ("auto", meta.get("kind", cfg.format)):
+        said.append(f"data.format = {cfg.format!r} (prepared as {meta.get('kind')!r})")
+    if said:
+        log.warning(
+            "%s = %s is used as it was prepared: %s not applied; prepare it again to change them",
+            what, path, " and ".join(said),
+        )  # fmt: skip
 
 
 def _damaged(prepared: str) -> str:
