@@ -255,18 +255,19 @@ def test_tokenizer_for_a_token_file_and_bf16_on_a_slow_cpu_are_said(tmp_path, ca
 
     import numpy as np
 
-    from tiertrain.config import DataConfig
+    from tiertrain.config import ConfigError, DataConfig
     from tiertrain.data import Corpus, write_tokens
     from tiertrain.device import core as device
 
     f = tmp_path / "c.tokens"
     write_tokens(str(f), [np.arange(1000) % 256], 256)
     (tmp_path / "tok").mkdir()
-    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+    # a token file's tokenizer is checked against it (once "not used", said): here it has none
+    with pytest.raises(ConfigError, match=r"data.tokenizer = .*/tok' has no tokenizer files"):
         Corpus(DataConfig(corpus=str(f), tokenizer=str(tmp_path / "tok")))
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
         monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
         assert device.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
-    assert f"data.tokenizer = {tmp_path / 'tok'} is not used: data.corpus {f} is a token file" in caplog.text
     assert "train.param_dtype = 'bfloat16' on a CPU without bf16 instructions" in caplog.text
 
 

@@ -4,6 +4,7 @@ seeded epochs, the loss as the mean over a step's scored tokens (however the ste
 resume mid-epoch, and every bad-data error by its message."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -562,3 +563,32 @@ def test_data_prepared_with_another_tokenizer_is_refused_and_its_own_settings_sa
         "is used as it was prepared: data.mask_prompt = True (prepared with False) and data.format = 'text' (prepared as 'completion') not applied"
         in caplog.text
     )
+
+
+SEED = 2  # data.seed whose order takes scored steps first (the test needs some done before)
+
+
+def test_a_step_without_a_scored_token_is_found_at_start_or_stops_the_run_with_its_work_saved(tmp_path, monkeypatch):
+    """Rows whose prompt fills data.seq_len score nothing; a step of only such rows has no loss.
+    It stopped the run where it fell (step 194 of a 200-step run: 93 steps lost since the last
+    checkpoint, and resuming met it again). Now the steps are checked before the first (none of
+    the run directory made); past the rows checked, the run stops there with its steps saved."""
+    from tiertrain.data.examples import UnscoredStep
+    from tiertrain.training.trainer import Trainer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    rows = [{"prompt": "say yes", "completion": "yes"}] * 6 + [{"prompt": "how are you " * 6, "completion": "fine"}] * 6
+    cfg = _finetune_cfg(tmp_path, write_jsonl(tmp_path / "r.jsonl", rows), tok, micro_batches=1, micro_batch_size=1)
+    cfg.data.packing, cfg.train.steps, cfg.checkpoint.every, cfg.data.seed = False, 24, 0, SEED
+    with Trainer(cfg) as tr, pytest.raises(UnscoredStep, match=r"data: \d+ of steps 1-24 have no scored token"):
+        tr.run()
+    assert not os.path.exists(cfg.train.run_dir)
+    monkeypatch.setattr(Trainer, "CHECK_ROWS", 1)  # the first step alone checked: the rest met as they come
+    with Trainer(cfg) as tr:
+        first_bad = tr.corpus.unscored_steps(0, 24)[0]
+        assert first_bad > 1, tr.corpus.unscored_steps(0, 24)  # (the seed's order: scored steps first)
+        with pytest.raises(UnscoredStep, match=rf"data: step {first_bad + 1} has no scored token"):
+            tr.run()
+    from tiertrain.checkpoint import Manifest, latest_checkpoint
+
+    assert Manifest.read(latest_checkpoint(cfg.checkpoint_root)).step == first_bad  # every step done, kept

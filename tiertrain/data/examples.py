@@ -48,12 +48,16 @@ from ..paths import missing_dirs, remove_empty_dirs
 from .formats import Example
 from .tokens import read_tokens, write_tokens
 
-__all__ = ["IGNORE", "PreparedExamples", "ExampleBatches", "write_examples", "is_prepared"]
+__all__ = ["IGNORE", "PreparedExamples", "ExampleBatches", "UnscoredStep", "write_examples", "is_prepared"]
 
 log = logging.getLogger("tiertrain")
 IGNORE = -100
 META = "meta.json"
 FORMAT = "tiertrain-examples"
+
+
+class UnscoredStep(UsageError):
+    """A step whose rows hold no scored token: its loss has no divisor."""
 
 
 def is_prepared(path: str) -> bool:
@@ -302,8 +306,19 @@ class ExampleBatches:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
         n = sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))
         if n == 0:
-            raise UsageError(
+            raise UnscoredStep(
                 f"data: step {step + 1} has no scored token (every target masked); check the data's "
                 "prompt/completion split, or raise data.seq_len"
             )
         return n
+
+    def unscored_steps(self, first: int, last: int, world: int = 1) -> list[int]:
+        """The steps in [first, last) (0-based) whose rows hold no scored token: found at start,
+        not after hours of training (a step is its rows, drawn from the seed: every run and
+        every resume meets the same ones)."""
+        bad = []
+        for step in range(first, last):
+            if not any(r[1][1:].any() for r in self._step_rows(step, world)):
+                bad.append(step)
+        self._last = None
+        return bad

@@ -58,14 +58,9 @@ class Corpus:
             dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
             self.tokens, self.vocab_size = np.asarray(ids, dtype=dtype), tok.vocab_size
         else:
-            if cfg.tokenizer not in (None, BYTES) and not os.path.isfile(os.path.join(cfg.tokenizer, "config.json")):
-                # (a model directory's tokenizer is taken by default: said only when one was given)
-                log.warning(
-                    "data.tokenizer = %s is not used: data.corpus %s is a token file, tokenized when it was prepared",
-                    cfg.tokenizer,
-                    path,
-                )
             self.tokens, self.vocab_size = read_tokens(path)
+            # tokenized when it was prepared: the run's tokenizer (a model directory's by default) must be the
+            # vocabulary it was made with
             if cfg.tokenizer not in (None, BYTES) and self.vocab_size != load_tokenizer(cfg.tokenizer).vocab_size:
                 raise ConfigError(
                     f"{what} = {path!r} holds token ids of a vocabulary of {self.vocab_size:,} (tokenized when it was "

@@ -39,6 +39,7 @@ from ..checkpoint import (
 from ..config import Config, ConfigError
 from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
+from ..data.examples import UnscoredStep
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
 from ..dist.group import BrokenGroupError, SoloGroup
 from ..dist.launch import resume_command
@@ -455,10 +456,13 @@ class Trainer:
     def train_step(self) -> StepRecord:
         self._need_weights("train_step()")
         cfg = self.cfg
+        # before anything of the step is done: a step whose rows score nothing leaves the states
+        # at the last step (``UnscoredStep``), as they can be saved
+        scored = self.corpus.scored(self.step, self.group.world)
         self.meter.begin()
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
-        out = self._run_step()
+        out = self._run_step(scored)
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
         if self.adapter_update is not None:  # the only trained parameters: the base forms no gradient
@@ -492,11 +496,12 @@ class Trainer:
             rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches, self.group)
         return rec
 
-    def _run_step(self):
-        """The executor's step on this rank's micro-batches; the loss is every rank's mean
+    def _run_step(self, scored: int | None):
+        """The executor's step on this rank's micro-batches (``scored``: the step's scored
+        targets over every rank, None where every target counts); the loss is every rank's mean
         (summed in rank order) and the tokens every rank's."""
         g, step = self.group, self.step
-        scale = LossScale(self.cfg.data.micro_batches, g.world, self.corpus.scored(step, g.world))
+        scale = LossScale(self.cfg.data.micro_batches, g.world, scored)
         g.at_step(step + 1)  # told to the others: a rank that stops is named with its step
         every = None
         if self.executor.embed_pieces:  # the embedding pieces any rank's tokens use, on every rank
@@ -559,6 +564,7 @@ class Trainer:
                     cfg.train.steps + first,
                 )
                 return []
+            self._refuse_unscored(first)  # before the run directory holds anything of this run
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
             try:
@@ -576,7 +582,14 @@ class Trainer:
         guard = LossGuard()
         with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
             while not (why := stop.agreed(self.group)) and self.step < cfg.train.steps:
-                rec = self.train_step()
+                try:
+                    rec = self.train_step()
+                except UnscoredStep:  # past what was checked at start: the steps done are kept
+                    if self.step > first and not (ck.every and self.step % ck.every == 0):  # (every rank alike)
+                        self.save_checkpoint()
+                        if self.group.leader:
+                            log.warning("saved step %d, the last the data lets this run take", self.step)
+                    raise
                 metrics.add(rec)
                 bar.update()
                 bar.set_postfix(loss=f"{rec.loss:.3f}")
@@ -601,6 +614,28 @@ class Trainer:
             self.save_checkpoint()
         log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
         return metrics.records
+
+    # rows checked for a scored token before the first step (about 20 us a row): beyond them, a
+    # step without one stops the run at that step, its work saved
+    CHECK_ROWS = 200_000
+
+    def _refuse_unscored(self, first: int) -> None:
+        """Refuse, before the first step, a run whose data gives a step no scored token."""
+        find = getattr(self.corpus, "unscored_steps", None)
+        if find is None:
+            return
+        d, world = self.cfg.data, self.group.world
+        rows = d.micro_batches * d.micro_batch_size * world
+        last = min(self.cfg.train.steps, first + max(1, self.CHECK_ROWS // rows))
+        bad = find(first, last, world)
+        if bad:
+            shown = ", ".join(str(s + 1) for s in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise UnscoredStep(
+                f"data: {len(bad)} of steps {first + 1}-{last} have no scored token (every target masked), "
+                f"first step(s) {shown}: the run would stop there; check the data's prompt/completion split "
+                "(prompts longer than data.seq_len leave nothing to score), raise data.seq_len, or take more rows a "
+                "step (data.micro_batch_size)"
+            )
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
