@@ -81,6 +81,7 @@ def test_a_forgotten_region_is_refused(tmp_path, monkeypatch):
 
     cfg = make(tmp_path)
     with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
         real = tr.update.regions
 
         @contextlib.contextmanager

@@ -573,6 +573,7 @@ def test_a_step_without_a_scored_token_is_found_at_start_or_stops_the_run_with_i
     It stopped the run where it fell (step 194 of a 200-step run: 93 steps lost since the last
     checkpoint, and resuming met it again). Now the steps are checked before the first (none of
     the run directory made); past the rows checked, the run stops there with its steps saved."""
+    from tiertrain.data import examples
     from tiertrain.data.examples import UnscoredStep
     from tiertrain.training.trainer import Trainer
 
@@ -583,7 +584,7 @@ def test_a_step_without_a_scored_token_is_found_at_start_or_stops_the_run_with_i
     with Trainer(cfg) as tr, pytest.raises(UnscoredStep, match=r"data: \d+ of steps 1-24 have no scored token"):
         tr.run()
     assert not os.path.exists(cfg.train.run_dir)
-    monkeypatch.setattr(Trainer, "CHECK_ROWS", 1)  # the first step alone checked: the rest met as they come
+    monkeypatch.setattr(examples, "CHECK_ROWS", 1)  # the first step alone checked: the rest met as they come
     with Trainer(cfg) as tr:
         first_bad = tr.corpus.unscored_steps(0, 24)[0]
         assert first_bad > 1, tr.corpus.unscored_steps(0, 24)  # (the seed's order: scored steps first)

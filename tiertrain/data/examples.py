@@ -56,6 +56,10 @@ META = "meta.json"
 FORMAT = "tiertrain-examples"
 
 
+# rows checked for a scored token before the first step (about 20 us a row)
+CHECK_ROWS = 200_000
+
+
 class UnscoredStep(UsageError):
     """A step whose rows hold no scored token: its loss has no divisor."""
 
@@ -311,6 +315,21 @@ class ExampleBatches:
                 "prompt/completion split, or raise data.seq_len"
             )
         return n
+
+    def refuse_unscored(self, first: int, steps: int, world: int = 1) -> None:
+        """Refuse, before the first step, a run whose steps ``first`` .. ``steps`` give one no
+        scored token; the steps of up to ``CHECK_ROWS`` rows are checked (beyond them, such a
+        step stops the run where it falls, its work saved: ``Trainer.run``)."""
+        last = min(steps, first + max(1, CHECK_ROWS // (world * self.M * self.B)))
+        bad = self.unscored_steps(first, last, world)
+        if bad:
+            shown = ", ".join(str(s + 1) for s in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise UnscoredStep(
+                f"data: {len(bad)} of steps {first + 1}-{last} have no scored token (every target masked), "
+                f"first step(s) {shown}: the run would stop there; check the data's prompt/completion split "
+                "(prompts longer than data.seq_len leave nothing to score), raise data.seq_len, or take more rows a "
+                "step (data.micro_batch_size)"
+            )
 
     def unscored_steps(self, first: int, last: int, world: int = 1) -> list[int]:
         """The steps in [first, last) (0-based) whose rows hold no scored token: found at start,

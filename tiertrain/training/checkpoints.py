@@ -97,6 +97,13 @@ class Checkpoints:
             )
         return res
 
+    def say_other_ranks(self, man: Manifest, path: str, data) -> None:
+        """A checkpoint resumed on other ranks than trained it (``other_ranks_note``), said by
+        rank 0: ``--nproc`` is not a config setting that the changed-settings line names."""
+        note = other_ranks_note(man.ranks, self.group.world, data.micro_batches, data.micro_batch_size)
+        if note and self.group.leader:
+            log.warning("checkpoint %s %s", path, note)
+
     def restore(self, regions: dict, path: str, zero_if_absent: set[str]) -> Manifest:
         """Checkpoint ``path`` into ``regions`` (every rank reads the files, keeping its shard)."""
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from ..update import UPDATES
 if TYPE_CHECKING:
     from ..cost.budget import BudgetPlan
 
-__all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states"]
+__all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states", "device_needs"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
@@ -128,3 +128,20 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     acts = ActivationPlan.of(planned, rt, budget.act_bytes, budget.record_bytes)
     states = declare_states(planned, rt, acts.record_bytes)
     return RunPlan(planned, budget, acts, states, notes, measured[0] if measured else None)
+
+
+def device_needs(cfg: Config, rt, unit: int, accum) -> dict[str, int]:
+    """What a run of ``cfg`` on the runtime ``rt`` holds in device memory whatever the budget
+    (``Device.check_capacity``'s terms): ``unit`` bytes a slot, gradients summed in ``accum``."""
+    from ..execute.tied import tied_rows_bytes
+    from ..state.grads import GradStore
+
+    m, layout, dtype = cfg.memory, rt.layout, rt.dtype
+    return {
+        "parameter slots (memory.device_slots)": m.device_slots * unit,
+        "gradient buffers": GradStore.buffers_for(layout) * unit,
+        "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(layout, accum),
+        "tied embedding's gradient rows": tied_rows_bytes(rt.model, layout, cfg.data, dtype, accum),
+        "kept activations (memory.keep_act_mib)": (m.keep_act_mib or 0) * (1 << 20),  # (resolved by the plan)
+        **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
+    }

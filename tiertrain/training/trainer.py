@@ -46,7 +46,6 @@ from ..dist.launch import resume_command
 from ..errors import TiertrainError, one_line
 from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
-from ..execute.tied import tied_rows_bytes
 from ..inference.validation import validation_loss
 from ..io import aligned_empty
 from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
@@ -58,12 +57,12 @@ from ..state.quant import base_storage, quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
-from .checkpoints import Checkpoints, other_ranks_note
+from .checkpoints import Checkpoints
 from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
-from .plan import ActivationPlan, declare_states, plan_run
+from .plan import ActivationPlan, declare_states, device_needs, plan_run
 from .rundir import RunDir
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -205,16 +204,7 @@ class Trainer:
         cfg, m, rt = self.cfg, self.cfg.memory, self.rt
         unit = self.layout.max_unit_numel * self.dtype.itemsize
         accum = self._accum_dtype()
-        self.dev.check_capacity(
-            {
-                "parameter slots (memory.device_slots)": m.device_slots * unit,
-                "gradient buffers": GradStore.buffers_for(self.layout) * unit,
-                "gradient accumulators (train.grad_accum_dtype)": GradStore.accum_bytes_for(self.layout, accum),
-                "tied embedding's gradient rows": tied_rows_bytes(rt.model, self.layout, cfg.data, self.dtype, accum),
-                "kept activations (memory.keep_act_mib)": m.keep_act_mib * MIB,
-                **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
-            }
-        )
+        self.dev.check_capacity(device_needs(cfg, rt, unit, accum))
         self.update: Update = self._part(
             UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype, pin=self.dev.pin)
         )
@@ -427,7 +417,7 @@ class Trainer:
         same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
         same_optimizer(self.cfg.optim.name, man.config.get("optim", {}).get("name", "adamw"), f"checkpoint {path}")
-        self._say_other_ranks(man, path)
+        self.checkpoints.say_other_ranks(man, path, self.cfg.data)
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:
@@ -438,14 +428,6 @@ class Trainer:
         self.update.restored(man.step)
         self._weighted = True
         return man
-
-    def _say_other_ranks(self, man: Manifest, path: str) -> None:
-        """Said, since ``--nproc`` is not a config setting that the changed-settings line names."""
-        note = other_ranks_note(
-            man.ranks, self.group.world, self.cfg.data.micro_batches, self.cfg.data.micro_batch_size
-        )
-        if note and self.group.leader:
-            log.warning("checkpoint %s %s", path, note)
 
     @property
     def resume_command(self) -> str:
@@ -564,7 +546,8 @@ class Trainer:
                     cfg.train.steps + first,
                 )
                 return []
-            self._refuse_unscored(first)  # before the run directory holds anything of this run
+            if hasattr(self.corpus, "refuse_unscored"):  # examples: before the run directory holds anything
+                self.corpus.refuse_unscored(first, self.cfg.train.steps, self.group.world)
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
             try:
@@ -614,28 +597,6 @@ class Trainer:
             self.save_checkpoint()
         log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
         return metrics.records
-
-    # rows checked for a scored token before the first step (about 20 us a row): beyond them, a
-    # step without one stops the run at that step, its work saved
-    CHECK_ROWS = 200_000
-
-    def _refuse_unscored(self, first: int) -> None:
-        """Refuse, before the first step, a run whose data gives a step no scored token."""
-        find = getattr(self.corpus, "unscored_steps", None)
-        if find is None:
-            return
-        d, world = self.cfg.data, self.group.world
-        rows = d.micro_batches * d.micro_batch_size * world
-        last = min(self.cfg.train.steps, first + max(1, self.CHECK_ROWS // rows))
-        bad = find(first, last, world)
-        if bad:
-            shown = ", ".join(str(s + 1) for s in bad[:5]) + (", ..." if len(bad) > 5 else "")
-            raise UnscoredStep(
-                f"data: {len(bad)} of steps {first + 1}-{last} have no scored token (every target masked), "
-                f"first step(s) {shown}: the run would stop there; check the data's prompt/completion split "
-                "(prompts longer than data.seq_len leave nothing to score), raise data.seq_len, or take more rows a "
-                "step (data.micro_batch_size)"
-            )
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None when probing fails:
