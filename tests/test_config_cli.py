@@ -66,6 +66,21 @@ def test_bad_toml_is_reported(tmp_path):
         load_config(str(f))
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "none.toml"))
+    # each once a traceback or a misleading line
+    with pytest.raises(ConfigError, match=r"is a directory; give a TOML file"):
+        load_config(str(tmp_path))
+    for name, body, match in [
+        ("bom.toml", b"\xef\xbb\xbf[train]\nsteps = 3\n", r"starts with a UTF-8 byte-order mark, which TOML forbids"),
+        ("latin.toml", b'[train]\nrun_dir = "\xe9"\n', r"is not UTF-8 \(invalid continuation byte at byte 19\)"),
+        (
+            "top.toml",
+            b"steps = 3\n",
+            r"^steps = 3 is outside any section: every field belongs to a table; it is \[train\]'s",
+        ),
+    ]:
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(ConfigError, match=match):
+            load_config(str(tmp_path / name))
 
 
 def test_every_field_is_documented():

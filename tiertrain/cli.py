@@ -177,10 +177,9 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     path = find_resumable(where, flag)
     given: dict = {}
     if config is not None:  # only what the file sets overrides the checkpoint's config
-        import tomllib
+        from .config import read_toml
 
-        with open(config, "rb") as f:
-            given = {s: dict(v) if isinstance(v, dict) else v for s, v in tomllib.load(f).items()}
+        given = {s: dict(v) if isinstance(v, dict) else v for s, v in read_toml(config).items()}
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config

@@ -51,6 +51,7 @@ __all__ = [
     "has_tokenizer",
     "TOKENIZER_MARKERS",
     "load_config",
+    "read_toml",
     "parse_overrides",
     "config_reference",
 ]
@@ -203,6 +204,12 @@ class Config:
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
         kw = {}
         for name, values in tree.items():
+            if name not in sections and not isinstance(values, dict):  # `steps = 3` above every table
+                owner = next(
+                    (s for s in sections if name in {f.name for f in dataclasses.fields(_section_class(s))}), None
+                )
+                hint = f"; it is [{owner}]'s: put it under [{owner}]" if owner else ""
+                raise ConfigError(f"{name} = {values!r} is outside any section: every field belongs to a table{hint}")
             if name not in sections:
                 raise ConfigError(f"unknown config section [{name}]{suggest(name, sections)}")
             if not isinstance(values, dict):
@@ -228,17 +235,34 @@ def _make_section(cls: Any, values: dict[str, Any]) -> Any:  # a Section's datac
     return cls(**kw)
 
 
+def read_toml(path: str) -> dict:
+    """Config file ``path`` as a tree; what keeps it from being read is one line naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise ConfigError(
+            f"config file {path} starts with a UTF-8 byte-order mark, which TOML forbids; save it without"
+        )
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 ({exc.reason} at byte {exc.start}); TOML is UTF-8"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a TOML file (optional), apply ``--section.field=value`` overrides, validate."""
-    tree: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                tree = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    tree: dict[str, dict[str, Any]] = read_toml(path) if path is not None else {}
     for section, values in parse_overrides(overrides).items():
         if section not in tree:
             tree[section] = {}
