@@ -319,3 +319,14 @@ def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, ca
     for flag in ("--train.run_dir=", "--model.hf_dir= ", "--model.init_from="):
         assert main(["train", *tiny_flags(tmp_path / "b", flag, steps=1)]) == 2
         assert f"{flag.split('=')[0][2:]} = {flag.split('=')[1]!r}: empty: name a" in capsys.readouterr().err, flag
+
+
+def test_one_directory_as_run_dir_and_scratch_is_named_as_such(tmp_path, capsys):
+    """io.paths equal to train.run_dir: the run's second lock on the directory said it was "in
+    use by another tiertrain run (pid N)", N being the run itself."""
+    d = tmp_path / "d"
+    assert main(["train", *tiny_flags(tmp_path, f"--io.paths={d}", f"--train.run_dir={d}", steps=1)]) == 2
+    err = capsys.readouterr().err
+    assert f"{d} is named twice in this run's settings (train.run_dir and io.paths" in err and "another" not in err
+    assert not d.exists()
+    assert main(["train", *tiny_flags(tmp_path, f"--io.paths={d / 'scratch'}", f"--train.run_dir={d}", steps=1)]) == 0
