@@ -134,3 +134,25 @@ def test_prepare_and_train_on_chat_rows_from_the_command_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(["prepare", "--input", rows, "--input", str(tmp_path / "x.txt"), "--output", str(tmp_path / "p2")]) != 0
     assert "prepare: give either text files (.txt: a token file) or rows" in capsys.readouterr().err
+
+
+def test_the_apis_functions_take_the_configs_train_takes_and_name_wrong_arguments(tmp_path):
+    """tiertrain.train(cfg, ["--a=1"]) and evaluate({...}) were AttributeErrors, generate(cfg,
+    "hello") a TypeError from inside its loop: each now takes what train takes or names the
+    argument and its form."""
+    import tiertrain
+    from tiertrain.config import ConfigError
+
+    tree = _tree(tmp_path)
+    for bad in (["--train.steps=1"], 5):
+        with pytest.raises(TypeError, match=r"overrides are strings such as '--train.steps=3', each its own argument"):
+            tiertrain.train(tree, bad)
+    tree["data"] = {**tree.get("data", {}), "eval_corpus": "bundled", "eval_micro_batches": 1}
+    res = tiertrain.evaluate(tree)  # a dict of sections, as train takes
+    assert res.loss > 0
+    for prompts, got in (("hello", "not str"), ([104, 105], "not a list of int"), (None, "not NoneType")):
+        with pytest.raises(TypeError, match=rf"prompts are a list of token-id lists, one a prompt, {got}; tokenize"):
+            tiertrain.generate(tree, prompts)
+    with pytest.raises(ConfigError, match=r"generate: no prompt given \(an empty list\)"):
+        tiertrain.generate(tree, [])
+    assert len(tiertrain.generate(tree, [[1, 2, 3]], tiertrain.Sampling(max_new_tokens=2))[0]) == 2

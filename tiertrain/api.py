@@ -11,36 +11,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Sequence
 
-from .config import Config, load_config, parse_overrides
+from .config import Config, as_config
 from .training.metrics import StepRecord
 
 __all__ = ["train", "as_config"]
 
 log = logging.getLogger("tiertrain")
-
-
-def as_config(config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """A checked ``Config`` from any form ``train`` takes."""
-    if isinstance(config, Config):
-        if not overrides:
-            return config
-        config = config.to_dict()
-    if config is None or isinstance(config, str):
-        return load_config(config, overrides)
-    if not isinstance(config, dict):
-        raise TypeError(
-            f"config must be a Config, a dict of sections, a TOML path or None, not {type(config).__name__}"
-        )
-    # copies of the sections (the caller's dict is left as it is); what is not a table is
-    # refused by ``Config.from_dict`` as a TOML file's would be
-    tree: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    for section, values in parse_overrides(overrides).items():
-        if not isinstance(tree.setdefault(section, {}), dict):
-            break  # refused below, naming the section
-        tree[section].update(values)
-    return Config.from_dict(tree)
 
 
 def train(

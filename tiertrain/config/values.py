@@ -68,6 +68,11 @@ def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
     tree: dict[str, dict[str, Any]] = {}
     it = iter(flags)
     for flag in it:
+        if not isinstance(flag, str):  # the Python API: train(cfg, ["--a=1"]) or train(cfg, 5)
+            raise TypeError(
+                f"overrides are strings such as '--train.steps=3', each its own argument (train(cfg, '--a.b=1', "
+                f"'--c.d=2'), or *a_list), not {type(flag).__name__} {flag!r}"
+            )
         if not flag.startswith("--") or "." not in flag:
             raise ConfigError(f"unexpected argument {flag!r}: overrides look like --section.field=value")
         key, eq, value = flag[2:].partition("=")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, as_config
 from ..data import EvalSet
 from ..device.host import host_rss
 from ..execute.executor import LayerMajorExecutor
@@ -66,9 +66,10 @@ class EvalResult:
         )
 
 
-def evaluate(cfg: Config, *, weights: WeightSource | None = None, device=None) -> EvalResult:
+def evaluate(cfg: Config | dict | str, *, weights: WeightSource | None = None, device=None) -> EvalResult:
     """The loss of ``cfg``'s model on ``cfg.data.eval_corpus`` (see the module docstring).
     ``weights`` overrides where the weights come from (tests)."""
+    cfg = as_config(cfg)  # (the Python API: a dict of sections or a TOML path too)
     if cfg.data.eval_corpus is None:
         raise ConfigError(
             "data.eval_corpus is not set: give the text to evaluate on, e.g. "

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, as_config
 from ..device.host import host_rss
 from ..execute.walk import UnitWalk
 from ..models import WeightSource
@@ -180,8 +180,30 @@ class _Rows:
         return pos.masked_fill(self.mask == 0, 1)[:, -new:]
 
 
+def _check_prompts(prompts) -> None:
+    """``prompts``: a list of token-id lists (a string, or one list of ids, is refused by name)."""
+    if (
+        isinstance(prompts, str)
+        or not isinstance(prompts, (list, tuple))
+        or not all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts)
+    ):
+        got = (
+            type(prompts).__name__
+            if not isinstance(prompts, (list, tuple)) or not prompts
+            else (f"a {type(prompts).__name__} of {type(prompts[0]).__name__}")
+        )
+        raise TypeError(
+            f"generate: prompts are a list of token-id lists, one a prompt, not {got}; tokenize text first (the "
+            "model's tokenizer: tiertrain.data.tokenizer.load_tokenizer), or use `tiertrain generate --prompt TEXT`"
+        )
+    if not prompts:
+        raise ConfigError("generate: no prompt given (an empty list)")
+    if any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
+
+
 def generate(
-    cfg: Config,
+    cfg: Config | dict | str,
     prompts: list[list[int]],
     sampling: Sampling = Sampling(),
     *,
@@ -196,8 +218,8 @@ def generate(
     and once at the end with no tokens;
     ``tokenizer_vocab``: the tokenizer's size, refused when larger than the model's vocabulary;
     ``eos``: the end-of-sequence ids (default: the model directory's, see ``eos_ids``)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("generate: every prompt needs at least one token (an empty prompt was given)")
+    cfg = as_config(cfg)  # (the Python API: a dict of sections or a TOML path too)
+    _check_prompts(prompts)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
     rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)
