@@ -334,3 +334,22 @@ def test_no_output_overwrites_what_the_command_reads_a_checkpoint_or_a_users_fil
     tok = tmp_path / "t.tok"
     assert main(["prepare", "--input", str(prompts), "--output", str(tok)]) == 0
     assert main(["prepare", "--input", str(prompts), "--output", str(tok)]) == 0  # a token file is replaced
+
+
+def test_settings_without_effect_are_said(tmp_path, capsys):
+    """Valid settings that do nothing as combined ran without a word: a warm-up as long as the
+    run (the learning rate never reached optim.lr), an eval corpus with no eval_every, top-k /
+    top-p at temperature 0, and eval / generate of a random model (only an INFO line said it)."""
+    assert main(["train", *tiny_flags(tmp_path, "--data.eval_corpus=bundled", steps=2)]) == 0
+    assert main(["generate", "--prompt", "hi", "--top-k", "5", "--max-new-tokens", "1"]) == 0
+    assert main(["eval", "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]) == 0
+    said = capsys.readouterr().err
+    assert "optim.warmup_steps = 10 is at least train.steps = 2: the learning rate never reaches optim.lr" in said
+    assert "data.eval_corpus = 'bundled' is set but train.eval_every = 0: no validation runs" in said
+    assert said.count("top_k = 5, top_p = 1 have no effect at temperature 0") == 1
+    for cmd in ("generate", "eval"):
+        assert f"{cmd}: no --checkpoint, model.hf_dir or model.init_from: the model's weights are random" in said
+    flags = tiny_flags(tmp_path / "b", "--optim.warmup_steps=1", "--train.eval_every=1", "--data.eval_corpus=bundled")
+    assert main(["train", *flags, "--data.eval_micro_batches=1"]) == 0
+    said = capsys.readouterr().err
+    assert "warmup_steps" not in said and "no validation" not in said

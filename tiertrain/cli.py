@@ -254,7 +254,9 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         with weights:
             res = evaluate(cfg, weights=weights.source)
     else:
-        res = evaluate(load_config(args.config, overrides))
+        cfg = load_config(args.config, overrides)
+        _say_random(cfg, "eval")
+        res = evaluate(cfg)
     print(res.line())
     if out:
         with open(out, "w") as f:
@@ -283,8 +285,23 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         with weights:
             run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
-    run_generate(load_config(args.config, overrides), texts, sampling, out)
+    cfg = load_config(args.config, overrides)
+    _say_random(cfg, "generate")
+    run_generate(cfg, texts, sampling, out)
     return 0
+
+
+def _say_random(cfg, command: str) -> None:
+    """eval or generate with neither --checkpoint nor a model's weights: a random model's
+    output, said (its only sign was a line "random init")."""
+    m = cfg.model
+    if m.init_from is None and (m.hf_dir is None or m.from_scratch):
+        log.warning(
+            "%s: no --checkpoint, model.hf_dir or model.init_from: the model's weights are random (seed %d), "
+            "its output noise",
+            command,
+            cfg.train.seed,
+        )
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

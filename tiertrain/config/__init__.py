@@ -51,6 +51,7 @@ __all__ = [
     "has_tokenizer",
     "TOKENIZER_MARKERS",
     "load_config",
+    "ineffective_settings",
     "as_config",
     "read_toml",
     "parse_overrides",
@@ -314,3 +315,21 @@ def as_config(config: Config | dict | str | None = None, overrides: Sequence[str
             break  # refused below, naming the section
         tree[section].update(values)
     return Config.from_dict(tree)
+
+
+def ineffective_settings(cfg: Config) -> list[str]:
+    """Settings of a training run that have no effect as combined, each a line to say at start
+    (valid, so not refused: the run may be meant as it is)."""
+    out = []
+    o, t = cfg.optim, cfg.train
+    if o.warmup_steps >= t.steps > 0:
+        out.append(
+            f"optim.warmup_steps = {o.warmup_steps} is at least train.steps = {t.steps}: the learning rate never "
+            f"reaches optim.lr = {o.lr:g} (it warms up through the whole run)"
+        )
+    if cfg.data.eval_corpus is not None and not t.eval_every:
+        out.append(
+            f"data.eval_corpus = {cfg.data.eval_corpus!r} is set but train.eval_every = 0: no validation runs; "
+            "set train.eval_every = N for a validation loss every N steps"
+        )
+    return out

@@ -220,6 +220,13 @@ def generate(
     ``eos``: the end-of-sequence ids (default: the model directory's, see ``eos_ids``)."""
     cfg = as_config(cfg)  # (the Python API: a dict of sections or a TOML path too)
     _check_prompts(prompts)
+    if sampling.temperature == 0 and (sampling.top_k or sampling.top_p < 1):  # greedy: nothing to cut
+        log.warning(
+            "top_k = %d, top_p = %g have no effect at temperature 0 (greedy: the likeliest token); give a "
+            "temperature to sample",
+            sampling.top_k,
+            sampling.top_p,
+        )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_pieces=1))
     rt = Runtime(cfg, weights=weights, device=device)
     rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)

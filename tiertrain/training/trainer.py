@@ -36,7 +36,7 @@ from ..checkpoint import (
     read_tensors,
     set_aside_damaged,
 )
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, ineffective_settings
 from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
 from ..data.examples import UnscoredStep
@@ -524,6 +524,8 @@ class Trainer:
         cfg = self.cfg
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
+        for line in ineffective_settings(cfg) if self.group.leader else ():
+            log.warning("%s", line)
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite)
         elif self.group.leader:  # a checkpoint of another run directory: this one must hold no run
