@@ -446,3 +446,27 @@ def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
                 call()
         tr.initialize(progress=False)
         assert math.isfinite(tr.train_step().loss)
+
+
+def test_a_read_only_cache_or_prepare_output_and_paths_of_the_wrong_kind_are_one_line(
+    tmp_path, capsys, readonly_dir, monkeypatch
+):
+    """Rows prepared into a read-only directory, or into a read-only cache (a home mounted
+    read-only, as on some clusters): OSError tracebacks. A checkpoint's file given as the
+    checkpoint said "no such directory"; --prompts-file /dev/null "no such file"."""
+    rows = tmp_path / "r.jsonl"
+    rows.write_text('{"text": "hello world this is text"}\n' * 30)
+    line = one_line_error(capsys, ["prepare", "--input", str(rows), "--output", str(readonly_dir / "out")], 1)
+    assert f"prepare --output = '{readonly_dir / 'out'}' is on a read-only filesystem" in line, line
+    monkeypatch.setenv("XDG_CACHE_HOME", str(readonly_dir / "cache"))
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--data.corpus={rows}", "--data.seq_len=16")], 2)
+    assert "the prepared-data cache for data.corpus ($XDG_CACHE_HOME, else ~/.cache: set XDG_CACHE_HOME" in line, line
+    assert "is on a read-only filesystem" in line
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    ck = tmp_path / "run" / "checkpoints" / "step-00000001"
+    capsys.readouterr()
+    line = one_line_error(capsys, ["eval", "--checkpoint", str(ck / "manifest.json")], 1)
+    assert f"--checkpoint {ck / 'manifest.json'} is a file (it is in the checkpoint {ck}); give a checkpoint" in line
+    line = one_line_error(capsys, ["generate", "--checkpoint", str(ck), "--prompts-file", "/dev/null"], 2)
+    assert "--prompts-file /dev/null: holds no prompt" in line, line

@@ -327,6 +327,19 @@ def test_one_directory_as_run_dir_and_scratch_is_named_as_such(tmp_path, capsys)
     d = tmp_path / "d"
     assert main(["train", *tiny_flags(tmp_path, f"--io.paths={d}", f"--train.run_dir={d}", steps=1)]) == 2
     err = capsys.readouterr().err
-    assert f"{d} is named twice in this run's settings (train.run_dir and io.paths" in err and "another" not in err
+    assert f"{d} is named as train.run_dir and io.paths: give each its own directory" in err and "another" not in err
     assert not d.exists()
     assert main(["train", *tiny_flags(tmp_path, f"--io.paths={d / 'scratch'}", f"--train.run_dir={d}", steps=1)]) == 0
+
+
+def test_a_start_over_that_fails_before_it_begins_offers_no_resume_of_the_earlier_run(tmp_path, capsys):
+    """--train.overwrite=true over an earlier run, stopped by a data error before it began: the
+    error pointed at the earlier run's checkpoint (`--resume`), another run than the one asked."""
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n{"text": "two"\n')
+    capsys.readouterr()
+    assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", f"--data.corpus={bad}", steps=1)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "--resume" not in err and "last checkpoint" not in err, err
+    assert names(tmp_path / "run" / "checkpoints") == ["step-00000001"]  # (the start over never began)

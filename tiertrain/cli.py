@@ -129,8 +129,10 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .training.advice import resume_hint
     from .training.trainer import Trainer  # (not in the launcher: torch's import and exit cost it seconds)
 
+    started = False  # the trainer built: with train.overwrite, the checkpoints there are this run's from then on
     try:
         with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
+            started = True
             trainer.run(resume=path)
     except Exception as exc:
         from .io.scratch import DirInUseError
@@ -139,7 +141,9 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        reported = _Reported(f"{one_line(exc)}{resume_hint(exc, cfg, path)}")
+        # a fresh start over an earlier run that failed before it began: that run's checkpoints are not its own
+        earlier = path is None and cfg.train.overwrite and not started
+        reported = _Reported(f"{one_line(exc)}{'' if earlier else resume_hint(exc, cfg, path)}")
         reported.quiet = getattr(exc, "quiet", False)
         if isinstance(exc, RankError):  # the ranks' fault, said (the rank that stopped named): the launcher
             # stops what is left at once

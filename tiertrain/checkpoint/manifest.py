@@ -209,6 +209,10 @@ def find_checkpoint(where: str, what: str = "checkpoint") -> str:
     checkpoints directory (their latest complete checkpoint)."""
     if os.path.exists(os.path.join(where, MANIFEST)):
         return where
+    if os.path.isfile(where):  # a file of a checkpoint, say: its directory is what is meant
+        inside = os.path.dirname(os.path.abspath(where))
+        hint = f" (it is in the checkpoint {inside})" if os.path.exists(os.path.join(inside, MANIFEST)) else ""
+        raise CheckpointError(f"{what} {where} is a file{hint}; give a checkpoint or run directory")
     if not os.path.isdir(where):
         raise CheckpointError(f"{what} {where}: no such directory; give a checkpoint or run directory")
     found = latest_checkpoint(os.path.join(where, "checkpoints")) or latest_checkpoint(where)

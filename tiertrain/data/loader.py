@@ -266,6 +266,14 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     ).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     out = os.path.join(root, "tiertrain", "prepared", key)
+    from ..paths import check_writable_dir
+
+    check_writable_dir(  # (a read-only home on a cluster: an OSError from deep inside, once)
+        f"the prepared-data cache for {what} ($XDG_CACHE_HOME, else ~/.cache: set XDG_CACHE_HOME to a writable "
+        f"directory, or `tiertrain prepare --input {path} --output DIR` and give DIR)",
+        os.path.dirname(out),
+        ConfigError,
+    )
     from .examples import is_prepared
 
     if is_prepared(out):

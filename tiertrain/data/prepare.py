@@ -11,7 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import UsageError
-from ..paths import check_input_file, refuse_overwriting
+from ..paths import check_input_file, check_writable_dir, refuse_overwriting
 from .tokenizer import load_tokenizer, tokenizer_fingerprint
 from .tokens import is_token_file, write_tokens
 
@@ -69,6 +69,7 @@ def prepare_examples(
             raise UsageError(f"prepare --input {path}: no such file or directory")
     if os.path.isfile(output):
         raise UsageError(f"prepare --output {output} is a file; prepared examples are a directory: give a new one")
+    check_writable_dir("prepare --output", output, UsageError)  # before the rows are read
     tok = load_tokenizer(tokenizer, what="prepare --tokenizer")
     render = Renderer(tok, kind, mask_prompt=mask_prompt)
 

@@ -23,7 +23,7 @@ def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
     field a line; else one prompt a line), refused with the file and line when bad."""
     out = list(texts or [])
     if path is not None:
-        if not os.path.isfile(path):
+        if os.path.isdir(path) or not os.path.exists(path):  # (a pipe or a device is read as a file)
             raise ConfigError(f"--prompts-file {path}: {'is a directory' if os.path.isdir(path) else 'no such file'}")
         for n, line in enumerate(_text_lines(path), 1):
             if not line.strip():

@@ -72,14 +72,6 @@ class DirLock:
         except BlockingIOError:
             info = _read(fd)
             os.close(fd)
-            if info.get("pid") == os.getpid():  # this run holds it already: one directory named for two uses
-                from ..errors import ConfigError
-
-                raise ConfigError(
-                    f"{self.path} is named twice in this run's settings (train.run_dir and io.paths, or twice "
-                    "in io.paths): give each its own directory (io.paths a subdirectory, e.g. "
-                    f"{os.path.join(self.path, 'scratch')})"
-                ) from None
             who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
             raise busy(self.path, who) from None
         self.previous = _read(fd)  # the record the last holder left
