@@ -8,13 +8,24 @@ records; ``Trainer`` runs steps one at a time; ``Config`` / ``load_config`` buil
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["train", "Trainer", "Config", "load_config", "evaluate", "generate", "Sampling", "prepare_examples"]
+__all__ = [
+    "train",
+    "Trainer",
+    "Config",
+    "load_config",
+    "as_config",
+    "evaluate",
+    "generate",
+    "Sampling",
+    "prepare_examples",
+]
 
 _WHERE = {
     "train": "api",
     "Trainer": "training.trainer",
     "Config": "config",
     "load_config": "config",
+    "as_config": "config",
     "evaluate": "inference.evaluate",
     "generate": "inference.generate",
     "Sampling": "inference.generate",

@@ -331,9 +331,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             args.input, args.output, tokenizer=args.tokenizer, kind=args.format, mask_prompt=not args.no_mask_prompt
         )
         log.info(
-            "wrote %d %s examples (%d tokens, %d of them scored) to %s",
+            "wrote %d %s example%s (%d tokens, %d of them scored) to %s",
             meta["examples"],
             meta["kind"],
+            "" if meta["examples"] == 1 else "s",
             meta["tokens"],
             meta["scored"],
             args.output,
