@@ -54,19 +54,24 @@ SHAPES = {
 
 
 def shape_of(name: str) -> dict:
-    """A named shape, or ``LAYERSxWIDTH``: a Llama of that depth and width (heads of 128, or of
-    32 below 512 wide; GQA 4:1; an MLP of 8/3 the width rounded up to 64; a 32,000 vocabulary)."""
+    """A named shape, or ``[FAMILY:]LAYERSxWIDTH``: a Llama (or, ``qwen2:``, a Qwen2 with its
+    embedding tied, as the small Qwen2.5 are) of that depth and width (heads of 128, or of 32
+    below 512 wide; GQA 4:1; an MLP of 8/3 the width rounded up to 64; a 32,000 vocabulary)."""
     if name in SHAPES:
         return dict(SHAPES[name])
-    m = re.fullmatch(r"(\d+)x(\d+)", name)
+    m = re.fullmatch(r"(?:(llama|qwen2):)?(\d+)x(\d+)", name)
     if not m:
-        raise SystemExit(f"--shape {name!r}: one of {', '.join(SHAPES)} or LAYERSxWIDTH (e.g. 24x2048)")
+        raise SystemExit(
+            f"--shape {name!r}: one of {', '.join(SHAPES)} or [FAMILY:]LAYERSxWIDTH (e.g. 24x2048, qwen2:2x256)"
+        )
+    family = m.group(1) or "llama"
+    m = re.fullmatch(r"(\d+)x(\d+)", name.rpartition(":")[2])
     layers, hidden = int(m.group(1)), int(m.group(2))
     heads = max(1, hidden // (128 if hidden >= 512 else 32))
     ff = -(-8 * hidden // 3 // 64) * 64
     return dict(
-        family="llama", layers=layers, hidden=hidden, ff=ff, heads=heads, kv_heads=max(1, heads // 4), vocab=32000,
-        tie=False, theta=5e5,
+        family=family, layers=layers, hidden=hidden, ff=ff, heads=heads, kv_heads=max(1, heads // 4), vocab=32000,
+        tie=family == "qwen2", theta=5e5,
     )  # fmt: skip
 
 
@@ -92,8 +97,9 @@ def write_config(shape: dict, seq_len: int, directory: str) -> None:
 def worker_plain(cfg, path: str, checkpointing: str) -> dict:
     """Plain PyTorch in device memory: the reference's mixed precision (bf16 model, fp32 master
     weights and fused AdamW on them), or fp32 where tiertrain computes in fp32."""
+    import gc
+
     import torch
-    from safetensors import safe_open
 
     from tiertrain.data import Corpus
     from tiertrain.device import resolve_device, resolve_dtype
@@ -103,9 +109,7 @@ def worker_plain(cfg, path: str, checkpointing: str) -> dict:
     dtype = resolve_dtype(cfg.train.param_dtype, dev)
     model = reference_model(cfg)
     inner = model.hf if isinstance(model, HFWrapper) else model
-    with torch.no_grad(), safe_open(path, "pt") as f:
-        for k, v in inner.state_dict().items():
-            v.copy_(f.get_tensor(k))
+    vs_plain.load_into(inner, path)
     model.to(dev)  # fp32 on the device: the master weights, then the bf16 model beside them
     params = list(model.parameters())
     master = [p.detach().clone() for p in params] if dtype != torch.float32 else params
@@ -120,14 +124,17 @@ def worker_plain(cfg, path: str, checkpointing: str) -> dict:
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for s in range(cfg.train.steps):
         t0 = time.perf_counter()
+        oom = False
         try:
             losses.append(step(s))
         except torch.OutOfMemoryError:
             if s > 0 or used or checkpointing != "auto":
                 raise
-            # auto: tried without first; the activations did not fit beside the states
+            oom = True  # retried below, out of this block: its traceback holds the step's graph
+        if oom:  # auto: tried without first; the activations did not fit beside the states
             opt.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
+            gc.collect()
             torch.cuda.empty_cache()
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             used = True
@@ -281,12 +288,13 @@ def params_of(shape: dict) -> int:
 
 
 def _device_bytes(device: str) -> int:
-    """The device's memory (0: not a CUDA device: plain runs in host memory)."""
-    import torch
-
-    if device == "cpu" or not torch.cuda.is_available():
+    """The device's memory (0: not a CUDA device: plain runs in host memory). Asked in a child:
+    a CUDA context in this process would hold device memory through the runs."""
+    if device == "cpu":
         return 0
-    return torch.cuda.get_device_properties(0).total_memory
+    ask = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)"
+    r = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=False)
+    return int(r.stdout.strip() or 0) if r.returncode == 0 else 0
 
 
 def report(args, shape: dict, M: int, said: str, init: dict, plain: dict | None, tt: dict, why: str) -> str:
@@ -325,7 +333,7 @@ def report(args, shape: dict, M: int, said: str, init: dict, plain: dict | None,
         lines.append(row(f"plain PyTorch {where} ({ck} activation checkpointing)", plain, p_step, "1.00x"))
         lines.append(row("tiertrain", tt, t_step, f"**{p_step / t_step:.2f}x**"))
         dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
-        tail = [f"- losses: largest relative difference {dl:.1e} (bf16: within the parity tests' tolerance)"]
+        tail = [f"- losses: largest relative difference {dl:.1e} (the parity tests' bf16 tolerances: docs/testing.md)"]
     else:
         lines.append(row("tiertrain", tt, t_step, "-"))
         tail = [f"- plain PyTorch not run: {why}"]

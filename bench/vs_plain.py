@@ -69,6 +69,31 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def untied(state: dict) -> dict:
+    """``state`` with each storage once (a head tied to the embedding saved as its embedding, as
+    ``save_pretrained`` does: safetensors refuses tensors that share memory)."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            out[k] = v.contiguous()
+    return out
+
+
+def load_into(inner, path: str) -> None:
+    """The weights in ``path`` into ``inner``'s parameters, one tensor at a time (no second copy
+    in the peak); a tied head, not in the file, shares the embedding's."""
+    import torch
+    from safetensors import safe_open
+
+    with torch.no_grad(), safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        for k, v in inner.state_dict().items():
+            if k in keys:
+                v.copy_(f.get_tensor(k))
+
+
 def worker_init(cfg, path: str) -> dict:
     from safetensors.torch import save_file
 
@@ -76,7 +101,7 @@ def worker_init(cfg, path: str) -> dict:
 
     model = reference_model(cfg)
     inner = model.hf if isinstance(model, HFWrapper) else model
-    save_file({k: v.contiguous() for k, v in inner.state_dict().items()}, path)
+    save_file(untied(inner.state_dict()), path)
     out = {"params": sum(p.numel() for p in model.parameters())}
     if cfg.model.hf_dir is not None:  # the shape as its config.json gives it
         c = inner.config
@@ -91,16 +116,12 @@ def worker_plain(cfg, path: str, keep: bool = False):
     """Plain PyTorch's steps from the weights in ``path``: times, losses, gradient norms (and,
     with ``keep``, the trained model after the result)."""
     import torch
-    from safetensors import safe_open
 
     from tiertrain.data import Corpus
     from tiertrain.reference import HFWrapper, reference_model
 
     model = reference_model(cfg)
-    inner = model.hf if isinstance(model, HFWrapper) else model
-    with torch.no_grad(), safe_open(path, "pt") as f:  # one tensor at a time: no second copy in the peak
-        for k, v in inner.state_dict().items():
-            v.copy_(f.get_tensor(k))
+    load_into(model.hf if isinstance(model, HFWrapper) else model, path)
     # tiertrain's device and parameter dtype (train.device, train.param_dtype), resolved as it
     # resolves them: on a CPU (fp32) a no-op; on a GPU the in-memory run is the floor there
     from tiertrain.device import resolve_device, resolve_dtype

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import compute_bound as cb  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-3b", "llama3-8b", "40x3584", "2x256"])
+@pytest.mark.parametrize("name", ["qwen2.5-3b", "llama3-8b", "40x3584", "2x256", "qwen2:2x256"])
 def test_a_shapes_parameters_are_the_models_transformers_builds(tmp_path, name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -27,5 +27,5 @@ def test_a_shapes_parameters_are_the_models_transformers_builds(tmp_path, name):
 
 
 def test_an_unknown_shape_names_the_ones_there_are():
-    with pytest.raises(SystemExit, match=r"--shape '3b': one of qwen2.5-3b, llama3-8b or LAYERSxWIDTH"):
+    with pytest.raises(SystemExit, match=r"--shape '3b': one of qwen2.5-3b, llama3-8b or \[FAMILY:\]LAYERSxWIDTH"):
         cb.shape_of("3b")

@@ -150,9 +150,12 @@ def test_the_apis_functions_take_the_configs_train_takes_and_name_wrong_argument
     tree["data"] = {**tree.get("data", {}), "eval_corpus": "bundled", "eval_micro_batches": 1}
     res = tiertrain.evaluate(tree)  # a dict of sections, as train takes
     assert res.loss > 0
-    for prompts, got in (("hello", "not str"), ([104, 105], "not a list of int"), (None, "not NoneType")):
+    for prompts, got in (("hello", "not str"), ([104, 105], "not a list holding int 104"), (None, "not NoneType")):
         with pytest.raises(TypeError, match=rf"prompts are a list of token-id lists, one a prompt, {got}; tokenize"):
             tiertrain.generate(tree, prompts)
     with pytest.raises(ConfigError, match=r"generate: no prompt given \(an empty list\)"):
         tiertrain.generate(tree, [])
     assert len(tiertrain.generate(tree, [[1, 2, 3]], tiertrain.Sampling(max_new_tokens=2))[0]) == 2
+    import numpy as np  # ids as numpy gives them are ids
+
+    assert len(tiertrain.generate(tree, [list(np.array([1, 2, 3]))], tiertrain.Sampling(max_new_tokens=1))[0]) == 1

@@ -291,3 +291,32 @@ def test_a_users_files_in_io_paths_are_never_replaced_or_removed(tmp_path, capsy
         assert (ssd / name).read_text() == f"the user's {name}", name
     # a directory of tiertrain's own: a run killed there leaves files its next run takes over
     assert main(["train", *tiny_flags(tmp_path / "own", steps=1)]) == 0
+
+
+def test_a_killed_runs_files_stay_known_through_failed_starts_and_generations(tmp_path, capsys):
+    """A killed run's lock record names its files. A start that failed before taking them over
+    (a refused budget) removed the lock file with that record, and a generation on the same
+    io.paths replaced it: the next run then took the killed run's files for a user's and was
+    refused, every time. The record now stays while any file it names does."""
+    from tiertrain.io.scratch import LOCK
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    killed = ["params.bin", "exp_avg.bin", "exp_avg_sq.bin", "engine0.exp_avg.bin"]
+    for name in killed:
+        (ssd / name).write_bytes(b"\0" * 4096)
+    # an older version's record names no files: its names then (engine*.bin a pattern) are the ones known
+    (ssd / LOCK).write_text(json.dumps({"pid": 2**22 + 7, "state": "running"}))
+    assert main(["train", *tiny_flags(tmp_path, "--memory.host_mib=1", steps=1)]) != 0  # refused before any file
+    assert sorted(os.listdir(ssd)) == sorted([LOCK, *killed])
+    assert json.loads((ssd / LOCK).read_text())["files"] == sorted(killed)  # named now, each
+    assert (
+        main(["generate", "--prompt", "hi", "--max-new-tokens", "2", "--memory.kv_host_mib=0", f"--io.paths={ssd}"])
+        == 0
+    )
+    assert sorted(json.loads((ssd / LOCK).read_text())["files"]) == sorted(killed)  # still, after the generation
+    capsys.readouterr()
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0  # takes them over
+    err = capsys.readouterr().err
+    assert "which no tiertrain run there recorded making" not in err, err
+    assert os.listdir(ssd) == []  # its files and the killed run's gone, the lock file with them

@@ -293,13 +293,14 @@ def test_a_checkpoint_resumed_on_other_ranks_says_the_global_batch_it_now_takes(
     with Trainer(cfg) as t:
         t.run()
     assert Manifest.read(list_checkpoints(str(tmp_path / "run" / "checkpoints"))[-1]).ranks == 1
-    assert other_ranks_note(1, 2, 4, 2) == (
+    assert other_ranks_note(1, (4, 2), 2, (4, 2)) == (
         "was trained on 1 rank(s), this run has 2: each rank takes 4 micro-batches of 2 sequences, so a step now "
         "takes 16 sequences (the checkpoint's steps took 8); --data.micro_batches=2 keeps the checkpoint's"
     )
-    assert other_ranks_note(2, 1, 3, 1).endswith("took 6); --data.micro_batches=6 keeps the checkpoint's")
-    assert other_ranks_note(1, 2, 3, 1).endswith("no whole data.micro_batches keeps the checkpoint's")
-    assert other_ranks_note(2, 2, 3, 1) is None and other_ranks_note(0, 2, 3, 1) is None  # 0: an older checkpoint
+    assert other_ranks_note(2, (3, 1), 1, (3, 1)).endswith("took 6); --data.micro_batches=6 keeps the checkpoint's")
+    assert other_ranks_note(1, (3, 1), 2, (3, 1)).endswith("no whole data.micro_batches keeps the checkpoint's")
+    assert other_ranks_note(1, (4, 2), 2, (2, 2)) is None  # the global batch kept by hand: nothing to say
+    assert other_ranks_note(2, (3, 1), 2, (3, 1)) is None and other_ranks_note(0, (3, 1), 2, (3, 1)) is None  # 0: older
 
 
 def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, capsys):
@@ -316,6 +317,11 @@ def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, ca
         assert "--resume" not in err and "overwrite" not in err, err
     assert (model / "config.json").read_text() == '{"model_type": "llama", "hidden_size": 8}'
     assert sorted(os.listdir(model)) == ["config.json"]
+    (model / "config.json").write_text('{"train": {"steps": 2}, "model": {"kin')  # a run's, cut short: a run's still
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 1  # "holds a run", as before
+    assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
+    assert json.loads((model / "config.json").read_text())["train"]["steps"] == 1
+    capsys.readouterr()
     for flag in ("--train.run_dir=", "--model.hf_dir= ", "--model.init_from="):
         assert main(["train", *tiny_flags(tmp_path / "b", flag, steps=1)]) == 2
         assert f"{flag.split('=')[0][2:]} = {flag.split('=')[1]!r}: empty: name a" in capsys.readouterr().err, flag

@@ -141,8 +141,11 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             raise
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
-        # a fresh start over an earlier run that failed before it began: that run's checkpoints are not its own
-        earlier = path is None and cfg.train.overwrite and not started
+        from .data.examples import UnscoredStep
+
+        # a fresh start over an earlier run that failed before it began: that run's checkpoints are not its own;
+        # a step the data leaves unscored: a resume meets it again (the error says what to change)
+        earlier = (path is None and cfg.train.overwrite and not started) or isinstance(exc, UnscoredStep)
         reported = _Reported(f"{one_line(exc)}{'' if earlier else resume_hint(exc, cfg, path)}")
         reported.quiet = getattr(exc, "quiet", False)
         if isinstance(exc, RankError):  # the ranks' fault, said (the rank that stopped named): the launcher

@@ -13,8 +13,8 @@ STAGE=stage12-compute-bound
 source "$(dirname "$0")/lib.sh" "$@"
 
 if [ "$dry" = 1 ]; then
-  step "bench/compute_bound.py on CPU, a Llama of 2 layers of 256 against plain PyTorch, the plan's micro-batches (dry run)" 0 150 \
-    "$PY" bench/compute_bound.py --device cpu --shape 2x256 --seq-len 64 --steps 3 \
+  step "bench/compute_bound.py on CPU, a Qwen2 of 2 layers of 256 (tied embedding, as Qwen2.5-3B) against plain PyTorch, the plan's micro-batches (dry run)" 0 150 \
+    "$PY" bench/compute_bound.py --device cpu --shape qwen2:2x256 --seq-len 64 --steps 3 \
     --scratch "$nvme/cb" --out "$out/stage12-compute-bound-3b.md"
   step "bench/compute_bound.py on CPU, tiertrain alone, 4 micro-batches (dry run)" 0 100 \
     "$PY" bench/compute_bound.py --device cpu --shape 2x128 --seq-len 64 --steps 2 --micro-batches 4 --plain off \

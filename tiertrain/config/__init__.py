@@ -130,14 +130,6 @@ class Config:
                 f"train.eval_every = {self.train.eval_every} needs data.eval_corpus (the held-out text "
                 "the validation loss is taken on); set it, or train.eval_every = 0"
             )
-        paths = [os.path.abspath(p) for p in self.io.paths]
-        for p in paths:  # each a lock of its own: one directory named twice would be refused as "in use"
-            if p == os.path.abspath(self.train.run_dir) or paths.count(p) > 1:
-                twice = "train.run_dir and io.paths" if paths.count(p) == 1 else "twice in io.paths"
-                raise ConfigError(
-                    f"{p} is named as {twice}: give each its own directory (io.paths a subdirectory, e.g. "
-                    f"{os.path.join(p, 'scratch')})"
-                )
         if self.model.hf_dir is None and self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len = {self.data.seq_len} is longer than model.max_seq_len = {self.model.max_seq_len}; "
@@ -331,9 +323,10 @@ def ineffective_settings(cfg: Config) -> list[str]:
     out = []
     o, t = cfg.optim, cfg.train
     if o.warmup_steps >= t.steps > 0:
+        reach = "never reaches" if o.warmup_steps > t.steps else "reaches only at the last step"
         out.append(
-            f"optim.warmup_steps = {o.warmup_steps} is at least train.steps = {t.steps}: the learning rate never "
-            f"reaches optim.lr = {o.lr:g} (it warms up through the whole run)"
+            f"optim.warmup_steps = {o.warmup_steps} is at least train.steps = {t.steps}: the learning rate {reach} "
+            f"optim.lr = {o.lr:g} (it warms up through the whole run)"
         )
     if cfg.data.eval_corpus is not None and not t.eval_every:
         out.append(

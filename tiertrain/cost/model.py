@@ -147,7 +147,7 @@ def predict(
     if cpu_compute and r.widen_gbps > 0:  # a narrower base widened on the compute's thread, per fetch
         fwd_c += traffic.widen.get("forward", 0) / (r.widen_gbps * 1e9)
         bwd_c += traffic.widen.get("backward", 0) / (r.widen_gbps * 1e9)
-    pcie_s = link_s(traffic, r) / 2  # half of it in each phase, beside the disk's
+    pcie_s = link_s(traffic, r) / 2  # half of it in each phase, added to the disk's (in series: an upper bound)
     fwd = _phase(
         "forward", fwd_c, traffic.forward_read, traffic.forward_write, r, ck, cpu_compute=cpu_compute, extra_io=pcie_s
     )

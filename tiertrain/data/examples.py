@@ -312,7 +312,8 @@ class ExampleBatches:
         if n == 0:
             raise UnscoredStep(
                 f"data: step {step + 1} has no scored token (every target masked); check the data's "
-                "prompt/completion split, or raise data.seq_len"
+                "prompt/completion split, or raise data.seq_len (the data decides a step's rows: a resume meets "
+                "it again until they change)"
             )
         return n
 

@@ -32,6 +32,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Callable
 
 import torch
@@ -182,15 +183,12 @@ class _Rows:
 
 def _check_prompts(prompts) -> None:
     """``prompts``: a list of token-id lists (a string, or one list of ids, is refused by name)."""
-    if (
-        isinstance(prompts, str)
-        or not isinstance(prompts, (list, tuple))
-        or not all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts)
-    ):
+    ok = lambda p: isinstance(p, (list, tuple)) and all(isinstance(t, Integral) for t in p)  # noqa: E731
+    listed = isinstance(prompts, (list, tuple))
+    bad = next((p for p in prompts if not ok(p)), None) if listed else prompts
+    if not listed or bad is not None:
         got = (
-            type(prompts).__name__
-            if not isinstance(prompts, (list, tuple)) or not prompts
-            else (f"a {type(prompts).__name__} of {type(prompts[0]).__name__}")
+            f"a {type(prompts).__name__} holding {type(bad).__name__} {bad!r:.40}" if listed else type(prompts).__name__
         )
         raise TypeError(
             f"generate: prompts are a list of token-id lists, one a prompt, not {got}; tokenize text first (the "

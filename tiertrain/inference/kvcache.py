@@ -129,7 +129,7 @@ class TieredKV:
             try:  # a kv.bin no tiertrain run there made is the user's: never replaced
                 self.lock.refuse_others([NAME])
             except BaseException:
-                self.lock.release(remove=not self.lock.locks[0].existed)
+                self.lock.release(remove=True)  # (kept where it names a run's files still here)
                 raise
             self.lock.record_files([NAME])  # a generation killed from here on leaves it to the next
             if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's

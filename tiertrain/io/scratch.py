@@ -57,10 +57,13 @@ class DirLock:
     nothing behind).
     """
 
-    def __init__(self, path: str, busy, *, disposable: bool = False) -> None:
+    def __init__(self, path: str, busy, *, disposable: bool = False, tracks: bool = False) -> None:
         self.path = os.path.abspath(path)
         self.created = not os.path.isdir(self.path)
         self.disposable = disposable  # tiertrain's own directory (a rank's): removed when left empty
+        # a scratch directory's lock names the files of tiertrain's runs there (``ScratchLock``): it
+        # stays while any of them does, so that a later run knows them from a user's
+        self.tracks = tracks
         os.makedirs(self.path, exist_ok=True)
         self.file = os.path.join(self.path, LOCK)
         # no lock file: no tiertrain run has used this directory (or the last one finished and
@@ -96,19 +99,30 @@ class DirLock:
         if self._fd is not None:
             _write(self._fd, self.record)
 
+    def ours_left(self) -> list[str]:
+        """The files tiertrain's runs made here (this one's record, the last holder's) that are
+        still here: what the lock file must go on naming."""
+        if not self.tracks or not os.path.isdir(self.path):
+            return []
+        names = set(self.record.get("files", ())) | set(self.previous.get("files", _UNRECORDED) if self.existed else ())
+        return sorted(n for n in os.listdir(self.path) if n != LOCK and _named(n, names))
+
     def release(self, *, remove: bool = False) -> None:
         """Give the lock up; ``remove``: delete the lock file (and the directory if this lock
-        made it and nothing else is in it)."""
+        made it and nothing else is in it), unless files of tiertrain's runs are still here (a
+        start that failed before taking over a killed run's): then it stays, naming them."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        left = self.ours_left()
         try:
-            if remove:
+            if remove and not left:
                 os.unlink(self.file)
                 if (self.created or self.disposable) and not os.listdir(self.path):
                     os.rmdir(self.path)
             else:
-                _write(fd, {**self.record, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "finished"})
+                done = {"finished": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "finished"}
+                _write(fd, {**self.record, **done, **({"files": left} if left else {})})
             fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError:
             pass  # the lock goes with the descriptor anyway
@@ -125,13 +139,24 @@ def _scratch_busy(path: str, who: str) -> ScratchInUseError:
 
 class ScratchLock:
     """A ``DirLock`` on every scratch path; ``disposable``: the paths are tiertrain's own (a
-    rank's ``rank<r>`` subdirectories), removed when left empty whoever made them."""
+    rank's ``rank<r>`` subdirectories), removed when left empty whoever made them; ``run_dir``:
+    the run's directory, locked on its own (never one of the paths)."""
 
-    def __init__(self, paths: Iterable[str], *, disposable: bool = False) -> None:
+    def __init__(self, paths: Iterable[str], *, disposable: bool = False, run_dir: str | None = None) -> None:
+        paths = [os.path.abspath(p) for p in paths]
+        for p in paths:  # each a lock of its own: a directory named twice was "in use by another run", itself
+            if p == (os.path.abspath(run_dir) if run_dir else None) or paths.count(p) > 1:
+                from ..errors import ConfigError
+
+                twice = "train.run_dir and io.paths" if paths.count(p) == 1 else "twice in io.paths"
+                raise ConfigError(
+                    f"{p} is named as {twice}: give each its own directory (io.paths a subdirectory, e.g. "
+                    f"{os.path.join(p, 'scratch')})"
+                )
         self.locks: list[DirLock] = []
         try:
             for p in paths:
-                self.locks.append(DirLock(p, _scratch_busy, disposable=disposable))
+                self.locks.append(DirLock(p, _scratch_busy, disposable=disposable, tracks=True))
         except BaseException:
             self.release()
             raise
@@ -154,11 +179,7 @@ class ScratchLock:
         and remove it when it ends. The user's files are never ours to replace."""
         ours = self.previous_files()
         for lk in self.locks:
-            theirs = sorted(
-                n
-                for n in os.listdir(lk.path)
-                if n.removesuffix(".crc") in set(names) and n.removesuffix(".crc") not in ours
-            )
+            theirs = sorted(n for n in os.listdir(lk.path) if _named(n, set(names)) and not _named(n, ours))
             if theirs:
                 raise ScratchInUseError(
                     f"io.paths {lk.path} holds {', '.join(theirs)}, which no tiertrain run there recorded making: "
@@ -168,9 +189,10 @@ class ScratchLock:
 
     def record_files(self, names: list[str]) -> None:
         """Name the files this run makes, before it makes them: a later run removes them if
-        this one dies and leaves them."""
+        this one dies and leaves them. The last run's files still here stay named (this run
+        may die before it removes them)."""
         for lk in self.locks:
-            lk.note(files=sorted(set(names)))
+            lk.note(files=sorted(set(names) | set(lk.ours_left())))
 
     def release(self, *, remove: bool = False) -> None:
         for lk in self.locks:
@@ -191,6 +213,13 @@ def _write(fd: int, info: dict) -> None:
     data = json.dumps(info).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
+
+
+def _named(name: str, pats: set[str]) -> bool:
+    """File ``name`` (or its checksums, or a temporary copy) is one of ``pats`` (names, or
+    patterns such as ``engine*.bin``)."""
+    base = name.split(".tmp")[0].removesuffix(".crc")
+    return any(fnmatch.fnmatchcase(base, pat) for pat in pats)
 
 
 def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] = ()) -> list[tuple[str, int]]:

@@ -25,22 +25,23 @@ __all__ = ["Checkpoints", "other_ranks_note"]
 log = logging.getLogger("tiertrain")
 
 
-def other_ranks_note(trained: int, world: int, micro_batches: int, rows: int) -> str | None:
-    """What a checkpoint trained on ``trained`` ranks (0: not recorded) resumed on ``world`` must
-    say, None where nothing changes. Allowed (every checkpoint holds whole states), but each rank
-    takes its own ``micro_batches`` of ``rows`` sequences, so the global batch changes."""
-    if not trained or trained == world:
+def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tuple[int, int]) -> str | None:
+    """What a checkpoint trained on ``trained`` ranks (0: not recorded) of ``before`` =
+    (micro-batches, rows each) a rank, resumed on ``world`` ranks of ``now``, must say; None
+    where a step takes as many sequences as before. Allowed (every checkpoint holds whole
+    states), but each rank takes its own micro-batches, so the global batch may change."""
+    was, will = trained * before[0] * before[1], world * now[0] * now[1]
+    if not trained or was == will:
         return None
-    keep = trained * micro_batches
+    keep = was % (world * now[1]) == 0 and was // (world * now[1])
     hint = (
-        f"--data.micro_batches={keep // world} keeps the checkpoint's"
-        if keep % world == 0
+        f"--data.micro_batches={keep} keeps the checkpoint's"
+        if keep
         else "no whole data.micro_batches keeps the checkpoint's"
     )
     return (
-        f"was trained on {trained} rank(s), this run has {world}: each rank takes {micro_batches} micro-batches "
-        f"of {rows} sequences, so a step now takes {world * micro_batches * rows} sequences (the checkpoint's steps "
-        f"took {keep * rows}); {hint}"
+        f"was trained on {trained} rank(s), this run has {world}: each rank takes {now[0]} micro-batches of {now[1]} "
+        f"sequences, so a step now takes {will} sequences (the checkpoint's steps took {was}); {hint}"
     )
 
 
@@ -100,7 +101,9 @@ class Checkpoints:
     def say_other_ranks(self, man: Manifest, path: str, data) -> None:
         """A checkpoint resumed on other ranks than trained it (``other_ranks_note``), said by
         rank 0: ``--nproc`` is not a config setting that the changed-settings line names."""
-        note = other_ranks_note(man.ranks, self.group.world, data.micro_batches, data.micro_batch_size)
+        d = man.config.get("data", {})  # the checkpoint's own batch (this run's where it records none)
+        before = (d.get("micro_batches", data.micro_batches), d.get("micro_batch_size", data.micro_batch_size))
+        note = other_ranks_note(man.ranks, before, self.group.world, (data.micro_batches, data.micro_batch_size))
         if note and self.group.leader:
             log.warning("checkpoint %s %s", path, note)
 

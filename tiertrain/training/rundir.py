@@ -25,7 +25,16 @@ from ..checkpoint import list_checkpoints
 from ..io.errors import run_dir_write_failed
 from ..io.scratch import DirInUseError, DirLock
 
-__all__ = ["RunDir", "RunDirError", "METRICS", "CONFIG", "DROPPED", "resumed_tree", "no_checkpoint_advice"]
+__all__ = [
+    "RunDir",
+    "RunDirError",
+    "METRICS",
+    "CONFIG",
+    "DROPPED",
+    "resumed_tree",
+    "no_checkpoint_advice",
+    "clean_leftovers",
+]
 
 log = logging.getLogger("tiertrain")
 METRICS = "metrics.jsonl"
@@ -262,8 +271,8 @@ def _not_a_runs_config(path: str) -> str:
     try:
         with open(path, "rb") as f:
             tree = json.load(f)
-    except (OSError, ValueError) as exc:
-        return f"it does not read as JSON: {type(exc).__name__}"
+    except (OSError, ValueError):
+        return ""  # a run's, damaged (a model's config reads): the run's start-over may replace it
     if not isinstance(tree, dict):
         return "not a JSON object"
     if isinstance(tree.get("train"), dict) and isinstance(tree.get("model"), dict):
@@ -298,3 +307,27 @@ def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -
         tree["io"]["paths"] = paths
     tree["train"]["run_dir"] = new_run
     log.info("the run directory %s was copied or moved to %s: the resumed run writes there", run_dir, new_run)
+
+
+def clean_leftovers(
+    user_paths: list[str], group, checkpoint_root: str, paths: list[str], lock, keep: list[str]
+) -> None:
+    """What an earlier run left in this run's directories, removed and said: a leg of this run on
+    another number of ranks, an interrupted checkpoint, a damaged one (set aside; rank 0 for these
+    shared ones), and the stale scratch files of the runs ``lock``'s record names (``keep``: this
+    run's own, made again)."""
+    from ..checkpoint import clean_incomplete, set_aside_damaged
+    from ..io.scratch import clean_other_legs, clean_stale
+
+    mib = 1 << 20
+    if group.leader:
+        for path, size in clean_other_legs(user_paths, group.world):
+            log.info(
+                "removed a file a leg of this run on another number of ranks left: %s (%.1f MiB)", path, size / mib
+            )
+        for path in clean_incomplete(checkpoint_root):
+            log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
+        for was, now in set_aside_damaged(checkpoint_root):
+            log.warning("%s has no manifest (a damaged checkpoint, never loaded): moved to %s", was, now)
+    for path, size in clean_stale(paths, lock.previous_files(), keep=keep):
+        log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / mib)

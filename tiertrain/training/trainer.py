@@ -31,10 +31,8 @@ from ..checkpoint import (
     CheckpointIO,
     Manifest,
     SaveResult,
-    clean_incomplete,
     list_checkpoints,
     read_tensors,
-    set_aside_damaged,
 )
 from ..config import Config, ConfigError, ineffective_settings
 from ..cost.report import against_measured
@@ -48,7 +46,7 @@ from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
 from ..inference.validation import validation_loss
 from ..io import aligned_empty
-from ..io.scratch import ScratchLock, clean_other_legs, clean_stale
+from ..io.scratch import ScratchLock, clean_stale
 from ..models import WeightSource, model_name, vocab_size_of
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
@@ -63,7 +61,7 @@ from .interrupt import StopFlag
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run
-from .rundir import RunDir
+from .rundir import RunDir, clean_leftovers
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
     from ..cost.model import Prediction
@@ -116,7 +114,9 @@ class Trainer:
                     "own tokenizer"
                 )
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
-        self.lock = ScratchLock(cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths)
+        self.lock = ScratchLock(
+            cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths, run_dir=cfg.train.run_dir
+        )
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
             for info in self.lock.unclean:
@@ -128,10 +128,13 @@ class Trainer:
                 )
             self.plan = self._plan()
             self.lock.refuse_others(self.plan.names)  # before any file is opened: a user's is never replaced
+            self.lock.record_files(self.plan.names)  # (and the last run's still here) before any is made
             self._files_ours = True  # from here on the scratch files of the plan's names are this run's
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
-            self._clean_leftovers()
+            clean_leftovers(
+                self.user_cfg.io.paths, self.group, self.checkpoint_root, self.storage.paths, self.lock, self.plan.names
+            )
             log.info(
                 "model: %s %s, %s; %s",
                 model_name(self.model, cfg.model),
@@ -150,7 +153,6 @@ class Trainer:
             # machine at once (they share its drives: each alone would fit where all do not)
             p = self.plan  # (checksum sidecars included: a disk filled to the data's size failed at the first save)
             self.group.check_space(self.storage.space_needs(p.files, placed=p.placed, records=p.records))
-            self.lock.record_files(self.plan.names)
             self._build()
             faults.point("start")
         except BaseException:
@@ -173,21 +175,6 @@ class Trainer:
             log.info("%s", line)
         self.cfg, self.budget, self.acts = plan.cfg, plan.budget, plan.acts
         return SpacePlan(plan.states)
-
-    def _clean_leftovers(self) -> None:
-        """What an earlier run left in this run's directories: stale scratch files, an interrupted
-        checkpoint, a leg of this run on another number of ranks (rank 0 for the shared ones)."""
-        if self.group.leader:
-            for path, size in clean_other_legs(self.user_cfg.io.paths, self.group.world):
-                log.info(
-                    "removed a file a leg of this run on another number of ranks left: %s (%.1f MiB)", path, size / MIB
-                )
-            for path in clean_incomplete(self.checkpoint_root):
-                log.warning("removed an incomplete checkpoint left by an interrupted save: %s", path)
-            for was, now in set_aside_damaged(self.checkpoint_root):
-                log.warning("%s has no manifest (a damaged checkpoint, never loaded): moved to %s", was, now)
-        for path, size in clean_stale(self.storage.paths, self.lock.previous_files(), keep=self.plan.names):
-            log.info("removed a stale file of an earlier run: %s (%.1f MiB)", path, size / MIB)
 
     def _heap_trim(self) -> HeapTrim:
         """Trim the heap after a unit step once the process has grown past its budget less the
@@ -570,7 +557,8 @@ class Trainer:
                 try:
                     rec = self.train_step()
                 except UnscoredStep:  # past what was checked at start: the steps done are kept
-                    if self.step > first and not (ck.every and self.step % ck.every == 0):  # (every rank alike)
+                    saves = ck.every or ck.at_end  # (a run that keeps no checkpoint is not given one)
+                    if saves and self.step > first and not (ck.every and self.step % ck.every == 0):  # every rank alike
                         self.save_checkpoint()
                         if self.group.leader:
                             log.warning("saved step %d, the last the data lets this run take", self.step)
