@@ -353,3 +353,16 @@ def test_settings_without_effect_are_said(tmp_path, capsys):
     assert main(["train", *flags, "--data.eval_micro_batches=1"]) == 0
     said = capsys.readouterr().err
     assert "warmup_steps" not in said and "no validation" not in said
+
+
+def test_eval_of_a_lora_checkpoint_with_adapters_off_names_the_checkpoints_kind(tmp_path, capsys):
+    """`eval --checkpoint LORA_RUN --adapter.kind=none` blamed `adapter.rank = 4`, a setting the
+    user never gave (the checkpoint's), as if this were training."""
+    assert main(["train", *tiny_flags(tmp_path, "--adapter.kind=lora", "--adapter.rank=4", steps=1)]) == 0
+    capsys.readouterr()
+    ev = ["eval", "--checkpoint", str(tmp_path / "run"), "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]
+    assert main([*ev, "--adapter.kind=none"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with adapter.kind = 'lora': it is read with its adapters; leave --adapter.kind out" in err
+    assert "adapter.rank" not in err, err
+    assert main(ev) == 0
