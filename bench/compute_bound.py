@@ -30,7 +30,6 @@ Usage: python bench/compute_bound.py [--shape qwen2.5-3b] [--seq-len 2048] [--mi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -148,33 +147,20 @@ def worker_plain(cfg, path: str, checkpointing: str) -> dict:
 
 
 def _plain_step(model, params, master, opt, corpus, cfg, step: int, dev) -> float:
-    """One step of plain PyTorch (micro-batch-major accumulation, clipping, fused AdamW on the
-    fp32 master weights); its mean loss. Ends at a sync point: the step's kernels have run."""
+    """One step of plain PyTorch (micro-batch-major accumulation, then the reference's update:
+    clipping, fused AdamW on the fp32 master weights where they are kept); its mean loss. Ends
+    at a sync point: the step's kernels have run."""
     import torch
 
-    from tiertrain.update.lr import lr_at
+    from tiertrain.reference import optimizer_step
 
-    o, M = cfg.optim, cfg.data.micro_batches
-    grads_fp32 = master is not params
+    M = cfg.data.micro_batches
     ls = []
     for x, y in corpus.batches(step):
         loss = model(x.to(dev), y.to(dev))
         (loss / M).backward()
         ls.append(loss.detach())
-    if grads_fp32:
-        for p, w in zip(params, master):
-            w.grad = p.grad.float()
-    if o.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(master, o.grad_clip)
-    for g in opt.param_groups:
-        g["lr"] = lr_at(step + 1, o, cfg.train.steps)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    if grads_fp32:
-        with torch.no_grad():
-            for p, w in zip(params, master):
-                p.copy_(w)
+    optimizer_step(opt, params, master, cfg.optim, step, cfg.train.steps, mixed=master is not params)
     loss = float(sum(ls)) / M  # sync point: the step's kernels have run
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -185,8 +171,7 @@ def worker_tiertrain(cfg) -> dict:
     from tiertrain.cost.report import knee
     from tiertrain.training.metrics import flops_per_token
 
-    def more(tr, recs) -> dict:
-        pred = tr.predict()  # the rates measured at start: no second probe
+    def more(tr, recs, pred) -> dict:
         return {
             "flops_per_token": flops_per_token(tr.model, cfg.data.seq_len, tr.rt.hidden_size),
             "knee": knee(tr.cfg, tr.rt, pred) if pred else "",
@@ -208,20 +193,11 @@ def worker(argv: list[str]) -> int:
         "plain": lambda: worker_plain(cfg, path, checkpointing),
         "tiertrain": lambda: worker_tiertrain(cfg),
     }[kind]()
-    res["peak_rss"] = vs_plain.peak_rss()
-    with open(out, "w") as f:
-        json.dump(res, f)
-    return 0
+    return vs_plain.finish_worker(out, res)
 
 
 def spawn(kind: str, scratch: str, cli: list[str], checkpointing: str = "off") -> dict:
-    out = os.path.join(scratch, f"{kind}.json")
-    t0 = time.perf_counter()
-    init = os.path.join(scratch, "init.safetensors")
-    subprocess.run([sys.executable, __file__, "--worker", kind, out, init, checkpointing, *cli], check=True)
-    print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
-    with open(out) as f:
-        return json.load(f)
+    return vs_plain.spawn(kind, scratch, cli, script=__file__, extra=[checkpointing])
 
 
 KNEE = re.compile(r"compute-bound from ([\d,]+) tokens a step \((\d+) micro-batches")
@@ -364,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen2.5-3b", help=f"{', '.join(SHAPES)} or LAYERSxWIDTH (a Llama)")
+    ap.add_argument(
+        "--shape", default="qwen2.5-3b", help=f"{', '.join(SHAPES)} or [llama:|qwen2:]LAYERSxWIDTH (a Llama by default)"
+    )
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument(

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -70,12 +69,12 @@ def worker_pretrain(cfg, path: str, steps: int, lr: float) -> dict:
     )
     res, model = vs_plain.worker_plain(pre, path, keep=True)
     inner = getattr(model, "hf", model)
-    save_file({k: v.detach().cpu().contiguous() for k, v in inner.state_dict().items()}, path)
+    save_file(vs_plain.untied({k: v.detach().cpu() for k, v in inner.state_dict().items()}), path)
     return res
 
 
 def worker_tiertrain(cfg) -> dict:
-    def extra(tr, recs) -> dict:
+    def extra(tr, recs, pred) -> dict:
         return {
             "speculation": recs[-1].extra.get("speculation", ""),
             "space": tr.plan.describe(),
@@ -103,14 +102,7 @@ def worker(argv: list[str]) -> int:
 
 
 def spawn(kind: str, scratch: str, args, cli: list[str]) -> dict:
-    out = os.path.join(scratch, f"{kind}.json")
-    t0 = time.perf_counter()
-    init = os.path.join(scratch, "init.safetensors")
-    cmd = [sys.executable, __file__, "--worker", kind, out, init, str(args.pretrain_steps), str(args.pretrain_lr), *cli]
-    subprocess.run(cmd, check=True)
-    print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
-    with open(out) as f:
-        return json.load(f)
+    return vs_plain.spawn(kind, scratch, cli, script=__file__, extra=[str(args.pretrain_steps), str(args.pretrain_lr)])
 
 
 def run(args, scratch: str) -> str:

@@ -158,7 +158,7 @@ def worker_plain(cfg, path: str, keep: bool = False):
 
 
 def worker_tiertrain(cfg, more=None) -> dict:
-    """tiertrain's steps; ``more(trainer, records)``: further figures for the result."""
+    """tiertrain's steps; ``more(trainer, records, prediction)``: further figures for the result."""
     from tiertrain.training.trainer import Trainer
 
     with Trainer(cfg) as tr:
@@ -188,7 +188,7 @@ def worker_tiertrain(cfg, more=None) -> dict:
             "probed": [pred.rates.read_gbps, pred.rates.write_gbps] if pred else None,
             "pools": sum(tr.pool_bytes.values()),
             "norms": [r.grad_norm for r in recs],
-            **(more(tr, recs) if more else {}),
+            **(more(tr, recs, pred) if more else {}),
         }
 
 
@@ -202,18 +202,24 @@ def worker(argv: list[str]) -> int:
         "plain": lambda: worker_plain(cfg, path),
         "tiertrain": lambda: worker_tiertrain(cfg),
     }[kind]()
+    return finish_worker(out, res)
+
+
+def finish_worker(out: str, res: dict) -> int:
+    """A worker's result, with its process's peak RSS, written to ``out`` (JSON) for ``spawn``."""
     res["peak_rss"] = peak_rss()
     with open(out, "w") as f:
         json.dump(res, f)
     return 0
 
 
-def spawn(kind: str, scratch: str, cli: list[str]) -> dict:
+def spawn(kind: str, scratch: str, cli: list[str], *, script: str | None = None, extra: list[str] = ()) -> dict:
+    """Worker ``kind`` of ``script`` (this file by default) in a process of its own: its argv
+    ``--worker KIND OUT INIT [EXTRA...] CLI...``, its result read back."""
     out = os.path.join(scratch, f"{kind}.json")
     t0 = time.perf_counter()
-    subprocess.run(
-        [sys.executable, __file__, "--worker", kind, out, os.path.join(scratch, "init.safetensors"), *cli], check=True
-    )
+    init = os.path.join(scratch, "init.safetensors")
+    subprocess.run([sys.executable, script or __file__, "--worker", kind, out, init, *extra, *cli], check=True)
     print(f"{kind}: {time.perf_counter() - t0:.0f} s", flush=True)
     with open(out) as f:
         return json.load(f)

@@ -363,6 +363,10 @@ def test_eval_of_a_lora_checkpoint_with_adapters_off_names_the_checkpoints_kind(
     ev = ["eval", "--checkpoint", str(tmp_path / "run"), "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]
     assert main([*ev, "--adapter.kind=none"]) == 2
     err = capsys.readouterr().err
-    assert "was trained with adapter.kind = 'lora': it is read with its adapters; leave --adapter.kind out" in err
+    assert (
+        "adapter.kind = 'none' with --checkpoint: the checkpoint was trained with adapter.kind = 'lora' and is read"
+        in err
+    )
+    assert "with its adapters; leave --adapter.kind out" in err
     assert "adapter.rank" not in err, err
     assert main(ev) == 0

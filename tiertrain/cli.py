@@ -191,17 +191,11 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
     if flag == "--checkpoint":
-        from .inference.weights import refuse_other_cut, refuse_other_model
+        from .inference.weights import refuse_other_adapter, refuse_other_cut, refuse_other_model
 
         refuse_other_model(given)
         refuse_other_cut(given, stored)
-        kind = stored.get("adapter", {}).get("kind", "none")
-        if kind != "none" and given.get("adapter", {}).get("kind", kind) != kind:  # (its rank was blamed)
-            raise ConfigError(
-                f"--checkpoint {path} was trained with adapter.kind = {kind!r}: it is read with its adapters; leave "
-                "--adapter.kind out (for the base alone, point --model.hf_dir at the base; for one model, "
-                "`tiertrain export --merge`)"
-            )
+        refuse_other_adapter(given, stored)
     if flag == "--resume":
         return path, Config.from_dict(resumed_tree(stored, path, given))
     for section, values in given.items():

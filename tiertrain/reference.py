@@ -16,7 +16,7 @@ from .models.gpt import build_gpt
 from .update.adamw8bit import plain_optimizer
 from .update.lr import lr_at
 
-__all__ = ["HFWrapper", "reference_model", "weights_of", "reference_train"]
+__all__ = ["HFWrapper", "reference_model", "weights_of", "reference_train", "optimizer_step"]
 
 
 class HFWrapper(nn.Module):
@@ -101,25 +101,35 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         if accum_fp32:
             for p, a in zip(trained, acc):
                 p.grad = a.to(p.dtype)
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(trained, o.grad_clip)
-        if mixed:
-            for p, w in zip(trained, opt_params):
-                w.grad = p.grad.float()
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step + 1, o, cfg.train.steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(opt, trained, opt_params, o, step, cfg.train.steps, mixed=mixed)
         model.zero_grad(set_to_none=True)
-        if mixed:
-            with torch.no_grad():
-                for p, w in zip(trained, opt_params):
-                    p.copy_(w)
     inner = model.hf if isinstance(model, HFWrapper) else model
     if mixed:
         master_of = {id(p): w for p, w in zip(trained, opt_params)}  # frozen: their own, upcast
         return losses, {n: master_of.get(id(p), p).detach().float() for n, p in inner.named_parameters()}
     return losses, {k: v.detach().float() for k, v in inner.state_dict().items()}
+
+
+def optimizer_step(opt, trained: list, opt_params: list, o, step: int, total_steps: int, *, mixed: bool) -> None:
+    """Plain PyTorch's update of step ``step`` (0-based) after its backward: ``clip_grad_norm_``
+    over the ``trained`` parameters' gradients, (``mixed``) their fp32 copies given to the fp32
+    master weights ``opt_params``, the schedule's learning rate, the optimizer's step, then the
+    master weights copied back into the (bf16) model; every gradient set to None."""
+    if o.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(trained, o.grad_clip)
+    if mixed:
+        for p, w in zip(trained, opt_params):
+            w.grad = p.grad.float()
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step + 1, o, total_steps)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for p in trained:
+        p.grad = None
+    if mixed:
+        with torch.no_grad():
+            for p, w in zip(trained, opt_params):
+                p.copy_(w)
 
 
 def _freeze(model: nn.Module, selectors: list[str]) -> None:

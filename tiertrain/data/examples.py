@@ -308,7 +308,7 @@ class ExampleBatches:
 
     def scored(self, step: int, world: int = 1) -> int:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
-        n = sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))
+        n = self._scored(step, world)
         if n == 0:
             raise UnscoredStep(
                 f"data: step {step + 1} has no scored token (every target masked); check the data's "
@@ -336,9 +336,10 @@ class ExampleBatches:
         """The steps in [first, last) (0-based) whose rows hold no scored token: found at start,
         not after hours of training (a step is its rows, drawn from the seed: every run and
         every resume meets the same ones)."""
-        bad = []
-        for step in range(first, last):
-            if not any(r[1][1:].any() for r in self._step_rows(step, world)):
-                bad.append(step)
-        self._last = None
+        bad = [step for step in range(first, last) if self._scored(step, world) == 0]
+        self._last = None  # (the rows of the last step checked: not held through the run)
         return bad
+
+    def _scored(self, step: int, world: int) -> int:
+        """Scored targets of step ``step``'s rows over every rank (a row's first token is no target)."""
+        return sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))

@@ -61,11 +61,12 @@ class Corpus:
             self.tokens, self.vocab_size = read_tokens(path)
             # tokenized when it was prepared: the run's tokenizer (a model directory's by default) must be the
             # vocabulary it was made with
-            if cfg.tokenizer not in (None, BYTES) and self.vocab_size != load_tokenizer(cfg.tokenizer).vocab_size:
+            theirs = self.vocab_size if cfg.tokenizer in (None, BYTES) else load_tokenizer(cfg.tokenizer).vocab_size
+            if theirs != self.vocab_size:
                 raise ConfigError(
                     f"{what} = {path!r} holds token ids of a vocabulary of {self.vocab_size:,} (tokenized when it was "
-                    f"prepared), not this run's data.tokenizer {cfg.tokenizer!r} "
-                    f"({load_tokenizer(cfg.tokenizer).vocab_size:,}); prepare it again with --tokenizer {cfg.tokenizer}"
+                    f"prepared), not this run's data.tokenizer {cfg.tokenizer!r} ({theirs:,}); prepare it again with "
+                    f"--tokenizer {cfg.tokenizer}"
                 )
         self.path = path
         need = cfg.seq_len + 1
@@ -79,6 +80,9 @@ class Corpus:
     def positions(self, step: int, *, rank: int = 0, world: int = 1) -> None:
         """Every row is one sequence: positions 0 .. T-1 (``ExampleBatches`` has packed ones)."""
         return None
+
+    def refuse_unscored(self, first: int, steps: int, world: int = 1) -> None:
+        """Every target counts: no step goes without a scored one (``ExampleBatches`` checks)."""
 
     def scored(self, step: int, world: int = 1) -> None:
         """Every target counts and every micro-batch has as many: each micro-batch's loss is

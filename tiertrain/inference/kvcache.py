@@ -127,11 +127,10 @@ class TieredKV:
             self.lock = ScratchLock([path])
             stale = os.path.join(path, NAME)
             try:  # a kv.bin no tiertrain run there made is the user's: never replaced
-                self.lock.refuse_others([NAME])
+                self.lock.claim([NAME])  # (and named: a generation killed from here on leaves it to the next)
             except BaseException:
                 self.lock.release(remove=True)  # (kept where it names a run's files still here)
                 raise
-            self.lock.record_files([NAME])  # a generation killed from here on leaves it to the next
             if os.path.exists(stale):  # a generation that was killed left it: nothing in it is this one's
                 log.warning(
                     "replacing %s, left by a generation that did not finish (%.1f MiB)",

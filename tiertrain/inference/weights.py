@@ -41,6 +41,7 @@ __all__ = [
     "weights_key",
     "refuse_other_model",
     "refuse_other_cut",
+    "refuse_other_adapter",
 ]
 
 log = logging.getLogger("tiertrain")
@@ -457,6 +458,19 @@ def refuse_other_cut(given: dict, stored: dict, flag: str = "--checkpoint") -> N
                 f"trained (model.{f} = {had!r}); drop model.{f} to use its cut, or export the checkpoint "
                 f"(tiertrain export --checkpoint ... --out DIR) and run --model.hf_dir=DIR cut as you like"
             )
+
+
+def refuse_other_adapter(given: dict, stored: dict, flag: str = "--checkpoint") -> None:
+    """``given`` (as in ``refuse_other_model``) must not turn off the adapters a checkpoint was
+    trained with (``stored``): it is read with them (else the checkpoint's adapter settings
+    were refused, by name, as if set by hand)."""
+    kind = (stored.get("adapter") or {}).get("kind", "none")
+    if kind != "none" and (given.get("adapter") or {}).get("kind", kind) != kind:
+        raise ConfigError(
+            f"adapter.kind = {given['adapter']['kind']!r} with {flag}: the checkpoint was trained with adapter.kind = "
+            f"{kind!r} and is read with its adapters; leave --adapter.kind out (for the base alone, point "
+            "--model.hf_dir at the base; for one model, `tiertrain export --merge`)"
+        )
 
 
 class CheckpointWeights:

@@ -99,12 +99,19 @@ class DirLock:
         if self._fd is not None:
             _write(self._fd, self.record)
 
+    @property
+    def previous_files(self) -> set[str]:
+        """The names (or patterns) of the files the last holder's run made here: none where no
+        lock file was here (no tiertrain run used the directory, or the last one removed its
+        files and the lock); an older record names none: the names those versions used."""
+        return set(self.previous.get("files", _UNRECORDED)) if self.existed else set()
+
     def ours_left(self) -> list[str]:
         """The files tiertrain's runs made here (this one's record, the last holder's) that are
         still here: what the lock file must go on naming."""
         if not self.tracks or not os.path.isdir(self.path):
             return []
-        names = set(self.record.get("files", ())) | set(self.previous.get("files", _UNRECORDED) if self.existed else ())
+        names = set(self.record.get("files", ())) | self.previous_files
         return sorted(n for n in os.listdir(self.path) if n != LOCK and _named(n, names))
 
     def release(self, *, remove: bool = False) -> None:
@@ -168,31 +175,25 @@ class ScratchLock:
 
     def previous_files(self) -> set[str]:
         """Names of the files the last runs on these paths made (what may be stale now)."""
-        out: set[str] = set()
-        for lk in self.locks:
-            out.update(lk.previous.get("files", _UNRECORDED) if lk.existed else ())
-        return out
+        return set().union(*(lk.previous_files for lk in self.locks))
 
-    def refuse_others(self, names: Iterable[str]) -> None:
-        """Refuse to start where a scratch path holds a file named as one this run makes (or its
-        checksums) that no tiertrain run there recorded making: the run would overwrite it,
-        and remove it when it ends. The user's files are never ours to replace."""
-        ours = self.previous_files()
+    def claim(self, names: Iterable[str]) -> None:
+        """Take the files ``names`` this run makes, before any is opened. Refused where a scratch
+        path holds one of them (or its checksums) that no tiertrain run there recorded making:
+        the run would overwrite it, and remove it when it ends; the user's files are never ours
+        to replace. Then named in the lock's record (with the last run's still here: this run
+        may die before it removes them), for a later run to remove if this one dies."""
+        names, ours = set(names), self.previous_files()
         for lk in self.locks:
-            theirs = sorted(n for n in os.listdir(lk.path) if _named(n, set(names)) and not _named(n, ours))
+            theirs = sorted(n for n in os.listdir(lk.path) if _named(n, names) and not _named(n, ours))
             if theirs:
                 raise ScratchInUseError(
                     f"io.paths {lk.path} holds {', '.join(theirs)}, which no tiertrain run there recorded making: "
                     f"this run would overwrite {'it' if len(theirs) == 1 else 'them'}; give io.paths an empty "
                     "directory (or one only tiertrain uses)"
                 )
-
-    def record_files(self, names: list[str]) -> None:
-        """Name the files this run makes, before it makes them: a later run removes them if
-        this one dies and leaves them. The last run's files still here stay named (this run
-        may die before it removes them)."""
         for lk in self.locks:
-            lk.note(files=sorted(set(names) | set(lk.ours_left())))
+            lk.note(files=sorted(names | set(lk.ours_left())))
 
     def release(self, *, remove: bool = False) -> None:
         for lk in self.locks:
@@ -227,10 +228,6 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
     temporary files, that this run will not use (``keep``); return what was removed. Files
     it will use are recreated anyway. Nothing else in a scratch directory is touched."""
     keep, known = set(keep), set(known)
-
-    def matches(name: str, pats: set[str]) -> bool:  # ``known`` may hold patterns (engine*.bin)
-        return any(fnmatch.fnmatchcase(name, pat) for pat in pats)
-
     removed = []
     for p in paths:
         if not os.path.isdir(p):
@@ -239,10 +236,9 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
             if _dead_probe(name):  # a disk probe's file whose process is gone (killed mid-probe)
                 stale = True
             elif ".tmp" in name:  # a temporary file of one of ours: always stale
-                stale = matches(name.split(".tmp")[0].removesuffix(".crc"), known | keep)
+                stale = _named(name, known | keep)
             else:
-                base = name.removesuffix(".crc")
-                stale = matches(base, known) and base not in keep
+                stale = _named(name, known) and name.removesuffix(".crc") not in keep
             if stale:
                 full = os.path.join(p, name)
                 removed.append((full, os.path.getsize(full)))
@@ -290,7 +286,7 @@ def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
             except ScratchInUseError:
                 continue  # another run's, running now
             try:
-                removed += clean_stale([d], lock.previous.get("files", _UNRECORDED) if lock.existed else ())
+                removed += clean_stale([d], lock.previous_files)
             finally:
                 lock.release(remove=True)
     return removed

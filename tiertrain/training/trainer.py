@@ -127,8 +127,7 @@ class Trainer:
                     info.get("started"),
                 )
             self.plan = self._plan()
-            self.lock.refuse_others(self.plan.names)  # before any file is opened: a user's is never replaced
-            self.lock.record_files(self.plan.names)  # (and the last run's still here) before any is made
+            self.lock.claim(self.plan.names)  # before any file is opened: a user's is never replaced
             self._files_ours = True  # from here on the scratch files of the plan's names are this run's
             cfg = self.cfg
             self.storage = self.rt.open_storage(cfg.io)  # after the plan: it may lower io.chunk_kib to fit the budget
@@ -535,8 +534,8 @@ class Trainer:
                     cfg.train.steps + first,
                 )
                 return []
-            if hasattr(self.corpus, "refuse_unscored"):  # examples: before the run directory holds anything
-                self.corpus.refuse_unscored(first, self.cfg.train.steps, self.group.world)
+            # (examples: a step of no scored token) before the run directory holds anything
+            self.corpus.refuse_unscored(first, self.cfg.train.steps, self.group.world)
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
             try:
