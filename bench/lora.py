@@ -29,6 +29,7 @@ Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out
                             [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
                             [--seq 64] [--micro-batches 2] [--device cpu|cuda]
                             [--peer-base-dtype compute|bfloat16] [--rounds 1] [--skip-big]
+                            [--set SECTION.FIELD=VALUE ...]
 
 On a GPU (``--device cuda``) tiertrain computes in bf16 (its default there) and peft trains
 the peer in device memory in bf16.
@@ -109,6 +110,7 @@ def tiertrain_worker(spec: dict) -> dict:
         f"--adapter.target={','.join(TARGETS)}",
         *([f"--model.base_dtype={spec['base_dtype']}"] if spec["base_dtype"] else []),
         *([f"--model.base_double_quant={spec['double_quant']}"] if spec.get("double_quant") else []),
+        *(f"--{kv}" for kv in spec.get("set", [])),
     ]
     from tiertrain.cost.budget import PoolsOverBudget
 
@@ -382,7 +384,9 @@ def against_peft(args, peers: list[dict], tts: list[dict]) -> list[str]:
         f"## Against plain peft in memory ({args.peer if args.peer != 'same' else args.big}, "
         f"{t0['params'] / 1e9:.2f} B parameters, {where(args)[1]}, the same LoRA and batch shape)",
         "",
-        f"tiertrain's base on the tier in {t0['base_dtype']}; peft's whole model in memory{dev}. "
+        f"tiertrain's base on the tier in {t0['base_dtype']}"
+        + (f" (set: {', '.join(f'`{kv}`' for kv in args.set)})" if args.set else "")
+        + f"; peft's whole model in memory{dev}. "
         f"{len(peers)} round(s), the two alternated; each s/step the median of steps 2 on.",
         "",
         "| round | system | s/step | peak RSS GiB |",
@@ -419,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="train.device (bf16 compute on cuda)")
     ap.add_argument("--probe-mib", type=int, default=1024, help="MiB the disk probe writes and reads (floors)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="a setting for tiertrain's runs against peft (repeatable), e.g. memory.activations=offload",
+    )  # fmt: skip
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -436,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = checked_out(args.out) if args.out else None
     with scratch_dir(args.scratch, "lora") as scratch:
-        base = spawn("base", {"path": f"{scratch}/big-base", "shape": args.big})
+        # the big model is made where it runs, or is peft's model
+        needed = not args.skip_big or (args.peer == "same" and not args.skip_peer)
+        base = spawn("base", {"path": f"{scratch}/big-base", "shape": args.big}) if needed else {}
         big = None if args.skip_big else spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
@@ -457,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                     dict(base=pbase, scratch=f"{scratch}/peer", steps=args.steps, rss_mib=rss,
                          base_dtype=None if args.peer_base_dtype == "compute" else args.peer_base_dtype,
                          seq=args.seq, micro_batches=args.micro_batches, device=args.device,
-                         probe_mib=args.probe_mib),
+                         probe_mib=args.probe_mib, set=args.set),
                 ))  # fmt: skip
                 peer_tt[-1]["asked_rss_mib"] = rss
         ds = None

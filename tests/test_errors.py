@@ -434,7 +434,8 @@ def test_a_nan_in_the_weights_stops_at_the_first_step(tmp_path, capsys, caplog):
 def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
     """Python API: Trainer.train_step() without initialize() trained a model of zeros (the
     states are allocated zeroed): the loss was exactly ln(vocabulary), and an hf_dir's weights
-    were never read. Now refused by name, as a checkpoint of those zeros is."""
+    were never read. Now refused by name, as a checkpoint of those zeros is; and so is any of
+    them once the Trainer is closed."""
     from reference import small_config
 
     from tiertrain.errors import TiertrainError
@@ -446,6 +447,11 @@ def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
                 call()
         tr.initialize(progress=False)
         assert math.isfinite(tr.train_step().loss)
+    # closed: states kept in memory stepped on with no storage tier behind them and nowhere to save
+    for call, name in ((tr.train_step, "train_step()"), (tr.save_checkpoint, "save_checkpoint()"),
+                       (tr.initialize, "initialize()"), (tr.weights, "weights()")):  # fmt: skip
+        with pytest.raises(TiertrainError, match=rf"Trainer.{re.escape(name)}: this Trainer is closed"):
+            call()
 
 
 def test_a_read_only_cache_or_prepare_output_and_paths_of_the_wrong_kind_are_one_line(
@@ -470,3 +476,15 @@ def test_a_read_only_cache_or_prepare_output_and_paths_of_the_wrong_kind_are_one
     assert f"--checkpoint {ck / 'manifest.json'} is a file (it is in the checkpoint {ck}); give a checkpoint" in line
     line = one_line_error(capsys, ["generate", "--checkpoint", str(ck), "--prompts-file", "/dev/null"], 2)
     assert "--prompts-file /dev/null: holds no prompt" in line, line
+
+
+def test_prepare_refuses_a_device_and_draws_no_bar_into_a_log(tmp_path, capsys):
+    """`prepare --input /dev/zero` read until interrupted (an endless stream of NULs); its bar
+    was drawn into logs (stderr no terminal), where training's is not."""
+    line = one_line_error(capsys, ["prepare", "--input", "/dev/zero", "--output", str(tmp_path / "z.tokens")], 1)
+    assert "prepare --input = '/dev/zero' is a device, not a file" in line, line
+    text = tmp_path / "t.txt"
+    text.write_text("in the beginning " * 50)
+    assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "t.tokens")]) == 0
+    err = capsys.readouterr().err
+    assert "wrote 850 tokens" in err and "tokenize" not in err and "%|" not in err, err

@@ -593,3 +593,63 @@ def test_a_step_without_a_scored_token_is_found_at_start_or_stops_the_run_with_i
     from tiertrain.checkpoint import Manifest, latest_checkpoint
 
     assert Manifest.read(latest_checkpoint(cfg.checkpoint_root)).step == first_bad  # every step done, kept
+
+
+def test_a_conversation_opening_with_the_assistant_scores_its_reply_not_the_header(tmp_path):
+    """The header the template puts before the first message (here the assistant's role mark)
+    was scored: the span began at 0. Also where the template puts a default system prompt
+    before a conversation that does not open with one."""
+    opening = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "say yes"},
+                            {"role": "assistant", "content": "yes"}]}  # fmt: skip
+    p, _ = _prepared(tmp_path, [opening], "open")
+    got, mask = _example(p, 0)
+    assert got == ids("<|assistant|> hello <|end|> <|user|> say yes <|end|> <|assistant|> yes <|end|>")
+    assert [w for w, m in zip(got, mask) if m] == ids("hello <|end|> yes <|end|>")
+    tok = make_tokenizer(tmp_path / "tok-sys")
+    cfg_path = tmp_path / "tok-sys" / "tokenizer_config.json"
+    conf = json.loads(cfg_path.read_text())
+    conf["chat_template"] = "{% if messages[0]['role'] != 'system' %}<|system|> be brief <|end|> {% endif %}" + TEMPLATE
+    cfg_path.write_text(json.dumps(conf))
+    for f in (tmp_path / "tok-sys").glob("chat_template.*"):
+        f.unlink()
+    src = write_jsonl(tmp_path / "open2.jsonl", [opening])
+    prepare_examples([src], str(tmp_path / "open2"), tokenizer=tok, progress=False)
+    got, mask = _example(PreparedExamples(str(tmp_path / "open2")), 0)
+    assert got[:4] == ids("<|system|> be brief <|end|>")
+    assert [w for w, m in zip(got, mask) if m] == ids("hello <|end|> yes <|end|>")
+
+
+def test_errors_about_rows_prepared_into_the_cache_name_the_users_file(tmp_path, monkeypatch):
+    """Rows given as JSONL are prepared into the cache; an error about them named only the cache
+    entry (a hashed directory the user never made), not the file they gave."""
+    from tiertrain.data import open_corpus
+    from tiertrain.errors import UsageError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, pc, _ = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, pc, tok)
+    cfg.data.seq_len, cfg.data.packing, cfg.data.long_examples = 2, False, "drop"
+    with pytest.raises(UsageError, match=rf"every example of {pc} \(prepared in .*cache.*\) is longer"):
+        open_corpus(cfg.data)
+
+
+def test_the_prepared_data_cache_removes_copies_unused_for_a_month(tmp_path, monkeypatch):
+    """Every new input (or setting) added a copy to the cache, and none was ever removed. A copy
+    unused for 30 days goes when another is made; a copy used again is kept (its use touches it)."""
+    import time
+
+    from tiertrain.data import open_corpus
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, pc, chat = _finetune_data(tmp_path)
+    root = tmp_path / "cache" / "tiertrain" / "prepared"
+    entry_of = lambda corpus, **kw: open_corpus(_finetune_cfg(tmp_path, corpus, tok, **kw).data).data.path  # noqa: E731
+    pc_copy, chat_copy = entry_of(pc), entry_of(chat)
+    month = time.time() - 31 * 86400
+    for entry in (pc_copy, chat_copy):
+        os.utime(entry, (month, month))
+    assert entry_of(chat) == chat_copy  # used again: touched
+    cfg = _finetune_cfg(tmp_path, pc, tok)
+    cfg.data.mask_prompt = False  # another setting: a third copy, made now
+    third = open_corpus(cfg.data).data.path
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in (chat_copy, third))

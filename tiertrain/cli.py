@@ -324,6 +324,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from .data.formats import is_rows_input
     from .data.prepare import prepare, prepare_examples
 
+    progress = not args.no_progress and sys.stderr.isatty()  # as training's bar: none in a log file
     rows = [is_rows_input(p) for p in args.input]
     if any(rows) and not all(rows):
         raise UsageError(
@@ -332,7 +333,12 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         )
     if all(rows):
         meta = prepare_examples(
-            args.input, args.output, tokenizer=args.tokenizer, kind=args.format, mask_prompt=not args.no_mask_prompt
+            args.input,
+            args.output,
+            tokenizer=args.tokenizer,
+            kind=args.format,
+            mask_prompt=not args.no_mask_prompt,
+            progress=progress,
         )
         log.info(
             "wrote %d %s example%s (%d tokens, %d of them scored) to %s",
@@ -344,7 +350,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             args.output,
         )
         return 0
-    n = prepare(args.input, args.output, tokenizer=args.tokenizer)
+    n = prepare(args.input, args.output, tokenizer=args.tokenizer, progress=progress)
     log.info("wrote %d tokens to %s", n, args.output)
     return 0
 
@@ -491,6 +497,9 @@ def _parser() -> argparse.ArgumentParser:
         "(messages) or 'auto' (from the first row's fields)",
     )
     pr.add_argument("--no-mask-prompt", action="store_true", help="rows: score prompt, system and user tokens too")
+    pr.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none either where stderr is no terminal)"
+    )
 
     pl = sub.add_parser("plot", help="draw loss (train, validation), tokens/s and peak memory of runs into a PNG")
     pl.add_argument("run_dir", nargs="+", help="run directories (train.run_dir), several on one plot")

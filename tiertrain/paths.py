@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Sequence
 
 from .errors import ConfigError
@@ -75,6 +76,11 @@ def check_input_file(what: str, path: str, error: type[Exception] | None = None)
         raise err(f"{what} = {path!r} is a directory; give a file")
     if not os.access(path, os.R_OK):
         raise err(f"{what} = {path!r} is not readable by this user")
+    mode = os.stat(path).st_mode
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):  # /dev/zero, /dev/urandom: read until interrupted
+        raise err(
+            f"{what} = {path!r} is a device, not a file (a stream such as /dev/zero never ends); give a file or a pipe"
+        )
 
 
 def prepare_output_file(what: str, path: str, inputs: Sequence[str | None] = ()) -> str:

@@ -146,8 +146,10 @@ def _write_examples(
 class PreparedExamples:
     """A prepared directory, memory-mapped; its sizes and checksums checked at open."""
 
-    def __init__(self, path: str, what: str = "data.corpus") -> None:
+    def __init__(self, path: str, what: str = "data.corpus", source: str | None = None) -> None:
         self.path = path
+        # what messages name: the user's rows where this is their copy in the prepared-data cache
+        self.name = f"{source} (prepared in {path})" if source else path
         try:
             with open(os.path.join(path, META)) as f:
                 self.meta = json.load(f)
@@ -222,14 +224,14 @@ class ExampleBatches:
             )
         if len(self.keep) == 0:
             raise UsageError(
-                f"data: every example of {data.path} is longer than seq_len + 1 = {seq_len + 1} tokens and "
+                f"data: every example of {data.name} is longer than seq_len + 1 = {seq_len + 1} tokens and "
                 "data.long_examples = 'drop'; raise data.seq_len or set data.long_examples = 'truncate'"
             )
         self.epoch_tokens = int(self.lengths[self.keep].sum())
         self.rows_per_epoch = (self.epoch_tokens - 1) // seq_len if packing else len(self.keep)
         if self.rows_per_epoch < 1:
             raise UsageError(
-                f"data: {data.path} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
+                f"data: {data.name} has {self.epoch_tokens} tokens, fewer than one row of seq_len + 1 = "
                 f"{seq_len + 1}; lower data.seq_len or turn data.packing off"
             )
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}

@@ -212,14 +212,14 @@ class Renderer:
         for k, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            start, upto = render(msgs[:k], True) if k else "", render(msgs[: k + 1])
-            if not (full.startswith(upto) and upto.startswith(start)):
+            before, upto = render(msgs[:k], True) if k else "", render(msgs[: k + 1])
+            if not (full.startswith(upto) and upto.startswith(before)):
                 raise DataError(
                     f"{where}: the tokenizer's chat template does not render a conversation's beginning as "
                     "a prefix of the whole; its assistant replies cannot be told apart"
                 )
-            if self.mask_prompt:
-                spans.append((len(start), len(upto)))
+            if self.mask_prompt:  # an opening reply: after the template's header, not from 0
+                spans.append((len(before) if k else _opening_reply(render, upto), len(upto)))
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
@@ -227,3 +227,16 @@ class Renderer:
         for a, b in spans:
             mask[(starts >= a) & (starts < b)] = 1
         return Example(ids, mask)
+
+
+_MARK = "tiertrainreplymark"  # a reply's stand-in: no template adds or changes such a word
+
+
+def _opening_reply(render: Any, upto: str) -> int:
+    """Where the reply of a conversation that opens with the assistant begins in ``upto`` (its
+    rendering): after what the template puts before it (a default system prompt, the role's
+    header), which is not scored: the same conversation rendered with a stand-in reply shows
+    it (transformers renders no conversation without messages). 0 where it does not."""
+    probe = render([{"role": "assistant", "content": _MARK}])
+    head = probe[: probe.find(_MARK)] if _MARK in probe else ""
+    return len(head) if upto.startswith(head) else 0

@@ -8,6 +8,7 @@ position to save beyond the step number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -133,7 +134,7 @@ class EvalSet:
             )
         else:  # examples: each micro-batch's loss summed over all the scored targets (``total_scored``)
             self.examples, rows = data, data.rows_per_epoch
-            short = f"{data.data.path} gives {rows} rows, fewer than one micro-batch of {B}; give more examples"
+            short = f"{data.data.name} gives {rows} rows, fewer than one micro-batch of {B}; give more examples"
         self.count = min(rows // B, cfg.eval_micro_batches or rows // B)
         if self.count == 0:
             raise ConfigError(f"data.eval_corpus: {short} or lower data.micro_batch_size")
@@ -196,7 +197,7 @@ def open_corpus(cfg: DataConfig, what: str = "data.corpus", *, shuffle: bool = T
         path = prepared_cache(cfg, path, what)
     if path == "bundled" or not is_prepared(path):
         return Corpus(cfg, what)
-    prepared = PreparedExamples(path, what)
+    prepared = PreparedExamples(path, what, source=None if path == cfg.corpus else cfg.corpus)
     if path == cfg.corpus:  # prepared by the user (a cache entry is keyed by these settings)
         _as_prepared(cfg, prepared.meta, path, what)
     return ExampleBatches(
@@ -284,12 +285,42 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
         damage = _damaged(out)
         if not damage:
             log.info("%s: %s prepared before, in %s", what, path, out)
+            with contextlib.suppress(OSError):  # its last use: what pruning goes by
+                os.utime(out)
             return out
         # a cache entry is ours to make again: the user never prepared it by hand
         log.warning("%s: the prepared copy in %s is damaged (%s): prepared again", what, out, damage)
         import shutil
 
         shutil.rmtree(out)
+    prune_cache(os.path.dirname(out))
     log.info("%s: preparing %s into %s (once)", what, path, out)
     prepare_examples([path], out, tokenizer=cfg.tokenizer, kind=cfg.format, mask_prompt=cfg.mask_prompt)
     return out
+
+
+CACHE_KEEP_DAYS = 30  # a prepared copy unused this long is removed when another is made
+
+
+def prune_cache(root: str, keep_days: float = CACHE_KEEP_DAYS) -> list[str]:
+    """Remove the prepared-data cache's entries (directories of ``root``) not used for
+    ``keep_days`` (each use touches its entry); the removed returned. Only entries this cache
+    made (a prepared directory's metadata in them); a copy is made again from its rows when
+    they are given again. A run reading an entry keeps its open files (POSIX)."""
+    import shutil
+    import time
+
+    from .examples import is_prepared
+
+    cutoff, gone = time.time() - keep_days * 86400, []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            entry = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if is_prepared(entry) and os.stat(entry).st_mtime < cutoff:
+                    shutil.rmtree(entry)
+                    gone.append(entry)
+    if gone:
+        log.info("the prepared-data cache %s: %d cop%s unused for %g days removed", root, len(gone),
+                 "y" if len(gone) == 1 else "ies", keep_days)  # fmt: skip
+    return gone

@@ -20,14 +20,18 @@ __all__ = ["prepare", "prepare_examples"]
 _BLOCK = 4 << 20  # characters per tokenizer call
 
 
-def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None) -> int:
-    """Tokenize ``inputs`` (UTF-8 text files, in order) into the token file ``output``."""
+def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None, progress: bool = True) -> int:
+    """Tokenize ``inputs`` (UTF-8 text files, in order) into the token file ``output``
+    (``progress``: a bar per file)."""
     _check(inputs, output)
     tok = load_tokenizer(tokenizer, what="prepare --tokenizer")
 
     def chunks() -> Iterator[np.ndarray]:
         for path in inputs:
-            with open(path, encoding="utf-8") as f, tqdm(desc=f"tokenize {path}", unit="char", unit_scale=True) as bar:
+            with (
+                open(path, encoding="utf-8") as f,
+                tqdm(desc=f"tokenize {path}", unit="char", unit_scale=True, disable=not progress) as bar,
+            ):
                 carry = ""
                 while True:
                     try:

@@ -262,10 +262,21 @@ class Trainer:
         self.adapter_update = AdapterUpdate(rt.adapters, cfg.optim) if rt.adapters is not None else None
         self.step = 0
         self._weighted = False  # initialize() or restore() gave the states their values
+        self._closed = False  # close(): the parts stopped, the scratch files removed
+
+    def _need_open(self, what: str) -> None:
+        """Refuse ``what`` once closed: states kept in memory would still step, with nothing on
+        the storage tier behind them and nowhere to save."""
+        if self._closed:
+            raise TiertrainError(
+                f"Trainer.{what}: this Trainer is closed (its parts stopped, its scratch files removed); "
+                "make a new Trainer and restore(checkpoint) to go on"
+            )
 
     def _need_weights(self, what: str) -> None:
         """Refuse ``what`` before the states have values: they are allocated zeroed, and a step
         from them trains a model of zeros without a word."""
+        self._need_open(what)
         if not self._weighted:
             raise TiertrainError(
                 f"Trainer.{what}: no weights yet; call initialize() (the configured initial weights) or "
@@ -341,6 +352,7 @@ class Trainer:
         """Write initial weights (and optimizer state) unit by unit: memory of one unit."""
         from tqdm import tqdm
 
+        self._need_open("initialize()")
         dtype = self.update.init_dtype  # fp32, or a frozen base's own: converted as it is copied in
         flat = aligned_empty(self.layout.max_unit_numel * dtype.itemsize).view(dtype)
         for unit in tqdm(self.layout.units, desc="init weights", disable=not progress, unit="unit"):
@@ -371,6 +383,7 @@ class Trainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """Current weights by name, fp32 (the declared weights state: master weights where
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
+        self._need_weights("weights()")
         with self.state_regions() as regions:
             return self.checkpoints.weights(
                 regions[f"{self._weights_state().name}.bin"],
@@ -397,6 +410,7 @@ class Trainer:
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
+        self._need_open("restore()")
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
         man = Manifest.read(path)
@@ -606,6 +620,7 @@ class Trainer:
         """Stop every part, remove this run's scratch files (checkpoints hold what is worth
         keeping) and release the directories. Never raises: a part that fails to close (a dead
         engine, a damaged file) is logged and the others are still closed."""
+        self._closed = True
         with contextlib.suppress(Exception):
             self.dev.synchronize()  # no copy may still run into or out of memory about to go
         for part in [*reversed(self._parts), self.rt]:
