@@ -15,9 +15,9 @@ initialisation and read by both systems. Each system runs in a process of its ow
 3. ``tiertrain``: the same weights (``model.init_from``), data and optimizer within
    ``--host-mib`` of host memory (default: tiertrain's default budget), the rest on the drive.
 
-TFLOPS are the model's FLOPs a token (``tiertrain.training.metrics.flops_per_token``: 6 per
-weight a token multiplies through, plus attention's 12 x layers x hidden x sequence, PaLM's
-accounting without halving for the causal mask) times tokens/s. Reported: each system's
+TFLOPS are the model's FLOPs a token (``tiertrain.training.metrics.flops_per_token``; for
+these dense models trained whole: 6 per weight a token multiplies through, plus attention's 12 x
+layers x hidden x sequence, PaLM's accounting without halving for the causal mask) times tokens/s. Reported: each system's
 s/step, tokens/s and TFLOPS, tiertrain's tokens/s over plain's, its phases and the cost model's
 prediction against the measured step, and the losses of both step by step (bf16: within the
 tolerance the parity tests state).

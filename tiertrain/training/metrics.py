@@ -37,14 +37,67 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def flops_per_token(model, seq_len: int, hidden: int) -> float:
-    """Training FLOPs per token (forward and backward): 6 per weight a token multiplies
-    through (blocks and head, a tied embedding counted once with the head; the input
-    embedding lookup is not a product) plus attention's 12 x layers x hidden x sequence
-    (PaLM's accounting, without halving for the causal mask)."""
-    used = {id(p): p for unit in [*model.blocks, model.head, *model.head_pieces] for p in unit.parameters()}
+def flops_per_token(model, seq_len: int, hidden: int, *, trained_outside: int = 0) -> float:
+    """Training FLOPs per token (forward and backward) as the step computes them: per weight a
+    token multiplies through, 2 forward, and backward 4 where the weight trains (the input's
+    and the weight's gradients), 2 where it is frozen (the input's alone: a frozen base under
+    adapters, ``train.freeze``), none before the first unit that trains where the embedding is
+    frozen too (nothing asks their input's gradient). A mixture of experts' expert weights (3-D, ``[experts, ...]``) count at
+    the share a token reaches (top-k of E). Blocks and head; a tied embedding counted once, with
+    the head; the input embedding lookup is no product. ``trained_outside``: trained weights
+    outside the model's units (adapters), 6 each. Attention: per layer forward 2 x context x
+    (heads x (query/key head dim + value head dim)), three times in all (its backward forms the
+    queries', keys' and values' gradients whatever trains), the context the sequence (PaLM's
+    accounting, without halving for the causal mask) or a sliding or chunked layer's window;
+    the leading layers without a backward, their forward alone."""
+    share = _expert_share(getattr(model, "hf_config", None))
+    # the embedding is no product, but where it trains every unit's input gradient is asked
+    trains = any(p.requires_grad for u in [*model.embed_pieces, model.embed] for p in u.parameters())
+    trains, seen, total = trains or trained_outside > 0, set(), 6.0 * trained_outside
+    forward_only = 0  # leading layers nothing asks a backward of (their attention: forward only)
+    for k, unit in enumerate([*model.blocks, model.head, *model.head_pieces]):
+        params = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        trains = trains or any(p.requires_grad for p in params)
+        if not trains and k < len(model.blocks):
+            forward_only = (model.block_layers[k] if model.block_layers is not None else k) + 1
+        for p in params:
+            per = 6 if p.requires_grad else (4 if trains else 2)
+            total += per * p.numel() * (share if p.dim() == 3 else 1.0)
+    return total + _attention_flops(model, seq_len, hidden, forward_only)
+
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _expert_share(config) -> float:
+    """The share of a mixture of experts' expert weights a token multiplies through (1: dense)."""
+    experts = next((getattr(config, k) for k in _EXPERTS if getattr(config, k, None)), 0) if config else 0
+    top_k = getattr(config, "num_experts_per_tok", None) if config else None
+    return top_k / experts if experts and top_k else 1.0
+
+
+def _attention_flops(model, seq_len: int, hidden: int, forward_only: int = 0) -> float:
+    """Attention's training FLOPs a token over the layers (``flops_per_token``); the first
+    ``forward_only`` layers' forward alone."""
+    from ..models.decoder import layer_types
+    from ..models.masks import CHUNKED, SLIDING
+
     layers = len(set(model.block_layers)) if model.block_layers is not None else len(model.blocks)  # cut: layers
-    return 6 * sum(p.numel() for p in used.values()) + 12 * layers * hidden * seq_len
+    c = getattr(model, "hf_config", None)
+    if c is None:  # tiertrain's own GPT: heads x head dim is the width
+        return (12.0 * layers - 8.0 * forward_only) * hidden * seq_len
+    heads = getattr(c, "num_attention_heads", None) or 1
+    head = getattr(c, "head_dim", None) or hidden // heads
+    qk = getattr(c, "qk_head_dim", None) or head  # multi-head latent attention: its own dims
+    v = getattr(c, "v_head_dim", None) or head
+    window = {SLIDING: getattr(c, "sliding_window", None), CHUNKED: getattr(c, "attention_chunk_size", None)}
+    types = layer_types(c) if getattr(c, "num_hidden_layers", None) else []
+    total = 0.0
+    for k in range(layers):
+        ctx = min(seq_len, window.get(types[k] if k < len(types) else "", None) or seq_len)
+        total += (2.0 if k < forward_only else 6.0) * ctx * heads * (qk + v)
+    return total
 
 
 @dataclass

@@ -257,7 +257,12 @@ class Trainer:
             self.dev,
             self.group,
             self._waits,
-            flops_per_token(self.model, cfg.data.seq_len, rt.hidden_size),
+            flops_per_token(
+                self.model,
+                cfg.data.seq_len,
+                rt.hidden_size,
+                trained_outside=sum(p.numel() for p in rt.adapters.params()) if rt.adapters is not None else 0,
+            ),
         )
         self.adapter_update = AdapterUpdate(rt.adapters, cfg.optim) if rt.adapters is not None else None
         self.step = 0
