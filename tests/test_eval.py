@@ -172,3 +172,46 @@ def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
     want = generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6))
     cfg.io.weights = "tier"
     assert generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6)) == want
+
+
+def test_a_converted_copy_is_its_checkpoints_and_a_damaged_one_is_made_again(tmp_path, capsys):
+    """`eval --checkpoint RUN --io.weights=tier` kept its converted copy under a key of the path
+    as typed and the step: a run trained again into the same directory was evaluated with the
+    first run's weights, without a word. The copy now follows the checkpoint's weights file (its
+    path, size, time and CRC32C). A copy cut short or without its checksums is made again; a
+    flipped byte, found while reading, is named with what to do."""
+    from reference import tiny_flags
+
+    from tiertrain.cli import main
+
+    text, run, out = _text(tmp_path), str(tmp_path / "run"), str(tmp_path / "res.json")
+
+    def loss(*extra):
+        argv = ["eval", "--checkpoint", run, f"--data.eval_corpus={text}", "--data.eval_micro_batches=2"]
+        assert main([*argv, f"--io.paths={tmp_path / 'ssd'}", "--out", out, *extra]) == 0, capsys.readouterr().err
+        return json.loads(open(out).read())["loss"]
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    first = loss("--io.weights=tier")
+    assert main(["train", *tiny_flags(tmp_path, "--optim.lr=3e-2", "--train.overwrite=true")]) == 0
+    second = loss()
+    assert second != first and loss("--io.weights=tier") == second
+    copies = sorted((tmp_path / "ssd").glob("weights-*.bin"))
+    assert len(copies) == 2
+    newest = max(copies, key=os.path.getmtime)
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    capsys.readouterr()
+    assert loss("--io.weights=tier") == second
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "converted again" in err, err
+    os.remove(f"{newest}.crc")
+    assert loss("--io.weights=tier") == second
+    with open(newest, "r+b") as f:
+        f.seek(os.path.getsize(newest) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    argv = ["eval", "--checkpoint", run, f"--data.eval_corpus={text}", f"--io.paths={tmp_path / 'ssd'}"]
+    assert main([*argv, "--io.weights=tier"]) == 1
+    err = capsys.readouterr().err
+    assert "converted copy of the weights (io.weights = 'tier'): delete it and run again" in err, err

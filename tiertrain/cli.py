@@ -601,7 +601,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         if not _user_facing(exc):
             raise
         if not getattr(exc, "quiet", False):  # another rank of this machine says the same
-            _say(f"tiertrain: {one_line(exc)}")
+            hint = ""
+            if isinstance(exc, OSError):  # a converted copy of weights: what to do with it
+                from .inference.weights import copy_hint
+
+                hint = copy_hint(exc.filename)
+            _say(f"tiertrain: {one_line(exc)}" + (f"; {hint}" if hint else ""))
         log.debug("details", exc_info=True)
         return getattr(exc, "status", 1)
     except KeyboardInterrupt as exc:

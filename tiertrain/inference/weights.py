@@ -6,14 +6,17 @@ unit (one unit of memory, a progress bar) into ``weights-<key>.bin`` on the firs
 ``io.paths`` entry, in the runtime's flat layout and compute dtype, checksummed; every later
 run with the same key reads it instead of converting again. The key hashes what the weights
 depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes
-and modification times (a changed source makes a new file; old ones are the user's to
-delete). The file is complete or absent: it is written under a temporary name and renamed
-when done. Units are read with O_DIRECT straight into the parameter store's slots.
+and modification times, and a checkpoint's weights file's CRC32C (a changed source, or a run
+trained again into the same directory, makes a new file; old ones are the user's to delete).
+The file is complete or absent: it is written under a temporary name and renamed when done; a
+copy found short or with its checksums missing or damaged is made again, and damage found
+while reading it names the copy and the fix (``copy_hint``). Units are read with O_DIRECT straight into the parameter store's slots.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -39,6 +42,7 @@ __all__ = [
     "forward_params",
     "resident_budget",
     "weights_key",
+    "copy_hint",
     "refuse_other_model",
     "refuse_other_cut",
     "refuse_other_adapter",
@@ -108,8 +112,9 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
         dataclasses.asdict(cfg.model),
         rt.dtype,
         rt.layout,
-        source_files(cfg.model),
+        [*source_files(cfg.model), *source.files],
         source.describe
+        + source.identity
         + (f", checksum blocks of {block} bytes" if block != rt.align else "")
         + (f", in {quant.spec.describe()}" if quant is not None else ""),
     )
@@ -333,6 +338,12 @@ class TierWeights(ParamSource):
         self.layout, self.dtype, self.quant = layout, dtype, quant
         self.path = os.path.join(path, f"weights-{key}.bin")
         size = layout.total_numel * dtype.itemsize if quant is None else quant.total_numel
+        damage = _damaged_copy(self.path, size, checksum, block) if os.path.exists(self.path) else None
+        if damage:  # the copy is ours, made from the source: made again, not a dead end
+            log.warning("weights: the converted copy %s is damaged (%s): converted again", self.path, damage)
+            for suffix in (".crc", ""):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path + suffix)
         if not os.path.exists(self.path):
             self._convert(source, size, checksum, block, progress)
         else:
@@ -386,6 +397,36 @@ class TierWeights(ParamSource):
 
     def close(self) -> None:
         self.file.close()
+
+
+def _damaged_copy(path: str, size: int, checksum: bool, block: int) -> str:
+    """Why the converted copy ``path`` cannot be read whole ('' where it can, as far as its size
+    and its checksum file tell without reading it: a flipped byte is found when read)."""
+    from ..io.checksum import ChecksumTable, sidecar_path
+    from ..io.errors import StorageError
+
+    if os.path.getsize(path) < size:
+        return f"{os.path.getsize(path)} bytes, not {size}"
+    if checksum:
+        try:
+            table = ChecksumTable.load(sidecar_path(path))
+        except StorageError as exc:
+            return str(exc.strerror)
+        if (table.size, table.block) != (size, block):
+            return f"its checksums are of {table.size} bytes in blocks of {table.block}, not {size} in {block}"
+    return ""
+
+
+def copy_hint(path: str | None) -> str:
+    """What to do about an error in file ``path`` where it is a converted copy of weights
+    (``weights-<key>.bin`` or its checksums; '' for any other file): damage found while reading
+    it (a flipped byte) is named by the storage tier, which knows nothing of where it came from."""
+    name = os.path.basename(path or "")
+    if not (name.startswith("weights-") and name.endswith((".bin", ".bin.crc"))):
+        return ""
+    return (
+        "it is tiertrain's converted copy of the weights (io.weights = 'tier'): delete it and run again to convert anew"
+    )
 
 
 class WeightParams(ParamSource):
@@ -497,6 +538,8 @@ class CheckpointWeights:
             adapters=_adapters_of(self.path, man),
             dequantized=w.quant is not None,
             records=self if w.quant is not None else None,
+            files=(os.path.abspath(file),),
+            identity=f"crc32c {entry.crc32c:08x}",
         )
         self._raw = torch.empty(w.max_unit_bytes, dtype=torch.uint8)
         self._buf = torch.empty(self.layout.max_unit_numel, dtype=self.dtype) if w.quant is not None else None

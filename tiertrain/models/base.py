@@ -102,6 +102,10 @@ class WeightSource:
     dequantized: bool = False
     # that base's records as stored (``quant``: their QuantLayout; ``read(u, buf)``): read as they are
     records: Any = None
+    # the files read beyond the model's own (a checkpoint's weights file) and what names their
+    # contents (its CRC32C): a converted copy of these weights depends on them, not on a path as typed
+    files: tuple[str, ...] = ()
+    identity: str = ""
 
 
 class LayeredModel(nn.Module):
