@@ -349,3 +349,22 @@ def test_a_start_over_that_fails_before_it_begins_offers_no_resume_of_the_earlie
     err = capsys.readouterr().err
     assert "bad.jsonl" in err and "--resume" not in err and "last checkpoint" not in err, err
     assert names(tmp_path / "run" / "checkpoints") == ["step-00000001"]  # (the start over never began)
+
+
+def test_more_steps_on_resume_say_the_schedule_they_now_follow(tmp_path, capsys):
+    """`--resume RUN --train.steps=9` after 3 cosine steps: the schedule spans the 9, so the rate
+    jumped from its final 0.1 x lr back up, with nothing said (the changed-settings line leaves
+    train.steps out). Said now, with the setting that keeps the checkpoint's rate; a constant
+    schedule says nothing, and its rates are the flag's."""
+    flags = tiny_flags(tmp_path, "--optim.warmup_steps=0", "--optim.lr=1e-2", steps=3)
+    assert main(["train", *flags]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--train.steps=9"]) == 0
+    err = capsys.readouterr().err
+    assert "was trained for train.steps = 3, now 9: the cosine learning-rate schedule spans the 9" in err, err
+    assert "step 4 takes 0.00628 where step 3 took 0.001" in err and "--optim.schedule=constant --optim.lr=0.001" in err
+    lrs = [json.loads(line)["lr"] for line in open(tmp_path / "run" / "metrics.jsonl") if '"lr"' in line]
+    assert lrs[2] == pytest.approx(1e-3) and lrs[3] == pytest.approx(6.28e-3, rel=1e-3)
+    more = ["train", "--resume", str(tmp_path / "run"), "--train.steps=11", "--optim.schedule=constant"]
+    assert main([*more, "--optim.lr=0.001"]) == 0
+    assert "learning-rate schedule" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ holds them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -106,6 +107,26 @@ class Checkpoints:
         note = other_ranks_note(man.ranks, before, self.group.world, (data.micro_batches, data.micro_batch_size))
         if note and self.group.leader:
             log.warning("checkpoint %s %s", path, note)
+
+    def say_schedule(self, man: Manifest, path: str, optim, steps: int) -> None:
+        """A checkpoint resumed with another ``train.steps`` under a schedule that depends on
+        it (cosine): the rates from here on are the new length's, which the changed-settings line
+        does not name (raising the steps is how a run is continued); said with the jump and the
+        setting that keeps the checkpoint's last rate, by rank 0."""
+        from ..update.lr import lr_at
+
+        before = man.config.get("train", {}).get("steps")
+        if not isinstance(before, int) or before == steps or man.step >= steps or not self.group.leader:
+            return
+        was, now = lr_at(min(man.step, before), optim, before), lr_at(man.step + 1, optim, steps)
+        if optim.schedule == "constant" or math.isclose(was, now, rel_tol=1e-3):
+            return
+        log.warning(
+            "checkpoint %s was trained for train.steps = %d, now %d: the %s learning-rate schedule spans the %d, so "
+            "step %d takes %.3g where step %d took %.3g (a run of %d steps from the start would have taken other "
+            "rates before step %d); to go on at the checkpoint's rate: --optim.schedule=constant --optim.lr=%.3g",
+            path, before, steps, optim.schedule, steps, man.step + 1, now, man.step, was, steps, man.step + 1, was,
+        )  # fmt: skip
 
     def restore(self, regions: dict, path: str, zero_if_absent: set[str]) -> Manifest:
         """Checkpoint ``path`` into ``regions`` (every rank reads the files, keeping its shard)."""

@@ -423,6 +423,7 @@ class Trainer:
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
         same_optimizer(self.cfg.optim.name, man.config.get("optim", {}).get("name", "adamw"), f"checkpoint {path}")
         self.checkpoints.say_other_ranks(man, path, self.cfg.data)
+        self.checkpoints.say_schedule(man, path, self.cfg.optim, self.cfg.train.steps)
         with self.state_regions() as regions:
             man = self.checkpoints.restore(regions, path, zero)
         if self.adapter_update is not None:
