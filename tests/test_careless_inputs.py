@@ -370,3 +370,30 @@ def test_eval_of_a_lora_checkpoint_with_adapters_off_names_the_checkpoints_kind(
     assert "with its adapters; leave --adapter.kind out" in err
     assert "adapter.rank" not in err, err
     assert main(ev) == 0
+
+
+def test_a_checkpoint_whose_model_directory_moved_runs_with_its_new_place(tmp_path, capsys, monkeypatch):
+    """A run of a Hugging Face model whose directory then moved: eval, generate and export of
+    its checkpoint failed ("no config.json there"), and giving the new place was refused ("drop
+    model.hf_dir"); export took no such flag. The gone directory is named, and its new place
+    taken where the recorded one is gone (and only there: the test above)."""
+    import torch
+    from test_eval import _text
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained("model")  # fmt: skip
+    flags = tiny_flags(tmp_path, "--model.kind=auto", "--model.hf_dir=model", steps=1)
+    assert main(["train", *[f for f in flags if not f.startswith(("--model.n_layers", "--model.d_model"))]]) == 0
+    os.rename("model", "moved")
+    ev = ["eval", "--checkpoint=run", f"--data.eval_corpus={_text(tmp_path)}", "--data.eval_micro_batches=1"]
+    line = one_line_error(capsys, ev, 2)
+    assert "is gone: where it has moved, give its new place with --model.hf_dir=DIR" in line, line
+    assert main([*ev, "--model.hf_dir=moved"]) == 0
+    assert main(["generate", "--checkpoint=run", "--prompt", "hi", "--max-new-tokens=2", "--model.hf_dir=moved"]) == 0
+    line = one_line_error(capsys, ["export", "--checkpoint=run", "--out=exp"], 2)
+    assert "--model.hf_dir=DIR" in line, line
+    assert main(["export", "--checkpoint=run", "--out=exp", "--model.hf_dir=moved"]) == 0
+    assert os.path.isfile("exp/config.json")

@@ -191,9 +191,12 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
     if flag == "--checkpoint":
-        from .inference.weights import refuse_other_adapter, refuse_other_cut, refuse_other_model
+        from .inference.weights import moved_model_dir, refuse_other_adapter, refuse_other_cut, refuse_other_model
 
         refuse_other_model(given)
+        hf = moved_model_dir(stored, (given.get("model") or {}).pop("hf_dir", None), "--checkpoint")
+        if hf is not None:
+            stored.setdefault("model", {})["hf_dir"] = hf
         refuse_other_cut(given, stored)
         refuse_other_adapter(given, stored)
     if flag == "--resume":
@@ -247,7 +250,7 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     from .inference.weights import CheckpointWeights
 
     path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint")
-    return cfg, CheckpointWeights(path)
+    return cfg, CheckpointWeights(path, hf_dir=cfg.model.hf_dir)
 
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
@@ -315,7 +318,7 @@ def _say_random(cfg, command: str) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, merge=args.merge)
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite, merge=args.merge, hf_dir=args.hf_dir)
     log.info("exported %s to %s", args.checkpoint, out)
     return 0
 
@@ -475,6 +478,9 @@ def _parser() -> argparse.ArgumentParser:
         "--merge",
         action="store_true",
         help="a run with adapters: the base's weights with the adapters merged in (default: a peft adapter directory)",
+    )
+    ex.add_argument(
+        "--model.hf_dir", dest="hf_dir", help="where the model directory the checkpoint's run read has moved"
     )
 
     pr = sub.add_parser(

@@ -42,15 +42,23 @@ from .saver import _replace_dir
 __all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
 
 
-def export_checkpoint(path: str, out: str, *, overwrite: bool = False, merge: bool = False) -> str:
+def export_checkpoint(
+    path: str, out: str, *, overwrite: bool = False, merge: bool = False, hf_dir: str | None = None
+) -> str:
     """Export checkpoint ``path`` (or a run directory's latest) into directory ``out``. A run
     with adapters: a peft adapter directory (``adapters/peft_io.py``), or with ``merge`` the
-    base's weights with the adapters merged in (peft's ``merge_and_unload``)."""
+    base's weights with the adapters merged in (peft's ``merge_and_unload``). ``hf_dir``: where
+    the model directory its run read has moved (``moved_model_dir``)."""
+    from ..inference.weights import moved_model_dir
+
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
     _check_out(path, out, overwrite)
     man = Manifest.read(path)
+    moved = moved_model_dir(man.config, hf_dir, "export --checkpoint")
+    if moved is not None:
+        man.config.setdefault("model", {})["hf_dir"] = moved
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -44,6 +44,7 @@ __all__ = [
     "weights_key",
     "copy_hint",
     "refuse_other_model",
+    "moved_model_dir",
     "refuse_other_cut",
     "refuse_other_adapter",
 ]
@@ -473,10 +474,32 @@ _MODEL_FIELDS = (
 )  # fmt: skip
 
 
+def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:
+    """The model directory a checkpoint's run read (``stored``: its config) where it has moved:
+    ``given`` (``--model.hf_dir``), taken only where the recorded one is gone (else the model is
+    the checkpoint's: refused where it names another); a directory gone and none given is
+    refused, naming the flag (it failed as a model directory without config.json)."""
+    had = (stored.get("model") or {}).get("hf_dir")
+    if not had or os.path.isdir(had):
+        if given is not None and (not had or os.path.realpath(given) != os.path.realpath(had)):
+            raise ConfigError(
+                f"model.hf_dir = {given!r} with {flag}: the model is the checkpoint's ({had or 'built in'}); drop "
+                f"model.hf_dir, or leave out {flag} to run the model it names"
+            )
+        return had
+    if given is None:
+        raise ConfigError(
+            f"the model directory the checkpoint's run read, {had} (model.hf_dir), is gone: where it has moved, "
+            f"give its new place with --model.hf_dir=DIR"
+        )
+    return os.path.abspath(given)
+
+
 def refuse_other_model(given: dict, flag: str = "--checkpoint") -> None:
     """``given`` (the sections of --config and the flags, set on top of a checkpoint's config)
-    must not name another model: the model is the checkpoint's."""
-    named = [f for f in _MODEL_FIELDS if f in (given.get("model") or {})]
+    must not name another model: the model is the checkpoint's (``model.hf_dir``: where its
+    directory moved, ``moved_model_dir``)."""
+    named = [f for f in _MODEL_FIELDS if f in (given.get("model") or {}) and f != "hf_dir"]
     if named:
         raise ConfigError(
             f"model.{named[0]} = {given['model'][named[0]]!r} with {flag}: the model is the checkpoint's (its "
@@ -521,13 +544,16 @@ class CheckpointWeights:
     checkpoint's config (a dict: the model to build, flags go on top); ``source``: the
     ``WeightSource`` to evaluate with. A context manager."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, hf_dir: str | None = None) -> None:
+        """``hf_dir``: the model directory its run read, where it has moved (``moved_model_dir``)."""
         from ..checkpoint import Manifest, find_checkpoint
         from ..checkpoint.export import weights_file
         from ..io import FileHandle
 
         self.path = find_checkpoint(path, "eval --checkpoint")
         man = Manifest.read(self.path)
+        if hf_dir is not None:
+            man.config.setdefault("model", {})["hf_dir"] = hf_dir
         w = weights_file(self.path, man)
         file, self.dtype, entry = w.path, w.weights_dtype, w.entry
         self.config, self.layout, self._w = man.config, w.layout, w
