@@ -377,16 +377,10 @@ def test_a_checkpoint_whose_model_directory_moved_runs_with_its_new_place(tmp_pa
     its checkpoint failed ("no config.json there"), and giving the new place was refused ("drop
     model.hf_dir"); export took no such flag. The gone directory is named, and its new place
     taken where the recorded one is gone (and only there: the test above)."""
-    import torch
     from test_eval import _text
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained("model")  # fmt: skip
-    flags = tiny_flags(tmp_path, "--model.kind=auto", "--model.hf_dir=model", steps=1)
-    assert main(["train", *[f for f in flags if not f.startswith(("--model.n_layers", "--model.d_model"))]]) == 0
+    assert main(["train", *_hf_run_flags(tmp_path)]) == 0
     os.rename("model", "moved")
     ev = ["eval", "--checkpoint=run", f"--data.eval_corpus={_text(tmp_path)}", "--data.eval_micro_batches=1"]
     line = one_line_error(capsys, ev, 2)
@@ -397,3 +391,28 @@ def test_a_checkpoint_whose_model_directory_moved_runs_with_its_new_place(tmp_pa
     assert "--model.hf_dir=DIR" in line, line
     assert main(["export", "--checkpoint=run", "--out=exp", "--model.hf_dir=moved"]) == 0
     assert os.path.isfile("exp/config.json")
+
+
+def _hf_run_flags(tmp_path, *extra):
+    """A run of a tiny Hugging Face Llama saved by transformers into ``tmp_path/model``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "model")  # fmt: skip
+    flags = tiny_flags(tmp_path, "--model.kind=auto", f"--model.hf_dir={tmp_path / 'model'}", *extra, steps=1)
+    return [f for f in flags if not f.startswith(("--model.n_layers", "--model.d_model"))]
+
+
+def test_eval_and_generate_of_a_checkpoint_read_its_base_as_it_trained(tmp_path, capsys):
+    """A LoRA checkpoint of a bf16 base evaluated with --model.base_dtype=nf4 was quantized
+    again without a word (its loss moved); an NF4 one given another dtype had the flag ignored."""
+    lora = ("--adapter.kind=lora", "--adapter.rank=4", "--model.base_dtype=bfloat16")
+    assert main(["train", *_hf_run_flags(tmp_path, *lora)]) == 0
+    for cmd in (["eval"], ["generate", "--prompt", "hi"]):
+        line = one_line_error(capsys, [*cmd, f"--checkpoint={tmp_path / 'run'}", "--model.base_dtype=nf4"], 2)
+        assert "model.base_dtype = 'nf4' with --checkpoint: the checkpoint's base is read as its run trained it" in line
+        assert "(model.base_dtype = 'bfloat16'); drop model.base_dtype" in line, line
+    line = one_line_error(capsys, ["eval", f"--checkpoint={tmp_path / 'run'}", "--model.base_double_quant=true"], 2)
+    assert "model.base_double_quant = True with --checkpoint" in line, line

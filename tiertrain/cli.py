@@ -191,7 +191,13 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
     if flag == "--checkpoint":
-        from .inference.weights import moved_model_dir, refuse_other_adapter, refuse_other_cut, refuse_other_model
+        from .inference.weights import (
+            moved_model_dir,
+            refuse_other_adapter,
+            refuse_other_base,
+            refuse_other_cut,
+            refuse_other_model,
+        )
 
         refuse_other_model(given)
         hf = moved_model_dir(stored, (given.get("model") or {}).pop("hf_dir", None), "--checkpoint")
@@ -199,6 +205,7 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
             stored.setdefault("model", {})["hf_dir"] = hf
         refuse_other_cut(given, stored)
         refuse_other_adapter(given, stored)
+        refuse_other_base(given, stored)
     if flag == "--resume":
         return path, Config.from_dict(resumed_tree(stored, path, given))
     for section, values in given.items():

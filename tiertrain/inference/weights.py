@@ -47,6 +47,7 @@ __all__ = [
     "moved_model_dir",
     "refuse_other_cut",
     "refuse_other_adapter",
+    "refuse_other_base",
 ]
 
 log = logging.getLogger("tiertrain")
@@ -521,6 +522,25 @@ def refuse_other_cut(given: dict, stored: dict, flag: str = "--checkpoint") -> N
                 f"model.{f} = {want!r} with {flag}: the checkpoint's weights are laid out by the units its run "
                 f"trained (model.{f} = {had!r}); drop model.{f} to use its cut, or export the checkpoint "
                 f"(tiertrain export --checkpoint ... --out DIR) and run --model.hf_dir=DIR cut as you like"
+            )
+
+
+_BASE_FIELDS = ("base_dtype", "base_double_quant")
+
+
+def refuse_other_base(given: dict, stored: dict, flag: str = "--checkpoint") -> None:
+    """``given`` (as in ``refuse_other_model``) must not store the frozen base otherwise than the
+    checkpoint's run did (``stored``): its weights are that base as it trained (a bf16 base
+    quantized again to NF4 changed the loss without a word; an NF4 one given another dtype had
+    the flag ignored)."""
+    for f in _BASE_FIELDS:
+        model = given.get("model") or {}
+        had = (stored.get("model") or {}).get(f)
+        if f in model and str(model[f]) != str(had) and not (f == "base_double_quant" and not model[f] and not had):
+            raise ConfigError(
+                f"model.{f} = {model[f]!r} with {flag}: the checkpoint's base is read as its run trained it "
+                f"(model.{f} = {had!r}); drop model.{f}, or export the checkpoint merged (tiertrain export --merge) "
+                f"and run --model.hf_dir=DIR --model.{f}=... on that"
             )
 
 
