@@ -416,3 +416,17 @@ def test_eval_and_generate_of_a_checkpoint_read_its_base_as_it_trained(tmp_path,
         assert "(model.base_dtype = 'bfloat16'); drop model.base_dtype" in line, line
     line = one_line_error(capsys, ["eval", f"--checkpoint={tmp_path / 'run'}", "--model.base_double_quant=true"], 2)
     assert "model.base_double_quant = True with --checkpoint" in line, line
+
+
+def test_refusals_to_resume_advise_what_fits_the_run(tmp_path, capsys):
+    """A Hugging Face model's run resumed cut otherwise was told to resume with the built-in
+    GPT's shape (model.n_layers = 4, model.d_model = 256); a LoRA run resumed with another
+    optimizer, to export and start from --model.hf_dir (its export is adapters, not a model)."""
+    lora = ("--adapter.kind=lora", "--adapter.rank=4", "--checkpoint.every=1")
+    assert main(["train", *_hf_run_flags(tmp_path, *lora)]) == 0
+    capsys.readouterr()
+    run = str(tmp_path / "run")
+    line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=2", "--model.layer_pieces=2"], None)
+    assert f"model.hf_dir = '{tmp_path / 'model'}'" in line and "model.n_layers" not in line, line
+    line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=2", "--optim.name=adamw8bit"], 2)
+    assert "--adapter.init_from=EXPORT" in line and "--model.hf_dir" not in line, line

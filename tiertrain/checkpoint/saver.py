@@ -245,8 +245,10 @@ class CheckpointIO:
 def _made_with(config: dict, param_dtype: str) -> str:
     """The settings that set a checkpoint's units and precision, as it stored them (the
     parameters' dtype as it resolved: 'auto' is the machine's choice)."""
-    fields = (("model", "n_layers"), ("model", "d_model"), ("model", "layer_pieces"), ("model", "vocab_pieces"),
-              ("model", "base_dtype"))  # fmt: skip
+    model = config.get("model") or {}
+    # a Hugging Face model's shape is its directory's (n_layers and d_model are the built-in GPT's)
+    shape = (("model", "hf_dir"),) if model.get("hf_dir") else (("model", "n_layers"), ("model", "d_model"))
+    fields = (*shape, ("model", "layer_pieces"), ("model", "vocab_pieces"), ("model", "base_dtype"))
     said = [f"{sec}.{name} = {(config.get(sec) or {}).get(name)!r}" for sec, name in fields]
     said.append(f"train.param_dtype = {param_dtype.removeprefix('torch.')!r} (its parameters' dtype)")
     return ", ".join(said)

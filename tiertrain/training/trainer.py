@@ -421,7 +421,8 @@ class Trainer:
         man = Manifest.read(path)
         same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
-        same_optimizer(self.cfg.optim.name, man.config.get("optim", {}).get("name", "adamw"), f"checkpoint {path}")
+        theirs = man.config.get("optim", {}).get("name", "adamw")
+        same_optimizer(self.cfg.optim.name, theirs, f"checkpoint {path}", adapters=self.cfg.adapter.on)
         self.checkpoints.say_other_ranks(man, path, self.cfg.data)
         self.checkpoints.say_schedule(man, path, self.cfg.optim, self.cfg.train.steps)
         with self.state_regions() as regions:

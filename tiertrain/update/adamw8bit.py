@@ -63,7 +63,7 @@ def align_dtype(optim: OptimConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if eight_bit(optim) else dtype
 
 
-def same_optimizer(ours: str, theirs: str, where: str) -> None:
+def same_optimizer(ours: str, theirs: str, where: str, *, adapters: bool = False) -> None:
     """Refuse to continue a run whose optimizer keeps its states in another form (fp32 or 8-bit
     moments, SGD's momentum): its files would be read as the other's (found corrupt, or worse,
     parameters laid out on other offsets). Named before any state is read."""
@@ -71,10 +71,14 @@ def same_optimizer(ours: str, theirs: str, where: str) -> None:
         return
     from ..config import ConfigError
 
+    fresh = (
+        "its adapters (tiertrain export, then a new run with --adapter.init_from=EXPORT on the same base)"
+        if adapters  # (an adapter run's export is its adapters, not a model)
+        else "its weights (tiertrain export, then --model.hf_dir)"
+    )
     raise ConfigError(
         f"{where} was made with optim.name = {theirs!r}; this run has {ours!r}, whose optimizer states (and "
-        f"parameter layout) differ: resume with --optim.name={theirs}, or start a new run from its weights "
-        "(tiertrain export, then --model.hf_dir)"
+        f"parameter layout) differ: resume with --optim.name={theirs}, or start a new run from {fresh}"
     )
 
 
