@@ -215,3 +215,17 @@ def test_a_converted_copy_is_its_checkpoints_and_a_damaged_one_is_made_again(tmp
     assert main([*argv, "--io.weights=tier"]) == 1
     err = capsys.readouterr().err
     assert "converted copy of the weights (io.weights = 'tier'): delete it and run again" in err, err
+
+
+def test_a_validation_over_part_of_the_text_says_how_much(tmp_path, caplog):
+    """data.eval_micro_batches (8 by default) took a part of a long eval_corpus without a word: a
+    6,000-row and a 400-row text gave the same validation losses."""
+    import logging
+
+    text = _text(tmp_path)
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        whole = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=0))
+        assert "validation:" not in caplog.text
+        EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=2))
+    rows = whole.count * 2 + (len(whole.corpus.tokens) - 1) // 32 % 2
+    assert f"validation: 2 micro-batches of 2 rows, 4 of the {rows} rows data.eval_corpus gives" in caplog.text

@@ -138,6 +138,12 @@ class EvalSet:
         self.count = min(rows // B, cfg.eval_micro_batches or rows // B)
         if self.count == 0:
             raise ConfigError(f"data.eval_corpus: {short} or lower data.micro_batch_size")
+        if self.count < rows // B:  # the same rows each time, a part of the text: said
+            log.info(
+                "validation: %d micro-batches of %d rows, %d of the %d rows data.eval_corpus gives "
+                "(data.eval_micro_batches = 0: all of them)",
+                self.count, B, self.count * B, rows,
+            )  # fmt: skip
 
     def total_scored(self, world: int = 1) -> int | None:
         """Examples: the scored targets of every micro-batch evaluated (all ranks), each
