@@ -488,3 +488,12 @@ def test_prepare_refuses_a_device_and_draws_no_bar_into_a_log(tmp_path, capsys):
     assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "t.tokens")]) == 0
     err = capsys.readouterr().err
     assert "wrote 850 tokens" in err and "tokenize" not in err and "%|" not in err, err
+
+
+def test_a_disk_probe_larger_than_the_disk_names_its_option(tmp_path, capsys):
+    """`plan --probe-mib 100000000` said "free 95.3 TiB more or choose another path", never the
+    option that asked for the 95 TiB; and nothing of the probe is left behind."""
+    line = one_line_error(capsys, ["plan", "--probe-mib=100000000", *tiny_flags(tmp_path / "p")], 1)
+    assert "--probe-mib = 100000000: the disk probe writes 100,000,000 MiB into" in line, line
+    assert "give a smaller --probe-mib (default 256)" in line
+    assert not (tmp_path / "p").exists()

@@ -219,6 +219,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.probe_mib < 1:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
+    _probe_fits(args.probe_mib, cfg.io.paths)
     fresh = [d for p in cfg.io.paths for d in missing_dirs(p)]  # the probe makes them: gone again after
     rt = Runtime(cfg)
     try:
@@ -227,6 +228,20 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         rt.close()
         for p in reversed(fresh):  # each before the parents made for it
             _remove_empty_tree(p)
+
+
+def _probe_fits(mib: int, paths: Sequence[str]) -> None:
+    """The disk probe's file fits each path's filesystem (else its size, this command's own
+    option, is named; the storage tier's out-of-space error names only the path)."""
+    from .io.space import free_bytes
+
+    for p in paths:
+        free = free_bytes(p)  # (of the filesystem that would hold it, where it is not made yet)
+        if mib << 20 > free:
+            raise UsageError(
+                f"--probe-mib = {mib}: the disk probe writes {mib:,} MiB into {p}, whose filesystem has "
+                f"{free >> 20:,} MiB free; give a smaller --probe-mib (default 256)"
+            )
 
 
 def _plan(args: argparse.Namespace, cfg, rt) -> int:
