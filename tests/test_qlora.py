@@ -402,3 +402,28 @@ def test_a_killed_rank_of_a_qlora_run_resumes_to_the_straight_runs_files(tmp_pat
     assert all(len(a) == 1 for a in adapters)
     with open(adapters[0][0], "rb") as a, open(adapters[1][0], "rb") as b:
         assert a.read() == b.read()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_the_quantized_bases_size_is_its_parameters_not_its_aligned_units(tmp_path, kind):
+    """A small model's start line read "4.0 MiB against 4.0 MiB unquantized": both sides were
+    whole units padded to the tier's alignment. The sizes are the parameters' own bytes (codes
+    and scales: about an eighth or a quarter of fp32's), the aligned total beside them."""
+    import re
+
+    from tiertrain.runtime import Runtime
+    from tiertrain.state.quant import base_storage
+
+    cfg = qlora_config(tmp_path, kind)
+    rt = Runtime(cfg)
+    try:
+        stored, _ = base_storage(cfg, rt.state_layout, rt.dtype, rt.align)
+        line, n = stored.describe(), rt.state_layout.n_params
+    finally:
+        rt.close()
+    held, plain = (
+        float(x) for x in re.search(r"quantized, ([\d.]+) MiB against ([\d.]+) MiB unquantized", line).groups()
+    )
+    assert plain == pytest.approx(n * 4 / 2**20, abs=0.06), line
+    assert held < (0.6 if kind == "int8" else 0.45) * plain, line
+    assert "MiB stored in aligned units" in line

@@ -302,10 +302,19 @@ class QuantLayout:
 
     def describe(self) -> str:
         n = self.flat.n_params
+        # the parameters' own bytes (codes and scales; the whole units are padded to the storage
+        # tier's alignment, which on a small model hides the saving)
+        e = self.dtype.itemsize
+        held = sum(
+            sum(r.numel * e for r in self.flat.units[u.index].params)
+            if u.plain
+            else sum(p.end - p.start for p in u.pieces)
+            for u in self.units
+        )
         return (
             f"base in {self.spec.describe()}: {self.quantized_params / 1e6:.2f} M of {n / 1e6:.2f} M parameters "
-            f"quantized, {self.total_numel / 2**20:,.1f} MiB against {self.flat.total_numel * self.dtype.itemsize / 2**20:,.1f}"
-            " MiB unquantized"
+            f"quantized, {held / 2**20:,.1f} MiB against {n * self.dtype.itemsize / 2**20:,.1f} MiB unquantized "
+            f"({self.total_numel / 2**20:,.1f} MiB stored in aligned units)"
         )
 
     def through(self, source):
