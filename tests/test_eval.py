@@ -229,3 +229,26 @@ def test_a_validation_over_part_of_the_text_says_how_much(tmp_path, caplog):
         EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=2))
     rows = whole.count * 2 + (len(whole.corpus.tokens) - 1) // 32 % 2
     assert f"validation: 2 micro-batches of 2 rows, 4 of the {rows} rows data.eval_corpus gives" in caplog.text
+
+
+def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):
+    """Ctrl-C while a step's validation ran waited for all of it (22 s on a long eval_corpus)
+    before the run stopped. Asked between its passes, it cuts the validation short: the step
+    has no validation loss, said; the next step's (no Ctrl-C) has its whole one."""
+    import logging
+    import signal
+
+    from tiertrain.training.interrupt import StopFlag
+    from tiertrain.training.trainer import Trainer
+
+    cfg = small_config(tmp_path, kind="llama", layers=2, micro_batches=1, steps=2)
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 4, 1
+    with Trainer(cfg) as tr, caplog.at_level(logging.WARNING, logger="tiertrain"):
+        tr.initialize(progress=False)
+        flag = StopFlag()
+        flag.set, flag.signum = "Ctrl-C", signal.SIGINT
+        tr._stop = flag
+        assert "eval_loss" not in tr.train_step().extra
+        assert "step 1: its validation cut short by Ctrl-C (no validation loss)" in caplog.text
+        tr._stop = None
+        assert math.isfinite(tr.train_step().extra["eval_loss"])

@@ -25,10 +25,13 @@ from ..execute.loss import LossScale
 __all__ = ["validation_loss"]
 
 
-def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None, aux: list | None = None) -> float:
+def validation_loss(
+    evalset: EvalSet, executor, micro_batches: int, group=None, aux: list | None = None, stop=None
+) -> float | None:
     """The mean loss over ``evalset`` (see the module docstring); ``group``: the ranks (one
     process: a group of one). ``aux``: where given, the auxiliary loss's part of that mean is
-    appended to it (0.0 without routers): the cross-entropy is the loss less that."""
+    appended to it (0.0 without routers): the cross-entropy is the loss less that. ``stop()``:
+    asked between passes (by every rank alike), True to cut the validation short: None returned."""
     group = group or SoloGroup()
     rank, world = group.rank, group.world
     mine = evalset.micro_batches(rank, world)
@@ -37,6 +40,8 @@ def validation_loss(evalset: EvalSet, executor, micro_batches: int, group=None, 
     total, aux_total = 0.0, 0.0
     aux_weight = 1.0 / (len(mine) * world) if scored else 1.0  # summed losses: the auxiliary loss's mean
     for i in range(0, len(mine), micro_batches):
+        if i and stop is not None and stop():
+            return None
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
         pos = positions[i : i + micro_batches] if positions is not None else None

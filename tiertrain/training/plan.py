@@ -145,3 +145,32 @@ def device_needs(cfg: Config, rt, unit: int, accum) -> dict[str, int]:
         "kept activations (memory.keep_act_mib)": (m.keep_act_mib or 0) * (1 << 20),  # (resolved by the plan)
         **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
     }
+
+
+def say_model(cfg: Config, rt, source) -> None:
+    """The model line at start: its name, dtype, units and weights' source; adapters (and a
+    quantized base's sizes) or frozen units."""
+    from ..models import model_name
+    from ..state.quant import base_storage, quant_spec
+
+    log.info("model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), source.describe)
+    if rt.adapters is not None:
+        log.info("adapters: %s; the base frozen (read, never written)", rt.adapters.describe())
+        if quant_spec(cfg.model) is not None:
+            log.info("%s", base_storage(cfg, rt.layout, rt.dtype, rt.align)[0].describe())
+    elif rt.frozen:
+        log.info("%s", rt.layout.describe_frozen(cfg.train.freeze))
+
+
+def refuse_small_vocab(model, cfg: Config, *corpora) -> None:
+    """Each corpus given (the training one, the evaluation one or None) fits the model's vocabulary."""
+    from ..errors import ConfigError
+    from ..models import vocab_size_of
+
+    for what, data in zip(("corpus", "evaluation corpus"), corpora):
+        if data is not None and data.vocab_size > vocab_size_of(model, cfg):
+            raise ConfigError(
+                f"model.vocab_size = {vocab_size_of(model, cfg)} is smaller than the {what} vocabulary "
+                f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
+                "own tokenizer"
+            )

@@ -47,11 +47,11 @@ from ..execute.loss import LossScale
 from ..inference.validation import validation_loss
 from ..io import aligned_empty
 from ..io.scratch import ScratchLock, clean_stale
-from ..models import WeightSource, model_name, vocab_size_of
+from ..models import WeightSource
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
-from ..state.quant import base_storage, quant_spec, same_base
+from ..state.quant import quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
@@ -60,7 +60,7 @@ from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
-from .plan import ActivationPlan, declare_states, device_needs, plan_run
+from .plan import ActivationPlan, declare_states, device_needs, plan_run, refuse_small_vocab, say_model
 from .rundir import RunDir, clean_leftovers
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -106,13 +106,7 @@ class Trainer:
         self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
         self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
-        for what, data in (("corpus", self.corpus), ("evaluation corpus", self.evalset)):
-            if data is not None and data.vocab_size > vocab_size_of(self.model, cfg):
-                raise ConfigError(
-                    f"model.vocab_size = {vocab_size_of(self.model, cfg)} is smaller than the {what} vocabulary "
-                    f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
-                    "own tokenizer"
-                )
+        refuse_small_vocab(self.model, cfg, self.corpus, self.evalset)
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
         self.lock = ScratchLock(
             cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths, run_dir=cfg.train.run_dir
@@ -134,19 +128,7 @@ class Trainer:
             clean_leftovers(
                 self.user_cfg.io.paths, self.group, self.checkpoint_root, self.storage.paths, self.lock, self.plan.names
             )
-            log.info(
-                "model: %s %s, %s; %s",
-                model_name(self.model, cfg.model),
-                self.dtype,
-                self.layout.describe(),
-                self.source.describe,
-            )
-            if self.rt.adapters is not None:
-                log.info("adapters: %s; the base frozen (read, never written)", self.rt.adapters.describe())
-                if quant_spec(cfg.model) is not None:
-                    log.info("%s", base_storage(cfg, self.layout, self.dtype, self.rt.align)[0].describe())
-            elif self.rt.frozen:
-                log.info("%s", self.layout.describe_frozen(cfg.train.freeze))
+            say_model(cfg, self.rt, self.source)
             log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), self.plan.describe())
             # a full disk is reported here, before any work: with ranks, for every rank of this
             # machine at once (they share its drives: each alone would fit where all do not)
@@ -268,6 +250,7 @@ class Trainer:
         self.step = 0
         self._weighted = False  # initialize() or restore() gave the states their values
         self._closed = False  # close(): the parts stopped, the scratch files removed
+        self._stop: StopFlag | None = None  # run()'s, while it steps: Ctrl-C cuts a validation short
 
     def _need_open(self, what: str) -> None:
         """Refuse ``what`` once closed: states kept in memory would still step, with nothing on
@@ -482,7 +465,13 @@ class Trainer:
             rec.extra["epoch"] = epoch
         every = cfg.train.eval_every
         if every and (self.step % every == 0 or self.step == cfg.train.steps):  # after the step: not in step_s
-            rec.extra["eval_loss"] = validation_loss(self.evalset, self.executor, cfg.data.micro_batches, self.group)
+            flag = self._stop  # Ctrl-C during the validation: cut short, not waited for (with ranks: agreed)
+            stop = (lambda: bool(flag.agreed(self.group))) if flag is not None else None
+            loss = validation_loss(self.evalset, self.executor, cfg.data.micro_batches, self.group, stop=stop)
+            if loss is None:
+                log.warning("step %d: its validation cut short by %s (no validation loss)", self.step, flag.set)
+            else:
+                rec.extra["eval_loss"] = loss
         return rec
 
     def _run_step(self, scored: int | None):
@@ -560,8 +549,10 @@ class Trainer:
             self.rundir.write_config(self.user_cfg.to_dict())
             metrics = MetricsLog(cfg.train.run_dir, resume=resume is not None, tensorboard=cfg.train.tensorboard)
             try:
+                self._stop = stop
                 return self._steps(stop, metrics, first, progress)
             finally:
+                self._stop = None
                 metrics.close()
 
     def _steps(self, stop: StopFlag, metrics: MetricsLog, first: int, progress: bool) -> list[StepRecord]:
