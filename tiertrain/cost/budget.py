@@ -181,13 +181,19 @@ class BudgetPlan:
 
 def _act_bytes_estimate(cfg: Config, rt) -> int:
     """One (block, micro-batch)'s saved activations before any probe (Korthikanti et al.'s
-    34 s b h + 5 a s^2 b bytes at 2 bytes per value, scaled to the dtype)."""
+    34 s b h + 5 a s^2 b bytes at 2 bytes per value, scaled to the dtype); with adapters on a
+    mixture of experts' experts (``adapter.target_parameters``), the adapted copy of a unit's
+    experts each forward makes and saves for its backward (peft's: W + scaling x A B)."""
     d, h = cfg.data, rt.hidden_size
     heads = getattr(getattr(rt.model, "hf_config", None), "num_attention_heads", None) or cfg.model.n_heads
+    adapted = 0
+    if cfg.adapter.on and cfg.adapter.target_parameters:
+        adapted = max(sum(r.numel for r in u.params if len(r.shape) == 3) for u in rt.layout.units)
     return int(
         (34 * d.seq_len * d.micro_batch_size * h + 5 * heads * d.seq_len**2 * d.micro_batch_size)
         * rt.dtype.itemsize
         / 2
+        + adapted * rt.dtype.itemsize
     )
 
 
