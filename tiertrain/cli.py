@@ -191,21 +191,9 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
     if flag == "--checkpoint":
-        from .inference.weights import (
-            moved_model_dir,
-            refuse_other_adapter,
-            refuse_other_base,
-            refuse_other_cut,
-            refuse_other_model,
-        )
+        from .inference.given import checked_given
 
-        refuse_other_model(given)
-        hf = moved_model_dir(stored, (given.get("model") or {}).pop("hf_dir", None), "--checkpoint")
-        if hf is not None:
-            stored.setdefault("model", {})["hf_dir"] = hf
-        refuse_other_cut(given, stored)
-        refuse_other_adapter(given, stored)
-        refuse_other_base(given, stored)
+        checked_given(given, stored)
     if flag == "--resume":
         return path, Config.from_dict(resumed_tree(stored, path, given))
     for section, values in given.items():
@@ -214,12 +202,13 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
 
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
+    from .cost.probe import probe_fits
     from .runtime import Runtime
 
     if args.probe_mib < 1:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
-    _probe_fits(args.probe_mib, cfg.io.paths)
+    probe_fits(args.probe_mib, cfg.io.paths)
     fresh = [d for p in cfg.io.paths for d in missing_dirs(p)]  # the probe makes them: gone again after
     rt = Runtime(cfg)
     try:
@@ -228,20 +217,6 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         rt.close()
         for p in reversed(fresh):  # each before the parents made for it
             _remove_empty_tree(p)
-
-
-def _probe_fits(mib: int, paths: Sequence[str]) -> None:
-    """The disk probe's file fits each path's filesystem (else its size, this command's own
-    option, is named; the storage tier's out-of-space error names only the path)."""
-    from .io.space import free_bytes
-
-    for p in paths:
-        free = free_bytes(p)  # (of the filesystem that would hold it, where it is not made yet)
-        if mib << 20 > free:
-            raise UsageError(
-                f"--probe-mib = {mib}: the disk probe writes {mib:,} MiB into {p}, whose filesystem has "
-                f"{free >> 20:,} MiB free; give a smaller --probe-mib (default 256)"
-            )
 
 
 def _plan(args: argparse.Namespace, cfg, rt) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.loader import TOKENIZER_FILES
 from ..io import FileHandle
 from ..io.checksum import crc32c
@@ -39,7 +39,7 @@ from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint", "weights_file", "WeightsFile"]
+__all__ = ["export_checkpoint", "moved_model_dir", "weights_file", "WeightsFile"]
 
 
 def export_checkpoint(
@@ -49,8 +49,6 @@ def export_checkpoint(
     with adapters: a peft adapter directory (``adapters/peft_io.py``), or with ``merge`` the
     base's weights with the adapters merged in (peft's ``merge_and_unload``). ``hf_dir``: where
     the model directory its run read has moved (``moved_model_dir``)."""
-    from ..inference.weights import moved_model_dir
-
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
@@ -75,6 +73,27 @@ def export_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:
+    """The model directory a checkpoint's run read (``stored``: its config) where it has moved:
+    ``given`` (``--model.hf_dir``), taken only where the recorded one is gone (else the model is
+    the checkpoint's: refused where it names another); a directory gone and none given is
+    refused, naming the flag (it failed as a model directory without config.json)."""
+    had = (stored.get("model") or {}).get("hf_dir")
+    if not had or os.path.isdir(had):
+        if given is not None and (not had or os.path.realpath(given) != os.path.realpath(had)):
+            raise ConfigError(
+                f"model.hf_dir = {given!r} with {flag}: the model is the checkpoint's ({had or 'built in'}); drop "
+                f"model.hf_dir, or leave out {flag} to run the model it names"
+            )
+        return had
+    if given is None:
+        raise ConfigError(
+            f"the model directory the checkpoint's run read, {had} (model.hf_dir), is gone: where it has moved, "
+            f"give its new place with --model.hf_dir=DIR"
+        )
+    return os.path.abspath(given)
 
 
 # what an export writes (and so what --overwrite may replace): besides these, the shards and

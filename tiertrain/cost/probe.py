@@ -36,6 +36,7 @@ __all__ = [
     "DiskProbe",
     "probe_compute",
     "probe_act_bytes",
+    "probe_fits",
     "probe_acts",
     "probe_crc",
     "probe_widen",
@@ -407,3 +408,18 @@ def _probe_compute(
     keep = L if budget is None else min(L, (budget << 20) // max(act, 1))  # None: still being planned
     out = time_unit_steps(cfg, model, layout, dev, dtype, hidden, blocks=L, keep=keep, blocks_only=blocks_only)
     return {**out, "act_bytes": act, "record_bytes": record}
+
+
+def probe_fits(mib: int, paths) -> None:
+    """The disk probe's file fits each path's filesystem (else its size, this command's own
+    option, is named; the storage tier's out-of-space error names only the path)."""
+    from ..errors import UsageError
+    from ..io.space import free_bytes
+
+    for p in paths:
+        free = free_bytes(p)  # (of the filesystem that would hold it, where it is not made yet)
+        if mib << 20 > free:
+            raise UsageError(
+                f"--probe-mib = {mib}: the disk probe writes {mib:,} MiB into {p}, whose filesystem has "
+                f"{free >> 20:,} MiB free; give a smaller --probe-mib (default 256)"
+            )
