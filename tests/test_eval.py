@@ -127,7 +127,7 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     """io.weights = 'tier': the first run converts the weights into weights-<key>.bin (in the
     compute dtype, checksummed) and reads units from it with O_DIRECT: the loss of reading
     the safetensors; a second run reuses the file; a corrupted block is caught by its
-    checksum; a changed source makes a new file."""
+    checksum; a changed source makes a new file (and the earlier one goes)."""
     import logging
 
     from transformers import AutoModelForCausalLM
@@ -154,7 +154,8 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     with pytest.raises(Exception, match=r"(?i)checksum"):
         evaluate(cfg)
     os.utime(tmp_path / "hf" / "model.safetensors", ns=(1, 1))  # the source changed: converted anew
-    assert evaluate(cfg).loss == want and len(list((tmp_path / "ssd0").glob("weights-*.bin"))) == 2
+    assert evaluate(cfg).loss == want and len(list((tmp_path / "ssd0").glob("weights-*.bin"))) == 1
+    assert not made.exists()  # the copy of the source's earlier content: removed once the new one is made
 
 
 def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
@@ -178,7 +179,8 @@ def test_a_converted_copy_is_its_checkpoints_and_a_damaged_one_is_made_again(tmp
     """`eval --checkpoint RUN --io.weights=tier` kept its converted copy under a key of the path
     as typed and the step: a run trained again into the same directory was evaluated with the
     first run's weights, without a word. The copy now follows the checkpoint's weights file (its
-    path, size, time and CRC32C). A copy cut short or without its checksums is made again; a
+    path, size, time and CRC32C), and the copy of its earlier content goes (one of other
+    settings stays). A copy cut short or without its checksums is made again; a
     flipped byte, found while reading, is named with what to do."""
     from reference import tiny_flags
 
@@ -192,13 +194,17 @@ def test_a_converted_copy_is_its_checkpoints_and_a_damaged_one_is_made_again(tmp
         return json.loads(open(out).read())["loss"]
 
     assert main(["train", *tiny_flags(tmp_path)]) == 0
+    copies = lambda: set((tmp_path / "ssd").glob("weights-*.bin"))  # noqa: E731
     first = loss("--io.weights=tier")
+    (fp32,) = copies()
+    loss("--io.weights=tier", "--train.param_dtype=bfloat16")  # a copy of other settings
+    (bf16,) = copies() - {fp32}
     assert main(["train", *tiny_flags(tmp_path, "--optim.lr=3e-2", "--train.overwrite=true")]) == 0
     second = loss()
     assert second != first and loss("--io.weights=tier") == second
-    copies = sorted((tmp_path / "ssd").glob("weights-*.bin"))
-    assert len(copies) == 2
-    newest = max(copies, key=os.path.getmtime)
+    # the first run's copy (an earlier content of the same checkpoint file) went; the bf16 one stays
+    (newest,) = copies() - {bf16}
+    assert fp32 not in copies() and bf16 in copies() and not os.path.exists(f"{fp32}.crc")
     os.truncate(newest, os.path.getsize(newest) // 2)
     capsys.readouterr()
     assert loss("--io.weights=tier") == second

@@ -7,7 +7,8 @@ unit (one unit of memory, a progress bar) into ``weights-<key>.bin`` on the firs
 run with the same key reads it instead of converting again. The key hashes what the weights
 depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes
 and modification times, and a checkpoint's weights file's CRC32C (a changed source, or a run
-trained again into the same directory, makes a new file; old ones are the user's to delete).
+trained again into the same directory, makes a new file, and the copy of the same source's
+earlier content is removed then; copies of other settings or sources are the user's to delete).
 The file is complete or absent: it is written under a temporary name and renamed when done; a
 copy found short or with its checksums missing or damaged is made again, and damage found
 while reading it names the copy and the fix (``copy_hint``). Units are read with O_DIRECT straight into the parameter store's slots.
@@ -50,13 +51,16 @@ log = logging.getLogger("tiertrain")
 ROUTED_BLOCK = 64 << 10  # checksum block of a converted copy whose experts are read as routed
 
 
-def weights_key(model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: list[str], describe: str) -> str:
-    """What the converted weights depend on, hashed (see the module docstring)."""
+def weights_key(
+    model_cfg: dict, dtype: torch.dtype, layout: FlatLayout, files: list[str], describe: str, identity: str = ""
+) -> tuple[str, str]:
+    """(key, lineage): what the converted weights depend on, hashed (see the module docstring);
+    the lineage leaves the files' sizes and times and ``identity`` (their contents) out: a copy
+    of the same lineage under another key is of an earlier content of the same files."""
     stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in sorted(files)]
-    blob = json.dumps(
-        [model_cfg, str(dtype), [u.numel for u in layout.units], stats, describe], sort_keys=True, default=str
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    same = [model_cfg, str(dtype), [u.numel for u in layout.units], [s[0] for s in stats], describe]
+    key, lineage = (json.dumps(b, sort_keys=True, default=str) for b in ([*same, stats, identity], same))
+    return hashlib.sha256(key.encode()).hexdigest()[:16], hashlib.sha256(lineage.encode()).hexdigest()[:16]
 
 
 def forward_params(
@@ -105,19 +109,19 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
     # checked) small beside them, so that the bytes read are the bytes asked for; by the model
     # alone, so that io.routed_experts either way reads the same copy
     block = min(rt.align, ROUTED_BLOCK) if experts else rt.align
-    key = weights_key(
+    key, lineage = weights_key(
         dataclasses.asdict(cfg.model),
         rt.dtype,
         rt.layout,
         [*source_files(cfg.model), *source.files],
         source.describe
-        + source.identity
         + (f", checksum blocks of {block} bytes" if block != rt.align else "")
         + (f", in {quant.spec.describe()}" if quant is not None else ""),
+        source.identity,
     )
     tier = TierWeights(
         rt.layout, source, rt.dtype, path=cfg.io.paths[0], key=key, checksum=cfg.io.checksum, block=block,
-        progress=progress, quant=quant,
+        progress=progress, quant=quant, lineage=lineage,
     )  # fmt: skip
     return tier if quant is None else DequantSource(tier, quant, rt.dtype, owns=True)
 
@@ -329,20 +333,24 @@ class TierWeights(ParamSource):
         block: int,
         progress: bool = True,
         quant=None,
+        lineage: str = "",
     ) -> None:
         """``quant``: a ``QuantLayout``: the copy holds each unit quantized (its records are
-        read with ``read``, through a ``DequantSource``), not in ``dtype``."""
+        read with ``read``, through a ``DequantSource``), not in ``dtype``. ``lineage``
+        (``weights_key``'s): copies of it under another key are removed once this one is made."""
         self.layout, self.dtype, self.quant = layout, dtype, quant
         self.path = os.path.join(path, f"weights-{key}.bin")
         size = layout.total_numel * dtype.itemsize if quant is None else quant.total_numel
         damage = _damaged_copy(self.path, size, checksum, block) if os.path.exists(self.path) else None
         if damage:  # the copy is ours, made from the source: made again, not a dead end
             log.warning("weights: the converted copy %s is damaged (%s): converted again", self.path, damage)
-            for suffix in (".crc", ""):
+            for suffix in (".crc", ".lineage", ""):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.path + suffix)
         if not os.path.exists(self.path):
             self._convert(source, size, checksum, block, progress)
+            if lineage:
+                _superseded(self.path, lineage)
         else:
             log.info("weights: %s (converted before)", self.path)
         self.file = FileHandle(self.path, "r", checksum=checksum, checksum_block=block)
@@ -394,6 +402,26 @@ class TierWeights(ParamSource):
 
     def close(self) -> None:
         self.file.close()
+
+
+def _superseded(path: str, lineage: str) -> None:
+    """Record copy ``path``'s lineage beside it (``.lineage``) and remove the copies of the same
+    lineage made before it: of an earlier content of the same files (a run trained again into the
+    same directory), never to be read again; a copy of other settings or sources is kept."""
+    with open(path + ".lineage", "w") as f:
+        f.write(lineage)
+    for other in glob.glob(os.path.join(os.path.dirname(path), "weights-*.bin.lineage")):
+        copy = other.removesuffix(".lineage")
+        try:
+            with open(other) as f:
+                same = copy != path and f.read().strip() == lineage
+        except OSError:
+            continue
+        if same:
+            for suffix in ("", ".crc", ".lineage"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(copy + suffix)
+            log.info("weights: %s removed (a copy of an earlier content of the same source)", copy)
 
 
 def _damaged_copy(path: str, size: int, checksum: bool, block: int) -> str:
