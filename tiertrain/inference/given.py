@@ -72,7 +72,7 @@ def refuse_other_base(given: dict, stored: dict, flag: str = "--checkpoint") -> 
     for f in _BASE_FIELDS:
         model = given.get("model") or {}
         had = (stored.get("model") or {}).get(f)
-        if f in model and str(model[f]) != str(had) and not (f == "base_double_quant" and not model[f] and not had):
+        if f in model and (model[f] or None) != (had or None):  # (double quantisation: false is unset)
             raise ConfigError(
                 f"model.{f} = {model[f]!r} with {flag}: the checkpoint's base is read as its run trained it "
                 f"(model.{f} = {had!r}); drop model.{f}, or export the checkpoint merged (tiertrain export --merge) "

@@ -2,7 +2,7 @@
 
 ``io.weights = "tier"`` (for ``tiertrain eval`` and ``generate``): the model's weights, from
 wherever they come (a Hugging Face directory, an export, a checkpoint), are written unit by
-unit (one unit of memory, a progress bar) into ``weights-<key>.bin`` on the first
+unit (one unit of memory, a progress bar) into ``weights-<lineage>-<key>.bin`` on the first
 ``io.paths`` entry, in the runtime's flat layout and compute dtype, checksummed; every later
 run with the same key reads it instead of converting again. The key hashes what the weights
 depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes
@@ -337,20 +337,21 @@ class TierWeights(ParamSource):
     ) -> None:
         """``quant``: a ``QuantLayout``: the copy holds each unit quantized (its records are
         read with ``read``, through a ``DequantSource``), not in ``dtype``. ``lineage``
-        (``weights_key``'s): copies of it under another key are removed once this one is made."""
+        (``weights_key``'s) leads the file's name: copies of it under another key are removed
+        once this one is made."""
         self.layout, self.dtype, self.quant = layout, dtype, quant
-        self.path = os.path.join(path, f"weights-{key}.bin")
+        self.path = os.path.join(path, f"weights-{lineage + '-' if lineage else ''}{key}.bin")
         size = layout.total_numel * dtype.itemsize if quant is None else quant.total_numel
         damage = _damaged_copy(self.path, size, checksum, block) if os.path.exists(self.path) else None
         if damage:  # the copy is ours, made from the source: made again, not a dead end
             log.warning("weights: the converted copy %s is damaged (%s): converted again", self.path, damage)
-            for suffix in (".crc", ".lineage", ""):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path + suffix)
+            _remove_copy(self.path)
         if not os.path.exists(self.path):
             self._convert(source, size, checksum, block, progress)
-            if lineage:
-                _superseded(self.path, lineage)
+            for old in glob.glob(os.path.join(path, f"weights-{lineage}-*.bin")) if lineage else []:
+                if old != self.path:  # an earlier content of the same source: never read again
+                    _remove_copy(old)
+                    log.info("weights: %s removed (a copy of an earlier content of the same source)", old)
         else:
             log.info("weights: %s (converted before)", self.path)
         self.file = FileHandle(self.path, "r", checksum=checksum, checksum_block=block)
@@ -404,24 +405,11 @@ class TierWeights(ParamSource):
         self.file.close()
 
 
-def _superseded(path: str, lineage: str) -> None:
-    """Record copy ``path``'s lineage beside it (``.lineage``) and remove the copies of the same
-    lineage made before it: of an earlier content of the same files (a run trained again into the
-    same directory), never to be read again; a copy of other settings or sources is kept."""
-    with open(path + ".lineage", "w") as f:
-        f.write(lineage)
-    for other in glob.glob(os.path.join(os.path.dirname(path), "weights-*.bin.lineage")):
-        copy = other.removesuffix(".lineage")
-        try:
-            with open(other) as f:
-                same = copy != path and f.read().strip() == lineage
-        except OSError:
-            continue
-        if same:
-            for suffix in ("", ".crc", ".lineage"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(copy + suffix)
-            log.info("weights: %s removed (a copy of an earlier content of the same source)", copy)
+def _remove_copy(path: str) -> None:
+    """A converted copy and its checksums, gone."""
+    for suffix in (".crc", ""):  # the file itself last: its presence says it is complete
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
 
 
 def _damaged_copy(path: str, size: int, checksum: bool, block: int) -> str:
@@ -444,7 +432,7 @@ def _damaged_copy(path: str, size: int, checksum: bool, block: int) -> str:
 
 def copy_hint(path: str | None) -> str:
     """What to do about an error in file ``path`` where it is a converted copy of weights
-    (``weights-<key>.bin`` or its checksums; '' for any other file): damage found while reading
+    (``weights-<lineage>-<key>.bin`` or its checksums; '' for any other file): damage found while reading
     it (a flipped byte) is named by the storage tier, which knows nothing of where it came from."""
     name = os.path.basename(path or "")
     if not (name.startswith("weights-") and name.endswith((".bin", ".bin.crc"))):
