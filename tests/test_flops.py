@@ -20,6 +20,7 @@ from tiertrain.training.metrics import flops_per_token
 
 T, B = 32, 2
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+OTHER = dict(vocab_size=256, hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2)
 
 
 def _hf(kind: str):
@@ -33,6 +34,15 @@ def _hf(kind: str):
             head_dim=16, decoder_sparse_step=1, mlp_only_layers=[],
         ),
         "mistral": lambda: t.MistralConfig(**COMMON, intermediate_size=128, sliding_window=8),
+        # other shapes and families: heads of their own size (Gemma 2), latent attention and shared
+        # experts (DeepSeek-V3), 6 experts (Mixtral)
+        "mixtral": lambda: t.MixtralConfig(**OTHER, intermediate_size=160, num_local_experts=6, num_experts_per_tok=2),
+        "gemma2": lambda: t.Gemma2Config(**OTHER, intermediate_size=160, head_dim=32, sliding_window=64),
+        "deepseek_v3": lambda: t.DeepseekV3Config(
+            **{**OTHER, "num_key_value_heads": 6}, intermediate_size=160, n_routed_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        ),
     }[kind]()  # fmt: skip
     config._attn_implementation = "eager"  # attention as products the counter sees
     config._experts_implementation = "eager"  # experts too (it counts no grouped_mm)
@@ -68,10 +78,10 @@ def _ours(tmp_path, hf_model, freeze=(), layer_pieces=None, trained_outside: int
         freeze_all(model)
     elif freeze:
         apply_freeze(model, list(freeze))
-    return flops_per_token(model, T, 64, trained_outside=trained_outside)
+    return flops_per_token(model, T, hf_model.config.hidden_size, trained_outside=trained_outside)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral", "gemma2", "deepseek_v3"])
 def test_a_trained_models_flops_are_what_pytorch_counts(tmp_path, kind):
     counted, _ = _counted(_hf(kind))
     ours = _ours(tmp_path, _hf(kind))

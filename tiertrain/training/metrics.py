@@ -88,7 +88,7 @@ def _attention_flops(model, seq_len: int, hidden: int, forward_only: int = 0) ->
     if c is None:  # tiertrain's own GPT: heads x head dim is the width
         return (12.0 * layers - 8.0 * forward_only) * hidden * seq_len
     heads = getattr(c, "num_attention_heads", None) or 1
-    head = getattr(c, "head_dim", None) or hidden // heads
+    head = getattr(c, "head_dim", None) or (getattr(c, "hidden_size", None) or hidden) // heads
     qk = getattr(c, "qk_head_dim", None) or head  # multi-head latent attention: its own dims
     v = getattr(c, "v_head_dim", None) or head
     window = {SLIDING: getattr(c, "sliding_window", None), CHUNKED: getattr(c, "attention_chunk_size", None)}
