@@ -29,7 +29,7 @@ Usage: python bench/lora.py [--steps 3] [--host-mib 2048] [--scratch DIR] [--out
                             [--big LAYERSxD] [--peer LAYERSxD] [--skip-peer] [--ds-python PATH]
                             [--seq 64] [--micro-batches 2] [--device cpu|cuda]
                             [--peer-base-dtype compute|bfloat16] [--rounds 1] [--skip-big]
-                            [--set SECTION.FIELD=VALUE ...]
+                            [--set SECTION.FIELD=VALUE ...] [--family llama|qwen2]
 
 On a GPU (``--device cuda``) tiertrain computes in bf16 (its default there) and peft trains
 the peer in device memory in bf16.
@@ -381,7 +381,8 @@ def against_peft(args, peers: list[dict], tts: list[dict]) -> list[str]:
         ]
     step = statistics.median(r[0] for r in ratios)
     return [
-        f"## Against plain peft in memory ({args.peer if args.peer != 'same' else args.big}, "
+        f"## Against plain peft in memory ({args.family} "
+        f"{args.peer if args.peer != 'same' else args.big}, "
         f"{t0['params'] / 1e9:.2f} B parameters, {where(args)[1]}, the same LoRA and batch shape)",
         "",
         f"tiertrain's base on the tier in {t0['base_dtype']}"
@@ -408,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big", default="33x2560", help="the big model: LAYERSxWIDTH (default: 2.46 B parameters)")
     ap.add_argument(
         "--peer", default="same", help="the model peft trains in memory (LAYERSxWIDTH; 'same': the big model, in fp32)"
+    )
+    ap.add_argument(
+        "--family", default="llama", choices=("llama", "qwen2"), help="the models' family (qwen2: biased q/k/v)"
     )
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-big", action="store_true", help="only the run against peft (its model: --peer)")
@@ -446,7 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     with scratch_dir(args.scratch, "lora") as scratch:
         # the big model is made where it runs, or is peft's model
         needed = not args.skip_big or (args.peer == "same" and not args.skip_peer)
-        base = spawn("base", {"path": f"{scratch}/big-base", "shape": args.big}) if needed else {}
+        base = (
+            spawn("base", {"path": f"{scratch}/big-base", "shape": args.big, "family": args.family}) if needed else {}
+        )
         big = None if args.skip_big else spawn(
             "tiertrain",
             dict(base=f"{scratch}/big-base", scratch=f"{scratch}/big", steps=args.steps, host_mib=args.host_mib,
@@ -457,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_peer:
             pbase = f"{scratch}/big-base" if args.peer == "same" else f"{scratch}/peer-base"
             if args.peer != "same":
-                spawn("base", {"path": pbase, "shape": args.peer})
+                spawn("base", {"path": pbase, "shape": args.peer, "family": args.family})
             for _ in range(args.rounds):
                 peer.append(spawn("peft", dict(base=pbase, steps=args.steps, seq=args.seq,
                                                micro_batches=args.micro_batches, device=args.device)))  # fmt: skip

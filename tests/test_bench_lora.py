@@ -39,7 +39,7 @@ def _run(**kw):
 
 
 def test_report_puts_the_step_against_both_floors_and_peft():
-    args = argparse.Namespace(big="2x64", peer="same", host_mib=2048, steps=3, peer_mib=400, set=[])
+    args = argparse.Namespace(big="2x64", peer="same", host_mib=2048, steps=3, family="llama", peer_mib=400, set=[])
     big = _run(steps=[9.0, 4.0, 5.0])  # median of steps 2.. = 4.5 s; I/O floor 2 x 2 GB at 1 GB/s = 4 s
     peer = [dict(steps=[5.0, 3.0, 3.0], peak=2 << 30), dict(steps=[5.0, 4.0, 4.0], peak=2 << 30)]
     peer_tt = [_run(steps=[7.0, 3.6, 3.6], peak=1 << 29, host_mib=700), _run(steps=[7.0, 4.0, 4.0], peak=400 << 20)]
@@ -66,7 +66,9 @@ def test_report_puts_the_step_against_both_floors_and_peft():
 
 
 def test_report_of_the_run_against_peft_alone():
-    args = argparse.Namespace(big="2x64", peer="same", host_mib=2048, steps=3, set=["model.layer_pieces=4"])
+    args = argparse.Namespace(
+        big="2x64", peer="same", host_mib=2048, steps=3, family="llama", set=["model.layer_pieces=4"]
+    )
     peer = [dict(steps=[5.0, 3.0, 3.0], peak=2 << 30)]
     text = lora.report(args, None, {"bytes_bf16": 2e9}, peer, [_run(steps=[7.0, 3.3, 3.3], peak=400 << 20)])
     assert text.startswith("# LoRA against plain peft in memory")
