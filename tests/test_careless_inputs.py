@@ -376,11 +376,20 @@ def test_a_checkpoint_whose_model_directory_moved_runs_with_its_new_place(tmp_pa
     """A run of a Hugging Face model whose directory then moved: eval, generate and export of
     its checkpoint failed ("no config.json there"), and giving the new place was refused ("drop
     model.hf_dir"); export took no such flag. The gone directory is named, and its new place
-    taken where the recorded one is gone (and only there: the test above)."""
+    taken where the recorded one is gone (and only there: the test above); the tokenizer its run
+    found in that directory (data.tokenizer) moves with it (it was still read from the old place:
+    "data.tokenizer = '.../model': not a directory")."""
     from test_eval import _text
+    from test_finetune_data import make_tokenizer
 
     monkeypatch.chdir(tmp_path)
-    assert main(["train", *_hf_run_flags(tmp_path)]) == 0
+    flags = _hf_run_flags(tmp_path)
+    make_tokenizer(tmp_path / "model")
+    assert main(["train", *flags]) == 0
+    os.mkdir("other")
+    line = one_line_error(capsys, ["export", "--checkpoint=run", "--out=exp", "--model.hf_dir=other"], 2)
+    assert "model.hf_dir = 'other' with export --checkpoint: the model is the checkpoint's" in line, line
+    assert "which is still there); drop model.hf_dir" in line and "leave out" not in line, line  # export needs it
     os.rename("model", "moved")
     ev = ["eval", "--checkpoint=run", f"--data.eval_corpus={_text(tmp_path)}", "--data.eval_micro_batches=1"]
     line = one_line_error(capsys, ev, 2)
@@ -390,7 +399,7 @@ def test_a_checkpoint_whose_model_directory_moved_runs_with_its_new_place(tmp_pa
     line = one_line_error(capsys, ["export", "--checkpoint=run", "--out=exp"], 2)
     assert "--model.hf_dir=DIR" in line, line
     assert main(["export", "--checkpoint=run", "--out=exp", "--model.hf_dir=moved"]) == 0
-    assert os.path.isfile("exp/config.json")
+    assert os.path.isfile("exp/config.json") and os.path.isfile("exp/tokenizer.json")
 
 
 def _hf_run_flags(tmp_path, *extra):
@@ -416,6 +425,11 @@ def test_eval_and_generate_of_a_checkpoint_read_its_base_as_it_trained(tmp_path,
         assert "(model.base_dtype = 'bfloat16'); drop model.base_dtype" in line, line
     line = one_line_error(capsys, ["eval", f"--checkpoint={tmp_path / 'run'}", "--model.base_double_quant=true"], 2)
     assert "model.base_double_quant = True with --checkpoint" in line, line
+    # a checkpoint without adapters has no frozen base: not advised to `export --merge` it (which
+    # refuses a checkpoint without adapters)
+    assert main(["train", *_hf_run_flags(tmp_path / "full")]) == 0
+    line = one_line_error(capsys, ["eval", f"--checkpoint={tmp_path / 'full' / 'run'}", "--model.base_dtype=nf4"], 2)
+    assert "model.base_dtype = 'nf4' is for a frozen model under adapters" in line and "--merge" not in line, line
 
 
 def test_refusals_to_resume_advise_what_fits_the_run(tmp_path, capsys):

@@ -497,3 +497,20 @@ def test_a_disk_probe_larger_than_the_disk_names_its_option(tmp_path, capsys):
     assert "--probe-mib = 100000000: the disk probe writes 100,000,000 MiB into" in line, line
     assert "give a smaller --probe-mib (default 256)" in line
     assert not (tmp_path / "p").exists()
+
+
+def test_a_disk_probe_over_several_paths_asks_each_filesystem_its_share(tmpfs):
+    """The probe's file is striped over io.paths: each filesystem holds its paths' shares (two
+    disks of 3 MiB free were refused a 4 MiB probe, as if each held all of it)."""
+    from tiertrain.cost.probe import probe_fits
+    from tiertrain.errors import UsageError
+
+    a, b = tmpfs("a", 3072), tmpfs("b", 3072)
+    probe_fits(4, [str(a), str(b)], stripe_kib=1024)  # 2 MiB each, and a stripe to spare
+    with pytest.raises(
+        UsageError,
+        match=r"into .*/a/x \(striped over the 2 io.paths: 6 MiB on this filesystem\), whose filesystem has 3 MiB",
+    ):
+        probe_fits(4, [str(a / "x"), str(a / "y")], stripe_kib=1024)  # one filesystem holds both shares
+    with pytest.raises(UsageError, match=r"--probe-mib = 8: the disk probe writes 8 MiB into"):
+        probe_fits(8, [str(a), str(b)], stripe_kib=1024)

@@ -127,11 +127,15 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     """io.weights = 'tier': the first run converts the weights into weights-<key>.bin (in the
     compute dtype, checksummed) and reads units from it with O_DIRECT: the loss of reading
     the safetensors; a second run reuses the file; a corrupted block is caught by its
-    checksum; a changed source makes a new file (and the earlier one goes)."""
+    checksum; a changed source makes a new file (and the earlier one goes). Paths with glob
+    characters (the model's safetensors went unfound; copies in another directory that the
+    pattern matched were removed)."""
     import logging
 
     from transformers import AutoModelForCausalLM
 
+    tmp_path = tmp_path / "run[0]"
+    tmp_path.mkdir()
     torch.manual_seed(2)
     hf = AutoModelForCausalLM.from_config(
         hf_config_from(ModelConfig(kind="llama", n_layers=2, d_model=64, n_heads=4, vocab_size=256))
@@ -247,7 +251,7 @@ def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):
     from tiertrain.training.interrupt import StopFlag
     from tiertrain.training.trainer import Trainer
 
-    cfg = small_config(tmp_path, kind="llama", layers=2, micro_batches=1, steps=2)
+    cfg = small_config(tmp_path, kind="llama", layers=2, micro_batches=1, steps=3)
     cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every = _text(tmp_path), 4, 1
     with Trainer(cfg) as tr, caplog.at_level(logging.WARNING, logger="tiertrain"):
         tr.initialize(progress=False)
@@ -258,3 +262,9 @@ def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):
         assert "step 1: its validation cut short by Ctrl-C (no validation loss)" in caplog.text
         tr._stop = None
         assert math.isfinite(tr.train_step().extra["eval_loss"])
+        # a signal to another rank (the ranks agree on the largest): named as such (it read
+        # "cut short by  " on every rank the signal did not reach)
+        tr._stop, tr.group.max = StopFlag(), lambda value: max(value, int(signal.SIGTERM))
+        caplog.clear()
+        assert "eval_loss" not in tr.train_step().extra
+        assert "step 3: its validation cut short by SIGTERM to another rank (no validation loss)" in caplog.text

@@ -648,6 +648,15 @@ def test_the_prepared_data_cache_removes_copies_unused_for_a_month(tmp_path, mon
     month = time.time() - 31 * 86400
     for entry in (pc_copy, chat_copy):
         os.utime(entry, (month, month))
+    import tiertrain.data.loader as loader
+
+    check = loader._damaged
+
+    def checked_while_touched(out):  # the long check runs with the entry already marked used (another
+        assert os.stat(out).st_mtime > time.time() - 60  # process pruning meanwhile would remove it)
+        return check(out)
+
+    monkeypatch.setattr(loader, "_damaged", checked_while_touched)
     assert entry_of(chat) == chat_copy  # used again: touched
     cfg = _finetune_cfg(tmp_path, pc, tok)
     cfg.data.mask_prompt = False  # another setting: a third copy, made now

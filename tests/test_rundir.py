@@ -368,3 +368,10 @@ def test_more_steps_on_resume_say_the_schedule_they_now_follow(tmp_path, capsys)
     more = ["train", "--resume", str(tmp_path / "run"), "--train.steps=11", "--optim.schedule=constant"]
     assert main([*more, "--optim.lr=0.001"]) == 0
     assert "learning-rate schedule" not in capsys.readouterr().err
+    # the rate the checkpoint took is its own settings', not the resuming run's (--optim.lr=1e-3
+    # made it say 0.0001 for a step that took 0.001, and advise that)
+    assert main(["train", *tiny_flags(tmp_path / "b", "--optim.warmup_steps=0", "--optim.lr=1e-2", steps=3)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "b" / "run"), "--train.steps=9", "--optim.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    assert "step 4 takes 0.000628 where step 3 took 0.001" in err and "--optim.lr=0.001" in err, err

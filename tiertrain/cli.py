@@ -208,7 +208,7 @@ def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.probe_mib < 1:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
-    probe_fits(args.probe_mib, cfg.io.paths)
+    probe_fits(args.probe_mib, cfg.io.paths, cfg.io.stripe_kib)
     fresh = [d for p in cfg.io.paths for d in missing_dirs(p)]  # the probe makes them: gone again after
     rt = Runtime(cfg)
     try:

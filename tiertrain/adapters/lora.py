@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from ..config import AdapterConfig, ConfigError
 from ..models.base import LayeredModel
+from ..training.metrics import AdapterFlops
 
 __all__ = ["LoRA", "Target", "find_targets", "linear_shape", "expert_factors", "expert_delta"]
 
@@ -242,6 +243,19 @@ class LoRA(nn.Module):
             for p in self.adapters:
                 nn.init.kaiming_uniform_(p.lora_A.weight, a=math.sqrt(5), generator=g)
                 nn.init.zeros_(p.lora_B.weight)
+
+    def flops(self) -> AdapterFlops:
+        """What these adapters add to the step's FLOPs (``training.metrics.flops_per_token``)."""
+        trained, sums, weighted = 0, 0, []
+        for t, p in zip(self.targets, self.adapters):
+            if t.param is None:  # A and B multiply every token
+                trained += p.lora_A.weight.numel() + p.lora_B.weight.numel()
+            else:  # W + B A, formed once a micro-batch
+                w = t.module._parameters[t.param]
+                assert w is not None
+                weighted.append(id(w))
+                sums += 6 * w.numel() * self.cfg.rank
+        return AdapterFlops(trained=trained, weighted=frozenset(weighted), per_micro_batch=float(sums))
 
     def params(self) -> list[torch.Tensor]:
         """The trainable parameters in peft's order: per target, A then B."""

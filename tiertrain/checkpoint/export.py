@@ -39,7 +39,7 @@ from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint", "moved_model_dir", "weights_file", "WeightsFile"]
+__all__ = ["export_checkpoint", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
 
 
 def export_checkpoint(
@@ -56,7 +56,7 @@ def export_checkpoint(
     man = Manifest.read(path)
     moved = moved_model_dir(man.config, hf_dir, "export --checkpoint")
     if moved is not None:
-        man.config.setdefault("model", {})["hf_dir"] = moved
+        relocate_model_dir(man.config, moved)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -83,9 +83,10 @@ def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:
     had = (stored.get("model") or {}).get("hf_dir")
     if not had or os.path.isdir(had):
         if given is not None and (not had or os.path.realpath(given) != os.path.realpath(had)):
+            instead = "" if flag.startswith("export") else f", or leave out {flag} to run the model it names"
             raise ConfigError(
-                f"model.hf_dir = {given!r} with {flag}: the model is the checkpoint's ({had or 'built in'}); drop "
-                f"model.hf_dir, or leave out {flag} to run the model it names"
+                f"model.hf_dir = {given!r} with {flag}: the model is the checkpoint's ({had or 'built in'}"
+                f"{', which is still there' if had else ''}); drop model.hf_dir{instead}"
             )
         return had
     if given is None:
@@ -94,6 +95,23 @@ def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:
             f"give its new place with --model.hf_dir=DIR"
         )
     return os.path.abspath(given)
+
+
+def relocate_model_dir(stored: dict, new: str) -> None:
+    """Point checkpoint config ``stored`` at model directory ``new`` (where its recorded one
+    moved: ``moved_model_dir``): ``model.hf_dir``, and what its run took from inside the old
+    one (the tokenizer the config found there, ``data.tokenizer``; ``model.init_from``)."""
+    model = stored.setdefault("model", {})
+    old, model["hf_dir"] = model.get("hf_dir"), new
+    if not old or os.path.normpath(old) == os.path.normpath(new):
+        return
+    old = os.path.normpath(old)
+    for section, field in (("data", "tokenizer"), ("model", "init_from")):
+        value = (stored.get(section) or {}).get(field)
+        if isinstance(value, str) and value:
+            v = os.path.normpath(value)
+            if v == old or v.startswith(old + os.sep):
+                stored[section][field] = os.path.join(new, os.path.relpath(v, old)) if v != old else new
 
 
 # what an export writes (and so what --overwrite may replace): besides these, the shards and

@@ -410,16 +410,26 @@ def _probe_compute(
     return {**out, "act_bytes": act, "record_bytes": record}
 
 
-def probe_fits(mib: int, paths) -> None:
-    """The disk probe's file fits each path's filesystem (else its size, this command's own
-    option, is named; the storage tier's out-of-space error names only the path)."""
-    from ..errors import UsageError
-    from ..io.space import free_bytes
+def probe_fits(mib: int, paths, stripe_kib: int = 1024) -> None:
+    """The disk probe's file fits the filesystems of ``paths`` (else its size, this command's own
+    option, is named; the storage tier's out-of-space error names only the path). The file is
+    striped over the paths (``stripe_kib``): each holds its share, added up per filesystem."""
+    from collections import defaultdict
 
+    from ..errors import UsageError
+    from ..io.space import device_of, free_bytes
+
+    stripe, n = stripe_kib << 10, max(1, len(paths))
+    share = -(-(mib << 20) // n // stripe) * stripe + stripe  # at most: a share in whole stripes, and one more
+    need: dict[int, list] = defaultdict(lambda: [None, 0])
     for p in paths:
-        free = free_bytes(p)  # (of the filesystem that would hold it, where it is not made yet)
-        if mib << 20 > free:
+        entry = need[device_of(p)]  # (of the filesystem that would hold it, where it is not made yet)
+        entry[0], entry[1] = entry[0] or p, entry[1] + min(share, mib << 20)
+    for p, nbytes in need.values():
+        free = free_bytes(p)
+        if nbytes > free:
+            where = p if n == 1 else f"{p} (striped over the {n} io.paths: {nbytes >> 20:,} MiB on this filesystem)"
             raise UsageError(
-                f"--probe-mib = {mib}: the disk probe writes {mib:,} MiB into {p}, whose filesystem has "
+                f"--probe-mib = {mib}: the disk probe writes {mib:,} MiB into {where}, whose filesystem has "
                 f"{free >> 20:,} MiB free; give a smaller --probe-mib (default 256)"
             )

@@ -288,11 +288,11 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     from .examples import is_prepared
 
     if is_prepared(out):
+        with contextlib.suppress(OSError):  # its last use, what pruning goes by: before the long check (another
+            os.utime(out)  # process pruning meanwhile would remove it under the check)
         damage = _damaged(out)
         if not damage:
             log.info("%s: %s prepared before, in %s", what, path, out)
-            with contextlib.suppress(OSError):  # its last use: what pruning goes by
-                os.utime(out)
             return out
         # a cache entry is ours to make again: the user never prepared it by hand
         log.warning("%s: the prepared copy in %s is damaged (%s): prepared again", what, out, damage)

@@ -5,7 +5,7 @@ moved (``checkpoint.export.moved_model_dir``)."""
 
 from __future__ import annotations
 
-from ..checkpoint.export import moved_model_dir
+from ..checkpoint.export import moved_model_dir, relocate_model_dir
 from ..config import ConfigError
 
 __all__ = ["checked_given"]
@@ -18,7 +18,7 @@ def checked_given(given: dict, stored: dict, flag: str = "--checkpoint") -> None
     refuse_other_model(given, flag)
     hf = moved_model_dir(stored, (given.get("model") or {}).pop("hf_dir", None), flag)
     if hf is not None:
-        stored.setdefault("model", {})["hf_dir"] = hf
+        relocate_model_dir(stored, hf)
     refuse_other_cut(given, stored, flag)
     refuse_other_adapter(given, stored, flag)
     refuse_other_base(given, stored, flag)
@@ -69,6 +69,8 @@ def refuse_other_base(given: dict, stored: dict, flag: str = "--checkpoint") -> 
     checkpoint's run did (``stored``): its weights are that base as it trained (a bf16 base
     quantized again to NF4 changed the loss without a word; an NF4 one given another dtype had
     the flag ignored)."""
+    if (stored.get("adapter") or {}).get("kind", "none") == "none":
+        return  # no frozen base: the config refuses a base format without adapters, saying to unset it
     for f in _BASE_FIELDS:
         model = given.get("model") or {}
         had = (stored.get("model") or {}).get(f)

@@ -310,7 +310,7 @@ def source_files(model_cfg) -> list[str]:
     out = []
     for d in (model_cfg.hf_dir, model_cfg.init_from):
         if d and os.path.isdir(d):
-            out += glob.glob(os.path.join(d, "*.safetensors"))
+            out += glob.glob(os.path.join(glob.escape(d), "*.safetensors"))
         elif d:
             out.append(d)
     return out
@@ -348,7 +348,7 @@ class TierWeights(ParamSource):
             _remove_copy(self.path)
         if not os.path.exists(self.path):
             self._convert(source, size, checksum, block, progress)
-            for old in glob.glob(os.path.join(path, f"weights-{lineage}-*.bin")) if lineage else []:
+            for old in glob.glob(os.path.join(glob.escape(path), f"weights-{lineage}-*.bin")) if lineage else []:
                 if old != self.path:  # an earlier content of the same source: never read again
                     _remove_copy(old)
                     log.info("weights: %s removed (a copy of an earlier content of the same source)", old)
@@ -488,13 +488,13 @@ class CheckpointWeights:
     def __init__(self, path: str, hf_dir: str | None = None) -> None:
         """``hf_dir``: the model directory its run read, where it has moved (``moved_model_dir``)."""
         from ..checkpoint import Manifest, find_checkpoint
-        from ..checkpoint.export import weights_file
+        from ..checkpoint.export import relocate_model_dir, weights_file
         from ..io import FileHandle
 
         self.path = find_checkpoint(path, "eval --checkpoint")
         man = Manifest.read(self.path)
         if hf_dir is not None:
-            man.config.setdefault("model", {})["hf_dir"] = hf_dir
+            relocate_model_dir(man.config, hf_dir)
         w = weights_file(self.path, man)
         file, self.dtype, entry = w.path, w.weights_dtype, w.entry
         self.config, self.layout, self._w = man.config, w.layout, w

@@ -9,6 +9,7 @@ holds them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -118,7 +119,9 @@ class Checkpoints:
         before = man.config.get("train", {}).get("steps")
         if not isinstance(before, int) or before == steps or man.step >= steps or not self.group.leader:
             return
-        was, now = lr_at(min(man.step, before), optim, before), lr_at(man.step + 1, optim, steps)
+        had = {f.name for f in dataclasses.fields(optim)}  # the checkpoint's own settings set its rate
+        trained = dataclasses.replace(optim, **{k: v for k, v in man.config.get("optim", {}).items() if k in had})
+        was, now = lr_at(min(man.step, before), trained, before), lr_at(man.step + 1, optim, steps)
         if optim.schedule == "constant" or math.isclose(was, now, rel_tol=1e-3):
             return
         log.warning(

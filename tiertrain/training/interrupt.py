@@ -24,6 +24,7 @@ class StopFlag:
     def __init__(self, *, announce: bool = True) -> None:
         self.set: str = ""
         self.signum = 0
+        self.agreed_on = ""  # what ``agreed`` last answered (every rank alike)
         self.announce = announce  # say so (with ranks, rank 0 alone speaks for them)
         self._old: dict = {}
 
@@ -47,9 +48,8 @@ class StopFlag:
         rank would otherwise save alone while the others wait in the next step's collectives."""
         mine = self.signum  # read once: a signal may arrive while the ranks agree
         signum = group.max(mine)
-        if not signum:
-            return ""
-        return self.set if signum == mine else f"{self.name(signum)} to another rank"
+        self.agreed_on = "" if not signum else self.set if signum == mine else f"{self.name(signum)} to another rank"
+        return self.agreed_on
 
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():

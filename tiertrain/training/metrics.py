@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..io.errors import StorageError, run_dir_write_failed
 
-__all__ = ["StepRecord", "MetricsLog", "peak_flops", "flops_per_token", "log"]
+__all__ = ["StepRecord", "MetricsLog", "peak_flops", "flops_per_token", "AdapterFlops", "log"]
 
 log = logging.getLogger("tiertrain")
 
@@ -37,23 +37,42 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def flops_per_token(model, seq_len: int, hidden: int, *, trained_outside: int = 0) -> float:
+@dataclass(frozen=True)
+class AdapterFlops:
+    """What a model's adapters add to ``flops_per_token`` (``LoRA.flops``): ``trained``, adapter
+    weights a token multiplies through (a linear layer's A and B: 6 FLOPs each); ``weighted``,
+    the ids of frozen parameters adapted through the weight itself (a mixture's 3-D experts:
+    each forward forms ``W + B A``, so the backward forms that weight's gradient: 6 a weight
+    at the experts' share, not 4); ``per_micro_batch``, the FLOPs of forming those sums and
+    their backward into A and B (6 x experts x in x out x rank), once a micro-batch."""
+
+    trained: int = 0
+    weighted: frozenset[int] = frozenset()
+    per_micro_batch: float = 0.0
+
+
+def flops_per_token(
+    model, seq_len: int, hidden: int, *, adapters: AdapterFlops | None = None, micro_batch_tokens: int | None = None
+) -> float:
     """Training FLOPs per token (forward and backward) as the step computes them: per weight a
     token multiplies through, 2 forward, and backward 4 where the weight trains (the input's
     and the weight's gradients), 2 where it is frozen (the input's alone: a frozen base under
     adapters, ``train.freeze``), none before the first unit that trains where the embedding is
     frozen too (nothing asks their input's gradient). A mixture of experts' expert weights (3-D, ``[experts, ...]``) count at
     the share a token reaches (top-k of E). Blocks and head; a tied embedding counted once, with
-    the head; the input embedding lookup is no product. ``trained_outside``: trained weights
-    outside the model's units (adapters), 6 each. Attention: per layer forward 2 x context x
+    the head; the input embedding lookup is no product. ``adapters``: what adapters add
+    (``AdapterFlops``; their per-micro-batch part spread over ``micro_batch_tokens``, the
+    sequence where not given). Attention: per layer forward 2 x context x
     (heads x (query/key head dim + value head dim)), three times in all (its backward forms the
     queries', keys' and values' gradients whatever trains), the context the sequence (PaLM's
     accounting, without halving for the causal mask) or a sliding or chunked layer's window;
     the leading layers without a backward, their forward alone."""
     share = _expert_share(getattr(model, "hf_config", None))
+    a = adapters or AdapterFlops()
     # the embedding is no product, but where it trains every unit's input gradient is asked
     trains = any(p.requires_grad for u in [*model.embed_pieces, model.embed] for p in u.parameters())
-    trains, seen, total = trains or trained_outside > 0, set(), 6.0 * trained_outside
+    trains, seen = trains or a.trained > 0 or bool(a.weighted), set()
+    total = 6.0 * a.trained + a.per_micro_batch / (micro_batch_tokens or seq_len)
     forward_only = 0  # leading layers nothing asks a backward of (their attention: forward only)
     for k, unit in enumerate([*model.blocks, model.head, *model.head_pieces]):
         params = [p for p in unit.parameters() if id(p) not in seen]
@@ -62,7 +81,7 @@ def flops_per_token(model, seq_len: int, hidden: int, *, trained_outside: int = 
         if not trains and k < len(model.blocks):
             forward_only = (model.block_layers[k] if model.block_layers is not None else k) + 1
         for p in params:
-            per = 6 if p.requires_grad else (4 if trains else 2)
+            per = 6 if p.requires_grad or id(p) in a.weighted else (4 if trains else 2)
             total += per * p.numel() * (share if p.dim() == 3 else 1.0)
     return total + _attention_flops(model, seq_len, hidden, forward_only)
 

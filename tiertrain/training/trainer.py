@@ -243,7 +243,8 @@ class Trainer:
                 self.model,
                 cfg.data.seq_len,
                 rt.hidden_size,
-                trained_outside=sum(p.numel() for p in rt.adapters.params()) if rt.adapters is not None else 0,
+                adapters=rt.adapters.flops() if rt.adapters is not None else None,
+                micro_batch_tokens=cfg.data.seq_len * cfg.data.micro_batch_size,
             ),
         )
         self.adapter_update = AdapterUpdate(rt.adapters, cfg.optim) if rt.adapters is not None else None
@@ -468,8 +469,8 @@ class Trainer:
             flag = self._stop  # Ctrl-C during the validation: cut short, not waited for (with ranks: agreed)
             stop = (lambda: bool(flag.agreed(self.group))) if flag is not None else None
             loss = validation_loss(self.evalset, self.executor, cfg.data.micro_batches, self.group, stop=stop)
-            if loss is None:
-                log.warning("step %d: its validation cut short by %s (no validation loss)", self.step, flag.set)
+            if loss is None and self.group.leader:  # (every rank's: the same answer)
+                log.warning("step %d: its validation cut short by %s (no validation loss)", self.step, flag.agreed_on)
             else:
                 rec.extra["eval_loss"] = loss
         return rec
