@@ -410,3 +410,62 @@ def test_every_single_bit_flip_of_a_manifest_is_refused(tmp_path):
     (d / "manifest.json").write_text(text)
     with pytest.raises(CheckpointError, match="its content does not match its checksum"):
         Manifest.read(str(d))
+
+
+def test_an_interrupted_replacement_of_a_step_keeps_its_earlier_copy(tmp_path, monkeypatch):
+    """Saving a step that exists (an interrupt's save right after the periodic one) renamed the
+    old copy aside, then the new one in: a failure between the two removed the new one and
+    left the old aside, and the next start removed that too (every '.old-' directory): with
+    checkpoint.keep = 1, nothing was left. The old copy is put back (at once, or at the next
+    start); a save still under way in another process is left alone."""
+    from tiertrain.checkpoint import clean_incomplete, saver
+
+    root = tmp_path / "ck"
+    dead, live = 2**22 + 7, os.getppid()  # (above the largest process id Linux gives)
+    final, tmp = root / "step-00000002", root / f".tmp-step-00000002-{dead}"
+    for d in (final, tmp):
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text("{}")
+    rename = os.rename
+
+    def second_fails(a, b):
+        if str(a) == str(tmp):
+            raise KeyboardInterrupt  # a second Ctrl-C between the renames
+        return rename(a, b)
+
+    monkeypatch.setattr(saver.os, "rename", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        saver._replace_dir(str(tmp), str(final))
+    monkeypatch.undo()
+    assert (final / "manifest.json").exists()
+
+    os.rename(final, root / f"step-00000002.old-{dead}")  # a crash between the renames
+    (root / "step-00000001").mkdir()
+    (root / "step-00000001" / "manifest.json").write_text("{}")
+    for name in (f"step-00000001.old-{dead}", f".tmp-step-00000003-{dead}", f".tmp-step-00000004-{live}"):
+        (root / name).mkdir()
+    clean_incomplete(str(root))
+    assert sorted(os.listdir(root)) == [f".tmp-step-00000004-{live}", "step-00000001", "step-00000002"]
+    assert (root / "step-00000002" / "manifest.json").exists()
+
+
+def test_ctrl_c_right_after_a_periodic_save_saves_that_step_once(tmp_path, monkeypatch):
+    """Ctrl-C during the periodic save of step 2 stopped the run after it, and the interrupt's
+    save wrote step 2 again (replacing a checkpoint just made: a window for losing it)."""
+    cfg = small_config(tmp_path, steps=4)
+    cfg.checkpoint.every, cfg.checkpoint.on_interrupt = 2, True
+    saves = []
+    with Trainer(cfg) as tr:
+        save = tr.save_checkpoint
+
+        def save_then_ctrl_c():
+            saves.append(tr.step)
+            out = save()
+            os.kill(os.getpid(), signal.SIGINT)
+            return out
+
+        monkeypatch.setattr(tr, "save_checkpoint", save_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            tr.run(progress=False)
+    assert saves == [2]
+    assert [os.path.basename(p) for p in list_checkpoints(cfg.checkpoint_root)] == ["step-00000002"]

@@ -371,6 +371,23 @@ def test_a_corrupt_checkpoints_hint_names_the_newest_intact_one_and_works_as_pri
     assert main([*cmd[1:], "--train.steps=4"]) == 0
 
 
+def test_a_failed_save_of_a_resumed_run_points_at_its_last_checkpoint(tmp_path, capsys, monkeypatch):
+    """A resumed run whose later save failed (out of space) was told the checkpoint it resumed
+    from was damaged and pointed at the one before it: resuming there marks the newer, intact
+    one as a later course of the run, and its first save deletes it."""
+    from tiertrain.checkpoint import CheckpointError, saver
+
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", "--checkpoint.keep=3", steps=2)]) == 0
+
+    def full(*args, **kwargs):
+        raise CheckpointError("not enough space for the checkpoint of step 3 (a stand-in)")
+
+    monkeypatch.setattr(saver.CheckpointIO, "save", full)
+    line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=3"], 1)
+    assert f"(the last checkpoint is {run / 'checkpoints' / 'step-00000002'}:" in line and "before it" not in line, line
+
+
 def test_non_finite_settings_are_refused_and_a_non_finite_loss_stops_the_run_unsaved(tmp_path, capsys, monkeypatch):
     """nan and inf are refused for every float field (nan passed every range check); a step
     whose loss (or gradient norm) is not finite ends the run at that step, one line, with the

@@ -160,15 +160,41 @@ def list_checkpoints(root: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+_LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|(step-\d{8})\.old)-(\d+)$")  # a save's own: its process id last
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def clean_incomplete(root: str) -> list[str]:
-    """Remove what interrupted saves left under ``root`` (``.tmp-*`` directories); return them."""
+    """Remove what interrupted saves left under ``root`` (``.tmp-step-*`` directories, and the
+    older copy of a step set aside while it was replaced: ``step-N.old-PID``); return them.
+    Those of a process still alive (another run saving into the same directory) are left; a
+    set-aside copy whose step is missing (the save died between its two renames) is put back,
+    not removed: it is that step's only complete copy."""
     import shutil
 
     if not os.path.isdir(root):
         return []
-    gone = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".tmp-step-") or ".old-" in n]
-    for path in gone:
+    gone = []
+    for name in sorted(os.listdir(root)):
+        m = _LEFT.match(name)
+        if m is None or (int(m.group(2)) != os.getpid() and _alive(int(m.group(2)))):
+            continue
+        path, step = os.path.join(root, name), m.group(1)
+        if step and not os.path.exists(os.path.join(root, step)) and os.path.exists(os.path.join(path, MANIFEST)):
+            os.rename(path, os.path.join(root, step))
+            log.warning("%s: a save that replaced it was interrupted; its earlier copy %s put back", step, path)
+            continue
         shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
     return gone
 
 

@@ -319,12 +319,19 @@ def _fsync_dir(path: str) -> None:
 
 
 def _replace_dir(tmp: str, final: str) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older ``final`` only once ``tmp`` is in place)."""
+    """Rename ``tmp`` to ``final`` (replacing an older ``final`` only once ``tmp`` is in place:
+    set aside as ``final.old-PID`` meanwhile, and put back where the second rename fails or is
+    interrupted; after a crash between the two, ``clean_incomplete`` puts it back)."""
     old = None
     if os.path.exists(final):
         old = f"{final}.old-{os.getpid()}"
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None and not os.path.exists(final):
+            os.rename(old, final)
+        raise
     _fsync_dir(os.path.dirname(final))
     if old:
         shutil.rmtree(old, ignore_errors=True)

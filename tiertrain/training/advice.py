@@ -9,12 +9,13 @@ import os
 
 from .rundir import METRICS, no_checkpoint_advice
 
-__all__ = ["resume_hint", "find_resumable", "stored_checkpoint_root"]
+__all__ = ["resume_hint", "find_resumable", "stored_checkpoint_root", "nothing_to_train"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     """`` (...)`` to append to ``exc``'s line: resume from the newest checkpoint, or, where the
-    checkpoint ``resumed`` from is the damaged one, from the newest intact one before it; where
+    checkpoint ``resumed`` from is the damaged one (``exc`` raised while restoring it: its
+    ``restoring``), from the newest intact one before it, beside it; where
     the run wrote steps but no checkpoint, start over."""
     from ..checkpoint import CheckpointError, CheckpointMismatch, intact_checkpoint, latest_checkpoint, step_of
     from ..dist import env_world
@@ -25,8 +26,11 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     world = env_world()[1]
     root = os.path.abspath(cfg.checkpoint_root)
     run_dir = os.path.abspath(cfg.train.run_dir)
-    if resumed is not None and isinstance(exc, CheckpointError):
-        good = intact_checkpoint(root, before=step_of(resumed) if _named_step(resumed) else None, skip=resumed)
+    if resumed is not None and isinstance(exc, CheckpointError) and getattr(exc, "restoring", False):
+        # (an error of a later save, say out of space, is no fault of the checkpoint resumed from)
+        named = _named_step(resumed)
+        where = os.path.dirname(os.path.abspath(resumed)) if named else root  # (another run's directory, maybe)
+        good = intact_checkpoint(where, before=step_of(resumed) if named else None, skip=resumed)
         if good is None:
             return " (no intact checkpoint is left before it: start over with --train.overwrite=true)"
         return f" (the newest intact checkpoint before it is {good}: `{resume_command(run_dir, world, good)}`)"
@@ -85,3 +89,11 @@ def _named_step(path: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def nothing_to_train(step: int, steps: int, resume: str) -> str:
+    """Said where a resumed run is already at ``train.steps`` (``resume``: its resume command)."""
+    return (
+        f"the run is already at step {step} of train.steps = {steps}: nothing to train; to train further, "
+        f"raise it: {resume} --train.steps={steps + step}"
+    )

@@ -28,6 +28,7 @@ from ..activations.stash import HiddenStash
 from ..adapters import ADAPTER_FILE, AdapterUpdate
 from ..adapters.train import same_adapter_config
 from ..checkpoint import (
+    CheckpointError,
     CheckpointIO,
     Manifest,
     SaveResult,
@@ -55,6 +56,7 @@ from ..state.quant import quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
+from .advice import nothing_to_train
 from .checkpoints import Checkpoints
 from .guard import LossGuard
 from .interrupt import StopFlag
@@ -529,21 +531,18 @@ class Trainer:
             self.rundir.take_over(resume, cfg.train.overwrite)
         with StopFlag(announce=self.group.leader) as stop:  # rank 0 speaks for the ranks
             if resume is not None:
-                self.restore(resume)
+                try:
+                    self.restore(resume)
+                except CheckpointError as exc:
+                    exc.restoring = True  # type: ignore[attr-defined]  # the hint's cue: this checkpoint is the bad one
+                    raise
                 self.rundir.continue_metrics(self.step)
                 self.checkpoints.continue_from(self.step)
             else:
                 self.initialize(progress=progress)
             first = self.step
             if first >= cfg.train.steps:
-                log.warning(
-                    "the run is already at step %d of train.steps = %d: nothing to train; to train further, "
-                    "raise it: %s --train.steps=%d",
-                    first,
-                    cfg.train.steps,
-                    self.resume_command,
-                    cfg.train.steps + first,
-                )
+                log.warning("%s", nothing_to_train(first, cfg.train.steps, self.resume_command))
                 return []
             # (examples: a step of no scored token) before the run directory holds anything
             self.corpus.refuse_unscored(first, self.cfg.train.steps, self.group.world)
@@ -590,7 +589,8 @@ class Trainer:
         if why:
             if self.group.leader:
                 log.warning("interrupted after step %d (%s)", self.step, why)
-            if ck.on_interrupt and self.step > first:
+            saved = ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps  # (the loop's save)
+            if ck.on_interrupt and self.step > first and not saved:  # the same step saved again only risks it
                 self.save_checkpoint()
             if list_checkpoints(self.checkpoint_root) and self.group.leader:
                 log.warning("resume with: %s", self.resume_command)
