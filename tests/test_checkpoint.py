@@ -339,11 +339,12 @@ def test_export_builtin_then_init_from(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tokenizer(tmp_path):
+def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tokenizer(tmp_path, monkeypatch):
     """Into a directory that holds an earlier export: refused; with overwrite the directory
-    is replaced whole (its old shards would otherwise lie beside the new ones). The
-    tokenizer files of the model's directory come along. A damaged checkpoint leaves the
-    target as it was and nothing beside it."""
+    is replaced whole (its old shards would otherwise lie beside the new ones), once every
+    file of the new one is on the disk (none was synced: a power loss left empty shards where
+    the earlier export had been). The tokenizer files of the model's directory come along. A
+    damaged checkpoint leaves the target as it was and nothing beside it."""
     from tiertrain.checkpoint.export import export_checkpoint
 
     src = tmp_path / "src"
@@ -367,7 +368,16 @@ def test_export_is_complete_or_absent_refuses_a_used_directory_and_takes_the_tok
         CheckpointError, match=rf"export --out {out} is not empty; give a new directory, or --overwrite"
     ):
         export_checkpoint(res.path, str(out))
+    fsync, synced = os.fsync, set()
+
+    def recorded(fd):
+        synced.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
     export_checkpoint(tr.cfg.train.run_dir, str(out), overwrite=True)  # a run directory: its latest checkpoint
+    monkeypatch.undo()
+    assert set(os.listdir(out)) <= synced, (sorted(os.listdir(out)), synced)
     assert not (out / "model-00009-of-00009.safetensors").exists() and (out / "model.safetensors.index.json").exists()
     assert (out / "tokenizer.json").read_text() == '{"fake": "tokenizer"}' and (out / "tokenizer_config.json").exists()
     damage(os.path.join(res.path, "params.bin"), "flip")
@@ -469,3 +479,34 @@ def test_ctrl_c_right_after_a_periodic_save_saves_that_step_once(tmp_path, monke
             tr.run(progress=False)
     assert saves == [2]
     assert [os.path.basename(p) for p in list_checkpoints(cfg.checkpoint_root)] == ["step-00000002"]
+
+
+def test_a_crash_while_deleting_superseded_checkpoints_leaves_none_that_looks_complete(tmp_path, monkeypatch):
+    """A run resumed from step 1 replaces the later course of the run (steps 2 and 3) with its
+    first save; a crash while deleting them (gigabytes each) left step 3 complete, and the next
+    `--resume` continued the course the user had abandoned. They leave their checkpoint names
+    before any file goes; the next start deletes what is left. Pruning counts only the steps up
+    to the new one (a later one left over pushed the new checkpoint out at checkpoint.keep = 1)."""
+    from tiertrain.checkpoint import saver
+
+    cfg = small_config(tmp_path, steps=3)
+    cfg.checkpoint.every, cfg.checkpoint.keep = 1, 5
+    with Trainer(cfg) as tr:
+        tr.run(progress=False)
+    root = cfg.checkpoint_root
+    first = list_checkpoints(root)[0]
+    cfg.train.steps, cfg.checkpoint.keep = 2, 1
+    rmtree = saver.shutil.rmtree
+
+    def crash_on_deleting(path, *args, **kwargs):
+        if ".drop-" in str(path):
+            raise KeyboardInterrupt  # the process killed while the old checkpoints go
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(saver.shutil, "rmtree", crash_on_deleting)
+    with Trainer(cfg) as tr, pytest.raises(KeyboardInterrupt):
+        tr.run(resume=first, progress=False)
+    monkeypatch.undo()
+    assert [os.path.basename(p) for p in list_checkpoints(root)] == ["step-00000002"]
+    with Trainer(cfg):  # the next start removes what the crash left
+        assert sorted(n for n in os.listdir(root) if "step-" in n) == ["step-00000002"]

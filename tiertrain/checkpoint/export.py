@@ -37,7 +37,7 @@ from ..runtime import align_of, layout_aligns
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
-from .saver import _replace_dir
+from .saver import _fsync_dir, _replace_dir
 
 __all__ = ["export_checkpoint", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
 
@@ -68,11 +68,25 @@ def export_checkpoint(
             if merge and adapters is None:
                 raise CheckpointError(f"export --merge: checkpoint {path} holds no adapters (adapter.kind = 'none')")
             _write(path, man, tmp, adapters)
-        _replace_dir(tmp, out)  # as checkpoints are: the old directory goes once the new one is in place
+        _fsync_tree(tmp)  # durable before it replaces an earlier export (which goes once it is in place)
+        _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _fsync_tree(path: str) -> None:
+    """Every file under ``path`` and the directories holding them on the disk (a power loss after
+    an export replaced the earlier one left shards of zero length)."""
+    for d, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(d)
 
 
 def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:

@@ -160,7 +160,9 @@ def list_checkpoints(root: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
-_LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|(step-\d{8})\.old)-(\d+)$")  # a save's own: its process id last
+# a save's own, its process id last: a checkpoint being written, the older copy of a step set
+# aside while it is replaced, a checkpoint being deleted (pruned, or superseded)
+_LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|\.drop-step-\d{8}|(step-\d{8})\.old)-(\d+)$")
 
 
 def _alive(pid: int) -> bool:
@@ -174,8 +176,9 @@ def _alive(pid: int) -> bool:
 
 
 def clean_incomplete(root: str) -> list[str]:
-    """Remove what interrupted saves left under ``root`` (``.tmp-step-*`` directories, and the
-    older copy of a step set aside while it was replaced: ``step-N.old-PID``); return them.
+    """Remove what interrupted saves left under ``root`` (``.tmp-step-*`` and ``.drop-step-*``
+    directories, and the older copy of a step set aside while it was replaced:
+    ``step-N.old-PID``); return them.
     Those of a process still alive (another run saving into the same directory) are left; a
     set-aside copy whose step is missing (the save died between its two renames) is put back,
     not removed: it is that step's only complete copy."""

@@ -10,6 +10,7 @@ file's CRC32C, computed on the way and checked on the way back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -26,7 +27,15 @@ from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
 from ..state.scales import ScaleLayout
-from .manifest import CheckpointError, CheckpointMismatch, FileEntry, Manifest, latest_checkpoint, list_checkpoints
+from .manifest import (
+    CheckpointError,
+    CheckpointMismatch,
+    FileEntry,
+    Manifest,
+    latest_checkpoint,
+    list_checkpoints,
+    step_of,
+)
 
 __all__ = ["CheckpointIO", "SaveResult", "write_tensors", "read_tensors"]
 
@@ -158,11 +167,10 @@ class CheckpointIO:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in drop:
-            if os.path.abspath(old) != os.path.abspath(final):  # a superseded step-N is replaced, not dropped
-                shutil.rmtree(old, ignore_errors=True)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        gone = [old for old in drop if os.path.abspath(old) != os.path.abspath(final)]  # step-N: replaced above
+        # only steps up to this one count against keep (a later course's step left over must not push it out)
+        gone += [old for old in list_checkpoints(root) if step_of(old) <= step][:-keep]
+        _remove_dirs(gone)
         return SaveResult(final, total, time.perf_counter() - t0)
 
     def _save_region(self, directory: str, name: str, region, size: int) -> FileEntry:
@@ -316,6 +324,23 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove_dirs(paths: list[str]) -> None:
+    """Remove checkpoints ``paths``: first renamed out of their ``step-N`` names (``.drop-...``,
+    durable before any file goes: a crash while deleting gigabytes leaves nothing that looks
+    like a checkpoint, say the later course of a run a resume replaced), then deleted
+    (``clean_incomplete`` deletes what a crash leaves)."""
+    moved = []
+    for path in dict.fromkeys(paths):
+        dropped = os.path.join(os.path.dirname(path), f".drop-{os.path.basename(path)}-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, dropped)
+            moved.append(dropped)
+    if moved:
+        _fsync_dir(os.path.dirname(moved[0]))
+    for path in moved:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _replace_dir(tmp: str, final: str) -> None:
