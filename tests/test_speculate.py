@@ -309,10 +309,13 @@ def test_sigkill_of_the_trainer_or_an_engine_in_a_speculative_step_then_resume_l
     assert "speculation held in 0 of 2 steps" in resumed.stderr
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_run_where_the_clip_keeps_acting_stops_speculating_and_says_so(tmp_path, caplog, mode):
+@pytest.mark.parametrize("mode,eager", [(m, False) for m in MODES] + [("overlap", True), ("engines", True)])
+def test_a_run_where_the_clip_keeps_acting_stops_speculating_and_says_so(tmp_path, caplog, mode, eager):
+    """(update.eager: on the overlapped path, the steps after speculation stopped were updated
+    unit by unit without the clip)"""
     steps = MIN_STEPS + 1
     cfg = spec_config(tmp_path, clip=CLIP_ACTS, steps=steps, layers=2, mode=mode)
+    cfg.update.eager = eager  # (for the overlapped and engine paths)
     tr, _ = assert_parity(cfg)
     spec = tr.update.spec
     assert spec.steps == MIN_STEPS and spec.held == 0 and tr.update.redone == MIN_STEPS

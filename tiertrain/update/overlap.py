@@ -183,7 +183,9 @@ class OverlapUpdate(BaselineUpdate):
 
     def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
         super().__init__(cfg, layout, storage, pdtype, pin=pin)
-        self.eager = cfg.update.eager
+        # eager with clipping is speculation itself; once speculation stops for the run, the step's
+        # update waits for the norm (queued unit by unit, it went unclipped from then on)
+        self.eager = cfg.update.eager and not self.spec.on
         self.params, self.grads = _Params(self, self._params), _Grads(self, self._grads)
         n = len(layout.units)
         self._cv = threading.Condition()
