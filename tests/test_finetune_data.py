@@ -211,6 +211,24 @@ def test_packed_rows_follow_each_epochs_order_with_the_mask_on_targets(tmp_path)
     assert [t.tolist() for t in r.batches(1, rank=1, world=2)[0]] == [t.tolist() for t in b.batches(1)[1]]
 
 
+def test_a_packed_documents_first_token_is_no_target_of_the_document_before(tmp_path):
+    """Text rows packed with attention within each document: the end of document A was trained
+    to predict document B's first token, which it cannot see (padded rows, and transformers'
+    DataCollatorWithFlattening, never score it); with attention over the whole row, it can."""
+    words = ("hello world", "the sky is blue", "fine", "how are you")
+    p, _ = _prepared(tmp_path, [{"text": w} for w in words])
+    for by_document in (True, False):
+        b = _batches(p, seq_len=8, micro_batch_size=1, micro_batches=1, by_document=by_document)
+        order, starts = b._epoch(0)
+        for j in range(b.rows_per_epoch):
+            ((x, y),) = b.batches(j)
+            for pos in range(1, 9):  # target pos - 1 is the token at pos of the row
+                at_start = j * 8 + pos in starts
+                scored = bool(b._row(j)[1][pos]) if not at_start else not by_document
+                assert (y[0, pos - 1] != IGNORE).item() == scored, (by_document, j, pos)
+            assert b.scored(j) == int((y != IGNORE).sum())
+
+
 def test_padded_rows_hold_one_example_and_long_ones_are_cut_or_dropped(tmp_path, caplog):
     import logging
 

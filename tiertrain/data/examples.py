@@ -272,7 +272,13 @@ class ExampleBatches:
             a = int(d.offsets[ex]) + lo - int(starts[k])
             n = min(hi, int(starts[k + 1])) - lo
             id_parts.append(d.ids[a : a + n])
-            mask_parts.append(d.mask[a : a + n])
+            mask = d.mask[a : a + n]
+            if self.by_document and lo == int(starts[k]) and mask[0]:
+                # a document's first token is no target of the one before it, which it cannot see
+                # (as in padded rows, and transformers' DataCollatorWithFlattening)
+                mask = mask.copy()
+                mask[0] = 0
+            mask_parts.append(mask)
             pos.append(np.arange(n))
             lo, k = lo + n, k + 1
         out = np.concatenate(id_parts).astype(np.int64), np.concatenate(mask_parts)
