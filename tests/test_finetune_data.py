@@ -680,3 +680,25 @@ def test_the_prepared_data_cache_removes_copies_unused_for_a_month(tmp_path, mon
     cfg.data.mask_prompt = False  # another setting: a third copy, made now
     third = open_corpus(cfg.data).data.path
     assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in (chat_copy, third))
+
+
+def test_json_lines_under_json_or_upper_case_names_are_rows(tmp_path, capsys):
+    """`prepare --input rows.json` (JSON Lines under .json, as datasets' to_json writes it) or
+    rows.JSONL wrote a token file of the raw JSON text and said "wrote N tokens"; a prompts file
+    .JSONL gave each JSON line as a literal prompt. A JSON array is refused, saying what to give."""
+    from tiertrain.cli import main
+    from tiertrain.inference.prompts import read_prompts
+
+    tok = make_tokenizer(tmp_path / "tok")
+    for name in ("rows.json", "rows.JSONL"):
+        src = write_jsonl(tmp_path / name, [{"prompt": "say yes", "completion": "yes"}])
+        assert main(["prepare", "--input", src, "--output", str(tmp_path / f"out-{name}"), "--tokenizer", tok]) == 0
+        assert PreparedExamples(str(tmp_path / f"out-{name}")).count == 1
+    (tmp_path / "array.json").write_text(json.dumps([{"text": "hello world"}]))
+    assert (
+        main(["prepare", "--input", str(tmp_path / "array.json"), "--output", str(tmp_path / "o"), "--tokenizer", tok])
+        == 1
+    )
+    assert "array.json: a JSON array; give JSON Lines" in capsys.readouterr().err
+    prompts = write_jsonl(tmp_path / "p.JSONL", [{"prompt": "hello"}])
+    assert read_prompts(None, prompts) == ["hello"]

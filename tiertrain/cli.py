@@ -328,7 +328,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     rows = [is_rows_input(p) for p in args.input]
     if any(rows) and not all(rows):
         raise UsageError(
-            "prepare: give either text files (.txt: a token file) or rows (.jsonl, .parquet, a datasets "
+            "prepare: give either text files (.txt: a token file) or rows (.jsonl or .json, .parquet, a datasets "
             "directory: prepared examples), not both"
         )
     if all(rows):

@@ -48,9 +48,13 @@ class Example:
     mask: np.ndarray  # uint8: 1 where the token is a loss target
 
 
+JSON_LINES = (".jsonl", ".json")  # (.json: JSON Lines saved under that name, as datasets' to_json writes)
+
+
 def is_rows_input(path: str) -> bool:
-    """Whether ``path`` is read row by row here (JSONL, Parquet, a ``datasets`` directory)."""
-    return path.endswith((".jsonl", ".parquet")) or _is_datasets_dir(path)
+    """Whether ``path`` is read row by row here (JSON Lines, Parquet, a ``datasets`` directory;
+    the extension in any case)."""
+    return path.lower().endswith((*JSON_LINES, ".parquet")) or _is_datasets_dir(path)
 
 
 def _is_datasets_dir(path: str) -> bool:
@@ -61,15 +65,15 @@ def _is_datasets_dir(path: str) -> bool:
 
 def read_rows(path: str) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row of ``path``; ``where`` names the file and line or row."""
-    if path.endswith(".jsonl"):
+    if path.lower().endswith(JSON_LINES):
         yield from _jsonl(path)
-    elif path.endswith(".parquet"):
+    elif path.lower().endswith(".parquet"):
         yield from _parquet(path)
     elif _is_datasets_dir(path):
         yield from _datasets(path)
     else:
         raise DataError(
-            f"{path}: not JSONL (.jsonl), Parquet (.parquet) or a directory saved by datasets' save_to_disk"
+            f"{path}: not JSON Lines (.jsonl, .json), Parquet (.parquet) or a directory saved by datasets' save_to_disk"
         )
 
 
@@ -87,6 +91,11 @@ def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
                 ) from None
             if not line.strip():
                 continue
+            if n == 1 and line.lstrip().startswith("["):
+                raise DataError(
+                    f"{path}: a JSON array; give JSON Lines (one object a line: in Python, "
+                    "datasets.Dataset.from_list(rows).to_json(path), or json.dumps of each row)"
+                )
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -28,7 +28,7 @@ def read_prompts(texts: list[str] | None, path: str | None) -> list[str]:
         for n, line in enumerate(_text_lines(path), 1):
             if not line.strip():
                 continue
-            if path.endswith(".jsonl"):
+            if path.lower().endswith((".jsonl", ".json")):  # (JSON Lines, the extension in any case)
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
