@@ -83,6 +83,22 @@ def test_sampling_repeats_by_seed_and_top_k_1_is_greedy(tmp_path, model_dir):
     assert generate(cfg, PROMPTS, Sampling(max_new_tokens=12, temperature=1.0, top_k=1, seed=3)) == greedy
 
 
+def test_top_p_keeps_the_tokens_transformers_keeps():
+    """At the boundary (tokens ranked above holding exactly top_p, ties) a token more was kept
+    than transformers' TopPLogitsWarper keeps: [0.5, 0.25, 0.25] at top_p 0.5 sampled from two."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from tiertrain.inference.generate import _top_p
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([[0.5, 0.25, 0.25]]).log(), 0.5), (torch.tensor([[0.25, 0.5, 0.25]]).log(), 0.75)]
+    cases += [(torch.randn(4, 50, generator=g) * 3, p) for p in (0.1, 0.5, 0.9, 0.99)]
+    cases += [(torch.zeros(2, 8), 0.5)]  # all tied: 4 of 8 reach it exactly
+    for logits, p in cases:
+        theirs = TopPLogitsWarper(top_p=p)(None, logits.clone())
+        assert torch.equal(_top_p(logits, p).isfinite(), theirs.isfinite()), (logits, p)
+
+
 def test_a_stop_token_ends_its_row_only(tmp_path, model_dir):
     path, _ = model_dir
     cfg = _cfg(tmp_path, path)
@@ -359,3 +375,23 @@ def test_a_row_ends_at_the_models_end_of_sequence_token_as_in_transformers(tmp_p
         timeout=120,
     )
     assert r.returncode == 0 and "end-of-sequence" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_streamed_completion_prints_whole_characters(capsys):
+    """One prompt is printed as it comes: each token decoded alone printed 'caf\ufffd\ufffd' for
+    'café' from the byte tokenizer (and ran SentencePiece's words together). What is printed is
+    the completion decoded whole, a character cut between tokens held back until complete."""
+    from tiertrain.data import load_tokenizer
+    from tiertrain.inference.prompts import StreamedText
+
+    tok = load_tokenizer("bytes")
+    ids = tok.encode("café ☕ ok")
+    show = StreamedText(tok, "> ")
+    seen = []
+    for i in ids:
+        show([i])
+        seen.append(capsys.readouterr().out)
+    show([None])  # the row stopped (others go on)
+    show([])
+    assert "".join(seen) + capsys.readouterr().out == "> café ☕ ok\n"
+    assert all("\ufffd" not in s for s in seen) and seen[3] == "" and seen[4] == "é"  # é: two bytes

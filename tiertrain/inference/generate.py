@@ -101,12 +101,21 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tens
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if s.top_p < 1:
-        sorted_, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_, dim=-1) > s.top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+        logits = _top_p(logits, s.top_p)
     probs = torch.softmax(logits, dim=-1).to("cpu")  # sync point: the step's draw needs them on the host
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with the tokens outside the smallest set whose probability reaches ``top_p``
+    at -inf, as transformers' ``TopPLogitsWarper`` cuts them: ranked from the least likely
+    up, a token goes while the mass up to it is at most ``1 - top_p`` (ties: the lower index
+    first), the most likely always stays. (Counted from the top down, a token after a set
+    that reached top_p exactly was kept, and ties went the other way.)"""
+    sorted_, idx = torch.sort(logits, descending=False, dim=-1)
+    drop = torch.softmax(sorted_, dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[..., -1] = False
+    return logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
 
 
 def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:

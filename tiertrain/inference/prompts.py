@@ -77,6 +77,37 @@ def _tokenizer(cfg: Config):
     return load_tokenizer(cfg.data.tokenizer)
 
 
+class StreamedText:
+    """One row's completion printed as its tokens come (``generate``'s ``on_tokens``): the prompt
+    with the first token (an error before it is not glued to it), then what decoding the
+    completion so far adds, a character still cut between tokens (a trailing U+FFFD) held back
+    until complete. Each token decoded alone printed "caf\ufffd\ufffd" for "café" from bytes, and
+    ran SentencePiece's words together; the text printed is the completion decoded whole, as
+    several prompts' are."""
+
+    def __init__(self, tok, prompt: str) -> None:
+        self.tok, self.prompt = tok, prompt
+        self.tokens: list[int] = []
+        self.printed, self.started = 0, False
+
+    def __call__(self, tokens: list) -> None:
+        if not self.started:
+            sys.stdout.write(self.prompt)
+            self.started = True
+        if tokens and tokens[0] is None:  # (the row has ended; others have not)
+            return
+        if tokens:
+            self.tokens.append(tokens[0])
+        text = self.tok.decode(self.tokens)
+        upto = len(text.rstrip("\ufffd")) if tokens else len(text)  # the end: whatever is left
+        if upto > self.printed:
+            sys.stdout.write(text[self.printed : upto])
+            self.printed = upto
+        if not tokens:  # the line ended before generate logs its summary
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
 def run_generate(
     cfg: Config, texts: list[str], sampling: Sampling, out: str | None = None, *, weights=None
 ) -> list[str]:
@@ -88,18 +119,7 @@ def run_generate(
         if not p:
             raise ConfigError(f"generate: the prompt {t!r} has no tokens")
     stream = len(prompts) == 1 and out is None
-    started = []  # the prompt, then its completion as it comes: as several prompts are printed
-
-    def show(tokens):
-        if not started:  # with the first token: an error before it is not glued to the prompt
-            started.append(sys.stdout.write(texts[0]))
-        if not tokens:  # the end: the line ended before generate logs its summary
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        elif tokens[0] is not None:
-            sys.stdout.write(tok.decode([tokens[0]]))
-            sys.stdout.flush()
-
+    show = StreamedText(tok, texts[0])
     # the built-in GPT has no model directory to name its end-of-sequence token: its tokenizer's
     eos = None if cfg.model.hf_dir else tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
     rows = generate(
