@@ -702,3 +702,36 @@ def test_json_lines_under_json_or_upper_case_names_are_rows(tmp_path, capsys):
     assert "array.json: a JSON array; give JSON Lines" in capsys.readouterr().err
     prompts = write_jsonl(tmp_path / "p.JSONL", [{"prompt": "hello"}])
     assert read_prompts(None, prompts) == ["hello"]
+
+
+def test_held_out_examples_with_an_unscored_micro_batch_or_too_few_for_the_ranks(tmp_path):
+    """An eval micro-batch whose every target was masked (its completion cut off) stopped the run
+    at its first validation, as if a training step had none ("data: step 1 has no scored
+    token", with a checkpoint "the last the data lets this run take"); fewer eval micro-batches
+    than ranks divided by zero there. A set of some unscored micro-batches validates; one of
+    none scored, or too small for the ranks, is refused at start."""
+    import math
+
+    from tiertrain.config import ConfigError
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.validation import validation_loss
+    from tiertrain.training.trainer import Trainer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    long_prompt = {"prompt": "how are you how are you how are you", "completion": "fine"}
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [long_prompt, {"prompt": "say", "completion": "yes"}])
+    cfg = _finetune_cfg(tmp_path, mixed, tok, micro_batches=1, micro_batch_size=1)
+    cfg.data.seq_len, cfg.data.packing, cfg.data.long_examples = 4, False, "truncate"
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches, cfg.train.eval_every, cfg.train.steps = mixed, 0, 1, 1
+    ev = EvalSet(cfg.data)
+    assert ev.count == 2 and ev.total_scored() == 2  # one micro-batch scores "yes" and its EOS, one nothing
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        assert math.isfinite(validation_loss(tr.evalset, tr.executor, 1))
+    with pytest.raises(
+        ConfigError, match=r"data.eval_corpus gives 2 micro-batch\(es\) of 1 rows, fewer than the 3 ranks"
+    ):
+        EvalSet(cfg.data, world=3)
+    cfg.data.eval_corpus = write_jsonl(tmp_path / "cut.jsonl", [long_prompt])
+    with pytest.raises(ConfigError, match=r"data.eval_corpus: every target of its 1 micro-batch\(es\) is masked"):
+        EvalSet(cfg.data)

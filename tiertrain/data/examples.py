@@ -348,6 +348,10 @@ class ExampleBatches:
         self._last = None  # (the rows of the last step checked: not held through the run)
         return bad
 
+    def scored_targets(self, step: int, world: int = 1) -> int:
+        """Scored targets of step ``step`` over every rank, none refused (``scored``: refused)."""
+        return self._scored(step, world)
+
     def _scored(self, step: int, world: int) -> int:
         """Scored targets of step ``step``'s rows over every rank (a row's first token is no target)."""
         return sum(int(r[1][1:].sum()) for r in self._step_rows(step, world))

@@ -118,7 +118,9 @@ class EvalSet:
     rank ``i % world``'s, and those past the last whole multiple of ``world`` are left out, so
     that every rank runs as many (each pass is a collective)."""
 
-    def __init__(self, cfg: DataConfig) -> None:
+    def __init__(self, cfg: DataConfig, world: int = 1) -> None:
+        """``world``: the ranks that will share it (each needs a micro-batch: refused here, at start,
+        where fewer; as is a set whose every target is masked)."""
         if cfg.eval_corpus is None:
             raise ConfigError("data.eval_corpus is not set: there is no held-out text to take a validation loss on")
         self.cfg, self.scored, self.examples, self.corpus = cfg, None, None, None
@@ -138,6 +140,18 @@ class EvalSet:
         self.count = min(rows // B, cfg.eval_micro_batches or rows // B)
         if self.count == 0:
             raise ConfigError(f"data.eval_corpus: {short} or lower data.micro_batch_size")
+        if self.count < world:  # (each rank takes whole micro-batches: none would be left to any)
+            more = "raise data.eval_micro_batches, " if self.count < rows // B else ""
+            raise ConfigError(
+                f"data.eval_corpus gives {self.count} micro-batch(es) of {B} rows, fewer than the {world} ranks (each "
+                f"evaluates whole micro-batches); {more}give more held-out data, or lower data.micro_batch_size"
+            )
+        if self.examples is not None and self.total_scored(world) == 0:
+            raise ConfigError(
+                f"data.eval_corpus: every target of its {self.count} micro-batch(es) is masked (no completion within "
+                f"data.seq_len = {cfg.seq_len} tokens); give held-out examples whose completions fit, or raise "
+                "data.seq_len"
+            )
         if self.count < rows // B:  # the same rows each time, a part of the text: said
             log.info(
                 "validation: %d micro-batches of %d rows, %d of the %d rows data.eval_corpus gives "
@@ -151,7 +165,8 @@ class EvalSet:
         if self.examples is None:
             return None
         if self.scored is None:
-            self.scored = sum(self.examples.scored(i) for i in range(self.count - self.count % world))
+            # (a micro-batch of no scored target adds nothing: only a set of none is refused, at start)
+            self.scored = sum(self.examples.scored_targets(i) for i in range(self.count - self.count % world))
         return self.scored
 
     def positions(self, rank: int = 0, world: int = 1) -> list[torch.Tensor] | None:

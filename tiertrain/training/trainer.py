@@ -107,7 +107,9 @@ class Trainer:
         self._files_ours = False  # the plan's scratch files are this run's to remove (none was the user's)
         self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
-        self.evalset = EvalSet(cfg.data) if cfg.train.eval_every else None  # a bad eval corpus fails here, at start
+        self.evalset = (
+            EvalSet(cfg.data, self.group.world) if cfg.train.eval_every else None
+        )  # a bad eval corpus fails here, at start
         refuse_small_vocab(self.model, cfg, self.corpus, self.evalset)
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
         self.lock = ScratchLock(
