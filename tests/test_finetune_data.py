@@ -735,3 +735,28 @@ def test_held_out_examples_with_an_unscored_micro_batch_or_too_few_for_the_ranks
     cfg.data.eval_corpus = write_jsonl(tmp_path / "cut.jsonl", [long_prompt])
     with pytest.raises(ConfigError, match=r"data.eval_corpus: every target of its 1 micro-batch\(es\) is masked"):
         EvalSet(cfg.data)
+
+
+def test_a_damaged_cache_entry_is_made_again_and_a_failed_prepare_keeps_the_earlier_one(tmp_path, monkeypatch):
+    """A flipped byte in a cache entry's mask.bin (not a token file) failed every run, telling the
+    user to prepare again what they never prepared: it is made again. `prepare --output DIR`
+    over an earlier preparation with a bad row deleted that one's metadata before reading any
+    row: DIR was left unusable."""
+    from tiertrain.data import open_corpus
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, pc, _ = _finetune_data(tmp_path)
+    cfg = _finetune_cfg(tmp_path, pc, tok)
+    entry = open_corpus(cfg.data).data.path
+    with open(os.path.join(entry, "mask.bin"), "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    assert open_corpus(cfg.data).data.path == entry  # made again, read whole
+    out = str(tmp_path / "prepared")
+    prepare_examples([pc], out, tokenizer=tok, progress=False)
+    before = PreparedExamples(out).count
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "say yes", "completion": "yes"}, {"nothing": 1}])
+    with pytest.raises(Exception, match=r"bad.jsonl, line 2"):
+        prepare_examples([bad], out, tokenizer=tok, progress=False)
+    assert PreparedExamples(out).count == before

@@ -90,8 +90,6 @@ def write_examples(
 def _write_examples(
     out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int, describe: Callable[[], dict]
 ) -> dict:
-    if os.path.exists(os.path.join(out_dir, META)):
-        os.remove(os.path.join(out_dir, META))  # incomplete until rewritten
     tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
     count, crcs, longest = [0, 0], {"mask.bin": 0, "offsets.bin": 0}, 0
     scored = 0
@@ -119,6 +117,10 @@ def _write_examples(
             if write_tokens(os.path.join(out_dir, "ids.tokens"), ids(), vocab_size) == 0:
                 os.remove(os.path.join(out_dir, "ids.tokens"))
                 raise UsageError(f"prepare: the input holds no example; nothing written to {out_dir}")
+        # every row read and written (a bad row left an earlier preparation here whole): from here
+        # the directory is incomplete until its metadata is rewritten
+        if os.path.exists(os.path.join(out_dir, META)):
+            os.remove(os.path.join(out_dir, META))
         for name, path in tmp.items():
             os.replace(path, os.path.join(out_dir, name))
     finally:

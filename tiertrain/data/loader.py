@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig
+from ..errors import UsageError
 from .tokenizer import BYTES, TOKENIZER_FILES, ByteTokenizer, load_tokenizer, tokenizer_fingerprint
 from .tokens import read_tokens
 
@@ -260,8 +261,9 @@ def _as_prepared(cfg: DataConfig, meta: dict, path: str, what: str) -> None:
 
 
 def _damaged(prepared: str) -> str:
-    """Why a prepared directory's token files do not read whole ('' where they do: header,
-    size and checksum)."""
+    """Why a prepared directory does not read whole ('' where it does: its token files' headers,
+    sizes and checksums, then the rest's)."""
+    from .examples import PreparedExamples
     from .tokens import TokenFileError, read_tokens
 
     for name in sorted(os.listdir(prepared)):
@@ -270,6 +272,10 @@ def _damaged(prepared: str) -> str:
                 read_tokens(os.path.join(prepared, name), verify=True)
             except TokenFileError as exc:
                 return str(exc).split(";")[0]
+    try:  # the masks, offsets and metadata: their sizes and checksums (a damaged one failed every run)
+        PreparedExamples(prepared)
+    except (UsageError, OSError, ValueError) as exc:
+        return str(exc).split(";")[0]
     return ""
 
 
