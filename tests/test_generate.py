@@ -5,6 +5,7 @@ seed; stop tokens; bad input named."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -395,3 +396,21 @@ def test_a_streamed_completion_prints_whole_characters(capsys):
     show([])
     assert "".join(seen) + capsys.readouterr().out == "> café ☕ ok\n"
     assert all("\ufffd" not in s for s in seen) and seen[3] == "" and seen[4] == "é"  # é: two bytes
+
+
+def test_odd_prompts_and_padding_ids(tmp_path, llama_dir):
+    """A config's pad_token_id of -1 (some converted Llamas) padded rows of unequal prompts with
+    -1: an IndexError deep in the embedding (a device assert on CUDA); tuple prompts passed the
+    check, then failed to concatenate; a negative id went to the embedding unchecked."""
+    from tiertrain.config import ConfigError
+
+    path, hf = llama_dir
+    d = tmp_path / "pad"
+    shutil.copytree(path, d)
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "pad_token_id": -1}))
+    want = _hf_generate(hf, PROMPTS, 4)
+    assert generate(_cfg(tmp_path, str(d)), PROMPTS, Sampling(max_new_tokens=4)) == want
+    assert generate(_cfg(tmp_path, path), [tuple(p) for p in PROMPTS], Sampling(max_new_tokens=4)) == want
+    with pytest.raises(ConfigError, match=r"a prompt holds token id -2, outside the model's vocabulary \(0 to 255\)"):
+        generate(_cfg(tmp_path, path), [[1, -2, 3]], Sampling(max_new_tokens=2))

@@ -148,7 +148,8 @@ class _Decoding:
         if self.hf is not None:
             self.limit = getattr(self.hf, "max_position_embeddings", None) or getattr(self.hf, "n_positions", None)
             self.vocab = self.hf.vocab_size
-            self.pad = self.hf.pad_token_id if getattr(self.hf, "pad_token_id", None) is not None else 0
+            pad = getattr(self.hf, "pad_token_id", None)  # (-1 in some converted configs: any id does, masked)
+            self.pad = pad if isinstance(pad, int) and 0 <= pad < self.vocab else 0
             self.layers, self.kv_heads, self.head_dim = kv_shape(self.hf)
             self.dims = kv_dims(self.hf)
         else:  # the built-in GPT
@@ -177,7 +178,7 @@ class _Rows:
 
     def __init__(self, prompts: list[list[int]], dec: _Decoding, new_tokens: int) -> None:
         width, pad = max(len(p) for p in prompts), dec.pad
-        self.ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        self.ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         self.cache = dec.cache(width + new_tokens)  # its layers' memory: TieredKV's
         self.out: list[list[int]] = [[] for _ in prompts]
@@ -359,11 +360,11 @@ def _check(prompts: list[list[int]], sampling: Sampling, dec: _Decoding, tokeniz
     bad = [t for t in sampling.stop if not 0 <= t < dec.vocab]
     if bad:
         raise ConfigError(f"generate: stop token id {bad[0]} is outside the model's vocabulary (0 to {dec.vocab - 1})")
-    top = max(max(p) for p in prompts)
-    if top >= dec.vocab:
+    top, low = max(max(p) for p in prompts), min(min(p) for p in prompts)
+    if top >= dec.vocab or low < 0:
         raise ConfigError(
-            f"generate: a prompt holds token id {top}, outside the model's vocabulary ({dec.vocab}); "
-            "tokenize with the model's own tokenizer"
+            f"generate: a prompt holds token id {top if top >= dec.vocab else low}, outside the model's vocabulary "
+            f"(0 to {dec.vocab - 1}); tokenize with the model's own tokenizer"
         )
 
 
