@@ -760,3 +760,39 @@ def test_a_damaged_cache_entry_is_made_again_and_a_failed_prepare_keeps_the_earl
     with pytest.raises(Exception, match=r"bad.jsonl, line 2"):
         prepare_examples([bad], out, tokenizer=tok, progress=False)
     assert PreparedExamples(out).count == before
+
+
+def test_rows_a_tokenizer_or_its_template_cannot_take_are_named(tmp_path):
+    """A lone surrogate (valid JSON, no text) failed inside the tokenizer with a traceback that
+    named no row; a chat template's raise_exception (Gemma's "System role not supported") too;
+    a chat tokenizer without EOS padded rows with -1 (an IndexError in the embedding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiertrain.data.formats import DataError
+
+    tok = make_tokenizer(tmp_path / "tok")
+    (tmp_path / "s.jsonl").write_text('{"text": "hello world"}\n{"text": "hello \\ud83d world"}\n')
+    with pytest.raises(DataError, match=r"s.jsonl, line 2: field 'text' holds a lone surrogate \(U\+D83D at char"):
+        prepare_examples([str(tmp_path / "s.jsonl")], str(tmp_path / "s"), tokenizer=tok, progress=False)
+    strict = PreTrainedTokenizerFast.from_pretrained(tok)
+    strict.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + TEMPLATE
+    )  # noqa: E501
+    strict.save_pretrained(tmp_path / "strict")
+    src = write_jsonl(tmp_path / "c.jsonl", [CHAT])
+    with pytest.raises(
+        DataError,
+        match=r"c.jsonl, line 1: the tokenizer's chat template refuses this conversation: System role not supported",
+    ):  # noqa: E501
+        prepare_examples([src], str(tmp_path / "c"), tokenizer=str(tmp_path / "strict"), progress=False)
+    plain = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    no_eos = PreTrainedTokenizerFast(tokenizer_object=plain, unk_token="[UNK]", additional_special_tokens=WORDS[2:6])
+    no_eos.chat_template = TEMPLATE
+    no_eos.save_pretrained(tmp_path / "no-eos")
+    prepare_examples([src], str(tmp_path / "n"), tokenizer=str(tmp_path / "no-eos"), progress=False)
+    b = _batches(PreparedExamples(str(tmp_path / "n")), seq_len=64, micro_batch_size=1, micro_batches=1, packing=False)
+    ((x, _),) = b.batches(0)
+    assert int(x.min()) >= 0

@@ -262,7 +262,7 @@ class ExampleBatches:
         if not self.packing:
             ex = order[j]
             a, n = int(d.offsets[ex]), int(self.lengths[ex])
-            ids = np.full(self.T + 1, d.eos, np.int64)
+            ids = np.full(self.T + 1, max(d.eos, 0), np.int64)  # (-1: a chat tokenizer without EOS; pads are masked)
             mask = np.zeros(self.T + 1, np.uint8)
             ids[:n], mask[:n] = d.ids[a : a + n], d.mask[a : a + n]
             return ids, mask

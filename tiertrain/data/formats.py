@@ -150,7 +150,20 @@ def _text(where: str, row: Any, name: str, kind: str) -> str:
         raise DataError(f"{where}: field {name!r} must be a string, got {type(v).__name__}")
     if not v:
         raise DataError(f"{where}: field {name!r} is empty")
+    _encodable(where, name, v)
     return v
+
+
+def _encodable(where: str, name: str, v: str) -> None:
+    """``v`` is text (JSON's "\\ud83d" alone, half of a character's surrogate pair, is valid JSON
+    but no text: the tokenizers failed with a traceback that named no row)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{where}: field {name!r} holds a lone surrogate (U+{ord(v[exc.start]):04X} at character {exc.start + 1}), "
+            "half of a character cut in two; fix the row"
+        ) from None
 
 
 def detect_kind(where: str, row: Any) -> str:
@@ -204,6 +217,8 @@ class Renderer:
                     f"{where}: messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) "
                     "and 'content' (a string)"
                 )
+        for i, m in enumerate(msgs):
+            _encodable(where, f"messages[{i}].content", m["content"])
         if not any(m["role"] == "assistant" and m["content"] for m in msgs):
             raise DataError(f"{where}: no assistant message with content: nothing to learn from")
         tok = getattr(self.tok, "tok", None)
@@ -214,7 +229,12 @@ class Renderer:
             )
 
         def render(ms: list, gen: bool = False) -> str:
-            return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
+            from jinja2 import TemplateError
+
+            try:
+                return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
+            except TemplateError as exc:  # its raise_exception(): "System role not supported", roles' order
+                raise DataError(f"{where}: the tokenizer's chat template refuses this conversation: {exc}") from None
 
         full = render(msgs)
         spans = []
