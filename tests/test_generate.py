@@ -128,7 +128,7 @@ def test_bad_input_is_named(tmp_path, model_dir):
         rf"the model's context \({limit}\)",
     ):
         generate(cfg, [[1] * 7], Sampling(max_new_tokens=limit - 4))
-    with pytest.raises(ConfigError, match=r"token id 300, outside the model's vocabulary \(256\)"):
+    with pytest.raises(ConfigError, match=r"token id 300, outside the model's vocabulary \(0 to 255\)"):
         generate(cfg, [[1, 300]])
     with pytest.raises(ConfigError, match=r"the tokenizer has 300 tokens, more than the model's vocabulary \(256\)"):
         generate(cfg, [[1, 2]], tokenizer_vocab=300)
@@ -414,3 +414,29 @@ def test_odd_prompts_and_padding_ids(tmp_path, llama_dir):
     assert generate(_cfg(tmp_path, path), [tuple(p) for p in PROMPTS], Sampling(max_new_tokens=4)) == want
     with pytest.raises(ConfigError, match=r"a prompt holds token id -2, outside the model's vocabulary \(0 to 255\)"):
         generate(_cfg(tmp_path, path), [[1, -2, 3]], Sampling(max_new_tokens=2))
+
+
+def test_a_text_prompt_is_encoded_as_the_tokenizer_does_by_default(tmp_path, llama_dir):
+    """`generate --prompt X` encoded X without the tokenizer's special tokens: a Llama's or
+    Gemma's BOS was missing, so the model got other ids than `model.generate(**tok(X))`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tiertrain.inference.prompts import run_generate
+
+    path, hf = llama_dir
+    d = tmp_path / "with-bos"
+    shutil.copytree(path, d)
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "how", "are", "you"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    enc = tok("hello world how", return_tensors="pt")
+    assert enc["input_ids"][0, 0].item() == 1  # the BOS the tokenizer adds
+    want = hf.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, enc["input_ids"].shape[1] :]
+    cfg = _cfg(tmp_path, str(d))
+    cfg.data.tokenizer = str(d)  # (as the config finds it in the model's directory)
+    run_generate(cfg, ["hello world how"], Sampling(max_new_tokens=4), out=str(tmp_path / "o.jsonl"))
+    assert json.loads((tmp_path / "o.jsonl").read_text())["tokens"] == want.tolist()

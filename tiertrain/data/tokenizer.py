@@ -35,6 +35,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    encode_prompt = encode  # (no special tokens to add)
+
     def decode(self, ids: list[int]) -> str:
         """Ids past the bytes (a model with a larger vocabulary) have no text: U+FFFD each."""
         out, run = [], bytearray()
@@ -57,6 +59,11 @@ class _HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as ``tokenizer(text)`` makes it (what ``model.generate(**tok(text))`` gets):
+        with the special tokens the tokenizer adds, a BOS where it has one (Llama, Gemma)."""
+        return self.tok(text)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)

@@ -114,7 +114,7 @@ def run_generate(
     """Generate after every prompt; print (or write) the results; return the completions.
     ``weights``: a ``WeightSource`` (a checkpoint's) instead of the model directory's."""
     tok = _tokenizer(cfg)
-    prompts = [tok.encode(t) for t in texts]
+    prompts = [tok.encode_prompt(t) for t in texts]  # (as tokenizer(text): its BOS where it adds one)
     for t, p in zip(texts, prompts):
         if not p:
             raise ConfigError(f"generate: the prompt {t!r} has no tokens")
