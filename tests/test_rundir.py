@@ -375,3 +375,17 @@ def test_more_steps_on_resume_say_the_schedule_they_now_follow(tmp_path, capsys)
     assert main(["train", "--resume", str(tmp_path / "b" / "run"), "--train.steps=9", "--optim.lr=1e-3"]) == 0
     err = capsys.readouterr().err
     assert "step 4 takes 0.000628 where step 3 took 0.001" in err and "--optim.lr=0.001" in err, err
+
+
+def test_overwrite_takes_checkpoints_another_rank_deleted_first(tmp_path, monkeypatch):
+    """Ranks sharing a checkpoint.dir each delete the earlier run's checkpoints under
+    train.overwrite, at once: the one that came second failed with a FileNotFoundError
+    traceback. Gone is gone."""
+    import tiertrain.training.rundir as rundir
+
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", "--checkpoint.keep=2")]) == 0
+    root = tmp_path / "run" / "checkpoints"
+    real = rundir.list_checkpoints(str(root))
+    monkeypatch.setattr(rundir, "list_checkpoints", lambda r: [*real, str(root / "step-00000009")])  # (deleted)
+    rundir.RunDir(str(tmp_path / "run"), str(root)).start_fresh(overwrite=True)
+    assert not list(root.iterdir()) and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -110,12 +110,11 @@ class RunDir:
                 self.checkpoint_root,
                 ", ".join(os.path.basename(c) for c in gone[:4]) + (", ..." if len(gone) > 4 else ""),
             )
-        for ck in gone:
-            shutil.rmtree(ck)
+        for ck in gone:  # (ranks sharing a checkpoint.dir delete the same ones at once: gone is gone)
+            shutil.rmtree(ck, onerror=_gone_is_fine)
         for name in (METRICS, CONFIG):
-            p = os.path.join(self.path, name)
-            if os.path.exists(p):
-                os.remove(p)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.path, name))
 
     def continue_metrics(self, step: int) -> int:
         """Keep the metrics of steps up to ``step`` (a resumed checkpoint's); move the rest (a
@@ -307,6 +306,13 @@ def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -
         tree["io"]["paths"] = paths
     tree["train"]["run_dir"] = new_run
     log.info("the run directory %s was copied or moved to %s: the resumed run writes there", run_dir, new_run)
+
+
+def _gone_is_fine(fn, path: str, exc_info) -> None:
+    """``shutil.rmtree``'s error handler: a file or directory another process removed first is
+    no error; anything else is."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
 
 
 def clean_leftovers(
