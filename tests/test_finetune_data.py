@@ -796,3 +796,23 @@ def test_rows_a_tokenizer_or_its_template_cannot_take_are_named(tmp_path):
     b = _batches(PreparedExamples(str(tmp_path / "n")), seq_len=64, micro_batch_size=1, micro_batches=1, packing=False)
     ((x, _),) = b.batches(0)
     assert int(x.min()) >= 0
+
+
+def test_errors_of_rows_a_run_prepares_name_its_settings(tmp_path, monkeypatch):
+    """Rows a run prepares into its cache: an empty file said "prepare: the input holds no
+    example; nothing written to ~/.cache/tiertrain/prepared/<key>", and a directory that is no
+    tokenizer was "prepare --tokenizer", options of a command the user never ran."""
+    from tiertrain.data import open_corpus
+    from tiertrain.errors import UsageError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, pc, _ = _finetune_data(tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(UsageError, match=rf"^data.corpus = {empty} holds no example; give rows$"):
+        open_corpus(_finetune_cfg(tmp_path, str(empty), tok).data)
+    (tmp_path / "not-a-tokenizer").mkdir()
+    (tmp_path / "not-a-tokenizer" / "tokenizer.json").write_text("{}")
+    with pytest.raises(Exception, match=r"^data.tokenizer = ") as got:
+        open_corpus(_finetune_cfg(tmp_path, pc, str(tmp_path / "not-a-tokenizer")).data)
+    assert "prepare" not in str(got.value)

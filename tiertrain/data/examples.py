@@ -69,15 +69,22 @@ def is_prepared(path: str) -> bool:
 
 
 def write_examples(
-    out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int, describe: Callable[[], dict]
+    out_dir: str,
+    examples: Iterable[Example],
+    *,
+    vocab_size: int,
+    eos: int,
+    describe: Callable[[], dict],
+    empty: str | None = None,
 ) -> dict:
     """Write ``examples`` (streamed) as a prepared directory; its metadata returned
     (``describe()``'s fields, asked once every example is written, added). A failure (bad data,
-    no example, Ctrl-C) leaves none of what it wrote, nor the directory where it made it."""
+    no example, Ctrl-C) leaves none of what it wrote, nor the directory where it made it.
+    ``empty``: the error where there is no example (else the ``prepare`` command's)."""
     made = missing_dirs(out_dir)  # it and its parents that are not there yet
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return _write_examples(out_dir, examples, vocab_size=vocab_size, eos=eos, describe=describe)
+        return _write_examples(out_dir, examples, vocab_size=vocab_size, eos=eos, describe=describe, empty=empty)
     except BaseException:
         for name in ("ids.tokens", "mask.bin", "offsets.bin", META + ".tmp"):
             path = os.path.join(out_dir, name)
@@ -88,7 +95,13 @@ def write_examples(
 
 
 def _write_examples(
-    out_dir: str, examples: Iterable[Example], *, vocab_size: int, eos: int, describe: Callable[[], dict]
+    out_dir: str,
+    examples: Iterable[Example],
+    *,
+    vocab_size: int,
+    eos: int,
+    describe: Callable[[], dict],
+    empty: str | None,
 ) -> dict:
     tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
     count, crcs, longest = [0, 0], {"mask.bin": 0, "offsets.bin": 0}, 0
@@ -116,7 +129,7 @@ def _write_examples(
 
             if write_tokens(os.path.join(out_dir, "ids.tokens"), ids(), vocab_size) == 0:
                 os.remove(os.path.join(out_dir, "ids.tokens"))
-                raise UsageError(f"prepare: the input holds no example; nothing written to {out_dir}")
+                raise UsageError(empty or f"prepare: the input holds no example; nothing written to {out_dir}")
         # every row read and written (a bad row left an earlier preparation here whole): from here
         # the directory is incomplete until its metadata is rewritten
         if os.path.exists(os.path.join(out_dir, META)):

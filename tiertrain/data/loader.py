@@ -322,7 +322,7 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
         shutil.rmtree(out)
     prune_cache(os.path.dirname(out))
     log.info("%s: preparing %s into %s (once)", what, path, out)
-    prepare_examples([path], out, tokenizer=cfg.tokenizer, kind=cfg.format, mask_prompt=cfg.mask_prompt)
+    prepare_examples([path], out, tokenizer=cfg.tokenizer, kind=cfg.format, mask_prompt=cfg.mask_prompt, what=what)
     return out
 
 

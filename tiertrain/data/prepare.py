@@ -60,9 +60,12 @@ def prepare_examples(
     kind: str = "auto",
     mask_prompt: bool = True,
     progress: bool = True,
+    what: str | None = None,
 ) -> dict:
     """Render every row of ``inputs`` (in order) into the prepared directory ``output``; its
-    metadata returned (examples, tokens, scored targets)."""
+    metadata returned (examples, tokens, scored targets). ``what``: the setting that named the
+    input where a run prepares it into its cache (``data.corpus``): its errors name that and
+    ``data.tokenizer``, not this command's options and the cache's directory."""
     from .examples import write_examples
     from .formats import KINDS, Renderer, read_rows
 
@@ -74,7 +77,7 @@ def prepare_examples(
     if os.path.isfile(output):
         raise UsageError(f"prepare --output {output} is a file; prepared examples are a directory: give a new one")
     check_writable_dir("prepare --output", output, UsageError)  # before the rows are read
-    tok = load_tokenizer(tokenizer, what="prepare --tokenizer")
+    tok = load_tokenizer(tokenizer, what="data.tokenizer" if what else "prepare --tokenizer")
     render = Renderer(tok, kind, mask_prompt=mask_prompt)
 
     def examples():
@@ -97,6 +100,7 @@ def prepare_examples(
             tokenizer_sha=tokenizer_fingerprint(tokenizer),
             mask_prompt=mask_prompt,
         ),
+        empty=f"{what} = {inputs[0]} holds no example; give rows" if what else None,
     )
 
 
