@@ -30,7 +30,7 @@ from ..state.scales import ScaleLayout
 from .adamw8bit import eight_bit
 from .base import GradSink, ParamSource, Update, UpdateStats
 from .speculate import Speculation
-from .streamed import StreamedOptimizer, optimizer_states
+from .streamed import StreamedOptimizer, optimizer_states, update_set_bytes
 
 __all__ = ["BaselineUpdate", "RegionParams", "RegionGrads"]
 
@@ -97,7 +97,9 @@ class BaselineUpdate(Update):
 
     @classmethod
     def fixed_pools(cls, cfg: Config, rt) -> dict[str, int]:
-        pools = {"update buffers": 3 * (cfg.memory.update_buffer_kib << 10)}  # the streamed optimizer's sets
+        # the streamed optimizer's three sets
+        one = update_set_bytes(cfg, rt.dtype, rt.align, rt.layout.max_unit_numel)
+        pools = {"update buffers": 3 * one}
         if eight_bit(cfg.optim):  # a record of scales a unit in flight (``StreamedOptimizer``)
             pools["8-bit states' scales"] = 3 * 4 * ScaleLayout(rt.state_layout).max_unit_numel
         return pools

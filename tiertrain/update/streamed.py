@@ -30,7 +30,7 @@ from .adamw8bit import adamw8bit_segments, align_dtype, eight_bit
 from .base import UpdateStats
 from .kernels import adamw_segments, sgd_segments
 
-__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_sizes", "optimizer_states"]
+__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_sizes", "optimizer_states", "update_set_bytes"]
 
 F32 = torch.float32
 
@@ -61,6 +61,36 @@ class _BufferSet:
             setattr(self, name, self.slab[pos : pos + n].view(d))
             pos += n
         self.nbytes = total
+
+
+def _per_elem(cfg: OptimConfig, pdtype: torch.dtype) -> int:
+    """Bytes a buffer set holds per element (``_BufferSet``): parameters and gradients, the
+    moments, an fp32 gradient and master weight for lower-precision parameters."""
+    mdtype = torch.uint8 if eight_bit(cfg) else F32
+    moments = 2 if cfg.name != "sgd" else 1
+    return 2 * pdtype.itemsize + mdtype.itemsize * moments + (8 if pdtype != F32 else 0)
+
+
+def update_chunk(cfg: OptimConfig, pdtype: torch.dtype, record_align: int, buffer_bytes: int, max_numel: int) -> int:
+    """Elements of one chunk of the streamed optimizer: ``buffer_bytes`` (``memory.update_buffer_kib``)
+    of them in whole aligned steps, at most a unit's (``max_numel``), and at least one step:
+    chunks start at multiples of a step, whole checksum blocks (``record_align`` bytes) in every
+    state file and multiples of 64 elements per parameter (the fused kernel's exactness; 8-bit
+    states: of 256, their blocks, as parameters then start on them). One step can be more than
+    ``buffer_bytes`` (large checksum blocks, 8-bit states): ``update_set_bytes`` counts it."""
+    per_elem, step = _per_elem(cfg, pdtype), chunk_align(record_align, align_dtype(cfg, pdtype))
+    chunk = max(step, (buffer_bytes // per_elem) // step * step)
+    return max(step, min(chunk, -(-max_numel // step) * step))
+
+
+def update_set_bytes(cfg, dtype: torch.dtype, record_align: int, max_numel: int) -> int:
+    """What one of the streamed optimizer's three buffer sets holds (``cfg``: the run's Config),
+    for the budget's fixed pools: ``memory.update_buffer_kib``, or one aligned chunk where that
+    is more (it was counted as the setting alone: 32 MiB budgeted for 64 with 16 MiB checksum
+    blocks, 8 for 14 with 8-bit states in bf16)."""
+    buffer_bytes = cfg.memory.update_buffer_kib << 10
+    chunk = update_chunk(cfg.optim, dtype, record_align, buffer_bytes, max_numel)
+    return max(buffer_bytes, chunk * _per_elem(cfg.optim, dtype))
 
 
 def optimizer_states(
@@ -156,13 +186,7 @@ class StreamedOptimizer:
         self.eight_bit = eight_bit(cfg)
         moments = 2 if self.adamw else 1
         mdtype = torch.uint8 if self.eight_bit else F32
-        per_elem = 2 * pdtype.itemsize + mdtype.itemsize * moments + (8 if self.has_master else 0)
-        # Chunks start at multiples of `step` elements: whole checksum blocks in every state
-        # file and multiples of 64 elements per parameter (the fused kernel's exactness; 8-bit
-        # states: of 256, their blocks, as parameters then start on them).
-        step = chunk_align(storage.record_align, align_dtype(cfg, pdtype))
-        chunk = max(step, (buffer_bytes // per_elem) // step * step)
-        self.chunk = max(step, min(chunk, -(-layout.max_unit_numel // step) * step))
+        self.chunk = update_chunk(cfg, pdtype, storage.record_align, buffer_bytes, layout.max_unit_numel)
         scales = ScaleLayout(layout) if self.eight_bit else None  # fp32 records
         regions = {d.name: build_region(scales if d.name == "exp_avg_scales" else layout, storage, d) for d in states}
         self.m = regions["exp_avg" if self.adamw else "momentum"]

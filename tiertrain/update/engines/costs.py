@@ -18,6 +18,7 @@ def engine_pools(cfg: Config, rt) -> dict[str, int]:
     from ...state.layout import chunk_align
     from ...state.scales import ScaleLayout
     from ..adamw8bit import eight_bit
+    from ..streamed import update_set_bytes
     from .decl import engine_slot_bytes, slice_views
 
     m, chunk = cfg.memory, cfg.io.chunk_kib << 10
@@ -26,7 +27,9 @@ def engine_pools(cfg: Config, rt) -> dict[str, int]:
         "engine slots (shared)": engine_slot_bytes(rt.layout, n, rt.align, rt.dtype),
         # update sets and two I/O queues each; the read-ahead (with its units' 8-bit scales) is
         # the engines' together, each taking its share (``StreamedOptimizer._ahead_fit``)
-        "engine buffers": n * (3 * (m.update_buffer_kib << 10) + 2 * 2 * 2 * chunk) + (m.engine_read_ahead_mib << 20),
+        "engine buffers": n
+        * (3 * update_set_bytes(cfg, rt.dtype, rt.align, rt.layout.max_unit_numel) + 2 * 2 * 2 * chunk)
+        + (m.engine_read_ahead_mib << 20),
         "engine interpreters": n * ENGINE_PROCESS,
     }
     if eight_bit(cfg.optim):  # each engine's three sets' units' records of scales (fp32)
