@@ -390,3 +390,26 @@ def test_plan_shows_where_activations_go_and_their_bytes(tmp_path):
     )
     assert "| activations | activations on the storage tier |" in out  # its file, claimed at start
     assert "activations " in out.split("by state (read / write GB):")[1].splitlines()[0]
+
+
+def test_a_failed_steps_prefetch_of_the_stash_is_not_the_next_steps_entry(tmp_path):
+    """A step that failed after the backward prefetched a spilled hidden state left the read in
+    the stash: the next step's get of that entry returned it, the old step's value, though its
+    put had just rewritten the entry (the executor clears the stash with the rest now)."""
+    from tiertrain.activations.stash import HiddenStash
+    from tiertrain.device.core import Device
+    from tiertrain.io import Storage
+
+    st = Storage([str(tmp_path / "s")], chunk_bytes=1 << 20, checksum_block=1 << 16)
+    s = HiddenStash(st, Device(), shape=(1024,), dtype=torch.float32, entries=4, host_bytes=4096, micro_batches=1)
+    assert s.spilled >= 2
+    for i in range(4):
+        s.put(i, torch.full((1024,), float(i)))
+    s.prefetch(1)  # ... and the step fails
+    s.clear()
+    for i in range(4):
+        s.put(i, torch.full((1024,), 100.0 + i))
+    assert s.get(1)[0].item() == 101.0
+    s.free(1)
+    s.close()
+    st.close()

@@ -18,6 +18,7 @@ once its download is seen done, and a spill buffer is given back once its upload
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -297,16 +298,28 @@ class HiddenStash:
             self._uploading.append(held)  # given back once its upload has run, found by query
             self._free_uploaded(block=False)
 
-    def close(self) -> None:
+    def clear(self) -> None:
+        """Forget what a step left (one that failed half-way): every copy, write and read waited
+        for, every spill buffer given back. (A prefetch left over was taken by the next step for
+        its entry of that index, which its ``put`` had rewritten: the old step's hidden state came
+        back.) A read's own error is no concern of the next step: it reads again."""
         for ev in [*self._down.values(), *self._up.values()]:  # no copy may still use the host slots
             self.dev.sync(ev)
         self._down, self._up = {}, {}
         self._wait_writes()
+        self._uploading += list(self._held.values())
+        self._held.clear()
         while self._uploading:
             self._free_uploaded(block=True)
-        for fut, buf in self._reads.values():
-            fut.get()
+        reads, self._reads = list(self._reads.values()), {}
+        for fut, buf in reads:
+            with contextlib.suppress(Exception):
+                fut.get()
             buf.release()
-        self._reads.clear()
-        if self._file is not None:
-            self._file.close()
+
+    def close(self) -> None:
+        try:
+            self.clear()
+        finally:  # (its descriptors, whatever a wait raised)
+            if self._file is not None:
+                self._file.close()

@@ -382,6 +382,7 @@ class LayerMajorExecutor(VocabSteps):
             self.model.routers.clear()
         if self.offloaded is not None:
             self.offloaded.clear()
+        self.stash.clear()  # (a prefetch left by a failed step read back its hidden state for this one)
         self.kept_pairs = 0
         self._tied = self.tied_rows if M > 1 else None
         if self._tied is not None:
