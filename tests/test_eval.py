@@ -268,3 +268,15 @@ def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):
         caplog.clear()
         assert "eval_loss" not in tr.train_step().extra
         assert "step 3: its validation cut short by SIGTERM to another rank (no validation loss)" in caplog.text
+
+
+def test_eval_takes_the_config_files_number_of_micro_batches(tmp_path, capsys):
+    """`eval --config FILE` with data.eval_micro_batches in the file scored the whole text: the
+    command's default (all of it) was put on top as a flag."""
+    from tiertrain.cli import main
+
+    conf = tmp_path / "ev.toml"
+    conf.write_text(f'[data]\neval_corpus = "{_text(tmp_path)}"\neval_micro_batches = 1\nseq_len = 32\n')
+    model = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4"]
+    assert main(["eval", "--config", str(conf), *model]) == 0
+    assert "in 1 micro-batches" in capsys.readouterr().out

@@ -89,9 +89,12 @@ def test_relative_paths_resume_and_export_from_another_directory(tmp_path, monke
     a.mkdir(), b.mkdir()
     monkeypatch.chdir(a)
     flags = [f for f in tiny_flags(tmp_path) if not f.startswith(("--io.paths", "--train.run_dir"))]
-    assert main(["train", "--io.paths=ssd", "--train.run_dir=run", *flags]) == 0
+    (a / "val.txt").write_text("in the beginning was the word " * 40)  # (a relative eval corpus stayed relative)
+    ev = ["--data.eval_corpus=val.txt", "--train.eval_every=1", "--data.eval_micro_batches=1"]
+    assert main(["train", "--io.paths=ssd", "--train.run_dir=run", *flags, *ev]) == 0
     man = Manifest.read(str(a / "run" / "checkpoints" / "step-00000002"))
     assert man.config["io"]["paths"] == [str(a / "ssd")] and man.config["train"]["run_dir"] == str(a / "run")
+    assert man.config["data"]["eval_corpus"] == str(a / "val.txt")
     monkeypatch.chdir(b)
     assert main(["train", f"--resume={a / 'run'}", "--train.steps=3"]) == 0
     assert names(a / "run" / "checkpoints") == ["step-00000002", "step-00000003"]  # the original run directory

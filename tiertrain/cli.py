@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Iterator, Sequence
 
-from .config import ConfigError, config_reference, load_config
+from .config import ConfigError, config_reference, load_config, read_toml
 from .errors import TiertrainError, UsageError, one_line
 from .paths import missing_dirs
 
@@ -254,7 +254,8 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
     from .paths import prepare_output_file
 
-    if not any(o.startswith("--data.eval_micro_batches") for o in overrides):
+    in_file = (read_toml(args.config).get("data") or {}) if args.config else {}
+    if not any(o.startswith("--data.eval_micro_batches") for o in overrides) and "eval_micro_batches" not in in_file:
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
     out = prepare_output_file("eval --out", args.out) if args.out else None  # before the work, not after
     if args.checkpoint:

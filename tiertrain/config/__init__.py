@@ -183,8 +183,10 @@ class Config:
             value = getattr(getattr(out, sec), name)
             if value is not None and (sec, value) != ("data", "bytes"):
                 setattr(getattr(out, sec), name, ab(value))
-        if out.data.corpus != "bundled":
-            out.data.corpus = ab(out.data.corpus)
+        for name in ("corpus", "eval_corpus"):  # (a relative eval corpus resumed elsewhere: not found, or another)
+            value = getattr(out.data, name)
+            if value is not None and value != "bundled":
+                setattr(out.data, name, ab(value))
         return out
 
     def validate(self) -> "Config":
