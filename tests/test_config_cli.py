@@ -52,6 +52,14 @@ def test_toml_then_flags(tmp_path):
         (["--train.run_dir", "--train.steps=1"], r"^--train\.run_dir needs a value: --train\.run_dir=VALUE$"),
         (["--train.overwrite", "--train.steps=3"], r"^--train\.overwrite needs a value"),
         (["steps=3"], r"unexpected argument 'steps=3': overrides look like --section\.field=value"),
+        # a negative data seed failed at the first step, leaving a run directory that refused the next run;
+        # a seed past 64 bits overflowed; a Llama with heads of odd size failed in its rotary embedding
+        (["--data.seed=-1"], r"data\.seed = -1: must be between 0 and 9223372036854775807"),
+        (["--train.seed=99999999999999999999"], r"train\.seed = 99999999999999999999: must be between 0 and"),
+        (
+            ["--model.kind=llama", "--model.d_model=12", "--model.n_heads=4"],
+            r"model\.d_model = 12: gives heads of 3 \(/ model\.n_heads\): a Llama's rotary embeddings need an even",
+        ),
     ],
 )
 def test_bad_configs_name_field_value_and_fix(flags, match):

@@ -249,6 +249,11 @@ class ModelConfig(Section):
             self._at_least(name, 1)
         if self.d_model % self.n_heads:
             self._fail("d_model", f"must be divisible by model.n_heads ({self.n_heads})")
+        if self.kind == "llama" and self.d_model // self.n_heads % 2:  # rotary pairs a head's dimensions
+            hd = self.d_model // self.n_heads
+            self._fail(
+                "d_model", f"gives heads of {hd} (/ model.n_heads): a Llama's rotary embeddings need an even size"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             self._fail("n_kv_heads", f"must divide model.n_heads ({self.n_heads})")
         if self.d_ff is not None:
@@ -380,6 +385,7 @@ class DataConfig(Section):
         for name in ("seq_len", "micro_batch_size", "micro_batches"):
             self._at_least(name, 1)
         self._at_least("eval_micro_batches", 0)
+        self._in_range("seed", 0, 2**63 - 1)  # (numpy's generators: a negative one failed at the first step)
         self._one_of("format", ("auto", "text", "completion", "chat"))
         self._one_of("long_examples", ("truncate", "drop"))
         self._one_of("packed_attention", ("document", "row"))
@@ -578,6 +584,7 @@ class TrainConfig(Section):
     )
 
     def __post_init__(self) -> None:
+        self._in_range("seed", 0, 2**63 - 1)  # (torch's generators: larger overflowed at the start)
         if not self.run_dir.strip():  # '' would be the current directory, unnamed
             self._fail("run_dir", "empty: name a directory ('.' for the current one)")
         if self.tensorboard and env_checks():
