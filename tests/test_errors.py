@@ -531,3 +531,15 @@ def test_a_disk_probe_over_several_paths_asks_each_filesystem_its_share(tmpfs):
         probe_fits(4, [str(a / "x"), str(a / "y")], stripe_kib=1024)  # one filesystem holds both shares
     with pytest.raises(UsageError, match=r"--probe-mib = 8: the disk probe writes 8 MiB into"):
         probe_fits(8, [str(a), str(b)], stripe_kib=1024)
+
+
+def test_plan_checks_its_paths_and_plans_top_k_on_the_engines(tmp_path, capsys):
+    """`plan --io.paths=FILE` ended in a FileExistsError traceback (/proc/x: "give a smaller
+    --probe-mib"); `plan` of a valid engines run with top-k failed, comparing the other update
+    paths, which cannot run top-k ("update.topk ... set update.mode = 'engines'")."""
+    (tmp_path / "file").write_text("x")
+    flags = [f for f in tiny_flags(tmp_path / "p") if not f.startswith("--io.paths")]
+    line = one_line_error(capsys, ["plan", "--probe-mib=1", f"--io.paths={tmp_path / 'file'}", *flags])
+    assert "io.paths" in line and str(tmp_path / "file") in line, line
+    topk = ["--update.mode=engines", "--update.topk=0.1"]
+    assert main(["plan", "--probe-mib=1", *tiny_flags(tmp_path / "q"), *topk]) == 0

@@ -203,11 +203,14 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
 
 def _cmd_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .cost.probe import probe_fits
+    from .paths import check_writable_dir
     from .runtime import Runtime
 
     if args.probe_mib < 1:
         raise ConfigError(f"--probe-mib = {args.probe_mib}: measure at least 1 MiB (default 256)")
     cfg = load_config(args.config, overrides).absolute()
+    for p in cfg.io.paths:  # (a file there, or /proc: tracebacks, or "give a smaller --probe-mib")
+        check_writable_dir("io.paths", p)
     probe_fits(args.probe_mib, cfg.io.paths, cfg.io.stripe_kib)
     fresh = [d for p in cfg.io.paths for d in missing_dirs(p)]  # the probe makes them: gone again after
     rt = Runtime(cfg)
