@@ -28,12 +28,16 @@ __all__ = ["DecoderEmbed", "DecoderBlock", "CausalLMHead", "layer_decoder", "lay
 def layer_types(config: Any) -> list[str]:
     """Each layer's attention type, as the model's forward picks its mask: ``config.layer_types``
     where the config has them (Qwen2, Qwen3, Gemma 2 and 3), else every layer sliding where
-    ``config.sliding_window`` is set (Mistral, Phi-3), else every layer full."""
+    ``config.sliding_window`` is set in a family whose forward goes by it (Mistral, Phi-3:
+    ``Family.window_slides``; a Llama config carrying the key from a conversion attends in full,
+    as its forward does), else every layer full."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
     if types:
         return list(types[:n])
-    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n
+    family = family_of(config)
+    slides = getattr(config, "sliding_window", None) is not None and (family is None or family.window_slides)
+    return [SLIDING if slides else FULL] * n
 
 
 class DecoderEmbed(nn.Module):

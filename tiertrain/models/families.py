@@ -51,14 +51,17 @@ class Family:
     logit_softcap: str | None = None
     attention: str = "sdpa"
     aux_inexact_unless_zero: str | None = None
+    # every layer slides where config.sliding_window is set and there are no layer_types (the
+    # forward picks its mask on it); the other families' configs may carry the key unused
+    window_slides: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama"),
-    "mistral": Family("Mistral"),
+    "mistral": Family("Mistral", window_slides=True),
     "qwen2": Family("Qwen2"),
     "qwen3": Family("Qwen3"),
-    "phi3": Family("Phi-3"),
+    "phi3": Family("Phi-3", window_slides=True),
     "olmo2": Family("OLMo 2"),
     "gemma": Family("Gemma"),  # its embeddings scaled within its embedding module
     "gemma2": Family("Gemma 2", logit_softcap="final_logit_softcapping", attention="eager"),
@@ -77,7 +80,7 @@ FAMILIES: dict[str, Family] = {
     "nemotron": Family("Nemotron"),
     "hunyuan_v1_dense": Family("Hunyuan"),
     "ernie4_5": Family("ERNIE 4.5"),
-    "starcoder2": Family("Starcoder 2", embed_dropout_p="embedding_dropout"),
+    "starcoder2": Family("Starcoder 2", embed_dropout_p="embedding_dropout", window_slides=True),
     "arcee": Family("Arcee"),
     "apertus": Family("Apertus"),
     "ministral": Family("Ministral"),
@@ -85,7 +88,7 @@ FAMILIES: dict[str, Family] = {
     "cohere2": Family("Command R7B", logits_multiplier="logit_scale"),
     "seed_oss": Family("Seed-OSS"),
     "olmo3": Family("OLMo 3"),
-    "ministral3": Family("Ministral 3"),
+    "ministral3": Family("Ministral 3", window_slides=True),
     "apertus1p5_text": Family("Apertus 1.5"),
     "bitnet": Family("BitNet"),
     "cwm": Family("CWM"),
@@ -100,9 +103,9 @@ FAMILIES: dict[str, Family] = {
     "hyperclovax": Family("HyperCLOVA X", embed_multiplier="embedding_multiplier", logits_multiplier="logits_scaling"),
     # mixtures of experts: routers, experts (3-D parameters, converted from per-expert checkpoints,
     # ``convert.py``), shared experts, all inside the layer; the auxiliary loss: ``routers.py``
-    "mixtral": Family("Mixtral"),
+    "mixtral": Family("Mixtral", window_slides=True),
     "qwen2_moe": Family("Qwen2-MoE"),
-    "qwen3_moe": Family("Qwen3-MoE"),
+    "qwen3_moe": Family("Qwen3-MoE", window_slides=True),
     "olmoe": Family("OLMoE"),
     "gpt_oss": Family("gpt-oss", attention="eager"),  # its attention sinks have no SDPA kernel
     "deepseek_v3": Family("DeepSeek-V3"),  # multi-head latent attention; shared experts; no auxiliary loss
@@ -112,7 +115,7 @@ FAMILIES: dict[str, Family] = {
     "dots1": Family("dots.llm1"),
     "flex_olmo": Family("FlexOlmo"),
     # its input jitter draws random numbers in training, as dropout (exact at one micro-batch)
-    "phimoe": Family("Phi-MoE", aux_inexact_unless_zero="router_jitter_noise"),
+    "phimoe": Family("Phi-MoE", aux_inexact_unless_zero="router_jitter_noise", window_slides=True),
     "granitemoe": Family("Granite-MoE", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
     "llama4_text": Family("Llama 4 (text)"),  # chunked attention; no rotary on every fourth layer
     "jetmoe": Family("JetMoE"),

@@ -75,8 +75,12 @@ class EmbedPiece(nn.Embedding):
         out[mask] = F.embedding(ids[mask] - self.start, self.weight).to(out.dtype)
 
     def add_grad(self, grad: torch.Tensor, ids: torch.Tensor, dout: torch.Tensor) -> None:
-        """``grad[ids[i] - start] += dout[i]`` in token order, for the tokens in this piece."""
+        """``grad[ids[i] - start] += dout[i]`` in token order, for the tokens in this piece; none
+        for its padding row (``nn.Embedding``'s ``padding_idx``: the whole embedding's gradient
+        leaves that row at zero)."""
         mask = self.holds(ids)
+        if self.padding_idx is not None:
+            mask &= ids != self.start + self.padding_idx
         grad.index_add_(0, ids[mask] - self.start, dout[mask].to(grad.dtype))
 
 
