@@ -275,3 +275,30 @@ def test_the_padding_row_of_a_vocabulary_cut_into_pieces_gets_no_gradient(tmp_pa
     assert torch.equal(ref_w[emb][32], init[emb][32])  # the reference leaves it
     rows = {names[n]: t_ for n, t_ in w.items()}
     assert torch.equal(rows[emb][32], init[emb][32]), (rows[emb][32] - init[emb][32]).abs().max()
+
+
+def test_heads_whose_vocabulary_cannot_be_cut_are_named_and_apertus_output_vocabulary(tmp_path):
+    """Phi's output projection has a bias: model.vocab_pieces (or the planner, where the budget
+    was short) failed with a ValueError traceback; the planner now offers no cut and a given
+    one is refused by name. Apertus 1.5 with an output vocabulary smaller than its input one
+    failed in the loss ("Expected input batch_size (24) to match target batch_size (32)")."""
+    import transformers as t
+
+    from tiertrain.config import ConfigError
+    from tiertrain.models import auto_pieces, build_model
+
+    torch.manual_seed(0)
+    t.AutoModelForCausalLM.from_config(_config("phi")).save_pretrained(tmp_path / "phi")
+    cfg = _family_config(tmp_path, str(tmp_path / "phi"))
+    assert auto_pieces(build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]) is None
+    cfg.model.vocab_pieces = 2
+    with pytest.raises(
+        ConfigError,
+        match=r"model.vocab_pieces = 2: this model's vocabulary cannot be cut into pieces \(its output projection has a bias",
+    ):  # noqa: E501
+        build_model(cfg.model, param_dtype=torch.float32, seed=0)
+    conf = t.AutoConfig.for_model(
+        "apertus1p5_text", **{**COMMON, "tie_word_embeddings": False}, output_vocab_size=COMMON["vocab_size"] - 16
+    )  # noqa: E501
+    t.AutoModelForCausalLM.from_config(conf).save_pretrained(tmp_path / "ap")
+    tr, _ = assert_parity(_family_config(tmp_path / "b", str(tmp_path / "ap"), steps=2))

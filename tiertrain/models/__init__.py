@@ -175,6 +175,12 @@ def _cut(model: LayeredModel, cfg: ModelConfig) -> None:
             "use at most that many (or leave it unset)"
         )
     rows = rows_per_piece(cfg.vocab_pieces, vocab, dim, _block_numel(model))
+    problem = vocab_cut_problem(model) if rows < vocab else ""
+    if problem:
+        raise ConfigError(
+            f"model.vocab_pieces = {cfg.vocab_pieces}: this model's vocabulary cannot be cut into pieces ({problem}); "
+            "leave it unset"
+        )
     if rows < vocab:
         cut_vocab(model, rows)
 
@@ -197,9 +203,22 @@ def _block_numel(model: LayeredModel) -> int:
     return max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
 
 
+def vocab_cut_problem(model: LayeredModel) -> str:
+    """Why ``model``'s vocabulary matrices cannot be cut into row pieces ('' where they can)."""
+    emb, out = getattr(model.embed, model.embed.TOKENS), getattr(model.head, model.head.PROJ)
+    if out.bias is not None:
+        return "its output projection has a bias (Phi)"
+    if out.weight.shape[0] != emb.weight.shape[0]:
+        return f"its output vocabulary ({out.weight.shape[0]} rows) is not its input one ({emb.weight.shape[0]})"
+    return ""
+
+
 def auto_pieces(model: LayeredModel) -> int | None:
     """The fewest pieces of at most a block's elements that ``model``'s (uncut) vocabulary
-    matrix cuts into, or None where it is no larger than a block (cutting saves nothing)."""
+    matrix cuts into, or None where it is no larger than a block (cutting saves nothing) or
+    cannot be cut (``vocab_cut_problem``)."""
+    if vocab_cut_problem(model):
+        return None
     vocab, dim = getattr(model.embed, model.embed.TOKENS).weight.shape
     rows = rows_per_piece(None, vocab, dim, _block_numel(model))
     return None if rows >= vocab else -(-vocab // rows)

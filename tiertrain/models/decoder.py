@@ -127,7 +127,9 @@ class CausalLMHead(nn.Module):
         self.norm = norm
         self.lm_head = hf.lm_head
         object.__setattr__(self, "_loss", hf.loss_function)
-        self.vocab_size = hf.config.vocab_size
+        self.vocab_size = (
+            hf.lm_head.out_features
+        )  # the logits' (Apertus 1.5's output_vocab_size: fewer than the input's)
         config, f = hf.config, family or Family("")
         self._divisor = getattr(config, f.logits_divisor) if f.logits_divisor else None
         self._logit_scale = getattr(config, f.logits_multiplier) if f.logits_multiplier else None
