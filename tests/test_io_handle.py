@@ -357,3 +357,23 @@ def test_work_after_a_read_runs_once_in_the_thread_that_waits(tmp_path):
     with pytest.raises(OSError, match="Input/output error"):
         IOFuture([failed]).then(lambda: seen.append("ran")).get()
     assert "ran" not in seen
+
+
+def test_a_tail_write_takes_whole_pages_and_verify_needs_no_bounce_buffer(tmp_path):
+    """An O_DIRECT write of a file's unaligned tail wrote the whole checksum block (1 MiB for 100
+    bytes, past the space claimed until close cut it off: ENOSPC on a nearly full disk); verify()
+    held a bounce buffer while its own read of an unaligned tail needed one (with one, it hung)."""
+    import threading
+
+    p = str(tmp_path / "f.bin")
+    with FileHandle(p, "w", size=5000, checksum=True, checksum_block=1 << 20, chunk_bytes=1 << 20) as h:
+        h.write(bytearray(b"y" * 100), 100, 4900)
+        assert os.stat(p).st_size <= 8192, os.stat(p).st_size  # whole pages, not the 1 MiB block
+    assert os.stat(p).st_size == 5000
+    workers = IOWorkers("t", threads=2, chunk_bytes=1 << 20, bounce_buffers=1)
+    with FileHandle(p, "r", checksum=True, checksum_block=1 << 20, workers=workers) as h:
+        t = threading.Thread(target=lambda: h.verify(), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "verify() hung"
+    workers.shutdown()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import devcrc, gds
-from .align import ALIGN, as_bytes, round_down, round_up
+from .align import ALIGN, aligned_empty, as_bytes, round_down, round_up
 from .checksum import ChecksumTable, crc32c, sidecar_bytes, sidecar_path
 from .errors import ChecksumError, StorageError, TruncatedFileError
 from .future import IOFuture, PositionalIO
@@ -178,19 +178,21 @@ class FileHandle(PositionalIO):
         """Read the whole file and check every checksum block. Returns bytes checked."""
         if self._table is None:
             raise ValueError(f"{self.path} was opened without checksums; nothing to verify")
-        pool = self.workers.bounce()
-        checked = 0
+        # a buffer of its own: a read of an unaligned tail takes a bounce buffer (holding one of the
+        # pool here hung with one buffer, or two verifies at once)
+        buf, checked = aligned_empty(self.workers.chunk_bytes), 0
         for off in range(0, self._size, self.workers.chunk_bytes):
-            with pool.acquire() as buf:
-                n = min(self.workers.chunk_bytes, self._size - off)
-                checked += self.read(buf.tensor, n, off)
+            checked += self.read(buf, min(self.workers.chunk_bytes, self._size - off), off)
         return checked
 
     def flush(self) -> None:
         """Wait for in-flight writes, make data durable (fsync) and save the checksum table."""
         self._wait_all()
         self._finish_writes()
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:  # (a bare "[Errno 5] Input/output error" named no file)
+            raise StorageError.from_os(exc, self.path, "fsync", 0, self._size) from None
 
     def close(self, *, cancel: bool = False) -> None:
         """Wait for work in flight (``cancel=True`` drops what has not started), then close.
@@ -280,12 +282,16 @@ class FileHandle(PositionalIO):
     def _finish_writes(self) -> None:
         if not self.writable:
             return
-        if self._padded:  # O_DIRECT wrote whole blocks past the logical end; cut them off
-            os.ftruncate(self._fd, self._size)
+        if self._padded:  # O_DIRECT wrote whole pages past the logical end; cut them off
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError as exc:
+                raise StorageError.from_os(exc, self.path, "truncate", self._size, 0) from None
             self._padded = False
         if self._table is not None and self._dirty:
+            with self._lock:  # cleared before the snapshot: a commit meanwhile marks it again
+                self._dirty = False
             self._table.save(sidecar_path(self.path))
-            self._dirty = False
 
     # -- chunk tasks (run on I/O threads) --------------------------------------------------
     def _task(self, kind: str, off: int, segs: list[np.ndarray]) -> int:
@@ -378,7 +384,9 @@ class FileHandle(PositionalIO):
                 _gather(segs, view[off - lo : off - lo + n])
                 end = max(self._size, off + n)
                 crcs = self._crcs(lo, [view[: min(hi, end) - lo]], min(hi, end) - lo)
-                wlen = hi - lo if self.direct else min(hi, end) - lo
+                # O_DIRECT: whole pages, not the whole checksum block (a 100-byte tail took 1 MiB past the
+                # space claimed until close cut it off)
+                wlen = round_up(min(hi, end), ALIGN) - lo if self.direct else min(hi, end) - lo
                 self._pwritev_full([view[:wlen]], lo)
                 self._commit(off + n, lo, crcs, padded=lo + wlen > end)
             return n
