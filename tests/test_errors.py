@@ -543,3 +543,18 @@ def test_plan_checks_its_paths_and_plans_top_k_on_the_engines(tmp_path, capsys):
     assert "io.paths" in line and str(tmp_path / "file") in line, line
     topk = ["--update.mode=engines", "--update.topk=0.1"]
     assert main(["plan", "--probe-mib=1", *tiny_flags(tmp_path / "q"), *topk]) == 0
+
+
+def test_a_bad_peft_config_to_start_from_is_named(tmp_path):
+    """adapter.init_from's adapter_config.json without "r" raised KeyError: 'r', one that is not
+    an object an AttributeError; --adapter.init_from=none tried to open none/adapter_config.json."""
+    from tiertrain.config import ConfigError, load_config
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "lora_alpha": 8}')
+    lora = ["--adapter.kind=lora", f"--adapter.init_from={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"adapter_config.json has no 'r'"):
+        load_config(None, lora)
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"adapter_config.json is not an object \(a list\)"):
+        load_config(None, lora)
+    assert load_config(None, ["--adapter.kind=lora", "--adapter.init_from=none"]).adapter.init_from is None

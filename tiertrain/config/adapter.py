@@ -114,6 +114,8 @@ def peft_settings(directory: str) -> dict[str, Any]:
             c = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} does not load ({exc})") from None
+    if not isinstance(c, dict):
+        raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} is not an object (a {type(c).__name__})")
     if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
         raise ConfigError(
             f"adapter.init_from = {directory!r}: not a plain LoRA adapter (peft_type {c.get('peft_type')!r})"
@@ -121,10 +123,15 @@ def peft_settings(directory: str) -> dict[str, Any]:
     targets = c.get("target_modules") or []
     if isinstance(targets, str):
         raise ConfigError(f"adapter.init_from = {directory!r}: target_modules {targets!r} (a pattern) is not supported")
-    return dict(
-        rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
-        target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []),
-    )  # fmt: skip
+    try:
+        return dict(
+            rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
+            target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []),
+        )  # fmt: skip
+    except KeyError as exc:  # (a traceback: KeyError 'r')
+        raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} holds a bad value ({exc})") from None
 
 
 def with_peft_settings(values: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +139,6 @@ def with_peft_settings(values: dict[str, Any]) -> dict[str, Any]:
     unset taken from its ``init_from``'s peft config, where adapters are on: an adapter applied
     or continued is described by its own directory (those set must agree: ``load_peft``)."""
     unset = [f for f in ("rank", "alpha", "dropout", "target", "target_parameters") if f not in values]
-    if values.get("kind") != "lora" or not values.get("init_from") or not unset:
+    if values.get("kind") != "lora" or values.get("init_from") in (None, "", "none", "null") or not unset:
         return values
     return {**peft_settings(str(values["init_from"])), **values}
