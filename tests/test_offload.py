@@ -413,3 +413,30 @@ def test_a_failed_steps_prefetch_of_the_stash_is_not_the_next_steps_entry(tmp_pa
     s.free(1)
     s.close()
     st.close()
+
+
+def test_a_failed_pair_forward_gives_its_record_buffer_back(tmp_path):
+    """A pair's forward that failed (out of memory, an activation plan error) kept its record
+    buffer: after as many failures as buffers, every forward failed ("held by records being
+    back-propagated"), cleared or not."""
+    from tiertrain.activations.offload import OffloadedGraphs
+    from tiertrain.device.core import Device
+    from tiertrain.io import Storage
+
+    st = Storage([str(tmp_path / "s")], chunk_bytes=1 << 20, checksum_block=1 << 16)
+    og = OffloadedGraphs(st, Device(), record_bytes=1 << 16, records=4, buffers=2, input_of=lambda k: None)
+    w = torch.randn(8, 8)
+    og.bind(lambda u: w.reshape(-1))
+
+    def bad(x):
+        (x * 2).sin()
+        raise RuntimeError("out of memory (a stand-in)")
+
+    for _ in range(3):
+        og.clear()
+        with pytest.raises(RuntimeError, match="a stand-in"):
+            og.forward((0, 0), 0, (0,), bad, torch.randn(4, 8))
+    og.clear()
+    og.forward((0, 0), 0, (0,), lambda x: (x * 2).sin(), torch.randn(4, 8))
+    og.close()
+    st.close()

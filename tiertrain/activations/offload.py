@@ -296,7 +296,13 @@ class OffloadedGraphs:
                 dst.copy_(src)
 
         packer = _Packer(self.views, x, key, self.record_bytes, copy)
-        y, rec.root = _run(self.views, packer, self._unpack, units, fn, x, rec.box)
+        try:
+            y, rec.root = _run(self.views, packer, self._unpack, units, fn, x, rec.box)
+        except BaseException:  # the buffer back once its downloads ran (it was never given back)
+            if rec.copied is not None:
+                self.dev.sync(rec.copied)
+            buf.release()
+            raise
         self._recs[key] = rec
         self.pairs += 1
         self._start_write(rec)
