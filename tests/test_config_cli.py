@@ -67,6 +67,15 @@ def test_bad_configs_name_field_value_and_fix(flags, match):
         load_config(None, flags)
 
 
+def test_a_text_field_keeps_the_flags_own_text():
+    """Flags are TOML values, so --train.run_dir=1e-3 named the directory '0.001' and 2024#1
+    '2024' (a comment); a text field takes the flag's text, numbers still parse (0x10 is 16)."""
+    cfg = load_config(None, ["--train.run_dir=1e-3", "--train.steps=0x10", "--checkpoint.dir=runs/2024#1"])
+    assert cfg.train.run_dir == "1e-3" and cfg.train.steps == 16 and cfg.checkpoint.dir == "runs/2024#1"
+    assert load_config(None, ['--train.run_dir="a b"']).train.run_dir == "a b"  # a quoted TOML string: its text
+    assert load_config(None, ["--checkpoint.dir=none"]).checkpoint.dir is None
+
+
 def test_bad_toml_is_reported(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[optim\nlr = 1")

@@ -31,7 +31,8 @@ from .sections import (
     has_tokenizer,
     without_environment_checks,
 )
-from .values import coerce, parse_overrides, suggest
+from .values import coerce, suggest
+from .values import parse_overrides as _parse_overrides
 
 __all__ = [
     "Config",
@@ -226,6 +227,20 @@ class Config:
 
 def _section_class(name: str) -> type:
     return typing.get_type_hints(Config)[name]
+
+
+def _field_type(section: str, name: str) -> Any:
+    """The type of field ``section.name`` (None where there is no such field)."""
+    try:
+        return typing.get_type_hints(_section_class(section)).get(name)
+    except KeyError:
+        return None
+
+
+def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--section.field=value`` flags as a tree of sections (``values.parse_overrides``), text
+    fields keeping the flag's own text."""
+    return _parse_overrides(flags, _field_type)
 
 
 def _make_section(cls: Any, values: dict[str, Any]) -> Any:  # a Section's dataclass

@@ -63,8 +63,10 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
     return value
 
 
-def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``["--optim.lr=1e-3", "--io.paths", "/a,/b"]`` -> ``{"optim": {"lr": "1e-3"}, ...}``."""
+def parse_overrides(flags: Sequence[str], field_type: Any = None) -> dict[str, dict[str, Any]]:
+    """``["--optim.lr=1e-3", "--io.paths", "/a,/b"]`` -> ``{"optim": {"lr": "1e-3"}, ...}``.
+    ``field_type(section, name)``: the field's type (None: unknown), by which a text field keeps
+    the flag's own text (``--train.run_dir=1e-3`` was the directory '0.001', ``2024#1`` '2024')."""
     tree: dict[str, dict[str, Any]] = {}
     it = iter(flags)
     for flag in it:
@@ -82,8 +84,19 @@ def parse_overrides(flags: Sequence[str]) -> dict[str, dict[str, Any]]:
                 raise ConfigError(f"{flag} needs a value: {flag}=VALUE")
             value = following
         section, _, name = key.partition(".")
-        tree.setdefault(section, {})[name] = _literal(value)
+        parsed = _literal(value)
+        if field_type is not None and not isinstance(parsed, str) and _is_text(field_type(section, name)):
+            parsed = value  # (a quoted TOML string still loses its quotes: it parses as a str)
+        tree.setdefault(section, {})[name] = parsed
     return tree
+
+
+def _is_text(typ: Any) -> bool:
+    """A ``str`` or ``str | None`` field."""
+    if typ is str:
+        return True
+    args = typing.get_args(typ)
+    return typing.get_origin(typ) in (typing.Union, types.UnionType) and set(args) == {str, type(None)}
 
 
 def _literal(text: str) -> Any:
