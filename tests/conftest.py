@@ -16,6 +16,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# transformers gives its logger a handler on the sys.stderr of its first use: made here, that is
+# the session's; made inside a test with capsys, a later test's warning went to that test's closed
+# stream ("--- Logging error --- ... I/O operation on closed file" in the next one's stderr)
+from transformers.utils import logging as _hf_logging  # noqa: E402
+
+_hf_logging.get_logger("transformers")
+
+
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """Every test prepares rows into a cache of its own (tests run in parallel: two preparing
