@@ -558,3 +558,14 @@ def test_a_bad_peft_config_to_start_from_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"adapter_config.json is not an object \(a list\)"):
         load_config(None, lora)
     assert load_config(None, ["--adapter.kind=lora", "--adapter.init_from=none"]).adapter.init_from is None
+
+
+def test_a_failed_command_leaves_no_directory_it_made_for_its_output(tmp_path, capsys):
+    """`eval --out NEW/a/b/res.json` made NEW/a/b before the work: a command that failed left them."""
+    out = tmp_path / "new" / "a" / "b" / "res.json"
+    line = one_line_error(capsys, ["eval", f"--out={out}", "--data.eval_corpus=/nonexistent"], 2)
+    assert "/nonexistent" in line and not (tmp_path / "new").exists()
+    (tmp_path / "text.txt").write_text("in the beginning was the word " * 50)
+    model = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--data.seq_len=32"]
+    assert main(["eval", f"--out={out}", f"--data.eval_corpus={tmp_path / 'text.txt'}", *model]) == 0
+    assert out.exists()  # (a command that succeeds keeps them, with its output)

@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Iterator, Sequence
 
+from .cli_parser import build_parser
 from .config import ConfigError, config_reference, load_config, read_toml
 from .errors import TiertrainError, UsageError, one_line
 from .paths import missing_dirs
@@ -33,12 +34,6 @@ class _TqdmHandler(logging.StreamHandler):
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:
             self.handleError(record)
-
-
-_OVERRIDES = """\
-Every config field can be set as --section.field=value (or --section.field value), on top of
---config FILE; `tiertrain config --reference` lists them all. Examples:
-  --train.steps=200 --optim.lr=1e-3 --io.paths=/nvme0/tt,/nvme1/tt --update.mode=engines"""
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -392,149 +387,6 @@ def _toml(v: object) -> str:
     return repr(v)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiertrain", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd")
-
-    t = sub.add_parser(
-        "train",
-        help="train (no arguments: the default main job)",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    t.add_argument("--config", help="TOML file; flags --section.field=value override it")
-    t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
-    t.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        metavar="N",
-        help="train as N data-parallel ranks on this machine (started under torchrun; see [ranks])",
-    )
-
-    pl = sub.add_parser(
-        "plan",
-        help="placement, bytes per step and the predicted step time, without training",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
-    pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
-
-    ev = sub.add_parser(
-        "eval",
-        help="loss and perplexity of a model on data.eval_corpus, forward only",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ev.add_argument(
-        "--config",
-        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
-        "--model.init_from; the text: --data.eval_corpus)",
-    )
-    ev.add_argument(
-        "--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model, weights and tokenizer"
-    )
-    ev.add_argument("--out", help="also write the result (JSON) here")
-
-    g = sub.add_parser(
-        "generate",
-        help="generate text after prompts, layer-major over the batch",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g.add_argument(
-        "--config",
-        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
-        "prompts per micro-batch: --data.micro_batch_size)",
-    )
-    g.add_argument(
-        "--checkpoint",
-        help="a tiertrain checkpoint, or a run directory (its latest): its model and "
-        "weights (read directly, CRC32C checked first) and its model directory's tokenizer",
-    )
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    g.add_argument("--prompts-file", help='a text file (one prompt a line) or JSONL (a "prompt" field a line)')
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
-    g.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="go on past the model's end-of-sequence token (by default a row ends there, as in transformers' generate)",
-    )
-    g.add_argument("--out", help="write JSONL (prompt, completion, tokens) here instead of printing")
-
-    ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors (an HF directory for HF models)")
-    ex.add_argument(
-        "--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest checkpoint)"
-    )
-    ex.add_argument("--out", required=True, help="output directory (new or empty)")
-    ex.add_argument("--overwrite", action="store_true", help="replace what --out holds")
-    ex.add_argument(
-        "--merge",
-        action="store_true",
-        help="a run with adapters: the base's weights with the adapters merged in (default: a peft adapter directory)",
-    )
-    ex.add_argument(
-        "--model.hf_dir", dest="hf_dir", help="where the model directory the checkpoint's run read has moved"
-    )
-
-    pr = sub.add_parser(
-        "prepare",
-        help="tokenize text files into a token file, or JSONL/Parquet/datasets rows into "
-        "prepared examples, for data.corpus",
-    )
-    pr.add_argument(
-        "--input",
-        required=True,
-        action="append",
-        help="a .txt file, or .jsonl / .parquet / a datasets save_to_disk directory (repeat for several)",
-    )
-    pr.add_argument("--output", required=True, help="the token file (text) or directory (rows) to write")
-    pr.add_argument("--tokenizer", help="local Hugging Face tokenizer directory (default: byte-level)")
-    pr.add_argument(
-        "--format",
-        default="auto",
-        help="rows: 'text', 'completion' (prompt/completion), 'chat' "
-        "(messages) or 'auto' (from the first row's fields)",
-    )
-    pr.add_argument("--no-mask-prompt", action="store_true", help="rows: score prompt, system and user tokens too")
-    pr.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (none either where stderr is no terminal)"
-    )
-
-    pl = sub.add_parser("plot", help="draw loss (train, validation), tokens/s and peak memory of runs into a PNG")
-    pl.add_argument("run_dir", nargs="+", help="run directories (train.run_dir), several on one plot")
-    pl.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png of the first)")
-
-    c = sub.add_parser(
-        "config",
-        help="print the resolved config (or --reference: every field)",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    c.add_argument("--config", help="TOML file")
-    c.add_argument("--reference", action="store_true", help="print the documentation of every field")
-
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    bio = bsub.add_parser("io", help="sequential write/read GB/s of the storage tier vs fio")
-    bio.add_argument("--path", action="append", required=True, help="a scratch directory (repeat for several SSDs)")
-    bio.add_argument("--size-gib", type=float, default=2.0, help="bytes moved per pass (default 2 GiB)")
-    bio.add_argument("--threads", type=int, default=8)
-    bio.add_argument("--chunk-mib", type=int, default=16)
-    bio.add_argument("--repeats", type=int, default=3)
-    bio.add_argument("--no-fio", action="store_true", help="skip the fio comparison")
-    bio.add_argument("--sweep", action="store_true", help="also sweep threads x chunk size")
-    bio.add_argument("--out", help="also write the report (markdown) here")
-    return p
-
-
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM (schedulers, ``docker stop``) interrupts like Ctrl-C, so what a run made is
@@ -555,11 +407,20 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = _train_by_default(list(sys.argv[1:] if argv is None else argv))
-    parser = _parser()
+    parser = build_parser(__doc__)
     args, rest = parser.parse_known_args(argv)
     _setup_logging(args.verbose)
-    with _sigterm_interrupts():
-        return _run(parser, args, rest)
+    from .paths import MADE_FOR_OUTPUT, remove_empty_dirs
+
+    code = 1
+    try:
+        with _sigterm_interrupts():
+            code = _run(parser, args, rest)
+        return code
+    finally:
+        if code:  # an output's directories made for a command that failed: gone again (if left empty)
+            remove_empty_dirs(MADE_FOR_OUTPUT)
+        MADE_FOR_OUTPUT.clear()
 
 
 def _train_by_default(argv: list[str]) -> list[str]:

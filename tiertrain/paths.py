@@ -96,9 +96,13 @@ def prepare_output_file(what: str, path: str, inputs: Sequence[str | None] = ())
     refuse_overwriting(what, path, inputs, UsageError)
     directory = os.path.dirname(path)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
+    MADE_FOR_OUTPUT.extend(missing_dirs(directory))  # removed again by a command that fails (``cli.main``)
     os.makedirs(directory, exist_ok=True)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
     return path
+
+
+MADE_FOR_OUTPUT: list[str] = []  # the directories prepare_output_file made in this process
 
 
 def refuse_overwriting(what: str, path: str, inputs: Sequence[str | None], error: type[Exception]) -> None:
