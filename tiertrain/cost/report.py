@@ -61,8 +61,8 @@ def advice(cfg, rt, pred: Prediction) -> list[str]:
     paths = [(m, False) for m in UPDATES if m not in ("auto", "frozen")]
     if cfg.optim.grad_clip == 0:
         paths += [(m, True) for m, cls in UPDATES.items() if m != "auto" and cls.supports_eager]
-    if cfg.update.topk:  # top-k compression runs on the engines alone (the others would be another math)
-        paths = [(m, e) for m, e in paths if m == "engines"]
+    if cfg.update.topk:  # top-k compression: only the paths that take it (the others would be another math)
+        paths = [(m, e) for m, e in paths if UPDATES[m].compresses]
     # a speculating run's paths are compared speculating where they can (a path that cannot
     # is refused by the config with update.speculate = 'on')
     spec = lambda mode: cfg.update.speculate == "on" and UPDATES[mode].speculates  # noqa: E731

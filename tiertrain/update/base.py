@@ -83,6 +83,7 @@ class Update(abc.ABC):
     # may it update under the backward with clipping on, keeping the old state to redo a step
     # the clip acts in (``update.speculate``)
     speculates: bool = False
+    compresses: bool = False  # may it take top-k compressed gradients (``update.topk``)
     states_in_trainer: bool = True
     # Units (of the compute dtype) that initialisation and autograd hold at once beyond the
     # pools: the budget's working set. Training: the initial unit, its fp32 source and the

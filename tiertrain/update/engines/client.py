@@ -51,7 +51,7 @@ log = logging.getLogger("tiertrain")
 
 class EngineUpdate(Update):
     name = "engines"
-    beside_compute = supports_eager = speculates = True
+    beside_compute = supports_eager = speculates = compresses = True
     states_in_trainer = False  # the engines keep parameters and optimizer state in their own files
 
     @classmethod
