@@ -440,3 +440,18 @@ def test_a_text_prompt_is_encoded_as_the_tokenizer_does_by_default(tmp_path, lla
     cfg.data.tokenizer = str(d)  # (as the config finds it in the model's directory)
     run_generate(cfg, ["hello world how"], Sampling(max_new_tokens=4), out=str(tmp_path / "o.jsonl"))
     assert json.loads((tmp_path / "o.jsonl").read_text())["tokens"] == want.tolist()
+
+
+def test_a_seed_past_64_bits_and_a_generation_config_that_is_no_object_are_named(tmp_path, llama_dir):
+    """--seed 18446744073709551616 overflowed in torch's generator (a traceback); a
+    generation_config.json holding a list was said to be "not valid JSON"."""
+    from tiertrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seed = 18446744073709551616: must be between 0 and"):
+        Sampling(seed=2**64)
+    path, _ = llama_dir
+    d = tmp_path / "m"
+    shutil.copytree(path, d)
+    (d / "generation_config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"generation_config.json is not a JSON object \(a list\)"):
+        generate(_cfg(tmp_path, str(d)), PROMPTS[:1], Sampling(max_new_tokens=2))

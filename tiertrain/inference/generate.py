@@ -70,6 +70,8 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens = {self.max_new_tokens}: generate at least 1 token")
+        if not 0 <= self.seed < 2**63:  # (torch's generator: larger overflowed, a traceback)
+            raise ConfigError(f"seed = {self.seed}: must be between 0 and {2**63 - 1}")
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
             raise ConfigError(
                 f"temperature = {self.temperature}, top_p = {self.top_p}: sampling settings must be "
@@ -128,9 +130,14 @@ def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:
-                    found = json.load(f).get("eos_token_id")
-            except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+                    conf = json.load(f)
+            except (ValueError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the model's source") from None
+            if not isinstance(conf, dict):
+                raise ConfigError(
+                    f"{path} is not a JSON object (a {type(conf).__name__}); restore it from the model's source"
+                )
+            found = conf.get("eos_token_id")
     if found is None and hf_config is not None:
         found = getattr(hf_config, "eos_token_id", None)
     if found is None:
