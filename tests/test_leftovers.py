@@ -320,3 +320,25 @@ def test_a_killed_runs_files_stay_known_through_failed_starts_and_generations(tm
     err = capsys.readouterr().err
     assert "which no tiertrain run there recorded making" not in err, err
     assert os.listdir(ssd) == []  # its files and the killed run's gone, the lock file with them
+
+
+def test_a_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_path, monkeypatch):
+    """A holder that releases its lock removes the lock file while holding it: a run that opened
+    the file just before locked the removed one, while a third created and locked a new file:
+    two live runs each believed they held the directory. The lock is taken on the file there."""
+    import fcntl
+
+    import tiertrain.io.scratch as scratch
+
+    flock, calls = fcntl.flock, []
+
+    def released_meanwhile(fd, op):
+        if not calls and op & fcntl.LOCK_EX:  # the holder removed the file between our open and lock
+            os.unlink(tmp_path / scratch.LOCK)
+        calls.append(op)
+        return flock(fd, op)
+
+    monkeypatch.setattr(scratch.fcntl, "flock", released_meanwhile)
+    lock = scratch.DirLock(str(tmp_path), RuntimeError)
+    assert os.fstat(lock._fd).st_ino == os.stat(tmp_path / scratch.LOCK).st_ino
+    lock.release()

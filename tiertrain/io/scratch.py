@@ -69,14 +69,7 @@ class DirLock:
         # no lock file: no tiertrain run has used this directory (or the last one finished and
         # removed it with its files); what is in it is the user's, never a stale file of ours
         self.existed = os.path.exists(self.file)
-        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            info = _read(fd)
-            os.close(fd)
-            who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
-            raise busy(self.path, who) from None
+        fd = self._take(busy)
         self.previous = _read(fd)  # the record the last holder left
         self.unclean = self.previous.get("state") == "running"
         self.record = {"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "running"}
@@ -92,6 +85,26 @@ class DirLock:
                 f"{self.path}'s filesystem or give the run another directory",
             ) from None
         self._fd: int | None = fd
+
+    def _take(self, busy) -> int:
+        """The lock file's descriptor, locked. The lock is on the file, not the name: a holder that
+        releases it removes the file while holding it, so a lock taken on a file already unlinked
+        (opened just before) is no lock on the name: taken again on the file there now."""
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                info = _read(fd)
+                os.close(fd)
+                who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
+                raise busy(self.path, who) from None
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the file we locked was removed meanwhile
 
     def note(self, **info) -> None:
         """Add ``info`` to this run's record (kept after it finishes)."""
