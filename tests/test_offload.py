@@ -440,3 +440,30 @@ def test_a_failed_pair_forward_gives_its_record_buffer_back(tmp_path):
     og.forward((0, 0), 0, (0,), lambda x: (x * 2).sin(), torch.randn(4, 8))
     og.close()
     st.close()
+
+
+@pytest.mark.parametrize("part", ["offload", "stash"])
+def test_a_pool_that_cannot_be_made_leaves_no_file_open(tmp_path, monkeypatch, part):
+    """The activation records' (and the stash's spill) file was made before its buffer pool: where
+    the pool could not be made (page-locking refused on CUDA), its descriptors stayed open."""
+    import tiertrain.activations.offload as offload
+    import tiertrain.activations.stash as stash
+    from tiertrain.device.core import Device
+    from tiertrain.io import Storage
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("cudaHostRegister failed (a stand-in)")
+
+    st = Storage([str(tmp_path / "s")], chunk_bytes=1 << 20, checksum_block=1 << 16)
+    before = len(os.listdir("/proc/self/fd"))
+    mod = offload if part == "offload" else stash
+    monkeypatch.setattr(mod, "BufferPool", refused)
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        if part == "offload":
+            offload.OffloadedGraphs(st, Device(), record_bytes=1 << 16, records=4, buffers=2, input_of=lambda k: None)
+        else:
+            stash.HiddenStash(
+                st, Device(), shape=(1024,), dtype=torch.float32, entries=4, host_bytes=4096, micro_batches=1
+            )
+    assert len(os.listdir("/proc/self/fd")) == before
+    st.close()

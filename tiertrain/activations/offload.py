@@ -245,7 +245,11 @@ class OffloadedGraphs:
         self.views: UnitViews | None = None
         self.record_bytes, self.records = record_bytes, records
         self._file = storage.create(FILE, records * record_bytes, checksum_block=storage.block_for(record_bytes))
-        self._pool = BufferPool(buffers, record_bytes, pin=dev.pin, name="activation records")
+        try:
+            self._pool = BufferPool(buffers, record_bytes, pin=dev.pin, name="activation records")
+        except BaseException:  # (pinning refused: the file's descriptors were left open)
+            self._file.close()
+            raise
         self._recs: dict[tuple[int, int], _Record] = {}
         self._order: list[tuple[int, int]] = []  # the backward's order of the records not yet read
         self._loaded: dict[tuple[int, int], torch.Tensor] = {}  # records being back-propagated, as the device sees them

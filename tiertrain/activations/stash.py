@@ -72,16 +72,21 @@ class HiddenStash:
         spilled = self._sizes[: self.spilled]
         block = storage.block_for(math.gcd(*spilled) if spilled else self.entry_bytes)  # on whole checksum blocks
         self._file = storage.create(FILE, sum(spilled), checksum_block=block) if self.spilled else None
-        self._spill = (
-            BufferPool(
-                spill_buffers or self.spill_buffers_for(micro_batches, self._widest(shape, widths)),
-                self.entry_bytes,
-                pin=dev.pin,
-                name="stash-spill",
+        try:
+            self._spill = (
+                BufferPool(
+                    spill_buffers or self.spill_buffers_for(micro_batches, self._widest(shape, widths)),
+                    self.entry_bytes,
+                    pin=dev.pin,
+                    name="stash-spill",
+                )
+                if self.spilled
+                else None
             )
-            if self.spilled
-            else None
-        )
+        except BaseException:  # (pinning refused: the file's descriptors were left open)
+            if self._file is not None:
+                self._file.close()
+            raise
         self._writes: list[_Spill] = []  # spilled entries on their way to the file
         self._reads: dict[int, tuple[IOFuture, PoolBuffer]] = {}
         self._held: dict[int, tuple[PoolBuffer, object]] = {}  # spilled entries given out: buffer, upload event
