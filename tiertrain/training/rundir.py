@@ -198,6 +198,11 @@ def _replace(path: str, chunks: list[bytes], what: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)  # the rename itself on the disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
