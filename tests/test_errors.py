@@ -569,3 +569,15 @@ def test_a_failed_command_leaves_no_directory_it_made_for_its_output(tmp_path, c
     model = ["--model.n_layers=2", "--model.d_model=64", "--model.n_heads=4", "--data.seq_len=32"]
     assert main(["eval", f"--out={out}", f"--data.eval_corpus={tmp_path / 'text.txt'}", *model]) == 0
     assert out.exists()  # (a command that succeeds keeps them, with its output)
+
+
+def test_a_short_budget_never_halves_the_chunk_below_the_users_checksum_blocks(tmp_path, capsys):
+    """The planner halves the I/O chunk where the fixed pools pass the budget: with 16 MiB
+    checksum blocks it went to 8 MiB and the config refused a value the user never set
+    ("io.checksum_block_kib = 16384: must divide io.chunk_kib (8192)")."""
+    blocks = ["--io.checksum_block_kib=16384", "--io.stripe_kib=16384", "--memory.host_mib=150"]
+    flags = [f for f in tiny_flags(tmp_path) if not f.startswith(("--io.", "--memory."))]  # the chunk its default
+    code = main(["plan", "--probe-mib=1", f"--io.paths={tmp_path / 'ssd'}", *flags, *blocks])
+    err = capsys.readouterr().err
+    assert "must divide io.chunk_kib" not in err and "Traceback" not in err, err
+    assert code == 0 or "memory.host_mib" in err, err

@@ -449,8 +449,12 @@ def _halved_buffers(cfg: Config, given: Config) -> Config | None:
             sec = getattr(cfg, section)
             value = getattr(sec, name)
             even = unit != "KiB" or value % 2 == 0  # KiB buffers stay whole blocks
-            if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and even:
-                changed.setdefault(section, {})[name] = max(floor, value // 2)
+            new = max(floor, value // 2)
+            # the I/O chunk stays whole checksum blocks (halved below the user's, the config refused a
+            # chunk size the user never set)
+            fits = (section, name) != ("io", "chunk_kib") or new % cfg.io.checksum_block_kib == 0
+            if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and even and fits:
+                changed.setdefault(section, {})[name] = new
         if changed:
             return dataclasses.replace(
                 cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()}
