@@ -573,3 +573,19 @@ def test_ranks_sharing_a_drive_are_checked_for_their_sum_once(tmp_path, tmpfs):
     a, b = (float(x.split()[0]) * unit[x.split()[1]] for x in got[0][1:])
     assert abs(a + b - need) < 0.01 * need and max(a, b) < need * 3 // 4  # each rank's share alone fits
     assert "Traceback" not in r.stderr and os.listdir(mid) == [], (r.stderr[-3000:], os.listdir(mid))
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_ranks_save_is_said_by_every_rank_at_once(tmp_path, tmpfs):
+    """Rank 0 found the disk full before the gathers of a save, which the other ranks were
+    already waiting in: they waited for the timeout, then said "rank 0 died". Rank 0's answer
+    is known to every rank first: each says the disk is full, at once."""
+    import time
+
+    small = tmpfs("small", 64)  # no checkpoint of this model fits
+    t0 = time.monotonic()
+    run = _cli(tmp_path, f"--checkpoint.dir={small}", "--ranks.timeout_s=60")
+    took = time.monotonic() - t0
+    assert run.returncode != 0 and took < 50, (took, run.stderr[-3000:])
+    assert run.stderr.count("not enough space for the checkpoint of step 1") >= 1, run.stderr[-3000:]
+    assert "died" not in run.stderr and "has not reached this collective" not in run.stderr, run.stderr[-3000:]

@@ -158,12 +158,7 @@ class CheckpointIO:
             _replace_dir(tmp, final)
         except OutOfSpaceError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            free = free_bytes(root)
-            raise CheckpointError(
-                f"not enough space for the checkpoint of step {step} in {root}: it needs {total / 2**30:.2f} GiB, "
-                f"{free / 2**30:.2f} GiB are free ({max(0, total - free) / 2**30:.2f} GiB missing); "
-                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
-            ) from exc
+            raise CheckpointError(_no_space(root, step, total, previous)) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -172,6 +167,18 @@ class CheckpointIO:
         gone += [old for old in list_checkpoints(root) if step_of(old) <= step][:-keep]
         _remove_dirs(gone)
         return SaveResult(final, total, time.perf_counter() - t0)
+
+    def space_problem(self, regions: dict, root: str, step: int) -> str:
+        """Why the checkpoint of ``step`` would not fit under ``root`` ('' where it would): asked
+        by rank 0 before the gathers the other ranks wait in (refused inside ``save``, it left
+        them waiting for the timeout, then told "rank 0 died")."""
+        tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
+        sizes = {name: self.file_size(r) for name, r in regions.items()}
+        try:
+            check_space([(os.path.join(tmp, name), n) for name, n in sizes.items()])
+        except OutOfSpaceError:
+            return _no_space(root, step, sum(sizes.values()), latest_checkpoint(root))
+        return ""
 
     def _save_region(self, directory: str, name: str, region, size: int) -> FileEntry:
         esize, units = region.esize, self._layout(region).units
@@ -324,6 +331,15 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _no_space(root: str, step: int, total: int, previous: str | None) -> str:
+    free = free_bytes(root)
+    return (
+        f"not enough space for the checkpoint of step {step} in {root}: it needs {total / 2**30:.2f} GiB, "
+        f"{free / 2**30:.2f} GiB are free ({max(0, total - free) / 2**30:.2f} GiB missing); "
+        + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+    )
 
 
 def _remove_dirs(paths: list[str]) -> None:
