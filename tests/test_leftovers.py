@@ -34,7 +34,7 @@ def test_a_data_error_while_preparing_rows_leaves_no_cache_entry(tmp_path, capsy
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     assert main(["train", *tiny_flags(tmp_path / "b"), f"--data.corpus={empty}"]) != 0
-    assert "holds no example; nothing written" in capsys.readouterr().err
+    assert f"data.corpus = {empty} holds no example; give rows" in capsys.readouterr().err
     assert _prepared_dirs(tmp_path / "cache") == []
 
 
