@@ -76,10 +76,10 @@ class Checkpoints:
         small files by name, ``(tensors, metadata)`` (the adapters)."""
         g, cfg = self.group, self.config()
         whole = g.gathered(regions, self.state_layout)
-        if g.world > 1:  # rank 0's disk, known to every rank before the gathers they would wait in
-            problem = g.rank0s(self.io.space_problem(whole, self.root, step) if g.leader else "")
-            if problem:
-                raise CheckpointError(problem)
+        # rank 0's disk, known to every rank before the gathers they would wait in
+        problem = g.rank0s(self.io.space_problem(whole, self.root, step) if g.leader else "")
+        if problem:
+            raise CheckpointError(problem)
         res = None
         if g.leader:
             res = self.io.save(
