@@ -72,6 +72,7 @@ def test_the_readme_python_example_runs(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "final loss" in run.stdout
+    assert " WARNING " not in run.stderr, run.stderr[-3000:]  # (its warm-up was the whole run: said so)
 
 
 @pytest.mark.slow
