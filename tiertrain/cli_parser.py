@@ -12,6 +12,11 @@ Every config field can be set as --section.field=value (or --section.field value
   --train.steps=200 --optim.lr=1e-3 --io.paths=/nvme0/tt,/nvme1/tt --update.mode=engines"""
 
 
+def _with_overrides(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A command whose config fields are flags (``--section.field=value``), said in its help."""
+    return sub.add_parser(name, help=help, epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The command line's parser: a subcommand each, and its options (config fields are
     ``--section.field=value`` flags, left to ``load_config``)."""
@@ -19,12 +24,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd")
 
-    t = sub.add_parser(
-        "train",
-        help="train (no arguments: the default main job)",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    t = _with_overrides(sub, "train", "train (no arguments: the default main job)")
     t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
     t.add_argument(
@@ -35,21 +35,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="train as N data-parallel ranks on this machine (started under torchrun; see [ranks])",
     )
 
-    pl = sub.add_parser(
-        "plan",
-        help="placement, bytes per step and the predicted step time, without training",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    pl = _with_overrides(sub, "plan", "placement, bytes per step and the predicted step time, without training")
     pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
     pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
 
-    ev = sub.add_parser(
-        "eval",
-        help="loss and perplexity of a model on data.eval_corpus, forward only",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ev = _with_overrides(sub, "eval", "loss and perplexity of a model on data.eval_corpus, forward only")
     ev.add_argument(
         "--config",
         help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
@@ -60,12 +50,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     ev.add_argument("--out", help="also write the result (JSON) here")
 
-    g = sub.add_parser(
-        "generate",
-        help="generate text after prompts, layer-major over the batch",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    g = _with_overrides(sub, "generate", "generate text after prompts, layer-major over the batch")
     g.add_argument(
         "--config",
         help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
@@ -134,12 +119,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     pl.add_argument("run_dir", nargs="+", help="run directories (train.run_dir), several on one plot")
     pl.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png of the first)")
 
-    c = sub.add_parser(
-        "config",
-        help="print the resolved config (or --reference: every field)",
-        epilog=_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    c = _with_overrides(sub, "config", "print the resolved config (or --reference: every field)")
     c.add_argument("--config", help="TOML file")
     c.add_argument("--reference", action="store_true", help="print the documentation of every field")
 

@@ -105,6 +105,16 @@ def prepare_output_file(what: str, path: str, inputs: Sequence[str | None] = ())
 MADE_FOR_OUTPUT: list[str] = []  # the directories prepare_output_file made in this process
 
 
+def fsync_path(path: str) -> None:
+    """``path``'s contents on the disk: a file's bytes, or a directory's entries (a rename or a
+    new file in it is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def refuse_overwriting(what: str, path: str, inputs: Sequence[str | None], error: type[Exception]) -> None:
     """Refuse output ``path`` where writing it would destroy what the command reads (one of
     ``inputs``) or a checkpoint (a file in a directory holding ``manifest.json``)."""

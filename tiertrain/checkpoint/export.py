@@ -32,12 +32,12 @@ from ..models import _hf_names, build_model
 from ..models.base import LayeredModel
 from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
-from ..paths import check_writable_dir, mode_as_created
+from ..paths import check_writable_dir, fsync_path, mode_as_created
 from ..runtime import align_of, layout_aligns
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
-from .saver import _fsync_dir, _replace_dir
+from .saver import _replace_dir
 
 __all__ = ["export_checkpoint", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
 
@@ -81,12 +81,8 @@ def _fsync_tree(path: str) -> None:
     an export replaced the earlier one left shards of zero length)."""
     for d, _, names in os.walk(path):
         for n in names:
-            fd = os.open(os.path.join(d, n), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(d)
+            fsync_path(os.path.join(d, n))
+        fsync_path(d)
 
 
 def moved_model_dir(stored: dict, given: str | None, flag: str) -> str | None:

@@ -23,6 +23,7 @@ import torch
 from .. import faults
 from ..io import BufferPool, FileHandle, IOFuture, IOWorkers, OutOfSpaceError, check_space, free_bytes
 from ..io.checksum import crc32c
+from ..paths import fsync_path
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
@@ -129,7 +130,8 @@ class CheckpointIO:
         that holds the weights (named in the manifest: what export and eval read); ``extra``:
         small files by name, (tensors, metadata) each (the adapters), checked as the rest;
         ``compute_dtype``: recorded where a region holds a 4-bit base (what its weights are made in);
-        ``ranks``: the ranks that trained it (recorded)."""
+        ``ranks``: the ranks that trained it (recorded). The caller asks ``space_problem`` first
+        (with ranks, before the gathers the others wait in)."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step:08d}")
@@ -137,8 +139,7 @@ class CheckpointIO:
         sizes = {name: self.file_size(r) for name, r in regions.items()}
         total = sum(sizes.values())
         previous = latest_checkpoint(root)
-        try:
-            check_space([(os.path.join(tmp, name), n) for name, n in sizes.items()])
+        try:  # (the space its files need: asked first, ``space_problem``; a disk filled meanwhile is caught below)
             os.makedirs(tmp)
             entries = [self._save_region(tmp, name, regions[name], sizes[name]) for name in sizes]
             entries.append(_save_rng(tmp))
@@ -154,7 +155,7 @@ class CheckpointIO:
                 compute_dtype=compute_dtype,
                 ranks=ranks,
             ).write(tmp)
-            _fsync_dir(tmp)
+            fsync_path(tmp)
             _replace_dir(tmp, final)
         except OutOfSpaceError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -325,14 +326,6 @@ def _restore_rng(directory: str, entry: FileEntry | None) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _no_space(root: str, step: int, total: int, previous: str | None) -> str:
     free = free_bytes(root)
     return (
@@ -354,7 +347,7 @@ def _remove_dirs(paths: list[str]) -> None:
             os.rename(path, dropped)
             moved.append(dropped)
     if moved:
-        _fsync_dir(os.path.dirname(moved[0]))
+        fsync_path(os.path.dirname(moved[0]))
     for path in moved:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -373,6 +366,6 @@ def _replace_dir(tmp: str, final: str) -> None:
         if old is not None and not os.path.exists(final):
             os.rename(old, final)
         raise
-    _fsync_dir(os.path.dirname(final))
+    fsync_path(os.path.dirname(final))
     if old:
         shutil.rmtree(old, ignore_errors=True)

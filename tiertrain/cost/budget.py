@@ -449,17 +449,24 @@ def _halved_buffers(cfg: Config, given: Config) -> Config | None:
             sec = getattr(cfg, section)
             value = getattr(sec, name)
             even = unit != "KiB" or value % 2 == 0  # KiB buffers stay whole blocks
-            new = max(floor, value // 2)
-            # the I/O chunk stays whole checksum blocks (halved below the user's, the config refused a
-            # chunk size the user never set)
-            fits = (section, name) != ("io", "chunk_kib") or new % cfg.io.checksum_block_kib == 0
-            if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and even and fits:
-                changed.setdefault(section, {})[name] = new
+            if getattr(getattr(given, section), name) == _default(sec, name) and value > floor and even:
+                kw = {**changed.get(section, {}), name: max(floor, value // 2)}
+                if _valid(sec, kw):  # (a chunk halved below the user's checksum blocks: refused by the config,
+                    changed[section] = kw  # naming a value the user never set)
         if changed:
             return dataclasses.replace(
                 cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kw) for sec, kw in changed.items()}
             )
     return None
+
+
+def _valid(sec, kw: dict) -> bool:
+    """Whether section ``sec`` with ``kw`` set passes its own checks."""
+    try:
+        dataclasses.replace(sec, **kw)
+    except ConfigError:
+        return False
+    return True
 
 
 def _default(sec, name: str) -> int:

@@ -24,6 +24,7 @@ import shutil
 from ..checkpoint import list_checkpoints
 from ..io.errors import run_dir_write_failed
 from ..io.scratch import DirInUseError, DirLock
+from ..paths import fsync_path
 
 __all__ = [
     "RunDir",
@@ -198,11 +199,7 @@ def _replace(path: str, chunks: list[bytes], what: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)  # the rename itself on the disk
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(os.path.dirname(os.path.abspath(path)))  # the rename itself on the disk
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -107,9 +107,8 @@ class Trainer:
         self._files_ours = False  # the plan's scratch files are this run's to remove (none was the user's)
         self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
         self.corpus = open_corpus(cfg.data)
-        self.evalset = (
-            EvalSet(cfg.data, self.group.world) if cfg.train.eval_every else None
-        )  # a bad eval corpus fails here, at start
+        # a bad eval corpus (or one too small for the ranks) fails here, at start
+        self.evalset = EvalSet(cfg.data, self.group.world) if cfg.train.eval_every else None
         refuse_small_vocab(self.model, cfg, self.corpus, self.evalset)
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
         self.lock = ScratchLock(
@@ -565,13 +564,15 @@ class Trainer:
         pred = self.predict() if cfg.train.predict else None
         log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
         guard = LossGuard()
+        # the periodic save of the step just taken (the last step's is checkpoint.at_end's)
+        periodic = lambda: bool(ck.every) and self.step % ck.every == 0 and self.step < cfg.train.steps  # noqa: E731
         with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
             while not (why := stop.agreed(self.group)) and self.step < cfg.train.steps:
                 try:
                     rec = self.train_step()
                 except UnscoredStep:  # past what was checked at start: the steps done are kept
                     saves = ck.every or ck.at_end  # (a run that keeps no checkpoint is not given one)
-                    if saves and self.step > first and not (ck.every and self.step % ck.every == 0):  # every rank alike
+                    if saves and self.step > first and not periodic():  # every rank alike
                         self.save_checkpoint()
                         if self.group.leader:
                             log.warning("saved step %d, the last the data lets this run take", self.step)
@@ -586,13 +587,12 @@ class Trainer:
                     raise diverged  # before any save: a non-finite step is never kept
                 if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
                     log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
-                if ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps:
+                if periodic():
                     self.save_checkpoint()
         if why:
             if self.group.leader:
                 log.warning("interrupted after step %d (%s)", self.step, why)
-            saved = ck.every and self.step % ck.every == 0 and self.step < cfg.train.steps  # (the loop's save)
-            if ck.on_interrupt and self.step > first and not saved:  # the same step saved again only risks it
+            if ck.on_interrupt and self.step > first and not periodic():  # the same step saved again only risks it
                 self.save_checkpoint()
             if list_checkpoints(self.checkpoint_root) and self.group.leader:
                 log.warning("resume with: %s", self.resume_command)
