@@ -12,9 +12,12 @@ Every config field can be set as --section.field=value (or --section.field value
   --train.steps=200 --optim.lr=1e-3 --io.paths=/nvme0/tt,/nvme1/tt --update.mode=engines"""
 
 
-def _with_overrides(sub, name: str, help: str) -> argparse.ArgumentParser:
-    """A command whose config fields are flags (``--section.field=value``), said in its help."""
-    return sub.add_parser(name, help=help, epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _with_overrides(sub, name: str, help: str, config: str = "") -> argparse.ArgumentParser:
+    """A command whose config fields are flags (``--section.field=value``), said in its help,
+    on top of ``--config FILE`` (``config``: what its help adds)."""
+    p = sub.add_parser(name, help=help, epilog=_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help=f"TOML file; flags --section.field=value override it{config}")
+    return p
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -25,7 +28,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd")
 
     t = _with_overrides(sub, "train", "train (no arguments: the default main job)")
-    t.add_argument("--config", help="TOML file; flags --section.field=value override it")
     t.add_argument("--resume", help="a checkpoint directory, a run directory (its latest checkpoint), or 'latest'")
     t.add_argument(
         "--nproc",
@@ -36,25 +38,24 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
 
     pl = _with_overrides(sub, "plan", "placement, bytes per step and the predicted step time, without training")
-    pl.add_argument("--config", help="TOML file; flags --section.field=value override it")
     pl.add_argument("--probe-mib", type=int, default=256, help="bytes written and read to measure the storage tier")
 
-    ev = _with_overrides(sub, "eval", "loss and perplexity of a model on data.eval_corpus, forward only")
-    ev.add_argument(
-        "--config",
-        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir, "
-        "--model.init_from; the text: --data.eval_corpus)",
+    ev = _with_overrides(
+        sub,
+        "eval",
+        "loss and perplexity of a model on data.eval_corpus, forward only",
+        " (the model: --model.hf_dir, --model.init_from; the text: --data.eval_corpus)",
     )
     ev.add_argument(
         "--checkpoint", help="a tiertrain checkpoint, or a run directory (its latest): its model, weights and tokenizer"
     )
     ev.add_argument("--out", help="also write the result (JSON) here")
 
-    g = _with_overrides(sub, "generate", "generate text after prompts, layer-major over the batch")
-    g.add_argument(
-        "--config",
-        help="TOML file; flags --section.field=value override it (the model: --model.hf_dir; "
-        "prompts per micro-batch: --data.micro_batch_size)",
+    g = _with_overrides(
+        sub,
+        "generate",
+        "generate text after prompts, layer-major over the batch",
+        " (the model: --model.hf_dir; prompts per micro-batch: --data.micro_batch_size)",
     )
     g.add_argument(
         "--checkpoint",
@@ -120,7 +121,6 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     pl.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png of the first)")
 
     c = _with_overrides(sub, "config", "print the resolved config (or --reference: every field)")
-    c.add_argument("--config", help="TOML file")
     c.add_argument("--reference", action="store_true", help="print the documentation of every field")
 
     b = sub.add_parser("bench", help="benchmarks")
