@@ -1,0 +1,93 @@
+"""The MFU's FLOPs a token for LoRA on a mixture's experts (``adapter.target_parameters``) on
+families and shapes the tests do not use (Mixtral 96 wide with 6 experts, OLMoE 128 wide with
+8, each at two depths), against PyTorch's FLOP counter on peft's ParamWrapper (eager attention
+and experts; the counter's forward ``baddbmm`` halved: peft forms each sum twice a forward,
+tiertrain once). Prints what rank 4 -> 16 adds (the sums' products: exact), the totals at rank
+16, and the count before this change (a frozen base, 6 an adapter weight a token).
+
+    python bench/checks/expert_lora_flops.py
+"""
+
+import os
+import sys
+
+import peft
+import torch
+import transformers as t
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from reference import small_config  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from tiertrain.adapters.lora import LoRA  # noqa: E402
+from tiertrain.models import build_model  # noqa: E402
+from tiertrain.models.freeze import freeze_all  # noqa: E402
+from tiertrain.training.metrics import AdapterFlops, flops_per_token  # noqa: E402
+
+B, T = 2, 48
+
+
+def conf(kind, layers):
+    common = dict(vocab_size=256, num_hidden_layers=layers)
+    if kind == "mixtral":
+        c = t.MixtralConfig(
+            **common,
+            hidden_size=96,
+            intermediate_size=160,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+        )
+    else:
+        c = t.OlmoeConfig(
+            **common,
+            hidden_size=128,
+            intermediate_size=96,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+    c._attn_implementation = "eager"
+    c._experts_implementation = "eager"
+    return c
+
+
+def run(kind, layers, r, tmp):
+    stacks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    torch.manual_seed(0)
+    hf = t.AutoModelForCausalLM.from_config(conf(kind, layers))
+    hf.save_pretrained(f"{tmp}/{kind}{layers}")
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    hf = peft.inject_adapter_in_model(peft.LoraConfig(r=r, target_modules=[], target_parameters=stacks), hf)
+    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as fc:
+        loss = hf(input_ids=ids, labels=ids).loss
+    sums = fc.get_flop_counts()["Global"].get(torch.ops.aten.baddbmm, 0)
+    with FlopCounterMode(display=False) as fc2:
+        loss.backward()
+    counted = (fc.get_total_flops() - sums / 2 + fc2.get_total_flops()) / (B * T)
+    cfg = small_config(__import__("pathlib").Path(tmp) / f"c{kind}{layers}{r}", kind="llama")
+    cfg.model.hf_dir = f"{tmp}/{kind}{layers}"
+    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.target, cfg.adapter.target_parameters = "lora", r, [], stacks
+    model = build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]
+    freeze_all(model)
+    lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
+    ours = flops_per_token(model, T, hf.config.hidden_size, adapters=lora.flops(), micro_batch_tokens=B * T)
+    before = flops_per_token(
+        model, T, hf.config.hidden_size, adapters=AdapterFlops(trained=sum(p.numel() for p in lora.params()))
+    )
+    return counted, ours, before
+
+
+import tempfile  # noqa: E402
+
+tmp = tempfile.mkdtemp()
+for kind, layers in (("mixtral", 4), ("mixtral", 12), ("olmoe", 5), ("olmoe", 15)):
+    c4, o4, _ = run(kind, layers, 4, tmp)
+    c16, o16, b16 = run(kind, layers, 16, tmp)
+    print(
+        f"{kind} {layers} layers: rank 4->16 added: counted {c16 - c4:.0f} ours {o16 - o4:.0f}; total r16: counted {c16:.0f} ours {o16:.0f} ({o16 / c16:.4f}x), the count before {b16:.0f} ({b16 / c16:.3f}x)"
+    )
