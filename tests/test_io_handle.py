@@ -359,6 +359,27 @@ def test_work_after_a_read_runs_once_in_the_thread_that_waits(tmp_path):
     assert "ran" not in seen
 
 
+def test_gathered_futures_keep_each_ones_work_after_the_read():
+    """``IOFuture.gather`` of futures made by ``then``: every one's work runs (once, in the
+    order given) before the gathered ``get`` returns; the bytes are their sum."""
+    import concurrent.futures as cf
+
+    from tiertrain.io import IOFuture
+
+    seen = []
+    a = IOFuture.completed(8).then(lambda: seen.append("a"))
+    b = IOFuture.completed(4)
+    c = IOFuture.completed(2).then(lambda: seen.append("c"))
+    both = IOFuture.gather([a, b, c])
+    assert both.get() == 14 and both.get() == 14
+    assert seen == ["a", "c"]
+    failed: cf.Future = cf.Future()
+    failed.set_exception(OSError(5, "Input/output error"))
+    with pytest.raises(OSError, match="Input/output error"):
+        IOFuture.gather([IOFuture.completed(1).then(lambda: seen.append("d")), IOFuture([failed])]).get()
+    assert "d" not in seen  # a chunk failed: nothing worked on bytes that are not all in
+
+
 def test_a_tail_write_takes_whole_pages_and_verify_needs_no_bounce_buffer(tmp_path):
     """An O_DIRECT write of a file's unaligned tail wrote the whole checksum block (1 MiB for 100
     bytes, past the space claimed until close cut it off: ENOSPC on a nearly full disk); verify()

@@ -33,10 +33,15 @@ class IOFuture:
 
     @classmethod
     def gather(cls, futures: Sequence["IOFuture"]) -> "IOFuture":
-        """One future for several requests: ``get()`` returns their bytes added up."""
+        """One future for several requests: ``get()`` returns their bytes added up, after each
+        request's finishing step (a ``then``'s work) has run, in the order given."""
+        futures = list(futures)
         if not futures:
             return cls.completed(0)
-        return cls([p for f in futures for p in f._parts])
+        parts = [p for f in futures for p in f._parts]
+        if all(f._finish is None for f in futures):
+            return cls(parts)
+        return cls(parts, finish=lambda _: sum(f.get() for f in futures))
 
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
