@@ -583,6 +583,66 @@ def test_data_prepared_with_another_tokenizer_is_refused_and_its_own_settings_sa
     )
 
 
+def _bos_tokenizer(directory, eos_too=False):
+    """make_tokenizer's words with a BOS '<s>' that tokenizer(text) puts first (Llama's
+    post-processor), and its EOS after where ``eos_too`` (a Llama tokenizer's add_eos_token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + ["<s>"]
+    bos, eos = len(WORDS), WORDS.index("</s>")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    single = "<s> $A </s>" if eos_too else "<s> $A"
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<s>", bos), ("</s>", eos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return str(directory), fast
+
+
+def _first(directory):
+    """The first example's ids and mask of a prepared directory, as lists."""
+    d = PreparedExamples(str(directory))
+    a, b = int(d.offsets[0]), int(d.offsets[1])
+    return d.ids[a:b].tolist(), d.mask[a:b].tolist()
+
+
+@pytest.mark.parametrize("eos_too", [False, True])
+def test_texts_and_prompts_begin_as_the_tokenizer_begins_them(tmp_path, eos_too, caplog):
+    """A text row and a prompt were tokenized without the special tokens tokenizer(text) adds:
+    a Llama or Gemma tokenizer's BOS was missing (TRL's and transformers' fine-tuning give it;
+    Gemma is trained on inputs it never sees at inference). Now: tokenizer(text)'s ids, with one
+    EOS at the end (an EOS the tokenizer adds itself is not doubled). A directory prepared before
+    (no lead in its metadata) is said to lack it."""
+    from tiertrain.data import open_corpus
+
+    tok, fast = _bos_tokenizer(tmp_path / "tok", eos_too)
+    eos = WORDS.index("</s>")
+    src = write_jsonl(tmp_path / "t.jsonl", [{"text": "the sky is blue"}] * 4)
+    prepare_examples([src], str(tmp_path / "t"), tokenizer=tok, progress=False)
+    want = fast("the sky is blue")["input_ids"]
+    want = want if want[-1] == eos else want + [eos]
+    assert want[0] == len(WORDS) and want.count(eos) == 1
+    assert _first(tmp_path / "t")[0] == want
+    src = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "say yes", "completion": "yes"}])
+    prepare_examples([src], str(tmp_path / "c"), tokenizer=tok, progress=False)
+    ids, mask = _first(tmp_path / "c")
+    assert ids == [len(WORDS), *map(WORDS.index, ["say", "yes", "yes"]), eos]
+    assert mask == [0, 0, 0, 1, 1]
+    meta_path = tmp_path / "t" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["lead"] == [len(WORDS)]
+    cfg = _finetune_cfg(tmp_path, str(tmp_path / "t"), tok)
+    with caplog.at_level("WARNING", logger="tiertrain"):
+        open_corpus(cfg.data)
+    assert "BOS" not in caplog.text
+    del meta["lead"]  # as an earlier tiertrain wrote it
+    meta_path.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="tiertrain"):
+        open_corpus(cfg.data)
+    assert f"was prepared by an earlier tiertrain without the tokenizer's BOS (id {len(WORDS)}) before each text" in caplog.text
+
+
 SEED = 2  # data.seed whose order takes scored steps first (the test needs some done before)
 
 

@@ -10,6 +10,10 @@ from the first row's fields (``auto``):
 - ``completion``: ``{"prompt": ..., "completion": ...}``: the prompt's tokens not scored, the
   completion's and the EOS after it scored. Prompt and completion are tokenized apart and
   joined (the completion's tokens are exactly those of the completion).
+- a text and a prompt lead with what ``tokenizer(text)`` puts before them (a BOS: Llama,
+  Gemma, Mistral; nothing for Qwen or the bytes), as transformers' and TRL's fine-tuning
+  tokenize them: without it, a model that needs its BOS (Gemma) is trained on inputs it never
+  sees at inference.
 - ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered whole with the
   tokenizer's chat template; the tokens of each assistant reply (from the end of the template's
   rendering of the conversation before it with the generation prompt, to the end of its
@@ -36,6 +40,9 @@ __all__ = ["DataError", "Example", "KINDS", "is_rows_input", "read_rows", "Rende
 
 KINDS = ("text", "completion", "chat")
 ROLES = ("system", "user", "assistant", "tool")
+# how rows become ids, in the cache's key: 2 = texts and prompts lead with what tokenizer(text)
+# puts before them (a BOS), as transformers and TRL tokenize them for fine-tuning
+ROWS = 2
 
 
 class DataError(UsageError):
@@ -189,6 +196,16 @@ class Renderer:
     def __init__(self, tokenizer: Any, kind: str = "auto", *, mask_prompt: bool = True) -> None:
         self.tok, self.kind, self.mask_prompt = tokenizer, kind, mask_prompt
         self.eos = getattr(tokenizer, "eos_token_id", None)
+        self.lead = self._lead()
+
+    def _lead(self) -> list[int]:
+        """The ids ``tokenizer(text)`` puts before a text: a BOS where the tokenizer adds one
+        (Llama, Gemma; none for Qwen or the bytes), as transformers' and TRL's fine-tuning
+        give a text or a prompt; an EOS it would add after is left out (ours ends the row)."""
+        lead = list(self.tok.encode_prompt(""))
+        if self.eos is not None and lead and lead[-1] == self.eos:
+            lead = lead[:-1]
+        return lead
 
     def __call__(self, where: str, row: Any) -> Example:
         if self.kind == "auto":
@@ -198,11 +215,11 @@ class Renderer:
         return getattr(self, f"_{self.kind}")(where, row)
 
     def _text(self, where: str, row: Any) -> Example:
-        ids = self.tok.encode(_text(where, row, "text", "text")) + [self.eos]
+        ids = self.lead + self.tok.encode(_text(where, row, "text", "text")) + [self.eos]
         return Example(np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=np.uint8))
 
     def _completion(self, where: str, row: Any) -> Example:
-        p = self.tok.encode(_text(where, row, "prompt", "completion"))
+        p = self.lead + self.tok.encode(_text(where, row, "prompt", "completion"))
         c = self.tok.encode(_text(where, row, "completion", "completion")) + [self.eos]
         mask = np.concatenate([np.full(len(p), 0 if self.mask_prompt else 1, np.uint8), np.ones(len(c), np.uint8)])
         return Example(np.asarray(p + c, dtype=np.int64), mask)

@@ -19,6 +19,7 @@ import torch
 
 from ..config import ConfigError, DataConfig
 from ..errors import UsageError
+from .formats import ROWS
 from .tokenizer import BYTES, TOKENIZER_FILES, ByteTokenizer, load_tokenizer, tokenizer_fingerprint
 from .tokens import read_tokens
 
@@ -249,6 +250,16 @@ def _as_prepared(cfg: DataConfig, meta: dict, path: str, what: str) -> None:
             f"{cfg.tokenizer}"
         )
     said = []
+    if "lead" not in meta and meta.get("kind") in ("text", "completion") and cfg.tokenizer not in (None, BYTES):
+        from .formats import Renderer  # (the row renderer only for a preparation this old)
+
+        lead = Renderer(load_tokenizer(cfg.tokenizer)).lead
+        if lead:  # an earlier tiertrain's preparation: its texts and prompts lack the BOS
+            log.warning(
+                "%s = %s was prepared by an earlier tiertrain without the tokenizer's BOS (id %s) before each %s, "
+                "which transformers' tokenizer(text) puts there; prepare it again to train on what it adds",
+                what, path, ", ".join(map(str, lead)), "text" if meta["kind"] == "text" else "prompt",
+            )  # fmt: skip
     if cfg.mask_prompt != meta.get("mask_prompt", cfg.mask_prompt):
         said.append(f"data.mask_prompt = {cfg.mask_prompt} (prepared with {meta.get('mask_prompt')})")
     if cfg.format not in ("auto", meta.get("kind", cfg.format)):
@@ -294,7 +305,8 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
         for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))
     ]
     key = hashlib.sha256(
-        json.dumps([st, tokenizer_fingerprint(cfg.tokenizer), cfg.format, cfg.mask_prompt]).encode()
+        # ROWS: how rows become ids (a change makes earlier copies another key's)
+        json.dumps([st, tokenizer_fingerprint(cfg.tokenizer), cfg.format, cfg.mask_prompt, ROWS]).encode()
     ).hexdigest()[:16]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     out = os.path.join(root, "tiertrain", "prepared", key)

@@ -99,6 +99,7 @@ def prepare_examples(
             tokenizer=os.path.abspath(tokenizer) if tokenizer else "bytes",
             tokenizer_sha=tokenizer_fingerprint(tokenizer),
             mask_prompt=mask_prompt,
+            lead=render.lead,  # (absent: prepared before texts and prompts took the tokenizer's BOS)
         ),
         empty=f"{what} = {inputs[0]} holds no example; give rows" if what else None,
     )
