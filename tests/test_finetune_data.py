@@ -640,7 +640,10 @@ def test_texts_and_prompts_begin_as_the_tokenizer_begins_them(tmp_path, eos_too,
     meta_path.write_text(json.dumps(meta))
     with caplog.at_level("WARNING", logger="tiertrain"):
         open_corpus(cfg.data)
-    assert f"was prepared by an earlier tiertrain without the tokenizer's BOS (id {len(WORDS)}) before each text" in caplog.text
+    assert (
+        f"was prepared by an earlier tiertrain without the tokenizer's BOS (id {len(WORDS)}) before each text"
+        in caplog.text
+    )
 
 
 SEED = 2  # data.seed whose order takes scored steps first (the test needs some done before)
