@@ -23,12 +23,14 @@ def names(root):
 def test_a_new_run_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *tiny_flags(tmp_path)]) == 0
+    capsys.readouterr()
     assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 1
     err = capsys.readouterr().err
     assert (
         f"tiertrain: train.run_dir {run} already holds a run (step-00000002, metrics.jsonl, config.json); "
         f"continue it with `tiertrain train --resume {run}`, start over with --train.overwrite=true" in err
     )
+    assert "probing" not in err and "memory budget" not in err  # refused at once, not after the plan's probes
     assert steps_in(run) == [1, 2] and names(run / "checkpoints") == ["step-00000002"]  # untouched
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
     assert steps_in(run) == [1] and names(run / "checkpoints") == ["step-00000001"]  # the old run is gone, not mixed in

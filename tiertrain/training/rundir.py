@@ -34,6 +34,7 @@ __all__ = [
     "DROPPED",
     "resumed_tree",
     "no_checkpoint_advice",
+    "refuse_a_held_run",
     "clean_leftovers",
 ]
 
@@ -73,36 +74,13 @@ class RunDir:
 
     def holds_a_run(self) -> list[str]:
         """What of an earlier run is here (empty: nothing)."""
-        found = [os.path.basename(p) for p in list_checkpoints(self.checkpoint_root)]
-        for name in (METRICS, CONFIG):
-            if os.path.exists(os.path.join(self.path, name)):
-                found.append(name)
-        return found
+        return _held(self.path, self.checkpoint_root)
 
     def start_fresh(self, overwrite: bool) -> None:
         """Before a new (not resumed) run: refuse a directory with another run's work unless
         ``overwrite``, which deletes it."""
-        found = self.holds_a_run()
-        if not found:
+        if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite):
             return
-        foreign = _not_a_runs_config(self.config_path)
-        if foreign:  # a model directory's (say): never "a run", never deleted by train.overwrite
-            raise RunDirError(
-                f"train.run_dir {self.path} holds a config.json that is not a tiertrain run's ({foreign}): a run "
-                "writes its own config.json there; give another --train.run_dir (a model directory is read "
-                "through --model.hf_dir, never trained into)"
-            )
-        if not overwrite:
-            shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-            if not list_checkpoints(self.checkpoint_root):  # --resume would be refused: not offered
-                raise RunDirError(
-                    f"train.run_dir {self.path} already holds a run ({shown}); {no_checkpoint_advice(self.path)}"
-                )
-            raise RunDirError(
-                f"train.run_dir {self.path} already holds a run ({shown}); continue it with "
-                f"`tiertrain train --resume {self.path}`, start over with --train.overwrite=true "
-                "(deletes its checkpoints and metrics), or give another --train.run_dir"
-            )
         gone = list_checkpoints(self.checkpoint_root)
         if gone:  # asked for (train.overwrite), said: they cannot be had back
             log.warning(
@@ -186,6 +164,42 @@ class RunDir:
         # nothing of a run here (a model directory refused as one: no lock file left in it either)
         empty = remove_if_empty and (not self.holds_a_run() or bool(_not_a_runs_config(self.config_path)))
         self.lock.release(remove=empty)
+
+
+def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool) -> bool:
+    """Raise ``RunDirError`` where run directory ``path`` holds another run's work (or a
+    config.json not a run's) and ``overwrite`` is off; True where it holds a run to delete
+    (``overwrite``). Reads only: the CLI asks it before the run's plan (its probes take seconds)."""
+    found = _held(path, checkpoint_root)
+    if not found:
+        return False
+    config_path = os.path.join(path, CONFIG)
+    foreign = _not_a_runs_config(config_path)
+    if foreign:  # a model directory's (say): never "a run", never deleted by train.overwrite
+        raise RunDirError(
+            f"train.run_dir {path} holds a config.json that is not a tiertrain run's ({foreign}): a run "
+            "writes its own config.json there; give another --train.run_dir (a model directory is read "
+            "through --model.hf_dir, never trained into)"
+        )
+    if overwrite:
+        return True
+    shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+    if not list_checkpoints(checkpoint_root):  # --resume would be refused: not offered
+        raise RunDirError(f"train.run_dir {path} already holds a run ({shown}); {no_checkpoint_advice(path)}")
+    raise RunDirError(
+        f"train.run_dir {path} already holds a run ({shown}); continue it with "
+        f"`tiertrain train --resume {path}`, start over with --train.overwrite=true "
+        "(deletes its checkpoints and metrics), or give another --train.run_dir"
+    )
+
+
+def _held(path: str, checkpoint_root: str) -> list[str]:
+    """What of an earlier run is in run directory ``path`` (empty: nothing)."""
+    found = [os.path.basename(p) for p in list_checkpoints(checkpoint_root)]
+    for name in (METRICS, CONFIG):
+        if os.path.exists(os.path.join(path, name)):
+            found.append(name)
+    return found
 
 
 def _replace(path: str, chunks: list[bytes], what: str) -> None:
