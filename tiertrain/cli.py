@@ -115,7 +115,8 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
         check_ranks_fit(nproc, cfg.memory.host_mib)
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
-    if path is None and "WORLD_SIZE" not in os.environ:  # one process: a held run directory refused before the plan's probes
+    # one process: a run directory holding a run is refused before the plan's probes (seconds)
+    if path is None and "WORLD_SIZE" not in os.environ:
         from .training.rundir import refuse_a_held_run
 
         refuse_a_held_run(os.path.abspath(cfg.train.run_dir), os.path.abspath(cfg.checkpoint_root), cfg.train.overwrite)
