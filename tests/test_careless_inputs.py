@@ -414,6 +414,35 @@ def _hf_run_flags(tmp_path, *extra):
     return [f for f in flags if not f.startswith(("--model.n_layers", "--model.d_model"))]
 
 
+def test_a_checkpoint_given_another_models_directory_of_the_same_sizes_is_refused(tmp_path, capsys):
+    """A checkpoint of a Llama with a tied head resumed (or evaluated) with --model.hf_dir of
+    the same shape untied: its units pad to the same sizes, so the layout check passed and the
+    untied head was never restored (loss ln V, the head all zeros after a step)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tiertrain.checkpoint import Manifest, latest_checkpoint
+
+    torch.manual_seed(0)
+    # the head (256 x 32) and the final norm fit in the padding of the tied model's last unit
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)).save_pretrained(tmp_path / "tied")
+    LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)).save_pretrained(tmp_path / "untied")
+    flags = [f for f in _hf_run_flags(tmp_path) if not f.startswith("--model.hf_dir")]
+    assert main(["train", *flags, f"--model.hf_dir={tmp_path / 'tied'}"]) == 0
+    man = Manifest.read(latest_checkpoint(str(tmp_path / "run" / "checkpoints")))
+    assert man.params.startswith("20 tensors of ") and "sha256 " in man.params  # no head of its own: 20, not 21
+    capsys.readouterr()
+    other = f"--model.hf_dir={tmp_path / 'untied'}"
+    line = one_line_error(capsys, ["train", "--resume", str(tmp_path / "run"), "--train.steps=2", other], 1)
+    assert f"was written for a model with other parameters ({man.params}) than this run's (21 tensors of " in line
+    assert "a tied head against an untied one" in line, line
+    os.rename(tmp_path / "tied", tmp_path / "moved")  # eval takes another directory only for a moved model
+    line = one_line_error(capsys, ["eval", f"--checkpoint={tmp_path / 'run'}", other], 1)
+    assert f"holds a model with other parameters ({man.params}) than model.hf_dir {tmp_path / 'untied'}" in line, line
+
+
 def test_eval_and_generate_of_a_checkpoint_read_its_base_as_it_trained(tmp_path, capsys):
     """A LoRA checkpoint of a bf16 base evaluated with --model.base_dtype=nf4 was quantized
     again without a word (its loss moved); an NF4 one given another dtype had the flag ignored."""

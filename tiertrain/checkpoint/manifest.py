@@ -40,7 +40,9 @@ __all__ = [
 
 log = logging.getLogger("tiertrain")
 MANIFEST = "manifest.json"
-VERSION = 2  # 2: the manifest has a checksum of its own; 1 (read, with a warning): it has none
+# 3: the parameters' names and shapes recorded (``params``); 2: the manifest has a checksum of
+# its own; 1 (read, with a warning): it has none
+VERSION = 3
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -80,6 +82,9 @@ class Manifest:
     # the ranks that trained it (0: not recorded, older checkpoints); each rank's micro-batches
     # are its own, so a run resumed on other ranks takes another global batch (said at resume)
     ranks: int = 0
+    # every parameter's name, shape and place, summed up (``FlatLayout.fingerprint``): models whose
+    # units pad to the same sizes (a tied head and an untied one) differ here ('' before version 3)
+    params: str = ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:
@@ -112,7 +117,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise CheckpointError(f"{path} is corrupt (not a JSON object); use an earlier checkpoint")
         version = d.get("version")
-        if version == VERSION:
+        if version in (2, VERSION):
             stored = d.pop("checksum", None)
             if not isinstance(stored, int) or stored != _canonical_crc(d):
                 raise CheckpointError(
@@ -124,7 +129,8 @@ class Manifest:
             )
         else:
             raise CheckpointError(
-                f"{path}: checkpoint format version {version!r}, this tiertrain reads {VERSION} and 1"
+                f"{path}: checkpoint format version {version!r}, this tiertrain reads {VERSION}, 2 and 1 "
+                "(a later tiertrain wrote it: upgrade tiertrain to read it)"
             )
         try:
             names = {f.name for f in fields(cls)}

@@ -169,6 +169,17 @@ class FlatLayout:
         rank's share of a sharded layout is ``dist.shard.ShardLayout.shard``)."""
         return full[: self.units[u].numel]
 
+    def fingerprint(self) -> str:
+        """Every parameter's name, shape and place (unit, offset) in a line: its count, its
+        elements and a hash of the rest. Two models whose units pad to the same sizes (a tied
+        head against an untied one, renamed modules) read differently here."""
+        import hashlib
+        import json
+
+        recs = [[u.index, r.name, list(r.shape), r.offset] for u in self.units for r in u.params]
+        digest = hashlib.sha256(json.dumps(recs).encode()).hexdigest()[:16]
+        return f"{len(recs)} tensors of {self.n_params:,} elements, sha256 {digest}"
+
     def describe_frozen(self, selectors: list[str]) -> str:
         """The frozen units and their parameters (``train.freeze``), in one line."""
         frozen = [u for u in self.units if u.frozen and u.params]
