@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -370,6 +371,42 @@ def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
     assert (
         load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}", "--adapter.rank=8"]).adapter.rank == 8
     )
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"alpha_pattern": {"q_proj": 64}}, {"modules_to_save": ["lm_head"]}, {"lora_bias": True}, {"bias": "all"},
+     {"rank_pattern": {"q_proj": 2}}, {"use_dora": True}, {"layers_to_transform": [0]}],
+)  # fmt: skip
+def test_a_peft_adapter_with_settings_lora_here_does_not_compute_is_refused_by_name(tmp_path, setting):
+    """adapter.init_from read a peft adapter with alpha_pattern, modules_to_save (a trained head),
+    lora_bias or bias = 'all' as plain LoRA: its loss was another model's, without a word. Each is
+    refused by name, as is a weights file holding tensors the run's LoRA does not take."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.config import load_config
+
+    cfg = lora_config(tmp_path / "a", "llama", steps=1)
+    _, _, ckpt = _train(cfg, weights_of(reference_model(cfg)), 1)
+    out = export_checkpoint(ckpt, str(tmp_path / "adapter"))
+    conf = os.path.join(out, "adapter_config.json")
+    plain = json.load(open(conf))
+    json.dump({**plain, **setting}, open(conf, "w"))
+    ((key, value),) = setting.items()
+    with pytest.raises(ConfigError, match=rf"adapter_config.json sets {key} = {re.escape(repr(value))}, which"):
+        load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}"])
+    json.dump(plain, open(conf, "w"))
+    weights = os.path.join(out, "adapter_model.safetensors")
+    save_file({**load_file(weights), "base_model.model.lm_head.weight": torch.zeros(2, 2)}, weights)
+    cont = lora_config(tmp_path / "b", "llama", steps=1)
+    cont.adapter.init_from = out
+    from tiertrain.training.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"holds 1 tensor\(s\) this run's LoRA does not take \(first: base_model"):
+        Trainer(cont)
 
 
 def _hf_base(tmp_path, kind):

@@ -129,6 +129,13 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
             f"adapter.init_from = {directory!r}: {len(missing)} adapters this model needs are not in it (first: "
             f"{missing[0]}); it was made for another model or other targets"
         )
+    extra = sorted(set(have) - set(want))
+    if extra:  # (a trained head of modules_to_save, biases, another adapter's tensors: never silently left out)
+        raise ConfigError(
+            f"adapter.init_from = {directory!r}: {PEFT_WEIGHTS} holds {len(extra)} tensor(s) this run's LoRA does "
+            f"not take (first: {extra[0]}); it was made for other targets or with settings tiertrain does not "
+            "compute"
+        )
     names = module_names(model, lora)
     with torch.no_grad():
         for t, p in zip(lora.targets, lora.adapters):

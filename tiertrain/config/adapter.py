@@ -105,6 +105,14 @@ def _dotted(name: str) -> bool:
     return all(part and part.replace("_", "").isalnum() for part in name.split("."))
 
 
+# peft LoRA settings that change what an adapter computes, beyond rank, alpha and targets
+UNSUPPORTED = (
+    "use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "modules_to_save", "bias", "lora_bias",
+    "layers_to_transform", "layers_pattern", "layer_replication", "trainable_token_indices", "use_qalora",
+    "alora_invocation_tokens", "exclude_modules",
+)  # fmt: skip
+
+
 def peft_settings(directory: str) -> dict[str, Any]:
     """The ``[adapter]`` fields a peft LoRA directory (its ``adapter_config.json``) was made
     with: rank, alpha, dropout, target and target_parameters."""
@@ -116,9 +124,17 @@ def peft_settings(directory: str) -> dict[str, Any]:
         raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} does not load ({exc})") from None
     if not isinstance(c, dict):
         raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} is not an object (a {type(c).__name__})")
-    if c.get("peft_type") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
+    if c.get("peft_type") != "LORA":
         raise ConfigError(
-            f"adapter.init_from = {directory!r}: not a plain LoRA adapter (peft_type {c.get('peft_type')!r})"
+            f"adapter.init_from = {directory!r}: not a LoRA adapter (peft_type {c.get('peft_type')!r}); "
+            "tiertrain's adapters are peft's plain LoRA"
+        )
+    used = [f"{k} = {c[k]!r}" for k in UNSUPPORTED if c.get(k) not in (None, False, "none", [], {})]
+    if used:  # each changes what the adapter computes: taken as plain LoRA, its loss was another model's
+        raise ConfigError(
+            f"adapter.init_from = {directory!r}: {PEFT_CONFIG} sets {', '.join(used)}, which tiertrain's LoRA "
+            "does not compute (it would be read as plain LoRA, silently another model); give an adapter made "
+            "without them"
         )
     targets = c.get("target_modules") or []
     if isinstance(targets, str):
