@@ -394,3 +394,62 @@ def test_overwrite_takes_checkpoints_another_rank_deleted_first(tmp_path, monkey
     monkeypatch.setattr(rundir, "list_checkpoints", lambda r: [*real, str(root / "step-00000009")])  # (deleted)
     rundir.RunDir(str(tmp_path / "run"), str(root)).start_fresh(overwrite=True)
     assert not list(root.iterdir()) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_runs_sharing_a_checkpoint_dir_never_delete_or_continue_each_others_checkpoints(tmp_path, capsys):
+    """checkpoint.dir outside the run directory, shared: train.overwrite of run B deleted run A's
+    checkpoints there, and `--resume A` then continued B's checkpoint (writing B's metrics);
+    a copy of a run directory shares the original's checkpoint.dir, and resuming the copy wrote the
+    original's metrics and pruned the checkpoints it was branched from. Both refused, by name, with
+    a branch command that works; a run directory moved (its original gone) continues where it is."""
+    ck = tmp_path / "ck"
+    a, b = tmp_path / "A", tmp_path / "B"
+
+    def flag(run, *x, steps=2):
+        return tiny_flags(tmp_path, f"--train.run_dir={run}", f"--checkpoint.dir={ck}", *x, steps=steps)
+
+    assert main(["train", *flag(a)]) == 0
+    capsys.readouterr()
+    before = tree_bytes(ck)
+    for extra in ((), ("--train.overwrite=true",)):
+        assert main(["train", *flag(b, *extra, steps=3)]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"tiertrain: checkpoint.dir {ck} holds checkpoints of run {a} (step-00000002), not of train.run_dir {b}"
+            in err
+        ), err
+        assert tree_bytes(ck) == before and not (b / "metrics.jsonl").exists()
+    # B's checkpoint, the latest in A's checkpoint.dir (as a run before this check left it)
+    assert (
+        main(["train", *tiny_flags(tmp_path, f"--train.run_dir={b}", f"--checkpoint.dir={tmp_path / 'ckb'}", steps=3)])
+        == 0
+    )
+    os.rename(tmp_path / "ckb" / "step-00000003", ck / "step-00000003")
+    capsys.readouterr()
+    assert main(["train", f"--resume={a}", "--train.steps=4"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"--resume {a}: its checkpoint.dir {ck} is shared with run {b}, whose checkpoint step-00000003 is the latest there;"
+        in err
+    ), err
+    assert steps_in(a) == [1, 2] and steps_in(b) == [1, 2, 3]
+    os.rename(ck / "step-00000003", tmp_path / "ckb" / "step-00000003")
+    # a copy of A: refused, the branch command it gives works and leaves A's checkpoints alone
+    import shutil
+
+    shutil.copytree(a, tmp_path / "A2")
+    before = tree_bytes(ck)
+    assert main(["train", f"--resume={tmp_path / 'A2'}", "--train.steps=4"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"is shared with run {a}, whose checkpoint step-00000002 is the latest there ({tmp_path / 'A2'} is a copy of it)"
+        in err
+    )
+    branch = err.split("To branch from it: ")[1].split()[1:]  # (after "tiertrain")
+    branch = [x.replace("NEW_DIR", str(tmp_path / "branch")) for x in branch] + ["--train.steps=3"]
+    assert main(branch) == 0 and tree_bytes(ck) == before and steps_in(a) == [1, 2]
+    assert steps_in(tmp_path / "branch") == [3] and names(tmp_path / "branch" / "checkpoints") == ["step-00000003"]
+    # A moved (not copied): it continues where it is now, with its checkpoint.dir
+    os.rename(a, tmp_path / "A3")
+    assert main(["train", f"--resume={tmp_path / 'A3'}", "--train.steps=3"]) == 0
+    assert steps_in(tmp_path / "A3") == [1, 2, 3] and not a.exists() and names(ck)[-1] == "step-00000003"

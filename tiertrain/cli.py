@@ -190,6 +190,12 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
+    if flag == "--resume" and "run_dir" not in given.get("train", {}):
+        from .training.advice import resumed_run_dir
+
+        moved = resumed_run_dir(where, path, stored)  # (refused: another run's, in a shared checkpoint.dir)
+        if moved is not None:
+            given.setdefault("train", {})["run_dir"] = moved
     if flag == "--checkpoint":
         from .inference.given import checked_given
 

@@ -58,6 +58,33 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
         raise CheckpointError(f"{flag} {where}: no checkpoint there; {no_checkpoint_advice(run_dir)}") from None
 
 
+def resumed_run_dir(where: str, checkpoint: str, stored: dict) -> str | None:
+    """``--resume RUN_DIR`` whose checkpoints lie outside it (checkpoint.dir): the run directory
+    to continue in where its run was moved (RUN_DIR; None: nothing to change). Refused where
+    ``checkpoint`` (found in that checkpoint.dir, ``stored`` its config) is another run's that
+    still holds a run: a copy of a run directory shares its checkpoint.dir with the original
+    (continuing it wrote the original's metrics and pruned its checkpoints), and runs given one
+    checkpoint.dir find each other's checkpoints there."""
+    from .rundir import CONFIG, RunDirError, _same, _under, run_dir_of
+
+    root = stored_checkpoint_root(where)
+    if root is None or _under(checkpoint, root) is None:
+        return None
+    theirs = (stored.get("train") or {}).get("run_dir")
+    if not isinstance(theirs, str) or _same(theirs, where):
+        return None
+    if not os.path.exists(os.path.join(theirs, CONFIG)):
+        return os.path.abspath(where)  # its run directory moved here: the resumed run writes here
+    copy = _same(run_dir_of(where) or where, theirs)  # this directory's config names the other: a copy of it
+    raise RunDirError(
+        f"--resume {where}: its checkpoint.dir {root} is shared with run {theirs}, whose checkpoint "
+        f"{os.path.basename(checkpoint)} is the latest there"
+        + (f" ({where} is a copy of it)" if copy else "")
+        + f"; continuing it would write {theirs}'s metrics and prune its checkpoints. To branch from it: "
+        f"tiertrain train --resume {checkpoint} --train.run_dir=NEW_DIR --checkpoint.dir=NEW_DIR/checkpoints"
+    )
+
+
 def stored_checkpoint_root(run_dir: str) -> str | None:
     """Where run directory ``run_dir``'s run writes checkpoints when that is not under it (its
     config.json's ``checkpoint.dir``, made absolute as the run made it; None: under it, or no

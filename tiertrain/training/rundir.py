@@ -35,6 +35,7 @@ __all__ = [
     "resumed_tree",
     "no_checkpoint_advice",
     "refuse_a_held_run",
+    "others_checkpoints",
     "clean_leftovers",
 ]
 
@@ -66,8 +67,10 @@ def _busy(path: str, who: str) -> RunDirError:
 class RunDir:
     """Run directory ``path`` (checkpoints under ``checkpoint_root``), locked for this run."""
 
-    def __init__(self, path: str, checkpoint_root: str) -> None:
+    def __init__(self, path: str, checkpoint_root: str, owner: str | None = None) -> None:
+        """``owner``: the run directory the user gave, where ``path`` is a rank's subdirectory."""
         self.path, self.checkpoint_root = os.path.abspath(path), os.path.abspath(checkpoint_root)
+        self.owner = os.path.abspath(owner or path)
         self.lock = DirLock(self.path, _busy)
         self.metrics_path = os.path.join(self.path, METRICS)
         self.config_path = os.path.join(self.path, CONFIG)
@@ -79,7 +82,7 @@ class RunDir:
     def start_fresh(self, overwrite: bool) -> None:
         """Before a new (not resumed) run: refuse a directory with another run's work unless
         ``overwrite``, which deletes it."""
-        if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite):
+        if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite, self.owner):
             return
         gone = list_checkpoints(self.checkpoint_root)
         if gone:  # asked for (train.overwrite), said: they cannot be had back
@@ -166,13 +169,24 @@ class RunDir:
         self.lock.release(remove=empty)
 
 
-def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool) -> bool:
+def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool, owner: str | None = None) -> bool:
     """Raise ``RunDirError`` where run directory ``path`` holds another run's work (or a
-    config.json not a run's) and ``overwrite`` is off; True where it holds a run to delete
-    (``overwrite``). Reads only: the CLI asks it before the run's plan (its probes take seconds)."""
+    config.json not a run's) and ``overwrite`` is off, or where ``checkpoint_root`` (a
+    checkpoint.dir outside it) holds another live run's checkpoints, whatever ``overwrite``; True
+    where it holds a run to delete (``overwrite``). ``owner``: the run directory the user gave
+    (a rank's ``path`` is its subdirectory). Reads only: the CLI asks it before the run's plan
+    (its probes take seconds)."""
     found = _held(path, checkpoint_root)
     if not found:
         return False
+    others = others_checkpoints(checkpoint_root, owner or path)
+    if others:  # a checkpoint.dir shared with another run: its checkpoints are never this run's to delete
+        run, names = others
+        raise RunDirError(
+            f"checkpoint.dir {checkpoint_root} holds checkpoints of run {run} ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}), not of train.run_dir {owner or path}: give this run a "
+            "checkpoint.dir of its own (runs sharing one delete and resume each other's checkpoints)"
+        )
     config_path = os.path.join(path, CONFIG)
     foreign = _not_a_runs_config(config_path)
     if foreign:  # a model directory's (say): never "a run", never deleted by train.overwrite
@@ -191,6 +205,36 @@ def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool) -> bool:
         f"`tiertrain train --resume {path}`, start over with --train.overwrite=true "
         "(deletes its checkpoints and metrics), or give another --train.run_dir"
     )
+
+
+def others_checkpoints(checkpoint_root: str, run_dir: str) -> tuple[str, list[str]] | None:
+    """(another run directory, its checkpoints' names) where ``checkpoint_root``, outside run
+    directory ``run_dir``, holds checkpoints whose run (their config's ``train.run_dir``) is
+    another that still holds a run; None where every one is this run's, or its run is gone (a
+    run directory moved: its checkpoints are the moved run's)."""
+    from ..checkpoint import CheckpointError, Manifest
+
+    if _under(checkpoint_root, run_dir) is not None:
+        return None  # checkpoints inside the run directory (copied or moved with it) are its own
+    theirs: dict[str, list[str]] = {}
+    for ck in list_checkpoints(checkpoint_root):
+        try:
+            run = (Manifest.read(ck).config.get("train") or {}).get("run_dir")
+        except CheckpointError:
+            continue  # (a damaged one is said where it is resumed)
+        if isinstance(run, str) and not _same(run, run_dir) and os.path.exists(os.path.join(run, CONFIG)):
+            theirs.setdefault(run, []).append(os.path.basename(ck))
+    return next(iter(theirs.items()), None)
+
+
+def run_dir_of(path: str) -> str | None:
+    """The ``train.run_dir`` the config.json in ``path`` names (None: no run's config there)."""
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            run = (json.load(f).get("train") or {}).get("run_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
 
 
 def _held(path: str, checkpoint_root: str) -> list[str]:

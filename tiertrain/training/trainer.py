@@ -115,7 +115,7 @@ class Trainer:
             cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths, run_dir=cfg.train.run_dir
         )
         try:
-            self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root)  # and per run directory (ranks: each its own)
+            self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root, self.user_cfg.train.run_dir)  # per rank
             for info in self.lock.unclean:
                 log.warning(
                     "scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
