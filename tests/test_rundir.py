@@ -242,6 +242,15 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, capsys, monk
     assert main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"]) == 0
     assert not (out / "model-00007-of-00007.safetensors").exists() and (out / "tiertrain.json").exists()
     assert tree_bytes(run) == {k[len("run/") :]: v for k, v in before.items() if k.startswith("run/")}
+    # a run started from that export: exporting it over the export it reads lost its base
+    second = tmp_path / "second"
+    assert main(["train", *tiny_flags(second, f"--model.init_from={out}", steps=1)]) == 0
+    capsys.readouterr()
+    before = tree_bytes(out)
+    assert main(["export", f"--checkpoint={second / 'run'}", f"--out={out}", "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert f"tiertrain: export --out {out} is or holds model.init_from = {out}, which the checkpoint's run reads" in err
+    assert tree_bytes(out) == before
 
 
 def test_a_run_keeping_its_checkpoints_elsewhere_resumes_from_its_run_directory(tmp_path, capsys):

@@ -57,6 +57,7 @@ def export_checkpoint(
     moved = moved_model_dir(man.config, hf_dir, "export --checkpoint")
     if moved is not None:
         relocate_model_dir(man.config, moved)
+    _refuse_read(man.config, out)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -153,6 +154,26 @@ def _check_out(checkpoint: str, out: str, overwrite: bool) -> None:
             f"export --out {out} is not an earlier export ({shown}); --overwrite replaces only what an export "
             "wrote: give a new or empty directory"
         )
+
+
+# the settings naming what an export reads (the model directory, its tokenizer, an adapter)
+_READS = (("model", "hf_dir"), ("model", "init_from"), ("data", "tokenizer"), ("adapter", "init_from"))
+
+
+def _refuse_read(config: dict, out: str) -> None:
+    """``out`` is none of the directories the export reads (an earlier export trained on, its
+    tokenizer): replacing it lost the base the run's adapters and config stand on."""
+    dst = os.path.realpath(out)
+    for section, field in _READS:
+        value = (config.get(section) or {}).get(field)
+        if not isinstance(value, str) or value in ("", "none", "bytes") or not os.path.exists(value):
+            continue
+        src = os.path.realpath(value)
+        if src == dst or src.startswith(dst + os.sep):
+            raise CheckpointError(
+                f"export --out {out} is or holds {section}.{field} = {value}, which the checkpoint's run reads "
+                "(and this export reads too); give another directory"
+            )
 
 
 def _exported(name: str) -> bool:
