@@ -823,6 +823,31 @@ def test_a_damaged_cache_entry_is_made_again_and_a_failed_prepare_keeps_the_earl
     with pytest.raises(Exception, match=r"bad.jsonl, line 2"):
         prepare_examples([bad], out, tokenizer=tok, progress=False)
     assert PreparedExamples(out).count == before
+    prepare_examples([pc], out, tokenizer=tok, progress=False)  # an earlier preparation: replaced
+
+
+def test_prepare_never_writes_into_a_directory_of_other_files(tmp_path):
+    """`prepare --output DIR` replaced a user's meta.json and scattered its files into a model
+    directory; refused, the files left as they were. A new or empty directory, or an earlier
+    preparation, takes them."""
+    from tiertrain.errors import UsageError
+
+    tok, pc, _ = _finetune_data(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"mine": 1}')
+    with pytest.raises(
+        UsageError, match=r"holds files that are not an earlier preparation \(a meta.json not tiertrain's\)"
+    ):
+        prepare_examples([pc], str(mine), tokenizer=tok, progress=False)
+    assert os.listdir(mine) == ["meta.json"] and (mine / "meta.json").read_text() == '{"mine": 1}'
+    with pytest.raises(
+        UsageError, match=r"holds files that are not an earlier preparation \(chat_template.jinja, tokenizer.json"
+    ):
+        prepare_examples([pc], tok, tokenizer=tok, progress=False)  # the tokenizer's directory
+    assert "ids.tokens" not in os.listdir(tok)
+    (tmp_path / "empty").mkdir()
+    prepare_examples([pc], str(tmp_path / "empty"), tokenizer=tok, progress=False)
 
 
 def test_rows_a_tokenizer_or_its_template_cannot_take_are_named(tmp_path):

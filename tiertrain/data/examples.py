@@ -53,6 +53,8 @@ __all__ = ["IGNORE", "PreparedExamples", "ExampleBatches", "UnscoredStep", "writ
 log = logging.getLogger("tiertrain")
 IGNORE = -100
 META = "meta.json"
+# what a prepared directory holds (and a preparation may replace): the files and their temporaries
+PREPARED_FILES = frozenset({"ids.tokens", "mask.bin", "offsets.bin", META, META + ".tmp"})
 FORMAT = "tiertrain-examples"
 
 

@@ -77,6 +77,7 @@ def prepare_examples(
     if os.path.isfile(output):
         raise UsageError(f"prepare --output {output} is a file; prepared examples are a directory: give a new one")
     check_writable_dir("prepare --output", output, UsageError)  # before the rows are read
+    _refuse_foreign(output)
     tok = load_tokenizer(tokenizer, what="data.tokenizer" if what else "prepare --tokenizer")
     render = Renderer(tok, kind, mask_prompt=mask_prompt)
 
@@ -103,6 +104,32 @@ def prepare_examples(
         ),
         empty=f"{what} = {inputs[0]} holds no example; give rows" if what else None,
     )
+
+
+def _refuse_foreign(output: str) -> None:
+    """Examples go into a new or empty directory, or replace an earlier preparation: never into a
+    directory of other files (a model directory, a user's meta.json), which they replaced."""
+    import json
+
+    from .examples import FORMAT, META, PREPARED_FILES
+
+    if not os.path.isdir(output):
+        return
+    # (a temporary of a preparation cut short, "mask.bin.tmp1234", is ours too)
+    theirs = sorted(n for n in os.listdir(output) if n.split(".tmp")[0] not in PREPARED_FILES)
+    ours = True
+    if os.path.exists(os.path.join(output, META)):
+        try:
+            with open(os.path.join(output, META)) as f:
+                ours = json.load(f).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+    if theirs or not ours:
+        shown = ", ".join(theirs[:4]) + (", ..." if len(theirs) > 4 else "") if theirs else f"a {META} not tiertrain's"
+        raise UsageError(
+            f"prepare --output {output} holds files that are not an earlier preparation ({shown}); prepared "
+            "examples go into a new or empty directory (or replace an earlier preparation): give another"
+        )
 
 
 def _check(inputs: Sequence[str], output: str) -> None:
