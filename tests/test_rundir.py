@@ -86,6 +86,40 @@ def test_metrics_continue_without_duplicates_and_a_later_course_is_replaced(tmp_
     assert names(run / "checkpoints") == ["step-00000003"]
 
 
+def test_a_run_resumed_from_an_earlier_step_that_fails_before_saving_resumes_that_step(tmp_path, capsys, monkeypatch):
+    """Resumed from step 2 of a run with checkpoints at 2 and 4, failing in step 4 before any save:
+    the hint and `--resume RUN_DIR` took step 4, the course the user had abandoned (its metrics
+    moved out by the resume), and the metrics then mixed the two courses (1 2 3 _ 5). The later
+    course is set aside at once (superseded-step-...); the resume takes step 2 again."""
+    import errno
+
+    from tiertrain.io.errors import StorageError
+    from tiertrain.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=2", steps=4)]) == 0
+    ck2 = run / "checkpoints" / "step-00000002"
+    step = Trainer.train_step
+
+    def fails_at_4(self):
+        if self.step == 3:
+            raise StorageError(errno.EIO, str(tmp_path / "ssd"), "the drive went away (a stand-in)")
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", fails_at_4)
+    capsys.readouterr()
+    assert main(["train", f"--resume={ck2}", "--train.steps=6", "--checkpoint.every=100"]) == 1
+    err = capsys.readouterr().err
+    assert "step-00000004 hold(s) a later course of this run than step 2: set aside as superseded-step-00000004" in err
+    assert f"the last checkpoint is {ck2}: `tiertrain train --resume {run}`" in err, err
+    assert names(run / "checkpoints") == ["step-00000002"] and steps_in(run) == [1, 2, 3]
+    monkeypatch.undo()
+    assert main(["train", f"--resume={run}", "--train.steps=5"]) == 0
+    assert steps_in(run) == [1, 2, 3, 4, 5]
+    # (checkpoint.every = 2, as step 2 was saved with) the set-aside course deleted by the first save
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-00000004", "step-00000005"]
+
+
 def test_relative_paths_resume_and_export_from_another_directory(tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

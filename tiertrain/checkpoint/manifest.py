@@ -33,6 +33,7 @@ __all__ = [
     "find_checkpoint",
     "step_of",
     "clean_incomplete",
+    "set_aside",
     "verify_checkpoint",
     "intact_checkpoint",
     "MANIFEST",
@@ -168,7 +169,7 @@ def list_checkpoints(root: str) -> list[str]:
 
 # a save's own, its process id last: a checkpoint being written, the older copy of a step set
 # aside while it is replaced, a checkpoint being deleted (pruned, or superseded)
-_LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|\.drop-step-\d{8}|(step-\d{8})\.old)-(\d+)$")
+_LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|\.drop-(?:superseded-)?step-\d{8}(?:-\d+)?|(step-\d{8})\.old)-(\d+)$")
 
 
 def _alive(pid: int) -> bool:
@@ -213,16 +214,32 @@ def set_aside_damaged(root: str) -> list[tuple[str, str]]:
     them) to ``damaged-step-NNNNNNNN[-k]`` beside them; return (was, now) for each."""
     if not os.path.isdir(root):
         return []
+    found = [
+        os.path.join(root, name)
+        for name in sorted(os.listdir(root))
+        if _NAME.match(name)
+        and os.path.isdir(os.path.join(root, name))
+        and not os.path.exists(os.path.join(root, name, MANIFEST))
+    ]
+    return list(zip(found, set_aside(found, "damaged")))
+
+
+def set_aside(paths: list[str], why: str) -> list[str]:
+    """Rename checkpoint directories ``paths`` to ``<why>-step-NNNNNNNN[-k]`` beside them (a name
+    no resume takes), durably; return the new paths."""
+    from ..paths import fsync_path
+
     moved = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if _NAME.match(name) and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
-            new, k = os.path.join(root, f"damaged-{name}"), 1
-            while os.path.exists(new):
-                k += 1
-                new = os.path.join(root, f"damaged-{name}-{k}")
-            os.rename(path, new)
-            moved.append((path, new))
+    for path in paths:
+        root, name = os.path.split(path)
+        new, k = os.path.join(root, f"{why}-{name}"), 1
+        while os.path.exists(new):
+            k += 1
+            new = os.path.join(root, f"{why}-{name}-{k}")
+        os.rename(path, new)
+        moved.append(new)
+    if moved:
+        fsync_path(os.path.dirname(moved[0]))
     return moved
 
 

@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import time
 
 import torch
 
-from ..checkpoint import CheckpointError, CheckpointIO, Manifest, SaveResult, list_checkpoints, step_of
+from ..checkpoint import CheckpointError, CheckpointIO, Manifest, SaveResult, list_checkpoints, set_aside, step_of
 from ..dist.checkpoint import follow
 from ..io import aligned_empty
 from ..models.pieces import WholeTensors
@@ -25,6 +26,7 @@ from ..models.pieces import WholeTensors
 __all__ = ["Checkpoints", "other_ranks_note"]
 
 log = logging.getLogger("tiertrain")
+_SET_ASIDE = re.compile(r"^superseded-step-\d{8}(-\d+)?$")  # ``continue_from``'s names
 
 
 def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tuple[int, int]) -> str | None:
@@ -145,13 +147,25 @@ class Checkpoints:
     def continue_from(self, step: int) -> None:
         """A run continued from ``step``: the checkpoints of a later course of it are replaced by
         its first save."""
-        self._superseded = [p for p in list_checkpoints(self.root) if step_of(p) > step]
-        if self._superseded:
-            log.warning(
-                "%s hold(s) a later course of this run than step %d; replaced by this run's first checkpoint",
-                ", ".join(map(os.path.basename, self._superseded)),
-                step,
-            )
+        later = [p for p in list_checkpoints(self.root) if step_of(p) > step]
+        if not self.group.leader:  # (rank 0 keeps the checkpoints, for every rank)
+            return
+        # a course set aside by an earlier resume that stopped before its first save: it goes too
+        names = sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
+        self._superseded = [os.path.join(self.root, n) for n in names if _SET_ASIDE.match(n)]
+        if not later:
+            return
+        # set aside at once, under names no resume takes: a crash before this course's first save
+        # otherwise left `--resume RUN_DIR` (and its hint) the abandoned course, whose metrics a
+        # resume had moved out (its steps mixed with this course's)
+        self._superseded += set_aside(later, "superseded")
+        log.warning(
+            "%s hold(s) a later course of this run than step %d: set aside as %s (deleted by this run's first "
+            "checkpoint; to take that course up again instead, rename it back before then)",
+            ", ".join(map(os.path.basename, later)),
+            step,
+            ", ".join(map(os.path.basename, self._superseded)),
+        )
 
     def weights(self, region, layout, row_pieces: dict, quant=None) -> dict[str, torch.Tensor]:
         """Every weight of ``region`` (the weights state) by name, fp32, vocabulary pieces as
