@@ -450,9 +450,19 @@ def test_rank_config_gives_each_rank_its_own_files_and_refuses_what_ranks_cannot
 
 
 def test_a_bad_config_is_reported_once_before_any_rank_starts(tmp_path):
+    """A bad value; ranks.backend = 'nccl' (it was NCCL's own error, on a machine without it, read
+    by every rank as a group that did not form in time, with torchrun advice); --nproc in a shell
+    that holds WORLD_SIZE (a Slurm or torchrun one: --nproc was ignored, one rank trained)."""
     bad = _cli(tmp_path, "--ranks.timeout_s=0")
     assert bad.returncode != 0 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
     assert bad.stderr.count("ranks.timeout_s") == 1 and "must be > 0" in bad.stderr, bad.stderr[-3000:]
+    bad = _cli(tmp_path, "--ranks.backend=nccl")
+    assert bad.returncode == 2 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
+    assert bad.stderr.count("tiertrain: config error: ranks.backend = 'nccl' with 2 ranks:") == 1, bad.stderr[-3000:]
+    bad = _cli(tmp_path, env={"WORLD_SIZE": "1"})
+    assert bad.returncode == 1 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
+    assert "tiertrain: --nproc 2 with WORLD_SIZE=1 in the environment:" in bad.stderr, bad.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 def _start_ranks(tmp_path, *extra, env=None):

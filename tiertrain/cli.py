@@ -94,6 +94,9 @@ def _ranks(cfg) -> Iterator[object]:
     if world == 1:
         yield None
         return
+    from .ranks_fit import refuse_nccl
+
+    refuse_nccl(cfg.ranks.backend, world)
     end_with_launcher()
     if rank:
         log.setLevel(logging.WARNING)
@@ -110,9 +113,16 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = _resume_target(args.resume, args.config, overrides)
     else:
         path, cfg = None, load_config(args.config, overrides)
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from .ranks_fit import check_ranks_fit
+    if nproc > 1 and "WORLD_SIZE" in os.environ:  # (a shell of Slurm's or torchrun's: --nproc was ignored)
+        raise UsageError(
+            f"--nproc {nproc} with WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment: this process is "
+            "taken for one of the ranks another launcher started; unset WORLD_SIZE (and RANK) to start the ranks "
+            "here, or drop --nproc under torchrun"
+        )
+    if nproc > 1:
+        from .ranks_fit import check_ranks_fit, refuse_nccl
 
+        refuse_nccl(cfg.ranks.backend, nproc)
         check_ranks_fit(nproc, cfg.memory.host_mib)
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
     # one process: a run directory holding a run is refused before the plan's probes (seconds)

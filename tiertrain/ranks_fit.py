@@ -4,7 +4,7 @@ memory of every rank's process and budget. Without torch: the launcher never imp
 
 from __future__ import annotations
 
-from .errors import UsageError
+from .errors import ConfigError, UsageError
 from .memlimit import affinity_cores, available_memory, cpu_quota
 
 __all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
@@ -39,4 +39,15 @@ def check_ranks_fit(nproc: int, host_mib: int | None) -> None:
             f"--nproc {nproc}: {nproc} ranks need {nproc * each:,} MiB (each {RANK_PROCESS_MIB} MiB for its "
             f"process{budget}), this machine has {avail:,} MiB {where}; use --nproc {max(1, avail // each)} "
             f"or fewer{', or lower memory.host_mib' if host_mib else ''}"
+        )
+
+
+def refuse_nccl(backend: str, world: int) -> None:
+    """``ranks.backend = 'nccl'`` refused, before any process group forms (NCCL's own error there,
+    on a machine without it, read as a group that did not form in time)."""
+    if backend == "nccl":
+        raise ConfigError(
+            f"ranks.backend = 'nccl' with {world} ranks: the ranks' collectives run on host memory (a unit "
+            "gathered into its staging buffer, then uploaded), which NCCL does not serve; gathering straight "
+            "into device memory is not built. Set ranks.backend = 'gloo' or 'auto'"
         )

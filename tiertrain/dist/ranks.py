@@ -30,7 +30,8 @@ import os
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config
+from ..ranks_fit import refuse_nccl
 
 
 __all__ = ["rank_config", "per_rank_figures"]
@@ -40,11 +41,7 @@ def rank_config(cfg: Config, group) -> Config:
     """``cfg`` (the same on every rank, refused otherwise) as rank ``group.rank`` runs it."""
     shared = cfg.to_dict()
     group.check_same("the config", shared)
-    if cfg.ranks.backend == "nccl":
-        raise ConfigError(f"ranks.backend = 'nccl' with {group.world} ranks: the ranks' collectives run on host "
-                          "memory (a unit gathered into its staging buffer, then uploaded), which NCCL does not "
-                          "serve; gathering straight into device memory is not built. Set ranks.backend = 'gloo' "
-                          "or 'auto'")
+    refuse_nccl(cfg.ranks.backend, group.world)
     cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cuda:  # a machine's rank r computes on its GPU r (torchrun's LOCAL_RANK), wrapping round
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", group.rank)) % torch.cuda.device_count())
