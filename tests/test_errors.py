@@ -581,3 +581,25 @@ def test_a_short_budget_never_halves_the_chunk_below_the_users_checksum_blocks(t
     err = capsys.readouterr().err
     assert "must divide io.chunk_kib" not in err and "Traceback" not in err, err
     assert code == 0 or "memory.host_mib" in err, err
+
+
+@pytest.mark.parametrize(
+    "var, spec, said",
+    [
+        ("TIERTRAIN_KILL_AT", "forward:x", "expected point or point:n, e.g. update:3"),
+        ("TIERTRAIN_KILL_AT", "foward:3", "no point 'foward'; the points are forward, backward, update"),
+        ("TIERTRAIN_SLOW_AT", "forward:x", "expected point:seconds or point:seconds:n"),
+        ("TIERTRAIN_SLOW_AT", "upate:0.1", "no point 'upate'"),
+    ],
+)
+def test_a_fault_variable_that_does_not_parse_is_one_line_and_a_misspelt_point_is_refused(var, spec, said):
+    """The fault hooks (tests' kill and slow points) printed a traceback per rank for a bad
+    number, and a misspelt point never fired: the run the test meant to break passed."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", "import tiertrain.faults"], capture_output=True, text=True, env={**os.environ, var: spec}
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().startswith(f"tiertrain: {var}={spec!r}: ") and said in r.stderr, r.stderr

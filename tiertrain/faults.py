@@ -16,14 +16,32 @@ import os
 import signal
 import time
 
-__all__ = ["point"]
+__all__ = ["point", "POINTS", "FaultSpecError"]
+
+
+POINTS = ("forward", "backward", "update", "checkpoint", "start")
+
+
+class FaultSpecError(SystemExit):
+    """A fault variable that does not parse: one line, no traceback (raised at import)."""
+
+
+def _point(var: str, spec: str, name: str) -> str:
+    if name not in POINTS:  # (a misspelt point never fired: the test it was for passed for nothing)
+        raise FaultSpecError(f"tiertrain: {var}={spec!r}: no point {name!r}; the points are {', '.join(POINTS)}")
+    return name
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
     if not spec:
         return None
     name, _, n = spec.partition(":")
-    return name, int(n or 1)
+    try:
+        return _point("TIERTRAIN_KILL_AT", spec, name), int(n or 1)
+    except ValueError:
+        raise FaultSpecError(
+            f"tiertrain: TIERTRAIN_KILL_AT={spec!r}: expected point or point:n, e.g. update:3"
+        ) from None
 
 
 def _parse_slow(spec: str | None) -> tuple[str, float, int]:
@@ -32,10 +50,10 @@ def _parse_slow(spec: str | None) -> tuple[str, float, int]:
     name, _, rest = spec.partition(":")
     seconds, _, nth = rest.partition(":")
     try:
-        return name, float(seconds), int(nth or 0)
+        return _point("TIERTRAIN_SLOW_AT", spec, name), float(seconds), int(nth or 0)
     except ValueError:
-        raise ValueError(
-            f"TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds or point:seconds:n, e.g. update:0.01"
+        raise FaultSpecError(
+            f"tiertrain: TIERTRAIN_SLOW_AT={spec!r}: expected point:seconds or point:seconds:n, e.g. update:0.01"
         ) from None
 
 
