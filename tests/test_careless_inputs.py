@@ -473,3 +473,31 @@ def test_refusals_to_resume_advise_what_fits_the_run(tmp_path, capsys):
     assert f"model.hf_dir = '{tmp_path / 'model'}'" in line and "model.n_layers" not in line, line
     line = one_line_error(capsys, ["train", f"--resume={run}", "--train.steps=2", "--optim.name=adamw8bit"], 2)
     assert "--adapter.init_from=EXPORT" in line and "--model.hf_dir" not in line, line
+
+
+def test_a_model_directory_without_a_tokenizer_is_said_and_its_export_takes_the_runs(tmp_path, capsys):
+    """A model directory of the weights alone (and a generation_config.json) trained its text as
+    UTF-8 bytes of a 512-token model without a word; given --data.tokenizer, its export held no
+    tokenizer (the generation config was taken for one)."""
+    import torch
+    from test_finetune_data import make_tokenizer
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = tmp_path / "weights-only"
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model)  # fmt: skip
+    GenerationConfig(max_new_tokens=4).save_pretrained(model)
+    flags = [f for f in _hf_run_flags(tmp_path) if not f.startswith("--model.hf_dir")] + [f"--model.hf_dir={model}"]
+    assert main(["train", *flags]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"model.hf_dir {model} holds no tokenizer: the text is read as UTF-8 bytes (ids 0-255), not as the model's 512-token"
+        in err
+    )
+    tok = make_tokenizer(tmp_path / "tok")
+    run = tmp_path / "with-tok"
+    assert main(["train", *flags, f"--train.run_dir={run}", f"--data.tokenizer={tok}"]) == 0
+    assert "holds no tokenizer" not in capsys.readouterr().err
+    assert main(["export", f"--checkpoint={run}", f"--out={tmp_path / 'exp'}"]) == 0
+    assert (tmp_path / "exp" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()

@@ -365,10 +365,12 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
 def _copy_tokenizer(cfg: Config, out: str) -> None:
     """The tokenizer files of the model's directory (else of data.tokenizer), so that the
     export loads with its tokenizer."""
+    from ..config.sections import has_tokenizer
+
     for src in (cfg.model.hf_dir, None if cfg.data.tokenizer == "bytes" else cfg.data.tokenizer):
-        if src and os.path.isdir(src):
-            found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-            for n in found:
-                shutil.copy2(os.path.join(src, n), os.path.join(out, n))
-            if found:
-                return
+        # (a model directory with a generation_config.json and no tokenizer: the run's data.tokenizer's)
+        if src and os.path.isdir(src) and has_tokenizer(src):
+            for n in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(src, n)):
+                    shutil.copy2(os.path.join(src, n), os.path.join(out, n))
+            return

@@ -167,10 +167,25 @@ def refuse_small_vocab(model, cfg: Config, *corpora) -> None:
     from ..errors import ConfigError
     from ..models import vocab_size_of
 
+    vocab = vocab_size_of(model, cfg)
+    hf = cfg.model.hf_dir
+    if (
+        cfg.data.tokenizer is None
+        and hf
+        and vocab != 256
+        and any(d is not None and d.vocab_size == 256 for d in corpora)
+    ):
+        log.warning(  # (a directory of the weights alone: its text in bytes is no input the model knows)
+            "model.hf_dir %s holds no tokenizer: the text is read as UTF-8 bytes (ids 0-255), not as the model's "
+            "%d-token vocabulary; give its tokenizer with --data.tokenizer=DIR (or --data.tokenizer=bytes to "
+            "train on bytes and not be told)",
+            hf,
+            vocab,
+        )
     for what, data in zip(("corpus", "evaluation corpus"), corpora):
-        if data is not None and data.vocab_size > vocab_size_of(model, cfg):
+        if data is not None and data.vocab_size > vocab:
             raise ConfigError(
-                f"model.vocab_size = {vocab_size_of(model, cfg)} is smaller than the {what} vocabulary "
+                f"model.vocab_size = {vocab} is smaller than the {what} vocabulary "
                 f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
                 "own tokenizer"
             )
