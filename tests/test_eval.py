@@ -234,11 +234,21 @@ def test_a_validation_over_part_of_the_text_says_how_much(tmp_path, caplog):
 
     text = _text(tmp_path)
     with caplog.at_level(logging.INFO, logger="tiertrain"):
-        whole = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=0))
+        whole = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=1, eval_micro_batches=0))
         assert "validation:" not in caplog.text
         EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=2))
-    rows = whole.count * 2 + (len(whole.corpus.tokens) - 1) // 32 % 2
+    rows = whole.count
     assert f"validation: 2 micro-batches of 2 rows, 4 of the {rows} rows data.eval_corpus gives" in caplog.text
+    # rows that do not fill the last micro-batch were left out without a word
+    B = next(b for b in range(3, rows) if rows % b)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        part = EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=B, eval_micro_batches=0))
+    assert part.count == rows // B
+    assert (
+        f"validation: the last {rows % B} of the {rows} rows data.eval_corpus gives do not fill a micro-batch of {B} "
+        f"and are left out; a data.micro_batch_size dividing {rows} evaluates them all" in caplog.text
+    )
 
 
 def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):
