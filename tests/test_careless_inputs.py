@@ -501,3 +501,24 @@ def test_a_model_directory_without_a_tokenizer_is_said_and_its_export_takes_the_
     assert "holds no tokenizer" not in capsys.readouterr().err
     assert main(["export", f"--checkpoint={run}", f"--out={tmp_path / 'exp'}"]) == 0
     assert (tmp_path / "exp" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
+
+
+def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog):
+    """--data.format=chat, --data.packing=false, --data.mask_prompt=false or
+    --data.long_examples=drop with a .txt corpus gave the same loss as none of them, silently."""
+    import logging
+
+    from reference import small_config
+
+    from tiertrain.data import open_corpus
+
+    cfg = small_config(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        open_corpus(cfg.data)
+        assert "not rows" not in caplog.text
+        cfg.data.packing, cfg.data.long_examples = False, "drop"
+        open_corpus(cfg.data)
+    assert (
+        "is text cut into windows, not rows: data.packing = False, data.long_examples = 'drop' set for rows"
+        in caplog.text
+    )

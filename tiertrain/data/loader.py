@@ -41,6 +41,15 @@ def bundled_corpus_path() -> str:
     return str(resources.files("tiertrain.data").joinpath("kjv_genesis_exodus.txt"))
 
 
+ROWS_SETTINGS = ("format", "mask_prompt", "packing", "packed_attention", "long_examples")
+
+
+def _rows_settings(cfg: DataConfig) -> list[str]:
+    """The settings for rows (examples) that ``cfg`` sets otherwise than their defaults."""
+    default = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    return [f"data.{n} = {getattr(cfg, n)!r}" for n in ROWS_SETTINGS if getattr(cfg, n) != default[n]]
+
+
 class Corpus:
     """Token ids of the configured corpus and the batches of each step."""
 
@@ -72,6 +81,12 @@ class Corpus:
                     f"--tokenizer {cfg.tokenizer}"
                 )
         self.path = path
+        ignored = _rows_settings(cfg)
+        if ignored and what == "data.corpus":  # (given for rows: a text or token file gave the same loss, silently)
+            log.warning(
+                "%s = %s is text cut into windows, not rows: %s set for rows (examples) do(es) nothing here",
+                what, path, ", ".join(ignored),
+            )  # fmt: skip
         need = cfg.seq_len + 1
         if len(self.tokens) < need:
             raise ConfigError(f"{what}: {path} has {len(self.tokens)} tokens, fewer than data.seq_len + 1 = {need}")
