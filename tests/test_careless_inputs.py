@@ -112,6 +112,16 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_sent_in_a_circle(tmp_pa
         line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--resume={where}"], 1)
         assert f"--resume {named}: no checkpoint there; the run in {run} {advice}" in line, line
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true")]) == 0
+    # a run that stopped before its first step (a rank that failed at start: its config and an empty
+    # metrics file) has nothing to keep: the same command starts over instead of being refused
+    shutil.rmtree(run / "checkpoints")
+    (run / "metrics.jsonl").write_text("")
+    capsys.readouterr()
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    assert (
+        f"train.run_dir {run} holds a run that stopped before its first step (metrics.jsonl, config.json): started over"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.fixture

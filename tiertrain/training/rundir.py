@@ -197,6 +197,12 @@ def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool, owner: s
         )
     if overwrite:
         return True
+    metrics = os.path.join(path, METRICS)
+    if not list_checkpoints(checkpoint_root) and (not os.path.exists(metrics) or not os.path.getsize(metrics)):
+        # a run that stopped before its first step (a rank that failed at start): nothing of it to keep
+        log.info("train.run_dir %s holds a run that stopped before its first step (%s): started over", path,
+                 ", ".join(found))  # fmt: skip
+        return True
     shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
     if not list_checkpoints(checkpoint_root):  # --resume would be refused: not offered
         raise RunDirError(f"train.run_dir {path} already holds a run ({shown}); {no_checkpoint_advice(path)}")
