@@ -496,3 +496,33 @@ def test_runs_sharing_a_checkpoint_dir_never_delete_or_continue_each_others_chec
     os.rename(a, tmp_path / "A3")
     assert main(["train", f"--resume={tmp_path / 'A3'}", "--train.steps=3"]) == 0
     assert steps_in(tmp_path / "A3") == [1, 2, 3] and not a.exists() and names(ck)[-1] == "step-00000003"
+
+
+@pytest.mark.slow  # a process holds the lock
+def test_a_directory_held_by_a_stopped_process_says_how_to_let_it_end(tmp_path):
+    """A rank stopped (SIGSTOP, Ctrl-Z) outlives its launcher: its lock refused the next run
+    naming a pid, not that the process was stopped and how to let it end."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tiertrain.io.scratch import DirInUseError, DirLock, _scratch_busy
+
+    code = (
+        "import sys, time; from tiertrain.io.scratch import DirLock, _scratch_busy; "
+        f"DirLock({str(tmp_path / 'held')!r}, _scratch_busy); print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirInUseError) as running:
+            DirLock(str(tmp_path / "held"), _scratch_busy)
+        assert "stopped" not in str(running.value)
+        os.kill(holder.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        with pytest.raises(DirInUseError, match=rf"it is stopped \(SIGSTOP or Ctrl-Z\): `kill -CONT {holder.pid}`"):
+            DirLock(str(tmp_path / "held"), _scratch_busy)
+    finally:
+        holder.kill()
+        holder.wait()

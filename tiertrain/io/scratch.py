@@ -98,6 +98,7 @@ class DirLock:
                 info = _read(fd)
                 os.close(fd)
                 who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
+                who += _stopped_note(info.get("pid"))
                 raise busy(self.path, who) from None
             try:
                 if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
@@ -148,6 +149,18 @@ class DirLock:
             pass  # the lock goes with the descriptor anyway
         finally:
             os.close(fd)
+
+
+def _stopped_note(pid) -> str:
+    """Where the holder is a stopped process (SIGSTOP, Ctrl-Z: it never ends by itself, even
+    once its launcher is gone), how to let it end ('' otherwise)."""
+    import psutil
+
+    try:
+        stopped = isinstance(pid, int) and psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return ""
+    return f"; it is stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` lets it end, or kill it" if stopped else ""
 
 
 def _scratch_busy(path: str, who: str) -> ScratchInUseError:
