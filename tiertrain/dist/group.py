@@ -416,6 +416,7 @@ class RankGroup(_Sharding):
 
     def _run(self, name: str, fn, *args, started: bool = False, **kw) -> None:
         """``fn`` (a collective, or the wait for one already ``started``), its failure a RankError."""
+        name = _WORDS.get(name, name)  # (messages said "max failed", "after max")
         self._intact(name)
         if not started:
             p = self.watch.progress
@@ -435,6 +436,18 @@ class RankGroup(_Sharding):
                                 f"died, hangs past the {self.timeout_s:.0f} s timeout, or called another collective"
                                 + (f": {who}" if who else ""))  # what to resume from: the command line's hint
         return self.failed
+
+
+# the collectives as messages name them
+_WORDS = {
+    "all_gather": "the gather of a unit's parameters (all_gather)",
+    "reduce_scatter": "the sum of a unit's gradients (reduce_scatter)",
+    "max": "the ranks' agreement at a step's end (max)",
+    "broadcast": "taking rank 0's choice (broadcast)",
+    "barrier": "the wait for every rank (barrier)",
+    "all_gather_object": "the exchange of every rank's figures (all_gather_object)",
+    "check_same": "the check that every rank has the same config (check_same)",
+}
 
 
 def _default_store():
