@@ -58,10 +58,12 @@ def test_resume_past_rotation_then_a_finished_run(tmp_path, capsys):
     Resuming a finished run says how to train further."""
     run = tmp_path / "run"
     assert main(["train", *tiny_flags(tmp_path, steps=3)]) == 0
-    assert main(["train", f"--resume={run}", "--train.steps=12", "--checkpoint.every=3"]) == 0
+    again = [f"--io.paths={tmp_path / 'ssd'}/", "--train.progress=false"]  # as they were (a trailing '/')
+    assert main(["train", f"--resume={run}", "--train.steps=12", "--checkpoint.every=3", *again]) == 0
     err = capsys.readouterr().err
     assert "done: 9 steps" in err
     assert "resume: settings changed from the checkpoint's config: checkpoint.every 0 -> 3" in err, err
+    assert "io.paths" not in err and "train.progress" not in err  # given again as they were: not "changed"
     assert names(run / "checkpoints") == ["step-00000009", "step-00000012"]
     assert steps_in(run) == list(range(1, 13))
     assert main(["train", f"--resume={run}"]) == 0

@@ -301,7 +301,7 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
         f"{section}.{k} {tree.get(section, {}).get(k)!r} -> {v!r}"
         for section, values in given.items()
         for k, v in values.items()
-        if str(tree.get(section, {}).get(k)) != str(v) and (section, k) != ("train", "steps")
+        if _differs(tree.get(section, {}).get(k), v) and (section, k) != ("train", "steps")
     ]
     if changed:  # said: a resumed run that trains otherwise than it began is the user's choice, never silent
         log.info("resume: settings changed from the checkpoint's config: %s", ", ".join(changed))
@@ -309,6 +309,26 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
     for section, values in given.items():
         tree.setdefault(section, {}).update(values)
     return tree
+
+
+def _differs(stored, given) -> bool:
+    """Whether a flag's value ``given`` (text, or a file's value) is another than the stored
+    one: a path with a trailing '/', a list given as 'a,b', 1e-3 for 0.001 are the same."""
+
+    def norm(v):
+        if isinstance(v, (list, tuple)):
+            return [norm(x) for x in v]
+        text = str(v).strip()
+        if text.lower() in ("true", "false", "none", "null"):
+            return text.lower().replace("null", "none")
+        try:
+            return float(text)
+        except ValueError:
+            return os.path.normpath(text) if os.sep in text else text
+
+    if isinstance(stored, (list, tuple)) and isinstance(given, str):
+        given = [x for x in given.split(",") if x]
+    return norm(stored) != norm(given)
 
 
 def _same_adapter_kind(stored: dict, given: dict, checkpoint: str) -> None:
