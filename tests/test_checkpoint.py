@@ -135,7 +135,7 @@ def test_full_disk_at_checkpoint_keeps_the_previous_one(tmp_path, small_fs):
         with pytest.raises(
             CheckpointError,
             match=rf"not enough space for the checkpoint of step 2 in {mnt}: "
-            r"it needs [\d.]+ GiB, [\d.]+ GiB are free \([\d.]+ GiB missing\); "
+            r"it needs [\d.]+ MiB, [\d.]+ MiB are free \([\d.]+ MiB missing\); "  # (small: not "0.00 GiB")
             rf"the previous checkpoint {first.path} is intact",
         ):
             tr.save_checkpoint()

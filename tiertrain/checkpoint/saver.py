@@ -23,6 +23,7 @@ import torch
 from .. import faults
 from ..io import BufferPool, FileHandle, IOFuture, IOWorkers, OutOfSpaceError, check_space, free_bytes
 from ..io.checksum import crc32c
+from ..io.errors import human_bytes
 from ..paths import fsync_path
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
@@ -336,8 +337,8 @@ def _restore_rng(directory: str, entry: FileEntry | None) -> None:
 def _no_space(root: str, step: int, total: int, previous: str | None) -> str:
     free = free_bytes(root)
     return (
-        f"not enough space for the checkpoint of step {step} in {root}: it needs {total / 2**30:.2f} GiB, "
-        f"{free / 2**30:.2f} GiB are free ({max(0, total - free) / 2**30:.2f} GiB missing); "
+        f"not enough space for the checkpoint of step {step} in {root}: it needs {human_bytes(total)}, "
+        f"{human_bytes(free)} are free ({human_bytes(max(0, total - free))} missing); "
         + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
     )
 
