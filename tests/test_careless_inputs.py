@@ -111,6 +111,12 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_sent_in_a_circle(tmp_pa
     for where, named in ((run, run), ("latest", run / "checkpoints"), (run / "checkpoints", run / "checkpoints")):
         line = one_line_error(capsys, ["train", *tiny_flags(tmp_path), f"--resume={where}"], 1)
         assert f"--resume {named}: no checkpoint there; the run in {run} {advice}" in line, line
+    for cmd in ("eval", "generate"):  # (they were told to start the run over, without --resume)
+        line = one_line_error(capsys, [cmd, f"--checkpoint={run}", *(["--prompt", "a"] if cmd == "generate" else [])])
+        assert (
+            f"--checkpoint {run}: no checkpoint there: the run in {run} stopped before its first checkpoint; give"
+            in line
+        ), line
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true")]) == 0
     # a run that stopped before its first step (a rank that failed at start: its config and an empty
     # metrics file) has nothing to keep: the same command starts over instead of being refused

@@ -55,6 +55,11 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
         run_dir = where if _holds_steps(where) else os.path.dirname(os.path.normpath(os.path.abspath(where)))
         if not _holds_steps(run_dir):
             raise
+        if flag != "--resume":  # (eval, generate: told to start the run over, without --resume)
+            raise CheckpointError(
+                f"{flag} {where}: no checkpoint there: the run in {run_dir} stopped before its first checkpoint; "
+                "give a checkpoint (a run directory that holds one), or a model directory with --model.hf_dir"
+            ) from None
         raise CheckpointError(f"{flag} {where}: no checkpoint there; {no_checkpoint_advice(run_dir)}") from None
 
 
