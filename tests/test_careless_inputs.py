@@ -538,3 +538,17 @@ def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog):
         "is text cut into windows, not rows: data.packing = False, data.long_examples = 'drop' set for rows"
         in caplog.text
     )
+
+
+def test_a_byte_order_mark_first_in_rows_or_prompts_is_not_text(tmp_path):
+    """A BOM a Windows editor puts first: JSONL rows were refused with Python's advice to decode
+    with utf-8-sig, and a prompts file kept it in its first prompt (another completion)."""
+    from tiertrain.data.formats import read_rows
+    from tiertrain.inference.prompts import _text_lines
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "\xef\xbb\xbfsecond"}\n')
+    assert [r for _, r in read_rows(str(rows))] == [{"text": "first"}, {"text": "\ufeffsecond"}]  # (only the file's)
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"\xef\xbb\xbfIn the beginning\r\nAnd God said\n")
+    assert [ln.rstrip("\n") for ln in _text_lines(str(prompts))] == ["In the beginning", "And God said"]

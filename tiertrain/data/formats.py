@@ -90,7 +90,7 @@ def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # (a BOM a Windows editor put first: not text)
             except UnicodeDecodeError as exc:
                 raise DataError(
                     f"{path}, line {n}: not UTF-8 (byte {exc.start + 1} of the line: {exc.reason}); "

@@ -51,7 +51,7 @@ def _text_lines(path: str) -> list[str]:
     with open(path, "rb") as f:
         data = f.read()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # (a BOM first was kept in the first prompt, and changed its completion)
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"--prompts-file {path} is not UTF-8 text (byte {exc.start}); give a text file, one prompt a line, or "
