@@ -273,6 +273,10 @@ def test_bad_adapter_configs_are_named(tmp_path):
         load_config(None, ["--adapter.kind=lora", "--update.mode=engines"])
     with pytest.raises(ConfigError, match=r"update.mode = 'frozen' is chosen for adapter runs"):
         load_config(None, ["--update.mode=frozen"])
+    # peft's 'all-linear' (it was "not module names"): every linear layer of the blocks, the empty target
+    assert load_config(None, ["--adapter.kind=lora", "--adapter.target=all-linear"]).adapter.target == []
+    with pytest.raises(ConfigError, match=r"'all-linear' stands alone"):
+        load_config(None, ["--adapter.kind=lora", "--adapter.target=all-linear,q_proj"])
 
 
 def _train(cfg, init, steps, *, resume=None):

@@ -36,7 +36,8 @@ class AdapterConfig(Section):
         None,
         "Modules that get adapters, by their last name as peft spells them (Llama: q_proj, k_proj, v_proj, "
         "o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc; the built-in gpt: qkv, proj, fc, "
-        "out). Empty: every linear layer of the blocks (none where adapter.target_parameters is set, as in peft).",
+        "out). Empty (or peft's 'all-linear'): every linear layer of the blocks (none where "
+        "adapter.target_parameters is set, as in peft).",
         factory=list,
     )
     target_parameters: list[str] = opt(
@@ -76,6 +77,10 @@ class AdapterConfig(Section):
                         "sets up adapters, but adapter.kind = 'none' trains the model itself: set "
                         "adapter.kind = 'lora' too, or unset it",
                     )
+        if "all-linear" in self.target:  # peft's name for every linear layer of the blocks: this one's empty target
+            if len(self.target) > 1 or self.target_parameters:
+                self._fail("target", "'all-linear' stands alone (and without adapter.target_parameters)")
+            self.target = []
         bad = [t for t in self.target if not isinstance(t, str) or not t or not t.replace("_", "").isalnum()]
         if bad:
             self._fail("target", f"{bad!r} are not module names (letters, digits and '_', such as 'q_proj')")
