@@ -119,6 +119,14 @@ def test_hf_directory_without_weights_is_explained(tmp_path):
     cfg.model.hf_dir = str(tmp_path / "cfgonly")
     with pytest.raises(ConfigError, match=r"no model.safetensors\(.index.json\) there.*model.from_scratch = true"):
         Trainer(cfg)
+    # the weights in pytorch_model.bin: told to convert them, not to train from random weights
+    hf.config.save_pretrained(tmp_path / "bin")  # (transformers 5 writes safetensors only: torch.save as older ones)
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    cfg.model.hf_dir = str(tmp_path / "bin")
+    with pytest.raises(ConfigError, match=r"there \(its weights are in pytorch_model.bin: convert them") as err:
+        Trainer(cfg)
+    assert "from_scratch" not in str(err.value)
+    cfg.model.hf_dir = str(tmp_path / "cfgonly")
     cfg.model.from_scratch = True
     with Trainer(cfg) as tr:
         assert "random init" in tr.source.describe

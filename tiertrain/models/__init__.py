@@ -313,9 +313,20 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
     elif os.path.exists(single):
         where = {}
     else:
+        bins = [
+            n
+            for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+            if os.path.exists(os.path.join(directory, n))
+        ]
         raise ConfigError(
-            f"{what} = {directory!r}: no model.safetensors(.index.json) there; "
-            "convert the weights to safetensors or set model.from_scratch = true"
+            f"{what} = {directory!r}: no model.safetensors(.index.json) there"
+            + (
+                f" (its weights are in {bins[0]}: convert them, e.g. AutoModelForCausalLM.from_pretrained(DIR)"
+                ".save_pretrained(NEW_DIR), which writes safetensors)"
+                if bins
+                else "; give the directory that holds the weights (model.from_scratch = true trains its config from "
+                "random weights instead)"
+            )
         )
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(where.values()) or {single}):
