@@ -875,6 +875,12 @@ def test_rows_a_tokenizer_or_its_template_cannot_take_are_named(tmp_path):
         match=r"c.jsonl, line 1: the tokenizer's chat template refuses this conversation: System role not supported",
     ):  # noqa: E501
         prepare_examples([src], str(tmp_path / "c"), tokenizer=str(tmp_path / "strict"), progress=False)
+    strict.chat_template = TEMPLATE + "{% endfor %}"  # a template that does not parse: not the conversation's fault
+    strict.save_pretrained(tmp_path / "broken")
+    with pytest.raises(
+        DataError, match=r"^the tokenizer's chat template does not parse \(.*, line 1 of the template\)"
+    ):
+        prepare_examples([src], str(tmp_path / "c"), tokenizer=str(tmp_path / "broken"), progress=False)
     plain = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
     plain.pre_tokenizer = pre_tokenizers.Whitespace()
     no_eos = PreTrainedTokenizerFast(tokenizer_object=plain, unk_token="[UNK]", additional_special_tokens=WORDS[2:6])

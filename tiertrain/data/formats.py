@@ -246,10 +246,15 @@ class Renderer:
             )
 
         def render(ms: list, gen: bool = False) -> str:
-            from jinja2 import TemplateError
+            from jinja2 import TemplateError, TemplateSyntaxError
 
             try:
                 return tok.apply_chat_template(ms, tokenize=False, add_generation_prompt=gen)
+            except TemplateSyntaxError as exc:  # the template itself, whatever the conversation
+                raise DataError(
+                    f"the tokenizer's chat template does not parse ({exc.message}, line {exc.lineno} of the template); "
+                    "fix chat_template in its tokenizer_config.json or chat_template.jinja"
+                ) from None
             except TemplateError as exc:  # its raise_exception(): "System role not supported", roles' order
                 raise DataError(f"{where}: the tokenizer's chat template refuses this conversation: {exc}") from None
 
