@@ -108,6 +108,9 @@ def test_a_run_resumed_from_an_earlier_step_that_fails_before_saving_resumes_tha
             raise StorageError(errno.EIO, str(tmp_path / "ssd"), "the drive went away (a stand-in)")
         return step(self)
 
+    # nothing to train from step 2: the later course is left as it is (it was set aside, its metrics moved)
+    assert main(["train", f"--resume={ck2}", "--train.steps=2"]) == 0
+    assert names(run / "checkpoints") == ["step-00000002", "step-00000004"] and steps_in(run) == [1, 2, 3, 4]
     monkeypatch.setattr(Trainer, "train_step", fails_at_4)
     capsys.readouterr()
     assert main(["train", f"--resume={ck2}", "--train.steps=6", "--checkpoint.every=100"]) == 1
@@ -120,6 +123,24 @@ def test_a_run_resumed_from_an_earlier_step_that_fails_before_saving_resumes_tha
     assert steps_in(run) == [1, 2, 3, 4, 5]
     # (checkpoint.every = 2, as step 2 was saved with) the set-aside course deleted by the first save
     assert sorted(os.listdir(run / "checkpoints")) == ["step-00000004", "step-00000005"]
+    # a live run's directory is said to be in use (it was told to resume or overwrite it)
+    from tiertrain.io.scratch import DirLock
+    from tiertrain.training.rundir import _busy
+
+    live = DirLock(str(run), _busy)
+    try:
+        capsys.readouterr()
+        assert main(["train", *tiny_flags(tmp_path)]) == 1
+        err = capsys.readouterr().err
+    finally:
+        live.release()
+    assert f"train.run_dir {run} is in use by another tiertrain run (pid {os.getpid()}, started" in err, err
+    # train.overwrite deletes a set-aside course too (a whole checkpoint's space, unlisted)
+    import shutil
+
+    shutil.copytree(run / "checkpoints" / "step-00000004", run / "checkpoints" / "superseded-step-00000009")
+    assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-00000001"]
 
 
 def test_relative_paths_resume_and_export_from_another_directory(tmp_path, monkeypatch):
@@ -368,7 +389,9 @@ def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, ca
     assert (model / "config.json").read_text() == '{"model_type": "llama", "hidden_size": 8}'
     assert sorted(os.listdir(model)) == ["config.json"]
     (model / "config.json").write_text('{"train": {"steps": 2}, "model": {"kin')  # a run's, cut short: a run's still
-    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 1  # "holds a run", as before
+    # a run's, cut short, that took no step (no metrics, no checkpoint): started over, nothing of it to keep
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 0
+    assert main(["train", *tiny_flags(tmp_path, steps=1)]) == 1  # now a run with a step: "holds a run"
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
     assert json.loads((model / "config.json").read_text())["train"]["steps"] == 1
     capsys.readouterr()
@@ -470,6 +493,9 @@ def test_runs_sharing_a_checkpoint_dir_never_delete_or_continue_each_others_chec
         == 0
     )
     os.rename(tmp_path / "ckb" / "step-00000003", ck / "step-00000003")
+    tree = json.loads((b / "config.json").read_text())
+    tree["checkpoint"]["dir"] = str(ck)  # B writes into A's checkpoint.dir
+    (b / "config.json").write_text(json.dumps(tree))
     capsys.readouterr()
     assert main(["train", f"--resume={a}", "--train.steps=4"]) == 1
     err = capsys.readouterr().err
@@ -494,10 +520,26 @@ def test_runs_sharing_a_checkpoint_dir_never_delete_or_continue_each_others_chec
     branch = [x.replace("NEW_DIR", str(tmp_path / "branch")) for x in branch] + ["--train.steps=3"]
     assert main(branch) == 0 and tree_bytes(ck) == before and steps_in(a) == [1, 2]
     assert steps_in(tmp_path / "branch") == [3] and names(tmp_path / "branch" / "checkpoints") == ["step-00000003"]
-    # A moved (not copied): it continues where it is now, with its checkpoint.dir
+    # A moved (not copied): it continues where it is now, with its checkpoint.dir, even where a new
+    # run of its own checkpoints took its old place; a scratch directory inside it moves with it
     os.rename(a, tmp_path / "A3")
+    assert main(["train", *tiny_flags(tmp_path, f"--train.run_dir={a}", f"--io.paths={a / 'ssd'}", steps=1)]) == 0
+    capsys.readouterr()
     assert main(["train", f"--resume={tmp_path / 'A3'}", "--train.steps=3"]) == 0
-    assert steps_in(tmp_path / "A3") == [1, 2, 3] and not a.exists() and names(ck)[-1] == "step-00000003"
+    err = capsys.readouterr().err
+    assert steps_in(tmp_path / "A3") == [1, 2, 3] and steps_in(a) == [1] and names(ck)[-1] == "step-00000003"
+    assert f"the run directory {a} was copied or moved to {tmp_path / 'A3'}" in err and "settings changed" not in err
+    # checkpoints in a checkpoint.dir within the run directory: a copy resumes its own, a moved one too
+    inner = tmp_path / "I"
+    assert main(["train", *tiny_flags(tmp_path, f"--train.run_dir={inner}", f"--checkpoint.dir={inner / 'ck'}",
+                                      f"--io.paths={inner / 'ssd'}")]) == 0  # fmt: skip
+    shutil.copytree(inner, tmp_path / "I2")
+    before = tree_bytes(inner)
+    assert main(["train", f"--resume={tmp_path / 'I2'}", "--train.steps=3"]) == 0
+    assert tree_bytes(inner) == before and names(tmp_path / "I2" / "ck")[-1] == "step-00000003"
+    os.rename(inner, tmp_path / "I3")
+    assert main(["train", f"--resume={tmp_path / 'I3'}", "--train.steps=3"]) == 0
+    assert steps_in(tmp_path / "I3") == [1, 2, 3] and not inner.exists()
 
 
 @pytest.mark.slow  # a process holds the lock

@@ -113,7 +113,7 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         path, cfg = _resume_target(args.resume, args.config, overrides)
     else:
         path, cfg = None, load_config(args.config, overrides)
-    if nproc > 1 and "WORLD_SIZE" in os.environ:  # (a shell of Slurm's or torchrun's: --nproc was ignored)
+    if nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a shell of Slurm's or torchrun's: --nproc ignored)
         raise UsageError(
             f"--nproc {nproc} with WORLD_SIZE={os.environ['WORLD_SIZE']} in the environment: this process is "
             "taken for one of the ranks another launcher started; unset WORLD_SIZE (and RANK) to start the ranks "
@@ -129,7 +129,8 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if path is None and "WORLD_SIZE" not in os.environ:
         from .training.rundir import refuse_a_held_run
 
-        refuse_a_held_run(os.path.abspath(cfg.train.run_dir), os.path.abspath(cfg.checkpoint_root), cfg.train.overwrite)
+        run_dir, root = os.path.abspath(cfg.train.run_dir), os.path.abspath(cfg.checkpoint_root)
+        refuse_a_held_run(run_dir, root, cfg.train.overwrite, probe=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # before torch is imported: its C++ warnings (a TCPStore's stack trace once a peer's store is gone)
         # say nothing a rank's one-line error does not
@@ -200,18 +201,17 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
+    moved = None
     if flag == "--resume" and "run_dir" not in given.get("train", {}):
         from .training.advice import resumed_run_dir
 
         moved = resumed_run_dir(where, path, stored)  # (refused: another run's, in a shared checkpoint.dir)
-        if moved is not None:
-            given.setdefault("train", {})["run_dir"] = moved
     if flag == "--checkpoint":
         from .inference.given import checked_given
 
         checked_given(given, stored)
     if flag == "--resume":
-        return path, Config.from_dict(resumed_tree(stored, path, given))
+        return path, Config.from_dict(resumed_tree(stored, path, given, moved))
     for section, values in given.items():
         stored.setdefault(section, {}).update(values)
     return path, Config.from_dict(stored)

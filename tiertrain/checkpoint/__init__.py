@@ -11,6 +11,7 @@ from .manifest import (
     list_checkpoints,
     set_aside,
     set_aside_damaged,
+    set_aside_dirs,
     step_of,
     verify_checkpoint,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "set_aside",
+    "set_aside_dirs",
     "set_aside_damaged",
     "step_of",
     "verify_checkpoint",

@@ -34,6 +34,7 @@ __all__ = [
     "step_of",
     "clean_incomplete",
     "set_aside",
+    "set_aside_dirs",
     "verify_checkpoint",
     "intact_checkpoint",
     "MANIFEST",
@@ -222,6 +223,13 @@ def set_aside_damaged(root: str) -> list[tuple[str, str]]:
         and not os.path.exists(os.path.join(root, name, MANIFEST))
     ]
     return list(zip(found, set_aside(found, "damaged")))
+
+
+def set_aside_dirs(root: str, why: str) -> list[str]:
+    """The directories ``set_aside`` made under ``root`` for ``why``, oldest step first."""
+    pattern = re.compile(rf"^{re.escape(why)}-step-\d{{8}}(-\d+)?$")
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in names if pattern.match(n)]
 
 
 def set_aside(paths: list[str], why: str) -> list[str]:

@@ -98,8 +98,7 @@ class DirLock:
                 info = _read(fd)
                 os.close(fd)
                 who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
-                who += _stopped_note(info.get("pid"))
-                raise busy(self.path, who) from None
+                raise busy(self.path, who + _stopped_note(info.get("pid"))) from None
             try:
                 if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
                     return fd
@@ -231,9 +230,31 @@ def _read(fd: int) -> dict:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         data = os.read(fd, 4096)
-        return json.loads(data) if data else {}
+        info = json.loads(data) if data else {}
     except (OSError, ValueError):
         return {}
+    return info if isinstance(info, dict) else {}
+
+
+def held_by(path: str) -> str | None:
+    """Who holds directory ``path``'s lock now ('pid N, started ...'), None where no live
+    process does. Reads only (a probe before the lock is taken: its refusal names the holder)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        info = _read(fd)
+        return (f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process") + (
+            _stopped_note(info.get("pid"))
+        )
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (the probe's lock, if it got one, goes with the descriptor)
+    return None
 
 
 def _write(fd: int, info: dict) -> None:

@@ -66,20 +66,21 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
 def resumed_run_dir(where: str, checkpoint: str, stored: dict) -> str | None:
     """``--resume RUN_DIR`` whose checkpoints lie outside it (checkpoint.dir): the run directory
     to continue in where its run was moved (RUN_DIR; None: nothing to change). Refused where
-    ``checkpoint`` (found in that checkpoint.dir, ``stored`` its config) is another run's that
-    still holds a run: a copy of a run directory shares its checkpoint.dir with the original
-    (continuing it wrote the original's metrics and pruned its checkpoints), and runs given one
-    checkpoint.dir find each other's checkpoints there."""
+    ``checkpoint`` (found in that checkpoint.dir, ``stored`` its config) is the latest of
+    another run that still writes there: a copy of a run directory shares its checkpoint.dir
+    with the original (continuing it wrote the original's metrics and pruned its checkpoints),
+    and runs given one checkpoint.dir find each other's checkpoints there."""
     from .rundir import CONFIG, RunDirError, _same, _under, run_dir_of
 
     root = stored_checkpoint_root(where)
-    if root is None or _under(checkpoint, root) is None:
-        return None
+    if root is None or _under(checkpoint, root) is None or _under(root, where) is not None:
+        return None  # (checkpoints inside the run directory move with it: ``resumed_tree``)
     theirs = (stored.get("train") or {}).get("run_dir")
     if not isinstance(theirs, str) or _same(theirs, where):
         return None
-    if not os.path.exists(os.path.join(theirs, CONFIG)):
-        return os.path.abspath(where)  # its run directory moved here: the resumed run writes here
+    their_root = stored_checkpoint_root(theirs) if os.path.exists(os.path.join(theirs, CONFIG)) else None
+    if their_root is None or not _same(their_root, root):
+        return os.path.abspath(where)  # its run directory moved here (nothing there writes into root)
     copy = _same(run_dir_of(where) or where, theirs)  # this directory's config names the other: a copy of it
     raise RunDirError(
         f"--resume {where}: its checkpoint.dir {root} is shared with run {theirs}, whose checkpoint "
@@ -106,7 +107,13 @@ def stored_checkpoint_root(run_dir: str) -> str | None:
     ck = (tree.get("checkpoint") or {}).get("dir") if isinstance(tree, dict) else None
     if not isinstance(ck, str) or not ck:
         return None
-    return ck if os.path.isabs(ck) else os.path.join(run_dir, ck)
+    if not os.path.isabs(ck):
+        return os.path.join(run_dir, ck)
+    from .rundir import _under
+
+    ran = (tree.get("train") or {}).get("run_dir")  # a checkpoint.dir within the run directory moves with it
+    inside = _under(ck, ran) if isinstance(ran, str) and os.path.isabs(ran) else None
+    return os.path.normpath(os.path.join(run_dir, inside)) if inside is not None else ck
 
 
 def _holds_steps(run_dir: str) -> bool:

@@ -13,12 +13,20 @@ import dataclasses
 import logging
 import math
 import os
-import re
 import time
 
 import torch
 
-from ..checkpoint import CheckpointError, CheckpointIO, Manifest, SaveResult, list_checkpoints, set_aside, step_of
+from ..checkpoint import (
+    CheckpointError,
+    CheckpointIO,
+    Manifest,
+    SaveResult,
+    list_checkpoints,
+    set_aside,
+    set_aside_dirs,
+    step_of,
+)
 from ..dist.checkpoint import follow
 from ..io import aligned_empty
 from ..models.pieces import WholeTensors
@@ -26,7 +34,6 @@ from ..models.pieces import WholeTensors
 __all__ = ["Checkpoints", "other_ranks_note"]
 
 log = logging.getLogger("tiertrain")
-_SET_ASIDE = re.compile(r"^superseded-step-\d{8}(-\d+)?$")  # ``continue_from``'s names
 
 
 def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tuple[int, int]) -> str | None:
@@ -151,8 +158,7 @@ class Checkpoints:
         if not self.group.leader:  # (rank 0 keeps the checkpoints, for every rank)
             return
         # a course set aside by an earlier resume that stopped before its first save: it goes too
-        names = sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
-        self._superseded = [os.path.join(self.root, n) for n in names if _SET_ASIDE.match(n)]
+        self._superseded = set_aside_dirs(self.root, "superseded")
         if not later:
             return
         # set aside at once, under names no resume takes: a crash before this course's first save

@@ -21,9 +21,9 @@ import logging
 import os
 import shutil
 
-from ..checkpoint import list_checkpoints
+from ..checkpoint import list_checkpoints, set_aside_dirs
 from ..io.errors import run_dir_write_failed
-from ..io.scratch import DirInUseError, DirLock
+from ..io.scratch import DirInUseError, DirLock, held_by
 from ..paths import fsync_path
 
 __all__ = [
@@ -84,7 +84,8 @@ class RunDir:
         ``overwrite``, which deletes it."""
         if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite, self.owner):
             return
-        gone = list_checkpoints(self.checkpoint_root)
+        # (and a later course a resume set aside, superseded-step-N: the run's too)
+        gone = list_checkpoints(self.checkpoint_root) + set_aside_dirs(self.checkpoint_root, "superseded")
         if gone:  # asked for (train.overwrite), said: they cannot be had back
             log.warning(
                 "train.overwrite: deleting %d checkpoint(s) of the earlier run in %s (%s)",
@@ -169,16 +170,21 @@ class RunDir:
         self.lock.release(remove=empty)
 
 
-def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool, owner: str | None = None) -> bool:
+def refuse_a_held_run(
+    path: str, checkpoint_root: str, overwrite: bool, owner: str | None = None, *, probe: bool = False
+) -> bool:
     """Raise ``RunDirError`` where run directory ``path`` holds another run's work (or a
     config.json not a run's) and ``overwrite`` is off, or where ``checkpoint_root`` (a
     checkpoint.dir outside it) holds another live run's checkpoints, whatever ``overwrite``; True
     where it holds a run to delete (``overwrite``). ``owner``: the run directory the user gave
-    (a rank's ``path`` is its subdirectory). Reads only: the CLI asks it before the run's plan
-    (its probes take seconds)."""
+    (a rank's ``path`` is its subdirectory). Reads only: the CLI asks it (``probe``: a live
+    run's directory refused as in use) before the run's plan, whose probes take seconds."""
     found = _held(path, checkpoint_root)
     if not found:
         return False
+    who = held_by(path) if probe else None  # (``probe``: the CLI's, before this run holds the lock)
+    if who is not None:  # a live run's: said as such (not advice to resume or overwrite it)
+        raise _busy(path, who)
     others = others_checkpoints(checkpoint_root, owner or path)
     if others:  # a checkpoint.dir shared with another run: its checkpoints are never this run's to delete
         run, names = others
@@ -200,8 +206,9 @@ def refuse_a_held_run(path: str, checkpoint_root: str, overwrite: bool, owner: s
     metrics = os.path.join(path, METRICS)
     if not list_checkpoints(checkpoint_root) and (not os.path.exists(metrics) or not os.path.getsize(metrics)):
         # a run that stopped before its first step (a rank that failed at start): nothing of it to keep
-        log.info("train.run_dir %s holds a run that stopped before its first step (%s): started over", path,
-                 ", ".join(found))  # fmt: skip
+        if not probe:  # (the trainer says it)
+            log.info("train.run_dir %s holds a run that stopped before its first step (%s): started over", path,
+                     ", ".join(found))  # fmt: skip
         return True
     shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
     if not list_checkpoints(checkpoint_root):  # --resume would be refused: not offered
@@ -280,7 +287,7 @@ def _under(path: str, root: str) -> str | None:
     return None if rel == ".." or rel.startswith(".." + os.sep) else rel
 
 
-def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
+def resumed_tree(stored: dict, checkpoint: str, given: dict, moved_to: str | None = None) -> dict:
     """The config a run resumed from ``checkpoint`` runs with: its ``stored`` config tree, the
     user's sections ``given`` (a file's and flags') on top, and its run directory where the
     checkpoint now is. A checkpoint whose run directory was copied or moved continues in the
@@ -292,7 +299,9 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict) -> dict:
     train, ck = tree.setdefault("train", {}), tree.setdefault("checkpoint", {})
     train["overwrite"] = False
     run_dir, ck_dir = train.get("run_dir"), ck.get("dir")
-    if run_dir:
+    if run_dir and moved_to is not None:  # (its checkpoints outside it, where they were: ``resumed_run_dir``)
+        _relocate(tree, run_dir, moved_to)
+    elif run_dir:
         root = ck_dir or os.path.join(run_dir, "checkpoints")
         here = os.path.dirname(os.path.abspath(os.path.normpath(checkpoint)))
         if not _same(root, here):
@@ -384,8 +393,14 @@ def _move(tree: dict, run_dir: str, root: str, here: str, run_dir_given: bool) -
                 f"never {run_dir} unless named)"
             )
         return
+    _relocate(tree, run_dir, new_run)
+
+
+def _relocate(tree: dict, run_dir: str, new_run: str) -> None:
+    """The run's directory ``run_dir`` is now ``new_run``: the run writes there, and a scratch
+    directory that lay within it moves with it."""
     for i, p in enumerate(paths := list(tree.get("io", {}).get("paths") or [])):
-        inside = _under(p, run_dir)  # a scratch directory within the run directory moves with it
+        inside = _under(p, run_dir)
         if inside is not None:
             paths[i] = os.path.normpath(os.path.join(new_run, inside))
     if paths:

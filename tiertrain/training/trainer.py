@@ -500,11 +500,8 @@ class Trainer:
 
     def _waits(self) -> float:
         """Seconds the compute thread has waited for the storage tier so far (sync points)."""
-        return (
-            self.params.stats.wait_s
-            + self.stash.wait_s
-            + (self.offloaded.wait_s if self.offloaded is not None else 0.0)
-        )
+        offloaded = self.offloaded.wait_s if self.offloaded is not None else 0.0
+        return self.params.stats.wait_s + self.stash.wait_s + offloaded
 
     def _act_record(self) -> dict:
         pairs, written = self.offloaded.take_stats() if self.offloaded is not None else (0, 0)
@@ -537,14 +534,15 @@ class Trainer:
                 except CheckpointError as exc:
                     exc.restoring = True  # type: ignore[attr-defined]  # the hint's cue: this checkpoint is the bad one
                     raise
-                self.rundir.continue_metrics(self.step)
-                self.checkpoints.continue_from(self.step)
             else:
                 self.initialize(progress=progress)
             first = self.step
-            if first >= cfg.train.steps:
+            if first >= cfg.train.steps:  # before a later course is set aside: nothing of it is replaced
                 log.warning("%s", nothing_to_train(first, cfg.train.steps, self.resume_command))
                 return []
+            if resume is not None:
+                self.rundir.continue_metrics(self.step)
+                self.checkpoints.continue_from(self.step)
             # (examples: a step of no scored token) before the run directory holds anything
             self.corpus.refuse_unscored(first, self.cfg.train.steps, self.group.world)
             self.rundir.write_config(self.user_cfg.to_dict())
