@@ -459,9 +459,9 @@ def test_a_bad_config_is_reported_once_before_any_rank_starts(tmp_path):
     bad = _cli(tmp_path, "--ranks.backend=nccl")
     assert bad.returncode == 2 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
     assert bad.stderr.count("tiertrain: config error: ranks.backend = 'nccl' with 2 ranks:") == 1, bad.stderr[-3000:]
-    bad = _cli(tmp_path, env={"WORLD_SIZE": "1"})
+    bad = _cli(tmp_path, env={"WORLD_SIZE": "4"})
     assert bad.returncode == 1 and "starting 2 ranks" not in bad.stderr, bad.stderr[-3000:]
-    assert "tiertrain: --nproc 2 with WORLD_SIZE=1 in the environment:" in bad.stderr, bad.stderr[-3000:]
+    assert "tiertrain: --nproc 2 with WORLD_SIZE=4 in the environment:" in bad.stderr, bad.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
 
