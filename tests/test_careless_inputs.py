@@ -552,3 +552,27 @@ def test_a_byte_order_mark_first_in_rows_or_prompts_is_not_text(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_bytes(b"\xef\xbb\xbfIn the beginning\r\nAnd God said\n")
     assert [ln.rstrip("\n") for ln in _text_lines(str(prompts))] == ["In the beginning", "And God said"]
+
+
+def test_a_checkpoint_of_a_run_begun_from_an_adapter_does_not_read_that_adapter_again(tmp_path, capsys):
+    """A run begun from a peft adapter (adapter.init_from): its checkpoints' resume, eval and
+    generate read that directory again, so one since deleted, or holding a setting refused since,
+    made its checkpoints unusable; the checkpoint holds the adapters it trained."""
+    import json
+    import shutil
+
+    lora = ("--adapter.kind=lora", "--adapter.rank=4")
+    assert main(["train", *_hf_run_flags(tmp_path / "a", *lora)]) == 0
+    adapter = tmp_path / "adapter"
+    assert main(["export", f"--checkpoint={tmp_path / 'a' / 'run'}", f"--out={adapter}"]) == 0
+    flags = _hf_run_flags(tmp_path / "b", *lora, f"--adapter.init_from={adapter}")
+    flags = [f if not f.startswith("--model.hf_dir") else f"--model.hf_dir={tmp_path / 'a' / 'model'}" for f in flags]
+    assert main(["train", *flags]) == 0
+    run = tmp_path / "b" / "run"
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**conf, "alpha_pattern": {"q_proj": 32}}))
+    capsys.readouterr()
+    assert main(["eval", f"--checkpoint={run}", "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]) == 0
+    shutil.rmtree(adapter)
+    assert main(["generate", f"--checkpoint={run}", "--prompt", "In the", "--max-new-tokens", "2"]) == 0
+    assert main(["train", f"--resume={run}", "--train.steps=2"]) == 0

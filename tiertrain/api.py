@@ -46,5 +46,5 @@ def train(
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    with Trainer(cfg) as trainer:
+    with Trainer(cfg, resuming=resume is not None) as trainer:
         return trainer.run(resume=resume, progress=progress)

@@ -142,7 +142,7 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     started = False  # the trainer built: with train.overwrite, the checkpoints there are this run's from then on
     try:
-        with _ranks(cfg) as group, Trainer(cfg, group=group) as trainer:
+        with _ranks(cfg) as group, Trainer(cfg, group=group, resuming=path is not None) as trainer:
             started = True
             trainer.run(resume=path)
     except Exception as exc:

@@ -92,9 +92,12 @@ class Runtime:
         device: Device | None = None,
         rank: int = 0,
         world: int = 1,
+        resuming: bool = False,
     ) -> None:
         """``rank`` of ``world`` data-parallel ranks: units are padded to ``world`` equal aligned
-        shards and ``state_layout`` is this rank's (the whole layout with one rank)."""
+        shards and ``state_layout`` is this rank's (the whole layout with one rank). ``resuming``:
+        a checkpoint's adapters come next (``adapter.init_from``, what the run began from, is not
+        read again: it may be gone, or refused since)."""
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         fit_threads_to_quota(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # this machine's ranks share the quota
@@ -105,7 +108,7 @@ class Runtime:
                 f"model.base_dtype = {cfg.model.base_dtype!r} is wider than the compute dtype ({self.dtype}): it would "
                 "read more and compute nothing finer; leave it unset or use a narrower dtype"
             )
-        self._given_weights = weights
+        self._given_weights, self._resuming = weights, resuming
         self._build_model(cfg)
         self.storage: Storage | None = None
         self.params: ParamStore | None = None
@@ -126,7 +129,8 @@ class Runtime:
 
             self.frozen = freeze_all(self.model)
             self.adapters = LoRA(self.model, cfg.adapter, seed=cfg.train.seed, device=self.dev.device)
-            if cfg.adapter.init_from is not None:  # continue a peft adapter
+            # continue a peft adapter (not where a checkpoint's adapters replace it)
+            if cfg.adapter.init_from is not None and not self._resuming and self.weights.adapters is None:
                 from .adapters.peft_io import load_peft
 
                 load_peft(self.model, self.adapters, cfg.adapter.init_from)

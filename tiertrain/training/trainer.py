@@ -85,7 +85,13 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: Config | dict, *, weights: WeightSource | None = None, device=None, group: Group | None = None
+        self,
+        cfg: Config | dict,
+        *,
+        weights: WeightSource | None = None,
+        device=None,
+        group: Group | None = None,
+        resuming: bool = False,
     ) -> None:
         if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
             cfg = Config.from_dict(cfg)
@@ -105,24 +111,20 @@ class Trainer:
         self.rundir: RunDir | None = None
         self.plan: SpacePlan | None = None  # set by _plan(), before anything reads it
         self._files_ours = False  # the plan's scratch files are this run's to remove (none was the user's)
-        self.rt = Runtime(cfg, weights=weights, device=device, rank=self.group.rank, world=self.group.world)
+        g = self.group  # (``resuming``: ``run(resume=...)`` comes, with the checkpoint's adapters)
+        self.rt = Runtime(cfg, weights=weights, device=device, rank=g.rank, world=g.world, resuming=resuming)
         self.corpus = open_corpus(cfg.data)
         # a bad eval corpus (or one too small for the ranks) fails here, at start
         self.evalset = EvalSet(cfg.data, self.group.world) if cfg.train.eval_every else None
         refuse_small_vocab(self.model, cfg, self.corpus, self.evalset)
         # one run per scratch directory; a rank's own subdirectories are removed when left empty
-        self.lock = ScratchLock(
-            cfg.io.paths, disposable=cfg.io.paths != self.user_cfg.io.paths, run_dir=cfg.train.run_dir
-        )
+        mine = cfg.io.paths != self.user_cfg.io.paths
+        self.lock = ScratchLock(cfg.io.paths, disposable=mine, run_dir=cfg.train.run_dir)
         try:
             self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root, self.user_cfg.train.run_dir)  # per rank
             for info in self.lock.unclean:
-                log.warning(
-                    "scratch %s was left by a run that did not finish (pid %s, started %s); its files are replaced",
-                    info["path"],
-                    info.get("pid"),
-                    info.get("started"),
-                )
+                log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are "
+                            "replaced", info["path"], info.get("pid"), info.get("started"))  # fmt: skip
             self.plan = self._plan()
             self.lock.claim(self.plan.names)  # before any file is opened: a user's is never replaced
             self._files_ours = True  # from here on the scratch files of the plan's names are this run's
@@ -334,9 +336,7 @@ class Trainer:
         with self.update.regions() as regions:
             want = {d.name for d in checkpointed(self.plan.states)}
             if set(regions) != want:
-                raise RuntimeError(
-                    f"checkpointed states declared {sorted(want)} but the update gives {sorted(regions)}"
-                )
+                raise RuntimeError(f"checkpointed states declared {sorted(want)}, the update gives {sorted(regions)}")
             yield {f"{name}.bin": r for name, r in regions.items()}
 
     # -- weights ------------------------------------------------------------------------------------
