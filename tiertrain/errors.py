@@ -6,7 +6,15 @@ its traceback. Messages name the value, what is wrong with it and what to do.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "TiertrainError", "UsageError", "one_line"]
+import os
+
+__all__ = ["ConfigError", "TiertrainError", "UsageError", "one_line", "speaks_for_ranks"]
+
+
+def speaks_for_ranks() -> bool:
+    """This process is rank 0 (torchrun's ``RANK``, or ``--nproc``'s) or runs alone: a warning
+    every rank would print alike (about the data, the model directory) is said by it alone."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 class TiertrainError(Exception):

@@ -171,8 +171,8 @@ def _refuse_read(config: dict, out: str) -> None:
         src = os.path.realpath(value)
         if src == dst or src.startswith(dst + os.sep):
             raise CheckpointError(
-                f"export --out {out} is or holds {section}.{field} = {value}, which the checkpoint's run reads "
-                "(and this export reads too); give another directory"
+                f"export --out {out} is or holds {section}.{field} = {value}, which the checkpoint's run reads; "
+                "give another directory"
             )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig
-from ..errors import UsageError
+from ..errors import UsageError, speaks_for_ranks
 from .formats import ROWS
 from .tokenizer import BYTES, TOKENIZER_FILES, ByteTokenizer, load_tokenizer, tokenizer_fingerprint
 from .tokens import read_tokens
@@ -82,7 +82,9 @@ class Corpus:
                 )
         self.path = path
         ignored = _rows_settings(cfg)
-        if ignored and what == "data.corpus":  # (given for rows: a text or token file gave the same loss, silently)
+        if (
+            ignored and what == "data.corpus" and speaks_for_ranks()
+        ):  # (given for rows: a text or token file gave the same loss, silently)
             log.warning(
                 "%s = %s is text cut into windows, not rows: %s set for rows (examples) do(es) nothing here",
                 what, path, ", ".join(ignored),
@@ -175,7 +177,7 @@ class EvalSet:
                 "(data.eval_micro_batches = 0: all of them)",
                 self.count, B, self.count * B, rows,
             )  # fmt: skip
-        elif rows % B:  # (left out without a word: 30% of a held-out text at 23 rows of 8)
+        elif rows % B and speaks_for_ranks():  # (left out without a word: 30% of a text at 23 rows of 8)
             log.warning(
                 "validation: the last %d of the %d rows data.eval_corpus gives do not fill a micro-batch of %d "
                 "and are left out; a data.micro_batch_size dividing %d evaluates them all",
@@ -275,7 +277,7 @@ def _as_prepared(cfg: DataConfig, meta: dict, path: str, what: str) -> None:
         from .formats import Renderer  # (the row renderer only for a preparation this old)
 
         lead = Renderer(load_tokenizer(cfg.tokenizer)).lead
-        if lead:  # an earlier tiertrain's preparation: its texts and prompts lack the BOS
+        if lead and speaks_for_ranks():  # an earlier tiertrain's preparation: its texts and prompts lack the BOS
             log.warning(
                 "%s = %s was prepared by an earlier tiertrain without the tokenizer's BOS (id %s) before each %s, "
                 "which transformers' tokenizer(text) puts there; prepare it again to train on what it adds",

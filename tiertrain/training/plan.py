@@ -164,7 +164,7 @@ def say_model(cfg: Config, rt, source) -> None:
 
 def refuse_small_vocab(model, cfg: Config, *corpora) -> None:
     """Each corpus given (the training one, the evaluation one or None) fits the model's vocabulary."""
-    from ..errors import ConfigError
+    from ..errors import ConfigError, speaks_for_ranks
     from ..models import vocab_size_of
 
     vocab = vocab_size_of(model, cfg)
@@ -174,6 +174,7 @@ def refuse_small_vocab(model, cfg: Config, *corpora) -> None:
         and hf
         and vocab != 256
         and any(d is not None and d.vocab_size == 256 for d in corpora)
+        and speaks_for_ranks()
     ):
         log.warning(  # (a directory of the weights alone: its text in bytes is no input the model knows)
             "model.hf_dir %s holds no tokenizer: the text is read as UTF-8 bytes (ids 0-255), not as the model's "
