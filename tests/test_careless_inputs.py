@@ -519,7 +519,7 @@ def test_a_model_directory_without_a_tokenizer_is_said_and_its_export_takes_the_
     assert (tmp_path / "exp" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
 
 
-def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog):
+def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog, monkeypatch):
     """--data.format=chat, --data.packing=false, --data.mask_prompt=false or
     --data.long_examples=drop with a .txt corpus gave the same loss as none of them, silently."""
     import logging
@@ -538,6 +538,11 @@ def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog):
         "is text cut into windows, not rows: data.packing = False, data.long_examples = 'drop' set for rows"
         in caplog.text
     )
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # said by rank 0 alone (every rank printed it)
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        open_corpus(cfg.data)
+    assert "not rows" not in caplog.text
 
 
 def test_a_byte_order_mark_first_in_rows_or_prompts_is_not_text(tmp_path):
