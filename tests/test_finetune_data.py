@@ -847,6 +847,7 @@ def test_prepare_never_writes_into_a_directory_of_other_files(tmp_path):
         prepare_examples([pc], tok, tokenizer=tok, progress=False)  # the tokenizer's directory
     assert "ids.tokens" not in os.listdir(tok)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".DS_Store").write_bytes(b"\0")  # a system's hidden file: no one's data
     prepare_examples([pc], str(tmp_path / "empty"), tokenizer=tok, progress=False)
 
 

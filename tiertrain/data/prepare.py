@@ -116,7 +116,8 @@ def _refuse_foreign(output: str) -> None:
     if not os.path.isdir(output):
         return
     # (a temporary of a preparation cut short, "mask.bin.tmp1234", is ours too)
-    theirs = sorted(n for n in os.listdir(output) if n.split(".tmp")[0] not in PREPARED_FILES)
+    # (hidden files a system puts there, .DS_Store or .nfs*, are no one's data)
+    theirs = sorted(n for n in os.listdir(output) if n.split(".tmp")[0] not in PREPARED_FILES and n[0] != ".")
     ours = True
     if os.path.exists(os.path.join(output, META)):
         try:
