@@ -516,6 +516,10 @@ def test_runs_sharing_a_checkpoint_dir_never_delete_or_continue_each_others_chec
         f"is shared with run {a}, whose checkpoint step-00000002 is the latest there ({tmp_path / 'A2'} is a copy of it)"
         in err
     )
+    import tiertrain
+
+    with pytest.raises(RunDirError, match=r"is a copy of it\)"):  # the Python API alike
+        tiertrain.train(resume=str(tmp_path / "A2"), progress=False)
     branch = err.split("To branch from it: ")[1].split()[1:]  # (after "tiertrain")
     branch = [x.replace("NEW_DIR", str(tmp_path / "branch")) for x in branch] + ["--train.steps=3"]
     assert main(branch) == 0 and tree_bytes(ck) == before and steps_in(a) == [1, 2]
