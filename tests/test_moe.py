@@ -491,3 +491,36 @@ def test_phi_moes_router_jitter_with_the_auxiliary_loss_is_refused_in_one_line(t
         build_model(_moe_config(tmp_path, str(tmp_path / "m")).model, param_dtype=torch.float32, seed=0)
     assert "router_jitter_noise = 0.01 makes its auxiliary loss's gradient sum in another order" in str(e.value)
     assert "set router_jitter_noise to 0 or output_router_logits to false in config.json" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_padded_rows_leave_their_pads_out_of_the_auxiliary_loss_as_a_padding_collator(tmp_path, monkeypatch, family):
+    """Padded rows (data.packing = false): the pads' router logits were in the auxiliary loss
+    (transformers without an attention_mask); a padding collator gives the mask, and
+    transformers' loss counts no pad. Training is plain PyTorch given that mask, bit for bit, and
+    differs from the loss over every token."""
+    from test_finetune_data import _finetune_cfg, _finetune_data
+    from test_parity import assert_parity
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok, _, chat = _finetune_data(tmp_path)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(tmp_path / "m")
+    cfg = _finetune_cfg(tmp_path, chat, tok, kind="llama", micro_batches=2, micro_batch_size=2)
+    cfg.model.hf_dir, cfg.data.packing, cfg.train.steps, cfg.data.seq_len = str(tmp_path / "m"), False, 2, 32
+    from tiertrain.data import open_corpus
+
+    own = open_corpus(cfg.data).attention(0)
+    assert own is not None and not all(bool(m.all()) for m in own)  # some rows have pads
+    tr, losses = assert_parity(cfg)
+    assert tr.model.routers is not None
+    # against transformers' forward given the collator's mask (its attention kernel masked: ~1e-8)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    (x, y), mask = open_corpus(cfg.data).batches(0)[0], own[0]
+    scored = open_corpus(cfg.data).scored(0)
+    with torch.no_grad():
+        out = hf(input_ids=x, attention_mask=mask, labels=y, shift_labels=y, num_items_in_batch=scored)
+        every = hf(input_ids=x).aux_loss
+    assert losses[0][0] == pytest.approx(float(out.loss), rel=1e-6, abs=0)
+    assert abs(float(out.aux_loss) - float(every)) > 1e-6  # the pads' logits moved it

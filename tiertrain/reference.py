@@ -4,6 +4,7 @@ major gradient accumulation, ``clip_grad_norm_`` and torch's fused AdamW (or SGD
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -26,8 +27,33 @@ class HFWrapper(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, x, y, divisor=None, positions=None):
-        return self.hf(input_ids=x, position_ids=positions, labels=y, shift_labels=y, num_items_in_batch=divisor).loss
+    def forward(self, x, y, divisor=None, positions=None, attention=None):
+        """``attention``: padded rows' masks of their own tokens, counted where the model's
+        auxiliary loss counts a padding collator's attention_mask (a mixture of experts: its
+        pads left out); its attention is computed as without one (right-padded causal rows: the
+        rows' own tokens never see a pad), so that the kernels are tiertrain's."""
+        with _aux_counts(self.hf, attention):
+            return self.hf(
+                input_ids=x, position_ids=positions, labels=y, shift_labels=y, num_items_in_batch=divisor
+            ).loss
+
+
+@contextlib.contextmanager
+def _aux_counts(hf: nn.Module, attention):
+    """Within: ``hf``'s auxiliary loss (its modeling module's ``load_balancing_loss_func``, which
+    its forward calls) given ``attention`` as its attention_mask, where both are there."""
+    import sys
+
+    module = sys.modules[type(hf).__module__]
+    fn = getattr(module, "load_balancing_loss_func", None)
+    if attention is None or fn is None or not getattr(hf.config, "output_router_logits", False):
+        yield
+        return
+    module.load_balancing_loss_func = lambda logits, experts, top_k, mask=None: fn(logits, experts, top_k, attention)
+    try:
+        yield
+    finally:
+        module.load_balancing_loss_func = fn
 
 
 def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
@@ -89,8 +115,9 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         acc = None
         scored = corpus.scored(step)  # masked data: each micro-batch's summed loss over the step's scored tokens
         positions = corpus.positions(step) or [None] * M  # packed rows: attention within each document
-        for (x, y), pos in zip(corpus.batches(step), positions):
-            loss = model(x, y, scored, pos)
+        own = corpus.attention(step) or [None] * M  # padded rows: their own tokens
+        for (x, y), pos, att in zip(corpus.batches(step), positions, own):
+            loss = model(x, y, scored, pos, att) if isinstance(model, HFWrapper) else model(x, y, scored, pos)
             (loss if scored else loss / M).backward()
             step_losses.append(loss.item())
             if accum_fp32:
@@ -163,8 +190,9 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
         for r in range(ranks):
             scored = corpus.scored(step, ranks)
             positions = corpus.positions(step, rank=r, world=ranks) or [None] * M
-            for (x, y), pos in zip(corpus.batches(step, rank=r, world=ranks), positions):
-                loss = model(x, y, scored, pos)
+            own = corpus.attention(step, rank=r, world=ranks) or [None] * M
+            for (x, y), pos, att in zip(corpus.batches(step, rank=r, world=ranks), positions, own):
+                loss = model(x, y, scored, pos, att) if isinstance(model, HFWrapper) else model(x, y, scored, pos)
                 (loss if scored else loss / (ranks * M)).backward()
                 step_losses.append(loss.item())
             sums = [p.grad.clone() for p in params]

@@ -331,6 +331,20 @@ class ExampleBatches:
         rows = [r[2] for r in self._step_rows(step, world)[rank * n : (rank + 1) * n]]
         return [torch.from_numpy(np.stack(rows[m * self.B : (m + 1) * self.B])) for m in range(self.M)]
 
+    def attention(self, step: int, *, rank: int = 0, world: int = 1) -> list[torch.Tensor] | None:
+        """Padded rows: this rank's micro-batches' ``[B, T]`` masks of each row's own input tokens
+        (True) against its pads, the attention_mask a padding collator gives transformers (a
+        mixture's auxiliary loss counts no pad); None for packed rows, which have no pads."""
+        if self.packing:
+            return None
+        n, first = self.M * self.B, step * world * self.M * self.B + rank * self.M * self.B
+        own = []
+        for g in range(first, first + n):
+            e, j = divmod(g, self.rows_per_epoch)
+            own.append(min(int(self.lengths[self._epoch(e)[0][j]]), self.T))  # (as ``_row``: its example's tokens)
+        mask = torch.arange(self.T)[None, :] < torch.tensor(own)[:, None]
+        return [mask[m * self.B : (m + 1) * self.B] for m in range(self.M)]
+
     def scored(self, step: int, world: int = 1) -> int:
         """Scored targets of step ``step`` over every rank (each micro-batch's loss divisor)."""
         n = self._scored(step, world)

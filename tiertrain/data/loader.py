@@ -101,6 +101,10 @@ class Corpus:
         """Every row is one sequence: positions 0 .. T-1 (``ExampleBatches`` has packed ones)."""
         return None
 
+    def attention(self, step: int, *, rank: int = 0, world: int = 1) -> None:
+        """Every token is the text's: no pads (``ExampleBatches`` has padded rows)."""
+        return None
+
     def refuse_unscored(self, first: int, steps: int, world: int = 1) -> None:
         """Every target counts: no step goes without a scored one (``ExampleBatches`` checks)."""
 
@@ -200,6 +204,13 @@ class EvalSet:
         if self.examples is None or not self.examples.by_document:
             return None
         return [self.examples.positions(i)[0] for i in range(rank, self.count - self.count % world, world)]
+
+    def attention(self, rank: int = 0, world: int = 1) -> list[torch.Tensor] | None:
+        """Padded examples: each of this rank's micro-batches' masks of the rows' own tokens (as
+        ``micro_batches``); None otherwise."""
+        if self.examples is None or self.examples.packing:
+            return None
+        return [self.examples.attention(i)[0] for i in range(rank, self.count - self.count % world, world)]
 
     def micro_batches(self, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches, in order."""

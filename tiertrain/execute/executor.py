@@ -91,6 +91,8 @@ class MicroBatch:
     ids: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor
+    # padded rows: the rows' own tokens (True), not their pads: what a mixture's auxiliary loss counts
+    attention: torch.Tensor | None = None
 
 
 class LayerMajorExecutor(VocabSteps):
@@ -132,6 +134,7 @@ class LayerMajorExecutor(VocabSteps):
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
         self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
+        self._attention: list[torch.Tensor | None] = []  # the step's padded rows' masks (``_micro_batches``)
         self.aux_weight = 1.0  # an evaluation's share of the auxiliary loss per micro-batch (``evaluate``)
         self.eval_aux: list = []  # an evaluation's auxiliary parts of its losses, per micro-batch
         self.tied_rows = tied_rows(model, grads)
@@ -161,12 +164,12 @@ class LayerMajorExecutor(VocabSteps):
 
     def _with_aux(self, loss: torch.Tensor, m: int, *, backward: bool) -> torch.Tensor:
         """A micro-batch's loss with the routers' auxiliary loss added where the model has one
-        (in an evaluation, ``aux_weight`` times it)."""
+        (in an evaluation, ``aux_weight`` times it), over its rows' own tokens (padded rows)."""
         routers = self.model.routers
         weight = 1.0 if backward else self.aux_weight
         if routers is None:
             return loss
-        total = routers.add(loss, m, backward=backward, weight=weight)
+        total = routers.add(loss, m, backward=backward, weight=weight, attention=self._attention[m])
         if not backward:  # an evaluation: its auxiliary part, reported apart from the cross-entropy
             self.eval_aux.append(routers.last)
         return total
@@ -300,15 +303,16 @@ class LayerMajorExecutor(VocabSteps):
         scored: int | None = None,
         positions: list[torch.Tensor] | None = None,
         aux_weight: float = 1.0,
+        attention: list[torch.Tensor] | None = None,
     ) -> list[float]:
         """The loss of every micro-batch of ``batches`` with the current parameters: a step's
         forward alone, layer-major, with its kernels (the losses equal a training step's on the
         same batches, without dropout); nothing kept, stashed or sent home. ``step_tokens``,
-        ``scored``, ``positions``: as ``step``'s; ``aux_weight``: what a mixture of experts'
-        auxiliary loss is multiplied by in each micro-batch's loss (``validation_loss``); that
-        part of each loss is left in ``eval_aux`` (empty without routers)."""
+        ``scored``, ``positions``, ``attention``: as ``step``'s; ``aux_weight``: what a mixture of
+        experts' auxiliary loss is multiplied by in each micro-batch's loss (``validation_loss``);
+        that part of each loss is left in ``eval_aux`` (empty without routers)."""
         self.aux_weight, self.eval_aux = aux_weight, []
-        mbs = self._micro_batches(batches, positions)
+        mbs = self._micro_batches(batches, positions, attention)
         self.scale = LossScale(len(batches), scored=scored)
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self.walk.restart(visits(self.plan, self.pieces_used, forward_only=True))
@@ -342,10 +346,14 @@ class LayerMajorExecutor(VocabSteps):
         return losses
 
     def _micro_batches(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor] | None = None
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        positions: list[torch.Tensor] | None = None,
+        attention: list[torch.Tensor] | None = None,
     ) -> list[MicroBatch]:
         """On the device; ``positions``: packed rows' ``[B, T]`` positions (attention within
-        each document), else ``0 .. T-1``."""
+        each document), else ``0 .. T-1``; ``attention``: padded rows' ``[B, T]`` masks of their
+        own tokens (a padding collator's attention_mask), else None."""
         mbs = []
         for m, (x, y) in enumerate(batches):
             ids = x.to(self.dev.device, non_blocking=True)
@@ -354,7 +362,9 @@ class LayerMajorExecutor(VocabSteps):
                 if positions is None
                 else positions[m].to(self.dev.device, non_blocking=True)
             )
-            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True), pos))
+            own = None if attention is None else attention[m].to(self.dev.device, non_blocking=True)
+            mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True), pos, own))
+        self._attention = [mb.attention for mb in mbs]  # (``_with_aux``'s, by micro-batch)
         return mbs
 
     # -- one step --------------------------------------------------------------------------------------
@@ -364,16 +374,18 @@ class LayerMajorExecutor(VocabSteps):
         scale: LossScale | None = None,
         step_tokens: list[torch.Tensor] | None = None,
         positions: list[torch.Tensor] | None = None,
+        attention: list[torch.Tensor] | None = None,
     ) -> StepOutput:
         """One step over ``batches`` (this rank's micro-batches); ``scale``: how their losses make
         the step's (default: the mean of these micro-batches'); ``step_tokens``: every rank's
         inputs (ranks: the embedding pieces gathered are those any rank's tokens use, the same
-        on every rank); ``positions``: packed rows' positions, restarting at each document
-        (``_micro_batches``). The output's ``loss`` is this rank's part of the step's."""
+        on every rank); ``positions``: packed rows' positions, restarting at each document;
+        ``attention``: padded rows' masks of their own tokens (``_micro_batches``). The output's
+        ``loss`` is this rank's part of the step's."""
         M = len(batches)
         self.scale = scale or LossScale(M)
         self.model.train()
-        mbs = self._micro_batches(batches, positions)
+        mbs = self._micro_batches(batches, positions, attention)
         self._rng = {}
         self.pieces_used = used_pieces(self.embed_pieces, step_tokens or [x for x, _ in batches])
         self.walk.restart(visits(self.plan, self.pieces_used, embed_backward=self.embed_trains))

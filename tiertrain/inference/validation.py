@@ -36,7 +36,7 @@ def validation_loss(
     rank, world = group.rank, group.world
     mine = evalset.micro_batches(rank, world)
     every = [evalset.micro_batches(r, world) for r in range(world)] if executor.embed_pieces and world > 1 else None
-    scored, positions = evalset.total_scored(world), evalset.positions(rank, world)
+    scored, positions, own = evalset.total_scored(world), evalset.positions(rank, world), evalset.attention(rank, world)
     total, aux_total = 0.0, 0.0
     aux_weight = 1.0 / (len(mine) * world) if scored else 1.0  # summed losses: the auxiliary loss's mean
     for i in range(0, len(mine), micro_batches):
@@ -45,7 +45,8 @@ def validation_loss(
         # the embedding pieces any rank's tokens use, on every rank (as a training step's)
         tokens = [x for part in every for x, _ in part[i : i + micro_batches]] if every else None
         pos = positions[i : i + micro_batches] if positions is not None else None
-        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos, aux_weight))
+        att = own[i : i + micro_batches] if own is not None else None
+        total += sum(executor.evaluate(mine[i : i + micro_batches], tokens, scored, pos, aux_weight, att))
         aux_total += sum(executor.eval_aux)
     sums = group.sum_in_rank_order(torch.tensor([total, aux_total], dtype=torch.float64))  # sync point (ranks)
     scale = LossScale(len(mine), world, scored)

@@ -88,11 +88,21 @@ class RouterLoss:
         extra = self._grads.pop(key, None)
         return grad if extra is None else grad + extra
 
-    def add(self, loss: torch.Tensor, micro_batch: int, *, backward: bool, weight: float = 1.0) -> torch.Tensor:
+    def add(
+        self,
+        loss: torch.Tensor,
+        micro_batch: int,
+        *,
+        backward: bool,
+        weight: float = 1.0,
+        attention: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``loss`` plus the auxiliary loss of ``micro_batch``'s router logits, as the model's
         forward adds it (``weight`` times that: an evaluation's share of a mean). ``backward``:
         their leaves take gradients (``collect`` after the backward); else the logits are
-        dropped now (an evaluation)."""
+        dropped now (an evaluation). ``attention``: padded rows' ``[B, T]`` masks of their own
+        tokens, the attention_mask the model's forward is given with a padding collator (its
+        auxiliary loss counts no pad); None: every token (packed rows, text)."""
         missing = [b for b in self.blocks if not self._logits.get((b, micro_batch))]
         if missing:
             raise RuntimeError(f"router logits of blocks {missing} were not kept in the forward")
@@ -103,7 +113,7 @@ class RouterLoss:
                 leaves.append(t.requires_grad_(backward))
         if backward:
             self._leaves = dict(zip(keys, leaves))
-        aux = self._fn(tuple(leaves), self.experts, self.top_k, None)
+        aux = self._fn(tuple(leaves), self.experts, self.top_k, attention)
         added = self.coef * aux.to(loss.device)  # as the model's forward: ``loss += coef * aux``
         if weight != 1.0:
             added = weight * added

@@ -493,6 +493,7 @@ class Trainer:
             scale,
             every,
             self.corpus.positions(step, rank=g.rank, world=g.world),
+            self.corpus.attention(step, rank=g.rank, world=g.world),
         )
         out.loss = scale.mean(float(g.sum_in_rank_order(torch.tensor(sum(out.losses), dtype=torch.float64))))
         out.tokens *= g.world
