@@ -49,11 +49,11 @@ def _aux_counts(hf: nn.Module, attention):
     if attention is None or fn is None or not getattr(hf.config, "output_router_logits", False):
         yield
         return
-    module.load_balancing_loss_func = lambda logits, experts, top_k, mask=None: fn(logits, experts, top_k, attention)
+    setattr(module, "load_balancing_loss_func", lambda logits, n, k, mask=None: fn(logits, n, k, attention))
     try:
         yield
     finally:
-        module.load_balancing_loss_func = fn
+        setattr(module, "load_balancing_loss_func", fn)
 
 
 def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
