@@ -581,3 +581,10 @@ def test_a_checkpoint_of_a_run_begun_from_an_adapter_does_not_read_that_adapter_
     shutil.rmtree(adapter)
     assert main(["generate", f"--checkpoint={run}", "--prompt", "In the", "--max-new-tokens", "2"]) == 0
     assert main(["train", f"--resume={run}", "--train.steps=2"]) == 0
+
+
+def test_a_run_that_keeps_no_checkpoint_says_so_at_start(tmp_path, capsys):
+    """checkpoint.every = 0 with checkpoint.at_end = false threw the trained weights away without
+    a word; a later --resume said the run "stopped before its first checkpoint"."""
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.at_end=false", steps=1)]) == 0
+    assert "checkpoint.every = 0 and checkpoint.at_end = false: this run keeps no checkpoint" in capsys.readouterr().err

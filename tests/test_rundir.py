@@ -326,7 +326,7 @@ def test_a_run_keeping_its_checkpoints_elsewhere_resumes_from_its_run_directory(
     assert f"train.overwrite: deleting 2 checkpoint(s) of the earlier run in {ck} (step-00000003, step-00000005)" in err
 
 
-def test_a_resume_with_another_precision_names_what_it_was_made_with_and_nothing_else(tmp_path, capsys):
+def test_a_resume_with_another_precision_names_what_it_was_made_with_and_nothing_else(tmp_path, capsys, monkeypatch):
     """An intact checkpoint made with another precision or cut: the refusal names the settings it
     was made with; no earlier checkpoint (it fails alike) nor --train.overwrite (it deletes the
     run) is offered."""
@@ -338,6 +338,14 @@ def test_a_resume_with_another_precision_names_what_it_was_made_with_and_nothing
     assert "was written for another model or precision" in err and "train.param_dtype = 'float32'" in err, err
     assert "newest intact" not in err and "overwrite" not in err, err
     assert names(run / "checkpoints") == ["step-00000001", "step-00000002"]
+    # the checksum block pads the units too: another one is named with the settings, as it was
+    assert main(["train", f"--resume={run}", "--io.checksum=false", "--train.steps=3"]) != 0
+    err = capsys.readouterr().err
+    assert "io.checksum = True, io.checksum_block_kib = 64, io.chunk_kib = 256" in err, err
+    # given again as it was, relative to here: not "changed"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--resume={run}", "--train.run_dir=run", "--train.steps=3"]) == 0
+    assert "train.run_dir" not in capsys.readouterr().err.split("resume: settings changed")[-1].split("\n")[0]
 
 
 def test_another_adapter_kind_on_resume_is_refused_for_the_kind_and_options_alone_mean_train(tmp_path, capsys):

@@ -272,7 +272,9 @@ def _made_with(config: dict, param_dtype: str) -> str:
     model = config.get("model") or {}
     # a Hugging Face model's shape is its directory's (n_layers and d_model are the built-in GPT's)
     shape = (("model", "hf_dir"),) if model.get("hf_dir") else (("model", "n_layers"), ("model", "d_model"))
-    fields = (*shape, ("model", "layer_pieces"), ("model", "vocab_pieces"), ("model", "base_dtype"))
+    # (io.checksum's block sets how units are padded: another block is another layout)
+    fields = (*shape, ("model", "layer_pieces"), ("model", "vocab_pieces"), ("model", "base_dtype"),
+              ("io", "checksum"), ("io", "checksum_block_kib"), ("io", "chunk_kib"))  # fmt: skip
     said = [f"{sec}.{name} = {(config.get(sec) or {}).get(name)!r}" for sec, name in fields]
     said.append(f"train.param_dtype = {param_dtype.removeprefix('torch.')!r} (its parameters' dtype)")
     return ", ".join(said)

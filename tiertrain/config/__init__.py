@@ -345,6 +345,12 @@ def ineffective_settings(cfg: Config) -> list[str]:
             f"optim.warmup_steps = {o.warmup_steps} is at least train.steps = {t.steps}: the learning rate {reach} "
             f"optim.lr = {o.lr:g} (it warms up through the whole run)"
         )
+    if not cfg.checkpoint.every and not cfg.checkpoint.at_end:
+        out.append(
+            "checkpoint.every = 0 and checkpoint.at_end = false: this run keeps no checkpoint, so its trained "
+            "weights are gone when it ends and it cannot be resumed; set checkpoint.at_end = true (or "
+            "checkpoint.every = N) to keep them"
+        )
     if cfg.data.eval_corpus is not None and not t.eval_every:
         out.append(
             f"data.eval_corpus = {cfg.data.eval_corpus!r} is set but train.eval_every = 0: no validation runs; "

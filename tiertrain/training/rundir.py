@@ -332,11 +332,13 @@ def _differs(stored, given) -> bool:
             return text.lower().replace("null", "none")
         try:
             return float(text)
-        except ValueError:
-            return os.path.normpath(text) if os.sep in text else text
+        except ValueError:  # (a path as given: relative to here, as the config makes it absolute)
+            return os.path.abspath(text) if os.sep in text else text
 
     if isinstance(stored, (list, tuple)) and isinstance(given, str):
         given = [x for x in given.split(",") if x]
+    if isinstance(stored, str) and os.path.isabs(stored) and isinstance(given, str):  # a path, stored absolute
+        return os.path.normpath(stored) != os.path.abspath(given)
     return norm(stored) != norm(given)
 
 
