@@ -132,40 +132,49 @@ def test_a_sliding_layers_attention_counts_its_window(tmp_path):
     assert full - sliding == 3 * 6 * (T - 8) * 4 * (16 + 16)
 
 
-def _expert_lora(tmp_path, r: int) -> tuple[float, float, float]:
-    """(PyTorch's count, ours, the count before) a token for LoRA of rank ``r`` on every expert
-    stack of the Qwen3-MoE. peft forms each stack's sum twice a forward (its parametrization is
-    computed again at each access of the parameter, and transformers' experts access it twice);
-    tiertrain forms it once (a pre-hook): the counter's forward ``baddbmm`` is halved."""
+def expert_lora_flops(make_hf, tmp_path, r: int, batch: int = B, tokens: int = T):
+    """(PyTorch's count, ours, the count before, our ``AdapterFlops``) a token for LoRA of rank
+    ``r`` on every expert stack of the mixture ``make_hf()`` builds (seeded: the same model each
+    call), over ``batch`` rows of ``tokens``. peft forms each stack's sum twice a forward (its
+    parametrization is computed again at each access of the parameter, and transformers' experts
+    access it twice); tiertrain forms it once (a pre-hook): the counter's forward ``baddbmm`` is
+    halved. Also run on other families and shapes by bench/checks/expert_lora_flops.py."""
     import peft
 
     from tiertrain.adapters.lora import LoRA
 
     stacks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    hf = _hf("qwen3_moe")
+    hf = make_hf()
     for p in hf.parameters():
         p.requires_grad_(False)
     hf = peft.inject_adapter_in_model(peft.LoraConfig(r=r, target_modules=[], target_parameters=stacks), hf)
-    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (batch, tokens), generator=torch.Generator().manual_seed(1))
     with FlopCounterMode(display=False) as fc:
         loss = hf(input_ids=ids, labels=ids).loss
-    sums = fc.get_flop_counts()["Global"][torch.ops.aten.baddbmm]
+    sums = fc.get_flop_counts()["Global"].get(torch.ops.aten.baddbmm, 0)
     with FlopCounterMode(display=False) as fc2:
         loss.backward()
-    counted = (fc.get_total_flops() - sums / 2 + fc2.get_total_flops()) / (B * T)
+    counted = (fc.get_total_flops() - sums / 2 + fc2.get_total_flops()) / (batch * tokens)
 
     path = tmp_path / f"hf{r}"
-    _hf("qwen3_moe").save_pretrained(path)
-    cfg = small_config(tmp_path, kind="llama")
+    make_hf().save_pretrained(path)
+    cfg = small_config(tmp_path / f"c{r}", kind="llama")
     cfg.model.hf_dir = str(path)
     cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.target, cfg.adapter.target_parameters = "lora", r, [], stacks
     model = build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]
     freeze_all(model)
     lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
-    adapters = lora.flops()
+    adapters, width = lora.flops(), hf.config.hidden_size
+    ours = flops_per_token(model, tokens, width, adapters=adapters, micro_batch_tokens=batch * tokens)
+    trained = AdapterFlops(trained=sum(p.numel() for p in lora.params()))
+    return counted, ours, flops_per_token(model, tokens, width, adapters=trained), adapters
+
+
+def _expert_lora(tmp_path, r: int) -> tuple[float, float, float]:
+    """(PyTorch's count, ours, the count before) a token for LoRA of rank ``r`` on every expert
+    stack of the Qwen3-MoE (``expert_lora_flops``)."""
+    counted, ours, before, adapters = expert_lora_flops(lambda: _hf("qwen3_moe"), tmp_path, r)
     assert adapters.trained == 0 and len(adapters.weighted) == 2 * 3
-    ours = flops_per_token(model, T, 64, adapters=adapters, micro_batch_tokens=B * T)
-    before = flops_per_token(model, T, 64, adapters=AdapterFlops(trained=sum(p.numel() for p in lora.params())))
     return counted, ours, before
 
 

@@ -32,15 +32,12 @@ def train(
     if resume is not None:
         from .checkpoint import Manifest
         from .config import parse_overrides
-        from .training.advice import find_resumable, resumed_run_dir
+        from .training.advice import find_resumable
         from .training.rundir import resumed_tree
 
         where, resume = resume, find_resumable(resume, "resume")  # a run directory: its latest checkpoint
         if config is None:  # the checkpoint's own config where it now is, the overrides on top
-            stored, given = Manifest.read(resume).config, parse_overrides(overrides)
-            # (another run's checkpoint in a shared checkpoint.dir refused, as by the command line)
-            moved = resumed_run_dir(where, resume, stored) if "run_dir" not in given.get("train", {}) else None
-            config = resumed_tree(stored, resume, given, moved)
+            config = resumed_tree(Manifest.read(resume).config, resume, parse_overrides(overrides), where)
             overrides = ()
     cfg = as_config(config, overrides)
     if not log.handlers:

@@ -201,17 +201,12 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
-    moved = None
-    if flag == "--resume" and "run_dir" not in given.get("train", {}):
-        from .training.advice import resumed_run_dir
-
-        moved = resumed_run_dir(where, path, stored)  # (refused: another run's, in a shared checkpoint.dir)
     if flag == "--checkpoint":
         from .inference.given import checked_given
 
         checked_given(given, stored)
     if flag == "--resume":
-        return path, Config.from_dict(resumed_tree(stored, path, given, moved))
+        return path, Config.from_dict(resumed_tree(stored, path, given, where))
     for section, values in given.items():
         stored.setdefault(section, {}).update(values)
     return path, Config.from_dict(stored)

@@ -56,6 +56,14 @@ def _aux_counts(hf: nn.Module, attention):
         setattr(module, "load_balancing_loss_func", fn)
 
 
+def _loss(model: nn.Module, x, y, scored, positions, attention):
+    """A micro-batch's loss; padded rows' ``attention`` for a transformers model (the built-in
+    GPT has no auxiliary loss to count it in)."""
+    if isinstance(model, HFWrapper):
+        return model(x, y, scored, positions, attention)
+    return model(x, y, scored, positions)
+
+
 def reference_model(cfg: Config, seed: int = 0) -> nn.Module:
     """A real (in-memory) model of the configured kind, with PyTorch's/HF's own init."""
     torch.manual_seed(seed)
@@ -117,7 +125,7 @@ def reference_train(cfg: Config, model: nn.Module, *, mixed: bool = False, accum
         positions = corpus.positions(step) or [None] * M  # packed rows: attention within each document
         own = corpus.attention(step) or [None] * M  # padded rows: their own tokens
         for (x, y), pos, att in zip(corpus.batches(step), positions, own):
-            loss = model(x, y, scored, pos, att) if isinstance(model, HFWrapper) else model(x, y, scored, pos)
+            loss = _loss(model, x, y, scored, pos, att)
             (loss if scored else loss / M).backward()
             step_losses.append(loss.item())
             if accum_fp32:
@@ -192,7 +200,7 @@ def _reference_ranks(cfg: Config, model: nn.Module, ranks: int):
             positions = corpus.positions(step, rank=r, world=ranks) or [None] * M
             own = corpus.attention(step, rank=r, world=ranks) or [None] * M
             for (x, y), pos, att in zip(corpus.batches(step, rank=r, world=ranks), positions, own):
-                loss = model(x, y, scored, pos, att) if isinstance(model, HFWrapper) else model(x, y, scored, pos)
+                loss = _loss(model, x, y, scored, pos, att)
                 (loss if scored else loss / (ranks * M)).backward()
                 step_losses.append(loss.item())
             sums = [p.grad.clone() for p in params]

@@ -9,20 +9,15 @@ tiertrain once). Prints what rank 4 -> 16 adds (the sums' products: exact), the 
 """
 
 import os
+import pathlib
 import sys
+import tempfile
 
-import peft
 import torch
 import transformers as t
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
-from reference import small_config  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-from tiertrain.adapters.lora import LoRA  # noqa: E402
-from tiertrain.models import build_model  # noqa: E402
-from tiertrain.models.freeze import freeze_all  # noqa: E402
-from tiertrain.training.metrics import AdapterFlops, flops_per_token  # noqa: E402
+from test_flops import expert_lora_flops  # noqa: E402
 
 B, T = 2, 48
 
@@ -55,34 +50,13 @@ def conf(kind, layers):
 
 
 def run(kind, layers, r, tmp):
-    stacks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    torch.manual_seed(0)
-    hf = t.AutoModelForCausalLM.from_config(conf(kind, layers))
-    hf.save_pretrained(f"{tmp}/{kind}{layers}")
-    for p in hf.parameters():
-        p.requires_grad_(False)
-    hf = peft.inject_adapter_in_model(peft.LoraConfig(r=r, target_modules=[], target_parameters=stacks), hf)
-    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1))
-    with FlopCounterMode(display=False) as fc:
-        loss = hf(input_ids=ids, labels=ids).loss
-    sums = fc.get_flop_counts()["Global"].get(torch.ops.aten.baddbmm, 0)
-    with FlopCounterMode(display=False) as fc2:
-        loss.backward()
-    counted = (fc.get_total_flops() - sums / 2 + fc2.get_total_flops()) / (B * T)
-    cfg = small_config(__import__("pathlib").Path(tmp) / f"c{kind}{layers}{r}", kind="llama")
-    cfg.model.hf_dir = f"{tmp}/{kind}{layers}"
-    cfg.adapter.kind, cfg.adapter.rank, cfg.adapter.target, cfg.adapter.target_parameters = "lora", r, [], stacks
-    model = build_model(cfg.model, param_dtype=torch.float32, seed=0)[0]
-    freeze_all(model)
-    lora = LoRA(model, cfg.adapter, seed=0, device="cpu")
-    ours = flops_per_token(model, T, hf.config.hidden_size, adapters=lora.flops(), micro_batch_tokens=B * T)
-    before = flops_per_token(
-        model, T, hf.config.hidden_size, adapters=AdapterFlops(trained=sum(p.numel() for p in lora.params()))
-    )
+    def make():
+        torch.manual_seed(0)
+        return t.AutoModelForCausalLM.from_config(conf(kind, layers))
+
+    counted, ours, before, _ = expert_lora_flops(make, pathlib.Path(tmp) / f"{kind}{layers}", r, B, T)
     return counted, ours, before
 
-
-import tempfile  # noqa: E402
 
 tmp = tempfile.mkdtemp()
 for kind, layers in (("mixtral", 4), ("mixtral", 12), ("olmoe", 5), ("olmoe", 15)):

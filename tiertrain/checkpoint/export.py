@@ -233,12 +233,12 @@ def weights_file(path: str, man: Manifest) -> WeightsFile:
     layout = FlatLayout(model, unit_align=unit_align, param_align=p_align)  # checkpoints: the one-rank layout
     if [u.numel for u in layout.units] != man.units:
         raise CheckpointError(f"checkpoint {path}: its layout does not match the model its config describes")
-    if man.params and man.params != layout.fingerprint():  # units of the same padded sizes, other tensors
+    if man.params and man.params != layout.fingerprint:  # units of the same padded sizes, other tensors
         where = (man.config.get("model") or {}).get("hf_dir")
         raise CheckpointError(
             f"checkpoint {path} holds a model with other parameters ({man.params}) than "
             f"{'model.hf_dir ' + str(where) if where else 'the model its config describes'} "
-            f"({layout.fingerprint()}): give the model directory its run trained (--model.hf_dir)"
+            f"({layout.fingerprint}): give the model directory its run trained (--model.hf_dir)"
         )
     name, dtype = man.weights, man.weights_dtype
     if not name:

@@ -155,7 +155,7 @@ class CheckpointIO:
                 weights_dtype=str(regions[weights].dtype) if weights else "",
                 compute_dtype=compute_dtype,
                 ranks=ranks,
-                params=self.layout.fingerprint(),
+                params=self.layout.fingerprint,
             ).write(tmp)
             fsync_path(tmp)
             _replace_dir(tmp, final)
@@ -206,10 +206,10 @@ class CheckpointIO:
                 f"than this run ({_describe(units, str(regions['params.bin'].dtype))}); resume with the config it was "
                 f"made with: {_made_with(man.config, man.param_dtype)}"
             )
-        if man.params and man.params != self.layout.fingerprint():  # (units of the same sizes: padding hid it)
+        if man.params and man.params != self.layout.fingerprint:  # (units of the same sizes: padding hid it)
             raise CheckpointMismatch(
                 f"checkpoint {path} was written for a model with other parameters ({man.params}) than this "
-                f"run's ({self.layout.fingerprint()}): another model directory, or a tied head against an untied "
+                f"run's ({self.layout.fingerprint}): another model directory, or a tied head against an untied "
                 f"one; resume with the model it was made with: {_made_with(man.config, man.param_dtype)}"
             )
         for name, region in regions.items():

@@ -134,7 +134,6 @@ class LayerMajorExecutor(VocabSteps):
         self._rng: dict[tuple[int, int], _Rng] = {}
         self.after_unit = after_unit
         self.scale = LossScale(1)  # the step's: how its micro-batches' losses make its loss (``step``)
-        self._attention: list[torch.Tensor | None] = []  # the step's padded rows' masks (``_micro_batches``)
         self.aux_weight = 1.0  # an evaluation's share of the auxiliary loss per micro-batch (``evaluate``)
         self.eval_aux: list = []  # an evaluation's auxiliary parts of its losses, per micro-batch
         self.tied_rows = tied_rows(model, grads)
@@ -162,14 +161,14 @@ class LayerMajorExecutor(VocabSteps):
         with routers.at(layer, m, record=record) if routers is not None else contextlib.nullcontext():
             return block(x, positions)
 
-    def _with_aux(self, loss: torch.Tensor, m: int, *, backward: bool) -> torch.Tensor:
+    def _with_aux(self, loss: torch.Tensor, m: int, mb: MicroBatch, *, backward: bool) -> torch.Tensor:
         """A micro-batch's loss with the routers' auxiliary loss added where the model has one
         (in an evaluation, ``aux_weight`` times it), over its rows' own tokens (padded rows)."""
         routers = self.model.routers
         weight = 1.0 if backward else self.aux_weight
         if routers is None:
             return loss
-        total = routers.add(loss, m, backward=backward, weight=weight, attention=self._attention[m])
+        total = routers.add(loss, m, backward=backward, weight=weight, attention=mb.attention)
         if not backward:  # an evaluation: its auxiliary part, reported apart from the cross-entropy
             self.eval_aux.append(routers.last)
         return total
@@ -226,7 +225,7 @@ class LayerMajorExecutor(VocabSteps):
         for m, (x, mb) in enumerate(zip(h, mbs)):
             x = x.requires_grad_()
             head = self.model.head
-            loss = self._with_aux(head.loss(head.logits(x), mb.targets, self.scale.divisor), m, backward=True)
+            loss = self._with_aux(head.loss(head.logits(x), mb.targets, self.scale.divisor), m, mb, backward=True)
             if self._tied is not None:
                 self._tied.head_before()
             self.scale.share(loss).backward()
@@ -341,7 +340,7 @@ class LayerMajorExecutor(VocabSteps):
             x = x.detach().requires_grad_()  # as head_step: the same kernels
             with torch.enable_grad():
                 loss = head.loss(head.logits(x), mb.targets, self.scale.divisor)
-                losses.append(self._with_aux(loss, m, backward=False).detach())
+                losses.append(self._with_aux(loss, m, mb, backward=False).detach())
         self._release(self.head)
         return losses
 
@@ -364,7 +363,6 @@ class LayerMajorExecutor(VocabSteps):
             )
             own = None if attention is None else attention[m].to(self.dev.device, non_blocking=True)
             mbs.append(MicroBatch(ids, y.to(self.dev.device, non_blocking=True), pos, own))
-        self._attention = [mb.attention for mb in mbs]  # (``_with_aux``'s, by micro-batch)
         return mbs
 
     # -- one step --------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class VocabSteps:
         def _units(self, ref: Any) -> tuple[int, ...]: ...
         def _acquire(self, ref: Any) -> None: ...
         def _release(self, ref: Any) -> None: ...
-        def _with_aux(self, loss: Any, m: int, *, backward: bool) -> Any: ...
+        def _with_aux(self, loss: Any, m: int, mb: Any, *, backward: bool) -> Any: ...
 
     @property
     def _cap(self):
@@ -162,14 +162,17 @@ class VocabSteps:
 
     def _cut_head_loss(self, h: list[torch.Tensor], mbs) -> list[torch.Tensor]:
         """An evaluation's head: pass 1 alone."""
-        return [self._with_aux(v, m, backward=False) for m, v in enumerate(self._cut_head_pass1(h, mbs)[3])]
+        return [
+            self._with_aux(v, m, mb, backward=False)
+            for m, (v, mb) in enumerate(zip(self._cut_head_pass1(h, mbs)[3], mbs))
+        ]
 
     def _cut_head_step(self, h: list[torch.Tensor], mbs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         head = self.model.head
         hn, targets, lse, losses = self._cut_head_pass1(h, mbs)
         if self.model.routers is not None:  # the routers' auxiliary loss: its own backward, to their logits
             for m in range(len(losses)):
-                losses[m] = self._with_aux(losses[m].detach(), m, backward=True)
+                losses[m] = self._with_aux(losses[m].detach(), m, mbs[m], backward=True)
                 self.scale.share(losses[m]).backward()
                 self.model.routers.collect()
         dhn = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in hn]

@@ -97,8 +97,7 @@ class DirLock:
             except BlockingIOError:
                 info = _read(fd)
                 os.close(fd)
-                who = f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process"
-                raise busy(self.path, who + _stopped_note(info.get("pid"))) from None
+                raise busy(self.path, _who(info)) from None
             try:
                 if os.fstat(fd).st_ino == os.stat(self.file).st_ino:
                     return fd
@@ -148,6 +147,14 @@ class DirLock:
             pass  # the lock goes with the descriptor anyway
         finally:
             os.close(fd)
+
+
+def _who(info: dict) -> str:
+    """A lock's holder in words, from the record it wrote ('pid N, started ...'), and whether it
+    is stopped."""
+    if not info:
+        return "unknown process"
+    return f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" + _stopped_note(info.get("pid"))
 
 
 def _stopped_note(pid) -> str:
@@ -246,10 +253,7 @@ def held_by(path: str) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        info = _read(fd)
-        return (f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" if info else "unknown process") + (
-            _stopped_note(info.get("pid"))
-        )
+        return _who(_read(fd))
     except OSError:
         return None
     finally:

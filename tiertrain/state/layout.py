@@ -17,6 +17,7 @@ optimizer moments; only the element size differs between files.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -169,6 +170,7 @@ class FlatLayout:
         rank's share of a sharded layout is ``dist.shard.ShardLayout.shard``)."""
         return full[: self.units[u].numel]
 
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Every parameter's name, shape and place (unit, offset) in a line: its count, its
         elements and a hash of the rest. Two models whose units pad to the same sizes (a tied

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
-from .rundir import METRICS, no_checkpoint_advice
+from .rundir import METRICS, no_checkpoint_advice, stored_checkpoint_root
 
-__all__ = ["resume_hint", "find_resumable", "stored_checkpoint_root", "nothing_to_train"]
+__all__ = ["resume_hint", "find_resumable", "nothing_to_train"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -61,59 +61,6 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
                 "give a checkpoint (a run directory that holds one), or a model directory with --model.hf_dir"
             ) from None
         raise CheckpointError(f"{flag} {where}: no checkpoint there; {no_checkpoint_advice(run_dir)}") from None
-
-
-def resumed_run_dir(where: str, checkpoint: str, stored: dict) -> str | None:
-    """``--resume RUN_DIR`` whose checkpoints lie outside it (checkpoint.dir): the run directory
-    to continue in where its run was moved (RUN_DIR; None: nothing to change). Refused where
-    ``checkpoint`` (found in that checkpoint.dir, ``stored`` its config) is the latest of
-    another run that still writes there: a copy of a run directory shares its checkpoint.dir
-    with the original (continuing it wrote the original's metrics and pruned its checkpoints),
-    and runs given one checkpoint.dir find each other's checkpoints there."""
-    from .rundir import CONFIG, RunDirError, _same, _under, run_dir_of
-
-    root = stored_checkpoint_root(where)
-    if root is None or _under(checkpoint, root) is None or _under(root, where) is not None:
-        return None  # (checkpoints inside the run directory move with it: ``resumed_tree``)
-    theirs = (stored.get("train") or {}).get("run_dir")
-    if not isinstance(theirs, str) or _same(theirs, where):
-        return None
-    their_root = stored_checkpoint_root(theirs) if os.path.exists(os.path.join(theirs, CONFIG)) else None
-    if their_root is None or not _same(their_root, root):
-        return os.path.abspath(where)  # its run directory moved here (nothing there writes into root)
-    copy = _same(run_dir_of(where) or where, theirs)  # this directory's config names the other: a copy of it
-    raise RunDirError(
-        f"--resume {where}: its checkpoint.dir {root} is shared with run {theirs}, whose checkpoint "
-        f"{os.path.basename(checkpoint)} is the latest there"
-        + (f" ({where} is a copy of it)" if copy else "")
-        + f"; continuing it would write {theirs}'s metrics and prune its checkpoints. To branch from it: "
-        f"tiertrain train --resume {checkpoint} --train.run_dir=NEW_DIR --checkpoint.dir=NEW_DIR/checkpoints"
-    )
-
-
-def stored_checkpoint_root(run_dir: str) -> str | None:
-    """Where run directory ``run_dir``'s run writes checkpoints when that is not under it (its
-    config.json's ``checkpoint.dir``, made absolute as the run made it; None: under it, or no
-    run there)."""
-    import json
-
-    from .rundir import CONFIG
-
-    try:
-        with open(os.path.join(run_dir, CONFIG)) as f:
-            tree = json.load(f)
-    except (OSError, ValueError):
-        return None
-    ck = (tree.get("checkpoint") or {}).get("dir") if isinstance(tree, dict) else None
-    if not isinstance(ck, str) or not ck:
-        return None
-    if not os.path.isabs(ck):
-        return os.path.join(run_dir, ck)
-    from .rundir import _under
-
-    ran = (tree.get("train") or {}).get("run_dir")  # a checkpoint.dir within the run directory moves with it
-    inside = _under(ck, ran) if isinstance(ran, str) and os.path.isabs(ran) else None
-    return os.path.normpath(os.path.join(run_dir, inside)) if inside is not None else ck
 
 
 def _holds_steps(run_dir: str) -> bool:

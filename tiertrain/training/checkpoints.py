@@ -154,9 +154,9 @@ class Checkpoints:
     def continue_from(self, step: int) -> None:
         """A run continued from ``step``: the checkpoints of a later course of it are replaced by
         its first save."""
-        later = [p for p in list_checkpoints(self.root) if step_of(p) > step]
         if not self.group.leader:  # (rank 0 keeps the checkpoints, for every rank)
             return
+        later = [p for p in list_checkpoints(self.root) if step_of(p) > step]
         # a course set aside by an earlier resume that stopped before its first save: it goes too
         self._superseded = set_aside_dirs(self.root, "superseded")
         if not later:

@@ -36,6 +36,7 @@ __all__ = [
     "no_checkpoint_advice",
     "refuse_a_held_run",
     "others_checkpoints",
+    "stored_checkpoint_root",
     "clean_leftovers",
 ]
 
@@ -77,7 +78,7 @@ class RunDir:
 
     def holds_a_run(self) -> list[str]:
         """What of an earlier run is here (empty: nothing)."""
-        return _held(self.path, self.checkpoint_root)
+        return _held(self.path, list_checkpoints(self.checkpoint_root))
 
     def start_fresh(self, overwrite: bool) -> None:
         """Before a new (not resumed) run: refuse a directory with another run's work unless
@@ -179,13 +180,14 @@ def refuse_a_held_run(
     where it holds a run to delete (``overwrite``). ``owner``: the run directory the user gave
     (a rank's ``path`` is its subdirectory). Reads only: the CLI asks it (``probe``: a live
     run's directory refused as in use) before the run's plan, whose probes take seconds."""
-    found = _held(path, checkpoint_root)
+    checkpoints = list_checkpoints(checkpoint_root)
+    found = _held(path, checkpoints)
     if not found:
         return False
     who = held_by(path) if probe else None  # (``probe``: the CLI's, before this run holds the lock)
     if who is not None:  # a live run's: said as such (not advice to resume or overwrite it)
         raise _busy(path, who)
-    others = others_checkpoints(checkpoint_root, owner or path)
+    others = others_checkpoints(checkpoint_root, checkpoints, owner or path)
     if others:  # a checkpoint.dir shared with another run: its checkpoints are never this run's to delete
         run, names = others
         raise RunDirError(
@@ -204,14 +206,14 @@ def refuse_a_held_run(
     if overwrite:
         return True
     metrics = os.path.join(path, METRICS)
-    if not list_checkpoints(checkpoint_root) and (not os.path.exists(metrics) or not os.path.getsize(metrics)):
+    if not checkpoints and (not os.path.exists(metrics) or not os.path.getsize(metrics)):
         # a run that stopped before its first step (a rank that failed at start): nothing of it to keep
         if not probe:  # (the trainer says it)
             log.info("train.run_dir %s holds a run that stopped before its first step (%s): started over", path,
                      ", ".join(found))  # fmt: skip
         return True
     shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-    if not list_checkpoints(checkpoint_root):  # --resume would be refused: not offered
+    if not checkpoints:  # --resume would be refused: not offered
         raise RunDirError(f"train.run_dir {path} already holds a run ({shown}); {no_checkpoint_advice(path)}")
     raise RunDirError(
         f"train.run_dir {path} already holds a run ({shown}); continue it with "
@@ -220,9 +222,9 @@ def refuse_a_held_run(
     )
 
 
-def others_checkpoints(checkpoint_root: str, run_dir: str) -> tuple[str, list[str]] | None:
+def others_checkpoints(checkpoint_root: str, checkpoints: list[str], run_dir: str) -> tuple[str, list[str]] | None:
     """(another run directory, its checkpoints' names) where ``checkpoint_root``, outside run
-    directory ``run_dir``, holds checkpoints whose run (their config's ``train.run_dir``) is
+    directory ``run_dir``, holds ``checkpoints`` whose run (their config's ``train.run_dir``) is
     another that still holds a run; None where every one is this run's, or its run is gone (a
     run directory moved: its checkpoints are the moved run's)."""
     from ..checkpoint import CheckpointError, Manifest
@@ -230,7 +232,7 @@ def others_checkpoints(checkpoint_root: str, run_dir: str) -> tuple[str, list[st
     if _under(checkpoint_root, run_dir) is not None:
         return None  # checkpoints inside the run directory (copied or moved with it) are its own
     theirs: dict[str, list[str]] = {}
-    for ck in list_checkpoints(checkpoint_root):
+    for ck in checkpoints:
         try:
             run = (Manifest.read(ck).config.get("train") or {}).get("run_dir")
         except CheckpointError:
@@ -250,9 +252,54 @@ def run_dir_of(path: str) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def _held(path: str, checkpoint_root: str) -> list[str]:
-    """What of an earlier run is in run directory ``path`` (empty: nothing)."""
-    found = [os.path.basename(p) for p in list_checkpoints(checkpoint_root)]
+def resumed_run_dir(where: str, checkpoint: str, stored: dict) -> str | None:
+    """``--resume RUN_DIR`` whose checkpoints lie outside it (checkpoint.dir): the run directory
+    to continue in where its run was moved (RUN_DIR; None: nothing to change). Refused where
+    ``checkpoint`` (found in that checkpoint.dir, ``stored`` its config) is the latest of
+    another run that still writes there: a copy of a run directory shares its checkpoint.dir
+    with the original (continuing it wrote the original's metrics and pruned its checkpoints),
+    and runs given one checkpoint.dir find each other's checkpoints there."""
+    root = stored_checkpoint_root(where)
+    if root is None or _under(checkpoint, root) is None or _under(root, where) is not None:
+        return None  # (checkpoints inside the run directory move with it: ``resumed_tree``)
+    theirs = (stored.get("train") or {}).get("run_dir")
+    if not isinstance(theirs, str) or _same(theirs, where):
+        return None
+    their_root = stored_checkpoint_root(theirs) if os.path.exists(os.path.join(theirs, CONFIG)) else None
+    if their_root is None or not _same(their_root, root):
+        return os.path.abspath(where)  # its run directory moved here (nothing there writes into root)
+    copy = _same(run_dir_of(where) or where, theirs)  # this directory's config names the other: a copy of it
+    raise RunDirError(
+        f"--resume {where}: its checkpoint.dir {root} is shared with run {theirs}, whose checkpoint "
+        f"{os.path.basename(checkpoint)} is the latest there"
+        + (f" ({where} is a copy of it)" if copy else "")
+        + f"; continuing it would write {theirs}'s metrics and prune its checkpoints. To branch from it: "
+        f"tiertrain train --resume {checkpoint} --train.run_dir=NEW_DIR --checkpoint.dir=NEW_DIR/checkpoints"
+    )
+
+
+def stored_checkpoint_root(run_dir: str) -> str | None:
+    """Where run directory ``run_dir``'s run writes checkpoints when that is not under it (its
+    config.json's ``checkpoint.dir``, made absolute as the run made it; None: under it, or no
+    run there)."""
+    try:
+        with open(os.path.join(run_dir, CONFIG)) as f:
+            tree = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ck = (tree.get("checkpoint") or {}).get("dir") if isinstance(tree, dict) else None
+    if not isinstance(ck, str) or not ck:
+        return None
+    if not os.path.isabs(ck):
+        return os.path.join(run_dir, ck)
+    ran = (tree.get("train") or {}).get("run_dir")  # a checkpoint.dir within the run directory moves with it
+    inside = _under(ck, ran) if isinstance(ran, str) and os.path.isabs(ran) else None
+    return os.path.normpath(os.path.join(run_dir, inside)) if inside is not None else ck
+
+
+def _held(path: str, checkpoints: list[str]) -> list[str]:
+    """What of an earlier run is in run directory ``path`` with its ``checkpoints`` (empty: nothing)."""
+    found = [os.path.basename(p) for p in checkpoints]
     for name in (METRICS, CONFIG):
         if os.path.exists(os.path.join(path, name)):
             found.append(name)
@@ -287,7 +334,7 @@ def _under(path: str, root: str) -> str | None:
     return None if rel == ".." or rel.startswith(".." + os.sep) else rel
 
 
-def resumed_tree(stored: dict, checkpoint: str, given: dict, moved_to: str | None = None) -> dict:
+def resumed_tree(stored: dict, checkpoint: str, given: dict, where: str | None = None) -> dict:
     """The config a run resumed from ``checkpoint`` runs with: its ``stored`` config tree, the
     user's sections ``given`` (a file's and flags') on top, and its run directory where the
     checkpoint now is. A checkpoint whose run directory was copied or moved continues in the
@@ -299,8 +346,11 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict, moved_to: str | Non
     train, ck = tree.setdefault("train", {}), tree.setdefault("checkpoint", {})
     train["overwrite"] = False
     run_dir, ck_dir = train.get("run_dir"), ck.get("dir")
-    if run_dir and moved_to is not None:  # (its checkpoints outside it, where they were: ``resumed_run_dir``)
-        _relocate(tree, run_dir, moved_to)
+    # ``where``: what --resume named (a run directory whose checkpoints lie outside it: another run's
+    # refused, a moved one's continued where it is now); a --train.run_dir given decides alone
+    moved = resumed_run_dir(where, checkpoint, stored) if where and "run_dir" not in given.get("train", {}) else None
+    if run_dir and moved is not None:
+        _relocate(tree, run_dir, moved)
     elif run_dir:
         root = ck_dir or os.path.join(run_dir, "checkpoints")
         here = os.path.dirname(os.path.abspath(os.path.normpath(checkpoint)))
