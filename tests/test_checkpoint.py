@@ -312,11 +312,17 @@ def test_export_to_hf_directory_and_import(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(out)
     sd = hf.state_dict()
     assert all(torch.equal(want[k], sd[names[k]]) for k in want)
+    # generation from the export keeps its key/value cache (tiertrain's units compute without one)
+    assert hf.config.use_cache is True and hf.generation_config.use_cache is True
+    conf = json.loads((tmp_path / "export" / "config.json").read_text())
+    (tmp_path / "export" / "config.json").write_text(json.dumps({**conf, "use_cache": False}))
     cfg2 = small_config(tmp_path / "l2", kind="llama", steps=2)
     cfg2.model.hf_dir = out  # an exported HF directory is a starting point
     with Trainer(cfg2) as tr:
         tr.initialize(progress=False)
         assert all(torch.equal(tr.weights()[k], want[k]) for k in want)
+        again = tr.save_checkpoint().path
+    assert AutoModelForCausalLM.from_pretrained(export_checkpoint(again, str(tmp_path / "x2"))).config.use_cache is False
 
 
 def test_export_builtin_then_init_from(tmp_path):

@@ -222,6 +222,49 @@ def test_a_sliding_layers_cache_holds_its_window_alone_spilled_or_not(tmp_path, 
     assert spilled.spilled_bytes == held.host_bytes and spilled.written_bytes > 0
 
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["phi3", "phimoe"])
+def test_phi3s_cache_is_computed_again_where_longrope_switches_tables(tmp_path, family, monkeypatch):
+    """Phi-3 and Phi-MoE with longrope: where the sequences first pass
+    original_max_position_embeddings (16; prompts of 12 and 9 tokens, 12 new ones) the rotary
+    tables switch to the long factors, and transformers' generate drops its cache and computes
+    the whole sequences again (their prepare_inputs_for_generation). Token for token the same,
+    the cache in host memory and on the storage tier (a simulated separate-memory device); the
+    cache kept as it was gives other tokens from the sixth on."""
+    import transformers as t
+
+    import tiertrain.inference.generate as generate_mod
+    from tiertrain.device import AsyncCpuDevice
+    from tiertrain.inference.kvcache import TieredKV
+
+    more = dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, input_jitter_noise=0.0)
+    kw = {**COMMON, "tie_word_embeddings": False, "initializer_range": 0.1, **(more if family == "phimoe" else {})}
+    if family == "phi3":
+        config = t.Phi3Config(**kw, original_max_position_embeddings=16, rope_parameters=dict(LONGROPE))
+    else:
+        config = t.AutoConfig.for_model("phimoe", **kw, rope_parameters={**LONGROPE, "short_mscale": 1.1,
+                                                                         "long_mscale": 1.2})  # fmt: skip
+    path = tmp_path / "m"
+    torch.manual_seed(0)
+    t.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    hf = t.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert hf.config.original_max_position_embeddings == 16
+    prompts = [list(range(10, 22)), list(range(40, 49))]
+    want = _hf_generate(hf, prompts, 12)
+    cfg = _family_config(tmp_path, str(path))
+    cfg.data.micro_batch_size, cfg.data.seq_len = 2, 32
+    assert generate(cfg, prompts, Sampling(max_new_tokens=12), eos=()) == want
+    cfg.memory.kv_host_mib, cfg.memory.host_param_mib = 0, 0
+    assert generate(cfg, prompts, Sampling(max_new_tokens=12), eos=(), device=AsyncCpuDevice()) == want
+    monkeypatch.setattr(TieredKV, "restart", lambda self, m: None)
+    monkeypatch.setattr(generate_mod._Decoding, "again", lambda self, length: False)
+    kept = generate(cfg, prompts, Sampling(max_new_tokens=12), eos=())
+    assert [row[:5] for row in kept] == [row[:5] for row in want] and kept != want
+
+
 def test_starcoder2s_embedding_dropout_is_its_forwards(tmp_path):
     """Starcoder 2's forward drops out the embeddings with a function, outside any module: the
     units apply it as that forward does (at one micro-batch plain PyTorch draws its masks in the

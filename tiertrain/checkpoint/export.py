@@ -16,6 +16,7 @@ earlier export (only files an export writes); never the checkpoint or a director
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -305,6 +306,18 @@ def _merged(adapters) -> dict[str, torch.Tensor]:
     return out
 
 
+def _source_use_cache(cfg: Config) -> bool:
+    """``use_cache`` as the model directory's config.json has it (transformers' default, True,
+    where it has none, or for a built-in model): generation from the export keeps its cache."""
+    path = os.path.join(cfg.model.hf_dir, "config.json") if cfg.model.hf_dir else None
+    try:
+        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
+            found = json.load(f).get("use_cache", True)
+    except (TypeError, OSError, ValueError, AttributeError):  # none, gone, or not a JSON object
+        return True
+    return found if isinstance(found, bool) else True
+
+
 def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     w = weights_file(path, man)
     cfg, model, layout, file, entry = w.cfg, w.model, w.layout, w.path, w.entry
@@ -315,9 +328,11 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     # tensor in the dtype config.json names
     wide = torch.float32 if adapters is not None else None
     if model.hf_config is not None:
+        conf = copy.copy(model.hf_config)  # (the model's own is as tiertrain computes with it)
+        conf.use_cache = _source_use_cache(cfg)  # off for the units' forward, not for the export's users
         if wide is not None:
-            model.hf_config.dtype = torch.float32
-        model.hf_config.save_pretrained(out)
+            conf.dtype = torch.float32
+        conf.save_pretrained(out)
     weight_map, total, crc = {}, 0, 0
     n = len(layout.units)
     raw_buf = torch.empty(w.max_unit_bytes, dtype=torch.uint8)

@@ -41,6 +41,7 @@ from ..config import Config, ConfigError, as_config
 from ..device.host import host_rss
 from ..execute.walk import UnitWalk
 from ..models import WeightSource
+from ..models.families import family_of
 from ..models.gpt_decode import GPTCache
 from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
@@ -159,12 +160,22 @@ class _Decoding:
             self.pad = pad if isinstance(pad, int) and 0 <= pad < self.vocab else 0
             self.layers, self.kv_heads, self.head_dim = kv_shape(self.hf)
             self.dims = kv_dims(self.hf)
+            field = getattr(family_of(self.hf), "recompute_past", None)
+            self.again_at: int | None = getattr(self.hf, field, None) if field else None
         else:  # the built-in GPT
-            self.limit, self.vocab, self.pad = m.max_seq_len, m.vocab_size, 0
+            self.limit, self.vocab, self.pad, self.again_at = m.max_seq_len, m.vocab_size, 0, None
             self.layers, self.kv_heads, self.head_dim = m.n_layers, m.n_heads, m.d_model // m.n_heads
             self.dims = (self.head_dim, self.head_dim)
         self.eos = eos_ids(m.hf_dir, self.hf)
         self.layer_of = rt.model.layer_of  # a block unit's layer (its key/value cache's): layers may be cut
+
+    def again(self, length: int) -> bool:
+        """Whether a decoding step whose sequences (padding included) are ``length`` long drops
+        the cache and computes every position again: where they first pass the family's
+        ``recompute_past`` (``families.py``; Phi-3's longrope switches tables there), as its
+        ``prepare_inputs_for_generation`` does (a cache of ``length - 1`` positions, at most the
+        field's value, with ``length`` past it)."""
+        return self.again_at is not None and length == self.again_at + 1
 
     def kv_bytes(self, rows: int, max_len: int, dtype: torch.dtype) -> int:
         return kv_bytes(
@@ -382,10 +393,14 @@ def _step(
     logits of each. The units ahead are prefetched, round into the next step's where there is
     one (``more``); ``trim``: called after each unit (``weights.heap_trim``)."""
     ins, masks, poss = [], [], []
-    for g in groups:
-        new = g.ids.shape[1] if step == 0 else 1
-        ids = (g.ids if step == 0 else g.ids[:, -1:]).to(device)
-        ins.append(ids)
+    for i, g in enumerate(groups):
+        again = step > 0 and dec.again(g.ids.shape[1])
+        if again:  # the cache dropped: the whole sequences again, as the prefill (new keys for every position)
+            log.info("micro-batch %d: the key/value cache computed again at %d tokens, as the model's generate "
+                     "does where its rotary tables switch", i, g.ids.shape[1])  # fmt: skip
+            kv.restart(i)
+        new = g.ids.shape[1] if step == 0 or again else 1
+        ins.append(g.ids[:, -new:].to(device))
         poss.append(g.positions(new).to(device))
     h: list[torch.Tensor] = []
     for ref in walk.order:

@@ -241,6 +241,23 @@ class TieredKV:
             self._reclaim_done()
             self._start_read(nxt)  # ahead, under this pair's successors' compute
 
+    def restart(self, m: int) -> None:
+        """Micro-batch ``m``'s cache emptied, in every layer: the next step adds every position
+        again from the first (a family that computes its cache again, ``generate._Decoding.again``).
+        Its pairs in host memory are written over; its spilled regions from their start (a pair's
+        earlier write is done before its next read, so never under the new one)."""
+        for (_, mb), p in self.pairs.items():
+            if mb != m:
+                continue
+            p.filled = 0
+            layer = self._layer(p)
+            if isinstance(layer.cumulative_length, torch.Tensor):
+                layer.cumulative_length.zero_()
+            else:
+                layer.cumulative_length = 0
+            if hasattr(layer, "cumulative_length_int"):  # a sliding layer's count of positions seen
+                layer.cumulative_length_int = 0
+
     def _reclaim(self) -> None:
         p = self._writing.pop(0)
         self.written_bytes += p.write.get()

@@ -19,7 +19,12 @@ that the units compute them exactly as the model does (``decoder.py``):
 - ``aux_inexact_unless_zero``: a config field that must be 0 for the auxiliary loss to be exact
   (Phi-MoE's ``router_jitter_noise``: above 0 its sparsemixer uses the router logits in more
   places than the routing, and their gradients would be summed in another order than plain
-  PyTorch sums them; up to 2e-10 measured): refused with the loss on, not computed inexactly.
+  PyTorch sums them; up to 2e-10 measured): refused with the loss on, not computed inexactly;
+- ``recompute_past``: a config field past which generation drops the key/value cache and
+  computes the whole sequence again, once, where the sequence first passes it (Phi-3 and
+  Phi-MoE's ``prepare_inputs_for_generation``, at ``original_max_position_embeddings``: there
+  longrope's rotary tables switch from the short factors to the long, and the keys cached so far
+  were rotated with the short); nothing where the config lacks the field.
 
 Per-layer attention types (full or sliding window) and per-layer-type rotary tables are read
 from the model's config and modules (``decoder.layer_types``), not from this table. A family
@@ -51,6 +56,7 @@ class Family:
     logit_softcap: str | None = None
     attention: str = "sdpa"
     aux_inexact_unless_zero: str | None = None
+    recompute_past: str | None = None
     # every layer slides where config.sliding_window is set and there are no layer_types (the
     # forward picks its mask on it); the other families' configs may carry the key unused
     window_slides: bool = False
@@ -61,7 +67,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("Mistral", window_slides=True),
     "qwen2": Family("Qwen2"),
     "qwen3": Family("Qwen3"),
-    "phi3": Family("Phi-3", window_slides=True),
+    "phi3": Family("Phi-3", window_slides=True, recompute_past="original_max_position_embeddings"),
     "olmo2": Family("OLMo 2"),
     "gemma": Family("Gemma"),  # its embeddings scaled within its embedding module
     "gemma2": Family("Gemma 2", logit_softcap="final_logit_softcapping", attention="eager"),
@@ -115,7 +121,12 @@ FAMILIES: dict[str, Family] = {
     "dots1": Family("dots.llm1"),
     "flex_olmo": Family("FlexOlmo"),
     # its input jitter draws random numbers in training, as dropout (exact at one micro-batch)
-    "phimoe": Family("Phi-MoE", aux_inexact_unless_zero="router_jitter_noise", window_slides=True),
+    "phimoe": Family(
+        "Phi-MoE",
+        aux_inexact_unless_zero="router_jitter_noise",
+        window_slides=True,
+        recompute_past="original_max_position_embeddings",
+    ),
     "granitemoe": Family("Granite-MoE", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
     "llama4_text": Family("Llama 4 (text)"),  # chunked attention; no rotary on every fourth layer
     "jetmoe": Family("JetMoE"),
