@@ -375,6 +375,20 @@ def test_a_peft_adapter_continues_training_from_its_weights(tmp_path):
     assert (
         load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}", "--adapter.rank=8"]).adapter.rank == 8
     )
+    # target_modules as module paths, as peft writes 'all-linear' out: the same adapters; some
+    # layers' paths alone (peft would adapt those alone) refused, naming a module left out
+    import json
+
+    conf = os.path.join(out, "adapter_config.json")
+    plain = json.load(open(conf))
+    paths = [n for n, _ in reference_model(cfg).hf.named_modules() if n.rsplit(".", 1)[-1] in cfg.adapter.target]
+    json.dump({**plain, "target_modules": paths}, open(conf, "w"))
+    assert load_config(None, ["--adapter.kind=lora", f"--adapter.init_from={out}"]).adapter.target == own.target
+    with Trainer(cont, weights=tensor_source(skeleton, init)) as tr:
+        assert all(torch.equal(p, trained[n]) for n, p in tr.rt.adapters.named())
+    json.dump({**plain, "target_modules": [p for p in paths if ".layers.0." in p]}, open(conf, "w"))
+    with pytest.raises(ConfigError, match=r"leave out \d+ of the modules of those names \(first: model.layers.1."):
+        Trainer(cont, weights=tensor_source(skeleton, init))
 
 
 @pytest.mark.parametrize(

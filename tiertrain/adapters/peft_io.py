@@ -93,6 +93,24 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
     return [weights, conf]
 
 
+def _check_paths(directory: str, paths: list[str]) -> None:
+    """Refuse an adapter whose ``target_modules`` hold module paths (peft's 'all-linear' written
+    out, or some layers' alone) that leave out one of the modules adapted here (``paths``: those
+    modules' paths in the transformers model): peft adapts a module whose path is a target or
+    ends in '.' and one."""
+    with open(os.path.join(directory, PEFT_CONFIG)) as f:
+        targets = [str(t) for t in (json.load(f).get("target_modules") or [])]
+    if not any("." in t for t in targets):
+        return
+    left = [p for p in paths if not any(p == t or p.endswith(f".{t}") for t in targets)]
+    if left:
+        raise ConfigError(
+            f"adapter.init_from = {directory!r}: its target_modules name module paths that leave out {len(left)} "
+            f"of the modules of those names (first: {left[0]}); tiertrain adapts a name's modules in every layer: "
+            "give an adapter made for all of them"
+        )
+
+
 def read_peft_config(directory: str) -> AdapterConfig:
     """The ``[adapter]`` section a peft LoRA directory was made with."""
     return AdapterConfig(kind="lora", init_from=directory, **peft_settings(directory))
@@ -137,6 +155,7 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
             "compute"
         )
     names = module_names(model, lora)
+    _check_paths(directory, [names[t.name] for t in lora.targets if t.param is None])
     with torch.no_grad():
         for t, p in zip(lora.targets, lora.adapters):
             for ab, w in (("lora_A", p.lora_A.weight), ("lora_B", p.lora_B.weight)):

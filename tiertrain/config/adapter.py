@@ -145,9 +145,12 @@ def peft_settings(directory: str) -> dict[str, Any]:
     if isinstance(targets, str):
         raise ConfigError(f"adapter.init_from = {directory!r}: target_modules {targets!r} (a pattern) is not supported")
     try:
+        # module paths (peft writes 'all-linear' out as every adapted module's path): their last
+        # names, the modules of those names in every block (checked against the paths: load_peft)
+        names = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
         return dict(
             rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0.0)),
-            target=sorted(targets), target_parameters=sorted(c.get("target_parameters") or []),
+            target=names, target_parameters=sorted(c.get("target_parameters") or []),
         )  # fmt: skip
     except KeyError as exc:  # (a traceback: KeyError 'r')
         raise ConfigError(f"adapter.init_from = {directory!r}: {PEFT_CONFIG} has no {exc.args[0]!r}") from None
