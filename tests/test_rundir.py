@@ -380,6 +380,8 @@ def test_a_checkpoint_resumed_on_other_ranks_says_the_global_batch_it_now_takes(
     assert other_ranks_note(1, (3, 1), 2, (3, 1)).endswith("no whole data.micro_batches keeps the checkpoint's")
     assert other_ranks_note(1, (4, 2), 2, (2, 2)) is None  # the global batch kept by hand: nothing to say
     assert other_ranks_note(2, (3, 1), 2, (3, 1)) is None and other_ranks_note(0, (3, 1), 2, (3, 1)) is None  # 0: older
+    # the same ranks, other micro-batches: no word of ranks (the changed-settings line names data.micro_batches)
+    assert other_ranks_note(1, (4, 2), 1, (2, 2)) is None and other_ranks_note(2, (4, 2), 2, (4, 1)) is None
 
 
 def test_a_model_directory_is_never_taken_for_a_run_nor_overwritten(tmp_path, capsys):

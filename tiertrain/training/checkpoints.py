@@ -42,7 +42,7 @@ def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tup
     where a step takes as many sequences as before. Allowed (every checkpoint holds whole
     states), but each rank takes its own micro-batches, so the global batch may change."""
     was, will = trained * before[0] * before[1], world * now[0] * now[1]
-    if not trained or was == will:
+    if not trained or was == will or trained == world:  # the same ranks: the changed-settings line names it
         return None
     keep = was % (world * now[1]) == 0 and was // (world * now[1])
     hint = (
