@@ -32,8 +32,16 @@ def test_a_new_run_into_a_used_run_dir_is_refused_unless_overwrite(tmp_path, cap
     )
     assert "probing" not in err and "memory budget" not in err  # refused at once, not after the plan's probes
     assert steps_in(run) == [1, 2] and names(run / "checkpoints") == ["step-00000002"]  # untouched
+    # the earlier run on more ranks left ranks/1 and ranks/2 (their metrics, config, lock): gone
+    # with it; a file of another name is left, with its directory
+    for r in (1, 2):
+        (run / "ranks" / str(r)).mkdir(parents=True)
+        for name in ("metrics.jsonl", "config.json", ".tiertrain.lock"):
+            (run / "ranks" / str(r) / name).write_bytes((run / "config.json").read_bytes())
+    (run / "ranks" / "2" / "notes.txt").write_text("mine")
     assert main(["train", *tiny_flags(tmp_path, "--train.overwrite=true", steps=1)]) == 0
     assert steps_in(run) == [1] and names(run / "checkpoints") == ["step-00000001"]  # the old run is gone, not mixed in
+    assert os.listdir(run / "ranks") == ["2"] and os.listdir(run / "ranks" / "2") == ["notes.txt"]
 
 
 def test_two_runs_into_one_run_dir_at_once(tmp_path):

@@ -23,7 +23,7 @@ import shutil
 
 from ..checkpoint import list_checkpoints, set_aside_dirs
 from ..io.errors import run_dir_write_failed
-from ..io.scratch import DirInUseError, DirLock, held_by
+from ..io.scratch import LOCK, DirInUseError, DirLock, held_by
 from ..paths import fsync_path
 
 __all__ = [
@@ -80,11 +80,14 @@ class RunDir:
         """What of an earlier run is here (empty: nothing)."""
         return _held(self.path, list_checkpoints(self.checkpoint_root))
 
-    def start_fresh(self, overwrite: bool) -> None:
+    def start_fresh(self, overwrite: bool, world: int = 1) -> None:
         """Before a new (not resumed) run: refuse a directory with another run's work unless
-        ``overwrite``, which deletes it."""
+        ``overwrite``, which deletes it (rank 0's, of a run on ``world`` ranks: with the
+        subdirectories of the ranks beyond them, ``ranks/N``, that the earlier run had)."""
         if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite, self.owner):
             return
+        if self.path == self.owner:
+            self._drop_ranks_from(world)
         # (and a later course a resume set aside, superseded-step-N: the run's too)
         gone = list_checkpoints(self.checkpoint_root) + set_aside_dirs(self.checkpoint_root, "superseded")
         if gone:  # asked for (train.overwrite), said: they cannot be had back
@@ -99,6 +102,23 @@ class RunDir:
         for name in (METRICS, CONFIG):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, name))
+
+    def _drop_ranks_from(self, world: int) -> None:
+        """The metrics and config of ranks ``world`` and up (``ranks/N``: an earlier run's, on more
+        ranks) deleted with train.overwrite, and their directories where that leaves them empty;
+        a rank directory a live process holds, or a file of another name, is left."""
+        ranks = os.path.join(self.path, "ranks")
+        names = os.listdir(ranks) if os.path.isdir(ranks) else []
+        for d in (os.path.join(ranks, n) for n in names if n.isdigit() and int(n) >= world):
+            if not os.path.isdir(d) or held_by(d) is not None:
+                continue
+            for name in (METRICS, CONFIG, DROPPED, LOCK):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(d, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        with contextlib.suppress(OSError):
+            os.rmdir(ranks)  # where nothing is left in it
 
     def continue_metrics(self, step: int) -> int:
         """Keep the metrics of steps up to ``step`` (a resumed checkpoint's); move the rest (a

@@ -525,7 +525,7 @@ class Trainer:
         for line in ineffective_settings(cfg) if self.group.leader else ():
             log.warning("%s", line)
         if resume is None:
-            self.rundir.start_fresh(cfg.train.overwrite)
+            self.rundir.start_fresh(cfg.train.overwrite, self.group.world)
         elif self.group.leader:  # a checkpoint of another run directory: this one must hold no run
             self.rundir.take_over(resume, cfg.train.overwrite)
         with StopFlag(announce=self.group.leader) as stop:  # rank 0 speaks for the ranks
