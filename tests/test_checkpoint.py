@@ -322,7 +322,9 @@ def test_export_to_hf_directory_and_import(tmp_path):
         tr.initialize(progress=False)
         assert all(torch.equal(tr.weights()[k], want[k]) for k in want)
         again = tr.save_checkpoint().path
-    assert AutoModelForCausalLM.from_pretrained(export_checkpoint(again, str(tmp_path / "x2"))).config.use_cache is False
+    assert (
+        AutoModelForCausalLM.from_pretrained(export_checkpoint(again, str(tmp_path / "x2"))).config.use_cache is False
+    )
 
 
 def test_export_builtin_then_init_from(tmp_path):
