@@ -249,6 +249,16 @@ def test_a_validation_over_part_of_the_text_says_how_much(tmp_path, caplog):
         f"validation: the last {rows % B} of the {rows} rows data.eval_corpus gives do not fill a micro-batch of {B} "
         f"and are left out; a data.micro_batch_size dividing {rows} evaluates them all" in caplog.text
     )
+    # with ranks, the micro-batches past the last whole round of them were left out without a word
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=6), world=3)
+        assert "round" not in caplog.text
+        EvalSet(DataConfig(eval_corpus=text, seq_len=32, micro_batch_size=2, eval_micro_batches=5), world=3)
+    assert (
+        "validation: the last 2 of the 5 micro-batches do not make a round of the 3 ranks (each takes as many) and "
+        "are left out; data.eval_micro_batches a multiple of 3 evaluates all it takes" in caplog.text
+    )
 
 
 def test_ctrl_c_during_a_validation_cuts_it_short(tmp_path, caplog):

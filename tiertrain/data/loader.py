@@ -187,6 +187,12 @@ class EvalSet:
                 "and are left out; a data.micro_batch_size dividing %d evaluates them all",
                 rows % B, rows, B, rows,
             )  # fmt: skip
+        if self.count % world and speaks_for_ranks():  # each rank takes whole rounds: the rest is left out
+            log.warning(
+                "validation: the last %d of the %d micro-batches do not make a round of the %d ranks (each takes "
+                "as many) and are left out; data.eval_micro_batches a multiple of %d evaluates all it takes",
+                self.count % world, self.count, world, world,
+            )  # fmt: skip
 
     def total_scored(self, world: int = 1) -> int | None:
         """Examples: the scored targets of every micro-batch evaluated (all ranks), each
