@@ -277,6 +277,60 @@ def test_an_export_is_in_the_checkpoints_layout_and_loads_in_transformers(tmp_pa
     assert all(torch.equal(want[k], sd[names[k]]) for k in want)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_routers_correction_bias_is_the_directorys_in_training_eval_generation_and_export(tmp_path, family):
+    """DeepSeek-V3's routing (GLM-4.5's too) picks experts with a correction bias, a buffer that
+    save_pretrained writes and from_pretrained loads (never zero in a real checkpoint): it was
+    left at its initial zeros (another routing: other losses, weights and tokens than
+    transformers', without a word) and left out of exports. Nonzero here: training bit for bit
+    against plain PyTorch on the model from_pretrained loads, its eval loss and greedy tokens,
+    and the export carries it."""
+    import copy
+
+    from reference import reference_train, weights_of
+    from test_parity import assert_same_weights, run_tiertrain
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.data import EvalSet
+    from tiertrain.inference.evaluate import evaluate
+    from tiertrain.reference import HFWrapper
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_config(family))
+    biases = [b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases
+    g = torch.Generator().manual_seed(7)
+    for b in biases:
+        b.copy_(torch.randn(b.shape, generator=g))
+    hf.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert all(torch.equal(a, b) for a, b in zip(biases, [b for n, b in loaded.named_buffers() if "correction" in n]))
+    cfg = _moe_config(tmp_path, str(tmp_path / "m"), micro_batches=2, steps=3, clip=0.5)
+    init = weights_of(HFWrapper(loaded))
+    ref_losses, ref_weights = reference_train(cfg, HFWrapper(copy.deepcopy(loaded)))
+    losses, weights, tr = run_tiertrain(cfg, init)
+    assert losses == ref_losses
+    assert_same_weights(tr, weights, ref_weights)
+    text = tmp_path / "held_out.txt"
+    text.write_text("".join(f"{i} held-out words, {i * 7 % 5} of them.\n" for i in range(40)))
+    cfg.data.eval_corpus, cfg.data.eval_micro_batches = str(text), 0
+    with torch.no_grad():
+        want = [float(loaded(input_ids=x, labels=y, shift_labels=y).loss) for x, y in EvalSet(cfg.data).micro_batches()]
+    assert evaluate(cfg).loss == sum(want) / len(want)
+    prompts = [list(range(10, 30)), list(range(40, 52))]
+    cfg.data.micro_batch_size = 2
+    assert generate(cfg, prompts, Sampling(max_new_tokens=10), eos=()) == _hf_generate(loaded, prompts, 10)
+    cfg.train.steps, cfg.train.run_dir = 1, str(tmp_path / "run2")
+    from tiertrain.training.trainer import Trainer
+
+    with Trainer(cfg) as t:
+        t.run()
+        ckpt = t.save_checkpoint().path
+    out = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, str(tmp_path / "export")))
+    assert all(torch.equal(a, b) for a, b in zip(biases, [b for n, b in out.named_buffers() if "correction" in n]))
+
+
 @pytest.mark.slow
 def test_two_ranks_with_the_auxiliary_loss_train_the_grouped_reference_bit_for_bit(tmp_path):
     """Each rank's micro-batches make their own auxiliary losses (per forward, as transformers'):

@@ -31,6 +31,7 @@ from ..io import FileHandle
 from ..io.checksum import crc32c
 from ..models import _hf_names, build_model
 from ..models.base import LayeredModel
+from ..models.buffers import persistent_buffers
 from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
 from ..paths import check_writable_dir, fsync_path, mode_as_created
@@ -130,6 +131,8 @@ def relocate_model_dir(stored: dict, new: str) -> None:
 # the tokenizer's files (TOKENIZER_FILES)
 _EXPORT_FILES = {"tiertrain.json", "config.json", "generation_config.json", "model.safetensors.index.json"}
 _EXPORT_FILES |= {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+BUFFERS = "model-buffers.safetensors"  # the model's persistent buffers (models/buffers.py)
+_EXPORT_FILES.add(BUFFERS)
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -365,6 +368,13 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
             for key, t in tensors.items():
                 weight_map[key] = shard
                 total += t.numel() * t.element_size()
+    kept = dict(persistent_buffers(model.hf_model)) if model.hf_model is not None else {}
+    if kept:  # the model's constants (a router's correction bias), as the model directory holds them
+        tensors = {k: b.detach().cpu().contiguous() for k, b in kept.items()}
+        save_file(tensors, os.path.join(out, BUFFERS), metadata={"format": "pt"})
+        mode_as_created(os.path.join(out, BUFFERS))
+        weight_map.update(dict.fromkeys(tensors, BUFFERS))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if crc != entry.crc32c:
         raise CheckpointError(
             f"checkpoint file {file} is corrupt: crc32c {crc:#010x}, "

@@ -19,6 +19,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..errors import one_line
 from .base import LayeredModel, WeightSource, materialize_placeholders, skeleton_init, unit_param_names
+from .buffers import load_buffers
 from .convert import Sources, conversion_plan, convert
 from .families import FAMILIES, supported_names
 from .gpt import build_gpt
@@ -391,6 +392,10 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
                 ) from None
 
         return read
+
+    if model.hf_model is not None:  # its constants (a router's correction bias) as the files hold them
+        with contextlib.ExitStack() as files:
+            load_buffers(model.hf_model, shapes, reader(files), prefix, f"{what} = {directory!r}")
 
     def load(u: int, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
