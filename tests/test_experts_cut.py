@@ -90,6 +90,21 @@ def test_mixtral_olmoe_and_gpt_oss_ranges_are_plain_pytorch_bit_for_bit(tmp_path
     assert sum(b.kind.startswith("experts") for b in tr.model.blocks) == 2 * (parts - 1)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_ranges_of_a_top_1_router_are_plain_pytorch_bit_for_bit(tmp_path, family):
+    """One expert a token: the pairs' inputs carried between ranges are rows 3d + 2 apart, which
+    torch's grouped matrix product refused ("strides should be multiple of 16 bytes": a traceback
+    in training, eval and generation wherever the planner cut such a block)."""
+    from transformers import AutoModelForCausalLM
+
+    config = moe_config(family)
+    config.num_experts_per_tok = 1
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    tr = _parity(_cfg(tmp_path, str(tmp_path / "m"), 3, clip=0.0))
+    assert tr.model.hf_config.num_experts_per_tok == 1 and any(b.kind.startswith("experts") for b in tr.model.blocks)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
 @pytest.mark.parametrize("parts,activations", [(3, "keep"), (5, "recompute")], ids=lambda v: str(v))
 def test_shared_experts_ranges_are_plain_pytorch_bit_for_bit(tmp_path, family, parts, activations):

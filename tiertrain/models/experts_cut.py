@@ -361,7 +361,9 @@ class ExpertRange(nn.Module):
         d, k = self._d, self._k
         cuts = [d, k * d, k, k, k * d, self._shared]
         h, sel, wg, ids, outs, shared = torch.split(s, cuts, dim=-1)
-        return h, sel.reshape(-1, d), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d), shared
+        # (contiguous: at top-1 the reshape is a view of rows 3d + 2 apart, which torch's grouped
+        # matrix product refuses unless a multiple of 16 bytes)
+        return h, sel.reshape(-1, d).contiguous(), wg.reshape(-1), ids.reshape(-1), outs.reshape(-1, d), shared
 
     def _route(self, h: torch.Tensor, dtype: torch.dtype):
         """The block's start, in its forward's order: (the flattened normed states, routing
