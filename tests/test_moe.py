@@ -578,3 +578,18 @@ def test_padded_rows_leave_their_pads_out_of_the_auxiliary_loss_as_a_padding_col
         every = hf(input_ids=x).aux_loss
     assert losses[0][0] == pytest.approx(float(out.loss), rel=1e-6, abs=0)
     assert abs(float(out.aux_loss) - float(every)) > 1e-6  # the pads' logits moved it
+
+
+def test_an_auxiliary_loss_asked_of_a_model_without_a_router_is_refused_in_one_line(tmp_path):
+    """A Qwen2-MoE whose mlp_only_layers and decoder_sparse_step leave every layer dense, with
+    output_router_logits on: an IndexError inside transformers' loss (its own forward's too)."""
+    import transformers as t
+
+    from tiertrain.config import ConfigError
+    from tiertrain.models import build_model
+
+    config = t.Qwen2MoeConfig(**{**COMMON, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2,
+                              moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[1], **AUX)  # fmt: skip
+    t.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError, match=r"no layer of the model has a router .*: set output_router_logits to false"):
+        build_model(_moe_config(tmp_path, str(tmp_path / "m")).model, param_dtype=torch.float32, seed=0)

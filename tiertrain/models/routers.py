@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError
+
 __all__ = ["RouterLoss", "router_loss", "describe_experts"]
 
 
@@ -148,7 +150,14 @@ def router_loss(hf: Any, layers: list[nn.Module]) -> RouterLoss | None:
     coef = next(((k, getattr(hf, k)) for k in ("router_aux_loss_coef", "aux_loss_coef") if hasattr(hf, k)), None)
     if fn is None or rec is None or coef is None:
         return None
-    return RouterLoss(hf, layers, rec.target_class, rec.index, fn, coef)
+    loss = RouterLoss(hf, layers, rec.target_class, rec.index, fn, coef)
+    if not loss.count:  # (transformers' own forward fails inside its loss: an IndexError)
+        raise ConfigError(
+            "config.json asks for the routers' auxiliary loss (output_router_logits = true), but no layer of the "
+            "model has a router (its mlp_only_layers / decoder_sparse_step leave every layer dense): set "
+            "output_router_logits to false there"
+        )
+    return loss
 
 
 def describe_experts(hf: Any, routers: RouterLoss | None) -> str:
