@@ -455,3 +455,24 @@ def test_a_seed_past_64_bits_and_a_generation_config_that_is_no_object_are_named
     (d / "generation_config.json").write_text("[1]")
     with pytest.raises(ConfigError, match=r"generation_config.json is not a JSON object \(a list\)"):
         generate(_cfg(tmp_path, str(d)), PROMPTS[:1], Sampling(max_new_tokens=2))
+
+
+def test_a_model_that_samples_is_said_to_be_decoded_greedily_without_a_temperature(tmp_path, llama_dir, capsys):
+    """transformers' generate samples where the model's generation_config.json says do_sample
+    (Llama 3 Instruct: temperature 0.6, top_p 0.9); tiertrain decodes greedily unless told: said,
+    with the flags that sample as the model asks, only where no --temperature was given."""
+    from tiertrain.cli import main
+    from tiertrain.inference.generate import model_sampling
+
+    path, _ = llama_dir
+    d = tmp_path / "m"
+    shutil.copytree(path, d)
+    assert model_sampling(str(d)) == {} and model_sampling(None) == {}
+    (d / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.9}')
+    assert model_sampling(str(d)) == {"temperature": 0.6, "top_k": 50.0, "top_p": 0.9}  # transformers' top_k default
+    flags = ["generate", f"--model.hf_dir={d}", f"--io.paths={tmp_path / 's'}", "--max-new-tokens", "2",
+             "--data.seq_len=32", "--prompt", "hi"]  # fmt: skip
+    assert main(flags) == 0
+    assert "give --temperature 0.6 --top-k 50 --top-p 0.9 to sample as it does" in capsys.readouterr().err
+    assert main([*flags, "--temperature", "0"]) == 0
+    assert "to sample as it does" not in capsys.readouterr().err

@@ -296,7 +296,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     stop = tuple(args.stop or ())
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
+        temperature=args.temperature or 0.0,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
@@ -306,12 +306,29 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])
         with weights:
+            _say_greedy(cfg, args)
             run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
     cfg = load_config(args.config, overrides)
     _say_random(cfg, "generate")
+    _say_greedy(cfg, args)
     run_generate(cfg, texts, sampling, out)
     return 0
+
+
+def _say_greedy(cfg, args: argparse.Namespace) -> None:
+    """A model whose generation_config.json samples (transformers' generate does, by default)
+    decoded greedily because no --temperature was given: said, with the flags of its sampling."""
+    from .inference.generate import model_sampling
+
+    own = model_sampling(cfg.model.hf_dir) if args.temperature is None else None
+    if own:
+        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in own.items())
+        log.info(
+            "generate: greedy (no --temperature given); the model's generation_config.json samples, as "
+            "transformers' generate does with it: give %s to sample as it does",
+            flags,
+        )
 
 
 def _say_random(cfg, command: str) -> None:

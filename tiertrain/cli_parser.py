@@ -65,7 +65,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help='a text file (one prompt a line) or JSONL (a "prompt" field a line)')
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--temperature", type=float, default=None, help="0 (the default): greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

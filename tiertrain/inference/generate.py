@@ -50,7 +50,7 @@ from .kvcache import TieredKV
 from .routed import weights_read
 from .weights import forward_params, heap_trim, host_budget
 
-__all__ = ["Sampling", "generate", "eos_ids"]
+__all__ = ["Sampling", "generate", "eos_ids", "model_sampling"]
 
 log = logging.getLogger("tiertrain")
 
@@ -144,6 +144,22 @@ def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:
     if found is None:
         return ()
     return tuple(int(i) for i in (found if isinstance(found, (list, tuple)) else [found]))
+
+
+def model_sampling(hf_dir: str | None) -> dict[str, float]:
+    """The sampling a model directory's ``generation_config.json`` asks for (``do_sample`` true:
+    its temperature, top_k and top_p where set; empty where it decodes greedily, has none, or
+    does not read)."""
+    path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
+    try:
+        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
+            conf = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return {}
+    if not isinstance(conf, dict) or conf.get("do_sample") is not True:
+        return {}
+    out = {"temperature": conf.get("temperature", 1.0), "top_k": conf.get("top_k", 50), "top_p": conf.get("top_p")}
+    return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class _Decoding:
