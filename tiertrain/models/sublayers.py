@@ -238,7 +238,9 @@ class SubLayer(nn.Module):
             x = getattr(layer, branch.pre)(s)
             return torch.cat([s, x, layer.mlp.gate_proj(x)], dim=-1)
         if self.kind == "up":
-            h, x, g = s[..., :d], s[..., d : 2 * d], s[..., 2 * d :]
+            # contiguous, as the whole layer's gate and normed input are: the activation of a column
+            # slice computed its last elements (a width no multiple of the vector length) otherwise
+            h, x, g = s[..., :d], s[..., d : 2 * d].contiguous(), s[..., 2 * d :].contiguous()
             return torch.cat([h, self._act(g) * layer.mlp.up_proj(x)], dim=-1)
         h, a = s[..., :d], s[..., d:]  # down: its post-norm, the layer's last residual add
         return finish(self.whole, branch, h, layer.mlp.down_proj(a), layer)
