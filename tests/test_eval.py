@@ -160,6 +160,20 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     os.utime(tmp_path / "hf" / "model.safetensors", ns=(1, 1))  # the source changed: converted anew
     assert evaluate(cfg).loss == want and len(list((tmp_path / "ssd0").glob("weights-*.bin"))) == 1
     assert not made.exists()  # the copy of the source's earlier content: removed once the new one is made
+    # a conversion killed (kill -9) left its partial copy for good, the whole copy's size: removed
+    # at the next run (a live process's, being made now, left alone)
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    partial = tmp_path / "ssd0" / f"weights-x-y.bin.tmp-{int(dead.stdout)}"
+    live = tmp_path / "ssd0" / f"weights-x-z.bin.tmp-{os.getpid()}"
+    for f in (partial, partial.with_name(partial.name + ".crc"), live):
+        f.write_bytes(b"\0" * 8192)
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        assert evaluate(cfg).loss == want
+    assert not partial.exists() and not partial.with_name(partial.name + ".crc").exists() and live.exists()
+    assert f"removed {partial}, a partial copy a killed conversion left" in caplog.text
 
 
 def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):

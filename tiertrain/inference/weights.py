@@ -342,6 +342,7 @@ class TierWeights(ParamSource):
         self.layout, self.dtype, self.quant = layout, dtype, quant
         self.path = os.path.join(path, f"weights-{lineage + '-' if lineage else ''}{key}.bin")
         size = layout.total_numel * dtype.itemsize if quant is None else quant.total_numel
+        _remove_dead_partials(path)
         damage = _damaged_copy(self.path, size, checksum, block) if os.path.exists(self.path) else None
         if damage:  # the copy is ours, made from the source: made again, not a dead end
             log.warning("weights: the converted copy %s is damaged (%s): converted again", self.path, damage)
@@ -403,6 +404,31 @@ class TierWeights(ParamSource):
 
     def close(self) -> None:
         self.file.close()
+
+
+def _remove_dead_partials(path: str) -> None:
+    """The partial copies (``weights-*.bin.tmp-PID``, and their checksums) that conversions
+    killed in directory ``path`` left, removed and said (each the copy's size); a live
+    process's, being made now, left."""
+    for tmp in glob.glob(os.path.join(glob.escape(path), "weights-*.bin.tmp-*")):
+        pid = tmp.rsplit("-", 1)[-1].removesuffix(".crc")
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        size = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        if not tmp.endswith(".crc"):
+            log.info("weights: removed %s, a partial copy a killed conversion left (%.1f MiB)", tmp, size / 2**20)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _remove_copy(path: str) -> None:
