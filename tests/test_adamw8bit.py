@@ -237,6 +237,8 @@ def test_lora_adapters_step_with_bitsandbytes_as_peft_users_do(tmp_path):
 
     tr = assert_lora_parity(cfg_of("parity"))
     assert type(tr.adapter_update.opt).__name__ == "AdamW8bit"
+    # the start-up line counts the states the 8-bit moments keep (it said "AdamW moments", x4)
+    assert "(x2.5 with gradients and 8-bit AdamW moments" in tr.rt.adapters.describe(tr.cfg.optim.name)
     init = weights_of(reference_model(cfg_of("a", 4)))
     straight, w_straight, _ = _train(cfg_of("a", 4), init, 4)
     first, _, ckpt = _train(cfg_of("b", 4), init, 2)

@@ -322,8 +322,14 @@ class LoRA(nn.Module):
 
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True)]
 
-    def describe(self) -> str:
+    def describe(self, optim: str = "adamw") -> str:
+        """The adapters in a line; ``optim``: the optimizer's name (what its states add)."""
         n = sum(w.numel() for w in self.params())
+        states = {
+            "adamw": "x4 with gradients and AdamW moments",
+            "adamw8bit": "x2.5 with gradients and 8-bit AdamW moments; fp32 ones under 4,096 elements",
+            "sgd": "x2 with gradients, x3 with SGD momentum",
+        }.get(optim, "with gradients and optimizer states")
         layers = sum(t.param is None for t in self.targets)
         on = [f"{layers} layers ({', '.join(self.kinds)})"] if layers else []
         if len(self.targets) > layers:
@@ -331,5 +337,5 @@ class LoRA(nn.Module):
         return (
             f"LoRA rank {self.cfg.rank}, alpha {self.cfg.alpha:g}, dropout {self.cfg.dropout:g} on "
             f"{' and '.join(on)}: {n:,} trainable parameters, "
-            f"{4 * n / 2**20:.1f} MiB of weights (x4 with gradients and AdamW moments), on the compute device"
+            f"{4 * n / 2**20:.1f} MiB of weights ({states}), on the compute device"
         )

@@ -155,7 +155,7 @@ def say_model(cfg: Config, rt, source) -> None:
 
     log.info("model: %s %s, %s; %s", model_name(rt.model, cfg.model), rt.dtype, rt.layout.describe(), source.describe)
     if rt.adapters is not None:
-        log.info("adapters: %s; the base frozen (read, never written)", rt.adapters.describe())
+        log.info("adapters: %s; the base frozen (read, never written)", rt.adapters.describe(cfg.optim.name))
         if quant_spec(cfg.model) is not None:
             log.info("%s", base_storage(cfg, rt.layout, rt.dtype, rt.align)[0].describe())
     elif rt.frozen:
