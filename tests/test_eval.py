@@ -174,6 +174,18 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
         assert evaluate(cfg).loss == want
     assert not partial.exists() and not partial.with_name(partial.name + ".crc").exists() and live.exists()
     assert f"removed {partial}, a partial copy a killed conversion left" in caplog.text
+    # other weights of the same sizes copied in with the old file's times (cp -p, rsync -a): the
+    # copy was taken for theirs, and the loss was the earlier model's
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(hf.config).save_pretrained(tmp_path / "other")
+    src = tmp_path / "hf" / "model.safetensors"
+    times = os.stat(src)
+    os.replace(tmp_path / "other" / "model.safetensors", src)
+    os.utime(src, ns=(times.st_atime_ns, times.st_mtime_ns))
+    cfg.io.weights = "source"
+    theirs = evaluate(cfg).loss
+    cfg.io.weights = "tier"
+    assert theirs != want and evaluate(cfg).loss == theirs
 
 
 def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):

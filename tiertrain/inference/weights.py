@@ -5,8 +5,10 @@ wherever they come (a Hugging Face directory, an export, a checkpoint), are writ
 unit (one unit of memory, a progress bar) into ``weights-<lineage>-<key>.bin`` on the first
 ``io.paths`` entry, in the runtime's flat layout and compute dtype, checksummed; every later
 run with the same key reads it instead of converting again. The key hashes what the weights
-depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes
-and modification times, and a checkpoint's weights file's CRC32C (a changed source, or a run
+depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes,
+modification times, inode change times and inode numbers (a file copied in with its old time,
+``cp -p``, ``rsync -a`` or an archive's, has a new change time: no user sets that), and a
+checkpoint's weights file's CRC32C (a changed source, or a run
 trained again into the same directory, makes a new file, and the copy of the same source's
 earlier content is removed then; copies of other settings or sources are the user's to delete).
 The file is complete or absent: it is written under a temporary name and renamed when done; a
@@ -57,7 +59,10 @@ def weights_key(
     """(key, lineage): what the converted weights depend on, hashed (see the module docstring);
     the lineage leaves the files' sizes and times and ``identity`` (their contents) out: a copy
     of the same lineage under another key is of an earlier content of the same files."""
-    stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in sorted(files)]
+    st = {f: os.stat(f) for f in files}
+    stats = [
+        (os.path.abspath(f), st[f].st_size, st[f].st_mtime_ns, st[f].st_ctime_ns, st[f].st_ino) for f in sorted(files)
+    ]
     same = [model_cfg, str(dtype), [u.numel for u in layout.units], [s[0] for s in stats], describe]
     key, lineage = (json.dumps(b, sort_keys=True, default=str) for b in ([*same, stats, identity], same))
     return hashlib.sha256(key.encode()).hexdigest()[:16], hashlib.sha256(lineage.encode()).hexdigest()[:16]
