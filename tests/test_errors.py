@@ -471,6 +471,34 @@ def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
             call()
 
 
+def test_run_on_a_trainer_that_has_trained_is_refused_and_its_run_kept(tmp_path):
+    """Python API: run() again on the Trainer that ran, with train.overwrite, deleted the run it
+    had just finished and trained nothing; run() after train_step()s put the weights back to
+    their start and kept the step count (losses 5.546, 5.284 where 4.934, 4.702). Refused, the
+    run kept; and run() after close() was an AttributeError."""
+    import os
+
+    from reference import small_config
+
+    from tiertrain.errors import TiertrainError
+    from tiertrain.training.trainer import Trainer
+
+    cfg = small_config(tmp_path, steps=2)
+    cfg.train.overwrite = True
+    with Trainer(cfg) as tr:
+        tr.run(progress=False)
+        with pytest.raises(TiertrainError, match=r"Trainer.run\(\): this Trainer has trained \(step 2\); make a new"):
+            tr.run(progress=False)
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["step-00000002"]
+    with Trainer(small_config(tmp_path / "b", steps=4)) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        with pytest.raises(TiertrainError, match=r"this Trainer has trained \(step 1\)"):
+            tr.run(progress=False)
+    with pytest.raises(TiertrainError, match=r"Trainer.run\(\): this Trainer is closed"):
+        tr.run(progress=False)
+
+
 def test_a_read_only_cache_or_prepare_output_and_paths_of_the_wrong_kind_are_one_line(
     tmp_path, capsys, readonly_dir, monkeypatch
 ):

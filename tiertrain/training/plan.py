@@ -25,7 +25,7 @@ from ..update import UPDATES
 if TYPE_CHECKING:
     from ..cost.budget import BudgetPlan
 
-__all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states", "device_needs"]
+__all__ = ["RunPlan", "ActivationPlan", "plan_run", "declare_states", "device_needs", "predict_step"]
 
 log = logging.getLogger("tiertrain")
 MIB = 1 << 20
@@ -190,3 +190,19 @@ def refuse_small_vocab(model, cfg: Config, *corpora) -> None:
                 f"({data.vocab_size}); raise it to at least {data.vocab_size}, or tokenize with the model's "
                 "own tokenizer"
             )
+
+
+def predict_step(cfg: Config, rt, rates):
+    """The cost model's prediction of a run's step, logged (None when probing fails: a
+    prediction is never worth stopping a run for)."""
+    from ..cost import estimate
+    from ..errors import one_line
+
+    try:
+        pred = estimate(cfg, rt, rates, probe_mib=64)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("no step-time prediction: %s", one_line(exc))
+        return None
+    parts = ", ".join(f"{p.name} {p.time_s:.2f} s ({p.bound})" for p in pred.phases)
+    log.info("predicted step: %.2f s (%s); `tiertrain plan` shows why", pred.step_s, parts)
+    return pred

@@ -62,7 +62,7 @@ from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
-from .plan import ActivationPlan, declare_states, device_needs, plan_run, refuse_small_vocab, say_model
+from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
 from .rundir import RunDir, clean_leftovers
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -256,6 +256,7 @@ class Trainer:
         self.step = 0
         self._weighted = False  # initialize() or restore() gave the states their values
         self._closed = False  # close(): the parts stopped, the scratch files removed
+        self._ran = False  # run() was called: a second would start the run over (or delete it)
         self._stop: StopFlag | None = None  # run()'s, while it steps: Ctrl-C cuts a validation short
 
     def _need_open(self, what: str) -> None:
@@ -520,6 +521,13 @@ class Trainer:
         every rank after the same step, whichever rank got it); a second one stops at once.
         Raises ``KeyboardInterrupt`` after an interrupted run has stopped."""
         cfg = self.cfg
+        self._need_open("run()")
+        if self.step or self._ran:  # run() starts (or resumes) a run: it would start it over, or delete it
+            raise TiertrainError(
+                f"Trainer.run(): this Trainer has trained (step {self.step}); make a new Trainer for another run, "
+                "with resume= the checkpoint to go on from"
+            )
+        self._ran = True
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
         for line in ineffective_settings(cfg) if self.group.leader else ():
@@ -602,18 +610,9 @@ class Trainer:
         return metrics.records
 
     def predict(self) -> Prediction | None:
-        """The cost model's prediction of this run's step, logged (None when probing fails:
-        a prediction is never worth stopping a run for)."""
-        from ..cost import estimate
-
-        try:
-            pred = estimate(self.cfg, self.rt, self._rates, probe_mib=64)
-            self._rates = pred.rates
-        except Exception as exc:  # noqa: BLE001
-            log.warning("no step-time prediction: %s", one_line(exc))
-            return None
-        parts = ", ".join(f"{p.name} {p.time_s:.2f} s ({p.bound})" for p in pred.phases)
-        log.info("predicted step: %.2f s (%s); `tiertrain plan` shows why", pred.step_s, parts)
+        """The cost model's prediction of this run's step, logged (None where probing failed)."""
+        pred = predict_step(self.cfg, self.rt, self._rates)
+        self._rates = pred.rates if pred is not None else self._rates
         return pred
 
     def close(self) -> None:
