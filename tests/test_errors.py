@@ -631,3 +631,26 @@ def test_a_fault_variable_that_does_not_parse_is_one_line_and_a_misspelt_point_i
     )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().startswith(f"tiertrain: {var}={spec!r}: ") and said in r.stderr, r.stderr
+
+
+def test_a_trainer_left_open_is_named_as_this_process_and_lets_go_when_collected(tmp_path):
+    """A notebook's Trainer never closed (a cell failed after making it, or `del t`): the next
+    Trainer on its directories was told they were "in use by another tiertrain run" naming its
+    own pid, and only a restart of the process freed them. Said as this process's, with the
+    fix; once the Trainer is collected its directories are free."""
+    import gc
+
+    from reference import small_config
+
+    from tiertrain.errors import TiertrainError
+    from tiertrain.training.trainer import Trainer
+
+    cfg = small_config(tmp_path, steps=1)
+    left = Trainer(cfg)
+    with pytest.raises(TiertrainError, match=r"this very process, since .*: a Trainer .* not closed; close\(\) it"):
+        Trainer(cfg)
+    del left
+    gc.collect()
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        assert math.isfinite(tr.train_step().loss)

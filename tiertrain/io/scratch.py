@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Iterable
 
 from ..errors import TiertrainError
@@ -85,6 +86,9 @@ class DirLock:
                 f"{self.path}'s filesystem or give the run another directory",
             ) from None
         self._fd: int | None = fd
+        # a holder dropped without release() (a notebook's Trainer deleted unclosed) lets go of the
+        # lock when collected: only a restart of the process freed the directory
+        self._collected = weakref.finalize(self, os.close, fd)
 
     def _take(self, busy) -> int:
         """The lock file's descriptor, locked. The lock is on the file, not the name: a holder that
@@ -133,6 +137,7 @@ class DirLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        self._collected.detach()
         left = self.ours_left()
         try:
             if remove and not left:
@@ -154,6 +159,11 @@ def _who(info: dict) -> str:
     is stopped."""
     if not info:
         return "unknown process"
+    if info.get("pid") == os.getpid():  # (a notebook's Trainer left open: "another run" of its own process)
+        return (
+            f"this very process, since {info.get('started', '?')}: a Trainer (or a generation) of it not closed; "
+            "close() it, or use `with Trainer(...) as t:`"
+        )
     return f"pid {info.get('pid', '?')}, started {info.get('started', '?')}" + _stopped_note(info.get("pid"))
 
 
