@@ -5,6 +5,7 @@ seed; stop tokens; bad input named."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,16 @@ def test_bad_input_is_named(tmp_path, model_dir):
     empty.write_text("\n\n")
     with pytest.raises(ConfigError, match="empty.txt: holds no prompt"):
         read_prompts(None, str(empty))
+    # Python API: fields of the wrong type failed deep inside (torch's zeros, topk, a comparison)
+    for field, value, want in (("max_new_tokens", 2.5, "a whole number"), ("seed", "1", "a whole number"),
+                               ("top_k", 2.5, "a whole number"), ("temperature", "x", "a number"),
+                               ("stop", 5, "a tuple of token ids"), ("stop", (1, True), "a tuple of token ids")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"Sampling.{field} = {re.escape(repr(value))}: must be {want}"):
+            Sampling(**{field: value})
+    with pytest.raises(TypeError, match=r"sampling is a Sampling\(...\), not a dict"):
+        generate(_cfg(tmp_path, path), PROMPTS, {"max_new_tokens": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"eos = 5: a tuple of token ids"):
+        generate(_cfg(tmp_path, path), PROMPTS, Sampling(max_new_tokens=2), eos=5)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

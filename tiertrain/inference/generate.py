@@ -32,7 +32,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Callable
 
 import torch
@@ -69,6 +69,7 @@ class Sampling:
     stop_at_eos: bool = True  # the model's end-of-sequence ids end a row too, as in transformers' generate
 
     def __post_init__(self) -> None:
+        _sampling_types(self)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens = {self.max_new_tokens}: generate at least 1 token")
         if not 0 <= self.seed < 2**63:  # (torch's generator: larger overflowed, a traceback)
@@ -88,6 +89,28 @@ class Sampling:
                 f"temperature = {self.temperature:g} is below {_TINY:.3g}, the smallest normal float32 (the logits "
                 "are divided by it in float32); use 0 for greedy decoding, or a temperature of at least that"
             )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _sampling_types(s: Sampling) -> None:
+    """Refuse a field of the wrong type by name (a float max_new_tokens failed deep in the key/value
+    cache, a seed given as text at a comparison, an int as stop at iterating it)."""
+    ints = [f for f in ("max_new_tokens", "top_k", "seed") if not _is_int(getattr(s, f))]
+    reals = [
+        f
+        for f in ("temperature", "top_p")
+        if not (isinstance(getattr(s, f), Real) and not isinstance(getattr(s, f), bool))
+    ]
+    stops = not isinstance(s.stop, (tuple, list)) or not all(_is_int(t) for t in s.stop)
+    if ints or reals or stops or not isinstance(s.stop_at_eos, bool):
+        f = (ints + reals + (["stop"] if stops else []) + ["stop_at_eos"])[0]
+        want = {"stop": "a tuple of token ids", "stop_at_eos": "True or False"}.get(
+            f, "a whole number" if f in ints else "a number"
+        )
+        raise ConfigError(f"Sampling.{f} = {getattr(s, f)!r}: must be {want}")
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -262,6 +285,10 @@ def generate(
     ``eos``: the end-of-sequence ids (default: the model directory's, see ``eos_ids``)."""
     cfg = as_config(cfg)  # (the Python API: a dict of sections or a TOML path too)
     _check_prompts(prompts)
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"generate: sampling is a Sampling(...), not a {type(sampling).__name__}: Sampling(**it)")
+    if eos is not None and not (isinstance(eos, (tuple, list)) and all(_is_int(t) for t in eos)):
+        raise ConfigError(f"generate: eos = {eos!r}: a tuple of token ids (() for none)")
     if sampling.temperature == 0 and (sampling.top_k or sampling.top_p < 1):  # greedy: nothing to cut
         log.warning(
             "top_k = %d, top_p = %g have no effect at temperature 0 (greedy: the likeliest token); give a "
