@@ -182,6 +182,17 @@ def test_packed_documents_within_a_sliding_window_are_plain_pytorch_bit_for_bit(
     assert "sliding_attention" in [b.kind for b in tr.model.blocks]
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_offloaded_activations_of_a_sliding_layer_after_a_full_one_are_plain_pytorch(tmp_path, family):
+    """Qwen2/3 with use_sliding_window (layer 0 full, layer 1 sliding): the offload record was
+    sized on layer 0 alone (the same parameters), the sliding layer saves more, and the first
+    step stopped. Blocks of each attention type are measured apart."""
+    path = str(tmp_path / "m")
+    _saved(family, tmp_path / "m")
+    tr, _ = assert_parity(_family_config(tmp_path, path, micro_batches=2, steps=2, activations="offload"))
+    assert [b.kind for b in tr.model.blocks] == ["full_attention", "sliding_attention"] and tr.acts.offloaded > 0
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_a_sliding_layers_cache_holds_its_window_alone_spilled_or_not(tmp_path, family, monkeypatch):
     """Prompts of 20 and 12 tokens and 10 new ones against an 8-token window: a sliding layer's

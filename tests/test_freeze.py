@@ -52,6 +52,18 @@ def _initial(tr, init, name):
     return init[ref_name_map(tr, [name])[name]].float()
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_offloaded_activations_behind_a_frozen_first_block_are_plain_pytorch(tmp_path, kind):
+    """The offload record was sized on the first block of each structure, here frozen: it saves
+    nothing for its weights' gradients, the trained blocks after it more, and the first step
+    stopped ("saves more than the ... bytes planned per record"). Frozen and trained blocks are
+    measured apart."""
+    cfg = small_config(tmp_path, kind=kind, micro_batches=2, steps=3, activations="offload")
+    cfg.train.freeze = ["blocks:0"]
+    tr, _ = assert_parity(cfg)
+    assert tr.acts.offloaded > 0
+
+
 @pytest.mark.slow
 def test_engines_updating_each_unit_as_it_arrives_skip_the_frozen_ones(tmp_path):
     """update.eager with the engines (no clip): each engine's step report waits for the trained

@@ -336,14 +336,20 @@ def _measure_acts(cfg: Config, model, layout, dev, dtype: torch.dtype, hidden: i
 
 
 def distinct_blocks(model) -> list:
-    """One block of each structure (its parameters' names and shapes): a model's blocks may
-    differ (DeepSeek-V3's dense first layers before its experts'); what one saves for the backward
-    is measured on each kind, the most planned for."""
+    """One block of each structure (its parameters' names, shapes and whether they are trained,
+    and its attention type): a model's blocks may differ (DeepSeek-V3's dense first layers before
+    its experts'; a frozen block, ``train.freeze``, saves less for the backward than a trained one;
+    a sliding layer other tensors than a full one); what one saves for the backward is measured
+    on each kind, the most planned for."""
     kinds: dict = {}
     for ref in (r for r in model.plan if r.role == "block"):
         # ranges of experts alike but for their number (``range3.gate_up_proj``) are one kind
-        sig = tuple((re.sub(r"\.range\d+\.", ".range.", n), tuple(p.shape)) for n, p in ref.module.named_parameters())
-        kinds.setdefault(sig, ref)
+        sig = tuple(
+            (re.sub(r"\.range\d+\.", ".range.", n), tuple(p.shape), p.requires_grad)
+            for n, p in ref.module.named_parameters()
+        )
+        attention = (getattr(ref.module, "kind", None), getattr(ref.module, "attn_kind", None))
+        kinds.setdefault((sig, attention), ref)
     return list(kinds.values())
 
 
