@@ -911,3 +911,22 @@ def test_errors_of_rows_a_run_prepares_name_its_settings(tmp_path, monkeypatch):
     with pytest.raises(Exception, match=r"^data.tokenizer = ") as got:
         open_corpus(_finetune_cfg(tmp_path, pc, str(tmp_path / "not-a-tokenizer")).data)
     assert "prepare" not in str(got.value)
+
+
+def test_bars_are_drawn_only_where_stderr_is_a_terminal(tmp_path, capsys):
+    """Python API: prepare_examples, Trainer.initialize, and the weights loads of eval and
+    generate drew their bars into a redirected stderr (carriage-return redraws in a log file),
+    though their progress argument was left at its default; training's own bar did not."""
+    from reference import small_config
+
+    from tiertrain.data.prepare import prepare_examples
+    from tiertrain.training.trainer import Trainer
+
+    tok = make_tokenizer(tmp_path / "tok")
+    src = tmp_path / "rows.jsonl"
+    write_jsonl(src, [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(8)])
+    prepare_examples([str(src)], str(tmp_path / "out"), tokenizer=str(tok))
+    with Trainer(small_config(tmp_path, steps=1)) as tr:
+        tr.initialize()
+    err = capsys.readouterr().err
+    assert "prepare" not in err and "init weights" not in err and "\r" not in err, err

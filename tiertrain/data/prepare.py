@@ -30,7 +30,7 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None,
         for path in inputs:
             with (
                 open(path, encoding="utf-8") as f,
-                tqdm(desc=f"tokenize {path}", unit="char", unit_scale=True, disable=not progress) as bar,
+                tqdm(desc=f"tokenize {path}", unit="char", unit_scale=True, disable=None if progress else True) as bar,
             ):
                 carry = ""
                 while True:
@@ -82,7 +82,7 @@ def prepare_examples(
     render = Renderer(tok, kind, mask_prompt=mask_prompt)
 
     def examples():
-        with tqdm(desc="prepare", unit=" examples", disable=not progress) as bar:
+        with tqdm(desc="prepare", unit=" examples", disable=None if progress else True) as bar:
             for path in inputs:
                 for where, row in read_rows(path):
                     yield render(where, row)

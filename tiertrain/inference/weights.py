@@ -274,7 +274,7 @@ class ResidentWeights(ParamSource):
             self.resident.items(),
             desc="load resident weights",
             unit="unit",
-            disable=not progress or len(self.resident) < 2,
+            disable=True if not progress or len(self.resident) < 2 else None,  # None: where stderr is a terminal
         ):
             inner.load(u, buf).get()  # sync point: before the first pass
 
@@ -371,7 +371,9 @@ class TierWeights(ParamSource):
         buf = aligned_empty(self.layout.max_unit_numel * self.dtype.itemsize).view(self.dtype)
         try:
             with FileHandle(tmp, "w", size=size, checksum=checksum, checksum_block=block) as f:
-                for unit in tqdm(self.layout.units, desc="convert weights", disable=not progress, unit="unit"):
+                for unit in tqdm(
+                    self.layout.units, desc="convert weights", disable=None if progress else True, unit="unit"
+                ):
                     view = buf[: unit.numel]
                     view.zero_()
                     values = source.load(unit.index, [r.name for r in unit.params])

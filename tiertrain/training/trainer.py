@@ -348,7 +348,7 @@ class Trainer:
         self._need_open("initialize()")
         dtype = self.update.init_dtype  # fp32, or a frozen base's own: converted as it is copied in
         flat = aligned_empty(self.layout.max_unit_numel * dtype.itemsize).view(dtype)
-        for unit in tqdm(self.layout.units, desc="init weights", disable=not progress, unit="unit"):
+        for unit in tqdm(self.layout.units, desc="init weights", disable=None if progress else True, unit="unit"):
             values = self.source.load(unit.index, [r.name for r in unit.params])
             view = flat[: unit.numel]
             view.zero_()
