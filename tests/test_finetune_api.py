@@ -76,6 +76,23 @@ def test_the_readme_python_example_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_callers_logging_takes_the_lines(tmp_path):
+    """A script that configured logging (logging.basicConfig(filename=...)) got none of
+    tiertrain.train()'s lines in its file: a stderr handler of tiertrain's took them, and one
+    of the caller's own on the tiertrain logger then printed each twice."""
+    log_file = tmp_path / "mine.log"
+    code = (
+        "import logging, sys, tiertrain\n"
+        f"logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO)\n"
+        f"tiertrain.train({_tree(tmp_path)!r}, '--train.steps=1', progress=False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1/1 | loss" in log_file.read_text() and "step 1/1" not in run.stderr
+
+
+@pytest.mark.slow
 def test_plot_draws_several_runs_with_validation(tmp_path):
     import tiertrain
 

@@ -4,7 +4,8 @@ or a notebook, and returns the step records; ``Trainer`` gives the steps one by 
 ``config`` is a ``Config``, a dict of sections (``{"model": {"n_layers": 4}, "train": {...}}``,
 as a TOML file would hold them), the path of a TOML file, or None (the defaults); ``overrides``
 are ``--section.field=value`` strings, applied on top as on the command line. Logging goes to
-stderr as the CLI's does (the ``tiertrain`` logger, set up once where nobody set it up), the
+stderr as the CLI's does (the ``tiertrain`` logger, set up once where nobody set logging up; to
+the caller's handlers where it configured the root logger), the
 progress bar shows where stderr is a terminal (or ``progress=True``)."""
 
 from __future__ import annotations
@@ -40,11 +41,24 @@ def train(
             config = resumed_tree(Manifest.read(resume).config, resume, parse_overrides(overrides), where)
             overrides = ()
     cfg = as_config(config, overrides)
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    _log_to_stderr()
     with Trainer(cfg, resuming=resume is not None) as trainer:
         return trainer.run(resume=resume, progress=progress)
+
+
+def _log_to_stderr() -> None:
+    """The ``tiertrain`` logger to stderr, as the CLI's, where nobody set logging up: where the
+    caller configured the root logger (``logging.basicConfig(filename=...)``), its handlers take
+    the lines (at INFO where the caller set the logger no level), not a handler of ours beside
+    them (its file got none of them, and a stderr handler of the caller's printed each twice)."""
+    if log.handlers:
+        return
+    if logging.getLogger().handlers:
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
