@@ -342,7 +342,8 @@ class Trainer:
 
     # -- weights ------------------------------------------------------------------------------------
     def initialize(self, progress: bool = True) -> None:
-        """Write initial weights (and optimizer state) unit by unit: memory of one unit."""
+        """Write initial weights (and optimizer state) unit by unit: memory of one unit. Seeds
+        torch's global generators with ``train.seed`` (dropout draws from them) for the caller too."""
         from tqdm import tqdm
 
         self._need_open("initialize()")
