@@ -29,9 +29,15 @@ def _tree(tmp_path, **sections):
 
 
 def test_train_from_a_dict_with_overrides_returns_the_records(tmp_path):
+    import gc
+
     import tiertrain
+    from tiertrain.training.trainer import Trainer
 
     recs = tiertrain.train(_tree(tmp_path), "--train.steps=2", "--optim.lr=1e-3")
+    # the run's Trainer freed once train() returns (its parts hold each other: it lived on, with
+    # its pools, until a collection, and the next run's budget was half of what it still held)
+    assert not [o for o in gc.get_objects() if type(o) is Trainer]
     assert [r.step for r in recs] == [1, 2] and all(r.loss > 0 for r in recs)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in lines] == [r.loss for r in recs]

@@ -10,6 +10,7 @@ progress bar shows where stderr is a terminal (or ``progress=True``)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -43,7 +44,10 @@ def train(
     cfg = as_config(config, overrides)
     _log_to_stderr()
     with Trainer(cfg, resuming=resume is not None) as trainer:
-        return trainer.run(resume=resume, progress=progress)
+        records = trainer.run(resume=resume, progress=progress)
+    del trainer
+    gc.collect()  # its parts hold each other (its step meter its wait counter): its memory freed now
+    return records
 
 
 def _log_to_stderr() -> None:

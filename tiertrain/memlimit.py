@@ -20,6 +20,7 @@ in turn at every matrix product. ``cpu_quota`` says how many cores' worth the qu
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -116,7 +117,10 @@ def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup")
 
 
 def available_memory() -> tuple[int, str]:
-    """(bytes this process may still take, where that figure comes from, in words)."""
+    """(bytes this process may still take, where that figure comes from, in words). What an
+    earlier run of this process left to the cycle collector (a closed Trainer's parts hold each
+    other) is collected first: a budget sized without it took half of what that run still held."""
+    gc.collect()
     avail = psutil.virtual_memory().available
     cg = cgroup_memory()
     if cg is not None and cg.free < avail:
