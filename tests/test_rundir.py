@@ -52,7 +52,8 @@ def test_two_runs_into_one_run_dir_at_once(tmp_path):
         with pytest.raises(
             RunDirError,
             match=rf"train.run_dir {a.train.run_dir} is in use by another tiertrain run "
-            rf"\(pid {os.getpid()}, started .*\); wait for it to finish, stop it, or give this run "
+            r"\(this very process, since .*: a Trainer \(or a generation\) of it not closed; close\(\) it, .*\); "
+            r"wait for it to finish, stop it, or give this run "
             "another --train.run_dir",
         ):
             Trainer(b)
@@ -142,7 +143,7 @@ def test_a_run_resumed_from_an_earlier_step_that_fails_before_saving_resumes_tha
         err = capsys.readouterr().err
     finally:
         live.release()
-    assert f"train.run_dir {run} is in use by another tiertrain run (pid {os.getpid()}, started" in err, err
+    assert f"train.run_dir {run} is in use by another tiertrain run (this very process, since" in err, err
     # train.overwrite deletes a set-aside course too (a whole checkpoint's space, unlisted)
     import shutil
 
@@ -577,7 +578,7 @@ def test_a_directory_held_by_a_stopped_process_says_how_to_let_it_end(tmp_path):
 
     code = (
         "import sys, time; from tiertrain.io.scratch import DirLock, _scratch_busy; "
-        f"DirLock({str(tmp_path / 'held')!r}, _scratch_busy); print('held', flush=True); time.sleep(60)"
+        f"lock = DirLock({str(tmp_path / 'held')!r}, _scratch_busy); print('held', flush=True); time.sleep(60)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
