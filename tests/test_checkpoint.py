@@ -149,7 +149,7 @@ def test_two_runs_on_one_scratch_directory(tmp_path):
     with Trainer(cfg):
         with pytest.raises(
             ScratchInUseError,
-            match=rf"scratch directory .*ssd0 is in use by another tiertrain run "
+            match=r"scratch directory .*ssd0 is in use by another tiertrain run "
             r"\(this very process, since .*: a Trainer \(or a generation\) of it not closed; close\(\) it, or use "
             r"`with Trainer\(...\) as t:`\); wait for it to finish, stop it, or give this run other --io.paths",
         ):
