@@ -654,3 +654,21 @@ def test_a_trainer_left_open_is_named_as_this_process_and_lets_go_when_collected
     with Trainer(cfg) as tr:
         tr.initialize(progress=False)
         assert math.isfinite(tr.train_step().loss)
+
+
+def test_restore_takes_a_run_directory_as_train_resume_does(tmp_path):
+    """Python API: Trainer.restore(run_dir) failed with "not a complete checkpoint: it has no
+    manifest.json", though train(resume=run_dir) takes a run directory (its latest checkpoint)."""
+    from reference import small_config
+
+    from tiertrain.training.trainer import Trainer
+
+    cfg = small_config(tmp_path, steps=2)
+    with Trainer(cfg) as tr:
+        tr.run(progress=False)
+        want = tr.weights()
+    cfg.train.run_dir = str(tmp_path / "other")
+    with Trainer(cfg) as tr:
+        assert tr.restore(str(tmp_path / "run")).step == 2 and tr.step == 2
+        got = tr.weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)

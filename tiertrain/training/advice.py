@@ -9,7 +9,7 @@ import os
 
 from .rundir import METRICS, no_checkpoint_advice, stored_checkpoint_root
 
-__all__ = ["resume_hint", "find_resumable", "nothing_to_train"]
+__all__ = ["resume_hint", "find_resumable", "restorable", "nothing_to_train"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -38,6 +38,14 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     if last:
         return f" (the last checkpoint is {last}: `{resume_command(run_dir, world)}`)"
     return f" ({no_checkpoint_advice(run_dir)})" if _holds_steps(run_dir) else ""
+
+
+def restorable(path: str) -> str:
+    """``Trainer.restore``'s checkpoint: a run directory's latest (as ``train(resume=)`` takes
+    one: it failed with "no manifest.json"); any other path as given (its own errors)."""
+    if os.path.exists(os.path.join(path, "manifest.json")) or not os.path.isdir(os.path.join(path, "checkpoints")):
+        return path
+    return find_resumable(path, "Trainer.restore()")
 
 
 def find_resumable(where: str, flag: str = "--resume") -> str:

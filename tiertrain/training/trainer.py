@@ -56,7 +56,7 @@ from ..state.quant import quant_spec, same_base
 from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
-from .advice import nothing_to_train
+from .advice import nothing_to_train, restorable
 from .checkpoints import Checkpoints
 from .guard import LossGuard
 from .interrupt import StopFlag
@@ -403,8 +403,9 @@ class Trainer:
             return self.checkpoints.save(regions, self.step, extra)
 
     def restore(self, path: str) -> Manifest:
-        """Load checkpoint ``path``: weights, optimizer state, step, RNG."""
+        """Load checkpoint ``path`` (a run directory: its latest): weights, optimizer state, step, RNG."""
         self._need_open("restore()")
+        path = restorable(path)
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
         man = Manifest.read(path)
