@@ -348,8 +348,11 @@ def distinct_blocks(model) -> list:
             (re.sub(r"\.range\d+\.", ".range.", n), tuple(p.shape), p.requires_grad)
             for n, p in ref.module.named_parameters()
         )
-        attention = (getattr(ref.module, "kind", None), getattr(ref.module, "attn_kind", None))
-        kinds.setdefault((sig, attention), ref)
+        m = ref.module
+        kind = getattr(m, "kind", None)
+        if hasattr(m, "lo") and hasattr(m, "k"):  # a range of experts: the first, a middle or the last
+            kind = ("experts", m.k == 0, m.k == m.n - 1)  # (its kind names its experts: one per range)
+        kinds.setdefault((sig, kind, getattr(m, "attn_kind", None)), ref)
     return list(kinds.values())
 
 
