@@ -164,15 +164,20 @@ def test_weights_converted_to_the_tier_once_give_the_same_loss(tmp_path, caplog)
     # at the next run (a live process's, being made now, left alone)
     import subprocess
     import sys
+    import time
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     partial = tmp_path / "ssd0" / f"weights-x-y.bin.tmp-{int(dead.stdout)}"
     live = tmp_path / "ssd0" / f"weights-x-z.bin.tmp-{os.getpid()}"
-    for f in (partial, partial.with_name(partial.name + ".crc"), live):
+    young = tmp_path / "ssd0" / f"weights-x-w.bin.tmp-{int(dead.stdout)}"  # (another host's, being written)
+    for f in (partial, partial.with_name(partial.name + ".crc"), live, young):
         f.write_bytes(b"\0" * 8192)
+        if f != young:
+            os.utime(f, (time.time() - 3600, time.time() - 3600))
     with caplog.at_level(logging.INFO, logger="tiertrain"):
         assert evaluate(cfg).loss == want
     assert not partial.exists() and not partial.with_name(partial.name + ".crc").exists() and live.exists()
+    assert young.exists()
     assert f"removed {partial}, a partial copy a killed conversion left" in caplog.text
     # other weights of the same sizes copied in with the old file's times (cp -p, rsync -a): the
     # copy was taken for theirs, and the loss was the earlier model's

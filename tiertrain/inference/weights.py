@@ -6,8 +6,9 @@ unit (one unit of memory, a progress bar) into ``weights-<lineage>-<key>.bin`` o
 ``io.paths`` entry, in the runtime's flat layout and compute dtype, checksummed; every later
 run with the same key reads it instead of converting again. The key hashes what the weights
 depend on: the model config, the dtype, the units' sizes and the source files' paths, sizes,
-modification times, inode change times and inode numbers (a file copied in with its old time,
-``cp -p``, ``rsync -a`` or an archive's, has a new change time: no user sets that), and a
+modification times and inode change times (a file copied in with its old time, ``cp -p``,
+``rsync -a`` or an archive's, has a new change time: no user sets that; a chmod changes it too,
+and the copy is made again), and a
 checkpoint's weights file's CRC32C (a changed source, or a run
 trained again into the same directory, makes a new file, and the copy of the same source's
 earlier content is removed then; copies of other settings or sources are the user's to delete).
@@ -26,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import torch
 
@@ -60,9 +62,7 @@ def weights_key(
     the lineage leaves the files' sizes and times and ``identity`` (their contents) out: a copy
     of the same lineage under another key is of an earlier content of the same files."""
     st = {f: os.stat(f) for f in files}
-    stats = [
-        (os.path.abspath(f), st[f].st_size, st[f].st_mtime_ns, st[f].st_ctime_ns, st[f].st_ino) for f in sorted(files)
-    ]
+    stats = [(os.path.abspath(f), st[f].st_size, st[f].st_mtime_ns, st[f].st_ctime_ns) for f in sorted(files)]
     same = [model_cfg, str(dtype), [u.numel for u in layout.units], [s[0] for s in stats], describe]
     key, lineage = (json.dumps(b, sort_keys=True, default=str) for b in ([*same, stats, identity], same))
     return hashlib.sha256(key.encode()).hexdigest()[:16], hashlib.sha256(lineage.encode()).hexdigest()[:16]
@@ -416,10 +416,15 @@ class TierWeights(ParamSource):
 def _remove_dead_partials(path: str) -> None:
     """The partial copies (``weights-*.bin.tmp-PID``, and their checksums) that conversions
     killed in directory ``path`` left, removed and said (each the copy's size); a live
-    process's, being made now, left."""
+    process's, being made now, left, and any written to in the last 10 minutes."""
     for tmp in glob.glob(os.path.join(glob.escape(path), "weights-*.bin.tmp-*")):
         pid = tmp.rsplit("-", 1)[-1].removesuffix(".crc")
-        if not pid.isdigit() or _alive(int(pid)):
+        try:  # (a process of another container or host sharing the directory is no pid here: its
+            # conversion writes all along, so a partial written to in the last 10 minutes is left)
+            fresh = time.time() - os.path.getmtime(tmp) < 600
+        except FileNotFoundError:
+            continue
+        if not pid.isdigit() or _alive(int(pid)) or fresh:
             continue
         size = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(FileNotFoundError):
