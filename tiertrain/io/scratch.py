@@ -15,6 +15,7 @@ import fnmatch
 import json
 import logging
 import os
+import socket
 import time
 import weakref
 from typing import Iterable
@@ -73,7 +74,8 @@ class DirLock:
         fd = self._take(busy)
         self.previous = _read(fd)  # the record the last holder left
         self.unclean = self.previous.get("state") == "running"
-        self.record = {"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "state": "running"}
+        self.record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "state": "running"}  # fmt: skip
         try:
             _write(fd, self.record)
         except OSError as exc:  # a full disk: said before any work, naming the directory
@@ -159,7 +161,9 @@ def _who(info: dict) -> str:
     is stopped."""
     if not info:
         return "unknown process"
-    if info.get("pid") == os.getpid():  # (a notebook's Trainer left open: "another run" of its own process)
+    # (a notebook's Trainer left open: "another run" of its own process; the host too: containers
+    # sharing the directory may run under the same pid)
+    if info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
         return (
             f"this very process, since {info.get('started', '?')}: a Trainer (or a generation) of it not closed; "
             "close() it, or use `with Trainer(...) as t:`"
