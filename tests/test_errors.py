@@ -487,16 +487,22 @@ def test_run_on_a_trainer_that_has_trained_is_refused_and_its_run_kept(tmp_path)
     cfg.train.overwrite = True
     with Trainer(cfg) as tr:
         tr.run(progress=False)
-        with pytest.raises(TiertrainError, match=r"Trainer.run\(\): this Trainer has trained \(step 2\); make a new"):
+        with pytest.raises(TiertrainError, match=r"Trainer.run\(\): this Trainer ran, .* \(step 2\); make a new"):
             tr.run(progress=False)
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["step-00000002"]
     with Trainer(small_config(tmp_path / "b", steps=4)) as tr:
         tr.initialize(progress=False)
         tr.train_step()
-        with pytest.raises(TiertrainError, match=r"this Trainer has trained \(step 1\)"):
+        with pytest.raises(TiertrainError, match=r"this Trainer ran, or took steps or a checkpoint \(step 1\)"):
             tr.run(progress=False)
     with pytest.raises(TiertrainError, match=r"Trainer.run\(\): this Trainer is closed"):
         tr.run(progress=False)
+    # a start refused (the run directory holds a run) did nothing: asked again, refused for that again
+    cfg.train.overwrite = False
+    with Trainer(cfg) as tr:
+        for _ in range(2):
+            with pytest.raises(TiertrainError, match=r"already holds a run"):
+                tr.run(progress=False)
 
 
 def test_a_read_only_cache_or_prepare_output_and_paths_of_the_wrong_kind_are_one_line(

@@ -323,7 +323,9 @@ def _say_greedy(cfg, args: argparse.Namespace) -> None:
 
     own = model_sampling(cfg.model.hf_dir) if args.temperature is None else None
     if own:
-        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in own.items())
+        flags = " ".join(
+            f"--{k.replace('_', '-')} {int(v) if k == 'top_k' else format(v, 'g')}" for k, v in own.items()
+        )
         log.info(
             "generate: greedy (no --temperature given); the model's generation_config.json samples, as "
             "transformers' generate does with it: give %s to sample as it does",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -116,11 +117,17 @@ def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup")
     return None
 
 
+_COLLECTED = float("-inf")
+
+
 def available_memory() -> tuple[int, str]:
     """(bytes this process may still take, where that figure comes from, in words). What an
     earlier run of this process left to the cycle collector (a closed Trainer's parts hold each
     other) is collected first: a budget sized without it took half of what that run still held."""
-    gc.collect()
+    global _COLLECTED
+    if time.monotonic() - _COLLECTED > 5:  # (once a plan: it asks several times, 80 ms a collection)
+        gc.collect()
+        _COLLECTED = time.monotonic()
     avail = psutil.virtual_memory().available
     cg = cgroup_memory()
     if cg is not None and cg.free < avail:

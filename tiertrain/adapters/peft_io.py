@@ -141,6 +141,8 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
     have = load_file(path)
     have = {k.replace(".default.", "."): v for k, v in have.items()}  # saved with the adapter's name, too
     want = peft_state(model, lora)
+    names = module_names(model, lora)  # (paths leaving some layers out: said as such, before what is missing)
+    _check_paths(directory, [names[t.name] for t in lora.targets if t.param is None])
     missing = [k for k in want if k not in have]
     if missing:
         raise ConfigError(
@@ -154,8 +156,6 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
             f"not take (first: {extra[0]}); it was made for other targets or with settings tiertrain does not "
             "compute"
         )
-    names = module_names(model, lora)
-    _check_paths(directory, [names[t.name] for t in lora.targets if t.param is None])
     with torch.no_grad():
         for t, p in zip(lora.targets, lora.adapters):
             for ab, w in (("lora_A", p.lora_A.weight), ("lora_B", p.lora_B.weight)):

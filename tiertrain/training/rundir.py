@@ -172,13 +172,14 @@ class RunDir:
                 path,
             )
 
-    def take_over(self, checkpoint: str, overwrite: bool) -> None:
+    def take_over(self, checkpoint: str, overwrite: bool, world: int = 1) -> None:
         """Before a run resumed from ``checkpoint``: where the checkpoint is not one of this run
-        directory's own, the directory must hold no other run (``overwrite``: delete it)."""
+        directory's own, the directory must hold no other run (``overwrite``: delete it; a run on
+        ``world`` ranks)."""
         if _same(os.path.dirname(os.path.normpath(checkpoint)), self.checkpoint_root):
             return  # the run continues in its own directory
         log.info("resuming %s into run directory %s", checkpoint, self.path)
-        self.start_fresh(overwrite)
+        self.start_fresh(overwrite, world)
 
     def write_config(self, tree: dict) -> None:
         _replace(self.config_path, [json.dumps(tree, indent=1).encode()], "the run's config")

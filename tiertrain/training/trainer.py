@@ -526,10 +526,9 @@ class Trainer:
         self._need_open("run()")
         if self.step or self._ran:  # run() starts (or resumes) a run: it would start it over, or delete it
             raise TiertrainError(
-                f"Trainer.run(): this Trainer has trained (step {self.step}); make a new Trainer for another run, "
-                "with resume= the checkpoint to go on from"
+                f"Trainer.run(): this Trainer ran, or took steps or a checkpoint (step {self.step}); make a new "
+                "Trainer for another run, with resume= the checkpoint to go on from"
             )
-        self._ran = True
         if progress is None:  # no bar in a log file: its redraws would interleave with the step lines
             progress = cfg.train.progress and sys.stderr.isatty()
         for line in ineffective_settings(cfg) if self.group.leader else ():
@@ -537,7 +536,8 @@ class Trainer:
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite, self.group.world)
         elif self.group.leader:  # a checkpoint of another run directory: this one must hold no run
-            self.rundir.take_over(resume, cfg.train.overwrite)
+            self.rundir.take_over(resume, cfg.train.overwrite, self.group.world)
+        self._ran = True  # (a start refused above left nothing to redo: it may be asked again)
         with StopFlag(announce=self.group.leader) as stop:  # rank 0 speaks for the ranks
             if resume is not None:
                 try:
