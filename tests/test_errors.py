@@ -677,4 +677,6 @@ def test_restore_takes_a_run_directory_as_train_resume_does(tmp_path):
     with Trainer(cfg) as tr:
         assert tr.restore(str(tmp_path / "run")).step == 2 and tr.step == 2
         got = tr.weights()
+    with Trainer(cfg) as tr:  # the checkpoints directory itself, as train(resume=) takes it
+        assert tr.restore(str(tmp_path / "run" / "checkpoints")).step == 2
     assert all(torch.equal(got[k], want[k]) for k in want)
