@@ -21,6 +21,7 @@ __all__ = [
     "missing_dirs",
     "remove_empty_dirs",
     "mode_as_created",
+    "pid_alive",
 ]
 
 
@@ -164,3 +165,15 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's counts: it cannot be signalled, but it runs).
+    What leftovers named by their maker's pid are judged by: a reused pid keeps them, harmlessly."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -19,9 +19,11 @@ from tiertrain.data import open_corpus  # noqa: E402
 tmp = pathlib.Path(tempfile.mkdtemp())
 os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")
 tok, _, chat = _finetune_data(tmp)
+# what both models share: a small vocabulary, the auxiliary loss on
+shared = dict(vocab_size=64, output_router_logits=True, router_aux_loss_coef=0.25, max_position_embeddings=64)
 confs = {
     "qwen2_moe 3x80": t.Qwen2MoeConfig(
-        vocab_size=64,
+        **shared,
         hidden_size=80,
         intermediate_size=96,
         moe_intermediate_size=40,
@@ -31,12 +33,9 @@ confs = {
         num_key_value_heads=1,
         num_experts=6,
         num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=0.25,
-        max_position_embeddings=64,
     ),
     "qwen3_moe 5x48": t.Qwen3MoeConfig(
-        vocab_size=64,
+        **shared,
         hidden_size=48,
         intermediate_size=64,
         moe_intermediate_size=24,
@@ -48,9 +47,6 @@ confs = {
         num_experts_per_tok=2,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        output_router_logits=True,
-        router_aux_loss_coef=0.25,
-        max_position_embeddings=64,
     ),
 }
 for name, c in confs.items():

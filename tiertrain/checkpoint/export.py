@@ -312,12 +312,7 @@ def _merged(adapters) -> dict[str, torch.Tensor]:
 def _source_use_cache(cfg: Config) -> bool:
     """``use_cache`` as the model directory's config.json has it (transformers' default, True,
     where it has none, or for a built-in model): generation from the export keeps its cache."""
-    path = os.path.join(cfg.model.hf_dir, "config.json") if cfg.model.hf_dir else None
-    try:
-        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
-            found = json.load(f).get("use_cache", True)
-    except (TypeError, OSError, ValueError, AttributeError):  # none, gone, or not a JSON object
-        return True
+    found = cfg.model.hf_json().get("use_cache", True) if cfg.model.hf_dir else True
     return found if isinstance(found, bool) else True
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import TiertrainError
 from ..io.checksum import crc32c
+from ..paths import pid_alive
 
 __all__ = [
     "Manifest",
@@ -173,16 +174,6 @@ def list_checkpoints(root: str) -> list[str]:
 _LEFT = re.compile(r"^(?:\.tmp-step-\d{8}|\.drop-(?:superseded-)?step-\d{8}(?:-\d+)?|(step-\d{8})\.old)-(\d+)$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def clean_incomplete(root: str) -> list[str]:
     """Remove what interrupted saves left under ``root`` (``.tmp-step-*`` and ``.drop-step-*``
     directories, and the older copy of a step set aside while it was replaced:
@@ -197,7 +188,7 @@ def clean_incomplete(root: str) -> list[str]:
     gone = []
     for name in sorted(os.listdir(root)):
         m = _LEFT.match(name)
-        if m is None or (int(m.group(2)) != os.getpid() and _alive(int(m.group(2)))):
+        if m is None or (int(m.group(2)) != os.getpid() and pid_alive(int(m.group(2)))):
             continue
         path, step = os.path.join(root, name), m.group(1)
         if step and not os.path.exists(os.path.join(root, step)) and os.path.exists(os.path.join(path, MANIFEST)):

@@ -95,15 +95,15 @@ def _is_int(v) -> bool:
     return isinstance(v, Integral) and not isinstance(v, bool)
 
 
+def _is_real(v) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool)
+
+
 def _sampling_types(s: Sampling) -> None:
     """Refuse a field of the wrong type by name (a float max_new_tokens failed deep in the key/value
     cache, a seed given as text at a comparison, an int as stop at iterating it)."""
     ints = [f for f in ("max_new_tokens", "top_k", "seed") if not _is_int(getattr(s, f))]
-    reals = [
-        f
-        for f in ("temperature", "top_p")
-        if not (isinstance(getattr(s, f), Real) and not isinstance(getattr(s, f), bool))
-    ]
+    reals = [f for f in ("temperature", "top_p") if not _is_real(getattr(s, f))]
     stops = not isinstance(s.stop, (tuple, list)) or not all(_is_int(t) for t in s.stop)
     if ints or reals or stops or not isinstance(s.stop_at_eos, bool):
         f = (ints + reals + (["stop"] if stops else []) + ["stop_at_eos"])[0]
@@ -144,24 +144,27 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
 
 
+def _generation_config(hf_dir: str | None) -> dict:
+    """A model directory's ``generation_config.json`` ({} where it has none, or for the built-in
+    GPT); refused where it does not parse or is no JSON object."""
+    path = os.path.join(hf_dir, "generation_config.json") if hf_dir is not None else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            conf = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the model's source") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{path} is not a JSON object (a {type(conf).__name__}); restore it from the model's source")
+    return conf
+
+
 def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:
     """The model's end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` (an id or a
     list: chat models often have several, ``<|im_end|>`` among them), else ``config.json``'s;
     none for the built-in GPT (its tokenizer's, where the caller gives it)."""
-    found = None
-    if hf_dir is not None:
-        path = os.path.join(hf_dir, "generation_config.json")
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    conf = json.load(f)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{path} is not valid JSON ({exc}); restore it from the model's source") from None
-            if not isinstance(conf, dict):
-                raise ConfigError(
-                    f"{path} is not a JSON object (a {type(conf).__name__}); restore it from the model's source"
-                )
-            found = conf.get("eos_token_id")
+    found = _generation_config(hf_dir).get("eos_token_id")
     if found is None and hf_config is not None:
         found = getattr(hf_config, "eos_token_id", None)
     if found is None:
@@ -171,18 +174,13 @@ def eos_ids(hf_dir: str | None, hf_config=None) -> tuple[int, ...]:
 
 def model_sampling(hf_dir: str | None) -> dict[str, float]:
     """The sampling a model directory's ``generation_config.json`` asks for (``do_sample`` true:
-    its temperature, top_k and top_p where set; empty where it decodes greedily, has none, or
-    does not read)."""
-    path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
-    try:
-        with open(path, encoding="utf-8") as f:  # type: ignore[arg-type]
-            conf = json.load(f)
-    except (TypeError, OSError, ValueError):
-        return {}
-    if not isinstance(conf, dict) or conf.get("do_sample") is not True:
+    its temperature, top_k and top_p where set, transformers' defaults otherwise; empty where it
+    decodes greedily or has none)."""
+    conf = _generation_config(hf_dir)
+    if conf.get("do_sample") is not True:
         return {}
     out = {"temperature": conf.get("temperature", 1.0), "top_k": conf.get("top_k", 50), "top_p": conf.get("top_p")}
-    return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: float(v) for k, v in out.items() if _is_real(v)}
 
 
 class _Decoding:

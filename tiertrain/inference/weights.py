@@ -35,6 +35,7 @@ from ..config import ConfigError
 from ..device.host import HeapTrim
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
+from ..paths import pid_alive
 from ..state.layout import FlatLayout
 from ..state.quant import DequantSource
 from ..state.sources import ParamSource
@@ -424,23 +425,13 @@ def _remove_dead_partials(path: str) -> None:
             fresh = time.time() - os.path.getmtime(tmp) < 600
         except FileNotFoundError:
             continue
-        if not pid.isdigit() or _alive(int(pid)) or fresh:
+        if not pid.isdigit() or pid_alive(int(pid)) or fresh:
             continue
         size = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         if not tmp.endswith(".crc"):
             log.info("weights: removed %s, a partial copy a killed conversion left (%.1f MiB)", tmp, size / 2**20)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _remove_copy(path: str) -> None:

@@ -21,6 +21,7 @@ import weakref
 from typing import Iterable
 
 from ..errors import TiertrainError
+from ..paths import pid_alive
 from .errors import StorageError
 
 __all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "clean_other_legs"]
@@ -318,15 +319,7 @@ def _dead_probe(name: str) -> bool:
     if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
         return False
     pid = int(name[len(prefix) :])
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # another user's live process
-        return False
-    return False
+    return pid != os.getpid() and not pid_alive(pid)
 
 
 def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:

@@ -43,7 +43,9 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
 def restorable(path: str) -> str:
     """``Trainer.restore``'s checkpoint: a run directory's latest (as ``train(resume=)`` takes
     one: it failed with "no manifest.json"); any other path as given (its own errors)."""
-    if os.path.exists(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
+    from ..checkpoint.manifest import MANIFEST
+
+    if os.path.exists(os.path.join(path, MANIFEST)) or not os.path.isdir(path):
         return path
     inside = os.listdir(path)  # a run directory (its checkpoints here or in its checkpoint.dir), or checkpoints/
     if "checkpoints" in inside or "config.json" in inside or any(n.startswith("step-") for n in inside):

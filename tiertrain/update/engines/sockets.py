@@ -20,6 +20,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener
 
+from ...paths import pid_alive
 from .protocol import EngineError
 
 __all__ = ["launch", "socket_dir", "remove_stale_socket_dirs"]
@@ -47,13 +48,8 @@ def remove_stale_socket_dirs(tmp: str) -> list[str]:
         pid = name.removeprefix(PREFIX).split("-")[0]
         if not name.startswith(PREFIX) or not pid.isdigit():
             continue
-        try:
-            os.kill(int(pid), 0)
+        if pid_alive(int(pid)):
             continue  # its trainer still runs (or the pid was reused: left alone either way)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's process
         shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
         gone.append(os.path.join(tmp, name))
     return gone
