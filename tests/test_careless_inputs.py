@@ -519,6 +519,43 @@ def test_a_model_directory_without_a_tokenizer_is_said_and_its_export_takes_the_
     assert (tmp_path / "exp" / "tokenizer.json").read_bytes() == (tmp_path / "tok" / "tokenizer.json").read_bytes()
 
 
+def test_an_export_keeps_the_models_generation_config_and_names_its_weights_dtype(tmp_path, capsys):
+    """A model directory without tokenizer files exported without its generation_config.json (its
+    end-of-sequence ids and sampling lost; the data.tokenizer directory's taken instead), and a
+    full fine-tune of a bf16 directory wrote its fp32 weights under ``"dtype": "bfloat16"``
+    (transformers' default load rounded the trained weights to bf16)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from test_finetune_data import make_tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    flags = _hf_run_flags(tmp_path)
+    model = tmp_path / "model"
+    m = AutoModelForCausalLM.from_pretrained(model)
+    m.to(torch.bfloat16).save_pretrained(model)  # as most checkpoints ship: bf16
+    GenerationConfig(eos_token_id=[1, 2, 3], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(model)
+    tok = make_tokenizer(tmp_path / "tok")
+    GenerationConfig(eos_token_id=7).save_pretrained(tok)  # another model's
+    assert main(["train", *flags, f"--data.tokenizer={tok}"]) == 0
+    run = [f.split("=", 1)[1] for f in flags if f.startswith("--train.run_dir=")][0]
+    assert main(["export", f"--checkpoint={run}", f"--out={tmp_path / 'exp'}"]) == 0
+    capsys.readouterr()
+    exp = tmp_path / "exp"
+    assert (exp / "generation_config.json").read_bytes() == (model / "generation_config.json").read_bytes()
+    assert (exp / "tokenizer.json").is_file()
+    assert json.loads((exp / "config.json").read_text())["dtype"] == "float32"
+    written = {}
+    for f in exp.glob("model-*.safetensors"):
+        written.update(load_file(f))
+    hf = AutoModelForCausalLM.from_pretrained(exp)  # transformers' default: the config's dtype
+    assert hf.generation_config.eos_token_id == [1, 2, 3] and hf.generation_config.do_sample
+    sd = hf.state_dict()
+    assert {t.dtype for t in written.values()} == {torch.float32}
+    assert all(torch.equal(sd[k], t) for k, t in written.items())
+
+
 def test_settings_for_rows_given_with_a_text_corpus_are_said(tmp_path, caplog, monkeypatch):
     """--data.format=chat, --data.packing=false, --data.mask_prompt=false or
     --data.long_examples=drop with a .txt corpus gave the same loss as none of them, silently."""

@@ -487,3 +487,54 @@ def test_a_model_that_samples_is_said_to_be_decoded_greedily_without_a_temperatu
     assert "give --temperature 0.6 --top-k 50 --top-p 0.9 to sample as it does" in capsys.readouterr().err
     assert main([*flags, "--temperature", "0"]) == 0
     assert "to sample as it does" not in capsys.readouterr().err
+
+
+def test_the_models_repetition_penalty_is_applied_as_transformers_generate_applies_it(tmp_path, llama_dir, caplog):
+    """transformers' generate applies generation_config.json's repetition_penalty (Qwen2.5
+    Instruct ships 1.05) to greedy decoding too; tiertrain ignored it without a word (the tokens
+    differed from the fourth). Now taken as transformers takes it, with padded rows; 1 turns it
+    off; settings transformers applies and tiertrain does not are named."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    path, _ = llama_dir
+    d = tmp_path / "m"
+    shutil.copytree(path, d)
+    (d / "generation_config.json").write_text('{"repetition_penalty": 1.8, "no_repeat_ngram_size": 0}')
+    hf = AutoModelForCausalLM.from_pretrained(d).eval()
+    assert hf.generation_config.repetition_penalty == 1.8
+    penalised = _hf_generate(hf, PROMPTS, 12)
+    cfg = _cfg(tmp_path, str(d))
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        assert generate(cfg, PROMPTS, Sampling(max_new_tokens=12), eos=()) == penalised
+    assert "repetition_penalty 1.8, the model's generation_config.json's" in caplog.text
+    assert "transformers' generate applies and tiertrain's does not" not in caplog.text  # 0: nothing set
+    hf.generation_config.repetition_penalty = 1.0
+    plain = _hf_generate(hf, PROMPTS, 12)
+    assert plain != penalised
+    assert generate(cfg, PROMPTS, Sampling(max_new_tokens=12, repetition_penalty=1.0), eos=()) == plain
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="repetition_penalty = .*: must be a positive finite number"):
+            Sampling(repetition_penalty=bad)
+    with pytest.raises(ConfigError, match="Sampling.repetition_penalty = '2': must be a number"):
+        Sampling(repetition_penalty="2")
+    (d / "generation_config.json").write_text('{"no_repeat_ngram_size": 3, "num_beams": 1}')
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        generate(cfg, PROMPTS[:1], Sampling(max_new_tokens=2), eos=())
+    assert "sets no_repeat_ngram_size = 3, which transformers' generate applies" in caplog.text
+    assert "num_beams" not in caplog.text and "repetition_penalty" not in caplog.text
+
+
+def test_a_field_the_models_config_class_does_not_have_does_not_size_the_cache(tmp_path, tmp_path_factory):
+    """A GPT-2 config.json holding num_key_value_heads (GPT-2 ignores it; configs shared between
+    models carry one): the cache was sized for 2 heads and generation failed at its first step
+    (index_copy_: destination slice 1 2 16, source 1 4 16)."""
+    path, hf = _model_dir("gpt2", tmp_path_factory)
+    with open(os.path.join(path, "config.json")) as f:
+        conf = json.load(f)
+    d = tmp_path / "gpt2"
+    shutil.copytree(path, d)
+    (d / "config.json").write_text(json.dumps({**conf, "num_key_value_heads": 2}))
+    assert generate(_cfg(tmp_path, str(d)), PROMPTS, Sampling(max_new_tokens=6)) == _hf_generate(hf, PROMPTS, 6)

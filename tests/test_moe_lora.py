@@ -215,3 +215,107 @@ def test_the_least_budget_said_for_adapted_experts_is_near_what_they_take(tmp_pa
     if main([*flags, f"--memory.host_mib={said}"]) != 0:
         need = re.search(r"sizes set explicitly \(([\d,]+) MiB, of which", capsys.readouterr().err)
         assert int(need[1].replace(",", "")) <= 1.1 * said, (need[0], said)
+
+
+@pytest.mark.parametrize(
+    "family,target",
+    [
+        # the usual recipe's names: peft (transformers 5) takes gate/up/down for the experts, gate_up_proj at 2r,
+        # and leaves the dense first layer's MLP without adapters
+        ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        ("mixtral", ("q_proj", "w1", "w2", "w3")),  # Mixtral's old expert names: refused as matching nothing before
+        ("qwen3_moe", ("q_proj", "down_proj")),  # down_proj alone: the experts' down_proj at the rank
+    ],
+)
+def test_the_experts_old_names_in_the_target_are_read_as_peft_reads_them(tmp_path, family, target):
+    """``adapter.target`` with gate_proj/up_proj/down_proj on Qwen3-MoE (w1/w2/w3 on Mixtral)
+    adapted the dense layers' MLP by those names, where peft adapts the experts' fused
+    parameters instead (gate_up_proj at twice the rank and alpha): trained not as peft trains,
+    and the export loaded in peft with the experts' adapters missing (eval loss 5.3217 against
+    peft's 5.3246). Now peft's bits, and the export gives our logits in peft."""
+    import copy
+    import json
+
+    import peft
+    from test_lora import _layered
+    from transformers import AutoModelForCausalLM
+
+    from tiertrain.adapters import LoRA
+    from tiertrain.adapters.peft_io import export_peft
+
+    path = _saved(tmp_path, family)
+    cfg = _lora(tmp_path, path, target=target, params=())
+    tr = assert_lora_parity(cfg)
+    lora = tr.rt.adapters
+    assert sorted(lora.kinds) == sorted(t for t in target if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    fused = {"gate_proj", "w1"} & set(target)
+    stacks = {t.param: t for t in lora.targets if t.param is not None}
+    assert set(stacks) == ({"gate_up_proj", "down_proj"} if fused else {"down_proj"})
+    if fused:
+        a = dict(lora.named())[f"{stacks['gate_up_proj'].name}.lora_A.weight"]
+        assert a.shape[0] == 2 * cfg.adapter.rank * stacks["gate_up_proj"].experts
+    trained = {n: p.detach().clone() for n, p in lora.named()}
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    ours_model = _layered(cfg, base)
+    ours = LoRA(ours_model, cfg.adapter, seed=0, device="cpu")
+    ours.load_named(trained)
+    export_peft(ours_model, ours, str(tmp_path / "adapter"))
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert not {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"} & set(conf["target_modules"])
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, ours_model.hf_model(input_ids=x).logits)
+
+
+def test_the_default_target_and_a_half_fused_pair_on_a_converted_family(tmp_path, caplog):
+    """Every linear layer (the default) on Qwen3-MoE: not its dense MLP's gate/up/down (peft would
+    take those names for the experts), said; one of a fused pair refused as peft refuses it."""
+    import logging
+
+    from tiertrain.config import ConfigError
+    from tiertrain.training.trainer import Trainer
+
+    path = _saved(tmp_path, "qwen3_moe")
+    with caplog.at_level(logging.INFO, logger="tiertrain"), Trainer(_lora(tmp_path, path, params=())) as tr:
+        assert sorted(tr.rt.adapters.kinds) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+        assert "not the linear layers named gate_proj, up_proj, down_proj" in tr.rt.adapters.describe()
+    with pytest.raises(ConfigError, match=r"takes 'gate_proj' for the experts' fused gate_up_proj.*without 'up_proj'"):
+        Trainer(_lora(tmp_path, path, target=("q_proj", "gate_proj"), params=()))
+    with pytest.raises(ConfigError, match=r"peft takes 'gate' for the router's weight"):
+        Trainer(_lora(tmp_path, path, target=("q_proj", "gate"), params=()))
+
+
+def test_a_rank_above_some_layers_width_is_peft_and_a_fused_adapter_continues(tmp_path, caplog):
+    """Qwen2-MoE's every-linear default was refused ("adapter.rank = 4 is above the width of
+    ...shared_expert_gate (64 -> 1) ... lower it") where peft trains it: now peft's bits, said.
+    An export with gate_up_proj at twice the rank continues (adapter.init_from) with the names
+    it was made from, and is refused by name without them."""
+    import logging
+
+    from tiertrain.adapters.peft_io import export_peft
+    from tiertrain.config import ConfigError
+    from tiertrain.training.trainer import Trainer
+
+    path = _saved(tmp_path, "qwen2_moe")
+    with caplog.at_level(logging.INFO, logger="tiertrain"):
+        assert_lora_parity(_lora(tmp_path, path, target=("q_proj", "shared_expert_gate"), params=()))
+    assert "adapter.rank = 4 is above the width of 2 adapted layer(s)" in caplog.text
+    (tmp_path / "q3").mkdir()
+    q3 = _saved(tmp_path / "q3", "qwen3_moe")
+    names = ("q_proj", "gate_proj", "up_proj", "down_proj")
+    with Trainer(_lora(tmp_path / "q3", q3, target=names, params=())) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        export_peft(tr.model, tr.rt.adapters, str(tmp_path / "fused"))
+        want = {n: p.detach().clone() for n, p in tr.rt.adapters.named()}
+    cfg = _lora(tmp_path / "q3" / "again", q3, target=names, params=())
+    cfg.adapter.init_from = str(tmp_path / "fused")
+    with Trainer(cfg) as tr:
+        tr.initialize(progress=False)
+        assert all(torch.equal(p, want[n]) for n, p in tr.rt.adapters.named())
+    cfg = _lora(tmp_path / "q3" / "other", q3, target=("q_proj",), params=("gate_up_proj", "down_proj"))
+    cfg.adapter.init_from = str(tmp_path / "fused")
+    with pytest.raises(ConfigError, match=r"has gate_up_proj adapters at twice the rank .* give adapter.target"):
+        with Trainer(cfg) as tr:
+            tr.initialize(progress=False)

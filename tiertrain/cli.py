@@ -302,6 +302,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         seed=args.seed,
         stop=stop,
         stop_at_eos=not args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
     )
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, [*overrides, "--data.eval_corpus=none", "--train.eval_every=0"])

@@ -68,6 +68,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=None, help="0 (the default): greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="above 1: tokens already in the row made less likely, as transformers' generate does "
+        "(default: the model's generation_config.json's, else 1: none)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
     g.add_argument(

@@ -19,6 +19,7 @@ import os
 import torch
 
 from .config import Config, ConfigError
+from .config.peft_names import resolve
 from .device.core import Device, base_dtype_of, make_device, resolve_dtype
 from .dist.shard import ShardLayout
 from .io import Storage
@@ -120,9 +121,10 @@ class Runtime:
         if cfg.adapter.on:  # the base frozen whole, the adapters beside it on the compute device
             from .adapters import LoRA
 
-            if self.model.cut_params and cfg.adapter.target_parameters:
+            experts = resolve(cfg.adapter, self.model.hf_config).parameters  # (as peft reads adapter.target)
+            if self.model.cut_params and experts:
                 raise ConfigError(
-                    f"adapter.target_parameters = {cfg.adapter.target_parameters!r} with the experts cut into ranges "
+                    f"adapter.target_parameters = {experts!r} with the experts cut into ranges "
                     f"(model.layer_pieces = {cfg.model.layer_pieces}) is not supported: adapters on the experts need "
                     "them whole; use model.layer_pieces = 2 (or unset), or adapters on the attention only"
                 )

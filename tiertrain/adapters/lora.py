@@ -33,6 +33,7 @@ or of the parameter (``blocks.3.mlp.experts.down_proj``); peft's names for expor
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -41,11 +42,13 @@ import torch
 import torch.nn as nn
 
 from ..config import AdapterConfig, ConfigError
+from ..config.peft_names import resolve
 from ..models.base import LayeredModel
 from ..training.metrics import AdapterFlops
 
 __all__ = ["LoRA", "Target", "find_targets", "linear_shape", "expert_factors", "expert_delta"]
 
+log = logging.getLogger("tiertrain")
 SEED_SALT = 0x10_4A  # the adapters' generator: the run's seed + this (not the base's unit streams)
 
 
@@ -78,13 +81,16 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | None = None) -> list[Target]:
+def find_targets(
+    model: LayeredModel, names: list[str], parameters: list[str] | None = None, *, leave: tuple[str, ...] = ()
+) -> list[Target]:
     """The blocks' linear layers whose last name is in ``names`` (empty: every one, or none
     where ``parameters`` are named, as peft's ``target_modules``) and their 3-D parameters
     that ``parameters`` name (peft's ``target_parameters``: the parameter's path in the model,
     or a dotted tail of it), in model order (block by block, each block's modules in
-    registration order, a module's parameters in theirs: peft's parameter order). Refused,
-    naming what the model has: a name that matches nothing, a parameter that is not 3-D."""
+    registration order, a module's parameters in theirs: peft's parameter order); ``leave``:
+    names every linear layer leaves out (``peft_names``). Refused, naming what the model has: a
+    name that matches nothing, a parameter that is not 3-D."""
     parameters = list(parameters or [])
     every = not names and not parameters
     paths = _paths(model)
@@ -99,7 +105,7 @@ def find_targets(model: LayeredModel, names: list[str], parameters: list[str] | 
             if shape is not None:
                 last = local.rsplit(".", 1)[-1]
                 have[last] = None
-                if every or last in names:
+                if (every and last not in leave) or last in names:
                     out.append(Target(f"blocks.{i}.{local}", module, *shape))
             for pname, p in module.named_parameters(recurse=False):
                 if p.dim() == 3:
@@ -196,6 +202,28 @@ class _Pair(nn.Module):
         self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 and t.param is None else nn.Identity()
 
 
+def _check_widths(rank: int, targets: list[Target]) -> None:
+    """Refuse a rank above the width of every target (it adds nothing: a typo); one above some
+    (a shared expert's gate, 2048 -> 1) is peft's too, said."""
+    narrow = [t for t in targets if rank > min(t.in_features, t.out_features)]
+    if not narrow:
+        return
+    t = narrow[0]
+    what = f"{t.name} ({t.in_features} -> {t.out_features})"
+    if len(narrow) == len(targets):
+        raise ConfigError(
+            f"adapter.rank = {rank} is above the width of {what}: a rank above min(in, out) = "
+            f"{min(t.in_features, t.out_features)} adds nothing; lower it"
+        )
+    log.info(
+        "adapter.rank = %d is above the width of %d adapted layer(s) (first: %s): their adapters' product has rank "
+        "min(in, out) at most, as in peft; leave them out with adapter.target if unwanted",
+        rank,
+        len(narrow),
+        what,
+    )
+
+
 class LoRA(nn.Module):
     """The adapters of one model (``cfg``: the ``[adapter]`` section), on ``device`` in fp32,
     hooked into the model's targeted layers. ``params()`` lists them in peft's order."""
@@ -203,16 +231,15 @@ class LoRA(nn.Module):
     def __init__(self, model: LayeredModel, cfg: AdapterConfig, *, seed: int, device: torch.device | str) -> None:
         super().__init__()
         self.cfg = cfg
-        self.targets = find_targets(model, cfg.target, cfg.target_parameters)
-        too_big = [t.name for t in self.targets if cfg.rank > min(t.in_features, t.out_features)]
-        if too_big:
-            t = next(t for t in self.targets if t.name == too_big[0])
-            raise ConfigError(
-                f"adapter.rank = {cfg.rank} is above the width of {t.name} ({t.in_features} -> {t.out_features}): "
-                f"a rank above min(in, out) = {min(t.in_features, t.out_features)} adds nothing; lower it"
-            )
+        self.names = resolve(cfg, model.hf_config)  # as peft reads them on this model
+        self.targets = find_targets(
+            model, self.names.target, self.names.parameters, leave=self.names.dropped if self.names.every else ()
+        )
+        _check_widths(cfg.rank, self.targets)
         with torch.device("cpu"):
-            self.adapters: list[_Pair] = [_Pair(t, cfg.rank, cfg.dropout) for t in self.targets]
+            self.adapters: list[_Pair] = [
+                _Pair(t, self.names.rank(t.param, cfg.rank), cfg.dropout) for t in self.targets
+            ]
         self.pairs = nn.ModuleList(self.adapters)  # registered: .to() and state_dict() see them
         self.reset(seed)
         self.to(device)
@@ -254,7 +281,7 @@ class LoRA(nn.Module):
                 w = t.module._parameters[t.param]
                 assert w is not None
                 weighted.append(id(w))
-                sums += 6 * w.numel() * self.cfg.rank
+                sums += 6 * w.numel() * self.names.rank(t.param, self.cfg.rank)
         return AdapterFlops(trained=trained, weighted=frozenset(weighted), per_micro_batch=float(sums))
 
     def params(self) -> list[torch.Tensor]:
@@ -337,5 +364,19 @@ class LoRA(nn.Module):
         return (
             f"LoRA rank {self.cfg.rank}, alpha {self.cfg.alpha:g}, dropout {self.cfg.dropout:g} on "
             f"{' and '.join(on)}: {n:,} trainable parameters, "
-            f"{4 * n / 2**20:.1f} MiB of weights ({states}), on the compute device"
+            f"{4 * n / 2**20:.1f} MiB of weights ({states}), on the compute device{self._as_peft()}"
         )
+
+    def _as_peft(self) -> str:
+        """What peft's reading of the names changed on this model (``peft_names``), said."""
+        n = self.names
+        if not n.dropped:
+            return ""
+        named = ", ".join(n.dropped)
+        if n.every:
+            return (
+                f"; not the linear layers named {named} (peft takes those names for the experts' fused parameters "
+                "on this model: name them in adapter.target to adapt the experts as peft does)"
+            )
+        fused = " (gate_up_proj at twice the rank and alpha)" if n.factor else ""
+        return f"; {named} taken for the experts' {', '.join(n.parameters)}{fused}, as peft takes them on this model"

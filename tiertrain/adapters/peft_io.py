@@ -21,7 +21,7 @@ import os
 import torch
 
 from ..config import AdapterConfig, ConfigError
-from ..config.adapter import PEFT_CONFIG, peft_settings
+from ..config.adapter import FUSED_KEY, PEFT_CONFIG, fused_patterns, peft_settings
 from ..models.base import LayeredModel
 from ..paths import mode_as_created
 from .lora import LoRA
@@ -62,6 +62,16 @@ def peft_state(model: LayeredModel, lora: LoRA) -> dict[str, torch.Tensor]:
     return out
 
 
+def _patterns(lora: LoRA) -> dict:
+    """peft's rank and alpha patterns for parameters adapted at a multiple of the rank (a fused
+    gate_up_proj: ``peft_names``), written as peft writes them, so it loads them as trained."""
+    f = lora.names.factor
+    if not f:
+        return {}
+    assert set(f) == {"gate_up_proj"}, f  # the one parameter peft fuses
+    return {"rank_pattern": {FUSED_KEY: lora.cfg.rank * 2}, "alpha_pattern": {FUSED_KEY: lora.cfg.alpha * 2}}
+
+
 def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str | None = None) -> list[str]:
     """Write ``lora`` as a peft adapter directory in ``out_dir``; the files written."""
     from safetensors.torch import save_file
@@ -76,8 +86,9 @@ def export_peft(model: LayeredModel, lora: LoRA, out_dir: str, *, base_path: str
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": lora.kinds,
-        "target_parameters": sorted(cfg.target_parameters) or None,
+        "target_modules": lora.kinds,  # (never a name peft would take for the experts: peft_names)
+        "target_parameters": sorted(lora.names.parameters) or None,
+        **_patterns(lora),
         "fan_in_fan_out": fan_in_fan_out,
         "bias": "none",
         "use_rslora": False,
@@ -126,7 +137,7 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
         f"{k} {a!r} (here {b!r})"
         for k, a, b in (
             ("rank", theirs.rank, ours.rank), ("alpha", theirs.alpha, ours.alpha), ("target", theirs.target, kinds),
-            ("target_parameters", theirs.target_parameters, sorted(ours.target_parameters)),
+            ("target_parameters", theirs.target_parameters, sorted(lora.names.parameters)),
         )
         if a != b
     ]  # fmt: skip
@@ -134,6 +145,19 @@ def load_peft(model: LayeredModel, lora: LoRA, directory: str) -> None:
         raise ConfigError(
             f"adapter.init_from = {directory!r} was made with {', '.join(diff)}: set adapter.rank, adapter.alpha, "
             "adapter.target and adapter.target_parameters as it has them"
+        )
+    with open(os.path.join(directory, PEFT_CONFIG)) as f:
+        fused = fused_patterns(json.load(f))
+    if fused != bool(lora.names.factor):
+        raise ConfigError(
+            f"adapter.init_from = {directory!r} {'has' if fused else 'has no'} gate_up_proj adapters at twice the "
+            f"rank (peft's reading of gate_proj and up_proj, or w1 and w3, on a mixture of experts), this run "
+            f"{'has not' if fused else 'has'}: "
+            + (
+                "give adapter.target the names it was made from (with gate_proj and up_proj, or w1 and w3)"
+                if fused
+                else "leave gate_proj and up_proj (w1 and w3) out of adapter.target, as it was made"
+            )
         )
     path = os.path.join(directory, PEFT_WEIGHTS)
     if not os.path.exists(path):

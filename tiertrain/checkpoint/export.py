@@ -131,6 +131,7 @@ def relocate_model_dir(stored: dict, new: str) -> None:
 # the tokenizer's files (TOKENIZER_FILES)
 _EXPORT_FILES = {"tiertrain.json", "config.json", "generation_config.json", "model.safetensors.index.json"}
 _EXPORT_FILES |= {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+GENERATION_CONFIG = "generation_config.json"
 BUFFERS = "model-buffers.safetensors"  # the model's persistent buffers (models/buffers.py)
 _EXPORT_FILES.add(BUFFERS)
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -325,13 +326,7 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     # 'bfloat16') widened and the adapters' deltas added there (not rounded into bf16), every
     # tensor in the dtype config.json names
     wide = torch.float32 if adapters is not None else None
-    if model.hf_config is not None:
-        conf = copy.copy(model.hf_config)  # (the model's own is as tiertrain computes with it)
-        conf.use_cache = _source_use_cache(cfg)  # off for the units' forward, not for the export's users
-        if wide is not None:
-            conf.dtype = torch.float32
-        conf.save_pretrained(out)
-    weight_map, total, crc = {}, 0, 0
+    weight_map, total, crc, dtypes = {}, 0, 0, set()
     n = len(layout.units)
     raw_buf = torch.empty(w.max_unit_bytes, dtype=torch.uint8)
     out_buf = torch.empty(layout.max_unit_numel, dtype=w.weights_dtype) if w.quant is not None else None
@@ -363,6 +358,8 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
             for key, t in tensors.items():
                 weight_map[key] = shard
                 total += t.numel() * t.element_size()
+                if t.is_floating_point():
+                    dtypes.add(t.dtype)
     kept = dict(persistent_buffers(model.hf_model)) if model.hf_model is not None else {}
     if kept:  # the model's constants (a router's correction bias), as the model directory holds them
         tensors = {k: b.detach().cpu().contiguous() for k, b in kept.items()}
@@ -375,6 +372,8 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
             f"checkpoint file {file} is corrupt: crc32c {crc:#010x}, "
             f"the manifest says {entry.crc32c:#010x}; use an earlier checkpoint"
         )
+    if model.hf_config is not None:
+        _save_config(cfg, model.hf_config, out, dtypes)
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out, "tiertrain.json"), "w") as f:
@@ -382,15 +381,31 @@ def _write(path: str, man: Manifest, out: str, adapters=None) -> None:
     _copy_tokenizer(cfg, out)
 
 
+def _save_config(cfg: Config, hf_config, out: str, dtypes: set[torch.dtype]) -> None:
+    """config.json, its ``dtype`` the weights' as written (a full fine-tune of a bf16 directory
+    writes its fp32 master weights: labelled bfloat16, transformers' default load would round
+    them to bf16 without a word), ``use_cache`` the source's."""
+    conf = copy.copy(hf_config)  # (the model's own is as tiertrain computes with it)
+    conf.use_cache = _source_use_cache(cfg)  # off for the units' forward, not for the export's users
+    if dtypes:
+        conf.dtype = max(dtypes, key=lambda d: torch.finfo(d).bits)  # one dtype in practice: the widest
+    conf.save_pretrained(out)
+
+
 def _copy_tokenizer(cfg: Config, out: str) -> None:
     """The tokenizer files of the model's directory (else of data.tokenizer), so that the
     export loads with its tokenizer."""
     from ..config.sections import has_tokenizer
 
+    # the model's generation_config.json (its end-of-sequence ids, its sampling) is the model
+    # directory's whether or not the tokenizer is, never another directory's
+    gen = os.path.join(cfg.model.hf_dir, GENERATION_CONFIG) if cfg.model.hf_dir else ""
+    if os.path.isfile(gen):
+        shutil.copy2(gen, os.path.join(out, GENERATION_CONFIG))
     for src in (cfg.model.hf_dir, None if cfg.data.tokenizer == "bytes" else cfg.data.tokenizer):
         # (a model directory with a generation_config.json and no tokenizer: the run's data.tokenizer's)
         if src and os.path.isdir(src) and has_tokenizer(src):
             for n in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(src, n)):
+                if n != GENERATION_CONFIG and os.path.isfile(os.path.join(src, n)):
                     shutil.copy2(os.path.join(src, n), os.path.join(out, n))
             return

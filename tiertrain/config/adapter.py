@@ -118,6 +118,24 @@ UNSUPPORTED = (
 )  # fmt: skip
 
 
+FUSED_KEY = r".*\.gate_up_proj"  # peft's pattern for the experts' fused gate and up projections
+
+
+def fused_patterns(c: dict) -> bool:
+    """Whether a peft config's rank and alpha patterns are exactly what peft writes when it takes
+    gate_proj and up_proj (w1 and w3) for a mixture of experts' fused ``gate_up_proj``: twice the
+    rank and alpha there, nothing else (``adapters/peft_names.py``)."""
+    try:
+        r, alpha = int(c["r"]), float(c["lora_alpha"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return (
+        c.get("rank_pattern") == {FUSED_KEY: 2 * r}
+        and c.get("alpha_pattern") in ({FUSED_KEY: 2 * alpha}, {FUSED_KEY: int(2 * alpha)})
+        and "gate_up_proj" in (c.get("target_parameters") or [])
+    )
+
+
 def peft_settings(directory: str) -> dict[str, Any]:
     """The ``[adapter]`` fields a peft LoRA directory (its ``adapter_config.json``) was made
     with: rank, alpha, dropout, target and target_parameters."""
@@ -134,7 +152,12 @@ def peft_settings(directory: str) -> dict[str, Any]:
             f"adapter.init_from = {directory!r}: not a LoRA adapter (peft_type {c.get('peft_type')!r}); "
             "tiertrain's adapters are peft's plain LoRA"
         )
-    used = [f"{k} = {c[k]!r}" for k in UNSUPPORTED if c.get(k) not in (None, False, "none", [], {})]
+    fused = fused_patterns(c)  # peft's own reading of gate_proj and up_proj on a MoE: computed (peft_names)
+    used = [
+        f"{k} = {c[k]!r}"
+        for k in UNSUPPORTED
+        if c.get(k) not in (None, False, "none", [], {}) and not (fused and k in ("rank_pattern", "alpha_pattern"))
+    ]
     if used:  # each changes what the adapter computes: taken as plain LoRA, its loss was another model's
         raise ConfigError(
             f"adapter.init_from = {directory!r}: {PEFT_CONFIG} sets {', '.join(used)}, which tiertrain's LoRA "

@@ -67,6 +67,10 @@ class Sampling:
     seed: int = 0
     stop: tuple[int, ...] = ()  # token ids that end a row (kept in its output)
     stop_at_eos: bool = True  # the model's end-of-sequence ids end a row too, as in transformers' generate
+    # transformers' RepetitionPenaltyLogitsProcessor over each row's ids so far (prompt, padding
+    # and generated, as transformers' generate applies it); None: the model's generation_config.json's
+    # repetition_penalty, as transformers' generate takes it (1.0, none, where it has none)
+    repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
         _sampling_types(self)
@@ -83,6 +87,12 @@ class Sampling:
             raise ConfigError(
                 f"temperature = {self.temperature}, top_k = {self.top_k}, top_p = {self.top_p}: need "
                 "temperature >= 0, top_k >= 0 and 0 < top_p <= 1"
+            )
+        p = self.repetition_penalty
+        if p is not None and not (math.isfinite(p) and p > 0):
+            raise ConfigError(
+                f"repetition_penalty = {p}: must be a positive finite number (1.0: none; above 1 penalises "
+                "tokens already in the row, as transformers' generate does)"
             )
         if 0 < self.temperature < _TINY:  # the logits are divided by it in float32: there, it is 0 or subnormal
             raise ConfigError(
@@ -105,6 +115,8 @@ def _sampling_types(s: Sampling) -> None:
     ints = [f for f in ("max_new_tokens", "top_k", "seed") if not _is_int(getattr(s, f))]
     reals = [f for f in ("temperature", "top_p") if not _is_real(getattr(s, f))]
     stops = not isinstance(s.stop, (tuple, list)) or not all(_is_int(t) for t in s.stop)
+    if s.repetition_penalty is not None and not _is_real(s.repetition_penalty):
+        reals.append("repetition_penalty")
     if ints or reals or stops or not isinstance(s.stop_at_eos, bool):
         f = (ints + reals + (["stop"] if stops else []) + ["stop_at_eos"])[0]
         want = {"stop": "a tuple of token ids", "stop_at_eos": "True or False"}.get(
@@ -113,11 +125,17 @@ def _sampling_types(s: Sampling) -> None:
         raise ConfigError(f"Sampling.{f} = {getattr(s, f)!r}: must be {want}")
 
 
-def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The next token of every row from its last logits (``[B, V]``, fp32, on the compute
-    device). The distribution is shaped where the logits are; the draw is made on the host
-    with ``gen`` (a CPU generator: CUDA refuses one for CUDA probabilities), so a seed draws
-    the same tokens from the same probabilities on every device."""
+    device) and its ids so far (``ids``, ``[B, T]``). The distribution is shaped where the
+    logits are; the draw is made on the host with ``gen`` (a CPU generator: CUDA refuses one
+    for CUDA probabilities), so a seed draws the same tokens from the same probabilities on
+    every device (``ids`` needed only with a repetition penalty)."""
+    if s.repetition_penalty is not None and s.repetition_penalty != 1.0:  # before temperature, as transformers
+        assert ids is not None
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        logits = RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(ids.to(logits.device), logits)
     if s.temperature == 0:
         return logits.argmax(dim=-1)
     # shifted by the row's largest first: a tiny temperature divides the differences, <= 0, so
@@ -181,6 +199,43 @@ def model_sampling(hf_dir: str | None) -> dict[str, float]:
         return {}
     out = {"temperature": conf.get("temperature", 1.0), "top_k": conf.get("top_k", 50), "top_p": conf.get("top_p")}
     return {k: float(v) for k, v in out.items() if _is_real(v)}
+
+
+# transformers' generate applies these of a generation_config.json (their values that change
+# nothing) where tiertrain does not: a model that sets one is said to decode otherwise here
+_NOT_APPLIED = {
+    "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None, []), "min_length": (None, 0),
+    "min_new_tokens": (None, 0), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,), "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []), "sequence_bias": (None, {}), "renormalize_logits": (None, False),
+    "typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0),
+    "min_p": (None, 0, 0.0), "num_beams": (None, 1), "guidance_scale": (None, 1, 1.0),
+}  # fmt: skip
+
+
+def _model_penalty(s: Sampling, hf_dir: str | None) -> Sampling:
+    """``s`` with its repetition penalty resolved (None: the model's generation_config.json's, as
+    transformers' generate takes it, said); settings of that file that transformers' generate
+    applies and this one does not, said by name."""
+    conf = _generation_config(hf_dir)
+    unapplied = {k: v for k, v in conf.items() if k in _NOT_APPLIED and v not in _NOT_APPLIED[k]}
+    if unapplied:
+        log.warning(
+            "the model's generation_config.json sets %s, which transformers' generate applies and tiertrain's "
+            "does not: its tokens may differ from transformers' there",
+            ", ".join(f"{k} = {v!r}" for k, v in unapplied.items()),
+        )
+    if s.repetition_penalty is not None:
+        return s
+    own = conf.get("repetition_penalty")
+    if _is_real(own) and math.isfinite(own) and own > 0 and own != 1.0:
+        log.info(
+            "repetition_penalty %g, the model's generation_config.json's (as transformers' generate applies it; "
+            "give 1 to decode without)",
+            own,
+        )
+        return dataclasses.replace(s, repetition_penalty=float(own))
+    return dataclasses.replace(s, repetition_penalty=1.0)
 
 
 class _Decoding:
@@ -304,6 +359,7 @@ def generate(
         model, dec = rt.model, _Decoding(rt, cfg)
         _check(prompts, sampling, dec, tokenizer_vocab)
         eos = tuple(eos) if eos is not None else dec.eos
+        sampling = _model_penalty(sampling, cfg.model.hf_dir)
         if sampling.stop_at_eos and eos:
             sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *eos))))
             log.info(
@@ -350,7 +406,7 @@ def generate(
             for step in range(sampling.max_new_tokens):
                 more = step + 1 < sampling.max_new_tokens  # the last step prefetches nothing past itself
                 last = _step(walk, groups, dec, step, rt.dev.device, more, kv, trim)
-                picked = [_pick(logits.float(), sampling, gen) for logits in last]
+                picked = [_pick(logits.float(), sampling, gen, g.ids) for logits, g in zip(last, groups)]
                 steps += 1
                 if not _record(groups, picked, sampling, on_tokens):
                     break

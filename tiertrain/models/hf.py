@@ -85,8 +85,21 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     if _latent(config):  # one "head": the compressed latent and the rotary key, shared by every query head
         return layers, 1, max(kv_dims(config))
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    # (a field the config's class does not declare is not the model's: a GPT-2 config.json holding
+    # a stray num_key_value_heads sized the cache for it, and generation failed at its first step)
+    kv_heads = (
+        getattr(config, "num_key_value_heads", None) if _declares(config, "num_key_value_heads") else None
+    ) or heads
     return layers, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _declares(config: Any, name: str) -> bool:
+    """Whether ``config``'s class has the field ``name`` (as a class attribute or an argument of
+    its ``__init__``), not merely an instance that config.json gave it."""
+    import inspect
+
+    cls = type(config)
+    return hasattr(cls, name) or name in inspect.signature(cls.__init__).parameters
 
 
 def _latent(config: Any) -> bool:
