@@ -278,3 +278,16 @@ def test_a_failed_shard_read_is_raised_again_when_asked_twice():
         with pytest.raises(OSError, match="EIO: unit 0"):
             fut.get()
     assert group.gathers == 1
+
+
+@pytest.mark.slow
+def test_cuda_asked_of_ranks_without_a_gpu_is_the_one_rank_error(tmp_path):
+    """--nproc 2 --train.device=cuda on a CPU build: 55 lines of two ranks' tracebacks ending in
+    ZeroDivisionError (the GPU of rank r taken modulo no devices), where one rank says one line."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    proc = _start_ranks(tmp_path, "--train.device=cuda")
+    err = _end(proc, [], 120)
+    assert proc.returncode != 0
+    assert "Traceback" not in err and "ZeroDivisionError" not in err, err[-3000:]
+    assert "train.device = 'cuda' but " in err and "use --train.device=cpu" in err, err[-3000:]

@@ -599,3 +599,36 @@ def test_a_full_disk_at_a_ranks_save_is_said_by_every_rank_at_once(tmp_path, tmp
     assert run.returncode != 0 and took < 50, (took, run.stderr[-3000:])
     assert run.stderr.count("not enough space for the checkpoint of step 1") >= 1, run.stderr[-3000:]
     assert "died" not in run.stderr and "has not reached this collective" not in run.stderr, run.stderr[-3000:]
+
+
+def _dropout_masks(rank, world, port, out_dir, tree):
+    import torch.nn as nn
+
+    from tiertrain.training.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    masks, forward = [], nn.Dropout.forward
+
+    def record(self, x):
+        y = forward(self, x)
+        if self.training and self.p > 0 and torch.is_grad_enabled():
+            masks.append((y == 0).flatten()[:4096].clone())
+        return y
+
+    nn.Dropout.forward = record
+    with RankGroup(rank, world, timeout_s=120) as g, Trainer(Config.from_dict(tree), group=g) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+    torch.save(masks, os.path.join(out_dir, f"{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_each_rank_draws_its_own_dropout_masks(tmp_path):
+    """Every rank seeded the global generator with train.seed alone: rank 0's micro-batch m and
+    rank 1's micro-batch m were dropped out with the same masks (10 of 10 calls), where one rank
+    of twice the micro-batches draws each afresh."""
+    cfg = small_config(tmp_path, kind="gpt", layers=2, d=64, micro_batches=1, steps=1, clip=0.0, dropout=0.5)
+    a, b = spawn(_dropout_masks, 2, tmp_path, cfg.to_dict())
+    assert len(a) == len(b) > 0
+    assert not any(torch.equal(x, y) for x, y in zip(a, b))
+    assert 0.4 < a[0].float().mean().item() < 0.6

@@ -930,3 +930,37 @@ def test_bars_are_drawn_only_where_stderr_is_a_terminal(tmp_path, capsys):
         tr.initialize()
     err = capsys.readouterr().err
     assert "prepare" not in err and "init weights" not in err and "\r" not in err, err
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_global_batch_goes_on_with_the_next_row(tmp_path):
+    """Two steps of 4 rows, resumed with 2 rows a step (fewer micro-batches, or fewer ranks):
+    the next step read rows 4-5 again (row = step x the new batch) and the epoch went back; the
+    other way rows were skipped. Now the checkpoint records the rows read, and the resumed run
+    takes the rows a straight run of its batch would have taken after them."""
+    import json
+
+    from tiertrain.checkpoint import Manifest, latest_checkpoint
+    from tiertrain.data import open_corpus
+    from tiertrain.training.trainer import Trainer
+
+    tok, pc, _ = _finetune_data(tmp_path)
+    prepare_examples([pc], str(tmp_path / "pc"), tokenizer=tok, progress=False)
+    a = _finetune_cfg(tmp_path / "a", str(tmp_path / "pc"), tok, micro_batches=2, micro_batch_size=2)
+    a.train.steps = 2
+    with Trainer(a) as tr:
+        tr.run()
+    assert Manifest.read(latest_checkpoint(a.checkpoint_root)).rows == 8
+    b = _finetune_cfg(tmp_path / "b", str(tmp_path / "pc"), tok, micro_batches=1, micro_batch_size=2)
+    b.train.steps = 4
+    with Trainer(b) as tr:
+        tr.restore(a.train.run_dir)
+        seen = [tr.corpus.batches(s) for s in (2, 3)]
+        epochs = [tr.corpus.epoch_of(s) for s in (2, 3)]
+        tr.train_step(), tr.train_step()
+        assert tr.save_checkpoint().path and Manifest.read(latest_checkpoint(b.checkpoint_root)).rows == 12
+    data = open_corpus(b.data)
+    straight = [data._row(g)[0] for g in range(8, 12)]  # the rows after the checkpoint's 8, in order
+    got = [row for step in seen for x, _ in step for row in x.numpy()]
+    assert len(got) == 4 and all(np.array_equal(g, s[:-1]) for g, s in zip(got, straight))
+    assert epochs == [10 / data.rows_per_epoch, 12 / data.rows_per_epoch]  # on from the checkpoint's 8 rows

@@ -88,6 +88,9 @@ class Manifest:
     # every parameter's name, shape and place, summed up (``FlatLayout.fingerprint``): models whose
     # units pad to the same sizes (a tied head and an untied one) differ here ('' before version 3)
     params: str = ""
+    # fine-tuning rows read by the end of its step (0: not recorded, or raw text: step x the
+    # global batch); a run resumed with another global batch goes on from there (``ExampleBatches``)
+    rows: int = 0
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:
@@ -98,6 +101,8 @@ class Manifest:
         body = asdict(self)
         if not body["compute_dtype"]:  # only a 4-bit base records it: other manifests stay as older readers know them
             del body["compute_dtype"]
+        if not body["rows"]:  # only fine-tuning rows record it
+            del body["rows"]
         body["version"] = VERSION
         body["checksum"] = _canonical_crc(body)
         with open(path, "w") as f:

@@ -253,6 +253,22 @@ class ExampleBatches:
             )
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: tuple | None = None  # the last step's rows (``_step_rows``)
+        self._origin = (0, 0)  # (step, row): step ``step`` reads from row ``row`` on (``resume_at``)
+
+    def first_row(self, step: int, world: int = 1) -> int:
+        """The first global row of step ``step`` (0-based): the rows follow on from the origin,
+        ``world x M x B`` a step."""
+        return self._origin[1] + (step - self._origin[0]) * world * self.M * self.B
+
+    def rows_read(self, step: int, world: int = 1) -> int:
+        """Rows read by steps before ``step`` (a checkpoint of ``step`` steps records it)."""
+        return self.first_row(step, world)
+
+    def resume_at(self, step: int, rows: int) -> None:
+        """Step ``step`` on reads from row ``rows``, the rows a checkpoint had read: a run resumed
+        with another global batch (other ranks, micro-batches) goes on with the next row, not
+        ``step x`` its own batch (which read rows again, or skipped some)."""
+        self._origin, self._last = (step, rows), None
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         """Epoch ``e``'s example order and the stream offsets of its examples (cached: two)."""
@@ -266,7 +282,7 @@ class ExampleBatches:
 
     def epoch_of(self, step: int, world: int = 1) -> float:
         """Epochs done by the end of step ``step`` (0-based), as a fraction."""
-        return (step + 1) * world * self.M * self.B / self.rows_per_epoch
+        return self.first_row(step + 1, world) / self.rows_per_epoch
 
     def _row(self, g: int, with_positions: bool = False):
         """Global row ``g``: (T + 1 token ids, T + 1 mask bytes; pads: EOS and 0), and with
@@ -306,7 +322,8 @@ class ExampleBatches:
         step's ``batches``, ``scored`` and ``positions``: read once."""
         if self._last is None or self._last[0] != (step, world):
             n = world * self.M * self.B
-            self._last = (step, world), [self._row(step * n + i, self.by_document) for i in range(n)]
+            first = self.first_row(step, world)
+            self._last = (step, world), [self._row(first + i, self.by_document) for i in range(n)]
         return self._last[1]
 
     def batches(self, step: int, *, rank: int = 0, world: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

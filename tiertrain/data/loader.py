@@ -97,6 +97,13 @@ class Corpus:
         """Windows are drawn at random: no epochs (``ExampleBatches`` counts them)."""
         return None
 
+    def rows_read(self, step: int, world: int = 1) -> int:
+        """Windows are drawn by step: no position to record (``ExampleBatches`` has one)."""
+        return 0
+
+    def resume_at(self, step: int, rows: int) -> None:
+        """A step's windows are its seed's whatever the steps before took: nothing to move."""
+
     def positions(self, step: int, *, rank: int = 0, world: int = 1) -> None:
         """Every row is one sequence: positions 0 .. T-1 (``ExampleBatches`` has packed ones)."""
         return None

@@ -31,6 +31,7 @@ import os
 import torch
 
 from ..config import Config
+from ..device.core import resolve_device
 from ..ranks_fit import refuse_nccl
 
 
@@ -42,7 +43,8 @@ def rank_config(cfg: Config, group) -> Config:
     shared = cfg.to_dict()
     group.check_same("the config", shared)
     refuse_nccl(cfg.ranks.backend, group.world)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    # (a CPU build or no visible GPU refused as one rank refuses it, not a modulo by no devices)
+    cuda = resolve_device(cfg.train.device).type == "cuda"
     if cuda:  # a machine's rank r computes on its GPU r (torchrun's LOCAL_RANK), wrapping round
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", group.rank)) % torch.cuda.device_count())
     r = group.rank

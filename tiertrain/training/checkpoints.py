@@ -31,7 +31,7 @@ from ..dist.checkpoint import follow
 from ..io import aligned_empty
 from ..models.pieces import WholeTensors
 
-__all__ = ["Checkpoints", "other_ranks_note"]
+__all__ = ["Checkpoints", "other_ranks_note", "rows_read"]
 
 log = logging.getLogger("tiertrain")
 
@@ -53,6 +53,20 @@ def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tup
     return (
         f"was trained on {trained} rank(s), this run has {world}: each rank takes {now[0]} micro-batches of {now[1]} "
         f"sequences, so a step now takes {will} sequences (the checkpoint's steps took {was}); {hint}"
+    )
+
+
+def rows_read(man: Manifest, data, world: int) -> int:
+    """Fine-tuning rows a checkpoint's steps had read: as recorded, else (older checkpoints) its
+    steps by its global batch (its ranks, micro-batches and rows, this run's where unrecorded)."""
+    if man.rows:
+        return man.rows
+    d = man.config.get("data", {})
+    return (
+        man.step
+        * (man.ranks or world)
+        * d.get("micro_batches", data.micro_batches)
+        * d.get("micro_batch_size", data.micro_batch_size)
     )
 
 
@@ -79,7 +93,7 @@ class Checkpoints:
     def pool_bytes(self) -> int:
         return self.io.pool_bytes
 
-    def save(self, regions: dict, step: int, extra: dict | None = None) -> SaveResult | None:
+    def save(self, regions: dict, step: int, extra: dict | None = None, rows: int = 0) -> SaveResult | None:
         """A complete checkpoint of ``step`` from ``regions``. Every rank calls it; rank 0 writes
         and returns the result, the others take part in its gathers and return None. ``extra``:
         small files by name, ``(tensors, metadata)`` (the adapters)."""
@@ -102,6 +116,7 @@ class Checkpoints:
                 extra=extra,
                 compute_dtype=self.compute_dtype,
                 ranks=g.world,
+                rows=rows,
             )
         else:
             follow(whole, self.canonical)

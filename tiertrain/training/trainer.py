@@ -57,7 +57,7 @@ from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .advice import nothing_to_train, restorable
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoints, rows_read
 from .guard import LossGuard
 from .interrupt import StopFlag
 from .meter import StepMeter
@@ -364,8 +364,8 @@ class Trainer:
             self.update.init_unit(unit.index, view if whole else self.rt.state_layout.shard(unit.index, view))
         self.update.finish_init()
         self.params.invalidate()
-        # dropout draws from the global generators, which PyTorch seeds at random per process
-        torch.manual_seed(self.cfg.train.seed)
+        # dropout draws from the global generators (seeded at random per process): each rank its own
+        torch.manual_seed(self.cfg.train.seed + self.group.rank)
         if self.cfg.memory.trim_heap:
             trim_heap()  # the units' weights passed through the heap: none of it stays for the steps
         self._weighted = True
@@ -396,11 +396,9 @@ class Trainer:
         """A complete checkpoint of the current step (after the last finished step). Ranks:
         every rank calls it; rank 0 writes and returns the result, the others None."""
         self._need_weights("save_checkpoint()")
-        extra = None
-        if self.adapter_update is not None:
-            extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)}
+        extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
         with self.state_regions() as regions:
-            return self.checkpoints.save(regions, self.step, extra)
+            return self.checkpoints.save(regions, self.step, extra, self.corpus.rows_read(self.step, self.group.world))
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path`` (a run directory: its latest): weights, optimizer state, step, RNG."""
@@ -421,7 +419,8 @@ class Trainer:
             tensors, meta = read_tensors(path, ADAPTER_FILE, man.entry(ADAPTER_FILE))
             self.adapter_update.load(tensors, meta, self.user_cfg, f"checkpoint {path}")
         self.params.invalidate()
-        self.step = man.step
+        self.step = man.step  # and the data goes on from the rows it had read, whatever the batch now
+        self.corpus.resume_at(man.step, rows_read(man, self.cfg.data, self.group.world))
         self.update.restored(man.step)
         self._weighted = True
         return man
