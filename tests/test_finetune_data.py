@@ -938,7 +938,6 @@ def test_a_resume_with_another_global_batch_goes_on_with_the_next_row(tmp_path):
     the next step read rows 4-5 again (row = step x the new batch) and the epoch went back; the
     other way rows were skipped. Now the checkpoint records the rows read, and the resumed run
     takes the rows a straight run of its batch would have taken after them."""
-    import json
 
     from tiertrain.checkpoint import Manifest, latest_checkpoint
     from tiertrain.data import open_corpus
