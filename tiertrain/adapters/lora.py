@@ -284,6 +284,11 @@ class LoRA(nn.Module):
                 sums += 6 * w.numel() * self.names.rank(t.param, self.cfg.rank)
         return AdapterFlops(trained=trained, weighted=frozenset(weighted), per_micro_batch=float(sums))
 
+    @property
+    def on_experts(self) -> bool:
+        """Whether any adapter sits on an experts' 3-D parameter (they are then needed whole)."""
+        return any(t.param is not None for t in self.targets)
+
     def params(self) -> list[torch.Tensor]:
         """The trainable parameters in peft's order: per target, A then B."""
         return [w for p in self.adapters for w in (p.lora_A.weight, p.lora_B.weight)]

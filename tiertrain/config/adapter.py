@@ -131,7 +131,7 @@ def fused_patterns(c: dict) -> bool:
         return False
     return (
         c.get("rank_pattern") == {FUSED_KEY: 2 * r}
-        and c.get("alpha_pattern") in ({FUSED_KEY: 2 * alpha}, {FUSED_KEY: int(2 * alpha)})
+        and c.get("alpha_pattern") == {FUSED_KEY: 2 * alpha}
         and "gate_up_proj" in (c.get("target_parameters") or [])
     )
 

@@ -30,7 +30,6 @@ import torch
 
 from ..activations.stash import HiddenStash
 from ..config import Config, ConfigError
-from ..config.peft_names import resolve
 from ..execute.tied import tied_rows_bytes
 from ..memlimit import available_memory, cgroup_memory
 from ..state.grads import GradStore, accum_dtype_for
@@ -188,7 +187,7 @@ def _act_bytes_estimate(cfg: Config, rt) -> int:
     d, h = cfg.data, rt.hidden_size
     heads = getattr(getattr(rt.model, "hf_config", None), "num_attention_heads", None) or cfg.model.n_heads
     adapted = 0
-    if cfg.adapter.on and resolve(cfg.adapter, rt.model.hf_config).parameters:
+    if rt.adapters is not None and rt.adapters.on_experts:
         adapted = max(sum(r.numel for r in u.params if len(r.shape) == 3) for u in rt.layout.units)
     return int(
         (34 * d.seq_len * d.micro_batch_size * h + 5 * heads * d.seq_len**2 * d.micro_batch_size)

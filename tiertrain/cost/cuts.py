@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..config.peft_names import resolve
 from ..errors import ConfigError, one_line
 from ..models.experts_cut import CLIP_NORM_DEVIATION, is_moe_layer
 from ..models.sublayers import cut_options, describe_cut
@@ -134,7 +133,7 @@ def _ranges_off(cfg: Config, rt) -> str:
     setting would let it ('' where nothing would): the compute dtype, or adapters on them."""
     if cfg.model.layer_pieces is not None or not any(is_moe_layer(getattr(b, "layer", b)) for b in rt.model.blocks):
         return ""
-    if cfg.adapter.on and resolve(cfg.adapter, rt.model.hf_config).parameters:
+    if rt.adapters is not None and rt.adapters.on_experts:
         return "adapters on the experts (adapter.target_parameters) need them whole, so they were not cut into ranges"
     if rt.dtype != torch.float32 and max(cut_options(rt.model, dtype=torch.float32), default=0) > 2:
         return (
@@ -155,7 +154,7 @@ def _cuts(cfg: Config, rt) -> list[tuple[int | None, int | None]]:
         out.append((m.layer_pieces, vocab))
     if m.layer_pieces is None and rt.model.layer_parts == 1:
         # adapters on the experts need them whole: ranges of experts are not an option then
-        whole_experts = cfg.adapter.on and bool(resolve(cfg.adapter, rt.model.hf_config).parameters)
+        whole_experts = rt.adapters is not None and rt.adapters.on_experts
         out += [(p, m.vocab_pieces) for p in cut_options(rt.model, ranges=not whole_experts, dtype=rt.dtype)]
     return out
 

@@ -26,6 +26,7 @@ cache and masks) and the built-in GPT (``models/gpt_decode.py``: a cache of the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -133,9 +134,7 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator, ids: torch.Te
     every device (``ids`` needed only with a repetition penalty)."""
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:  # before temperature, as transformers
         assert ids is not None
-        from transformers import RepetitionPenaltyLogitsProcessor
-
-        logits = RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(ids.to(logits.device), logits)
+        logits = _repetition(s.repetition_penalty)(ids.to(logits.device), logits)
     if s.temperature == 0:
         return logits.argmax(dim=-1)
     # shifted by the row's largest first: a tiny temperature divides the differences, <= 0, so
@@ -148,6 +147,14 @@ def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator, ids: torch.Te
         logits = _top_p(logits, s.top_p)
     probs = torch.softmax(logits, dim=-1).to("cpu")  # sync point: the step's draw needs them on the host
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _repetition(penalty: float):
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` for ``penalty`` (made once, not per token)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    return RepetitionPenaltyLogitsProcessor(penalty)
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
