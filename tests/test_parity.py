@@ -217,3 +217,72 @@ def test_float32_accumulation_rounds_a_bf16_gradient_once(tmp_path):
             g.flush()
             got[accum] = g.home.host_view(u)[: tr.layout.units[u].numel].float().unique().tolist()
     assert got == {"float32": [1 + 2.0**-6], "param": [1.0]}
+
+
+def _count_reads(tr) -> dict[str, int]:
+    """Wrap the optimizer's state regions' reads with a counter each (by state name)."""
+    counts: dict[str, int] = {}
+    for r in tr.optim.state_files:
+        counts[r.name] = 0
+
+        def read(u, out, a=0, b=None, _r=r, _read=r.read):
+            counts[_r.name] += 1
+            return _read(u, out, a, b)
+
+        r.read = read
+    return counts
+
+
+@pytest.mark.parametrize("optim,clip", [("adamw", 0.05), ("adamw", 0.0), ("sgd", 1.0)])
+def test_states_in_host_memory_are_updated_where_they_live(tmp_path, optim, clip):
+    """Every state in host memory: the update works on them in place (no copy of a moment is
+    read into a buffer set), bit-identical to plain PyTorch; with the moments on the drive the
+    same run reads every unit's through the buffers."""
+    for where, mib in (("host", 64), ("drive", 0)):
+        cfg = small_config(
+            tmp_path / where, micro_batches=2, steps=3, clip=clip, host_param_mib=64, grad_host_mib=64,
+            optim_host_mib=mib, lr=0.05 if optim == "sgd" else 2e-3,
+        )  # fmt: skip
+        cfg.optim.name = optim
+        ref_model = reference_model(cfg)
+        ref_losses, ref_weights = reference_train(cfg, ref_model)
+        skeleton, _ = build_model(cfg.model, param_dtype=torch.float32, seed=0)
+        with Trainer(cfg, weights=tensor_source(skeleton, weights_of(ref_model))) as tr:
+            tr.initialize(progress=False)
+            reads = _count_reads(tr)
+            losses = [tr.train_step().extra["losses"] for _ in range(cfg.train.steps)]
+            weights = tr.weights()
+        assert losses == ref_losses
+        assert_same_weights(tr, weights, ref_weights)
+        if where == "host":
+            assert set(reads) == ({"exp_avg", "exp_avg_sq"} if optim == "adamw" else {"momentum"})
+            assert not any(reads.values()), reads
+        else:
+            assert all(n >= cfg.train.steps * len(tr.layout) for n in reads.values()), reads
+
+
+def test_bf16_update_in_place_is_the_buffered_one(tmp_path):
+    """bf16 parameters with an fp32 master: the update in place (every state in host memory,
+    some units' moments only: both ways in one step) gives the same bits as through the
+    buffers (every state on the drive), clipped."""
+    runs = {}
+    for where, mib in (("host", 64), ("part", 1), ("drive", 0)):
+        cfg = small_config(
+            tmp_path / where, micro_batches=2, steps=3, clip=0.05, dtype="bfloat16", host_param_mib=mib,
+            grad_host_mib=mib, optim_host_mib=mib, update_kib=256,
+        )  # fmt: skip
+        ref_model = reference_model(cfg)
+        losses, weights, tr = run_tiertrain(cfg, weights_of(ref_model))
+        runs[where] = losses, weights
+        on_host = [tr.optim.master.on_host(u.index) for u in tr.optim.trainable]
+        assert (
+            all(on_host)
+            if where == "host"
+            else (any(on_host) and not all(on_host))
+            if where == "part"
+            else not any(on_host)
+        )
+    for where in ("host", "part"):
+        assert runs[where][0] == runs["drive"][0]
+        for name, t in runs["drive"][1].items():
+            assert torch.equal(runs[where][1][name], t), name

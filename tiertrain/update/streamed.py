@@ -323,10 +323,15 @@ class StreamedOptimizer:
         slot = lambda i: len(self.sets) + i if i < K else (i - K) % len(self.sets)  # noqa: E731
         bufs = self.sets + self.ahead_sets[:K]
 
+        resident = self._resident_in(grads)
+
         def issue(i: int) -> None:
             s = slot(i)
             st.wait_s += _wait(writes[s])
             writes[s] = []
+            if resident(chunks[i][0]):  # updated where it lives: nothing to read (a read-ahead copy is dropped)
+                reads[i] = ahead.pop(i) if i < K else []
+                return
             state = ahead.pop(i) if i < K else self._read_state(bufs[s], *chunks[i])
             reads[i] = state + [grads.read(chunks[i][0], bufs[s].g, *chunks[i][1:])]
 
@@ -339,11 +344,15 @@ class StreamedOptimizer:
             t0 = time.perf_counter()
             bs = bufs[slot(i)]
             faults.point("update")
-            self._compute(bs, u, a, b, lr, coef)
+            here = resident(u)
+            if here:
+                self._compute_resident(bs, grads, u, a, b, lr, coef)
+            else:
+                self._compute(bs, u, a, b, lr, coef)
             if on_chunk is not None:
                 on_chunk(u, a, b, self._pview(bs, u, a, b))
             st.compute_s += time.perf_counter() - t0
-            writes[slot(i)] = self._write(bs, u, a, b)
+            writes[slot(i)] = [] if here else self._write(bs, u, a, b)
             if self.scales is not None and b == self.layout.units[u].numel:  # the unit's last chunk
                 unit_writes.append(self.scales.write(u))
             unit_writes += writes[slot(i)]
@@ -380,14 +389,62 @@ class StreamedOptimizer:
             futs.append(self.master.read(u, bs.w, a, b))
         return futs
 
+    def _resident_in(self, grads) -> Callable[[int], bool]:
+        """Whether a unit's update runs in place (``_compute_resident``): every state it reads
+        and writes is in host memory, held once, and AdamW's or SGD's in fp32 (an 8-bit state's
+        codes and scales go through the buffers). In place, a parameter moves through memory
+        once instead of three times (copied into a buffer set, updated, copied back): on CUDA,
+        where the host's update bounds the step, it is most of the update's time."""
+        if self._double or self.scales is not None:
+            return lambda u: False
+        regions = [r for r in (self.m, self.v, self.master, grads) if r is not None]
+        return lambda u: self._in_place(u) and all(r.on_host(u) for r in regions)
+
+    def _compute_resident(
+        self, bs: _BufferSet, grads, u: int, a: int, b: int, lr: float, coef: torch.Tensor | None
+    ) -> None:
+        """``_compute`` on the states where they live: the same kernel on the same elements in
+        the same segments, so the same bits. The gradient is copied once where it must change
+        (upcast to fp32, or clipped: the stored gradient stays as the backward wrote it)."""
+        n = b - a
+        g = grads.host_view(u)[a:b]
+        if self.has_master or coef is not None:
+            g = (bs.g32 if self.has_master else bs.g)[:n].copy_(g)
+        self._apply(u, a, b, lr, coef, g, self._view(self.master, u, a, b), self._view(self.m, u, a, b),
+                    self._view(self.v, u, a, b))  # fmt: skip
+        if self.has_master:
+            self.params.host_view(u)[a:b].copy_(self.master.host_view(u)[a:b])  # the new low-precision parameters
+
+    @staticmethod
+    def _view(region, u: int, a: int, b: int) -> torch.Tensor | None:
+        return None if region is None else region.host_view(u)[a:b]
+
     def _compute(self, bs: _BufferSet, u: int, a: int, b: int, lr: float, coef: torch.Tensor | None) -> None:
         n = b - a
         g = bs.g[:n]
         if self.has_master:  # lower-precision gradients: clipped after the upcast, in fp32
             bs.g32[:n].copy_(g)
-            g, w = bs.g32[:n], bs.w[:n]
-        else:
-            w = self._pview(bs, u, a, b)
+            g = bs.g32[:n]
+        self._apply(
+            u,
+            a,
+            b,
+            lr,
+            coef,
+            g,
+            bs.w[:n] if self.has_master else None,
+            bs.m[:n],
+            bs.v[:n] if self.v is not None else None,
+            bs,
+        )
+        if self.has_master:
+            self._pview(bs, u, a, b).copy_(bs.w[:n])  # new low-precision parameters from the master
+
+    def _apply(self, u, a, b, lr, coef, g, master, m, v, bs: _BufferSet | None = None) -> None:
+        """The kernel on elements ``[a, b)`` of unit ``u``: ``g`` the fp32 gradient (clipped here
+        where ``coef`` is given), ``master`` the fp32 weights (None: the parameters, in place or
+        in ``bs``), ``m``/``v`` the moments."""
+        w = master if master is not None else self.params.host_view(u)[a:b] if bs is None else self._pview(bs, u, a, b)
         if coef is not None:
             g.mul_(coef)  # as clip_grad_norm_ does (fp32: on the gradient itself, bit-identical)
         segs = self.layout.segments(u, a, b)
@@ -395,15 +452,12 @@ class StreamedOptimizer:
         if self.scales is not None:
             unit, record = self.scales.of(u)
             adamw8bit_segments(
-                segs, cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), unit, record, step=self.step_count, lr=lr,
-                cfg=self.cfg,
-            )  # fmt: skip
+                segs, cut(w), cut(g), cut(m), cut(v), unit, record, step=self.step_count, lr=lr, cfg=self.cfg
+            )
         elif self.adamw:
-            adamw_segments(cut(w), cut(g), cut(bs.m[:n]), cut(bs.v[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
+            adamw_segments(cut(w), cut(g), cut(m), cut(v), step=self.step_count, lr=lr, cfg=self.cfg)
         else:
-            sgd_segments(cut(w), cut(g), cut(bs.m[:n]), step=self.step_count, lr=lr, cfg=self.cfg)
-        if self.has_master:
-            self._pview(bs, u, a, b).copy_(w)  # new low-precision parameters from the master
+            sgd_segments(cut(w), cut(g), cut(m), step=self.step_count, lr=lr, cfg=self.cfg)
 
     def _write(self, bs: _BufferSet, u: int, a: int, b: int) -> list[IOFuture]:
         futs = [_put(self.m, u, bs.m, a, b)]
