@@ -49,6 +49,15 @@ class MemoryConfig(Section):
         "Host memory for optimizer states (moments, master weights), MiB (None: "
         "planned within host_mib; 0: all on SSD).",
     )
+    optim_device_mib: int | None = opt(
+        0,
+        "CUDA: device memory for the optimizer's states (fp32 master weights and moments) of the first trained "
+        "units that fit, MiB: they are updated there, by torch's fused AdamW on the device (plain PyTorch's own "
+        "kernel), and the host's update skips them; only their gradients go up and their new parameters down "
+        "(None: planned: as many as the device holds beside the fixed pools, before kept activations; 0: none). "
+        "Not on CPU (device memory is the host's) nor with update.speculate = 'on', 8-bit states or update "
+        "engines, which update on the host.",
+    )
     stash_host_mib: int | None = opt(
         None,
         "Host memory for hidden states between layers, MiB; the rest spills to SSD (None: planned within host_mib).",
@@ -129,6 +138,7 @@ class MemoryConfig(Section):
             "host_param_mib",
             "grad_host_mib",
             "optim_host_mib",
+            "optim_device_mib",
             "stash_host_mib",
             "residual_host_mib",
             "keep_act_mib",

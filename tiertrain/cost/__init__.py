@@ -84,6 +84,17 @@ def trained_elements(rt) -> int:
     return sum(u.used for u in rt.layout.units if not u.frozen)
 
 
+def on_device_elements(cfg, rt) -> int:
+    """Trained elements whose states ``memory.optim_device_mib`` puts in device memory: updated
+    there, in no time the host's update counts (their kernel is the GPU's, a few milliseconds)."""
+    from ..update.streamed import device_units
+
+    if not rt.dev.separate or not cfg.memory.optim_device_mib:
+        return 0
+    units = device_units(cfg.optim, rt.state_layout, rt.dtype, cfg.memory.optim_device_mib << 20)
+    return sum(rt.state_layout.units[u].used for u in units)
+
+
 def predict_with(cfg, rt, rates: Rates) -> Prediction:
     """The prediction of ``cfg`` on ``rt`` from given rates (no probe); pairs offloaded as
     ``memory.offload_pairs`` says (unset: none)."""
@@ -110,7 +121,7 @@ def predict_with(cfg, rt, rates: Rates) -> Prediction:
         rates,
         blocks=blocks,
         kept=kept,
-        n_trained=trained_elements(rt),
+        n_trained=trained_elements(rt) - on_device_elements(cfg, rt),  # those the host's update steps
         first_read=first,
         cpu_compute=not rt.dev.cuda,
         offloaded=offloaded,

@@ -36,6 +36,7 @@ from ..state.grads import GradStore, accum_dtype_for
 from ..state.quant import base_storage
 from ..update import UPDATES
 from ..update.streamed import optimizer_sizes
+from .device_states import device_state_bytes, resolve_device_states
 
 
 def accum_dtype_of(cfg: Config, dtype: torch.dtype) -> torch.dtype | None:
@@ -217,7 +218,11 @@ def demands(cfg: Config, rt, act_bytes: int) -> dict[str, int]:
         "host_param_mib": _base_bytes(cfg, rt) if own else 0,
         "grad_host_mib": n * e * trained,
         # (adapters: the base has no optimizer state, and its layout is not laid for one: not sized)
-        "optim_host_mib": sum(optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype).values()) if own and trained else 0,
+        "optim_host_mib": (
+            sum(optimizer_sizes(cfg.optim, rt.state_layout, rt.dtype).values()) - device_state_bytes(cfg, rt)
+            if own and trained
+            else 0
+        ),
         "stash_host_mib": sum(stash),
         "keep_act_mib": L * M * act_bytes if cfg.memory.activations != "recompute" else 0,
         "residual_host_mib": n * 4 if cfg.update.error_feedback else 0,
@@ -333,6 +338,8 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
     activations are planned (default: the rates' figures). The record pool of offloaded
     activations is fixed only where the pairs kept in memory are not all of them."""
     act, record = _act_bytes_estimate(cfg, rt), 0
+    room = _device_budget(cfg, rt)
+    cfg, on_device = resolve_device_states(cfg, rt, None if room is None else room - _device_fixed(cfg, rt, act))
     if "keep_act_mib" in _todo(cfg) or offload_possible(cfg):
         pools_fit_unmeasured(cfg, rt)
         if act_fn is not None:
@@ -355,6 +362,8 @@ def resolve_budget(cfg: Config, rt, rates_fn, act_fn=None) -> tuple[Config, Budg
             )
             record = 0
     plan.act_bytes, plan.record_bytes = act, record
+    if on_device:
+        plan.notes.append(on_device)
     return cfg_out, plan
 
 
@@ -577,23 +586,33 @@ def _resolve(cfg: Config, rt, rates_fn, act: int, record: int) -> tuple[Config, 
 def _device_keep(cfg: Config, rt, need: int, act: int) -> int:
     """Kept activations on CUDA: what ``memory.device_mib`` (default: 90% of the free device
     memory) leaves after slots, gradient buffers and one micro-batch's working activations."""
-    m, e = cfg.memory, rt.dtype.itemsize
-    if m.device_mib is not None:
-        budget = m.device_mib * MIB
-    elif rt.dev.cuda:
-        free, _ = torch.cuda.mem_get_info(rt.dev.device)
-        budget = int(0.9 * free)
-    else:  # the simulated device of the tests: separate, its memory the host's, no limit of its own
+    budget = _device_budget(cfg, rt)
+    if budget is None:  # the simulated device of the tests: separate, its memory the host's, no limit of its own
         return need
-    unit = rt.layout.max_unit_numel * e
-    fixed = (
-        (m.device_slots + GradStore.buffers_for(rt.layout)) * unit
+    return max(0, min(need, budget - _device_fixed(cfg, rt, act) - device_state_bytes(cfg, rt)))
+
+
+def _device_budget(cfg: Config, rt) -> int | None:
+    """``memory.device_mib`` (default: 90% of the free device memory); None: no limit (CPU, or
+    the tests' simulated device, whose memory is the host's)."""
+    if cfg.memory.device_mib is not None:
+        return cfg.memory.device_mib * MIB
+    if rt.dev.cuda:
+        return int(0.9 * torch.cuda.mem_get_info(rt.dev.device)[0])
+    return None
+
+
+def _device_fixed(cfg: Config, rt, act: int) -> int:
+    """Device memory every step holds: slots, gradient buffers (and accumulators), one
+    micro-batch's working activations (twice), router logits, a tied embedding's rows."""
+    unit = rt.layout.max_unit_numel * rt.dtype.itemsize
+    return (
+        (cfg.memory.device_slots + GradStore.buffers_for(rt.layout)) * unit
         + 2 * act
         + GradStore.accum_bytes_for(rt.layout, accum_dtype_of(cfg, rt.dtype))
         + router_logits_bytes(cfg, rt)
         + _tied_bytes(cfg, rt)
     )
-    return max(0, min(need, budget - fixed))
 
 
 def _tied_bytes(cfg: Config, rt) -> int:

@@ -31,7 +31,7 @@ from ..execute.executor import visits
 from ..state.quant import base_storage
 from ..state.regions import place
 from ..state.scales import ScaleLayout
-from ..update.streamed import optimizer_shares, optimizer_states
+from ..update.streamed import device_units, optimizer_shares, optimizer_states
 
 __all__ = ["Traffic", "step_traffic", "run_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
 
@@ -142,8 +142,8 @@ def slot_fetches(order: list, layout, slots: int, on_host) -> list[tuple[int, in
     return out
 
 
-def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int) -> set[int]:
-    return {u for u, off in place(layout, dtype, host_bytes, align).items() if off is not None}
+def _on_file(layout, dtype: torch.dtype, host_bytes: int, align: int, on_device=frozenset()) -> set[int]:
+    return {u for u, off in place(layout, dtype, host_bytes, align, on_device).items() if off is not None}
 
 
 def step_traffic(
@@ -214,15 +214,19 @@ def step_traffic(
             t.down += nbytes[u]
 
     # the optimizer's states (and parameters without a master copy), read and written once
+    on_device = device_units(cfg.optim, layout, dtype, (m.optim_device_mib or 0) * MIB) if separate else frozenset()
     states = optimizer_states(cfg.optim, layout, dtype, align, m.optim_host_mib * MIB, owner="")
     shares = optimizer_shares(cfg.optim, layout, dtype, m.optim_host_mib * MIB)
     for st in states:
         lay = ScaleLayout(layout) if st.name == "exp_avg_scales" else layout  # 8-bit states' scales
-        for u in _on_file(lay, st.dtype, shares[st.name], align) - frozen:
+        for u in _on_file(lay, st.dtype, shares[st.name], align, on_device) - frozen:
             n = lay.units[u].numel * st.dtype.itemsize
             t._add(st.name, "update", "read", n)
             t._add(st.name, "update", "write", n)
     has_master = dtype != torch.float32
+    for u in on_device:  # updated in device memory: the gradient goes up, the new parameters down
+        t.up += nbytes[u] * (1 if has_master else 2)  # (no master copy: the parameters go up too)
+        t.down += nbytes[u]
     for u in params_file - frozen:
         if not has_master:
             t._add("params", "update", "read", nbytes[u])

@@ -123,6 +123,12 @@ class Device:
         dst.copy_(src)
         return None
 
+    def run_aside(self, fn: Callable[[], object]) -> Any:
+        """Run ``fn``'s device work (from any thread) on a stream of its own, not in the compute
+        stream's order: the event of its completion. Here at once."""
+        fn()
+        return None
+
     def synchronize(self) -> None:
         """Until every copy issued so far has run (before pinned memory may go)."""
 
@@ -165,6 +171,7 @@ class CudaDevice(Device):
         _, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a lower number is a higher priority
         self.up = torch.cuda.Stream(device, priority=high)
         self.down = torch.cuda.Stream(device, priority=high)
+        self._aside: torch.cuda.Stream | None = None  # the update of states in device memory (``run_aside``)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -197,6 +204,15 @@ class CudaDevice(Device):
         ev.record(self.up)
         d.record_stream(torch.cuda.current_stream(self.device))  # used, then freed, by the compute stream
         return d, ev
+
+    def run_aside(self, fn: Callable[[], object]) -> Any:
+        if self._aside is None:  # made on first use: runs that keep no state on the device make none
+            self._aside = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._aside):  # this thread's current stream only
+            fn()
+        ev = torch.cuda.Event()
+        ev.record(self._aside)
+        return ev
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -56,6 +56,8 @@ class StateDecl:
     weights: bool = False
     zero_if_absent: bool = False
     double: bool = False  # held twice (``state/double.py``, the speculative update): two files
+    # units held in device memory (``memory.optim_device_mib``): neither in host_bytes nor on file
+    device_units: frozenset[int] = frozenset()
 
     @property
     def file_bytes(self) -> int:

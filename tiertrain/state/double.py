@@ -124,6 +124,9 @@ def declare_state(double: bool, *args, **kwargs) -> StateDecl:
     return (DoubleRegions if double else TieredRegions).declare(*args, **kwargs)
 
 
-def build_region(layout, storage: Storage, decl: StateDecl, *, pin: bool = False):
-    """The region a declaration was made for (``StateDecl.double``: a ``DoubleRegions``)."""
-    return (DoubleRegions if decl.double else TieredRegions)(layout, storage, decl, pin=pin)
+def build_region(layout, storage: Storage, decl: StateDecl, *, pin: bool = False, device=None):
+    """The region a declaration was made for (``StateDecl.double``: a ``DoubleRegions``, never
+    on the device); ``device``: where its ``device_units`` live."""
+    if decl.double:
+        return DoubleRegions(layout, storage, decl, pin=pin)
+    return TieredRegions(layout, storage, decl, pin=pin, device=device)

@@ -21,14 +21,19 @@ from .decl import FileDecl, StateDecl
 __all__ = ["TieredRegions", "place"]
 
 
-def place(layout, dtype: torch.dtype, host_bytes: int, align: int) -> dict[int, int | None]:
-    """Per unit: None (host memory) or its element offset in the file."""
+def place(
+    layout, dtype: torch.dtype, host_bytes: int, align: int, device_units: frozenset[int] = frozenset()
+) -> dict[int, int | None]:
+    """Per unit: None (in memory: host, or the device for ``device_units``) or its element
+    offset in the file."""
     out: dict[int, int | None] = {}
     budget, pos = host_bytes, 0
     step = max(1, align // dtype.itemsize)
     for unit in layout.units:
         nbytes = unit.numel * dtype.itemsize
-        if nbytes <= budget:
+        if unit.index in device_units:
+            out[unit.index] = None
+        elif nbytes <= budget:
             budget -= nbytes
             out[unit.index] = None
         else:
@@ -39,24 +44,30 @@ def place(layout, dtype: torch.dtype, host_bytes: int, align: int) -> dict[int, 
 
 class TieredRegions:
     """One state of every unit of ``layout``: in host memory (the first units that fit the
-    declared budget) or in the declared file. ``layout``: a ``FlatLayout`` or an engine's
-    ``SliceLayout``; ``pin`` pins the host part (CUDA)."""
+    declared budget) or in the declared file; the declaration's ``device_units`` in ``device``'s
+    memory (zeroed: fresh state), whose tensors ``host_view`` hands out as it does the host's.
+    ``layout``: a ``FlatLayout`` or an engine's ``SliceLayout``; ``pin`` pins the host part (CUDA)."""
 
-    def __init__(self, layout, storage: Storage, decl: StateDecl, *, pin: bool = False) -> None:
+    def __init__(self, layout, storage: Storage, decl: StateDecl, *, pin: bool = False, device=None) -> None:
         if len(decl.files) > 1:
             raise ValueError(f"state {decl.name} is declared over {len(decl.files)} files; a region holds one")
         self.layout, self.decl, self.name = layout, decl, decl.name
         self.dtype, self.esize = decl.dtype, decl.dtype.itemsize
         self.align = storage.record_align
         budget = decl.host_bytes
-        placement = place(layout, self.dtype, budget, self.align)
+        placement = place(layout, self.dtype, budget, self.align, decl.device_units)
+        on_device = decl.device_units if device is not None else frozenset()
         self._host = {
-            u: aligned_empty(layout.units[u].numel * self.esize, pin=pin).view(self.dtype)
+            u: device.empty(layout.units[u].numel, self.dtype).zero_()
+            if u in on_device
+            else aligned_empty(layout.units[u].numel * self.esize, pin=pin).view(self.dtype)
             for u, off in placement.items()
             if off is None
         }
         self._file_off = {u: off for u, off in placement.items() if off is not None}
-        self.host_bytes = sum(t.numel() * self.esize for t in self._host.values())
+        self.device_units = on_device
+        self.host_bytes = sum(t.numel() * self.esize for u, t in self._host.items() if u not in on_device)
+        self.device_bytes = sum(self._host[u].numel() * self.esize for u in on_device)
         self.file_name = decl.files[0].name if decl.files else None
         self.file_bytes = decl.files[0].size if decl.files else 0
         self.storage = storage
@@ -76,12 +87,16 @@ class TieredRegions:
         path: str | None = None,
         weights: bool = False,
         zero_if_absent: bool = False,
+        device_units: frozenset[int] = frozenset(),
     ) -> StateDecl:
         """The state a ``TieredRegions`` of these arguments holds: the host memory its units
-        take within ``host_bytes`` and its file (``file`` on every path, or on ``path``)."""
-        offs = place(layout, dtype, host_bytes, align)
+        take within ``host_bytes`` and its file (``file`` on every path, or on ``path``);
+        ``device_units`` in device memory, outside both."""
+        offs = place(layout, dtype, host_bytes, align, device_units)
         end = max((off + layout.units[u].numel for u, off in offs.items() if off is not None), default=0)
-        held = sum(layout.units[u].numel * dtype.itemsize for u, off in offs.items() if off is None)
+        held = sum(
+            layout.units[u].numel * dtype.itemsize for u, off in offs.items() if off is None and u not in device_units
+        )
         size = end * dtype.itemsize
         return StateDecl(
             name,
@@ -92,6 +107,7 @@ class TieredRegions:
             files=(FileDecl(file, size, path),) if size else (),
             weights=weights,
             zero_if_absent=zero_if_absent,
+            device_units=frozenset(device_units),
         )
 
     def on_host(self, u: int) -> bool:

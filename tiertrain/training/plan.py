@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..activations.offload import OffloadedGraphs
 from ..activations.stash import HiddenStash
 from ..config import Config
@@ -144,7 +146,22 @@ def device_needs(cfg: Config, rt, unit: int, accum) -> dict[str, int]:
         "tied embedding's gradient rows": tied_rows_bytes(rt.model, layout, cfg.data, dtype, accum),
         "kept activations (memory.keep_act_mib)": (m.keep_act_mib or 0) * (1 << 20),  # (resolved by the plan)
         **({"adapters (weights, gradients, moments)": 4 * rt.adapters.nbytes} if rt.adapters else {}),
+        "optimizer states (memory.optim_device_mib)": _device_states(cfg, rt),
     }
+
+
+def _device_states(cfg: Config, rt) -> int:
+    """The optimizer states placed in device memory, and the fp32 scratch their chunks'
+    gradients (and, without a master copy, parameters) are uploaded into."""
+    from ..cost.device_states import device_state_bytes
+    from ..update.streamed import update_chunk
+
+    states = device_state_bytes(cfg, rt)
+    if not states:
+        return 0
+    o, lay = cfg.optim, rt.state_layout
+    chunk = update_chunk(o, rt.dtype, rt.align, cfg.memory.update_buffer_kib << 10, lay.max_unit_numel)
+    return states + min(chunk, lay.max_unit_numel) * 4 * (1 if rt.dtype != torch.float32 else 2)
 
 
 def say_model(cfg: Config, rt, source) -> None:

@@ -179,7 +179,7 @@ class Trainer:
         accum = self._accum_dtype()
         self.dev.check_capacity(device_needs(cfg, rt, unit, accum))
         self.update: Update = self._part(
-            UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype, pin=self.dev.pin)
+            UPDATES[cfg.update.mode](cfg, rt.state_layout, self.storage, self.dtype, pin=self.dev.pin, dev=self.dev)
         )
         if self.update.states != self.plan.states[: len(self.update.states)]:
             raise RuntimeError(f"update path {self.update.name} built other states than it declared")

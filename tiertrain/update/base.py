@@ -96,9 +96,11 @@ class Update(abc.ABC):
     init_dtype: torch.dtype = torch.float32
 
     @abc.abstractmethod
-    def __init__(self, cfg, layout, storage, pdtype: torch.dtype, *, pin: bool) -> None:
+    def __init__(self, cfg, layout, storage, pdtype: torch.dtype, *, pin: bool, dev=None) -> None:
         """The path for a run of ``cfg`` on the state layout ``layout``, its files on
-        ``storage``, parameters in ``pdtype``; ``pin``: page-lock its host buffers."""
+        ``storage``, parameters in ``pdtype``; ``pin``: page-lock its host buffers; ``dev``: the
+        compute device, where states the config places in its memory live (paths that keep
+        every state on the host ignore it)."""
 
     @classmethod
     def fixed_pools(cls, cfg, rt) -> dict[str, int]:

@@ -125,7 +125,16 @@ class BaselineUpdate(Update):
         weights_first = pdtype == torch.float32  # without a master copy the parameters are the weights
         double = cfg.update.speculate == "on"  # every state the step writes, twice (``state/double.py``)
         return [
-            *optimizer_states(cfg.optim, layout, pdtype, align, m.optim_host_mib * MIB, owner=OWNER, double=double),
+            *optimizer_states(
+                cfg.optim,
+                layout,
+                pdtype,
+                align,
+                m.optim_host_mib * MIB,
+                owner=OWNER,
+                double=double,
+                device_bytes=(m.optim_device_mib or 0) * MIB,
+            ),  # fmt: skip
             declare_state(
                 double,
                 layout,
@@ -143,7 +152,9 @@ class BaselineUpdate(Update):
             ),
         ]
 
-    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
+    def __init__(
+        self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool, dev=None
+    ) -> None:
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         by = {d.name: d for d in self.states}
@@ -158,6 +169,7 @@ class BaselineUpdate(Update):
             cfg.optim,
             [d for d in self.states if d.name not in ("params", "grads")],
             buffer_bytes=cfg.memory.update_buffer_kib << 10,
+            dev=dev if dev is not None and dev.separate else None,  # device memory of its own (CUDA)
         )
         self.spec = Speculation(on=cfg.update.speculate == "on")  # states held twice: ``declare``
         self.redone = 0  # speculative steps redone with the clip (each one more update's I/O)

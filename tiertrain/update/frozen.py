@@ -143,7 +143,9 @@ class FrozenUpdate(Update):
             )
         ]
 
-    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
+    def __init__(
+        self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool, dev=None
+    ) -> None:
         self.cfg, self.layout = cfg, layout
         self.states = self.declare(cfg, layout, pdtype, storage.record_align, storage.paths)
         stored, _ = base_storage(cfg, layout, pdtype, storage.record_align)

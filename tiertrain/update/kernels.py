@@ -31,7 +31,8 @@ def adamw_segments(
         return
     # The functional API increments each step tensor before the kernel reads it, as the
     # optimizer does with its per-parameter state["step"] (a float32 tensor when fused).
-    steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=params[0].device) for _ in params]
+    # (a fill, not ``torch.tensor``: on a CUDA device that would be a blocking copy per segment)
+    steps = [torch.full((), float(step - 1), dtype=torch.float32, device=params[0].device) for _ in params]
     _adamw(
         params,
         grads,

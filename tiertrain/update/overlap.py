@@ -181,8 +181,10 @@ class OverlapUpdate(BaselineUpdate):
             )
         return [f, b, u], f.time_s + b.time_s + u.time_s, max((f, b), key=lambda p: p.time_s).bound, [note]
 
-    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
-        super().__init__(cfg, layout, storage, pdtype, pin=pin)
+    def __init__(
+        self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool, dev=None
+    ) -> None:
+        super().__init__(cfg, layout, storage, pdtype, pin=pin, dev=dev)
         # eager with clipping is speculation itself; once speculation stops for the run, the step's
         # update waits for the norm (queued unit by unit, it went unclipped from then on)
         self.eager = cfg.update.eager and not self.spec.on

@@ -29,8 +29,18 @@ from ..state.scales import ScaleLayout
 from .adamw8bit import adamw8bit_segments, align_dtype, eight_bit
 from .base import UpdateStats
 from .kernels import adamw_segments, sgd_segments
+from .on_device import DeviceStates
 
-__all__ = ["StreamedOptimizer", "optimizer_shares", "optimizer_sizes", "optimizer_states", "update_set_bytes"]
+DEVICE, HOST, BUFFERS = "device", "host", "buffers"  # where a unit's update runs (``StreamedOptimizer._where``)
+
+__all__ = [
+    "StreamedOptimizer",
+    "device_units",
+    "optimizer_shares",
+    "optimizer_sizes",
+    "optimizer_states",
+    "update_set_bytes",
+]
 
 F32 = torch.float32
 
@@ -104,13 +114,16 @@ def optimizer_states(
     file=lambda name: f"{name}.bin",
     path: str | None = None,
     double: bool = False,
+    device_bytes: int = 0,
 ) -> list[StateDecl]:
     """The optimizer's states: fp32 master weights (when parameters are lower precision),
     then the moments (AdamW: ``exp_avg``, ``exp_avg_sq``; AdamW8bit: the same as one-byte codes,
     and their scales, ``exp_avg_scales``; SGD: ``momentum``), each within its share of
-    ``host_bytes`` (``optimizer_shares``). ``file(name)``: the file a state lives in on ``path``;
+    ``host_bytes`` (``optimizer_shares``), but for the units whose states ``device_bytes`` holds
+    (``device_units``: in device memory). ``file(name)``: the file a state lives in on ``path``;
     ``double``: each held twice (the speculative update's ``DoubleRegions``)."""
     shares = optimizer_shares(cfg, layout, pdtype, host_bytes)
+    on_device = device_units(cfg, layout, pdtype, device_bytes) if not double else frozenset()
     return [
         declare_state(
             double,
@@ -124,9 +137,31 @@ def optimizer_states(
             checkpointed=True,
             path=path,
             weights=n == "master",
+            **({"device_units": on_device} if on_device else {}),
         )
         for n, share in shares.items()
     ]
+
+
+def device_units(cfg: OptimConfig, layout, pdtype: torch.dtype, device_bytes: int) -> frozenset[int]:
+    """The trained units whose optimizer states (every one: master and moments) ``device_bytes``
+    of device memory holds, the first that fit in order; none for 8-bit states (their kernel
+    and scales are the host's)."""
+    if device_bytes <= 0 or eight_bit(cfg):
+        return frozenset()
+    per = state_bytes_per_element(cfg, pdtype)
+    out, left = [], device_bytes
+    for unit in layout.units:
+        if not unit.frozen and 0 < unit.numel * per <= left:
+            out.append(unit.index)
+            left -= unit.numel * per
+    return frozenset(out)
+
+
+def state_bytes_per_element(cfg: OptimConfig, pdtype: torch.dtype) -> int:
+    """The optimizer's state bytes a parameter element takes (fp32 master and moments; 8-bit
+    moments: their codes, the scales not counted)."""
+    return (4 if pdtype != F32 else 0) + sum(_dtype(cfg, n).itemsize for n in _moments(cfg) if n != "exp_avg_scales")
 
 
 def optimizer_sizes(cfg: OptimConfig, layout, pdtype: torch.dtype) -> dict[str, int]:
@@ -178,6 +213,7 @@ class StreamedOptimizer:
         *,
         buffer_bytes: int,
         ahead_bytes: int = 0,
+        dev=None,
     ) -> None:
         self.layout, self.params, self.grads, self.cfg = layout, params, grads, cfg
         pdtype = params.dtype
@@ -188,12 +224,16 @@ class StreamedOptimizer:
         mdtype = torch.uint8 if self.eight_bit else F32
         self.chunk = update_chunk(cfg, pdtype, storage.record_align, buffer_bytes, layout.max_unit_numel)
         scales = ScaleLayout(layout) if self.eight_bit else None  # fp32 records
-        regions = {d.name: build_region(scales if d.name == "exp_avg_scales" else layout, storage, d) for d in states}
+        regions = {
+            d.name: build_region(scales if d.name == "exp_avg_scales" else layout, storage, d, device=dev)
+            for d in states
+        }
         self.m = regions["exp_avg" if self.adamw else "momentum"]
         self.v = regions.get("exp_avg_sq")
         self.master = regions.get("master")
         self.scales = _Scales(regions["exp_avg_scales"]) if self.eight_bit else None
         self._double = [r for r in (*self.state_files, params) if isinstance(r, DoubleRegions)]  # fixed at start
+        self.on_device = DeviceStates.build(self, dev)  # units whose states are in device memory (or None)
         self.sets = [_BufferSet(self.chunk, pdtype, self.has_master, moments, mdtype) for _ in range(3)]
         # Read-ahead sets: the first chunks' state (not gradients), read before the step
         # while the disk is idle (``read_ahead``); as many whole sets as ``ahead_bytes`` holds.
@@ -323,17 +363,20 @@ class StreamedOptimizer:
         slot = lambda i: len(self.sets) + i if i < K else (i - K) % len(self.sets)  # noqa: E731
         bufs = self.sets + self.ahead_sets[:K]
 
-        resident = self._resident_in(grads)
+        where = self._where(grads)
 
         def issue(i: int) -> None:
             s = slot(i)
             st.wait_s += _wait(writes[s])
             writes[s] = []
-            if resident(chunks[i][0]):  # updated where it lives: nothing to read (a read-ahead copy is dropped)
-                reads[i] = ahead.pop(i) if i < K else []
+            u, a, b = chunks[i]
+            if where(u) != BUFFERS:  # updated where its states live (a read-ahead copy is dropped)
+                reads[i] = (ahead.pop(i) if i < K else []) + (
+                    self.on_device.reads(grads, bufs[s], u, a, b) if where(u) == DEVICE else []
+                )
                 return
             state = ahead.pop(i) if i < K else self._read_state(bufs[s], *chunks[i])
-            reads[i] = state + [grads.read(chunks[i][0], bufs[s].g, *chunks[i][1:])]
+            reads[i] = state + [grads.read(u, bufs[s].g, a, b)]
 
         if chunks:
             issue(0)
@@ -344,15 +387,23 @@ class StreamedOptimizer:
             t0 = time.perf_counter()
             bs = bufs[slot(i)]
             faults.point("update")
-            here = resident(u)
-            if here:
+            kind = where(u)
+            if kind == DEVICE:
+                self.on_device.update(bs, grads, u, a, b, lr, coef)
+            elif kind == HOST:
                 self._compute_resident(bs, grads, u, a, b, lr, coef)
             else:
                 self._compute(bs, u, a, b, lr, coef)
             if on_chunk is not None:
                 on_chunk(u, a, b, self._pview(bs, u, a, b))
             st.compute_s += time.perf_counter() - t0
-            writes[slot(i)] = [] if here else self._write(bs, u, a, b)
+            writes[slot(i)] = (
+                self._write(bs, u, a, b)
+                if kind == BUFFERS
+                else self.on_device.writes(bs, u, a, b)
+                if kind == DEVICE
+                else []
+            )
             if self.scales is not None and b == self.layout.units[u].numel:  # the unit's last chunk
                 unit_writes.append(self.scales.write(u))
             unit_writes += writes[slot(i)]
@@ -389,16 +440,20 @@ class StreamedOptimizer:
             futs.append(self.master.read(u, bs.w, a, b))
         return futs
 
-    def _resident_in(self, grads) -> Callable[[int], bool]:
-        """Whether a unit's update runs in place (``_compute_resident``): every state it reads
-        and writes is in host memory, held once, and AdamW's or SGD's in fp32 (an 8-bit state's
-        codes and scales go through the buffers). In place, a parameter moves through memory
-        once instead of three times (copied into a buffer set, updated, copied back): on CUDA,
-        where the host's update bounds the step, it is most of the update's time."""
+    def _where(self, grads) -> Callable[[int], str]:
+        """Where a unit's update runs: ``DEVICE``, its states in device memory (``on_device.py``);
+        ``HOST``, in place (``_compute_resident``): every state it reads and writes is in host
+        memory, held once, and AdamW's or SGD's in fp32 (an 8-bit state's codes and scales go
+        through the buffers); else ``BUFFERS``, through a buffer set. In place, a parameter moves
+        through memory once instead of three times (copied into a buffer set, updated, copied
+        back): on CUDA, where the host's update bounds the step, it is most of the update's time."""
+        dev = self.on_device.units if self.on_device is not None else frozenset()
         if self._double or self.scales is not None:
-            return lambda u: False
+            return lambda u: DEVICE if u in dev else BUFFERS
         regions = [r for r in (self.m, self.v, self.master, grads) if r is not None]
-        return lambda u: self._in_place(u) and all(r.on_host(u) for r in regions)
+        return lambda u: (
+            DEVICE if u in dev else HOST if self._in_place(u) and all(r.on_host(u) for r in regions) else BUFFERS
+        )
 
     def _compute_resident(
         self, bs: _BufferSet, grads, u: int, a: int, b: int, lr: float, coef: torch.Tensor | None

@@ -76,7 +76,9 @@ class EngineUpdate(Update):
         return declare_states(cfg, layout, pdtype, align, paths)
 
     # -- construction ------------------------------------------------------------------------------------
-    def __init__(self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool) -> None:
+    def __init__(
+        self, cfg: Config, layout: FlatLayout, storage: Storage, pdtype: torch.dtype, *, pin: bool, dev=None
+    ) -> None:
         self.layout, self.storage, self.cfg, self.pdtype = layout, storage, cfg, pdtype
         self.n = cfg.update.engines or len(storage.paths)
         self.path_of = [i % len(storage.paths) for i in range(self.n)]
