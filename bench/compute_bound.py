@@ -93,6 +93,24 @@ def write_config(shape: dict, seq_len: int, directory: str) -> None:
     cfg.save_pretrained(directory)
 
 
+def worker_init(cfg, path: str) -> dict:
+    """The weights both systems start from (``vs_plain.worker_init``), made on the GPU where the
+    run is on one: the reference's initialisation on the CPU took 90 s for 5.6 B parameters on
+    an H200 machine, a sixth of a GPU window's stage (any weights do: both read the same file)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tiertrain.reference import HFWrapper, reference_model
+
+    if cfg.train.device != "cuda":
+        return vs_plain.worker_init(cfg, path)
+    with torch.device("cuda"):
+        model = reference_model(cfg)
+    inner = model.hf if isinstance(model, HFWrapper) else model
+    save_file({k: v.cpu() for k, v in vs_plain.untied(inner.state_dict()).items()}, path)  # written from host memory
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
 def worker_plain(cfg, path: str, checkpointing: str) -> dict:
     """Plain PyTorch in device memory: the reference's mixed precision (bf16 model, fp32 master
     weights and fused AdamW on them), or fp32 where tiertrain computes in fp32."""
@@ -189,7 +207,7 @@ def worker(argv: list[str]) -> int:
 
     cfg = load_config(None, cli)
     res = {
-        "init": lambda: vs_plain.worker_init(cfg, path),
+        "init": lambda: worker_init(cfg, path),
         "plain": lambda: worker_plain(cfg, path, checkpointing),
         "tiertrain": lambda: worker_tiertrain(cfg),
     }[kind]()
@@ -250,7 +268,8 @@ def run(args, scratch: str) -> str:
         plain = spawn("plain", scratch, cli, args.checkpointing)
         cli = [*cli, f"--model.init_from={scratch}/init.safetensors"]
     tt = spawn("tiertrain", scratch, cli)  # alone: its own random weights (model.from_scratch), no file
-    return report(args, shape, M, said, init, plain, tt, why)
+    also = [(x, spawn("tiertrain", scratch, [*cli, f"--{x}"])) for x in args.also]  # the same run, one more setting
+    return report(args, shape, M, said, init, plain, tt, why, also)
 
 
 def params_of(shape: dict) -> int:
@@ -273,7 +292,7 @@ def _device_bytes(device: str) -> int:
     return int(r.stdout.strip() or 0) if r.returncode == 0 else 0
 
 
-def report(args, shape: dict, M: int, said: str, init: dict, plain: dict | None, tt: dict, why: str) -> str:
+def report(args, shape: dict, M: int, said: str, init: dict, plain: dict | None, tt: dict, why: str, also=()) -> str:
     med = lambda xs: statistics.median(xs[1:]) if len(xs) > 1 else xs[0]  # noqa: E731
     tokens = tt["tokens"]
     fpt = tt["flops_per_token"]
@@ -308,11 +327,23 @@ def report(args, shape: dict, M: int, said: str, init: dict, plain: dict | None,
         where = "in memory" if args.device == "cpu" else "in device memory"
         lines.append(row(f"plain PyTorch {where} ({ck} activation checkpointing)", plain, p_step, "1.00x"))
         lines.append(row("tiertrain", tt, t_step, f"**{p_step / t_step:.2f}x**"))
-        dl = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tt["losses"]))
+        for x, r in also:
+            lines.append(row(f"tiertrain, --{x}", r, med(r["times"]), f"**{p_step / med(r['times']):.2f}x**"))
+        dl = max(abs(a - b) / abs(a) for r in (tt, *(r for _, r in also)) for a, b in zip(plain["losses"], r["losses"]))
         tail = [f"- losses: largest relative difference {dl:.1e} (the parity tests' bf16 tolerances: docs/testing.md)"]
     else:
         lines.append(row("tiertrain", tt, t_step, "-"))
+        for x, r in also:
+            lines.append(row(f"tiertrain, --{x}", r, med(r["times"]), "-"))
         tail = [f"- plain PyTorch not run: {why}"]
+    for x, r in also:
+        parts = [statistics.median(p[i] for p in r["parts"][1:] or r["parts"]) for i in range(4)]
+        tail.append(
+            f"- with --{x}: phases (forward / backward / update / I/O wait) "
+            + " / ".join(f"{v:.2f}" for v in parts)
+            + f" s; predicted {r['predicted']:.3f} s (measured / predicted {med(r['times']) / r['predicted']:.2f}); "
+            + "; ".join(r["budget"][2:])[-400:]
+        )
     parts = [statistics.median(p[i] for p in tt["parts"][1:] or tt["parts"]) for i in range(4)]
     lines += [
         "",
@@ -354,6 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", choices=("auto", "off"), default="auto")
     ap.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="tiertrain once more with this setting too (same weights and data), another row",
+    )
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

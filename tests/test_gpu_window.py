@@ -131,7 +131,9 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
         "stage10-moe": ("bench", ["A mixture of experts (qwen3_moe)", "Qwen3MoeForCausalLM", "| plain PyTorch, in memory |"]),
         "stage11-qlora": ("bench", ["| bfloat16 | 1 |", "| nf4 | 1 |", "- `nf4`:"]),
         "stage12-compute-bound": ("3b", ["| plain PyTorch in memory (without activation checkpointing) |",
-                                         "| tiertrain |", "tokens a step", "GFLOP a token", "- losses: largest"]),
+                                         "| tiertrain |", "tokens a step", "GFLOP a token", "- losses: largest",
+                                         "| tiertrain, --memory.optim_device_mib=none |",
+                                         "memory.optim_device_mib = None is not used: the device's memory is the host's"]),
     }  # fmt: skip
     if name in bench:
         report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()

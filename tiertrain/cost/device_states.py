@@ -54,7 +54,7 @@ def resolve_device_states(cfg: Config, rt, room: int | None) -> tuple[Config, st
     why = why_not_on_device(cfg, rt)
     asked = m.optim_device_mib
     if why:
-        line = f"memory.optim_device_mib = {asked} is not used: {why}; every state is on the host" if asked else ""
+        line = f"memory.optim_device_mib = {asked} is not used: {why}; every state is on the host" if asked != 0 else ""
         return _with(cfg, 0), line
     per = state_bytes_per_element(cfg.optim, rt.dtype)
     total = sum(u.numel for u in rt.state_layout.units if not u.frozen) * per
