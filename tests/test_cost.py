@@ -493,3 +493,27 @@ def test_the_plan_names_the_tokens_a_step_from_which_the_step_is_compute_bound(t
         f"not compute-bound up to {8 * tokens:,} tokens a step"
     )
     assert "bound by the host's update" in knee(cfg, rt, predict_with(cfg, rt, slow), most=8)
+
+
+def test_where_the_hosts_update_bounds_the_step_the_plan_says_what_device_states_would_do(tmp_path):
+    """Bound by the host's update on a device with memory of its own, the knee line says what
+    the step would be with the optimizer's states in device memory (`memory.optim_device_mib`);
+    not on CPU, and not where they are there already."""
+    from tiertrain.cost import predict_with
+    from tiertrain.cost.report import knee
+    from tiertrain.device import AsyncCpuDevice
+    from tiertrain.runtime import Runtime
+
+    cfg = small_config(tmp_path, kind="llama", layers=3, micro_batches=1, slots=2, host_param_mib=0)
+    slow = _rates(block_fwd_s=0.01, block_bwd_s=0.02, head_s=0.005, update_elem_s=1e-3)
+    rt = Runtime(cfg, device=AsyncCpuDevice(delay=0.0))
+    pred = predict_with(cfg, rt, slow)
+    said = knee(cfg, rt, pred, most=8)
+    assert "bound by the host's update" in said, said
+    hint = said.split("(with the optimizer's ")[1]
+    assert "GiB of states in device memory, memory.optim_device_mib=none: " in hint, said
+    there = float(hint.split("memory.optim_device_mib=none: ")[1].split(" s predicted")[0])
+    assert there < pred.step_s / 10, (there, pred.step_s)
+    assert "optim_device_mib" not in knee(cfg, Runtime(cfg), predict_with(cfg, Runtime(cfg), slow), most=8)
+    cfg.memory.optim_device_mib = 1
+    assert "(with the optimizer's" not in knee(cfg, rt, predict_with(cfg, rt, slow), most=8)

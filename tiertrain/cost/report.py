@@ -12,7 +12,7 @@ from .model import Prediction
 
 __all__ = ["plan_report", "advice", "knee"]
 
-GB, MIB = 1e9, 1 << 20
+GB, MIB, GIB = 1e9, 1 << 20, 1 << 30
 
 
 def _placement(states) -> list[str]:
@@ -133,11 +133,34 @@ def knee(cfg, rt, pred: Prediction, most: int = 4096) -> str:
     m = 1
     while m <= most and not bound(p := at(m)):
         m *= 2
+    hint = _on_device_hint(cfg, rt, pred) if worst == "the host's update" else ""
     if m > most:
-        return f"not compute-bound up to {most * rows:,} tokens a step; {here}: bound by {worst}"
+        return f"not compute-bound up to {most * rows:,} tokens a step; {here}: bound by {worst}{hint}"
     return (
         f"compute-bound from {m * rows:,} tokens a step ({m} micro-batches; {p.step_s:.2f} s predicted, "
-        f"{m * rows / p.step_s:,.0f} tokens/s); below that bound by {worst}: {here}"
+        f"{m * rows / p.step_s:,.0f} tokens/s); below that bound by {worst}: {here}{hint}"
+    )
+
+
+def _on_device_hint(cfg, rt, pred: Prediction) -> str:
+    """Where the host's update bounds a step and the optimizer's states could live in device
+    memory instead (``memory.optim_device_mib``): what the step would be with all of them
+    there, and what they take against what the device has free."""
+    from ..update.streamed import state_bytes_per_element
+    from . import predict_with
+    from .device_states import why_not_on_device
+
+    if cfg.memory.optim_device_mib or why_not_on_device(cfg, rt):
+        return ""
+    states = sum(u.numel for u in rt.state_layout.units if not u.frozen) * state_bytes_per_element(cfg.optim, rt.dtype)
+    there = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, optim_device_mib=-(-states // MIB)))
+    alt = predict_with(there, rt, pred.rates)
+    import torch
+
+    free = f"; the device has {torch.cuda.mem_get_info(rt.dev.device)[0] / GIB:.1f} GiB free" if rt.dev.cuda else ""
+    return (
+        f" (with the optimizer's {states / GIB:.1f} GiB of states in device memory, memory.optim_device_mib=none: "
+        f"{alt.step_s:.2f} s predicted{free})"
     )
 
 
