@@ -7,7 +7,7 @@ slower than plain PyTorch's without a second try.
 
 Usage: python bench/profile_step.py [--shape qwen2.5-3b] [--seq-len 2048] [--micro-batches 8]
                                     [--device cuda] [--steps 3] [--set SECTION.FIELD=VALUE ...]
-                                    [--rows 25] [--no-profile] [--scratch DIR]
+                                    [--rows 25] [--no-profile] [--scratch DIR] [--log FILE]
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compute_bound  # noqa: E402
 
+LOG: list = []  # --log FILE: everything said goes there too (a GPU window keeps only a stage log's tail)
+
 
 def say(*a) -> None:
     print(*a, flush=True)
+    for f in LOG:
+        print(*a, file=f, flush=True)
 
 
 def host_rates(n: int = 1 << 26) -> None:
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--host-elements", type=int, default=1 << 26, help="the host rates' size (0: not measured)")
     ap.add_argument("--scratch", default=None, help=SCRATCH_HELP)
+    ap.add_argument("--log", default=None, help="a file that gets everything printed, too")
     args = ap.parse_args(argv)
+    if args.log:
+        LOG.append(open(args.log, "w"))
     if args.host_elements:
         host_rates(args.host_elements)
     with scratch_dir(args.scratch, "profile-step") as scratch:

@@ -37,6 +37,7 @@ STAGES = [
     "stage10-moe",
     "stage11-qlora",
     "stage12-compute-bound",
+    "stage13-profile",
 ]
 LIMIT_S = 540  # a stage's budget: 9 minutes, inside the machine's 10-minute commands
 
@@ -130,13 +131,15 @@ def test_every_stage_runs_dry_as_the_gpu_machine_will_call_it(machine, name):
         "stage8-lora": ("bench", ["the I/O floor", "nothing written (0.00 GB"]),
         "stage10-moe": ("bench", ["A mixture of experts (qwen3_moe)", "Qwen3MoeForCausalLM", "| plain PyTorch, in memory |"]),
         "stage11-qlora": ("bench", ["| bfloat16 | 1 |", "| nf4 | 1 |", "- `nf4`:"]),
+        "stage13-profile": ("device.log", ["host: ", "fused AdamW", "== operators by self_cpu_time_total", "(profiled)"]),
         "stage12-compute-bound": ("3b", ["| plain PyTorch in memory (without activation checkpointing) |",
                                          "| tiertrain |", "tokens a step", "GFLOP a token", "- losses: largest",
                                          "| tiertrain, --memory.optim_device_mib=none |",
                                          "memory.optim_device_mib = None is not used: the device's memory is the host's"]),
     }  # fmt: skip
     if name in bench:
-        report = (machine.base / "out" / name / f"{name}-{bench[name][0]}.md").read_text()
+        kind = bench[name][0]
+        report = (machine.base / "out" / name / f"{name}-{kind if '.' in kind else kind + '.md'}").read_text()
         assert all(want in report for want in bench[name][1]), report
     if name == "stage12-compute-bound":  # and tiertrain alone, plain not run, said
         alone = (machine.base / "out" / name / f"{name}-8b.md").read_text()

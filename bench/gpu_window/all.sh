@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The whole GPU window in one command of a given length (a lent machine may give only one): the
 # stages in order of what they answer (12: where the GPU is the bound, in TFLOPS, issue 52 first;
+# 13: where that step's time goes, profiled;
 # 1: does it train on CUDA, exactly; 3: the NVMe figures;
 # 7: the speculative update; 8: LoRA; 11: QLoRA; 9: the cost model at scale; 10: a mixture of experts; 5: ranks; 2: the sanitizer; 6: GDS; 4: DeepSpeed), each
 # given what is left of the time, capped at its own 540 s. Results: DIR/stageN-<name>.md per
 # stage, and DIR.tgz of everything.
 #
-#   bench/gpu_window/all.sh --out DIR [--seconds S] [--stages "12 1 3 7 8 11 9 10 5 2 6 4"] [--dry]
+#   bench/gpu_window/all.sh --out DIR [--seconds S] [--stages "12 13 1 3 7 8 11 9 10 5 2 6 4"] [--dry]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-out="" seconds=540 stages="12 1 3 7 8 11 9 10 5 2 6 4" extra=()
+out="" seconds=540 stages="12 13 1 3 7 8 11 9 10 5 2 6 4" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift ;;
