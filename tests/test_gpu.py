@@ -282,3 +282,44 @@ def test_cuda_ranks_train_the_cpu_ranks_model(tmp_path):
     assert gpu[0]["loss"] == gpu[1]["loss"]  # every rank's mean, the same on both
     torch.testing.assert_close(torch.tensor(gpu[0]["loss"]), torch.tensor(cpu[0]["loss"]), rtol=1e-5, atol=1e-5)
     same_weights_across_devices(_Named(cfg_for("n", "cpu")), gpu[0]["weights"], cpu[0]["weights"])
+
+
+def _device_states_cfg(tmp_path, where: str, mode: str, mib: int, **kw):
+    c = cfg_on(
+        tmp_path / where, "cuda", kind="llama", host_param_mib=64, grad_host_mib=64, optim_host_mib=64, **kw
+    )  # fmt: skip
+    c.update.mode, c.memory.optim_device_mib = mode, mib
+    return c
+
+
+@pytest.mark.parametrize("mode", ["baseline", "overlap"])
+def test_cuda_states_in_device_memory_match_the_hosts_update(tmp_path, mode):
+    """fp32, deterministic algorithms: the optimizer's states in device memory, updated there by
+    torch's fused AdamW on a stream of its own (``memory.optim_device_mib``), against the same
+    CUDA run updating them on the host: the two kernels round alike but where a gradient is as
+    small as their rounding (``same_weights_across_devices``' bounds). A wrong order between the
+    update's stream and the forward's loads shows as stale parameters: a loss off from step 2."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        init = weights_of(reference_model(cfg_on(tmp_path / "r", "cpu", kind="llama")))
+        l_host, w_host, _ = run_tiertrain(_device_states_cfg(tmp_path, "h", mode, 0, dtype="float32"), init)
+        l_dev, w_dev, tr = run_tiertrain(_device_states_cfg(tmp_path, "d", mode, 64, dtype="float32"), init)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert set(tr.optim.on_device.units) == {u.index for u in tr.optim.trainable}
+    torch.testing.assert_close(torch.tensor(l_dev), torch.tensor(l_host), rtol=1e-5, atol=1e-5)
+    same_weights_across_devices(tr, w_dev, w_host)
+
+
+def test_cuda_bf16_states_partly_in_device_memory_resume_exactly(tmp_path):
+    """bf16 with an fp32 master, some units' states in device memory and the rest on the host
+    and the drive, the overlapped path: 4 steps straight against 2, a checkpoint (the device's
+    states saved through host memory) and 2 more in a fresh trainer: the same bits."""
+    from reference import assert_resume_exact
+
+    def cfg(where):
+        c = _device_states_cfg(tmp_path, where, "overlap", 1, dtype="bfloat16", optim_host_mib=2, update_kib=256)
+        c.model.n_layers, c.model.d_model, c.train.steps = 4, 128, 4
+        return c
+
+    assert_resume_exact(cfg("straight"), cfg("split"))
