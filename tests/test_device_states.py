@@ -129,3 +129,37 @@ def test_the_host_update_the_cost_model_counts_leaves_the_device_units_out(tmp_p
 def test_a_negative_device_budget_is_refused():
     with pytest.raises(ConfigError, match="optim_device_mib"):
         MemoryConfig(optim_device_mib=-1)
+
+
+def test_the_plan_never_counts_device_states_a_path_cannot_have(tmp_path):
+    """Set for a run that then speculates (``auto``) or for a prediction of the update engines,
+    the device states would not be there: the speculation is left off where the budget placed
+    them (said), and a prediction of a path that keeps its states on the host counts the whole
+    update on the host."""
+    from tiertrain.cost import on_device_elements
+    from tiertrain.cost.choose import resolve_speculation
+    from tiertrain.runtime import Runtime
+
+    cfg = _cfg(tmp_path, mode="overlap", device_mib=64)
+    rt = Runtime(cfg, device=AsyncCpuDevice(delay=0.0))
+    trained = sum(u.used for u in rt.state_layout.units if not u.frozen)
+    assert on_device_elements(cfg, rt) == trained
+    cfg.update.speculate = "auto"
+    out, why = resolve_speculation(cfg, rt, rates_fn=lambda: pytest.fail("nothing to measure"))
+    assert out.update.speculate == "off" and "in device memory" in why, why
+    cfg.update.speculate = "off"
+    cfg.update.mode = "engines"
+    assert on_device_elements(cfg, rt) == 0
+    cfg.update.mode, cfg.update.speculate = "overlap", "on"
+    assert on_device_elements(cfg, rt) == 0
+
+
+def test_planned_device_states_take_the_last_unit_too(tmp_path):
+    """Planned with room for all of them, every unit's states are on the device, the last one
+    too, whatever the total's remainder of a MiB (without checksums units are not whole MiB)."""
+    cfg = _cfg(tmp_path, device_mib=None, checksum=False)
+    with Trainer(cfg, device=AsyncCpuDevice(delay=0.001)) as tr:
+        per = 8  # fp32: two moments
+        total = sum(u.numel for u in tr.optim.trainable) * per
+        assert total % MIB, total  # a remainder: rounded down it would leave a unit out
+        assert _device_units(tr) == {u.index for u in tr.optim.trainable}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ..execute.executor import visits
+from .device_states import device_units_of as _device_units_of
 from .model import Phase, Prediction, predict
 from .probe import DiskProbe, Rates, probe_base, probe_compute, probe_crc, probe_link, probe_update
 from .traffic import Traffic, kept_pairs, offloaded_pairs, run_traffic, step_traffic
@@ -87,12 +88,7 @@ def trained_elements(rt) -> int:
 def on_device_elements(cfg, rt) -> int:
     """Trained elements whose states ``memory.optim_device_mib`` puts in device memory: updated
     there, in no time the host's update counts (their kernel is the GPU's, a few milliseconds)."""
-    from ..update.streamed import device_units
-
-    if not rt.dev.separate or not cfg.memory.optim_device_mib:
-        return 0
-    units = device_units(cfg.optim, rt.state_layout, rt.dtype, cfg.memory.optim_device_mib << 20)
-    return sum(rt.state_layout.units[u].used for u in units)
+    return sum(rt.state_layout.units[u].used for u in _device_units_of(cfg, rt))
 
 
 def predict_with(cfg, rt, rates: Rates) -> Prediction:
@@ -112,6 +108,7 @@ def predict_with(cfg, rt, rates: Rates) -> Prediction:
         separate=rt.dev.separate,
         offloaded=offloaded,
         record=rates.record_bytes,
+        on_device=_device_units_of(cfg, rt),
     )
     first_unit = visits(rt.model.plan)[0].index  # the read nothing hides
     first = rt.layout.units[first_unit].numel * rt.dtype.itemsize if t.forward_read else 0

@@ -132,6 +132,7 @@ def resolve_speculation(
     turns speculation off (``update/speculate.py``). ``agree``: ranks take rank 0's choice."""
     from ..io.space import device_of, free_bytes
     from . import predict_with
+    from .device_states import device_units_of
 
     if cfg.update.speculate != "auto":
         return cfg, None
@@ -142,6 +143,11 @@ def resolve_speculation(
         return off, None  # nothing to speculate on: the update waits for no norm, or runs elsewhere
     if not UPDATES[cfg.update.mode].speculates:
         return off, f"speculative update (auto): off (the {cfg.update.mode} update path does not speculate)"
+    if device_units_of(off, rt):  # the budget placed them for a run not speculating
+        return off, (
+            "speculative update (auto): off (the optimizer's states are in device memory, memory.optim_device_mib, "
+            "where the update takes milliseconds and the speculation could not hold them twice)"
+        )
     on = _with_update(cfg, speculate="on")
     if rates_fn is None:
         choice, why = "off", "off (nothing measured: no gain predicted; update.speculate = 'on' to choose it)"

@@ -19,7 +19,7 @@ from ..update import UPDATES
 from ..update.adamw8bit import eight_bit
 from ..update.streamed import device_units, state_bytes_per_element
 
-__all__ = ["device_state_bytes", "resolve_device_states", "why_not_on_device"]
+__all__ = ["device_state_bytes", "device_units_of", "resolve_device_states", "why_not_on_device"]
 
 MIB = 1 << 20
 
@@ -39,10 +39,20 @@ def why_not_on_device(cfg: Config, rt) -> str:
     return ""
 
 
+def device_units_of(cfg: Config, rt) -> frozenset[int]:
+    """The units whose states ``memory.optim_device_mib`` (as resolved) places in device memory
+    in a run of ``cfg``: none where they cannot be there (``why_not_on_device``: a config the
+    plan turned to the speculative update or the engines after the budget, a prediction of
+    another update path) whatever the setting says."""
+    if not cfg.memory.optim_device_mib or why_not_on_device(cfg, rt):
+        return frozenset()
+    return device_units(cfg.optim, rt.state_layout, rt.dtype, cfg.memory.optim_device_mib * MIB)
+
+
 def device_state_bytes(cfg: Config, rt) -> int:
     """Bytes of the states ``memory.optim_device_mib`` (as resolved) places in device memory:
     whole units' states, so at most the setting."""
-    units = device_units(cfg.optim, rt.state_layout, rt.dtype, (cfg.memory.optim_device_mib or 0) * MIB)
+    units = device_units_of(cfg, rt)
     return sum(rt.state_layout.units[u].numel for u in units) * state_bytes_per_element(cfg.optim, rt.dtype)
 
 
@@ -60,11 +70,11 @@ def resolve_device_states(cfg: Config, rt, room: int | None) -> tuple[Config, st
     total = sum(u.numel for u in rt.state_layout.units if not u.frozen) * per
     if asked is None:
         given = total if room is None else max(0, min(total, room))
-        cfg = _with(cfg, given // MIB)
+        cfg = _with(cfg, -(-given // MIB) if given == total else given // MIB)  # all of them: the last unit too
     elif asked == 0:
         return cfg, ""
     on = device_state_bytes(cfg, rt)
-    n = len(device_units(cfg.optim, rt.state_layout, rt.dtype, cfg.memory.optim_device_mib * MIB))
+    n = len(device_units_of(cfg, rt))
     trained = sum(1 for u in rt.state_layout.units if not u.frozen)
     how = "planned: what device memory leaves beside the fixed pools" if asked is None else "set"
     return cfg, (

@@ -31,7 +31,7 @@ from ..execute.executor import visits
 from ..state.quant import base_storage
 from ..state.regions import place
 from ..state.scales import ScaleLayout
-from ..update.streamed import device_units, optimizer_shares, optimizer_states
+from ..update.streamed import optimizer_shares, optimizer_states
 
 __all__ = ["Traffic", "step_traffic", "run_traffic", "kept_pairs", "offloaded_pairs", "slot_fetches"]
 
@@ -159,13 +159,15 @@ def step_traffic(
     used_pieces: list | None = None,
     offloaded: int = 0,
     record: int = 0,
+    on_device: frozenset[int] = frozenset(),
 ) -> Traffic:
     """Bytes per step of a baseline run of ``cfg`` (the update engines move the update's
     bytes themselves: the same totals, attributed to them). ``kept``: pairs kept in memory
     (``kept_pairs``); ``separate``: device memory is not host memory (CUDA); ``used_pieces``:
     the embedding pieces the step's tokens use (None: all of them, the most a step reads);
     ``offloaded``: pairs whose activations go to the storage tier, ``record`` bytes each
-    (written in the forward, read in the backward; their inputs are stashed)."""
+    (written in the forward, read in the backward; their inputs are stashed); ``on_device``:
+    the units whose optimizer states are in device memory (``cost.device_states.device_units_of``)."""
     m, d, t = cfg.memory, cfg.data, Traffic()
     M, L = d.micro_batches, len(model.blocks)
     e = dtype.itemsize
@@ -214,7 +216,6 @@ def step_traffic(
             t.down += nbytes[u]
 
     # the optimizer's states (and parameters without a master copy), read and written once
-    on_device = device_units(cfg.optim, layout, dtype, (m.optim_device_mib or 0) * MIB) if separate else frozenset()
     states = optimizer_states(cfg.optim, layout, dtype, align, m.optim_host_mib * MIB, owner="")
     shares = optimizer_shares(cfg.optim, layout, dtype, m.optim_host_mib * MIB)
     for st in states:
@@ -257,6 +258,8 @@ def run_traffic(tr, *, kept: int | None = None) -> Traffic:
     """``step_traffic`` of a built run (a ``Trainer``: its config, model, layout, runtime and
     executor, read, never named here): the pairs its executor kept, the pieces its last step's
     tokens used and the activations it offloads, unless ``kept`` says otherwise."""
+    from .device_states import device_units_of
+
     return step_traffic(
         tr.cfg,
         tr.model,
@@ -268,4 +271,6 @@ def run_traffic(tr, *, kept: int | None = None) -> Traffic:
         used_pieces=tr.executor.pieces_used,
         offloaded=tr.acts.offloaded,
         record=tr.acts.record_bytes,
+        separate=tr.dev.separate,
+        on_device=device_units_of(tr.cfg, tr.rt),
     )

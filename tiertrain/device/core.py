@@ -152,7 +152,9 @@ class Device:
         pass
 
     def check_capacity(
-        self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib"
+        self,
+        needs: dict[str, int],
+        fix: str = "lower memory.device_slots, memory.keep_act_mib or memory.optim_device_mib",
     ) -> None:
         """Raise ``ConfigError`` at start when the device cannot hold ``needs`` (bytes by
         what they are for; ``fix``: what to change, in the message). Host memory is the CPU's:
@@ -257,7 +259,9 @@ class CudaDevice(Device):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def check_capacity(
-        self, needs: dict[str, int], fix: str = "lower memory.device_slots or memory.keep_act_mib"
+        self,
+        needs: dict[str, int],
+        fix: str = "lower memory.device_slots, memory.keep_act_mib or memory.optim_device_mib",
     ) -> None:
         from ..config import ConfigError
 

@@ -450,6 +450,8 @@ class StreamedOptimizer:
         dev = self.on_device.units if self.on_device is not None else frozenset()
         if self._double or self.scales is not None:
             return lambda u: DEVICE if u in dev else BUFFERS
+        if not hasattr(grads, "on_host"):  # an engine's shared gradient slot: read through the buffers
+            return lambda u: DEVICE if u in dev else BUFFERS
         regions = [r for r in (self.m, self.v, self.master, grads) if r is not None]
         return lambda u: (
             DEVICE if u in dev else HOST if self._in_place(u) and all(r.on_host(u) for r in regions) else BUFFERS
