@@ -246,10 +246,13 @@ def probe_update(dtype: torch.dtype, numel: int, cfg: Config) -> float:
     precision than the fp32 master (``dtype``), the gradient's upcast and the parameters' copy
     from the master too, as the update does them (``StreamedOptimizer._compute_resident``).
 
-    Over up to 16 Mi elements (a quarter GiB of fp32 states): a larger unit's update runs at
-    the memory's rate, not the caches' (1 Mi elements, 16 MiB, fit a server's cache: that probe
-    said 1.00 s for an update of a 3 B model that took 4.5 s on an H200 machine's 16 cores)."""
-    n = max(1 << 16, min(numel, 1 << 24))
+    Over as many elements as the update's three buffer sets hold (``memory.update_buffer_kib``:
+    6 Mi by default, 96 MiB of fp32 states, memory the steps hold too): an update streams its
+    states at the memory's rate, not the caches' (1 Mi elements, 16 MiB, fit a server's cache:
+    that probe said 1.00 s for an update of a 3 B model that took 4.5 s on an H200 machine's 16
+    cores). Adapters on a frozen model step a few small tensors: 1 Mi at most."""
+    cap = 1 << 20 if cfg.adapter.on else max(1 << 20, 3 * (cfg.memory.update_buffer_kib << 10) // 16)
+    n = max(1 << 16, min(numel, cap))
     gen = torch.Generator().manual_seed(0)  # not the global one: the run's draws stay its own
     p, g, m, v = (torch.randn(n, generator=gen) * 0.02 for _ in range(4))
     v.abs_()
