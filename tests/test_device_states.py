@@ -39,6 +39,9 @@ def test_states_on_the_device_are_plain_pytorchs_math(tmp_path, mode, optim):
     cfg.optim.name = optim
     tr, _ = assert_parity(cfg, AsyncCpuDevice(delay=0.001))
     assert _device_units(tr) == {u.index for u in tr.optim.trainable}
+    # gradients and parameters in host memory: each unit one chunk (one wait), not the buffers' chunks
+    assert tr.optim._all_chunks == [(u.index, 0, u.numel) for u in tr.optim.trainable]
+    assert any(u.numel > tr.optim.chunk for u in tr.optim.trainable)
     for r in tr.optim.state_files:
         assert r.host_bytes == 0 and r.device_bytes == sum(u.numel for u in tr.optim.trainable) * 4
 
@@ -53,6 +56,7 @@ def test_some_units_on_the_device_the_rest_on_the_host_and_the_drive(tmp_path):
     trained = {u.index for u in tr.optim.trainable}
     on_host = {u for u in trained - on_dev if tr.optim.m.on_host(u)}
     assert on_dev and on_host and trained - on_dev - on_host, (on_dev, on_host)
+    assert max(b - a for _, a, b in tr.optim._all_chunks) <= tr.optim.chunk  # gradients on the drive: the buffers
 
 
 def test_bf16_states_on_the_device_are_the_hosts(tmp_path):

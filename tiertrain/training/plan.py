@@ -151,17 +151,14 @@ def device_needs(cfg: Config, rt, unit: int, accum) -> dict[str, int]:
 
 
 def _device_states(cfg: Config, rt) -> int:
-    """The optimizer states placed in device memory, and the fp32 scratch their chunks'
-    gradients (and, without a master copy, parameters) are uploaded into."""
+    """The optimizer states placed in device memory, and the fp32 scratch a unit's gradient
+    (and, without a master copy, its parameters) is uploaded into (a whole unit at most)."""
     from ..cost.device_states import device_state_bytes
-    from ..update.streamed import update_chunk
 
     states = device_state_bytes(cfg, rt)
     if not states:
         return 0
-    o, lay = cfg.optim, rt.state_layout
-    chunk = update_chunk(o, rt.dtype, rt.align, cfg.memory.update_buffer_kib << 10, lay.max_unit_numel)
-    return states + min(chunk, lay.max_unit_numel) * 4 * (1 if rt.dtype != torch.float32 else 2)
+    return states + rt.state_layout.max_unit_numel * 4 * (1 if rt.dtype != torch.float32 else 2)
 
 
 def say_model(cfg: Config, rt, source) -> None:

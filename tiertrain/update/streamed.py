@@ -297,8 +297,17 @@ class StreamedOptimizer:
     def _chunks(self, units: list[int] | None = None) -> list[tuple[int, int, int]]:
         todo = self.trainable if units is None else [self.layout.units[u] for u in units]
         return [
-            (unit.index, a, min(a + self.chunk, unit.numel)) for unit in todo for a in range(0, unit.numel, self.chunk)
+            (unit.index, a, min(a + step, unit.numel))
+            for unit in todo
+            for step in [self._chunk_of(unit)]
+            for a in range(0, unit.numel, step)
         ]
+
+    def _chunk_of(self, unit) -> int:
+        """Elements a chunk of ``unit`` holds: the buffer sets' chunk, or the whole unit where it
+        is updated in device memory with nothing passing through them (one wait a unit)."""
+        whole = self.on_device is not None and self.on_device.whole(unit.index)
+        return max(1, unit.numel) if whole else self.chunk
 
     def read_ahead(self) -> int:
         """Start reading the state (moments, parameters or master) of the first chunks of
