@@ -240,3 +240,20 @@ def test_a_units_state_moves_only_along_the_design():
         UNIT.move(UnitState.CURRENT, UnitState.UPDATING, "3")
     with pytest.raises(IllegalTransition, match=r"QUEUED -> QUEUED"):  # queued twice: a lost update
         UNIT.move(UnitState.QUEUED, UnitState.QUEUED)
+
+
+def test_the_update_threads_leave_the_trainer_a_core():
+    """The update's thread takes one core on a CPU device, and on CUDA all of the trainer's
+    threads but one (the trainer's own launches kernels; a CPU quota lowered them already)."""
+    import torch
+
+    from tiertrain.update.overlap import update_threads
+
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        assert update_threads(separate=True) == 15 and update_threads(separate=False) == 1
+        torch.set_num_threads(1)
+        assert update_threads(separate=True) == 1
+    finally:
+        torch.set_num_threads(was)

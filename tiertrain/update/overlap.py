@@ -46,7 +46,7 @@ from ..state.machine import Machine
 from .base import UpdateStats
 from .baseline import BaselineUpdate, RegionGrads, RegionParams
 
-__all__ = ["OverlapUpdate", "UnitState"]
+__all__ = ["OverlapUpdate", "UnitState", "update_threads"]
 
 
 class UnitState(enum.Enum):
@@ -68,6 +68,17 @@ UNIT = Machine(
         UnitState.SPECULATED: {UnitState.CURRENT, UnitState.QUEUED},
     },
 )
+
+
+def update_threads(*, separate: bool) -> int:
+    """torch's intra-op threads for the update's thread (set per thread: the trainer's keep
+    theirs). On a CPU device one: the compute keeps the rest (measured on 2 cores: with the
+    default, both threads' OpenMP teams fight for the cores and the forward slows more). Where
+    device memory is separate (CUDA) all of the trainer's but one: the trainer's thread only
+    launches kernels and copies, but it must get a core when it asks for one, or the GPU
+    waits for its next kernel (the default, a new thread's OpenMP team of every core, would
+    also ignore a CPU quota the trainer's threads were lowered to)."""
+    return max(1, torch.get_num_threads() - 1) if separate else 1
 
 
 class _Load:
@@ -199,10 +210,7 @@ class OverlapUpdate(BaselineUpdate):
         self._pending = 0  # jobs queued or running
         self._busy = UpdateStats()  # the thread's time since the last record()
         self.handoff_bytes = 0
-        # On a CPU device the thread's kernels (AdamW, CRC32C) take one core: torch's intra-op
-        # threads are set per thread, and the compute keeps the rest (measured on 2 cores: with
-        # the default, both threads' OpenMP teams fight for them and the forward slows more).
-        self._threads = None if pin else 1
+        self._threads = update_threads(separate=pin)
         self._thread = threading.Thread(target=self._run, name="tiertrain-update", daemon=True)
         self._thread.start()
 
