@@ -39,6 +39,7 @@ __all__ = [
     "optimizer_shares",
     "optimizer_sizes",
     "optimizer_states",
+    "state_bytes_per_element",
     "update_set_bytes",
 ]
 
