@@ -119,18 +119,19 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             "taken for one of the ranks another launcher started; unset WORLD_SIZE (and RANK) to start the ranks "
             "here, or drop --nproc under torchrun"
         )
+    # this process (or the launcher of --nproc ranks, once for them all): a run directory holding a
+    # run is refused before the plan's probes (seconds)
+    if path is None and "WORLD_SIZE" not in os.environ:
+        from .training.rundir import refuse_a_held_run
+
+        run_dir, root = os.path.abspath(cfg.train.run_dir), os.path.abspath(cfg.checkpoint_root)
+        refuse_a_held_run(run_dir, root, cfg.train.overwrite, probe=True)
     if nproc > 1:
         from .ranks_fit import check_ranks_fit, refuse_nccl
 
         refuse_nccl(cfg.ranks.backend, nproc)
         check_ranks_fit(nproc, cfg.memory.host_mib)
         return _launch(args, overrides, cfg)  # the config checked first: a bad one is reported once, not by every rank
-    # one process: a run directory holding a run is refused before the plan's probes (seconds)
-    if path is None and "WORLD_SIZE" not in os.environ:
-        from .training.rundir import refuse_a_held_run
-
-        run_dir, root = os.path.abspath(cfg.train.run_dir), os.path.abspath(cfg.checkpoint_root)
-        refuse_a_held_run(run_dir, root, cfg.train.overwrite, probe=True)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # before torch is imported: its C++ warnings (a TCPStore's stack trace once a peer's store is gone)
         # say nothing a rank's one-line error does not

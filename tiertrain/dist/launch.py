@@ -21,7 +21,9 @@ by this launcher rather than by ``torchrun``, so that what a user sees of a run 
   and it is killed. A rank that is suspended (SIGSTOP) is killed as soon as another has failed:
   it would never see the failure. So a run with a hung rank ends within ``ranks.timeout_s``,
   the naming window and a second or two, and one with a dead rank within the naming window
-  and the exits.
+  and the exits. The ranks' own processes (update engines, sessions of their own) still there
+  once the ranks are gone are continued where suspended, so that each sees its rank gone and
+  exits cleaning up, and killed 5 s later where one did not (``_release``): none is left behind.
 - exit status: 0 when every rank finished; 130 when the run was interrupted and every rank
   stopped as asked (rank 0 prints the one resume command); otherwise 1, with a line naming a
   rank that ended by a signal (which says nothing itself: ``kill -9``, the OOM killer).
@@ -111,6 +113,7 @@ def launch(args: Sequence[str], nproc: int, *, grace_s: float = GRACE_S, poll_s:
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     procs: list[subprocess.Popen] = []
     signals: list[int] = []
+    kids: dict[int, float] = {}  # the ranks' own processes (``_children_of``)
 
     def forward(signum, frame) -> None:
         signals.append(signum)
@@ -127,25 +130,60 @@ def launch(args: Sequence[str], nproc: int, *, grace_s: float = GRACE_S, poll_s:
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads, LAUNCHED: str(os.getpid())}
             procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain", *args], env=env,
                                           start_new_session=True, preexec_fn=_die_with_parent))
-        return _supervise(procs, signals, grace_s, poll_s)
+        return _supervise(procs, signals, grace_s, poll_s, kids)
     finally:
         for p in procs:  # the launcher itself is being stopped (an error here): the ranks go with it
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        _release(kids)
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _supervise(procs: list[subprocess.Popen], signals: list[int], grace_s: float, poll_s: float) -> int:
+def _children_of(procs: list[subprocess.Popen], kids: dict[int, float]) -> None:
+    """Note the ranks' processes (their update engines: sessions of their own) in ``kids``
+    (pid -> start time), for ``_release`` once the ranks are gone."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            for c in psutil.Process(p.pid).children(recursive=True):
+                kids.setdefault(c.pid, c.create_time())
+
+
+def _release(kids: dict[int, float], wait_s: float = 5.0) -> None:
+    """The ranks' processes still there once the ranks are gone (an engine a rank killed or
+    failed never stopped): continued where stopped (SIGSTOP: a stopped engine never sees its
+    rank's connection close, and was left stopped for good), so that each finds its rank gone
+    and exits, cleaning up; killed after ``wait_s`` where one did not."""
+    left = []
+    for pid, t in kids.items():
+        with contextlib.suppress(psutil.Error):
+            c = psutil.Process(pid)
+            if c.create_time() == t and c.status() != psutil.STATUS_ZOMBIE:  # the same process, alive
+                if c.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                    c.resume()
+                left.append(c)
+    _, alive = psutil.wait_procs(left, timeout=wait_s)
+    for c in alive:
+        with contextlib.suppress(psutil.Error):
+            c.kill()
+
+
+def _supervise(
+    procs: list[subprocess.Popen], signals: list[int], grace_s: float, poll_s: float, kids: dict[int, float]
+) -> int:
     failed_at = 0.0
     first: tuple[int, int] | None = None  # (rank, status) of the first that failed
     termed: set[int] = set()  # the ranks sent SIGTERM
+    looked = 0.0
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
+        if now - looked >= 1.0:  # once a second: engines start once, at the ranks' start
+            _children_of(procs, kids)
+            looked = now
         for r, c in enumerate(codes):
             if c not in (None, 0, INTERRUPTED) and first is None:
                 first, failed_at = (r, c), now

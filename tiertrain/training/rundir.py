@@ -86,10 +86,11 @@ class RunDir:
         subdirectories of the ranks beyond them, ``ranks/N``, that the earlier run had)."""
         if not refuse_a_held_run(self.path, self.checkpoint_root, overwrite, self.owner):
             return
-        if self.path == self.owner:
+        gone: list[str] = []
+        if self.path == self.owner:  # rank 0 (or one rank): the checkpoints, every rank's, are its to delete
             self._drop_ranks_from(world)
-        # (and a later course a resume set aside, superseded-step-N: the run's too)
-        gone = list_checkpoints(self.checkpoint_root) + set_aside_dirs(self.checkpoint_root, "superseded")
+            # (and a later course a resume set aside, superseded-step-N: the run's too)
+            gone = list_checkpoints(self.checkpoint_root) + set_aside_dirs(self.checkpoint_root, "superseded")
         if gone:  # asked for (train.overwrite), said: they cannot be had back
             log.warning(
                 "train.overwrite: deleting %d checkpoint(s) of the earlier run in %s (%s)",
@@ -238,7 +239,7 @@ def refuse_a_held_run(
         raise RunDirError(f"train.run_dir {path} already holds a run ({shown}); {no_checkpoint_advice(path)}")
     raise RunDirError(
         f"train.run_dir {path} already holds a run ({shown}); continue it with "
-        f"`tiertrain train --resume {path}`, start over with --train.overwrite=true "
+        f"`tiertrain train --resume {owner or path}`, start over with --train.overwrite=true "
         "(deletes its checkpoints and metrics), or give another --train.run_dir"
     )
 

@@ -30,6 +30,7 @@ from ..adapters.train import same_adapter_config
 from ..checkpoint import (
     CheckpointError,
     CheckpointIO,
+    CheckpointMismatch,
     Manifest,
     SaveResult,
     list_checkpoints,
@@ -121,7 +122,8 @@ class Trainer:
         mine = cfg.io.paths != self.user_cfg.io.paths
         self.lock = ScratchLock(cfg.io.paths, disposable=mine, run_dir=cfg.train.run_dir)
         try:
-            self.rundir = RunDir(cfg.train.run_dir, cfg.checkpoint_root, self.user_cfg.train.run_dir)  # per rank
+            # per rank; the checkpoints rank 0's (a rank's own subdirectory holds none: "wrote none", it said)
+            self.rundir = RunDir(cfg.train.run_dir, self.checkpoint_root, self.user_cfg.train.run_dir)
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are "
                             "replaced", info["path"], info.get("pid"), info.get("started"))  # fmt: skip
@@ -508,12 +510,8 @@ class Trainer:
 
     def _act_record(self) -> dict:
         pairs, written = self.offloaded.take_stats() if self.offloaded is not None else (0, 0)
-        return {
-            "act_kept": self.executor.kept_pairs,
-            "act_offloaded": pairs,
-            "act_recomputed": self.executor.recomputed,
-            "act_offload_bytes": written,
-        }
+        ex = self.executor
+        return {"act_kept": ex.kept_pairs, "act_offloaded": pairs, "act_recomputed": ex.recomputed, "act_offload_bytes": written}  # fmt: skip
 
     def run(self, *, resume: str | None = None, progress: bool | None = None) -> list[StepRecord]:
         """Initialise (or restore checkpoint ``resume``), then train up to ``train.steps``,
@@ -541,6 +539,9 @@ class Trainer:
             if resume is not None:
                 try:
                     self.restore(resume)
+                except (CheckpointMismatch, ConfigError) as exc:  # another run's: every rank finds it, rank 0 says it
+                    exc.quiet = not self.group.leader  # type: ignore[attr-defined]
+                    raise
                 except CheckpointError as exc:
                     exc.restoring = True  # type: ignore[attr-defined]  # the hint's cue: this checkpoint is the bad one
                     raise
@@ -548,7 +549,7 @@ class Trainer:
                 self.initialize(progress=progress)
             first = self.step
             if first >= cfg.train.steps:  # before a later course is set aside: nothing of it is replaced
-                log.warning("%s", nothing_to_train(first, cfg.train.steps, self.resume_command))
+                (log.warning if self.group.leader else log.debug)("%s", nothing_to_train(first, cfg.train.steps, self.resume_command))  # fmt: skip  # rank 0 speaks for the ranks
                 return []
             if resume is not None:
                 self.rundir.continue_metrics(self.step)

@@ -49,6 +49,27 @@ __all__ = ["EngineUpdate", "EngineError", "engine_file"]
 log = logging.getLogger("tiertrain")
 
 
+def engine_timeout(cfg: Config) -> float:
+    """``update.engine_timeout_s``; with ranks, at most half of ``ranks.timeout_s``: an engine that
+    stopped answering is named by its own rank (which kills it, closing) before another rank's
+    collective times out waiting for that rank, blames it, and the launcher kills the rank, leaving
+    its stopped engine behind."""
+    from ...dist.group import env_world
+
+    t = cfg.update.engine_timeout_s
+    if env_world()[1] > 1 and t > cfg.ranks.timeout_s / 2:
+        t = cfg.ranks.timeout_s / 2
+        if env_world()[0] == 0:
+            log.info(
+                "update.engine_timeout_s = %g is taken as %g s: half of ranks.timeout_s = %g, so that a hung "
+                "engine is named before its rank is",
+                cfg.update.engine_timeout_s,
+                t,
+                cfg.ranks.timeout_s,
+            )
+    return t
+
+
 class EngineUpdate(Update):
     name = "engines"
     beside_compute = supports_eager = speculates = compresses = True
@@ -88,7 +109,7 @@ class EngineUpdate(Update):
         self.states = self.declare(cfg, layout, pdtype, self.align, storage.paths)
         self._engine_states = self.engine_states(cfg, layout, pdtype, self.align, storage.paths)
         self.slot_bytes = slot_bytes_of(self.views)
-        self.timeout = cfg.update.engine_timeout_s
+        self.timeout = engine_timeout(cfg)
         # speculating (``update/speculate.py``), each engine updates a unit as its gradient
         # arrives, into the other half of its states, and keeps the gradient for a redo; the
         # step's judgement comes with ``Step`` (eager with clipping means exactly that)
