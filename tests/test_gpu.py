@@ -285,9 +285,8 @@ def test_cuda_ranks_train_the_cpu_ranks_model(tmp_path):
 
 
 def _device_states_cfg(tmp_path, where: str, mode: str, mib: int, **kw):
-    c = cfg_on(
-        tmp_path / where, "cuda", kind="llama", host_param_mib=64, grad_host_mib=64, optim_host_mib=64, **kw
-    )  # fmt: skip
+    kw = {"host_param_mib": 64, "grad_host_mib": 64, "optim_host_mib": 64, **kw}
+    c = cfg_on(tmp_path / where, "cuda", kind="llama", **kw)
     c.update.mode, c.memory.optim_device_mib = mode, mib
     return c
 
