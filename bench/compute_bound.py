@@ -93,24 +93,6 @@ def write_config(shape: dict, seq_len: int, directory: str) -> None:
     cfg.save_pretrained(directory)
 
 
-def worker_init(cfg, path: str) -> dict:
-    """The weights both systems start from (``vs_plain.worker_init``), made on the GPU where the
-    run is on one: the reference's initialisation on the CPU took 90 s for 5.6 B parameters on
-    an H200 machine, a sixth of a GPU window's stage (any weights do: both read the same file)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from tiertrain.reference import HFWrapper, reference_model
-
-    if cfg.train.device != "cuda":
-        return vs_plain.worker_init(cfg, path)
-    with torch.device("cuda"):
-        model = reference_model(cfg)
-    inner = model.hf if isinstance(model, HFWrapper) else model
-    save_file({k: v.cpu() for k, v in vs_plain.untied(inner.state_dict()).items()}, path)  # written from host memory
-    return {"params": sum(p.numel() for p in model.parameters())}
-
-
 def worker_plain(cfg, path: str, checkpointing: str) -> dict:
     """Plain PyTorch in device memory: the reference's mixed precision (bf16 model, fp32 master
     weights and fused AdamW on them), or fp32 where tiertrain computes in fp32."""
@@ -207,7 +189,7 @@ def worker(argv: list[str]) -> int:
 
     cfg = load_config(None, cli)
     res = {
-        "init": lambda: worker_init(cfg, path),
+        "init": lambda: vs_plain.worker_init(cfg, path, "cuda" if cfg.train.device == "cuda" else "cpu"),
         "plain": lambda: worker_plain(cfg, path, checkpointing),
         "tiertrain": lambda: worker_tiertrain(cfg),
     }[kind]()

@@ -19,7 +19,7 @@ from ..update import UPDATES
 from ..update.adamw8bit import eight_bit
 from ..update.streamed import device_units, state_bytes_per_element
 
-__all__ = ["device_state_bytes", "device_units_of", "resolve_device_states", "why_not_on_device"]
+__all__ = ["all_state_bytes", "device_state_bytes", "device_units_of", "resolve_device_states", "why_not_on_device"]
 
 MIB = 1 << 20
 
@@ -49,6 +49,11 @@ def device_units_of(cfg: Config, rt) -> frozenset[int]:
     return device_units(cfg.optim, rt.state_layout, rt.dtype, cfg.memory.optim_device_mib * MIB)
 
 
+def all_state_bytes(cfg: Config, rt) -> int:
+    """Bytes of every trained unit's optimizer states (what all of them on the device take)."""
+    return sum(u.numel for u in rt.state_layout.units if not u.frozen) * state_bytes_per_element(cfg.optim, rt.dtype)
+
+
 def device_state_bytes(cfg: Config, rt) -> int:
     """Bytes of the states ``memory.optim_device_mib`` (as resolved) places in device memory:
     whole units' states, so at most the setting."""
@@ -66,8 +71,7 @@ def resolve_device_states(cfg: Config, rt, room: int | None) -> tuple[Config, st
     if why:
         line = f"memory.optim_device_mib = {asked} is not used: {why}; every state is on the host" if asked != 0 else ""
         return _with(cfg, 0), line
-    per = state_bytes_per_element(cfg.optim, rt.dtype)
-    total = sum(u.numel for u in rt.state_layout.units if not u.frozen) * per
+    total = all_state_bytes(cfg, rt)
     if asked is None:
         given = total if room is None else max(0, min(total, room))
         cfg = _with(cfg, -(-given // MIB) if given == total else given // MIB)  # all of them: the last unit too

@@ -146,13 +146,12 @@ def _on_device_hint(cfg, rt, pred: Prediction) -> str:
     """Where the host's update bounds a step and the optimizer's states could live in device
     memory instead (``memory.optim_device_mib``): what the step would be with all of them
     there, and what they take against what the device has free."""
-    from ..update.streamed import state_bytes_per_element
     from . import predict_with
-    from .device_states import why_not_on_device
+    from .device_states import all_state_bytes, why_not_on_device
 
     if cfg.memory.optim_device_mib or why_not_on_device(cfg, rt):
         return ""
-    states = sum(u.numel for u in rt.state_layout.units if not u.frozen) * state_bytes_per_element(cfg.optim, rt.dtype)
+    states = all_state_bytes(cfg, rt)
     there = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, optim_device_mib=-(-states // MIB)))
     alt = predict_with(there, rt, pred.rates)
     import torch

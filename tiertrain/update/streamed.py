@@ -373,7 +373,8 @@ class StreamedOptimizer:
         slot = lambda i: len(self.sets) + i if i < K else (i - K) % len(self.sets)  # noqa: E731
         bufs = self.sets + self.ahead_sets[:K]
 
-        where = self._where(grads)
+        placed = self._where(grads)
+        where = {u: placed(u) for u in dict.fromkeys(c[0] for c in chunks)}.__getitem__  # once a unit, not a chunk
 
         def issue(i: int) -> None:
             s = slot(i)
