@@ -625,3 +625,19 @@ def test_a_run_that_keeps_no_checkpoint_says_so_at_start(tmp_path, capsys):
     a word; a later --resume said the run "stopped before its first checkpoint"."""
     assert main(["train", *tiny_flags(tmp_path, "--checkpoint.at_end=false", steps=1)]) == 0
     assert "checkpoint.every = 0 and checkpoint.at_end = false: this run keeps no checkpoint" in capsys.readouterr().err
+
+
+def test_a_crash_before_the_first_checkpoint_says_how_to_keep_steps_next_time(tmp_path):
+    """A run that saves only at its end (checkpoint.every = 0, the default) and crashed was told
+    only to start over: the advice now names checkpoint.every, and not where it is set."""
+    from tests.reference import small_config
+    from tiertrain.training.advice import resume_hint
+
+    cfg = small_config(tmp_path)
+    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    open(os.path.join(cfg.train.run_dir, "metrics.jsonl"), "w").close()  # steps were done, no checkpoint
+    hint = resume_hint(RuntimeError("boom"), cfg, None)
+    assert "stopped before its first checkpoint" in hint, hint
+    assert "(checkpoint.every = 0): give --checkpoint.every=N to keep the steps a crash would lose)" in hint, hint
+    cfg.checkpoint.every = 5
+    assert "checkpoint.every" not in resume_hint(RuntimeError("boom"), cfg, None)

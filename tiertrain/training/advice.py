@@ -37,7 +37,11 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     last = latest_checkpoint(root)
     if last:
         return f" (the last checkpoint is {last}: `{resume_command(run_dir, world)}`)"
-    return f" ({no_checkpoint_advice(run_dir)})" if _holds_steps(run_dir) else ""
+    if not _holds_steps(run_dir):
+        return ""
+    # (the default saves at the end only: say how the next run keeps what a crash would lose)
+    every = "" if cfg.checkpoint.every else "; it saves only at its end (checkpoint.every = 0): give --checkpoint.every=N"
+    return f" ({no_checkpoint_advice(run_dir)}{every and every + ' to keep the steps a crash would lose'})"
 
 
 def restorable(path: str) -> str:
