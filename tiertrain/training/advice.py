@@ -40,7 +40,9 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
     if not _holds_steps(run_dir):
         return ""
     # (the default saves at the end only: say how the next run keeps what a crash would lose)
-    every = "" if cfg.checkpoint.every else "; it saves only at its end (checkpoint.every = 0): give --checkpoint.every=N"
+    every = (
+        "" if cfg.checkpoint.every else "; it saves only at its end (checkpoint.every = 0): give --checkpoint.every=N"
+    )
     return f" ({no_checkpoint_advice(run_dir)}{every and every + ' to keep the steps a crash would lose'})"
 
 
