@@ -354,7 +354,8 @@ class ExampleBatches:
         mixture's auxiliary loss counts no pad); None for packed rows, which have no pads."""
         if self.packing:
             return None
-        n, first = self.M * self.B, step * world * self.M * self.B + rank * self.M * self.B
+        n = self.M * self.B
+        first = self.first_row(step, world) + rank * n  # (from a resume's origin, as ``_step_rows``)
         own = []
         for g in range(first, first + n):
             e, j = divmod(g, self.rows_per_epoch)
