@@ -291,3 +291,84 @@ def test_cuda_asked_of_ranks_without_a_gpu_is_the_one_rank_error(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in err and "ZeroDivisionError" not in err, err[-3000:]
     assert "train.device = 'cuda' but " in err and "use --train.device=cpu" in err, err[-3000:]
+
+
+def _joined(pid: int) -> int:
+    """How many ranks have joined the process group (the launcher's marks, ``mark_joined``)."""
+    where = psutil.Process(pid).environ().get("TIERTRAIN_JOINED", "")
+    return len(os.listdir(where)) if where and os.path.isdir(where) else 0
+
+
+def _rank_0_waits_for_rank_1(proc):
+    """Both ranks started, rank 1 held before it joins (``join`` slowed), rank 0 in the rendezvous
+    (its store listening; C++, where no signal handler runs)."""
+    pids = _ranks_of(proc)
+    wait_for(lambda: any(c.status == psutil.CONN_LISTEN for c in psutil.Process(pids[0]).net_connections()))
+    assert _joined(pids[1]) == 0
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["rank 1", "launcher"])
+def test_a_signal_while_the_ranks_start_ends_the_run_at_once(tmp_path, to):
+    """Ctrl-C to one rank, or to the launcher, while the ranks start (rank 1 not yet in the
+    process group): every rank ends at once and the run exits 130, saying "interrupted" once.
+    Rank 0 waited out ranks.timeout_s in the rendezvous (300 s by default), and Ctrl-C to the
+    launcher could not stop it; a rank signalled while importing printed a traceback."""
+    proc = _start_ranks(
+        tmp_path, "--ranks.timeout_s=120", env={"TIERTRAIN_SLOW_AT": "join:60", "TIERTRAIN_SLOW_RANK": "1"}
+    )
+    pids = _rank_0_waits_for_rank_1(proc)
+    err, took = _stopped_by(proc, pids, pids[1] if to == "rank 1" else proc.pid, signal.SIGINT, 30)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
+    if to == "rank 1":
+        assert "tiertrain: interrupted (rank 1 of 2, before the ranks had started" in err, err[-3000:]
+    assert took < 10, (took, err[-3000:])
+    assert not any(_alive(p) for p in pids)
+    assert _steps_done(tmp_path) == 0
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_while_the_trainer_starts_stops_every_rank_before_step_1(tmp_path):
+    """Ctrl-C to rank 1 once the group has formed, while its trainer is being built: every rank
+    stops at the first step boundary, exit 130, one "interrupted" (it ended rank 1 alone at once,
+    and rank 0 failed on it: "rank 1 died", exit 1)."""
+    proc = _start_ranks(
+        tmp_path, "--ranks.timeout_s=60", env={"TIERTRAIN_SLOW_AT": "start:8", "TIERTRAIN_SLOW_RANK": "1"}
+    )
+    pids = _ranks_of(proc)
+    wait_for(lambda: _joined(pids[1]) == 2, timeout=60)
+    err, took = _stopped_by(proc, pids, pids[1], signal.SIGINT, 60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "died" not in err, err[-3000:]
+    assert err.count("tiertrain: interrupted") == 1, err[-3000:]
+    assert "stopping once the ranks have started" not in err  # (rank 1 alone was signalled: rank 0 speaks)
+    assert "interrupted after step 0 (Ctrl-C to another rank)" in err, err[-3000:]
+    assert _steps_done(tmp_path) == 0
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("held", ["slowed", "stopped"])
+def test_a_second_ctrl_c_ends_ranks_waiting_in_a_collective(tmp_path, held):
+    """Two Ctrl-C to the launcher while rank 1 is in a long forward (slowed), or stopped (SIGSTOP),
+    and rank 0 waits for it in a collective, where no signal handler runs: the run ends within
+    seconds of the second, exit 130 (rank 0 waited out ranks.timeout_s for a stopped rank 1; for a
+    slowed one, which stopped at once, it failed "rank 1 died", exit 1)."""
+    env = {"TIERTRAIN_SLOW_AT": "forward:0.1", "TIERTRAIN_SLOW_RANK": "1"}
+    if held == "slowed":
+        env["TIERTRAIN_SLOW_AT"] = "forward:100:9"  # step 3's first forward
+    proc = _start_ranks(tmp_path, "--train.steps=100000", "--ranks.timeout_s=120", env=env)
+    wait_for(lambda: _steps_done(tmp_path) >= 2, timeout=120)
+    pids = _ranks_of(proc)
+    if held == "stopped":
+        os.kill(pids[1], signal.SIGSTOP)
+    time.sleep(2)  # rank 0 waiting for rank 1 in a collective
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(1)
+    err, took = _stopped_by(proc, pids, proc.pid, signal.SIGINT, 30)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
+    assert took < 3 + 4, (took, err[-3000:])
+    assert not any(_alive(p) for p in pids)

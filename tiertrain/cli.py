@@ -101,7 +101,18 @@ def _ranks(cfg) -> Iterator[object]:
     if rank:
         log.setLevel(logging.WARNING)
     backend = cfg.ranks.backend if cfg.ranks.backend != "auto" else "gloo"
-    with RankGroup(rank, world, backend=backend, timeout_s=cfg.ranks.timeout_s) as group:
+    from . import faults
+    from .dist.launch import mark_joined
+    from .training.interrupt import StopFlag
+
+    faults.point("join")
+
+    # from the group's forming on, a signal to this rank stops every rank at the first step boundary
+    # (the run's own flag takes it over): raised here, it ended this rank alone, and the others
+    # failed on it ("rank 1 died") or waited out the timeout
+    with RankGroup(rank, world, backend=backend, timeout_s=cfg.ranks.timeout_s) as group, \
+            StopFlag(announce=rank == 0, until="once the ranks have started"):  # fmt: skip
+        mark_joined(rank)  # (for the launcher: from now on a signal is this flag's to take)
         yield group
 
 

@@ -4,7 +4,8 @@
 reached; ``TIERTRAIN_SLOW_AT=point:seconds`` sleeps that long each time (to make one
 side of an overlap the slow one), ``point:seconds:n`` only the ``n``-th time. Points: ``forward`` and ``backward`` (each unit and
 micro-batch), ``update`` (each optimizer chunk), ``checkpoint`` (each chunk saved or
-restored), ``start`` (once, while the trainer is being built). ``TIERTRAIN_KILL_RANK=r``: only
+restored), ``start`` (once, while the trainer is being built), ``join`` (once, a rank before
+it joins the ranks' process group). ``TIERTRAIN_KILL_RANK=r``: only
 the rank whose ``RANK`` (torchrun's) is ``r`` is killed; ``TIERTRAIN_SLOW_RANK=r``: only that
 rank is slowed (a long sleep there is a hung rank). All are read when the process starts.
 Unset, a point costs one comparison.
@@ -19,7 +20,7 @@ import time
 __all__ = ["point", "POINTS", "FaultSpecError"]
 
 
-POINTS = ("forward", "backward", "update", "checkpoint", "start")
+POINTS = ("forward", "backward", "update", "checkpoint", "start", "join")
 
 
 class FaultSpecError(SystemExit):

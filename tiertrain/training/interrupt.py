@@ -20,13 +20,16 @@ class StopFlag:
     left to report to or to resume from: ``launch.py``). Only installed in the main thread."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    _current: "StopFlag | None" = None  # the innermost one entered (a rank's start-up flag, then the run's)
 
-    def __init__(self, *, announce: bool = True) -> None:
+    def __init__(self, *, announce: bool = True, until: str = "after this step") -> None:
         self.set: str = ""
         self.signum = 0
         self.agreed_on = ""  # what ``agreed`` last answered (every rank alike)
         self.announce = announce  # say so (with ranks, rank 0 alone speaks for them)
+        self.until = until  # when the first signal stops the run, as said
         self._old: dict = {}
+        self._outer: StopFlag | None = None
 
     @staticmethod
     def name(signum: int) -> str:
@@ -39,7 +42,7 @@ class StopFlag:
             raise KeyboardInterrupt
         self.signum, self.set = signum, self.name(signum)
         if self.announce:
-            log.warning("%s: stopping after this step (again to stop at once)", self.set)
+            log.warning("%s: stopping %s (again to stop at once)", self.set, self.until)
 
     def agreed(self, group) -> str:
         """Why every rank of ``group`` stops now ('' to go on): a signal that reached any rank.
@@ -53,6 +56,11 @@ class StopFlag:
 
     def __enter__(self) -> "StopFlag":
         if threading.current_thread() is threading.main_thread():
+            # a signal the flag around this one took (a rank's, while the ranks started) is this one's:
+            # every rank stops at the first boundary they agree at
+            self._outer, StopFlag._current = StopFlag._current, self
+            if self._outer is not None and self._outer.set:
+                self.set, self.signum = self._outer.set, self._outer.signum
             self._old = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
         return self
 
@@ -60,3 +68,5 @@ class StopFlag:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
+        if StopFlag._current is self:
+            StopFlag._current, self._outer = self._outer, None
