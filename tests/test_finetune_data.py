@@ -756,10 +756,47 @@ def test_the_prepared_data_cache_removes_copies_unused_for_a_month(tmp_path, mon
 
     monkeypatch.setattr(loader, "_damaged", checked_while_touched)
     assert entry_of(chat) == chat_copy  # used again: touched
+    # a preparation killed two days ago (no metadata: never pruned), one under way now, not ours
+    killed, running, other = root / "00112233aabbccdd", root / "99112233aabbccdd", root / "mine"
+    for d in (killed, running, other):
+        d.mkdir()
+        (d / "mask.bin.tmp4194305").write_bytes(b"x")
+    for d in (killed, other):
+        os.utime(d, (time.time() - 2 * 86400,) * 2)
     cfg = _finetune_cfg(tmp_path, pc, tok)
     cfg.data.mask_prompt = False  # another setting: a third copy, made now
     third = open_corpus(cfg.data).data.path
-    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in (chat_copy, third))
+    kept = (chat_copy, third, running, other)
+    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in kept)
+
+
+def test_what_a_killed_prepare_left_is_removed_by_the_next(tmp_path):
+    """`prepare` killed before its rename left OUT.tmpPID (a full-size copy) for good, and an
+    in-cache preparation its rows' mask.bin.tmpPID and offsets.bin.tmpPID: the next removes those
+    of writers no longer running."""
+    import subprocess
+    import sys
+
+    from tiertrain.cli import main
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    (tmp_path / "a.txt").write_text("in the beginning " * 50)
+    for name in (f"a.tokens.tmp{pid}", f"a.tokens.tmp{os.getppid()}"):  # the second: a writer still running
+        (tmp_path / name).write_bytes(bytes(1000))
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "a.tokens")]) == 0
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("a.tokens")) == [
+        "a.tokens",
+        f"a.tokens.tmp{os.getppid()}",
+    ]
+    rows = [{"prompt": "say yes", "completion": "yes"}] * 3
+    out = tmp_path / "rows"
+    out.mkdir()
+    (out / f"mask.bin.tmp{pid}").write_bytes(bytes(10))
+    (out / f"offsets.bin.tmp{pid}").write_bytes(bytes(10))
+    tok = make_tokenizer(tmp_path / "tok")
+    prepare_examples([write_jsonl(tmp_path / "r.jsonl", rows)], str(out), tokenizer=tok, progress=False)
+    assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
 
 
 def test_json_lines_under_json_or_upper_case_names_are_rows(tmp_path, capsys):

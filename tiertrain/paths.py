@@ -22,6 +22,7 @@ __all__ = [
     "remove_empty_dirs",
     "mode_as_created",
     "pid_alive",
+    "remove_dead_temporaries",
 ]
 
 
@@ -177,3 +178,27 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def remove_dead_temporaries(path: str) -> list[str]:
+    """Remove the ``PATH.tmpPID`` files beside ``path`` that writers killed before they renamed
+    them into place left (a full-size copy each, which nothing else would ever remove); those of a
+    process still running are kept. Returns the paths removed."""
+    import re
+
+    parent, base = os.path.split(os.path.abspath(path))
+    pattern, gone = re.compile(rf"^{re.escape(base)}\.tmp(\d+)$"), []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return gone
+    for name in names:
+        m = pattern.match(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.remove(os.path.join(parent, name))
+            gone.append(os.path.join(parent, name))
+        except OSError:
+            pass
+    return gone

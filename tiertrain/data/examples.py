@@ -44,7 +44,7 @@ import torch
 
 from ..errors import UsageError
 from ..io.checksum import crc32c
-from ..paths import missing_dirs, remove_empty_dirs
+from ..paths import missing_dirs, remove_dead_temporaries, remove_empty_dirs
 from .formats import Example
 from .tokens import read_tokens, write_tokens
 
@@ -106,6 +106,8 @@ def _write_examples(
     empty: str | None,
 ) -> dict:
     tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in ("mask.bin", "offsets.bin")}
+    for name in tmp:
+        remove_dead_temporaries(os.path.join(out_dir, name))  # a killed earlier preparation's
     count, crcs, longest = [0, 0], {"mask.bin": 0, "offsets.bin": 0}, 0
     scored = 0
     try:

@@ -386,24 +386,30 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
 
 
 CACHE_KEEP_DAYS = 30  # a prepared copy unused this long is removed when another is made
+INCOMPLETE_KEEP_DAYS = 1  # an entry whose preparation was killed, this long after its last write
 
 
 def prune_cache(root: str, keep_days: float = CACHE_KEEP_DAYS) -> list[str]:
     """Remove the prepared-data cache's entries (directories of ``root``) not used for
-    ``keep_days`` (each use touches its entry); the removed returned. Only entries this cache
-    made (a prepared directory's metadata in them); a copy is made again from its rows when
+    ``keep_days`` (each use touches its entry), and those whose preparation was killed
+    (no metadata) a day after; the removed returned. A copy is made again from its rows when
     they are given again. A run reading an entry keeps its open files (POSIX)."""
     import shutil
     import time
 
     from .examples import is_prepared
 
+    # an entry without its metadata is one whose preparation was killed (none takes a day): only
+    # a later run given the same rows would have made it again
     cutoff, gone = time.time() - keep_days * 86400, []
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
             entry = os.path.join(root, name)
+            if len(name) != 16 or not all(c in "0123456789abcdef" for c in name):  # not a key: not ours
+                continue
             with contextlib.suppress(OSError):
-                if is_prepared(entry) and os.stat(entry).st_mtime < cutoff:
+                done = is_prepared(entry)
+                if os.stat(entry).st_mtime < (cutoff if done else time.time() - INCOMPLETE_KEEP_DAYS * 86400):
                     shutil.rmtree(entry)
                     gone.append(entry)
     if gone:

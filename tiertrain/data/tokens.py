@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import TiertrainError
 from ..io.checksum import crc32c
+from ..paths import remove_dead_temporaries
 
 __all__ = ["write_tokens", "read_tokens", "is_token_file", "TokenFileError", "HEADER_BYTES"]
 
@@ -29,6 +30,7 @@ class TokenFileError(TiertrainError, ValueError):
 def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> int:
     """Write token ids (an iterable of arrays) to ``path``; return the token count."""
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    remove_dead_temporaries(path)  # a killed earlier writer's
     tmp = f"{path}.tmp{os.getpid()}"
     count, crc = 0, 0
     try:
