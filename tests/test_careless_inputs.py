@@ -641,3 +641,42 @@ def test_a_crash_before_the_first_checkpoint_says_how_to_keep_steps_next_time(tm
     assert "(checkpoint.every = 0): give --checkpoint.every=N to keep the steps a crash would lose)" in hint, hint
     cfg.checkpoint.every = 5
     assert "checkpoint.every" not in resume_hint(RuntimeError("boom"), cfg, None)
+
+
+@pytest.mark.parametrize(
+    "where,err,said",
+    [
+        (
+            "rng",
+            5,
+            "writing the checkpoint of step 2 in {ck} failed ({ck}/.tmp-step-00000002-{pid}/rng.safetensors: "
+            "Input/output error); no earlier checkpoint exists",
+        ),  # fmt: skip
+        ("rng", 28, "not enough space for the checkpoint of step 2 in {ck}: it needs"),
+        ("manifest", 5, "writing the checkpoint of step 2 in {ck} failed ("),
+        ("root sync", 5, "the checkpoint of step 2 is in place at {ck}/step-00000002, but making it durable failed"),
+    ],
+)
+def test_a_checkpoints_small_files_failing_are_one_line(tmp_path, capsys, monkeypatch, where, err, said):
+    """An I/O error (or a full disk) in a checkpoint's RNG file, its manifest or its directory's
+    sync was a traceback (only its state files' errors were said): now one line naming the file
+    and whether the previous checkpoint is intact, or that the checkpoint is in place but may not
+    be durable; nothing half-written is left."""
+    import tiertrain.checkpoint.manifest as manifest
+    import tiertrain.checkpoint.saver as saver
+
+    ck = tmp_path / "run" / "checkpoints"
+
+    def fail(path):
+        raise OSError(err, os.strerror(err), str(path))
+
+    if where == "rng":
+        monkeypatch.setattr(saver, "write_tensors", lambda d, name, *a: fail(os.path.join(d, name)))
+    elif where == "manifest":
+        monkeypatch.setattr(manifest.Manifest, "write", lambda self, d: fail(os.path.join(d, "manifest.json")))
+    else:
+        real = saver.fsync_path
+        monkeypatch.setattr(saver, "fsync_path", lambda p: fail(p) if os.path.abspath(p) == str(ck) else real(p))
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path)], 1)
+    assert said.format(ck=ck, pid=os.getpid()) in line, line
+    assert not [n for n in os.listdir(ck) if n.startswith(".tmp")], os.listdir(ck)

@@ -11,6 +11,7 @@ file's CRC32C, computed on the way and checked on the way back.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -23,13 +24,14 @@ import torch
 from .. import faults
 from ..io import BufferPool, FileHandle, IOFuture, IOWorkers, OutOfSpaceError, check_space, free_bytes
 from ..io.checksum import crc32c
-from ..io.errors import human_bytes
+from ..io.errors import StorageError, human_bytes
 from ..paths import fsync_path
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout
 from ..state.regions import TieredRegions
 from ..state.scales import ScaleLayout
 from .manifest import (
+    MANIFEST,
     CheckpointError,
     CheckpointMismatch,
     FileEntry,
@@ -139,7 +141,7 @@ class CheckpointIO:
         final = os.path.join(root, f"step-{step:08d}")
         tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
         sizes = {name: self.file_size(r) for name, r in regions.items()}
-        total = sum(sizes.values())
+        total = sum(sizes.values()) + small_files_bytes(extra)
         previous = latest_checkpoint(root)
         try:  # (the space its files need: asked first, ``space_problem``; a disk filled meanwhile is caught below)
             os.makedirs(tmp)
@@ -164,6 +166,12 @@ class CheckpointIO:
         except OutOfSpaceError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(_no_space(root, step, total, previous)) from exc
+        except OSError as exc:
+            placed = not os.path.exists(tmp) and os.path.exists(os.path.join(final, MANIFEST))
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, StorageError) and not placed:  # a state file's read or write: it names its file
+                raise
+            raise CheckpointError(_write_failed(root, final, step, total, previous, exc, placed)) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -173,12 +181,13 @@ class CheckpointIO:
         _remove_dirs(gone)
         return SaveResult(final, total, time.perf_counter() - t0)
 
-    def space_problem(self, regions: dict, root: str, step: int) -> str:
+    def space_problem(self, regions: dict, root: str, step: int, extra: dict | None = None) -> str:
         """Why the checkpoint of ``step`` would not fit under ``root`` ('' where it would): asked
         by rank 0 before the gathers the other ranks wait in (refused inside ``save``, it left
-        them waiting for the timeout, then told "rank 0 died")."""
+        them waiting for the timeout, then told "rank 0 died"). ``extra``: ``save``'s."""
         tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
         sizes = {name: self.file_size(r) for name, r in regions.items()}
+        sizes[MANIFEST] = small_files_bytes(extra)  # with the RNG's state, the manifest and the adapters
         try:
             check_space([(os.path.join(tmp, name), n) for name, n in sizes.items()])
         except OutOfSpaceError:
@@ -336,6 +345,31 @@ def _restore_rng(directory: str, entry: FileEntry | None) -> None:
     cuda = [state[f"cuda{i}"] for i in range(torch.cuda.device_count()) if f"cuda{i}" in state]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+
+
+SMALL_FILES = 1 << 20  # a checkpoint's RNG state and manifest (KiB) and their files' blocks, with room
+
+
+def small_files_bytes(extra: dict | None) -> int:
+    """The bytes of a checkpoint beside its state files: ``save``'s ``extra`` (the adapters), the
+    RNG's state and the manifest."""
+    tensors = [t for ts, _ in (extra or {}).values() for t in ts.values()]
+    return SMALL_FILES + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _write_failed(root: str, final: str, step: int, total: int, previous: str | None, exc: OSError, placed: bool) -> str:
+    """A checkpoint's small file, a sync or a rename failed (``exc``, a plain ``OSError``)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not placed:
+        return _no_space(root, step, total, previous)
+    what = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc.strerror or exc)
+    if placed:  # renamed into place: only its directory's sync failed
+        return (
+            f"the checkpoint of step {step} is in place at {final}, but making it durable failed ({what}): a crash "
+            "or power loss could still lose it; check the disk"
+        )
+    return f"writing the checkpoint of step {step} in {root} failed ({what}); " + (
+        f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    )
 
 
 def _no_space(root: str, step: int, total: int, previous: str | None) -> str:

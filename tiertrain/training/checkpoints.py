@@ -100,7 +100,7 @@ class Checkpoints:
         g, cfg = self.group, self.config()
         whole = g.gathered(regions, self.state_layout)
         # rank 0's disk, known to every rank before the gathers they would wait in
-        problem = g.rank0s(self.io.space_problem(whole, self.root, step) if g.leader else "")
+        problem = g.rank0s(self.io.space_problem(whole, self.root, step, extra) if g.leader else "")
         if problem:
             raise CheckpointError(problem)
         res = None
