@@ -680,3 +680,59 @@ def test_a_checkpoints_small_files_failing_are_one_line(tmp_path, capsys, monkey
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path)], 1)
     assert said.format(ck=ck, pid=os.getpid()) in line, line
     assert not [n for n in os.listdir(ck) if n.startswith(".tmp")], os.listdir(ck)
+
+
+def test_an_export_that_fails_is_one_line_and_leaves_out_as_it_was(tmp_path, capsys, monkeypatch, tmpfs):
+    """A full disk or an I/O error while exporting was a traceback (safetensors' SafetensorError, an
+    OSError from a sync): one line naming --out, which is left as it was; a disk too small for the
+    weights is refused before anything is written."""
+    import safetensors.torch
+
+    import tiertrain.checkpoint.export as export
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    run, out = tmp_path / "run", tmp_path / "exp"
+    small = tmpfs("small", 16)
+    line = one_line_error(capsys, ["export", f"--checkpoint={run}", f"--out={small / 'exp'}"], 1)
+    assert f"export --out {small / 'exp'}: not enough space on its filesystem: the weights need at least" in line
+    assert os.listdir(small) == []
+
+    def full(*a, **k):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full)
+        line = one_line_error(capsys, ["export", f"--checkpoint={run}", f"--out={out}"], 1)
+    assert line.startswith(f"tiertrain: export --out {out}: its filesystem is full (") and "is as it was" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["run", "small"], os.listdir(tmp_path)
+    assert main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
+    before = sorted(os.listdir(out))
+
+    def eio(path):
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(export, "fsync_path", eio)
+    line = one_line_error(capsys, ["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"], 1)
+    assert f"export --out {out}: writing the export failed (" in line and "Input/output error" in line, line
+    assert sorted(os.listdir(out)) == before and not [n for n in os.listdir(tmp_path) if "exp" in n and n != "exp"]
+
+
+def test_what_a_killed_export_left_is_cleaned_and_an_earlier_export_put_back(tmp_path, capsys):
+    """A killed export left its hidden work directory (a whole model's size) for good, and one
+    killed between its two renames left --out missing, the earlier export set aside as OUT.old-PID:
+    the next export removes the first and puts the second back."""
+    import shutil
+    import subprocess
+    import sys
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    run, out = tmp_path / "run", tmp_path / "exp"
+    assert main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    shutil.copytree(out, tmp_path / f".exp.tmp-export-{pid}")  # killed while writing
+    shutil.copytree(out, tmp_path / f".exp.tmp-export-{os.getppid()}")  # another export, still running
+    os.rename(out, tmp_path / f"exp.old-{pid}")  # killed between the renames of an --overwrite
+    capsys.readouterr()
+    assert main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"]) == 0
+    assert "an export that replaced it was killed; the earlier one put back" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == sorted([f".exp.tmp-export-{os.getppid()}", "exp", "run"])

@@ -16,25 +16,31 @@ earlier export (only files an export writes); never the checkpoint or a director
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
+import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 
 from ..config import Config, ConfigError
 from ..data.loader import TOKENIZER_FILES
-from ..io import FileHandle
+from ..errors import one_line
+from ..io import FileHandle, OutOfSpaceError, check_space
 from ..io.checksum import crc32c
+from ..io.errors import StorageError, human_bytes
 from ..models import _hf_names, build_model
 from ..models.base import LayeredModel
 from ..models.buffers import persistent_buffers
 from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
-from ..paths import check_writable_dir, fsync_path, mode_as_created
+from ..paths import check_writable_dir, fsync_path, mode_as_created, pid_alive
 from ..runtime import align_of, layout_aligns
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout, base_storage
@@ -42,6 +48,8 @@ from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
 __all__ = ["export_checkpoint", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
+
+log = logging.getLogger("tiertrain")
 
 
 def export_checkpoint(
@@ -54,13 +62,14 @@ def export_checkpoint(
     path = find_checkpoint(path, "export --checkpoint")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
+    _clean_leftovers(out)
     _check_out(path, out, overwrite)
     man = Manifest.read(path)
     moved = moved_model_dir(man.config, hf_dir, "export --checkpoint")
     if moved is not None:
         relocate_model_dir(man.config, moved)
     _refuse_read(man.config, out)
-    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-export-{os.getpid()}")
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}{_TMP}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -70,13 +79,70 @@ def export_checkpoint(
         else:
             if merge and adapters is None:
                 raise CheckpointError(f"export --merge: checkpoint {path} holds no adapters (adapter.kind = 'none')")
+            _check_space(man, tmp, out)
             _write(path, man, tmp, adapters)
         _fsync_tree(tmp)  # durable before it replaces an earlier export (which goes once it is in place)
         _replace_dir(tmp, out)
+    except (OSError, SafetensorError) as exc:
+        placed = not os.path.exists(tmp) and os.path.isdir(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, StorageError) and not placed:  # reading the checkpoint: it names its file
+            raise
+        raise CheckpointError(_write_failed(out, exc, placed)) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+_TMP = ".tmp-export-"  # the hidden work directory beside ``out``: .OUT.tmp-export-PID
+
+
+def _check_space(man: Manifest, tmp: str, out: str) -> None:
+    """Refuse before writing where ``out``'s filesystem cannot hold the weights (at least the
+    checkpoint's weights file: a 4-bit base is exported dequantized, larger)."""
+    entry = man.entry(man.weights) if man.weights else man.entry("master.bin") or man.entry("params.bin")
+    if entry is None:
+        return
+    try:
+        check_space([(os.path.join(tmp, "weights"), entry.size)])
+    except OutOfSpaceError as exc:
+        raise CheckpointError(
+            f"export --out {out}: not enough space on its filesystem: the weights need at least "
+            f"{human_bytes(entry.size)}, {human_bytes(exc.free)} are free; free space there or export elsewhere"
+        ) from None
+
+
+def _write_failed(out: str, exc: BaseException, placed: bool) -> str:
+    """What an export's write, sync or rename failing (``exc``) means for ``out``."""
+    err = getattr(exc, "errno", None) or (errno.ENOSPC if "os error 28" in str(exc) else None)
+    what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else one_line(exc)
+    if placed:  # renamed into place: only its directory's sync failed
+        return f"export --out {out}: the export is in place, but making it durable failed ({what}); check the disk"
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return f"export --out {out}: its filesystem is full ({what}); free space there or export elsewhere; {out} is as it was"
+    return f"export --out {out}: writing the export failed ({what}); {out} is as it was"
+
+
+def _clean_leftovers(out: str) -> None:
+    """What a killed export into ``out`` left beside it: its hidden work directory (removed) and
+    an earlier export set aside while being replaced, ``OUT.old-PID`` (put back where ``out`` is
+    missing: the kill came between the two renames; else removed). Those of a process still
+    running are left."""
+    parent, base = os.path.split(out)
+    left = re.compile(rf"^(?:\.{re.escape(base)}{re.escape(_TMP)}|{re.escape(base)}\.old-)(\d+)$")
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(parent)):
+            m = left.match(name)
+            if m is None or pid_alive(int(m.group(1))):
+                continue
+            path = os.path.join(parent, name)
+            if not name.startswith(".") and not os.path.exists(out):
+                os.rename(path, out)
+                log.warning("export --out %s: an export that replaced it was killed; the earlier one put back", out)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, left by an export that was killed", path)
 
 
 def _fsync_tree(path: str) -> None:
