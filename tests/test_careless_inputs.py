@@ -736,3 +736,23 @@ def test_what_a_killed_export_left_is_cleaned_and_an_earlier_export_put_back(tmp
     assert main(["export", f"--checkpoint={run}", f"--out={out}", "--overwrite"]) == 0
     assert "an export that replaced it was killed; the earlier one put back" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == sorted([f".exp.tmp-export-{os.getppid()}", "exp", "run"])
+
+
+def test_a_missing_checkpoint_dir_is_named_not_taken_for_a_run_without_checkpoints(tmp_path, capsys):
+    """A run whose checkpoint.dir (outside its run directory) is missing, say a disk not mounted:
+    --resume said "--resume CKDIR: no such directory" (a path never typed), and a fresh start said
+    the run stopped before its first checkpoint, advising --train.overwrite (which deletes its
+    metrics). Both now name the missing checkpoint.dir; put back, the run resumes."""
+    ckd = tmp_path / "ckd"
+    flags = tiny_flags(tmp_path, f"--checkpoint.dir={ckd}")
+    assert main(["train", *flags]) == 0
+    run = tmp_path / "run"
+    os.rename(ckd, tmp_path / "elsewhere")
+    missing = f"its checkpoints are kept in {ckd} (checkpoint.dir, in {run}/config.json), which is missing"
+    line = one_line_error(capsys, ["train", "--resume", str(run), "--train.steps=3"], 1)
+    assert f"--resume {run}: {missing}" in line, line
+    line = one_line_error(capsys, ["train", *flags], 1)
+    assert f"{missing} (a disk not mounted?): put it back and continue it with `tiertrain train --resume {run}`" in line
+    assert "overwrite" not in line and "stopped before its first checkpoint" not in line, line
+    os.rename(tmp_path / "elsewhere", ckd)
+    assert main(["train", "--resume", str(run), "--train.steps=3"]) == 0

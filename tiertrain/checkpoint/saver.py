@@ -357,7 +357,9 @@ def small_files_bytes(extra: dict | None) -> int:
     return SMALL_FILES + sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _write_failed(root: str, final: str, step: int, total: int, previous: str | None, exc: OSError, placed: bool) -> str:
+def _write_failed(
+    root: str, final: str, step: int, total: int, previous: str | None, exc: OSError, placed: bool
+) -> str:
     """A checkpoint's small file, a sync or a rename failed (``exc``, a plain ``OSError``)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not placed:
         return _no_space(root, step, total, previous)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .rundir import METRICS, no_checkpoint_advice, stored_checkpoint_root
+from .rundir import METRICS, missing_checkpoint_dir, no_checkpoint_advice, stored_checkpoint_root
 
 __all__ = ["resume_hint", "find_resumable", "restorable", "nothing_to_train"]
 
@@ -70,6 +70,9 @@ def find_resumable(where: str, flag: str = "--resume") -> str:
     except CheckpointError:
         elsewhere = stored_checkpoint_root(where)  # the run's checkpoint.dir, outside the run directory
         if elsewhere is not None:
+            missing = missing_checkpoint_dir(where)
+            if missing:  # (it named a path never typed: "--resume CKDIR: no such directory")
+                raise CheckpointError(f"{flag} {where}: {missing}") from None
             return find_checkpoint(elsewhere, flag)
         run_dir = where if _holds_steps(where) else os.path.dirname(os.path.normpath(os.path.abspath(where)))
         if not _holds_steps(run_dir):

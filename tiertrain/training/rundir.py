@@ -34,6 +34,7 @@ __all__ = [
     "DROPPED",
     "resumed_tree",
     "no_checkpoint_advice",
+    "missing_checkpoint_dir",
     "refuse_a_held_run",
     "others_checkpoints",
     "stored_checkpoint_root",
@@ -50,8 +51,24 @@ class RunDirError(DirInUseError):
     """The run directory is in use, or holds another run's work."""
 
 
+def missing_checkpoint_dir(run_dir: str) -> str:
+    """Where run directory ``run_dir``'s run keeps its checkpoints outside it (its checkpoint.dir)
+    and that directory is missing (a disk not mounted), what to say ('' otherwise): it was called
+    a run that stopped before its first checkpoint, with advice that deleted its metrics."""
+    kept = stored_checkpoint_root(run_dir)
+    if kept is None or os.path.isdir(kept):
+        return ""
+    return (
+        f"its checkpoints are kept in {kept} (checkpoint.dir, in {os.path.join(run_dir, CONFIG)}), which is "
+        "missing (a disk not mounted?): put it back"
+    )
+
+
 def no_checkpoint_advice(run_dir: str) -> str:
     """A run directory whose run stopped before its first checkpoint: nothing to resume."""
+    missing = missing_checkpoint_dir(run_dir)
+    if missing:
+        return f"{missing} and continue it with `tiertrain train --resume {run_dir}`, or give another --train.run_dir"
     return (
         f"the run in {run_dir} stopped before its first checkpoint: there is nothing to resume; start it over "
         "with --train.overwrite=true, without --resume (deletes its metrics), or give another --train.run_dir"
