@@ -127,20 +127,10 @@ def plan_run(cfg: Config, rt, group=None, *, probe_mib: int = 64, measure: bool 
     planned, why = resolve_activations(planned, rt, budget.act_bytes, budget.record_bytes, choose_rates)
     if why:
         notes.append(why)
-    if group.world > 1 and planned.optim.grad_clip > 0:
-        notes.append(RANKS_CLIP_NOTE.format(world=group.world, clip=planned.optim.grad_clip))
+    notes += group.math_notes(planned)
     acts = ActivationPlan.of(planned, rt, budget.act_bytes, budget.record_bytes)
     states = declare_states(planned, rt, acts.record_bytes)
     return RunPlan(planned, budget, acts, states, notes, measured[0] if measured else None)
-
-
-# measured: tests/test_dist_train.py (weights 1.2e-7 apart after 3 steps in which the clip acted)
-RANKS_CLIP_NOTE = (
-    "{world} ranks with optim.grad_clip = {clip}: the clip's global norm is the square root of the ranks' "
-    "summed squares of their shards' norms, not clip_grad_norm_'s norm of per-parameter norms (a shard cuts "
-    "parameters): equal up to float rounding, so in a step where the clip acts the weights differ from plain "
-    "PyTorch's in the last bits (1e-7 measured); optim.grad_clip = 0 keeps them bit for bit"
-)
 
 
 def device_needs(cfg: Config, rt, unit: int, accum) -> dict[str, int]:
