@@ -33,13 +33,10 @@ from ..checkpoint import (
     CheckpointMismatch,
     Manifest,
     SaveResult,
-    list_checkpoints,
     read_tensors,
 )
 from ..config import Config, ConfigError, ineffective_settings
-from ..cost.report import against_measured
 from ..data import EvalSet, open_corpus
-from ..data.examples import UnscoredStep
 from ..device.host import HeapTrim, fix_mmap_threshold, host_rss, trim_heap
 from ..dist.group import BrokenGroupError, SoloGroup
 from ..dist.launch import resume_command
@@ -59,8 +56,8 @@ from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .advice import nothing_to_train, restorable
 from .checkpoints import Checkpoints, rows_read
-from .guard import LossGuard
 from .interrupt import StopFlag
+from .loop import run_steps
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
@@ -566,50 +563,8 @@ class Trainer:
                 metrics.close()
 
     def _steps(self, stop: StopFlag, metrics: MetricsLog, first: int, progress: bool) -> list[StepRecord]:
-        """The steps of ``run`` from step ``first`` on, their lines and checkpoints."""
-        from tqdm import tqdm
-
-        cfg, ck = self.cfg, self.cfg.checkpoint
-        pred = self.predict() if cfg.train.predict else None
-        log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in self.pool_bytes.items()))
-        guard = LossGuard()
-        # the periodic save of the step just taken (the last step's is checkpoint.at_end's)
-        periodic = lambda: bool(ck.every) and self.step % ck.every == 0 and self.step < cfg.train.steps  # noqa: E731
-        with tqdm(total=cfg.train.steps, initial=self.step, desc="train", disable=not progress, unit="step") as bar:
-            while not (why := stop.agreed(self.group)) and self.step < cfg.train.steps:
-                try:
-                    rec = self.train_step()
-                except UnscoredStep:  # past what was checked at start: the steps done are kept
-                    saves = ck.every or ck.at_end  # (a run that keeps no checkpoint is not given one)
-                    if saves and self.step > first and not periodic():  # every rank alike
-                        self.save_checkpoint()
-                        if self.group.leader:
-                            log.warning("saved step %d, the last the data lets this run take", self.step)
-                    raise
-                metrics.add(rec)
-                bar.update()
-                bar.set_postfix(loss=f"{rec.loss:.3f}")
-                diverged = guard.check(rec.step, rec.loss, rec.grad_norm)
-                if rec.step % cfg.train.log_every == 0 or rec.step == cfg.train.steps or diverged:
-                    log.info(rec.line(cfg.train.steps))
-                if diverged:
-                    raise diverged  # before any save: a non-finite step is never kept
-                if pred is not None and rec.step == first + 4:  # steps 2-4: past the warm-up
-                    log.info(against_measured(cfg, self.rt, pred, metrics.records[-3:]))
-                if periodic():
-                    self.save_checkpoint()
-        if why:
-            if self.group.leader:
-                log.warning("interrupted after step %d (%s)", self.step, why)
-            if ck.on_interrupt and self.step > first and not periodic():  # the same step saved again only risks it
-                self.save_checkpoint()
-            if list_checkpoints(self.checkpoint_root) and self.group.leader:
-                log.warning("resume with: %s", self.resume_command)
-            raise KeyboardInterrupt(f"interrupted after step {self.step}")
-        if ck.at_end:
-            self.save_checkpoint()
-        log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
-        return metrics.records
+        """The steps of ``run`` from step ``first`` on, their lines and checkpoints (``loop.py``)."""
+        return run_steps(self, stop, metrics, first, progress)
 
     def predict(self) -> Prediction | None:
         """The cost model's prediction of this run's step, logged (None where probing failed)."""
