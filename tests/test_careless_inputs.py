@@ -756,3 +756,15 @@ def test_a_missing_checkpoint_dir_is_named_not_taken_for_a_run_without_checkpoin
     assert "overwrite" not in line and "stopped before its first checkpoint" not in line, line
     os.rename(tmp_path / "elsewhere", ckd)
     assert main(["train", "--resume", str(run), "--train.steps=3"]) == 0
+
+
+def test_the_start_is_said_by_part(tmp_path, capsys):
+    """A large model's start takes minutes with nothing said of what (an 8 B model's took more than
+    150 s on a GPU machine, not broken down): one line says the start's parts, fresh or resumed."""
+    parts = r"the model and data [\d.]+ s, the plan [\d.]+ s, pools and files [\d.]+ s"
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"started in [\d.]+ s: {parts}, initial weights [\d.]+ s\n", err), err[-2000:]
+    assert main(["train", "--resume", str(tmp_path / "run"), "--train.steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"started in [\d.]+ s: {parts}, the checkpoint restored [\d.]+ s\n", err), err[-2000:]

@@ -91,6 +91,7 @@ class Trainer:
         group: Group | None = None,
         resuming: bool = False,
     ) -> None:
+        self._started = {"at": time.perf_counter()}  # the start's parts, said as training begins (``run``)
         if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
             cfg = Config.from_dict(cfg)
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
@@ -124,7 +125,11 @@ class Trainer:
             for info in self.lock.unclean:
                 log.warning("scratch %s was left by a run that did not finish (pid %s, started %s); its files are "
                             "replaced", info["path"], info.get("pid"), info.get("started"))  # fmt: skip
+            t0 = time.perf_counter()
+            self._started["the model and data"] = t0 - self._started["at"]
             self.plan = self._plan()
+            t1 = time.perf_counter()
+            self._started["the plan"] = t1 - t0
             self.lock.claim(self.plan.names)  # before any file is opened: a user's is never replaced
             self._files_ours = True  # from here on the scratch files of the plan's names are this run's
             cfg = self.cfg
@@ -139,6 +144,7 @@ class Trainer:
             p = self.plan  # (checksum sidecars included: a disk filled to the data's size failed at the first save)
             self.group.check_space(self.storage.space_needs(p.files, placed=p.placed, records=p.records))
             self._build()
+            self._started["pools and files"] = time.perf_counter() - t1
             faults.point("start")
         except BaseException:
             self.close()
@@ -527,6 +533,7 @@ class Trainer:
             progress = cfg.train.progress and sys.stderr.isatty()
         for line in ineffective_settings(cfg) if self.group.leader else ():
             log.warning("%s", line)
+        t_weights = time.perf_counter()
         if resume is None:
             self.rundir.start_fresh(cfg.train.overwrite, self.group.world)
         elif self.group.leader:  # a checkpoint of another run directory: this one must hold no run
@@ -544,6 +551,7 @@ class Trainer:
                     raise
             else:
                 self.initialize(progress=progress)
+            self._say_started("the checkpoint restored" if resume is not None else "initial weights", t_weights)
             first = self.step
             if first >= cfg.train.steps:  # before a later course is set aside: nothing of it is replaced
                 (log.warning if self.group.leader else log.debug)("%s", nothing_to_train(first, cfg.train.steps, self.resume_command))  # fmt: skip  # rank 0 speaks for the ranks
@@ -561,6 +569,16 @@ class Trainer:
             finally:
                 self._stop = None
                 metrics.close()
+
+    def _say_started(self, weights: str, since: float) -> None:
+        """How long the start took, by part (a large model's start takes minutes: what of them),
+        the construction's parts and ``weights`` (made or restored from ``since``)."""
+        parts = {k: v for k, v in self._started.items() if k != "at"}
+        parts[weights] = time.perf_counter() - since
+        if self.group.leader:
+            log.info(
+                "started in %.1f s: %s", sum(parts.values()), ", ".join(f"{k} {v:.1f} s" for k, v in parts.items())
+            )
 
     def _steps(self, stop: StopFlag, metrics: MetricsLog, first: int, progress: bool) -> list[StepRecord]:
         """The steps of ``run`` from step ``first`` on, their lines and checkpoints (``loop.py``)."""
