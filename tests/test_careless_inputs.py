@@ -768,3 +768,25 @@ def test_the_start_is_said_by_part(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "run"), "--train.steps=3"]) == 0
     err = capsys.readouterr().err
     assert re.search(rf"started in [\d.]+ s: {parts}, the checkpoint restored [\d.]+ s\n", err), err[-2000:]
+
+
+def test_initial_weights_in_a_log_file_say_their_progress(tmp_path, monkeypatch, caplog):
+    """Without a terminal (a log file, a batch job) the initial weights' bar is not drawn: a line
+    every 30 s says how far they are (a large model's take minutes)."""
+    import logging
+    import types
+
+    import tiertrain.training.trainer as trainer
+    from tests.reference import small_config
+
+    clock = iter(range(0, 10**6, 40))  # every reading 40 s after the one before
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    caplog.set_level(logging.INFO, logger="tiertrain")
+    with trainer.Trainer(small_config(tmp_path, layers=3)) as tr:
+        tr.initialize(progress=False)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("initial weights:")]
+    assert (
+        said
+        and said[0].startswith("initial weights: 1 of 5 units, ")
+        and said[-1].startswith("initial weights: 4 of 5")
+    )

@@ -354,7 +354,11 @@ class Trainer:
         self._need_open("initialize()")
         dtype = self.update.init_dtype  # fp32, or a frozen base's own: converted as it is copied in
         flat = aligned_empty(self.layout.max_unit_numel * dtype.itemsize).view(dtype)
+        t0 = said = time.perf_counter()
         for unit in tqdm(self.layout.units, desc="init weights", disable=None if progress else True, unit="unit"):
+            if time.perf_counter() - said > 30 and self.group.leader:  # a log file has no bar: a line now and then
+                said = time.perf_counter()
+                log.info("initial weights: %d of %d units, %.0f s", unit.index, len(self.layout), said - t0)
             values = self.source.load(unit.index, [r.name for r in unit.params])
             view = flat[: unit.numel]
             view.zero_()
