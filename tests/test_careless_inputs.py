@@ -787,6 +787,6 @@ def test_initial_weights_in_a_log_file_say_their_progress(tmp_path, monkeypatch,
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("initial weights:")]
     assert (
         said
-        and said[0].startswith("initial weights: 1 of 5 units, ")
+        and said[0].startswith("initial weights: 0 of 5 units, ")
         and said[-1].startswith("initial weights: 4 of 5")
     )
