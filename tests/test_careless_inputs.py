@@ -790,3 +790,57 @@ def test_initial_weights_in_a_log_file_say_their_progress(tmp_path, monkeypatch,
         and said[0].startswith("initial weights: 0 of 5 units, ")
         and said[-1].startswith("initial weights: 4 of 5")
     )
+
+
+def test_output_files_are_written_whole_and_never_over_what_is_not_theirs(tmp_path, capsys, tmpfs):
+    """`generate --out` on a disk that filled destroyed the earlier file and left half a line;
+    `eval --out` there was a traceback; both replaced any file given (a model's config.json, its
+    weights, the eval text) without a word. Now an output is written aside and renamed (the
+    earlier one kept where writing fails), and an existing file that is not an earlier output of
+    the command is refused before the work (found from outside)."""
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    run = tmp_path / "run"
+    gen = ["generate", f"--checkpoint={run}", "--max-new-tokens=40", "--ignore-eos"]
+    config = (run / "config.json").read_text()
+    line = one_line_error(capsys, ["eval", f"--checkpoint={run}", f"--out={run / 'config.json'}"], 1)
+    assert "exists and is not an earlier output of this command" in line, line
+    line = one_line_error(capsys, [*gen, "--prompt=hi", f"--out={run / 'config.json'}"], 1)
+    assert "exists and is not an earlier output of this command" in line and (run / "config.json").read_text() == config
+    disk = tmpfs("disk", 64)
+    out = disk / "rows.jsonl"
+    assert main([*gen, "--prompt=hi", f"--out={out}"]) == 0  # an earlier output: replaced
+    earlier = out.read_text()
+    (disk / "filler").write_bytes(bytes(64 * 1024 - 8192 - len(earlier)))  # the disk full but for a page or so
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt number {i}\n" for i in range(200)))
+    line = one_line_error(capsys, [*gen, f"--prompts-file={prompts}", f"--out={out}"], 1)
+    assert f"generate --out {out}: writing it failed (No space left on device); {out} is as it was" in line, line
+    assert out.read_text() == earlier and sorted(os.listdir(disk)) == ["filler", "rows.jsonl"]
+    try:  # the last pages taken too
+        with open(disk / "filler2", "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+    except OSError:
+        pass
+    res = disk / "new" / "res.json"
+    line = one_line_error(capsys, ["eval", f"--checkpoint={run}", "--data.eval_corpus=bundled", f"--out={res}"], 1)
+    assert f"eval --out {res}: writing it failed (No space left on device); {res} was not written" in line, line
+    assert sorted(os.listdir(disk)) == ["filler", "filler2", "rows.jsonl"]  # (nor its directory)
+
+
+@pytest.mark.slow  # a process of its own: a pipe and a full standard output
+def test_a_closed_pipe_ends_quietly_and_a_full_stdout_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    cmd = [sys.executable, "-m", "tiertrain", "generate", f"--checkpoint={tmp_path / 'run'}", "--prompt=hello",
+           "--max-new-tokens=200", "--ignore-eos"]  # fmt: skip
+    head = subprocess.run(f"{' '.join(cmd)} | head -c 3; exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash",
+                          capture_output=True, text=True)  # fmt: skip
+    assert head.returncode == 141 and head.stdout == "hel" and "Traceback" not in head.stderr, head.stderr[-2000:]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "tiertrain: generate: writing to standard output failed (No space left on device)" in r.stderr

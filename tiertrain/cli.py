@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -278,12 +279,17 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
-    from .paths import prepare_output_file
+    from .paths import first_json, prepare_output_file, to_stdout, write_output_file
 
     in_file = (read_toml(args.config).get("data") or {}) if args.config else {}
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides) and "eval_micro_batches" not in in_file:
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
-    out = prepare_output_file("eval --out", args.out) if args.out else None  # before the work, not after
+
+    def ours(path: str) -> bool:  # an earlier eval --out (a model's config.json, a corpus: never replaced)
+        res = first_json(path)
+        return isinstance(res, dict) and "loss" in res and "perplexity" in res
+
+    out = prepare_output_file("eval --out", args.out, ours=ours) if args.out else None  # before the work
     if args.checkpoint:
         cfg, weights = _checkpoint_model(args, overrides)
         with weights:
@@ -292,10 +298,13 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         cfg = load_config(args.config, overrides)
         _say_random(cfg, "eval")
         res = evaluate(cfg)
-    print(res.line())
-    if out:
-        with open(out, "w") as f:
-            json.dump({**dataclasses.asdict(res), "cross_entropy": res.cross_entropy}, f)
+    to_stdout(res.line() + "\n", "eval")
+    if out:  # (NaN and infinity as null: JSON has neither)
+        fields = {
+            k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in dataclasses.asdict(res).items()
+        }
+        ce = res.cross_entropy if math.isfinite(res.cross_entropy) else None
+        write_output_file("eval --out", out, lambda f: json.dump({**fields, "cross_entropy": ce}, f))
     return 0
 
 
@@ -509,6 +518,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
             return _cmd_export(args)
         parser.print_help()
         return 2
+    except BrokenPipeError:  # `tiertrain generate ... | head`: the reader has what it wanted
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush must not fail again)
+        return 141  # as a shell's command killed by SIGPIPE
     except ConfigError as exc:
         if not exc.quiet:  # (with ranks: another rank of this machine says the same)
             _say(f"tiertrain: config error: {one_line(exc)}")

@@ -7,10 +7,11 @@ The checks are side-effect free: nothing is created here. Each check raises ``Co
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import ConfigError
 
@@ -23,6 +24,9 @@ __all__ = [
     "mode_as_created",
     "pid_alive",
     "remove_dead_temporaries",
+    "write_output_file",
+    "to_stdout",
+    "first_json",
 ]
 
 
@@ -85,17 +89,26 @@ def check_input_file(what: str, path: str, error: type[Exception] | None = None)
         )
 
 
-def prepare_output_file(what: str, path: str, inputs: Sequence[str | None] = ()) -> str:
+def prepare_output_file(
+    what: str, path: str, inputs: Sequence[str | None] = (), ours: Callable[[str], bool] | None = None
+) -> str:
     """Make the directory of output file ``path`` now (before any long work) and check that
     it can be written there; return the absolute path. Never one of ``inputs`` (the files the
-    command reads), nor a file of a checkpoint (a directory with a manifest). Raises
-    ``UsageError`` naming ``what``."""
+    command reads), nor a file of a checkpoint (a directory with a manifest), nor, where
+    ``ours`` is given, an existing file it does not take for an earlier output of the command
+    (``eval --out MODEL/config.json`` replaced the model's config, ``generate --out`` its
+    weights). Raises ``UsageError`` naming ``what``."""
     from .errors import UsageError
 
     path = os.path.abspath(path)
     if os.path.isdir(path):
         raise UsageError(f"{what} = {path!r} is a directory; give a file name")
     refuse_overwriting(what, path, inputs, UsageError)
+    if ours is not None and os.path.isfile(path) and os.path.getsize(path) and not ours(path):
+        raise UsageError(
+            f"{what} = {path!r} exists and is not an earlier output of this command: writing it would destroy "
+            "it; give a new file (or remove this one)"
+        )
     directory = os.path.dirname(path)
     check_writable_dir(f"the directory of {what}", directory, UsageError)
     MADE_FOR_OUTPUT.extend(missing_dirs(directory))  # removed again by a command that fails (``cli.main``)
@@ -202,3 +215,54 @@ def remove_dead_temporaries(path: str) -> list[str]:
         except OSError:
             pass
     return gone
+
+
+def first_json(path: str) -> object:
+    """The JSON value of the first line of ``path`` (None where it is not JSON, or unreadable)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.loads(f.readline(1 << 20))
+    except (OSError, ValueError):
+        return None
+
+
+def write_output_file(what: str, path: str, write: Callable[[object], None]) -> None:
+    """Write output file ``path`` whole or not at all: ``write(f)`` into ``PATH.tmpPID`` beside it,
+    then renamed over it. A full disk or an I/O error is one line naming ``what`` and saying the
+    file is as it was (writing it in place left the earlier file destroyed and half a line)."""
+    from .errors import UsageError
+
+    remove_dead_temporaries(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        before = "is as it was" if os.path.exists(path) else "was not written"
+        raise UsageError(
+            f"{what} {path}: writing it failed ({exc.strerror or exc}); {path} {before}; free space there or "
+            "choose another file"
+        ) from None
+
+
+def to_stdout(text: str, what: str) -> None:
+    """``text`` to standard output, flushed; a full or failing one (``> /dev/full``) is one line
+    naming ``what`` (a closed pipe is the command line's: a quiet exit)."""
+    import sys
+
+    from .errors import UsageError
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise UsageError(f"{what}: writing to standard output failed ({exc.strerror or exc})") from None

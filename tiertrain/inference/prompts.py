@@ -8,11 +8,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import sys
 
 from ..config import Config, ConfigError
 from ..data import load_tokenizer
-from ..errors import UsageError
 from .generate import Sampling, generate
 
 __all__ = ["read_prompts", "checked_out", "run_generate"]
@@ -68,7 +66,15 @@ def checked_out(out: str | None, prompts_file: str | None = None) -> str | None:
     only after generating, as a traceback."""
     from ..paths import prepare_output_file
 
-    return None if out is None else prepare_output_file("generate --out", out, [prompts_file])
+    return None if out is None else prepare_output_file("generate --out", out, [prompts_file], ours=_rows_file)
+
+
+def _rows_file(path: str) -> bool:
+    """Whether ``path`` is an earlier ``generate --out``'s (its first line a row of it)."""
+    from ..paths import first_json
+
+    row = first_json(path)
+    return isinstance(row, dict) and "completion" in row and "prompt" in row
 
 
 def _tokenizer(cfg: Config):
@@ -91,21 +97,24 @@ class StreamedText:
         self.printed, self.started = 0, False
 
     def __call__(self, tokens: list) -> None:
+        from ..paths import to_stdout
+
+        said = ""
         if not self.started:
-            sys.stdout.write(self.prompt)
-            self.started = True
+            said, self.started = self.prompt, True
         if tokens and tokens[0] is None:  # (the row has ended; others have not)
+            to_stdout(said, "generate")
             return
         if tokens:
             self.tokens.append(tokens[0])
         text = self.tok.decode(self.tokens)
         upto = len(text.rstrip("\ufffd")) if tokens else len(text)  # the end: whatever is left
         if upto > self.printed:
-            sys.stdout.write(text[self.printed : upto])
+            said += text[self.printed : upto]
             self.printed = upto
         if not tokens:  # the line ended before generate logs its summary
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+            said += "\n"
+        to_stdout(said, "generate")
 
 
 def run_generate(
@@ -113,6 +122,8 @@ def run_generate(
 ) -> list[str]:
     """Generate after every prompt; print (or write) the results; return the completions.
     ``weights``: a ``WeightSource`` (a checkpoint's) instead of the model directory's."""
+    from ..paths import to_stdout
+
     tok = _tokenizer(cfg)
     prompts = [tok.encode_prompt(t) for t in texts]  # (as tokenizer(text): its BOS where it adds one)
     for t, p in zip(texts, prompts):
@@ -134,17 +145,19 @@ def run_generate(
     texts_out = [tok.decode(r) for r in rows]
     if out is None and not stream:  # (a streamed row was printed as it came)
         for t, c in zip(texts, texts_out):
-            print(f"{t}{c}\n")
+            to_stdout(f"{t}{c}\n\n", "generate")
     elif out is not None:
         _write_rows(out, texts, texts_out, rows)
     return texts_out
 
 
 def _write_rows(out: str, texts: list[str], completions: list[str], rows: list[list[int]]) -> None:
+    from ..paths import write_output_file
+
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    try:
-        with open(out, "w", encoding="utf-8") as f:
-            for t, c, r in zip(texts, completions, rows):
-                f.write(json.dumps({"prompt": t, "completion": c, "tokens": r}) + "\n")
-    except OSError as exc:  # checked at start: a disk filled meanwhile
-        raise UsageError(f"generate --out {out}: writing it failed ({exc.strerror}); choose another file") from None
+
+    def write(f) -> None:
+        for t, c, r in zip(texts, completions, rows):
+            f.write(json.dumps({"prompt": t, "completion": c, "tokens": r}) + "\n")
+
+    write_output_file("generate --out", out, write)  # whole or not at all: a disk filled meanwhile
