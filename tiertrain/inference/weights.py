@@ -582,8 +582,34 @@ class CheckpointWeights:
         raise RuntimeError("a checkpoint's records are read, never used in place")
 
     def load(self, u: int, names: list[str]) -> dict[str, torch.Tensor]:
+        recs = self.layout.units[u].params if u < len(self.layout.units) else []
+        if [r.name for r in recs] != list(names):  # the model runs cut otherwise (generation: its vocabulary whole)
+            return self._load_whole(names)
         view = self._read(u)  # one reader thread (WeightParams): the buffer is reused unit after unit
-        return {r.name: view[r.offset : r.offset + r.numel].view(r.shape) for r in self.layout.units[u].params}
+        return {r.name: view[r.offset : r.offset + r.numel].view(r.shape) for r in recs}
+
+    def _load_whole(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors ``names`` where the checkpoint's units are cut otherwise than the model asking
+        (a run trained with its vocabulary in pieces, generated from whole: a KeyError): each
+        piece's rows copied into its whole matrix."""
+        from ..checkpoint import CheckpointError
+
+        want, out, pieces = set(names), {}, self._w.model.row_pieces
+        for unit in self.layout.units:
+            hits = [r for r in unit.params if r.name in want or (r.name in pieces and pieces[r.name].whole in want)]
+            if not hits:
+                continue
+            view = self._read(unit.index)
+            for r in hits:
+                t = view[r.offset : r.offset + r.numel].view(r.shape)
+                rp = pieces.get(r.name)
+                if rp is None:
+                    out[r.name] = t.clone()
+                else:
+                    out.setdefault(rp.whole, torch.empty(rp.whole_shape, dtype=t.dtype))[rp.start : rp.stop].copy_(t)
+        if want - out.keys():
+            raise CheckpointError(f"checkpoint {self.path} holds no weights for {sorted(want - out.keys())[:3]}")
+        return out
 
     def close(self) -> None:
         self._file.close()
