@@ -844,3 +844,23 @@ def test_a_closed_pipe_ends_quietly_and_a_full_stdout_is_one_line(tmp_path):
         r = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "tiertrain: generate: writing to standard output failed (No space left on device)" in r.stderr
+
+
+def test_generate_makes_its_scratch_directory_only_where_it_spills(tmp_path, capsys, monkeypatch, tmpfs):
+    """generate made io.paths[0] (./tiertrain-scratch) with nothing to write there: in a read-only
+    working directory it was a traceback; an io.paths that is a file, or on a read-only disk,
+    where the cache spills or the weights go to the tier, was a traceback too (found from outside)."""
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    gen = ["generate", f"--checkpoint={tmp_path / 'run'}", "--prompt=hi", "--max-new-tokens=3"]
+    ro = tmpfs("ro", 64, readonly=True)
+    monkeypatch.chdir(ro)
+    assert main(gen) == 0 and os.listdir(ro) == []
+    (tmp_path / "afile").write_text("")
+    for flags, said in (
+        (["--memory.kv_host_mib=0", f"--io.paths={tmp_path / 'afile'}"], "is a file, not a directory"),
+        (["--io.weights=tier", f"--io.paths={tmp_path / 'afile'}"], "is a file, not a directory"),
+        (["--memory.kv_host_mib=0", f"--io.paths={tmp_path / 'afile' / 'sub'}"], "cannot be made"),
+        (["--memory.kv_host_mib=0", f"--io.paths={ro}"], "is on a read-only filesystem"),
+    ):
+        line = one_line_error(capsys, [*gen, *flags])
+        assert line.startswith("tiertrain: config error: io.paths = ") and said in line, line

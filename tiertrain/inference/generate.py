@@ -46,6 +46,7 @@ from ..models.families import family_of
 from ..models.gpt_decode import GPTCache
 from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
+from ..paths import check_writable_dir
 from ..runtime import Runtime
 from .kvcache import TieredKV
 from .routed import weights_read
@@ -383,8 +384,11 @@ def generate(
     kv, made, done = None, False, False
     try:
         store = rt.bind_params(source)
-        made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
-        os.makedirs(cfg.io.paths[0], exist_ok=True)
+        made = False
+        if budget is not None:  # the cache may spill: its directory (all in memory: none made, nothing written)
+            check_writable_dir("io.paths", cfg.io.paths[0])  # (a file, a read-only one: a traceback)
+            made = not os.path.exists(cfg.io.paths[0])  # removed again at the end if nothing is left in it
+            os.makedirs(cfg.io.paths[0], exist_ok=True)
         kv = TieredKV(
             [g.cache for g in groups],
             [len(g.out) for g in groups],

@@ -35,7 +35,7 @@ from ..config import ConfigError
 from ..device.host import HeapTrim
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
-from ..paths import pid_alive
+from ..paths import check_writable_dir, pid_alive
 from ..state.layout import FlatLayout
 from ..state.quant import DequantSource
 from ..state.sources import ParamSource
@@ -366,6 +366,7 @@ class TierWeights(ParamSource):
     def _convert(self, source: WeightSource, size: int, checksum: bool, block: int, progress: bool) -> None:
         from tqdm import tqdm
 
+        check_writable_dir("io.paths", os.path.dirname(self.path))  # (a file there was a FileExistsError)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         tmp = f"{self.path}.tmp-{os.getpid()}"
         log.info("weights: converting %s into %s (%.2f GB, once)", source.describe, self.path, size / 1e9)
