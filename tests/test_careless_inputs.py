@@ -864,3 +864,30 @@ def test_generate_makes_its_scratch_directory_only_where_it_spills(tmp_path, cap
     ):
         line = one_line_error(capsys, [*gen, *flags])
         assert line.startswith("tiertrain: config error: io.paths = ") and said in line, line
+
+
+def test_a_first_checkpoint_that_did_not_fit_its_checkpoint_dir_is_not_called_missing(tmp_path, capsys, tmpfs):
+    """The first checkpoint too large for checkpoint.dir: the hint said the directory was
+    missing ("a disk not mounted?") and to resume, where nothing was ever saved there (found from
+    outside): the run is one that stopped before its first checkpoint."""
+    small = tmpfs("small", 16)
+    flags = tiny_flags(tmp_path, f"--checkpoint.dir={small / 'ck'}")
+    line = one_line_error(capsys, ["train", *flags], 1)
+    assert "not enough space for the checkpoint of step 2" in line and "not mounted" not in line, line
+    assert "stopped before its first checkpoint" in line, line
+    line = one_line_error(capsys, ["train", *flags], 1)  # started again: the same
+    assert "not mounted" not in line and "stopped before its first checkpoint" in line, line
+
+
+def test_generate_takes_a_model_of_a_short_context(tmp_path, capsys):
+    """A model of 64 positions: generate refused it on data.seq_len (128 by default), which
+    generation never reads (found from outside)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    d = tmp_path / "short"
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      vocab_size=256, max_position_embeddings=64)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    assert main(["generate", f"--model.hf_dir={d}", "--prompt=hi", "--max-new-tokens=3"]) == 0
+    line = one_line_error(capsys, ["generate", f"--model.hf_dir={d}", "--prompt=hi", "--data.seq_len=100"])
+    assert "data.seq_len = 100 is longer than the model" in line, line  # given: still checked

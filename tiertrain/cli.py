@@ -331,6 +331,10 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             _say_greedy(cfg, args)
             run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
+    in_file = (read_toml(args.config).get("data") or {}) if args.config else {}
+    if not any(o.startswith("--data.seq_len") for o in overrides) and "seq_len" not in in_file:
+        # generation reads no rows: the training default (128) refused models of a shorter context
+        overrides = [*overrides, "--data.seq_len=1"]
     cfg = load_config(args.config, overrides)
     _say_random(cfg, "generate")
     _say_greedy(cfg, args)

@@ -30,6 +30,7 @@ from ..checkpoint import (
 from ..dist.checkpoint import follow
 from ..io import aligned_empty
 from ..models.pieces import WholeTensors
+from .rundir import mark_saved_elsewhere
 
 __all__ = ["Checkpoints", "other_ranks_note", "rows_read"]
 
@@ -123,6 +124,7 @@ class Checkpoints:
         g.barrier()  # sync point: the checkpoint is in place before any rank goes on
         self._superseded = []
         if res is not None:
+            mark_saved_elsewhere(cfg.train.run_dir, self.root)
             log.info(
                 "saved checkpoint %s: %.2f GB in %.1f s (%.2f GB/s)", res.path, res.nbytes / 1e9, res.seconds, res.gbps
             )

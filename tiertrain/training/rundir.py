@@ -35,6 +35,7 @@ __all__ = [
     "resumed_tree",
     "no_checkpoint_advice",
     "missing_checkpoint_dir",
+    "mark_saved_elsewhere",
     "refuse_a_held_run",
     "others_checkpoints",
     "stored_checkpoint_root",
@@ -51,13 +52,24 @@ class RunDirError(DirInUseError):
     """The run directory is in use, or holds another run's work."""
 
 
+SAVED_ELSEWHERE = ".checkpoints-saved"  # in a run directory whose run saved a checkpoint in its checkpoint.dir
+
+
+def mark_saved_elsewhere(run_dir: str, root: str) -> None:
+    """A checkpoint was saved in ``root``: where that is outside run directory ``run_dir``, its
+    mark (what tells a checkpoint.dir gone missing from one that never held a checkpoint)."""
+    if _under(root, run_dir) is None and not os.path.exists(os.path.join(run_dir, SAVED_ELSEWHERE)):
+        with contextlib.suppress(OSError):
+            open(os.path.join(run_dir, SAVED_ELSEWHERE), "w").close()
+
+
 def missing_checkpoint_dir(run_dir: str) -> str:
     """Where run directory ``run_dir``'s run keeps its checkpoints outside it (its checkpoint.dir)
     and that directory is missing (a disk not mounted), what to say ('' otherwise): it was called
     a run that stopped before its first checkpoint, with advice that deleted its metrics."""
     kept = stored_checkpoint_root(run_dir)
-    if kept is None or os.path.isdir(kept):
-        return ""
+    if kept is None or os.path.isdir(kept) or not os.path.exists(os.path.join(run_dir, SAVED_ELSEWHERE)):
+        return ""  # (without the mark, the run saved none there: its first save failed, or it stopped before)
     return (
         f"its checkpoints are kept in {kept} (checkpoint.dir, in {os.path.join(run_dir, CONFIG)}), which is "
         "missing (a disk not mounted?): put it back"
@@ -117,7 +129,7 @@ class RunDir:
             )
         for ck in gone:  # (ranks sharing a checkpoint.dir delete the same ones at once: gone is gone)
             shutil.rmtree(ck, onerror=_gone_is_fine)
-        for name in (METRICS, CONFIG):
+        for name in (METRICS, CONFIG, SAVED_ELSEWHERE):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, name))
 
