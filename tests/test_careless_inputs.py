@@ -891,3 +891,46 @@ def test_generate_takes_a_model_of_a_short_context(tmp_path, capsys):
     assert main(["generate", f"--model.hf_dir={d}", "--prompt=hi", "--max-new-tokens=3"]) == 0
     line = one_line_error(capsys, ["generate", f"--model.hf_dir={d}", "--prompt=hi", "--data.seq_len=100"])
     assert "data.seq_len = 100 is longer than the model" in line, line  # given: still checked
+
+
+def test_more_careless_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
+    """Found from outside, each a traceback or a leftover before: a config file whose field is
+    above every table, or whose section is not a table, laid over a checkpoint (--resume,
+    --checkpoint) or read by eval; plot of a record without a loss, or of bytes not UTF-8; export
+    --out empty (it exported into the working directory) and the directories made for a --out
+    that failed (left); two io.paths that are one directory through a symlink (a lock left, and
+    "in use by this very process"); `tiertrain config` printing a string TOML cannot read back."""
+    import json
+
+    assert main(["train", *tiny_flags(tmp_path)]) == 0
+    run = tmp_path / "run"
+    for text, said in (('data = 5\n', "[data] in {f} must be a table of fields, got 5"),
+                       ('steps = 3\n', "steps = 3 in {f} is outside any section: every field belongs to a table; "
+                                       "it is [train]'s: put it under [train]")):  # fmt: skip
+        f = tmp_path / "bad.toml"
+        f.write_text(text)
+        for argv in (["train", f"--resume={run}"], ["eval", f"--checkpoint={run}"], ["eval"],
+                     ["generate", f"--checkpoint={run}", "--prompt=hi"]):  # fmt: skip
+            line = one_line_error(capsys, [*argv, f"--config={f}"], 2)
+            assert said.format(f=f) in line, (argv, line)
+    metrics = run / "metrics.jsonl"
+    good = metrics.read_text()
+    for bad in ('{"step": 1}\n', b'{"step": 1, "loss": 1.0}\xff\n'):
+        metrics.write_bytes(bad.encode() if isinstance(bad, str) else bad)
+        line = one_line_error(capsys, ["plot", str(run), f"--out={tmp_path / 'p.png'}"], 1)
+        assert f"plot: {metrics}, line 1: not a step record" in line, line
+    metrics.write_text(good)
+    line = one_line_error(capsys, ["export", f"--checkpoint={run}", "--out="], 1)
+    assert "export --out is empty" in line, line
+    line = one_line_error(capsys, ["export", f"--checkpoint={run}", f"--out={tmp_path / 'e' / 'a' / 'x'}", "--merge"])
+    assert "holds no adapters" in line and not (tmp_path / "e").exists(), line
+    os.symlink(tmp_path / "ssd", tmp_path / "link")
+    line = one_line_error(
+        capsys, ["train", *tiny_flags(tmp_path / "2", f"--io.paths={tmp_path / 'ssd'},{tmp_path / 'link'}")]
+    )
+    assert "paths must be distinct directories" in line, line
+    assert main(["config", '--train.run_dir=a"b\\c']) == 0
+    (tmp_path / "c.toml").write_text(capsys.readouterr().out)
+    assert main(["config", f"--config={tmp_path / 'c.toml'}"]) == 0
+    assert 'run_dir = "a\\"b\\\\c"' in capsys.readouterr().out
+    assert json.loads('"a\\"b\\\\c"') == 'a"b\\c'

@@ -16,7 +16,7 @@ import threading
 from typing import Iterator, Sequence
 
 from .cli_parser import build_parser
-from .config import ConfigError, config_reference, load_config, read_toml
+from .config import ConfigError, config_reference, load_config, read_sections
 from .errors import TiertrainError, UsageError, one_line
 from .paths import missing_dirs
 
@@ -208,9 +208,9 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     path = find_resumable(where, flag)
     given: dict = {}
     if config is not None:  # only what the file sets overrides the checkpoint's config
-        from .config import read_toml
+        from .config import read_sections
 
-        given = {s: dict(v) if isinstance(v, dict) else v for s, v in read_toml(config).items()}
+        given = {s: dict(v) for s, v in read_sections(config).items()}
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
     stored = Manifest.read(path).config
@@ -281,7 +281,7 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
     from .paths import first_json, prepare_output_file, to_stdout, write_output_file
 
-    in_file = (read_toml(args.config).get("data") or {}) if args.config else {}
+    in_file = (read_sections(args.config).get("data") or {}) if args.config else {}
     if not any(o.startswith("--data.eval_micro_batches") for o in overrides) and "eval_micro_batches" not in in_file:
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
 
@@ -331,7 +331,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             _say_greedy(cfg, args)
             run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
-    in_file = (read_toml(args.config).get("data") or {}) if args.config else {}
+    in_file = (read_sections(args.config).get("data") or {}) if args.config else {}
     if not any(o.startswith("--data.seq_len") for o in overrides) and "seq_len" not in in_file:
         # generation reads no rows: the training default (128) refused models of a shorter context
         overrides = [*overrides, "--data.seq_len=1"]
@@ -441,8 +441,8 @@ def _toml(v: object) -> str:
         return '"none"'
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
+    if isinstance(v, str):  # (TOML's basic strings are JSON's: quotes, backslashes, controls escaped)
+        return json.dumps(v, ensure_ascii=False)
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     return repr(v)

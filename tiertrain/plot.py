@@ -20,13 +20,14 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise UsageError(f"plot: {run_dir} has no metrics.jsonl; give a run directory (train.run_dir of a run)")
     by_step: dict[int, dict] = {}
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # (a byte not UTF-8: that line refused below)
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
                 by_step[int(rec["step"])] = rec
+                float(rec["loss"]), int(rec.get("peak_host_bytes", 0))  # what the curves draw
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 raise UsageError(f"plot: {path}, line {n}: not a step record") from None
     if not by_step:
@@ -54,7 +55,7 @@ def plot_runs(run_dirs: Sequence[str], out: str) -> str:
         if val:
             ax_loss.plot(*zip(*val), color=colour, linestyle="--", marker="o", markersize=3, label=f"{name} validation")
         ax_speed.plot(steps, [r.get("tokens_per_s", 0.0) for r in recs], color=colour, label=name)
-        ax_mem.plot(steps, [r["peak_host_bytes"] / 2**20 for r in recs], color=colour, label=f"{name} host")
+        ax_mem.plot(steps, [r.get("peak_host_bytes", 0) / 2**20 for r in recs], color=colour, label=f"{name} host")
         if any(r.get("peak_device_bytes") for r in recs):
             ax_mem.plot(
                 steps,

@@ -40,7 +40,7 @@ from ..models.base import LayeredModel
 from ..models.buffers import persistent_buffers
 from ..models.convert import to_checkpoint
 from ..models.pieces import WholeTensors
-from ..paths import check_writable_dir, fsync_path, mode_as_created, pid_alive
+from ..paths import MADE_FOR_OUTPUT, check_writable_dir, fsync_path, missing_dirs, mode_as_created, pid_alive
 from ..runtime import align_of, layout_aligns
 from ..state.layout import FlatLayout
 from ..state.quant import QuantLayout, base_storage
@@ -60,6 +60,8 @@ def export_checkpoint(
     base's weights with the adapters merged in (peft's ``merge_and_unload``). ``hf_dir``: where
     the model directory its run read has moved (``moved_model_dir``)."""
     path = find_checkpoint(path, "export --checkpoint")
+    if not out:  # ("" is the working directory: an export into it, said nowhere)
+        raise CheckpointError("export --out is empty; give the directory to export into")
     out = os.path.abspath(out)
     check_writable_dir("export --out", out, CheckpointError)
     _clean_leftovers(out)
@@ -71,6 +73,7 @@ def export_checkpoint(
     _refuse_read(man.config, out)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}{_TMP}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    MADE_FOR_OUTPUT.extend(missing_dirs(os.path.dirname(out)))  # removed again where the export fails (``cli.main``)
     os.makedirs(tmp)
     try:
         adapters = _adapters(path, man)

@@ -55,6 +55,7 @@ __all__ = [
     "ineffective_settings",
     "as_config",
     "read_toml",
+    "read_sections",
     "parse_overrides",
     "config_reference",
 ]
@@ -252,6 +253,23 @@ def _make_section(cls: Any, values: dict[str, Any]) -> Any:  # a Section's datac
             raise ConfigError(f"unknown field {cls.SECTION}.{key}{suggest(key, names)}")
         kw[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
     return cls(**kw)
+
+
+def read_sections(path: str) -> dict[str, dict[str, Any]]:
+    """Config file ``path`` as sections of fields, each a table (``read_toml``, its shape checked:
+    a field above every table, or a section that is not one, is one line; read raw by the commands
+    that lay a file over a checkpoint's config, they were tracebacks)."""
+    tree = read_toml(path)
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for name, values in tree.items():
+        if isinstance(values, dict):
+            continue
+        if name in sections:
+            raise ConfigError(f"[{name}] in {path} must be a table of fields, got {values!r}")
+        owner = next((s for s in sections if name in {f.name for f in dataclasses.fields(_section_class(s))}), None)
+        hint = f"; it is [{owner}]'s: put it under [{owner}]" if owner else ""
+        raise ConfigError(f"{name} = {values!r} in {path} is outside any section: every field belongs to a table{hint}")
+    return tree
 
 
 def read_toml(path: str) -> dict:

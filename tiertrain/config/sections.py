@@ -148,7 +148,7 @@ class IOConfig(Section):
             self.paths = [self.paths]
         if not self.paths or any(not isinstance(p, str) or not p for p in self.paths):
             self._fail("paths", "give at least one directory, e.g. --io.paths=/nvme0/tt,/nvme1/tt")
-        if len(set(map(os.path.abspath, self.paths))) != len(self.paths):
+        if len(set(map(os.path.realpath, self.paths))) != len(self.paths):  # (a symlink to another: the same)
             self._fail("paths", "paths must be distinct directories")
         self._in_range("threads", 1, 256)
         self._one_of("gds", ("auto", "on", "off"))
