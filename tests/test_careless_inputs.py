@@ -934,3 +934,27 @@ def test_more_careless_inputs_are_one_line_and_leave_nothing(tmp_path, capsys):
     assert main(["config", f"--config={tmp_path / 'c.toml'}"]) == 0
     assert 'run_dir = "a\\"b\\\\c"' in capsys.readouterr().out
     assert json.loads('"a\\"b\\\\c"') == 'a"b\\c'
+
+
+def test_prepare_and_bench_io_refuse_bad_arguments_and_a_full_disk_in_one_line(tmp_path, capsys, tmpfs):
+    """Found from outside: `prepare --output=` (a rename onto ''), prepare onto a full disk (an
+    OSError), and `bench io` with a size, threads, chunk or repeats of zero, negative or NaN, or a
+    path given twice, were tracebacks."""
+    text = tmp_path / "a.txt"
+    text.write_text("in the beginning was the word " * 2000)
+    line = one_line_error(capsys, ["prepare", "--input", str(text), "--output="], 1)
+    assert "prepare --output is empty" in line, line
+    full = tmpfs("full", 16)
+    line = one_line_error(capsys, ["prepare", "--input", str(text), "--output", str(full / "t.tokens")], 1)
+    assert f"writing {full / 't.tokens'} failed (No space left on device); nothing was written" in line, line
+    assert os.listdir(full) == []
+    d = str(tmp_path / "b")
+    for flags, said in ((["--size-gib", "0"], "--size-gib 0.0: give a positive size"),
+                        (["--size-gib", "nan"], "--size-gib nan: give a positive size"),
+                        (["--threads", "0"], "--threads 0: give at least 1"),
+                        (["--chunk-mib", "-1"], "--chunk-mib -1: give at least 1"),
+                        (["--repeats", "0"], "--repeats 0: give at least 1"),
+                        (["--path", d], "give each directory once")):  # fmt: skip
+        line = one_line_error(capsys, ["bench", "io", "--path", d, *flags], None)
+        assert said in line, (flags, line)
+    assert not os.path.exists(d)

@@ -134,6 +134,15 @@ def _fio_engine(engine: str, paths: list[str], name: str, size: int, threads: in
 def bench_io_command(args) -> int:
     """``tiertrain bench io``: the paths and ``--out`` checked before any work (``--path
     /proc/x`` was a FileNotFoundError traceback), then the benchmark, its report printed."""
+    import math
+
+    if not (math.isfinite(args.size_gib) and args.size_gib > 0):
+        raise UsageError(f"bench io --size-gib {args.size_gib}: give a positive size in GiB, e.g. 4")
+    for flag, value in (("--threads", args.threads), ("--chunk-mib", args.chunk_mib), ("--repeats", args.repeats)):
+        if value < 1:
+            raise UsageError(f"bench io {flag} {value}: give at least 1")
+    if len({os.path.realpath(p) for p in args.path}) != len(args.path):
+        raise UsageError(f"bench io --path {' '.join(args.path)}: give each directory once (each is measured apart)")
     for p in args.path:
         check_writable_dir("bench io --path", p, UsageError)
     out = prepare_output_file("bench io --out", args.out) if args.out else None

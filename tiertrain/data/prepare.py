@@ -134,6 +134,8 @@ def _refuse_foreign(output: str) -> None:
 
 
 def _check(inputs: Sequence[str], output: str) -> None:
+    if not output:  # (a traceback from the rename of its temporary onto '')
+        raise UsageError("prepare --output is empty; give the file to write, e.g. --output corpus.tokens")
     for path in inputs:
         check_input_file("prepare --input", path, UsageError)
         if os.path.exists(output) and os.path.samefile(path, output):

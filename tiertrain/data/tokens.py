@@ -49,9 +49,14 @@ def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> in
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a failed or interrupted write leaves nothing behind
+    except BaseException as exc:  # a failed or interrupted write leaves nothing behind
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):  # a full disk, an I/O error
+            raise TokenFileError(
+                f"writing {path} failed ({exc.strerror or exc}); nothing was written: free space there or write "
+                "elsewhere"
+            ) from None
         raise
     return count
 
