@@ -958,3 +958,10 @@ def test_prepare_and_bench_io_refuse_bad_arguments_and_a_full_disk_in_one_line(t
         line = one_line_error(capsys, ["bench", "io", "--path", d, *flags], None)
         assert said in line, (flags, line)
     assert not os.path.exists(d)
+
+
+def test_a_model_too_large_to_build_is_one_line(tmp_path, capsys):
+    """A vocabulary of 1e11 (a typo) was torch's allocator's traceback (found from outside)."""
+    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, "--model.vocab_size=100000000000")], 2)
+    assert "the model cannot be built: one of its tensors does not fit in this machine's memory" in line, line
+    assert "model.vocab_size = 100000000000: give smaller sizes" in line, line

@@ -22,6 +22,7 @@ from .config import Config, ConfigError
 from .config.peft_names import resolve
 from .device.core import Device, base_dtype_of, make_device, resolve_dtype
 from .dist.shard import ShardLayout
+from .errors import one_line
 from .io import Storage
 from .io.storage import record_align
 from .memlimit import affinity_cores, cpu_quota
@@ -115,7 +116,17 @@ class Runtime:
         self.params: ParamStore | None = None
 
     def _build_model(self, cfg: Config) -> None:
-        self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
+        try:
+            self.model, source = build_model(cfg.model, param_dtype=self.dtype, seed=cfg.train.seed)
+        except (RuntimeError, MemoryError) as exc:  # (a vocabulary of 1e11 was torch's allocator's traceback)
+            if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+                raise
+            m = cfg.model
+            sizes = ", ".join(f"model.{k} = {getattr(m, k)}" for k in ("n_layers", "d_model", "d_ff", "vocab_size"))
+            raise ConfigError(
+                f"the model cannot be built: one of its tensors does not fit in this machine's memory "
+                f"({one_line(exc)[:160]}); {'its model directory' if m.hf_dir else sizes}: give smaller sizes"
+            ) from None
         self.weights = self._given_weights or source
         self.adapters = None
         if cfg.adapter.on:  # the base frozen whole, the adapters beside it on the compute device
