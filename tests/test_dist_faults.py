@@ -372,3 +372,14 @@ def test_a_second_ctrl_c_ends_ranks_waiting_in_a_collective(tmp_path, held):
     assert "Traceback" not in err and err.count("tiertrain: interrupted") == 1, err[-3000:]
     assert took < 3 + 4, (took, err[-3000:])
     assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_a_config_error_of_every_rank_is_said_once_with_the_config_status(tmp_path):
+    """A setting refused as the trainer builds its model (every rank finds it): each rank said it,
+    and the run exited 1; rank 0 says it, once, and the run exits 2 as one process does (found from
+    outside)."""
+    proc = _start_ranks(tmp_path, "--model.kind=gpt", "--model.layer_pieces=3")
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2, err[-3000:]
+    assert err.count("tiertrain: config error: model.layer_pieces = 3") == 1 and "Traceback" not in err, err[-3000:]

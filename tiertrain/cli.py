@@ -163,6 +163,8 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
         if not _user_facing(exc):
             raise
+        if isinstance(exc, ConfigError) and int(os.environ.get("RANK", "0")):  # every rank finds the config's fault:
+            exc.quiet = True  # rank 0 says it (it was said once a rank)
         if isinstance(exc, (ConfigError, DirInUseError)):  # nothing ran: no checkpoint to point at
             raise
         from .data.examples import UnscoredStep

@@ -63,6 +63,7 @@ LAUNCHED = "TIERTRAIN_LAUNCHED"  # the launcher's pid, in the ranks' environment
 JOINED = "TIERTRAIN_JOINED"  # a directory where each rank notes that the ranks' process group formed
 PEER_FAULT = 3  # a rank's exit status where it stopped on another rank's fault (a RankError naming it)
 INTERRUPTED = 130  # a rank's exit status where it stopped on a signal, as asked
+CONFIG_ERROR = 2  # a rank's exit status where the config was refused
 _ASKED = (INTERRUPTED, -signal.SIGINT, -signal.SIGTERM)  # a signal taken, or one that came before a handler
 GRACE_S = 5.0  # after a rank failed: the others' naming window (2 s, 4 s at most) and their exits
 _AFTER_NAMED_S = 1.0  # after a rank named another's fault: for the others that time out with it to exit
@@ -293,6 +294,8 @@ def _status(run: _Run, first: tuple[int, int] | None, early: tuple[int, int] | N
         if not procs or codes[0] != INTERRUPTED:  # rank 0 says it where it stopped as asked
             print(f"tiertrain: interrupted{why.rstrip()}", file=sys.stderr)
         return INTERRUPTED
+    if failed and all(c == CONFIG_ERROR for c in failed):
+        return CONFIG_ERROR  # the config's fault on every rank that failed: as one process says it
     for r, c in enumerate(codes):
         if c < 0 and procs[r].pid not in run.killed and (first is None or r == first[0]):
             name = signal.Signals(-c).name if -c in signal.valid_signals() else f"signal {-c}"
