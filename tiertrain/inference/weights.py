@@ -27,7 +27,9 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
+import zlib
 
 import torch
 
@@ -368,7 +370,7 @@ class TierWeights(ParamSource):
 
         check_writable_dir("io.paths", os.path.dirname(self.path))  # (a file there was a FileExistsError)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.tmp-{os.getpid()}"
+        tmp = f"{self.path}.tmp-{_HOST}-{os.getpid()}"  # (its host's mark: a dead pid of this host's is dead)
         log.info("weights: converting %s into %s (%.2f GB, once)", source.describe, self.path, size / 1e9)
         buf = aligned_empty(self.layout.max_unit_numel * self.dtype.itemsize).view(self.dtype)
         try:
@@ -415,18 +417,29 @@ class TierWeights(ParamSource):
         self.file.close()
 
 
+def _host_mark() -> str:
+    """This host (and container: its pid namespace) as 4 hex digits, in a partial copy's name."""
+    ns = "/proc/self/ns/pid"
+    where = f"{socket.gethostname()}:{os.stat(ns).st_ino if os.path.exists(ns) else 0}"
+    return f"h{zlib.crc32(where.encode()) & 0xFFFF:04x}"
+
+
+_HOST = _host_mark()
+
+
 def _remove_dead_partials(path: str) -> None:
     """The partial copies (``weights-*.bin.tmp-PID``, and their checksums) that conversions
     killed in directory ``path`` left, removed and said (each the copy's size); a live
     process's, being made now, left, and any written to in the last 10 minutes."""
     for tmp in glob.glob(os.path.join(glob.escape(path), "weights-*.bin.tmp-*")):
         pid = tmp.rsplit("-", 1)[-1].removesuffix(".crc")
+        ours = tmp.removesuffix(".crc").endswith(f".tmp-{_HOST}-{pid}")  # made on this host: its pid is a pid here
         try:  # (a process of another container or host sharing the directory is no pid here: its
             # conversion writes all along, so a partial written to in the last 10 minutes is left)
             fresh = time.time() - os.path.getmtime(tmp) < 600
         except FileNotFoundError:
             continue
-        if not pid.isdigit() or pid_alive(int(pid)) or fresh:
+        if not pid.isdigit() or pid_alive(int(pid)) or (fresh and not ours):
             continue
         size = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(FileNotFoundError):
