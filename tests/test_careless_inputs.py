@@ -965,3 +965,30 @@ def test_a_model_too_large_to_build_is_one_line(tmp_path, capsys):
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, "--model.vocab_size=100000000000")], 2)
     assert "the model cannot be built: one of its tensors does not fit in this machine's memory" in line, line
     assert "model.vocab_size = 100000000000: give smaller sizes" in line, line
+
+
+def test_eval_of_a_run_whose_newest_checkpoint_goes_while_it_opens_takes_the_newest_again(
+    tmp_path, capsys, monkeypatch
+):
+    """`eval --checkpoint RUN` while the run trains on (checkpoint.keep pruning): the checkpoint
+    chosen was gone when opened, "params.bin is missing; use an earlier checkpoint" (12 of 12
+    tries, found from outside); the newest is taken again."""
+    import shutil
+
+    import tiertrain.inference.weights as weights
+
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", "--checkpoint.keep=2", steps=3)]) == 0
+    run = tmp_path / "run"
+    real, calls = weights.CheckpointWeights.__init__, []
+
+    def opened_after_a_prune(self, path, **kw):
+        calls.append(path)
+        if len(calls) == 1:
+            shutil.rmtree(path)  # the run pruned it meanwhile
+        real(self, path, **kw)
+
+    monkeypatch.setattr(weights.CheckpointWeights, "__init__", opened_after_a_prune)
+    capsys.readouterr()
+    assert main(["eval", f"--checkpoint={run}", "--data.eval_corpus=bundled"]) == 0
+    assert [os.path.basename(p) for p in calls] == ["step-00000003", "step-00000002"]
+    assert "its newest checkpoint was removed while it was opened" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -273,10 +274,26 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     """``--checkpoint``'s config (its own, the file and flags on top; its training text is not
     read) and its weights (``CheckpointWeights``, a context manager: checked, then read unit by
     unit)."""
+    from .checkpoint import CheckpointError
     from .inference.weights import CheckpointWeights
 
-    path, cfg = _resume_target(args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint")
-    return cfg, CheckpointWeights(path, hf_dir=cfg.model.hf_dir)
+    named = re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(args.checkpoint))) is not None
+    for attempt in range(3):
+        path = None
+        try:
+            path, cfg = _resume_target(
+                args.checkpoint, args.config, [*overrides, "--data.corpus=bundled"], "--checkpoint"
+            )
+            return cfg, CheckpointWeights(path, hf_dir=cfg.model.hf_dir)
+        except CheckpointError:
+            # a run still training there pruned the newest checkpoint while it was opened (checkpoint.keep):
+            # "is missing; use an earlier checkpoint", it said; the newest one again, where none was named
+            gone = path is None or not os.path.exists(os.path.join(path, "manifest.json"))
+            if named or not gone or attempt == 2:
+                raise
+            log.info("--checkpoint %s: its newest checkpoint was removed while it was opened (a run saving there?); "
+                     "taking the newest again", args.checkpoint)  # fmt: skip
+    raise AssertionError("unreachable")
 
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
