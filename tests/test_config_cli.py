@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -209,3 +210,22 @@ def test_readme_links_resolve_and_docs_are_the_projects_own():
     if r.returncode == 128:  # not a git checkout (an sdist): nothing to grep
         pytest.skip(f"git grep unavailable here: {r.stderr.strip()}")
     assert r.returncode == 1 and r.stdout == "", r.stdout  # 1: no match
+
+
+def test_values_of_another_type_are_refused_not_turned_into_text_or_numbers(tmp_path):
+    """Found from outside: `paths = [["x"], {a=1}]` made the directories "['x']" and "{'a': 1}",
+    `run_dir = ["a", "b"]` the directory "['a', 'b']", `lr = true` a learning rate of 1.0."""
+    import pytest
+
+    from tiertrain.config import ConfigError, load_config
+
+    for text, said in (('[io]\npaths = [["x"], {a=1}]\n', "io.paths = ['x']: expected text"),
+                       ('[train]\nrun_dir = ["a", "b"]\n', "train.run_dir = ['a', 'b']: expected text"),
+                       ("[optim]\nlr = true\n", "optim.lr = True: expected a number")):  # fmt: skip
+        f = tmp_path / "c.toml"
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_config(str(f))
+    with pytest.raises(ConfigError, match=re.escape("optim.lr = True: expected a number")):
+        load_config(None, ["--optim.lr=true"])
+    assert load_config(None, ["--train.run_dir=5"]).train.run_dir == "5"  # a flag's text is text

@@ -51,6 +51,10 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
         except ValueError:
             raise ConfigError(f"{name} = {value!r}: expected an integer") from None
     if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # (true was lr = 1.0)
+            raise ConfigError(f"{name} = {value!r}: expected a number")
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(f"{name} = {value!r}: expected a number")
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -59,6 +63,8 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
             raise ConfigError(f"{name} = {value!r}: expected a finite number")
         return number
     if typ is str:
+        if isinstance(value, (list, dict, bool)) or value is None:  # (a list became the directory "['a', 'b']")
+            raise ConfigError(f"{name} = {value!r}: expected text")
         return str(value)
     return value
 
