@@ -183,3 +183,19 @@ def test_the_apis_functions_take_the_configs_train_takes_and_name_wrong_argument
     import numpy as np  # ids as numpy gives them are ids
 
     assert len(tiertrain.generate(tree, [list(np.array([1, 2, 3]))], tiertrain.Sampling(max_new_tokens=1))[0]) == 1
+
+
+def test_the_api_names_a_bad_device_or_config(tmp_path):
+    """Found from outside: generate(device='tpu') was an AttributeError deep inside, Trainer(None)
+    one about 'absolute'."""
+    import pytest
+
+    from tests.reference import small_config
+    from tiertrain.config import ConfigError
+    from tiertrain.runtime import Runtime
+    from tiertrain.training.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"device = 'tpu': give a tiertrain Device"):
+        Runtime(small_config(tmp_path), device="tpu")
+    with pytest.raises(ConfigError, match=r"Trainer\(cfg = None\): give a Config or a dict of sections"):
+        Trainer(None)

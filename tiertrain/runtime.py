@@ -100,6 +100,11 @@ class Runtime:
         shards and ``state_layout`` is this rank's (the whole layout with one rank). ``resuming``:
         a checkpoint's adapters come next (``adapter.init_from``, what the run began from, is not
         read again: it may be gone, or refused since)."""
+        if device is not None and not isinstance(device, Device):  # ('tpu', 'cuda': an AttributeError deep inside)
+            raise ConfigError(
+                f"device = {device!r}: give a tiertrain Device (tiertrain.device.make_device) or leave it unset; "
+                "the compute device is the config's train.device"
+            )
         self.cfg, self.rank, self.world = cfg.validate(), rank, world  # one validation path: objects as flags
         self.dev = device if device is not None else make_device(cfg.train.device, cfg.io.gds, world=world)
         fit_threads_to_quota(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # this machine's ranks share the quota

@@ -94,6 +94,8 @@ class Trainer:
         self._started = {"at": time.perf_counter()}  # the start's parts, said as training begins (``run``)
         if isinstance(cfg, dict):  # sections as a TOML file holds them (the Python API)
             cfg = Config.from_dict(cfg)
+        if not isinstance(cfg, Config):  # (None: an AttributeError, 'absolute')
+            raise ConfigError(f"Trainer(cfg = {cfg!r}): give a Config or a dict of sections, as a TOML file holds them")
         cfg = cfg.absolute()  # stored in checkpoints: resume and export work from any directory
         self.group = group or SoloGroup()
         self._rss_at_start = host_rss()  # the budget bounds the growth from here
