@@ -855,6 +855,7 @@ def test_generate_makes_its_scratch_directory_only_where_it_spills(tmp_path, cap
     ro = tmpfs("ro", 64, readonly=True)
     monkeypatch.chdir(ro)
     assert main(gen) == 0 and os.listdir(ro) == []
+    monkeypatch.undo()  # (out of the mount before its fixture unmounts it: a busy mount stayed)
     (tmp_path / "afile").write_text("")
     for flags, said in (
         (["--memory.kv_host_mib=0", f"--io.paths={tmp_path / 'afile'}"], "is a file, not a directory"),
