@@ -23,8 +23,14 @@ def _alive(pid: int) -> bool:
 
 
 def _ranks_of(proc) -> list[int]:
-    wait_for(lambda: len(psutil.Process(proc.pid).children()) == 2)
-    return [_rank_pid(proc, r) for r in (0, 1)]
+    def found() -> list[int] | None:
+        try:  # (a child between its fork and its exec has the launcher's environment: no RANK yet)
+            return [_rank_pid(proc, r) for r in (0, 1)]
+        except (AssertionError, psutil.Error):
+            return None
+
+    wait_for(lambda: found() is not None)
+    return found()
 
 
 def _end(proc, pids: list[int], timeout: float) -> str:
