@@ -270,6 +270,12 @@ def _plan(args: argparse.Namespace, cfg, rt) -> int:
     return 0
 
 
+def _data_given(config: str | None, overrides: Sequence[str], field: str) -> bool:
+    """Whether ``data.<field>`` is set by a flag or the config file (else the command sets its own)."""
+    in_file = (read_sections(config).get("data") or {}) if config else {}
+    return field in in_file or any(o.startswith(f"--data.{field}") for o in overrides)
+
+
 def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     """``--checkpoint``'s config (its own, the file and flags on top; its training text is not
     read) and its weights (``CheckpointWeights``, a context manager: checked, then read unit by
@@ -300,8 +306,7 @@ def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from .inference.evaluate import evaluate
     from .paths import first_json, prepare_output_file, to_stdout, write_output_file
 
-    in_file = (read_sections(args.config).get("data") or {}) if args.config else {}
-    if not any(o.startswith("--data.eval_micro_batches") for o in overrides) and "eval_micro_batches" not in in_file:
+    if not _data_given(args.config, overrides, "eval_micro_batches"):
         overrides = [*overrides, "--data.eval_micro_batches=0"]  # the whole text unless told otherwise
 
     def ours(path: str) -> bool:  # an earlier eval --out (a model's config.json, a corpus: never replaced)
@@ -350,8 +355,7 @@ def _cmd_generate(args: argparse.Namespace, overrides: Sequence[str]) -> int:
             _say_greedy(cfg, args)
             run_generate(cfg, texts, sampling, out, weights=weights.source)
         return 0
-    in_file = (read_sections(args.config).get("data") or {}) if args.config else {}
-    if not any(o.startswith("--data.seq_len") for o in overrides) and "seq_len" not in in_file:
+    if not _data_given(args.config, overrides, "seq_len"):
         # generation reads no rows: the training default (128) refused models of a shorter context
         overrides = [*overrides, "--data.seq_len=1"]
     cfg = load_config(args.config, overrides)

@@ -211,11 +211,7 @@ class Config:
         kw = {}
         for name, values in tree.items():
             if name not in sections and not isinstance(values, dict):  # `steps = 3` above every table
-                owner = next(
-                    (s for s in sections if name in {f.name for f in dataclasses.fields(_section_class(s))}), None
-                )
-                hint = f"; it is [{owner}]'s: put it under [{owner}]" if owner else ""
-                raise ConfigError(f"{name} = {values!r} is outside any section: every field belongs to a table{hint}")
+                raise ConfigError(_outside_any_section(name, values))
             if name not in sections:
                 raise ConfigError(f"unknown config section [{name}]{suggest(name, sections)}")
             if not isinstance(values, dict):
@@ -266,10 +262,16 @@ def read_sections(path: str) -> dict[str, dict[str, Any]]:
             continue
         if name in sections:
             raise ConfigError(f"[{name}] in {path} must be a table of fields, got {values!r}")
-        owner = next((s for s in sections if name in {f.name for f in dataclasses.fields(_section_class(s))}), None)
-        hint = f"; it is [{owner}]'s: put it under [{owner}]" if owner else ""
-        raise ConfigError(f"{name} = {values!r} in {path} is outside any section: every field belongs to a table{hint}")
+        raise ConfigError(_outside_any_section(name, values, f" in {path}"))
     return tree
+
+
+def _outside_any_section(name: str, value: Any, where: str = "") -> str:
+    """What to say of field ``name`` given above every table (``where``: the file, said)."""
+    sections = [f.name for f in dataclasses.fields(Config)]
+    owner = next((s for s in sections if name in {f.name for f in dataclasses.fields(_section_class(s))}), None)
+    hint = f"; it is [{owner}]'s: put it under [{owner}]" if owner else ""
+    return f"{name} = {value!r}{where} is outside any section: every field belongs to a table{hint}"
 
 
 def read_toml(path: str) -> dict:
