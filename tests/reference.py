@@ -141,6 +141,8 @@ def assert_resume_exact(cfg_straight: Config, cfg_split: Config, steps: int = 4,
 
     from tiertrain.training.trainer import Trainer
 
+    for cfg in (cfg_straight, cfg_split):  # (a Trainer refuses a step past its schedule's)
+        cfg.train.steps = max(cfg.train.steps, steps)
     with Trainer(cfg_straight) as tr:
         tr.initialize(progress=False)
         straight = [tr.train_step().extra["losses"] for _ in range(steps)]

@@ -11,6 +11,7 @@ from reference import tiny_flags
 from test_finetune_data import CHAT, make_tokenizer, write_jsonl
 
 from tiertrain.cli import main
+from tiertrain.errors import TiertrainError
 
 TINY = {
     "model": {"n_layers": 2, "d_model": 64},
@@ -64,6 +65,11 @@ def test_the_trainer_runs_step_by_step(tmp_path):
     with Trainer(_tree(tmp_path)) as tr:  # a dict of sections too
         tr.initialize(progress=False)
         assert tr.train_step().loss == losses[0]
+        for _ in range(2):
+            tr.train_step()
+        # past train.steps it was "step 4/3" at the schedule's last rate, a step no resume repeats
+        with pytest.raises(TiertrainError, match=r"train.steps = 3 steps are done; to train on, make the Trainer"):
+            tr.train_step()
 
 
 @pytest.mark.slow
@@ -183,6 +189,51 @@ def test_the_apis_functions_take_the_configs_train_takes_and_name_wrong_argument
     import numpy as np  # ids as numpy gives them are ids
 
     assert len(tiertrain.generate(tree, [list(np.array([1, 2, 3]))], tiertrain.Sampling(max_new_tokens=1))[0]) == 1
+    # found from outside: each of these was a traceback from inside the loop, or a row that never
+    # met its end-of-sequence id
+    with pytest.raises(TypeError, match=r"on_tokens is a function of each row's new token, not 5"):
+        tiertrain.generate(tree, [[1, 2]], on_tokens=5)
+    with pytest.raises(ConfigError, match=r"tokenizer_vocab = 'x': the tokenizer's size, a positive integer"):
+        tiertrain.generate(tree, [[1, 2]], tokenizer_vocab="x")
+    with pytest.raises(ConfigError, match=r"eos = \(999,\): outside the model's vocabulary \(0 to 255\)"):
+        tiertrain.generate(tree, [[1, 2]], eos=(999,))
+
+
+def test_sections_made_in_python_are_checked_as_the_files_are():
+    """ModelConfig(n_layers="2") was a TypeError from a comparison inside the checks, a numpy
+    integer a ConfigError, a pathlib.Path a path kept as an object: each field now takes the
+    value a TOML file or a flag would give it, or names itself."""
+    import pathlib
+
+    import numpy as np
+
+    from tiertrain.config import ConfigError, IOConfig, ModelConfig, OptimConfig, TrainConfig
+
+    assert ModelConfig(n_layers="2").n_layers == 2
+    assert TrainConfig(steps=np.int64(3)).steps == 3 and type(OptimConfig(lr=np.float32(0.5)).lr) is float
+    assert IOConfig(paths=[pathlib.Path("/tmp/x")]).paths == ["/tmp/x"]
+    assert TrainConfig(run_dir=pathlib.Path("runs/a")).run_dir == "runs/a"
+    for make, message in (
+        (lambda: ModelConfig(n_layers="two"), r"model.n_layers = 'two': expected an integer"),
+        (lambda: TrainConfig(steps=2.5), r"train.steps = 2.5: expected an integer"),
+        (lambda: OptimConfig(lr=True), r"optim.lr = True: expected a number"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            make()
+
+
+def test_prepare_examples_names_a_string_given_for_its_list(tmp_path):
+    """prepare_examples("rows.jsonl", out) read the string a character at a time: "no such file
+    'r'"; a list of pathlib paths is taken."""
+    import pathlib
+
+    from tiertrain import prepare_examples
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"text": "In the beginning"}] * 3)
+    with pytest.raises(TypeError, match=r"inputs are a list of paths, not '.*rows.jsonl'"):
+        prepare_examples(str(rows), str(tmp_path / "out"), progress=False)
+    meta = prepare_examples([pathlib.Path(rows)], tmp_path / "out", progress=False)
+    assert meta["examples"] == 3
 
 
 def test_the_api_names_a_bad_device_or_config(tmp_path):

@@ -366,3 +366,24 @@ def test_a_model_larger_than_the_byte_tokenizer_generates_with_a_word(tmp_path, 
     assert any(t >= 256 for t in row["tokens"]), row["tokens"]  # random-ish weights pick past the bytes
     assert row["completion"].count("\ufffd") >= sum(t >= 256 for t in row["tokens"])
     assert "the model's vocabulary (6400) is larger than the tokenizer's (256)" in capsys.readouterr().err
+
+
+def test_the_kv_cache_stays_within_the_host_budget_when_its_own_is_unset(tmp_path, caplog):
+    """memory.kv_host_mib unset: the cache was held all in memory past memory.host_mib without a
+    word; now what the budget leaves after the slots holds it, the rest on the storage tier (the
+    log says so), with the tokens of a cache all in memory."""
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path, layers=8))
+    cfg.memory.host_param_mib, cfg.memory.host_mib, cfg.memory.device_slots = 0, 1024, 2
+    caplog.set_level(logging.INFO, logger="tiertrain")
+    roomy = generate(cfg, PROMPTS, Sampling(max_new_tokens=100))
+    assert "0.000 MiB on the storage tier" in _lines(caplog, "key/value cache:")[0]
+    caplog.clear()
+    # the slots and a unit of working memory take about 0.9 of the 2 MiB; the cache of 2 rows of
+    # 107 and 2 of 104 positions x 8 blocks x 1 KiB (1.6 MiB) more than the rest
+    cfg.memory.host_mib = 2
+    tight = generate(cfg, PROMPTS, Sampling(max_new_tokens=100))
+    said = _lines(caplog, "key/value cache:")
+    room = float(re.search(r"more than memory.host_mib = 2 leaves after the slots \(([\d.]+) MiB\)", said[0]).group(1))
+    host, spilled = map(float, re.search(r"([\d.]+) MiB in host memory, ([\d.]+) MiB on the storage", said[1]).groups())
+    assert 0 < host <= room and spilled > 0, said
+    assert tight == roomy

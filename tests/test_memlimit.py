@@ -124,7 +124,7 @@ def test_generation_gives_the_heap_back_past_its_budget(tmp_path):
     heap otherwise (measured 0.5 GB over a 1 GiB budget on a 1.2 B NF4 base)."""
     from reference import small_config
 
-    from tiertrain.inference.weights import heap_trim, host_budget
+    from tiertrain.inference.budget import heap_trim, host_budget
     from tiertrain.runtime import Runtime
 
     cfg = small_config(tmp_path, kind="llama")

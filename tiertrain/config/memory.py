@@ -118,8 +118,9 @@ class MemoryConfig(Section):
         "Generation: host memory for the key/value cache, MiB, claimed at start from "
         "the batch, the prompts' length and max_new_tokens (it never grows); what does not fit "
         "goes to the storage tier (kv.bin on the first io.paths entry), read in and written back "
-        "each step, one (block, micro-batch) ahead. None: all of it in memory; 0: all of it on the "
-        "storage tier. On CUDA the memory is the device's.",
+        "each step, one (block, micro-batch) ahead. None: in memory as far as memory.host_mib (or "
+        "its default) leaves after the parameter slots, the rest on the storage tier; 0: all of it on "
+        "the storage tier. On CUDA the memory is the device's (None: all of it there).",
     )
     expert_cache_mib: int | None = opt(
         None,

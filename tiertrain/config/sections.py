@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import math
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
 
 from ..errors import ConfigError
+from .base import Section, opt
 
 __all__ = [
     "Section",
@@ -60,37 +60,6 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_
 
 def has_tokenizer(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_MARKERS)
-
-
-def opt(default: Any, doc: str, *, factory: Any = None) -> Any:
-    """A config field with its documentation."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
-
-
-class Section:
-    """Base of config sections: validation helpers that name ``section.field``."""
-
-    SECTION: ClassVar[str] = ""
-
-    def _fail(self, name: str, why: str) -> None:
-        raise ConfigError(f"{self.SECTION}.{name} = {getattr(self, name)!r}: {why}")
-
-    def _at_least(self, name: str, low: float) -> None:
-        value = getattr(self, name)
-        if isinstance(value, float) and not math.isfinite(value):  # nan < low is False: caught here
-            self._fail(name, "must be a finite number")
-        if value < low:
-            self._fail(name, f"must be >= {low}")
-
-    def _in_range(self, name: str, low: float, high: float) -> None:
-        if not low <= getattr(self, name) <= high:
-            self._fail(name, f"must be between {low} and {high}")
-
-    def _one_of(self, name: str, choices: Sequence[Any]) -> None:
-        if getattr(self, name) not in choices:
-            self._fail(name, f"must be one of {', '.join(map(repr, choices))}")
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import tomllib
 import types
 import typing
@@ -44,6 +45,8 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{name} = {value!r}: expected true or false")
     if typ is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)  # (numpy's integers too)
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ConfigError(f"{name} = {value!r}: expected an integer")
         try:
@@ -51,7 +54,7 @@ def coerce(name: str, value: Any, typ: Any) -> Any:
         except ValueError:
             raise ConfigError(f"{name} = {value!r}: expected an integer") from None
     if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):  # (true was lr = 1.0)
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):  # (true was lr = 1.0)
             raise ConfigError(f"{name} = {value!r}: expected a number")
         if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
             raise ConfigError(f"{name} = {value!r}: expected a number")

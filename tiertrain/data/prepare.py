@@ -69,6 +69,11 @@ def prepare_examples(
     from .examples import write_examples
     from .formats import KINDS, Renderer, read_rows
 
+    if isinstance(inputs, (str, os.PathLike)) or not all(isinstance(p, (str, os.PathLike)) for p in inputs):
+        raise TypeError(  # (a string was read as one input a character: "no such file: 'r'")
+            f"prepare_examples: inputs are a list of paths, not {inputs!r}: prepare_examples([path], output)"
+        )
+    inputs, output = [os.fspath(p) for p in inputs], os.fspath(output)
     if kind not in ("auto", *KINDS):
         raise UsageError(f"prepare --format {kind!r}: use 'auto' or one of {', '.join(KINDS)}")
     for path in inputs:

@@ -85,7 +85,8 @@ def evaluate(cfg: Config | dict | str, *, weights: WeightSource | None = None, d
             f"data.eval_corpus: its tokenizer has {evalset.vocab_size} tokens, the model's "
             f"vocabulary {vocab}; evaluate with the model's own tokenizer (data.tokenizer)"
         )
-    from .weights import forward_params, heap_trim, host_budget
+    from .budget import heap_trim, host_budget
+    from .weights import forward_params
 
     host = host_budget(cfg)  # once, before any weight is read: what is available drops as they are
     try:

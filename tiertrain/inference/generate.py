@@ -48,9 +48,10 @@ from ..models.gpt_decode import decode_mask as gpt_decode_mask
 from ..models.hf import decode_mask, kv_bytes, kv_dims, kv_shape, new_cache
 from ..paths import check_writable_dir
 from ..runtime import Runtime
+from .budget import heap_trim, host_budget, kv_host_budget
 from .kvcache import TieredKV
 from .routed import weights_read
-from .weights import forward_params, heap_trim, host_budget
+from .weights import forward_params
 
 __all__ = ["Sampling", "generate", "eos_ids", "model_sampling"]
 
@@ -350,6 +351,10 @@ def generate(
         raise TypeError(f"generate: sampling is a Sampling(...), not a {type(sampling).__name__}: Sampling(**it)")
     if eos is not None and not (isinstance(eos, (tuple, list)) and all(_is_int(t) for t in eos)):
         raise ConfigError(f"generate: eos = {eos!r}: a tuple of token ids (() for none)")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"generate: on_tokens is a function of each row's new token, not {on_tokens!r:.40}")
+    if tokenizer_vocab is not None and not (_is_int(tokenizer_vocab) and tokenizer_vocab > 0):
+        raise ConfigError(f"generate: tokenizer_vocab = {tokenizer_vocab!r}: the tokenizer's size, a positive integer")
     if sampling.temperature == 0 and (sampling.top_k or sampling.top_p < 1):  # greedy: nothing to cut
         log.warning(
             "top_k = %d, top_p = %g have no effect at temperature 0 (greedy: the likeliest token); give a "
@@ -361,11 +366,12 @@ def generate(
     rt = Runtime(cfg, weights=weights, device=device)
     rss_at_start = host_rss()  # the budget is what the run adds to the process (interpreter, libraries, model code)
     host = host_budget(cfg)  # once, before any weight is read: what is available drops as they are
-    budget = None if cfg.memory.kv_host_mib is None else cfg.memory.kv_host_mib << 20
     b = cfg.data.micro_batch_size
     try:  # what is refused is refused before any weight is read
         model, dec = rt.model, _Decoding(rt, cfg)
         _check(prompts, sampling, dec, tokenizer_vocab)
+        if eos is not None and any(not 0 <= t < dec.vocab for t in eos):  # never produced: rows ran on
+            raise ConfigError(f"generate: eos = {eos!r}: outside the model's vocabulary (0 to {dec.vocab - 1})")
         eos = tuple(eos) if eos is not None else dec.eos
         sampling = _model_penalty(sampling, cfg.model.hf_dir)
         if sampling.stop_at_eos and eos:
@@ -377,6 +383,7 @@ def generate(
             )
         groups = [_Rows(prompts[i : i + b], dec, sampling.max_new_tokens) for i in range(0, len(prompts), b)]
         kv_total = sum(dec.kv_bytes(len(g.out), g.ids.shape[1] + sampling.max_new_tokens, rt.dtype) for g in groups)
+        budget = kv_host_budget(cfg, rt, kv_total, host)  # (None: all of it in memory)
         source = forward_params(cfg, rt, other_bytes=kv_total if budget is None else min(budget, kv_total), host=host)
     except BaseException:
         rt.close()

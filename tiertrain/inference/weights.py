@@ -34,13 +34,13 @@ import zlib
 import torch
 
 from ..config import ConfigError
-from ..device.host import HeapTrim
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
 from ..paths import check_writable_dir, pid_alive
 from ..state.layout import FlatLayout
 from ..state.quant import DequantSource
 from ..state.sources import ParamSource
+from .budget import resident_budget
 
 __all__ = [
     "WeightParams",
@@ -48,7 +48,6 @@ __all__ = [
     "ResidentWeights",
     "TierWeights",
     "forward_params",
-    "resident_budget",
     "weights_key",
     "copy_hint",
 ]
@@ -204,41 +203,6 @@ def _routed(cfg, rt, inner: ParamSource, found: list, left: int) -> ParamSource:
         f"memory.expert_cache_mib = {mib}" if mib is not None else "what the weights' host budget leaves",
     )
     return RoutedReads(inner, tier, experts, rt.dev, cache, guess=cfg.io.guess_experts)
-
-
-def resident_budget(cfg, rt, other_bytes: int = 0, host: tuple[int, str] | None = None) -> tuple[int, str]:
-    """Host bytes for weights kept in memory across passes, and why: ``memory.host_param_mib``
-    where set, else what the run's budget (``host``, default ``host_budget``) leaves after the
-    parameter slots, ``other_bytes`` and one unit's activations per micro-batch (a margin of the
-    largest unit again)."""
-    if cfg.memory.host_param_mib is not None:
-        return cfg.memory.host_param_mib << 20, f"memory.host_param_mib = {cfg.memory.host_param_mib}"
-    total, src = host if host is not None else host_budget(cfg)
-    unit = rt.layout.max_unit_numel * rt.dtype.itemsize
-    fixed = (0 if rt.dev.separate else cfg.memory.device_slots * unit) + unit + other_bytes
-    return max(0, total - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
-
-
-def host_budget(cfg) -> tuple[int, str]:
-    """A forward-only run's host budget and where it comes from: ``memory.host_mib``, or half
-    the memory available now (``default_host_bytes``). Taken once, before any weight is read:
-    what is available drops as they are."""
-    from ..cost.budget import default_host_bytes
-
-    if cfg.memory.host_mib is not None:
-        return cfg.memory.host_mib << 20, f"memory.host_mib = {cfg.memory.host_mib}"
-    return default_host_bytes()
-
-
-def heap_trim(cfg, rt, rss_at_start: int, host: int) -> HeapTrim | None:
-    """The heap given back after a unit (generation's and evaluation's passes) once the process
-    has grown past ``rss_at_start`` (taken once the runtime is built) and its budget ``host``
-    less a unit (``memory.trim_heap``, as training does): the transient tensors of a pass (a
-    dequantized weight, activations) otherwise stay in glibc's heap, measured 0.5 GB over a
-    1 GiB budget on a 1.2 B NF4 base."""
-    if not cfg.memory.trim_heap:
-        return None
-    return HeapTrim(rss_at_start + host - rt.layout.max_unit_numel * rt.dtype.itemsize)
 
 
 class ResidentWeights(ParamSource):

@@ -445,6 +445,12 @@ class Trainer:
     def train_step(self) -> StepRecord:
         self._need_weights("train_step()")
         cfg = self.cfg
+        if self.step >= cfg.train.steps:  # the schedule is laid out over train.steps: step 3/2 had no rate of its own
+            raise TiertrainError(
+                f"Trainer.train_step(): the run's train.steps = {cfg.train.steps} steps are done; to train on, "
+                f"make the Trainer with a larger train.steps (the learning-rate schedule spans it) and "
+                f"restore(checkpoint) of this run"
+            )
         # before anything of the step is done: a step whose rows score nothing leaves the states
         # at the last step (``UnscoredStep``), as they can be saved
         scored = self.corpus.scored(self.step, self.group.world)
