@@ -446,6 +446,14 @@ def test_a_nan_in_the_weights_stops_at_the_first_step(tmp_path, capsys, caplog):
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path / "b", f"--model.init_from={out}", steps=3)], 1)
     assert line.startswith("tiertrain: step 1: the loss nan and the gradient norm nan are not finite"), line
     assert not os.path.exists(tmp_path / "b" / "run" / "checkpoints")
+    # eval of those weights: its perplexity was inf (as of a model merely bad), the --out file null
+    res = tmp_path / "eval.json"
+    model = [f for f in tiny_flags(tmp_path / "c") if f.startswith(("--model.", "--data.seq_len", "--io."))]
+    flags = [*model, f"--model.init_from={out}", "--data.eval_corpus=bundled", "--data.eval_micro_batches=1"]
+    assert main(["eval", *flags, f"--out={res}"]) == 0
+    said = capsys.readouterr()
+    assert "loss nan | perplexity nan" in said.out and "the weights hold non-finite values" in said.err, said
+    assert json.loads(res.read_text())["perplexity"] is None
 
 
 def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):

@@ -115,6 +115,8 @@ def evaluate(cfg: Config | dict | str, *, weights: WeightSource | None = None, d
             source.close()  # its files and threads, and the hooks routed reads put on the model
     tokens = evalset.total_scored() or evalset.count * cfg.data.micro_batch_size * cfg.data.seq_len
     ce = loss - aux[0]  # perplexity is the cross-entropy's: the auxiliary loss is not a likelihood
+    if not math.isfinite(loss):  # (a perplexity of inf read as a model merely bad)
+        log.warning("eval: the loss is %s: the weights hold non-finite values (a diverged run?)", loss)
     return EvalResult(
-        loss, math.exp(ce) if ce < 700 else math.inf, tokens, evalset.count, seconds, read, experts, aux[0]
+        loss, math.inf if ce >= 700 else math.exp(ce), tokens, evalset.count, seconds, read, experts, aux[0]
     )
