@@ -479,6 +479,115 @@ def test_a_step_or_a_save_before_the_weights_are_given_is_refused(tmp_path):
             call()
 
 
+@pytest.mark.parametrize("mode", ["baseline", "overlap"])
+def test_a_step_cut_short_by_hand_is_never_saved_torn_nor_stepped_on(tmp_path, monkeypatch, mode):
+    """Found from outside: a notebook's interrupt in train_step()'s update (baseline) left some
+    units updated; save_checkpoint() labelled them the last step's (the resumed run ended 1.4e-4
+    away), and train_step() applied their update twice; cut in the forward, every later step
+    was an IllegalTransition traceback. Now: cut in the update, the states are never saved nor
+    stepped on; cut before it, they are saved whole (restored bit for bit), and no step follows."""
+    import dataclasses
+
+    from reference import small_config
+
+    from tiertrain import faults
+    from tiertrain.errors import TiertrainError
+    from tiertrain.training.trainer import Trainer
+
+    def cfg(name):
+        c = small_config(tmp_path / name, steps=4)
+        return dataclasses.replace(c, update=dataclasses.replace(c.update, mode=mode))
+
+    with Trainer(cfg("straight")) as tr:
+        tr.initialize(progress=False)
+        straight = [tr.train_step().loss for _ in range(4)]
+        want = tr.weights()
+    real = faults.point
+
+    def cut_at(where, n):
+        seen = [0]
+
+        def point(name):
+            if name == where:
+                seen[0] += 1
+                if seen[0] == n:
+                    raise KeyboardInterrupt
+            return real(name)
+
+        monkeypatch.setattr(faults, "point", point)
+
+    # cut in the forward of step 3: step 2's states kept whole, saved, resumed bit for bit
+    with Trainer(cfg("cut")) as tr:
+        tr.initialize(progress=False)
+        got = [tr.train_step().loss for _ in range(2)]
+        cut_at("forward", 2)
+        with pytest.raises(KeyboardInterrupt):
+            tr.train_step()
+        monkeypatch.setattr(faults, "point", real)
+        with pytest.raises(TiertrainError, match=r"train_step\(\): step 3 was cut short \(KeyboardInterrupt\) and this "
+                           r"Trainer cannot step on; save_checkpoint\(\) keeps the states of step 2 whole"):  # fmt: skip
+            tr.train_step()
+        saved = tr.save_checkpoint()
+    with Trainer(cfg("cut")) as tr:
+        tr.restore(saved.path)
+        got += [tr.train_step().loss for _ in range(2)]
+        assert got == straight
+        assert all(torch.equal(v, want[k]) for k, v in tr.weights().items())
+    if mode == "overlap":  # its update runs in its own thread, under the next step's forward
+        return
+    # cut in the update of step 3: some units updated, others not; nothing of them saved or stepped on
+    with Trainer(cfg("torn")) as tr:
+        tr.initialize(progress=False)
+        [tr.train_step() for _ in range(2)]
+        cut_at("update", 3)
+        with pytest.raises(KeyboardInterrupt):
+            tr.train_step()
+        monkeypatch.setattr(faults, "point", real)
+        for call, name in ((tr.save_checkpoint, "save_checkpoint()"), (tr.train_step, "train_step()"),
+                           (tr.weights, "weights()"), (lambda: tr.restore(saved.path), "restore()")):  # fmt: skip
+            with pytest.raises(TiertrainError, match=rf"Trainer.{re.escape(name)}: step 3 was cut short in its update "
+                               r"\(KeyboardInterrupt\): some units hold its update and others not"):  # fmt: skip
+                call()
+        assert not os.path.exists(tmp_path / "torn" / "run" / "checkpoints")
+
+
+def test_a_trainer_by_hand_never_replaces_another_runs_checkpoints_nor_starts_over_at_a_step(tmp_path):
+    """Found from outside: Trainer(...).initialize() into the run directory of an earlier run, then
+    save_checkpoint(), replaced its step-4 checkpoint without a word (train() and the command
+    refuse that); initialize() again after steps put the initial weights back at step 3."""
+    from reference import small_config
+
+    from tiertrain.errors import TiertrainError
+    from tiertrain.training.rundir import RunDirError
+    from tiertrain.training.trainer import Trainer
+
+    with Trainer(small_config(tmp_path, steps=2)) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        saved = tr.save_checkpoint()
+        with pytest.raises(TiertrainError, match=r"initialize\(\): this Trainer is at step 1; initial weights now"):
+            tr.initialize(progress=False)
+    with Trainer(small_config(tmp_path, steps=2)) as tr:
+        with pytest.raises(RunDirError, match=r"already holds a run \(step-00000001\)"):
+            tr.initialize(progress=False)
+        tr.restore(saved.path)  # its own run: continued
+        assert tr.step == 1
+    other = small_config(tmp_path / "b", steps=2)
+    other.train.run_dir = str(tmp_path / "run")
+    with Trainer(other) as tr:  # another run's checkpoint into it: asked as run(resume=) asks
+        with pytest.raises(RunDirError, match=r"already holds a run"):
+            tr.restore(_copied(saved.path, tmp_path / "x"))
+    assert os.path.isdir(saved.path)
+
+
+def _copied(path, where):
+    import shutil
+
+    dest = os.path.join(where, os.path.basename(path))
+    shutil.copytree(path, dest)
+    return dest
+
+
 def test_run_on_a_trainer_that_has_trained_is_refused_and_its_run_kept(tmp_path):
     """Python API: run() again on the Trainer that ran, with train.overwrite, deleted the run it
     had just finished and trained nothing; run() after train_step()s put the weights back to

@@ -44,7 +44,6 @@ from ..errors import TiertrainError, one_line
 from ..execute.executor import LayerMajorExecutor
 from ..execute.loss import LossScale
 from ..inference.validation import validation_loss
-from ..io import aligned_empty
 from ..io.scratch import ScratchLock, clean_stale
 from ..models import WeightSource
 from ..runtime import Runtime
@@ -56,12 +55,14 @@ from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .advice import nothing_to_train, restorable
 from .checkpoints import Checkpoints, rows_read
+from .initial import write_initial_weights
 from .interrupt import StopFlag
 from .loop import run_steps
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
 from .rundir import RunDir, clean_leftovers
+from .step_guard import StepGuard
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
     from ..cost.model import Prediction
@@ -265,6 +266,7 @@ class Trainer:
         self._closed = False  # close(): the parts stopped, the scratch files removed
         self._ran = False  # run() was called: a second would start the run over (or delete it)
         self._stop: StopFlag | None = None  # run()'s, while it steps: Ctrl-C cuts a validation short
+        self._guard = StepGuard()  # a step cut short (a notebook's interrupt): what may still be done
 
     def _need_open(self, what: str) -> None:
         """Refuse ``what`` once closed: states kept in memory would still step, with nothing on
@@ -351,28 +353,16 @@ class Trainer:
     def initialize(self, progress: bool = True) -> None:
         """Write initial weights (and optimizer state) unit by unit: memory of one unit. Seeds
         torch's global generators with ``train.seed`` (dropout draws from them) for the caller too."""
-        from tqdm import tqdm
-
         self._need_open("initialize()")
-        dtype = self.update.init_dtype  # fp32, or a frozen base's own: converted as it is copied in
-        flat = aligned_empty(self.layout.max_unit_numel * dtype.itemsize).view(dtype)
-        t0 = said = time.perf_counter()
-        for unit in tqdm(self.layout.units, desc="init weights", disable=None if progress else True, unit="unit"):
-            if time.perf_counter() - said > 30 and self.group.leader:  # a log file has no bar: a line now and then
-                said = time.perf_counter()
-                log.info("initial weights: %d of %d units, %.0f s", unit.index, len(self.layout), said - t0)
-            values = self.source.load(unit.index, [r.name for r in unit.params])
-            view = flat[: unit.numel]
-            view.zero_()
-            for rec in unit.params:
-                t = values[rec.name]
-                if tuple(t.shape) != tuple(rec.shape):
-                    raise ConfigError(
-                        f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
-                    )
-                view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
-            whole = getattr(self.update, "init_whole", False)  # a rank's quantized base: quantized whole
-            self.update.init_unit(unit.index, view if whole else self.rt.state_layout.shard(unit.index, view))
+        self._guard.refuse("initialize()")
+        if self.step:  # a notebook's cell run again: the initial weights put back at step 3, saved as step 4
+            raise TiertrainError(
+                f"Trainer.initialize(): this Trainer is at step {self.step}; initial weights now would train on "
+                "from that step's schedule and rows. Make a new Trainer to start over"
+            )
+        if not self._ran:  # by hand (run() asked before): another run's checkpoints were replaced by this one's
+            self.rundir.start_fresh(self.cfg.train.overwrite, self.group.world)
+        write_initial_weights(self, progress)
         self.update.finish_init()
         self.params.invalidate()
         # dropout draws from the global generators (seeded at random per process): each rank its own
@@ -389,6 +379,7 @@ class Trainer:
         """Current weights by name, fp32 (the declared weights state: master weights where
         kept). Loads the whole model: for tests and small exports; every rank calls it."""
         self._need_weights("weights()")
+        self._guard.refuse("weights()", reads_states=True)
         with self.state_regions() as regions:
             return self.checkpoints.weights(
                 regions[f"{self._weights_state().name}.bin"],
@@ -407,6 +398,7 @@ class Trainer:
         """A complete checkpoint of the current step (after the last finished step). Ranks:
         every rank calls it; rank 0 writes and returns the result, the others None."""
         self._need_weights("save_checkpoint()")
+        self._guard.refuse("save_checkpoint()", reads_states=True)
         extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
         with self.state_regions() as regions:
             return self.checkpoints.save(regions, self.step, extra, self.corpus.rows_read(self.step, self.group.world))
@@ -414,7 +406,10 @@ class Trainer:
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path`` (a run directory: its latest): weights, optimizer state, step, RNG."""
         self._need_open("restore()")
+        self._guard.refuse("restore()")
         path = restorable(path)
+        if not self._ran and self.group.leader:  # by hand: into a directory of another run's, as run() refuses
+            self.rundir.take_over(path, self.cfg.train.overwrite, self.group.world)
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
         man = Manifest.read(path)
@@ -444,6 +439,7 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
         self._need_weights("train_step()")
+        self._guard.refuse("train_step()")
         cfg = self.cfg
         if self.step >= cfg.train.steps:  # the schedule is laid out over train.steps: step 3/2 had no rate of its own
             raise TiertrainError(
@@ -454,6 +450,12 @@ class Trainer:
         # before anything of the step is done: a step whose rows score nothing leaves the states
         # at the last step (``UnscoredStep``), as they can be saved
         scored = self.corpus.scored(self.step, self.group.world)
+        with self._guard.step(self.step + 1, writes_under_backward=self.cfg.update.speculate == "on"):
+            return self._step_once(scored)
+
+    def _step_once(self, scored: int | None) -> StepRecord:
+        """Step ``self.step + 1`` (``train_step``), its phases told to the guard."""
+        cfg = self.cfg
         self.meter.begin()
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
@@ -468,12 +470,14 @@ class Trainer:
         coef = None
         if cfg.optim.grad_clip > 0:
             coef = torch.clamp(cfg.optim.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
+        self._guard.phase = "updating"  # from here some units may hold this step's update
         upd = self.update.step(self.step + 1, lr, coef)
         if self.adapter_update is not None:
             self.adapter_update.step(lr, norm)
         self.params.invalidate()  # slot copies are stale: the update rewrote (or is rewriting) every unit
         update_s = time.perf_counter() - t0
         self.step += 1
+        self._guard.phase = "done"
         rec = self.meter.record(
             step=self.step,
             out=out,
