@@ -158,3 +158,20 @@ def test_ranks_with_frozen_units_train_the_grouped_reference_bit_for_bit(tmp_pat
     for step, want in enumerate(ref_losses):
         assert [x for r in range(2) for x in out[r]["losses"][step]] == want
     assert_same_weights(_Named(cfg), out[0]["weights"], ref_weights)
+
+
+def test_the_start_names_what_the_embedding_and_the_head_freeze(tmp_path, caplog):
+    """Found from outside: 'head' froze the final norm with lm_head (the head's unit), where a
+    user freezing lm_head alone expected the norm trained, and nothing said so: the start line
+    names the parameters 'embed' and 'head' freeze."""
+    import logging
+
+    from tiertrain.training.trainer import Trainer
+
+    cfg = small_config(tmp_path, kind="llama", layers=2)
+    cfg.train.freeze = ["head", "blocks:0"]
+    caplog.set_level(logging.INFO, logger="tiertrain")
+    with Trainer(cfg):
+        pass
+    line = next(r.message for r in caplog.records if r.message.startswith("frozen (train.freeze"))
+    assert line.endswith("read, never trained or written; head: head.norm.weight, head.lm_head.weight"), line

@@ -541,7 +541,8 @@ class TrainConfig(Section):
         "Units to keep as they are: read in the forward and the backward, never trained "
         "(no gradient, no optimizer step, never written). 'embed', 'head', 'blocks', "
         "'blocks:N' or 'blocks:A-B' (from 0, inclusive); e.g. --train.freeze=embed,blocks:0-3. "
-        "As plain PyTorch with requires_grad=False on them. A whole vocabulary for now "
+        "As plain PyTorch with requires_grad=False on them; 'head' is the head's unit: the final "
+        "norm with the output projection (the start line names the parameters). A whole vocabulary for now "
         "(model.vocab_pieces 1).",
         factory=list,
     )

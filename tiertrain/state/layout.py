@@ -186,9 +186,13 @@ class FlatLayout:
         """The frozen units and their parameters (``train.freeze``), in one line."""
         frozen = [u for u in self.units if u.frozen and u.params]
         n = sum(u.used for u in frozen)
+        # the embedding's and the head's units by name: the head's holds the final norm too (its
+        # unit's), which 'head' freezes with lm_head (a user freezing lm_head alone expected it trained)
+        ends = [(s, u) for s, u in (("embed", self.units[0]), ("head", self.units[-1])) if s in selectors and u.frozen]
+        named = "".join(f"; {s}: {', '.join(p.name for p in u.params)}" for s, u in ends)
         return (
             f"frozen (train.freeze = {', '.join(selectors)}): {len(frozen)} of {len(self.units)} units, "
-            f"{n / 1e6:.2f} M of {self.n_params / 1e6:.2f} M parameters: read, never trained or written"
+            f"{n / 1e6:.2f} M of {self.n_params / 1e6:.2f} M parameters: read, never trained or written{named}"
         )
 
     def describe(self) -> str:
