@@ -257,3 +257,27 @@ def test_the_update_threads_leave_the_trainer_a_core():
         assert update_threads(separate=True) == 1
     finally:
         torch.set_num_threads(was)
+
+
+def test_the_update_threads_count_is_not_left_to_the_threads_started_after_it(tmp_path):
+    """The update thread's torch.set_num_threads(1) became the count every thread started later
+    took (torch keeps it process-wide): a train() in a worker thread after an overlapped run
+    computed on 1 thread, its losses a rounding away from the CLI's. Put back when it ends."""
+    import threading
+
+    def in_a_new_thread():
+        got = []
+        t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return got[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # (more than the update thread's one, on any machine)
+    try:
+        with Trainer(overlap_config(tmp_path, steps=1)) as tr:
+            tr.initialize(progress=False)
+            tr.train_step()
+        assert in_a_new_thread() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -211,16 +211,21 @@ class OverlapUpdate(BaselineUpdate):
         self._busy = UpdateStats()  # the thread's time since the last record()
         self.handoff_bytes = 0
         self._threads = update_threads(separate=pin)
+        self._callers_threads = torch.get_num_threads()  # put back when the thread ends (see _run)
         self._thread = threading.Thread(target=self._run, name="tiertrain-update", daemon=True)
         self._thread.start()
 
     # -- the thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         if self._threads is not None:
-            torch.set_num_threads(self._threads)  # this thread's only
+            torch.set_num_threads(self._threads)  # this thread's team; but torch also keeps it as the count
+            # every thread started later takes: put back at the end (a train() run in a worker thread
+            # after an overlapped one computed on 1 thread, its losses a rounding away from the CLI's)
         while True:
             job = self._jobs.get()
             if job is None:
+                if self._threads is not None:
+                    torch.set_num_threads(self._callers_threads)
                 return
             try:
                 if self._error is None:
