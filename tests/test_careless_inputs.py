@@ -776,11 +776,12 @@ def test_initial_weights_in_a_log_file_say_their_progress(tmp_path, monkeypatch,
     import logging
     import types
 
+    import tiertrain.training.initial as initial
     import tiertrain.training.trainer as trainer
     from tests.reference import small_config
 
     clock = iter(range(0, 10**6, 40))  # every reading 40 s after the one before
-    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    monkeypatch.setattr(initial, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     caplog.set_level(logging.INFO, logger="tiertrain")
     with trainer.Trainer(small_config(tmp_path, layers=3)) as tr:
         tr.initialize(progress=False)

@@ -593,3 +593,30 @@ def test_a_directory_held_by_a_stopped_process_says_how_to_let_it_end(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_live_run_holds_its_checkpoint_dir_against_a_second(tmp_path):
+    """Found from outside: two live runs given one checkpoint.dir (outside their run
+    directories) both saved step-N there, each over the other's: with checkpoint.every = 0 the
+    check at start found nothing, and one run's checkpoints were all lost. The second is refused
+    while the first holds it, and takes it once the first has ended."""
+    from reference import small_config
+
+    from tiertrain.training.trainer import Trainer
+
+    def cfg(name):
+        c = small_config(tmp_path / name, steps=1)
+        c.checkpoint.dir = str(tmp_path / "ck")
+        return c
+
+    with Trainer(cfg("a")) as first:
+        first.initialize(progress=False)
+        with pytest.raises(RunDirError, match=rf"checkpoint.dir {tmp_path / 'ck'} is in use by another tiertrain run "
+                           r"\(this very process.*give this run a checkpoint.dir of its own"):  # fmt: skip
+            Trainer(cfg("b"))
+        assert not (tmp_path / "b" / "run").exists()  # (the refused run leaves no directory)
+        first.train_step()
+        first.save_checkpoint()
+    with Trainer(cfg("b")) as second:  # (and a run never takes another's checkpoints: its own test)
+        assert second.rundir.checkpoint_lock is not None
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step-00000001"]  # the lock file gone with its run

@@ -94,6 +94,13 @@ def _busy(path: str, who: str) -> RunDirError:
     )
 
 
+def _checkpoints_busy(path: str, who: str) -> RunDirError:
+    return RunDirError(
+        f"checkpoint.dir {path} is in use by another tiertrain run ({who}): runs sharing one save their "
+        "checkpoints over each other's; give this run a checkpoint.dir of its own"
+    )
+
+
 class RunDir:
     """Run directory ``path`` (checkpoints under ``checkpoint_root``), locked for this run."""
 
@@ -102,6 +109,15 @@ class RunDir:
         self.path, self.checkpoint_root = os.path.abspath(path), os.path.abspath(checkpoint_root)
         self.owner = os.path.abspath(owner or path)
         self.lock = DirLock(self.path, _busy)
+        # a checkpoint.dir outside the run directory is locked too (rank 0's, for the ranks): two live
+        # runs sharing one saved the same step-N names over each other's (one run's all lost)
+        self.checkpoint_lock: DirLock | None = None
+        if self.path == self.owner and _under(self.checkpoint_root, self.path) is None:
+            try:
+                self.checkpoint_lock = DirLock(self.checkpoint_root, _checkpoints_busy)
+            except BaseException:
+                self.lock.release(remove=not self.holds_a_run())
+                raise
         self.metrics_path = os.path.join(self.path, METRICS)
         self.config_path = os.path.join(self.path, CONFIG)
 
@@ -220,6 +236,9 @@ class RunDir:
         # nothing of a run here (a model directory refused as one: no lock file left in it either)
         empty = remove_if_empty and (not self.holds_a_run() or bool(_not_a_runs_config(self.config_path)))
         self.lock.release(remove=empty)
+        if self.checkpoint_lock is not None:
+            self.checkpoint_lock.release(remove=True)  # (its directory too where this run made it and left it empty)
+            self.checkpoint_lock = None
 
 
 def refuse_a_held_run(
