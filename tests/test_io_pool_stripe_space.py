@@ -221,3 +221,24 @@ def test_space_is_checked_where_a_directory_goes_meanwhile(tmp_path, monkeypatch
     space.check_space([(str(gone / "f.bin"), 1)])  # raced again inside the check: no error
     assert not gone.exists()
     assert space.device_of(str(tmp_path / "x" / "y")) == os.stat(tmp_path).st_dev
+
+
+def test_a_checksummed_file_saves_its_table_on_a_disk_filled_after_its_start(small_fs):
+    """Found from outside: the checksum table was saved through a temporary copy, room never
+    claimed at start; a scratch disk filled during the run failed the engines' next save and the
+    whole run was lost (the other paths warned at exit). The table's room is claimed with the
+    file's, and it is rewritten in place."""
+    with FileHandle(small_fs / "f", "w", size=MIB, checksum=True) as f:
+        f.write(rand_bytes(MIB))
+        fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT)  # the disk filled by someone else
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"\0" * 65536)
+        finally:
+            os.close(fd)
+        f.write(rand_bytes(MIB, seed=1))
+    with FileHandle(small_fs / "f", "r", checksum=True) as f:
+        out = torch.zeros(MIB, dtype=torch.uint8)
+        assert f.verify() == MIB and f.read(out) == MIB and torch.equal(out, rand_bytes(MIB, seed=1))
+    assert sorted(os.listdir(small_fs)) == ["f", "f.crc", "filler"]

@@ -90,10 +90,29 @@ class ChecksumTable:
         return head + struct.pack("<I", _crc.crc32c(body, _crc.crc32c(head))) + body
 
     def save(self, path: str) -> None:
-        """Atomically replace the sidecar at ``path`` (temp file, fsync, rename)."""
-        tmp = f"{path}.tmp{os.getpid()}"
+        """Write the sidecar at ``path``: a new one atomically (temp file, fsync, rename); one
+        already there at its size rewritten in place (fsync). The temporary copy of a rewrite
+        needed room never claimed: a disk filled during a run failed the engines' next save and
+        lost the run. In place is safe: a table cut by a crash fails its own CRC (named damaged,
+        never taken as valid), and the files whose tables are rewritten are a run's scratch
+        (replaced after a crash) or written under a temporary name until complete."""
         with self._lock:
             data = self.to_bytes()
+        try:
+            if os.path.getsize(path) == len(data):
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    if os.pwrite(fd, data, 0) != len(data):
+                        raise OSError(errno.EIO, os.strerror(errno.EIO))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._save_error(exc, path, None, len(data)) from None
+        tmp = f"{path}.tmp{os.getpid()}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -107,9 +126,9 @@ class ChecksumTable:
             raise self._save_error(exc, path, tmp, len(data)) from None
 
     @staticmethod
-    def _save_error(exc: OSError, path: str, tmp: str, size: int) -> StorageError:
+    def _save_error(exc: OSError, path: str, tmp: str | None, size: int) -> StorageError:
         """A failed save, named (the bare OSError named no file), its temporary copy removed."""
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             need = round_up(size, 4096)  # a filesystem block

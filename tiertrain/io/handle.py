@@ -135,6 +135,8 @@ class FileHandle(PositionalIO):
             if checksum:
                 self._table = ChecksumTable(self._size, block)
                 self._dirty = True
+                if size:  # its room claimed now, as the data's: later saves rewrite it in place
+                    self._table.save(sidecar_path(self.path))
         elif checksum:
             self._table = ChecksumTable.load(sidecar_path(self.path))
             self._size = self._table.size
