@@ -620,3 +620,23 @@ def test_a_live_run_holds_its_checkpoint_dir_against_a_second(tmp_path):
     with Trainer(cfg("b")) as second:  # (and a run never takes another's checkpoints: its own test)
         assert second.rundir.checkpoint_lock is not None
     assert sorted(os.listdir(tmp_path / "ck")) == ["step-00000001"]  # the lock file gone with its run
+
+
+def test_a_resume_under_other_heads_is_refused(tmp_path, capsys):
+    """Found from outside: `--resume RUN --model.n_heads=4` over a model of 8 heads (the same
+    weights' shapes) went on as another model, said only as a changed setting; the Python API's
+    restore() into a Trainer of other heads alike. Both refused by name; the same heads given
+    (n_kv_heads spelt out) go on."""
+    from test_errors import one_line_error
+
+    from tiertrain.config import ConfigError
+
+    assert main(["train", *tiny_flags(tmp_path, "--model.n_heads=8")]) == 0
+    run = str(tmp_path / "run")
+    capsys.readouterr()
+    line = one_line_error(capsys, ["train", "--resume", run, "--train.steps=3", "--model.n_heads=4"], 2)
+    assert "model.n_heads 4, n_kv_heads 4 where the checkpoint's model has 8 and 8" in line, line
+    cfg = small_config(tmp_path / "api", heads=4)
+    with Trainer(cfg) as tr, pytest.raises(ConfigError, match=r"the same weights under other heads"):
+        tr.restore(run)
+    assert main(["train", "--resume", run, "--train.steps=3", "--model.n_heads=8", "--model.n_kv_heads=8"]) == 0

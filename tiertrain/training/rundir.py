@@ -22,6 +22,7 @@ import os
 import shutil
 
 from ..checkpoint import list_checkpoints, set_aside_dirs
+from ..errors import ConfigError
 from ..io.errors import run_dir_write_failed
 from ..io.scratch import LOCK, DirInUseError, DirLock, held_by
 from ..paths import fsync_path
@@ -33,6 +34,7 @@ __all__ = [
     "CONFIG",
     "DROPPED",
     "resumed_tree",
+    "same_heads",
     "no_checkpoint_advice",
     "missing_checkpoint_dir",
     "mark_saved_elsewhere",
@@ -435,6 +437,9 @@ def resumed_tree(stored: dict, checkpoint: str, given: dict, where: str | None =
     if changed:  # said: a resumed run that trains otherwise than it began is the user's choice, never silent
         log.info("resume: settings changed from the checkpoint's config: %s", ", ".join(changed))
     _same_adapter_kind(stored, given, checkpoint)
+    same_heads(
+        {**(stored.get("model") or {}), **given.get("model", {})}, stored.get("model") or {}, f"--resume {checkpoint}"
+    )
     for section, values in given.items():
         tree.setdefault(section, {}).update(values)
     return tree
@@ -477,6 +482,28 @@ def _same_adapter_kind(stored: dict, given: dict, checkpoint: str) -> None:
 
     ours = {**asdict(AdapterConfig()), **theirs, **given["adapter"]}
     same_adapter_config(ours, theirs, f"checkpoint {checkpoint}")
+
+
+def same_heads(ours: dict, theirs: dict, where: str) -> None:
+    """A built-in model's heads (``ours``: the model section a run resumes with) are its
+    checkpoint's (``theirs``): other heads over weights of the same shapes are another model,
+    which the checkpoint's parameter check cannot see (resumed with --model.n_heads=4 over a
+    model of 8, the run went on with a note of a changed setting)."""
+    if theirs.get("hf_dir") or ours.get("hf_dir"):
+        return  # (a Hugging Face model's heads are its config.json's)
+
+    def heads(m: dict) -> tuple[str, str]:
+        n = str(m.get("n_heads", 4))
+        kv = m.get("n_kv_heads")
+        return n, n if kv is None or str(kv).lower() in ("none", "null") else str(kv)
+
+    if heads(theirs) != heads(ours):
+        (n, kv), (n2, kv2) = heads(theirs), heads(ours)
+        raise ConfigError(
+            f"{where}: model.n_heads {n2}, n_kv_heads {kv2} where the checkpoint's model has {n} and {kv}: the "
+            "same weights under other heads are another model; resume with the checkpoint's heads, or start a "
+            "new run from its export (model.init_from)"
+        )
 
 
 def _not_a_runs_config(path: str) -> str:

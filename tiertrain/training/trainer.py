@@ -61,7 +61,7 @@ from .loop import run_steps
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
-from .rundir import RunDir, clean_leftovers
+from .rundir import RunDir, clean_leftovers, same_heads
 from .step_guard import StepGuard
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -415,6 +415,7 @@ class Trainer:
         man = Manifest.read(path)
         same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
         same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
+        same_heads(self.user_cfg.to_dict()["model"], man.config.get("model") or {}, f"checkpoint {path}")
         theirs = man.config.get("optim", {}).get("name", "adamw")
         same_optimizer(self.cfg.optim.name, theirs, f"checkpoint {path}", adapters=self.cfg.adapter.on)
         self.checkpoints.say_other_ranks(man, path, self.cfg.data)
