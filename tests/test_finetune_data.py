@@ -1017,3 +1017,47 @@ def test_a_resume_with_another_global_batch_goes_on_with_the_next_row(tmp_path):
     got = [row for step in seen for x, _ in step for row in x.numpy()]
     assert len(got) == 4 and all(np.array_equal(g, s[:-1]) for g, s in zip(got, straight))
     assert epochs == [10 / data.rows_per_epoch, 12 / data.rows_per_epoch]  # on from the checkpoint's 8 rows
+
+
+def test_rows_edited_with_their_old_time_and_rows_changed_before_a_resume_are_not_taken_silently(
+    tmp_path, monkeypatch, caplog
+):
+    """Found from outside: rows edited in place at the same size with their modification time put
+    back (cp -p, rsync -t, touch -r) were taken from the prepared-data cache as before (the old
+    rows trained on); and rows grown between a checkpoint and its resume went on at the old row
+    count over a reshuffled epoch without a word. The cache's key has the change time (no user
+    sets it), and the checkpoint records the rows' content: a resume over other rows says so."""
+    import logging
+
+    from tiertrain.config import DataConfig
+    from tiertrain.data.loader import open_corpus
+    from tiertrain.training.trainer import Trainer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok = make_tokenizer(tmp_path / "tok")
+    rows = tmp_path / "r.jsonl"
+    write_jsonl(rows, [{"text": "hello world how are you"}] * 4)
+    cfg = DataConfig(corpus=str(rows), tokenizer=tok, seq_len=8, micro_batch_size=1)
+    first = open_corpus(cfg)
+    st = os.stat(rows)
+    write_jsonl(rows, [{"text": "world hello you are how"}] * 4)  # the same size, other rows
+    os.utime(rows, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = open_corpus(cfg)
+    assert second.data.path != first.data.path and second.identity != first.identity
+
+    write_jsonl(tmp_path / "pc.jsonl", [r for r in ROWS if "prompt" in r])
+    a = _finetune_cfg(tmp_path / "a", str(tmp_path / "pc.jsonl"), tok)
+    with Trainer(a) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
+        saved = tr.save_checkpoint()
+    caplog.set_level(logging.WARNING, logger="tiertrain")
+    with Trainer(a) as tr:  # the same rows: nothing said
+        tr.restore(saved.path)
+    assert not [r for r in caplog.records if "data.corpus changed" in r.message]
+    write_jsonl(tmp_path / "pc.jsonl", [r for r in ROWS if "prompt" in r] * 3)
+    with Trainer(a) as tr:
+        tr.restore(saved.path)
+    said = [r.message for r in caplog.records if "data.corpus changed" in r.message]
+    assert said and "since the checkpoint of step 1 (then: 8 examples" in said[0], said
+    assert "now: 24 examples" in said[0] and "rows may be read twice or never" in said[0], said

@@ -91,6 +91,9 @@ class Manifest:
     # fine-tuning rows read by the end of its step (0: not recorded, or raw text: step x the
     # global batch); a run resumed with another global batch goes on from there (``ExampleBatches``)
     rows: int = 0
+    # those rows' content (``PreparedExamples.identity``: counts and checksums): rows changed between
+    # a checkpoint and its resume are said ('' for raw text, and before it was recorded)
+    rows_of: str = ""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def entry(self, name: str) -> FileEntry | None:
@@ -103,6 +106,8 @@ class Manifest:
             del body["compute_dtype"]
         if not body["rows"]:  # only fine-tuning rows record it
             del body["rows"]
+        if not body["rows_of"]:
+            del body["rows_of"]
         body["version"] = VERSION
         body["checksum"] = _canonical_crc(body)
         with open(path, "w") as f:

@@ -128,13 +128,14 @@ class CheckpointIO:
         compute_dtype: str = "",
         ranks: int = 1,
         rows: int = 0,
+        rows_of: str = "",
     ) -> SaveResult:
         """Write a complete checkpoint of step ``step`` under ``root``; then delete ``drop``
         (checkpoints this one supersedes) and keep the last ``keep``. ``weights``: the region
         that holds the weights (named in the manifest: what export and eval read); ``extra``:
         small files by name, (tensors, metadata) each (the adapters), checked as the rest;
         ``compute_dtype``: recorded where a region holds a 4-bit base (what its weights are made in);
-        ``ranks``: the ranks that trained it, ``rows``: the fine-tuning rows read (recorded). The caller asks ``space_problem`` first
+        ``ranks``: the ranks that trained it, ``rows``: the fine-tuning rows read (recorded), ``rows_of`` their content. The caller asks ``space_problem`` first
         (with ranks, before the gathers the others wait in)."""
         t0 = time.perf_counter()
         os.makedirs(root, exist_ok=True)
@@ -159,6 +160,7 @@ class CheckpointIO:
                 compute_dtype=compute_dtype,
                 ranks=ranks,
                 rows=rows,
+                rows_of=rows_of,
                 params=self.layout.fingerprint,
             ).write(tmp)
             fsync_path(tmp)

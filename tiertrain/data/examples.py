@@ -46,7 +46,7 @@ from ..errors import UsageError
 from ..io.checksum import crc32c
 from ..paths import missing_dirs, remove_dead_temporaries, remove_empty_dirs
 from .formats import Example
-from .tokens import read_tokens, write_tokens
+from .tokens import read_tokens, tokens_checksum, write_tokens
 
 __all__ = ["IGNORE", "PreparedExamples", "ExampleBatches", "UnscoredStep", "write_examples", "is_prepared"]
 
@@ -191,6 +191,9 @@ class PreparedExamples:
             )
         self.eos, self.count = int(self.meta["eos"]), n
         self.lengths = np.diff(self.offsets)
+        crc = self.meta["crc32c"]  # the rows' content, wherever they lie (a checkpoint records it)
+        ids = tokens_checksum(os.path.join(path, "ids.tokens"))
+        self.identity = f"{n} examples, {t} tokens, crc32c {ids:08x}-{crc['mask.bin']:08x}-{crc['offsets.bin']:08x}"
 
     def _raw(self, name: str, dtype, count: int, what: str) -> np.ndarray:
         p = os.path.join(self.path, name)
@@ -229,6 +232,7 @@ class ExampleBatches:
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.by_document = packing and by_document
         self.vocab_size = data.vocab_size
+        self.identity = data.identity  # (a checkpoint records it: rows changed before a resume are said)
         lengths = data.lengths
         too_long = lengths > seq_len + 1
         self.keep = np.flatnonzero(~too_long) if long_examples == "drop" else np.arange(data.count)

@@ -339,7 +339,9 @@ def _damaged(prepared: str) -> str:
 
 def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     """Rows prepared once into ``$XDG_CACHE_HOME/tiertrain/prepared/<key>`` (default
-    ``~/.cache``), the key hashing the input's path, size and modification time, the tokenizer's
+    ``~/.cache``), the key hashing the input's path, size, modification and change times (rows
+    edited in place with their old time put back, ``cp -p``, ``rsync -t``, ``touch -r``, have a new
+    change time: no user sets it; found from outside, the old rows were trained on), the tokenizer's
     files' contents (a tokenizer replaced at the same path is another), ``data.format`` and
     ``data.mask_prompt``; reused while they are unchanged."""
     import hashlib
@@ -348,7 +350,7 @@ def prepared_cache(cfg: DataConfig, path: str, what: str) -> str:
     from .prepare import prepare_examples
 
     st = [
-        (os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
+        (os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns, os.stat(p).st_ctime_ns)
         for p in ([path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)))
     ]
     key = hashlib.sha256(

@@ -16,7 +16,7 @@ from ..errors import TiertrainError
 from ..io.checksum import crc32c
 from ..paths import remove_dead_temporaries
 
-__all__ = ["write_tokens", "read_tokens", "is_token_file", "TokenFileError", "HEADER_BYTES"]
+__all__ = ["write_tokens", "read_tokens", "tokens_checksum", "is_token_file", "TokenFileError", "HEADER_BYTES"]
 
 _MAGIC = b"TTTOKENS"
 _HEAD = struct.Struct("<8sIIQQI")
@@ -68,6 +68,12 @@ def is_token_file(path: str) -> bool:
             return f.read(len(_MAGIC)) == _MAGIC
     except OSError:
         return False
+
+
+def tokens_checksum(path: str) -> int:
+    """The CRC32C a token file's header records of its tokens (its content, without reading it)."""
+    with open(path, "rb") as f:
+        return _HEAD.unpack_from(f.read(HEADER_BYTES))[5]
 
 
 def read_tokens(path: str, *, verify: bool = False) -> tuple[np.ndarray, int]:

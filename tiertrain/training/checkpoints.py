@@ -32,7 +32,7 @@ from ..io import aligned_empty
 from ..models.pieces import WholeTensors
 from .rundir import mark_saved_elsewhere
 
-__all__ = ["Checkpoints", "other_ranks_note", "rows_read"]
+__all__ = ["Checkpoints", "other_ranks_note", "rows_read", "changed_rows"]
 
 log = logging.getLogger("tiertrain")
 
@@ -54,6 +54,16 @@ def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tup
     return (
         f"was trained on {trained} rank(s), this run has {world}: each rank takes {now[0]} micro-batches of {now[1]} "
         f"sequences, so a step now takes {will} sequences (the checkpoint's steps took {was}); {hint}"
+    )
+
+
+def changed_rows(man: Manifest, now: str, per_epoch: int) -> str:
+    """What a resume says where the rows changed since checkpoint ``man`` (``now``: their
+    identity now): the rows it had read are counted into the new ones."""
+    return (
+        f"data.corpus changed since the checkpoint of step {man.step} (then: {man.rows_of}; now: {now}): it goes "
+        f"on from row {man.rows} of the new rows ({per_epoch} an epoch), in the order their epoch draws; rows may "
+        "be read twice or never. Resume with the rows it was trained on to keep to its order"
     )
 
 
@@ -94,7 +104,9 @@ class Checkpoints:
     def pool_bytes(self) -> int:
         return self.io.pool_bytes
 
-    def save(self, regions: dict, step: int, extra: dict | None = None, rows: int = 0) -> SaveResult | None:
+    def save(
+        self, regions: dict, step: int, extra: dict | None = None, rows: int = 0, rows_of: str = ""
+    ) -> SaveResult | None:
         """A complete checkpoint of ``step`` from ``regions``. Every rank calls it; rank 0 writes
         and returns the result, the others take part in its gathers and return None. ``extra``:
         small files by name, ``(tensors, metadata)`` (the adapters)."""
@@ -118,6 +130,7 @@ class Checkpoints:
                 compute_dtype=self.compute_dtype,
                 ranks=g.world,
                 rows=rows,
+                rows_of=rows_of,
             )
         else:
             follow(whole, self.canonical)

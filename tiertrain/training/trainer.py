@@ -54,7 +54,7 @@ from ..update import UPDATES, Update
 from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .advice import nothing_to_train, restorable
-from .checkpoints import Checkpoints, rows_read
+from .checkpoints import Checkpoints, changed_rows, rows_read
 from .initial import write_initial_weights
 from .interrupt import StopFlag
 from .loop import run_steps
@@ -401,7 +401,8 @@ class Trainer:
         self._guard.refuse("save_checkpoint()", reads_states=True)
         extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
         with self.state_regions() as regions:
-            return self.checkpoints.save(regions, self.step, extra, self.corpus.rows_read(self.step, self.group.world))
+            rows = self.corpus.rows_read(self.step, self.group.world)
+            return self.checkpoints.save(regions, self.step, extra, rows, getattr(self.corpus, "identity", ""))
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path`` (a run directory: its latest): weights, optimizer state, step, RNG."""
@@ -428,6 +429,9 @@ class Trainer:
         self.params.invalidate()
         self.step = man.step  # and the data goes on from the rows it had read, whatever the batch now
         self.corpus.resume_at(man.step, rows_read(man, self.cfg.data, self.group.world))
+        now = getattr(self.corpus, "identity", "")
+        if man.rows_of and now and now != man.rows_of and self.group.leader:
+            log.warning(changed_rows(man, now, self.corpus.rows_per_epoch))
         self.update.restored(man.step)
         self._weighted = True
         return man
