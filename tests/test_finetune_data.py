@@ -1061,3 +1061,36 @@ def test_rows_edited_with_their_old_time_and_rows_changed_before_a_resume_are_no
     said = [r.message for r in caplog.records if "data.corpus changed" in r.message]
     assert said and "since the checkpoint of step 1 (then: 8 examples" in said[0], said
     assert "now: 24 examples" in said[0] and "rows may be read twice or never" in said[0], said
+
+
+def test_a_token_across_the_start_of_a_reply_is_scored_as_transformers_marks_it(tmp_path):
+    """Found from outside: a template whose header ends with a newline, a reply that starts with
+    one and a tokenizer with a '\\n\\n' token: that token holds the reply's first character and
+    transformers' assistant mask (return_assistant_tokens_mask) marks it; it was left unscored."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tiertrain.data.formats import Renderer
+    from tiertrain.data.tokenizer import load_tokenizer
+
+    special = ["</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(["para one\n\npara two\n\n\nthree"] * 50, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", additional_special_tokens=special[1:])
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    fast.save_pretrained(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    for reply in ("\n\npara two", "para two"):
+        msgs = [{"role": "user", "content": "para"}, {"role": "assistant", "content": reply}]
+        want = hf.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ex = Renderer(load_tokenizer(str(tmp_path / "tok")))("rows.jsonl, line 1", {"messages": msgs})
+        assert ex.ids.tolist() == list(want["input_ids"])
+        assert ex.mask.tolist() == list(want["assistant_masks"]), [hf.decode([i]) for i in ex.ids]

@@ -273,10 +273,10 @@ class Renderer:
                 spans.append((len(before) if k else _opening_reply(render, upto), len(upto)))
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
-        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        starts, ends = (np.asarray(c, dtype=np.int64).reshape(-1) for c in zip(*enc["offset_mapping"]))
         mask = np.zeros(len(ids), np.uint8) if self.mask_prompt else np.ones(len(ids), np.uint8)
-        for a, b in spans:
-            mask[(starts >= a) & (starts < b)] = 1
+        for a, b in spans:  # every token with a character of the reply, as transformers' assistant mask
+            mask[(ends > a) & (starts < b)] = 1  # (one across the reply's start, '\n\n' of '\n' + '\n...', too)
         return Example(ids, mask)
 
 
