@@ -250,3 +250,43 @@ def test_the_api_names_a_bad_device_or_config(tmp_path):
         Runtime(small_config(tmp_path), device="tpu")
     with pytest.raises(ConfigError, match=r"Trainer\(cfg = None\): give a Config or a dict of sections"):
         Trainer(None)
+
+
+def test_the_apis_config_forms_and_logging_set_up_after_a_first_run(tmp_path):
+    """Found from outside: a pathlib.Path of a TOML file was refused where its text was taken;
+    as_config(cfg, "--train.steps=3") said "unexpected argument '-'"; a dict with a section
+    named 1 was difflib's TypeError; Trainer.pool_bytes after close() an AttributeError; and
+    logging set up by the caller after a first train() never got tiertrain's lines."""
+    import logging
+    import pathlib
+
+    import tiertrain
+    from tiertrain import Trainer, as_config
+    from tiertrain.config import ConfigError
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[train]\nsteps = 3\n")
+    assert as_config(pathlib.Path(toml)).train.steps == 3
+    assert as_config(None, "--train.steps=5").train.steps == 5
+    with pytest.raises(ConfigError, match=r"config section 1: section names are text"):
+        as_config({1: {}})
+    with Trainer(_tree(tmp_path)) as tr:
+        pass
+    with pytest.raises(TiertrainError, match=r"Trainer.pool_bytes: this Trainer is closed"):
+        assert tr.pool_bytes is None  # (never reached)
+    root, log = logging.getLogger(), logging.getLogger("tiertrain")
+    saved = root.handlers[:], log.handlers[:], log.propagate, log.level
+    try:
+        root.handlers[:] = []
+        log.handlers[:] = []
+        tiertrain.train(_tree(tmp_path), "--train.steps=1")
+        logfile = tmp_path / "user.log"
+        handler = logging.FileHandler(logfile)
+        root.addHandler(handler)  # the caller's logging, set up after the first run
+        tiertrain.train(_tree(tmp_path, train={"run_dir": str(tmp_path / "run2")}), "--train.steps=1")
+        handler.close()
+        assert "step 1/1 | loss" in logfile.read_text()
+    finally:
+        root.handlers[:], log.handlers[:] = saved[0], saved[1]
+        log.propagate, log.level = saved[2], saved[3]
+

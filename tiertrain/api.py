@@ -55,7 +55,12 @@ def _log_to_stderr() -> None:
     caller configured the root logger (``logging.basicConfig(filename=...)``), its handlers take
     the lines (at INFO where the caller set the logger no level), not a handler of ours beside
     them (its file got none of them, and a stderr handler of the caller's printed each twice)."""
-    if log.handlers:
+    ours = [h for h in log.handlers if getattr(h, "_tiertrain", False)]
+    if ours and logging.getLogger().handlers:  # the caller set logging up after an earlier train(): theirs now
+        for h in ours:
+            log.removeHandler(h)
+        log.propagate = True
+    elif log.handlers:
         return
     if logging.getLogger().handlers:
         if log.level == logging.NOTSET:
@@ -63,6 +68,7 @@ def _log_to_stderr() -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler._tiertrain = True  # type: ignore[attr-defined]  # (given back where the caller sets logging up later)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False

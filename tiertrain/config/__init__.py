@@ -333,11 +333,16 @@ def config_reference() -> str:
 
 def as_config(config: Config | dict | str | None = None, overrides: Sequence[str] = ()) -> Config:
     """A checked ``Config`` from any form the Python API takes (``tiertrain.train``,
-    ``evaluate``, ``generate``): a ``Config``, a dict of sections, a TOML path or None."""
+    ``evaluate``, ``generate``): a ``Config``, a dict of sections, a TOML path (text or a
+    ``pathlib.Path``) or None; ``overrides``: flags, or one flag."""
+    if isinstance(overrides, (str, os.PathLike)):  # as_config(cfg, "--a.b=1"): "unexpected argument '-'"
+        overrides = [os.fspath(overrides)]
     if isinstance(config, Config):
         if not overrides:
             return config
         config = config.to_dict()
+    if isinstance(config, os.PathLike):  # a pathlib.Path of a TOML file, as a str is
+        config = os.fspath(config)
     if config is None or isinstance(config, str):
         return load_config(config, overrides)
     if not isinstance(config, dict):
@@ -346,6 +351,9 @@ def as_config(config: Config | dict | str | None = None, overrides: Sequence[str
         )
     # copies of the sections (the caller's dict is left as it is); what is not a table is
     # refused by ``Config.from_dict`` as a TOML file's would be
+    bad = next((k for k in config if not isinstance(k, str)), None)
+    if bad is not None:  # (difflib's TypeError, suggesting a name for it)
+        raise ConfigError(f"config section {bad!r}: section names are text, as a TOML file's tables are")
     tree: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for section, values in parse_overrides(overrides).items():
         if not isinstance(tree.setdefault(section, {}), dict):

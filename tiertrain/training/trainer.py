@@ -329,6 +329,7 @@ class Trainer:
     @property
     def pool_bytes(self) -> dict[str, int]:
         """Fixed memory of every pool, by part (host memory on CPU; device + pinned on CUDA)."""
+        self._need_open("pool_bytes")
         return {
             "param slots + host params": self.params.pool_bytes,
             "grad buffers + host grads": self.grads.pool_bytes,
