@@ -289,4 +289,3 @@ def test_the_apis_config_forms_and_logging_set_up_after_a_first_run(tmp_path):
     finally:
         root.handlers[:], log.handlers[:] = saved[0], saved[1]
         log.propagate, log.level = saved[2], saved[3]
-
