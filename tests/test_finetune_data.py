@@ -144,7 +144,12 @@ def test_parquet_and_a_datasets_directory_give_the_jsonl_examples(tmp_path):
 @pytest.mark.parametrize(
     "rows, kw, match",
     [
-        (['{"text": "hello"}', '{"text": "hello"'], {}, r"b\.jsonl, line 2: invalid JSON"),
+        (  # (parsed with its newline: "Expecting ',' delimiter at column 1")
+            ['{"text": "hello"}', '{"text": "hello"'],
+            {},
+            r"b\.jsonl, line 2: invalid JSON \(Expecting ',' delimiter at column 17\)",
+        ),
+        (['{"text": "hel\tlo"}'], {}, r"line 1: invalid JSON \(Invalid control character at column 14\)"),
         (
             ['{"prompt": "say yes", "completion": "yes"}', '{"prompt": "say no"}'],
             {},

@@ -103,10 +103,11 @@ def _jsonl(path: str) -> Iterator[tuple[str, Any]]:
                     f"{path}: a JSON array; give JSON Lines (one object a line: in Python, "
                     "datasets.Dataset.from_list(rows).to_json(path), or json.dumps of each row)"
                 )
-            try:
-                row = json.loads(line)
+            try:  # (without its newline: a missing '}' was "Expecting ',' delimiter" at column 1 of none)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}, line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+                why = exc.msg.removesuffix(" at")  # ("Invalid control character at" + " at column")
+                raise DataError(f"{path}, line {n}: invalid JSON ({why} at column {exc.colno})") from None
             yield f"{path}, line {n}", row
 
 
