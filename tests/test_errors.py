@@ -797,3 +797,15 @@ def test_restore_takes_a_run_directory_as_train_resume_does(tmp_path):
     with Trainer(cfg) as tr:  # the checkpoints directory itself, as train(resume=) takes it
         assert tr.restore(str(tmp_path / "run" / "checkpoints")).step == 2
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_damaged_manifest_names_the_newest_intact_checkpoint_before_it(tmp_path, capsys):
+    """Found from outside: --resume of a run whose newest manifest is damaged said "use an earlier
+    checkpoint", naming none (the other kinds of damage name it and the command)."""
+    assert main(["train", *tiny_flags(tmp_path, "--checkpoint.every=1", steps=2)]) == 0
+    manifest = tmp_path / "run" / "checkpoints" / "step-00000002" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-40])
+    capsys.readouterr()
+    line = one_line_error(capsys, ["train", "--resume", str(tmp_path / "run"), "--train.steps=3"], 1)
+    good = tmp_path / "run" / "checkpoints" / "step-00000001"
+    assert line.endswith(f"(the newest intact checkpoint before it is {good}: `tiertrain train --resume {good}`)"), line

@@ -200,9 +200,9 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
     config: the checkpoint's own, with the given file and flags applied on top. ``flag``: the
     option the user gave it with (named in errors); ``--resume`` (training) also places the run
     where the checkpoint now is (``resumed_tree``), never where its stored paths point."""
-    from .checkpoint import Manifest
+    from .checkpoint import CheckpointError, Manifest
     from .config import Config, parse_overrides
-    from .training.advice import find_resumable
+    from .training.advice import find_resumable, intact_before
     from .training.rundir import resumed_tree
 
     if where == "latest":
@@ -216,7 +216,12 @@ def _resume_target(where: str, config: str | None, overrides: Sequence[str], fla
         given = {s: dict(v) for s, v in read_sections(config).items()}
     for section, values in parse_overrides(overrides).items():
         given.setdefault(section, {}).update(values)
-    stored = Manifest.read(path).config
+    try:
+        stored = Manifest.read(path).config
+    except CheckpointError as exc:  # (a damaged manifest: "use an earlier checkpoint", none named)
+        if flag != "--resume":
+            raise
+        raise CheckpointError(f"{exc}{intact_before(path)}") from None
     if flag == "--checkpoint":
         from .inference.given import checked_given
 

@@ -9,7 +9,7 @@ import os
 
 from .rundir import METRICS, missing_checkpoint_dir, no_checkpoint_advice, stored_checkpoint_root
 
-__all__ = ["resume_hint", "find_resumable", "restorable", "nothing_to_train"]
+__all__ = ["resume_hint", "find_resumable", "restorable", "nothing_to_train", "intact_before"]
 
 
 def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
@@ -44,6 +44,19 @@ def resume_hint(exc: BaseException, cfg, resumed: str | None) -> str:
         "" if cfg.checkpoint.every else "; it saves only at its end (checkpoint.every = 0): give --checkpoint.every=N"
     )
     return f" ({no_checkpoint_advice(run_dir)}{every and every + ' to keep the steps a crash would lose'})"
+
+
+def intact_before(damaged: str) -> str:
+    """`` (...)`` naming the newest intact checkpoint beside ``damaged`` (one whose manifest
+    cannot be read: its run's config with it) and the command that resumes it."""
+    from ..checkpoint import intact_checkpoint, step_of
+
+    named = _named_step(damaged)
+    where = os.path.dirname(os.path.abspath(damaged))
+    good = intact_checkpoint(where, before=step_of(damaged) if named else None, skip=damaged)
+    if good is None:
+        return " (no intact checkpoint is left before it)"
+    return f" (the newest intact checkpoint before it is {good}: `tiertrain train --resume {good}`)"
 
 
 def restorable(path: str) -> str:
