@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from reference import llama_rank_flags, reference_model, small_config, weights_of
+from reference import ON_SSD, llama_rank_flags, reference_model, small_config, weights_of
 from test_dist_group import spawn
 from test_parity import assert_same_weights, ref_name_map
 
@@ -327,10 +327,14 @@ def test_a_killed_rank_stops_the_run_and_resume_finishes_it_bit_for_bit(tmp_path
     assert "ranks 2: net sent" in straight.stderr
     assert not (tmp_path / "a" / "ssd").exists()  # the ranks' scratch parent, made for them, removed after
     t0 = time.monotonic()
-    killed = _cli(tmp_path / "b", env={"TIERTRAIN_KILL_AT": "backward:9", "TIERTRAIN_KILL_RANK": "1"})
+    # (its states on the storage tier: what a killed rank leaves behind there)
+    killed = _cli(tmp_path / "b", *ON_SSD, env={"TIERTRAIN_KILL_AT": "backward:9", "TIERTRAIN_KILL_RANK": "1"})
     assert killed.returncode != 0 and time.monotonic() - t0 < 120
     assert "rank 1 died: no sign of life for 2 s (last seen at step 3," in killed.stderr, killed.stderr[-3000:]
     assert "rank 1 of 2 was ended by SIGKILL" in killed.stderr
+    # the killed rank's scratch (its states' size) was left until a run used the paths again
+    assert "the ranks that did not finish left in" in killed.stderr, killed.stderr[-3000:]
+    assert not (tmp_path / "b" / "ssd").exists()
     step, _ = _final(tmp_path / "b")
     assert step == 2
     resumed = _cli(tmp_path / "b", "--resume", str(tmp_path / "b" / "run"))

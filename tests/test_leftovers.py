@@ -205,10 +205,24 @@ def test_legs_on_other_rank_counts_leave_nothing_behind(tmp_path):
         "removed a file a leg of this run on another number of ranks left" in two.stderr and "params.bin" in two.stderr
     ), two.stderr[-3000:]
     assert not (tmp_path / "ssd" / "params.bin").exists()
-    assert (tmp_path / "ssd" / "rank1").exists()  # the killed rank's, until the next leg
+    assert not (tmp_path / "ssd" / "rank1").exists()  # the killed rank's: removed by the launcher (it stayed)
     end = _cli(tmp_path, "--train.steps=4", "--resume", run, nproc=2)
     assert end.returncode == 0, end.stderr[-3000:]
     assert [n for n in os.listdir(tmp_path / "ssd") if n.startswith("rank")] == []
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_with_other_io_paths_leaves_no_scratch_behind(tmp_path):
+    """Found from outside: a run killed, then resumed with other io.paths, left its scratch (its
+    states' size) in the old paths for good; the resume removes it and says so, and never
+    touches the scratch of a run that finished or of a live one."""
+    run = str(tmp_path / "run")
+    killed = _cli(tmp_path, "--train.steps=3", env={"TIERTRAIN_KILL_AT": "backward:6"})  # in step 2's backward
+    assert killed.returncode != 0 and (tmp_path / "ssd" / "params.bin").exists()
+    resumed = _cli(tmp_path, "--train.steps=3", "--resume", run, f"--io.paths={tmp_path / 'ssd2'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"the checkpoint's run left in its scratch {tmp_path / 'ssd'} (it did not finish)" in resumed.stderr
+    assert os.listdir(tmp_path / "ssd") == [] and not (tmp_path / "ssd2").exists()
 
 
 @pytest.mark.slow

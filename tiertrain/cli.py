@@ -72,8 +72,24 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     try:
         return launch(cmd, args.nproc)
     finally:
+        _clean_after_ranks(cfg.io.paths)
         for p in reversed(fresh):  # the run directory's ranks/ before it, each before the parents made for it
             _remove_empty_tree(p)
+
+
+def _clean_after_ranks(paths: Sequence[str]) -> None:
+    """What ranks that did not finish (ended by the launcher, killed) left in their scratch
+    subdirectories: their states' size, left until a run used the same paths again."""
+    from .io.scratch import clean_abandoned
+
+    gone = clean_abandoned(paths)
+    if gone:
+        log.info(
+            "removed %d file(s), %.2f GB, the ranks that did not finish left in %s",
+            len(gone),
+            sum(n for _, n in gone) / 1e9,
+            ", ".join(sorted({os.path.dirname(f) for f, _ in gone})),
+        )
 
 
 def _remove_empty_tree(path: str) -> None:

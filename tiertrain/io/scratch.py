@@ -24,7 +24,15 @@ from ..errors import TiertrainError
 from ..paths import pid_alive
 from .errors import StorageError
 
-__all__ = ["DirLock", "DirInUseError", "ScratchLock", "ScratchInUseError", "clean_stale", "clean_other_legs"]
+__all__ = [
+    "DirLock",
+    "DirInUseError",
+    "ScratchLock",
+    "ScratchInUseError",
+    "clean_stale",
+    "clean_other_legs",
+    "clean_abandoned",
+]
 
 log = logging.getLogger("tiertrain")
 LOCK = ".tiertrain.lock"
@@ -329,22 +337,41 @@ def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
     run holds them (their lock taken here, then released); what was removed is returned."""
     removed: list[tuple[str, int]] = []
     for path in paths:
-        if not os.path.isdir(path):
+        if os.path.isdir(path):
+            removed += _clean_unheld(path, [path] if world > 1 else _rank_dirs(path), abandoned_only=False)
+    return removed
+
+
+def clean_abandoned(paths: Iterable[str]) -> list[tuple[str, int]]:
+    """The files runs that died left in ``paths`` (the scratch paths as the user gave them) and
+    their ``rank<r>`` subdirectories: a rank the launcher ended, a run killed and resumed with
+    other io.paths (its states' size, left for good). Only where the lock's record says its run
+    never finished and no run holds it now; what was removed is returned."""
+    removed: list[tuple[str, int]] = []
+    for path in paths:
+        if os.path.isdir(path):
+            removed += _clean_unheld(path, [path, *_rank_dirs(path)], abandoned_only=True)
+    return removed
+
+
+def _rank_dirs(path: str) -> list[str]:
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if fnmatch.fnmatchcase(n, "rank[0-9]*")]
+
+
+def _clean_unheld(path: str, dirs: list[str], *, abandoned_only: bool) -> list[tuple[str, int]]:
+    """Our files in ``dirs`` (``path`` or its rank subdirectories) where no run holds them
+    (``abandoned_only``: where their run never finished)."""
+    removed: list[tuple[str, int]] = []
+    for d in dirs:
+        if not os.path.isfile(os.path.join(d, LOCK)):
             continue
-        dirs = (
-            [path]
-            if world > 1
-            else [os.path.join(path, n) for n in sorted(os.listdir(path)) if fnmatch.fnmatchcase(n, "rank[0-9]*")]
-        )
-        for d in dirs:
-            if not os.path.isfile(os.path.join(d, LOCK)):
-                continue
-            try:
-                lock = DirLock(d, _scratch_busy, disposable=d != path)
-            except ScratchInUseError:
-                continue  # another run's, running now
-            try:
+        try:
+            lock = DirLock(d, _scratch_busy, disposable=d != path)
+        except ScratchInUseError:
+            continue  # another run's, running now
+        try:
+            if lock.unclean or not abandoned_only:
                 removed += clean_stale([d], lock.previous_files)
-            finally:
-                lock.release(remove=True)
+        finally:
+            lock.release(remove=lock.unclean or not abandoned_only)
     return removed

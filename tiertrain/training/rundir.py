@@ -35,6 +35,7 @@ __all__ = [
     "DROPPED",
     "resumed_tree",
     "same_heads",
+    "abandoned_scratch",
     "no_checkpoint_advice",
     "missing_checkpoint_dir",
     "mark_saved_elsewhere",
@@ -482,6 +483,24 @@ def _same_adapter_kind(stored: dict, given: dict, checkpoint: str) -> None:
 
     ours = {**asdict(AdapterConfig()), **theirs, **given["adapter"]}
     same_adapter_config(ours, theirs, f"checkpoint {checkpoint}")
+
+
+def abandoned_scratch(stored: dict, paths: list[str]) -> None:
+    """The scratch files a checkpoint's run left in its io.paths (``stored``: its config) where
+    the run resumed from it uses others (``paths``) and no run holds them: a run killed and
+    resumed elsewhere left its states' size there for good."""
+    from ..io.scratch import clean_abandoned
+
+    theirs = (stored.get("io") or {}).get("paths") or []
+    old = [p for p in theirs if isinstance(p, str) and not any(_same(p, q) for q in paths)]
+    gone = clean_abandoned(old)
+    if gone:
+        log.info(
+            "removed %d file(s), %.2f GB, the checkpoint's run left in its scratch %s (it did not finish)",
+            len(gone),
+            sum(n for _, n in gone) / 1e9,
+            ", ".join(sorted({os.path.dirname(f) for f, _ in gone})),
+        )
 
 
 def same_heads(ours: dict, theirs: dict, where: str) -> None:

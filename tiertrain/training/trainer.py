@@ -61,7 +61,7 @@ from .loop import run_steps
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
-from .rundir import RunDir, clean_leftovers, same_heads
+from .rundir import RunDir, abandoned_scratch, clean_leftovers, same_heads
 from .step_guard import StepGuard
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -430,6 +430,8 @@ class Trainer:
         self.params.invalidate()
         self.step = man.step  # and the data goes on from the rows it had read, whatever the batch now
         self.corpus.resume_at(man.step, rows_read(man, self.cfg.data, self.group.world))
+        if self.group.leader:  # a run killed, resumed with other io.paths: its scratch there (its states' size)
+            abandoned_scratch(man.config, self.user_cfg.io.paths)
         now = getattr(self.corpus, "identity", "")
         if man.rows_of and now and now != man.rows_of and self.group.leader:
             log.warning(changed_rows(man, now, self.corpus.rows_per_epoch))
