@@ -289,3 +289,24 @@ def test_the_apis_config_forms_and_logging_set_up_after_a_first_run(tmp_path):
     finally:
         root.handlers[:], log.handlers[:] = saved[0], saved[1]
         log.propagate, log.level = saved[2], saved[3]
+
+
+def test_a_trained_run_is_exported_from_python_and_init_from_a_run_names_the_way(tmp_path):
+    """Found from outside: no function of the Python API exported a checkpoint, and
+    model.init_from = a run directory said only "no model.safetensors there"."""
+    import pathlib
+
+    import tiertrain
+    from tiertrain.config import ConfigError
+
+    tiertrain.train(_tree(tmp_path), "--train.steps=1")
+    out = tiertrain.export(pathlib.Path(tmp_path / "run"), tmp_path / "exported")
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    with pytest.raises(ConfigError, match=r"it is a tiertrain run or checkpoint: export it first"):
+        tiertrain.train(
+            _tree(tmp_path, model={"init_from": str(tmp_path / "run")}, train={"run_dir": str(tmp_path / "b")})
+        )
+    recs = tiertrain.train(
+        _tree(tmp_path, model={"init_from": out}, train={"run_dir": str(tmp_path / "c")}), "--train.steps=1"
+    )
+    assert recs[0].step == 1

@@ -3,7 +3,8 @@
 The Python API (imported on first use, so that ``import tiertrain`` stays cheap):
 ``tiertrain.train(config, *overrides)`` trains as ``tiertrain train`` does and returns the step
 records; ``Trainer`` runs steps one at a time; ``Config`` / ``load_config`` build the config;
-``evaluate``, ``generate`` and ``prepare_examples`` are the other commands' functions."""
+``evaluate``, ``generate``, ``prepare_examples`` and ``export`` (a checkpoint as a Hugging Face
+model directory or a peft adapter: ``export(checkpoint, out)``) are the other commands' functions."""
 
 import importlib
 
@@ -18,6 +19,7 @@ __all__ = [
     "generate",
     "Sampling",
     "prepare_examples",
+    "export",
 ]
 
 _WHERE = {
@@ -30,6 +32,7 @@ _WHERE = {
     "generate": "inference.generate",
     "Sampling": "inference.generate",
     "prepare_examples": "data.prepare",
+    "export": "checkpoint.export",
 }
 
 

@@ -47,7 +47,7 @@ from ..state.quant import QuantLayout, base_storage
 from .manifest import CheckpointError, FileEntry, Manifest, find_checkpoint
 from .saver import _replace_dir
 
-__all__ = ["export_checkpoint", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
+__all__ = ["export_checkpoint", "export", "moved_model_dir", "relocate_model_dir", "weights_file", "WeightsFile"]
 
 log = logging.getLogger("tiertrain")
 
@@ -99,6 +99,15 @@ def export_checkpoint(
 
 
 _TMP = ".tmp-export-"  # the hidden work directory beside ``out``: .OUT.tmp-export-PID
+
+
+def export(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, merge: bool = False
+) -> str:
+    """The Python API's ``tiertrain export``: checkpoint ``checkpoint`` (or a run directory's
+    latest) as a Hugging Face model directory (a run with adapters: a peft adapter directory,
+    or with ``merge`` the model with them merged in) in ``out``; ``out`` returned."""
+    return export_checkpoint(os.fspath(checkpoint), os.fspath(out), overwrite=overwrite, merge=merge)
 
 
 def _check_space(man: Manifest, tmp: str, out: str) -> None:

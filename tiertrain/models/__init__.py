@@ -319,12 +319,17 @@ def safetensors_source(model: LayeredModel, directory: str, *, what: str = "mode
             for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
             if os.path.exists(os.path.join(directory, n))
         ]
+        run = any(os.path.exists(os.path.join(directory, n)) for n in ("manifest.json", "checkpoints", "metrics.jsonl"))
         raise ConfigError(
             f"{what} = {directory!r}: no model.safetensors(.index.json) there"
             + (
                 f" (its weights are in {bins[0]}: convert them, e.g. AutoModelForCausalLM.from_pretrained(DIR)"
                 ".save_pretrained(NEW_DIR), which writes safetensors)"
                 if bins
+                else f"; it is a tiertrain run or checkpoint: export it first (`tiertrain export --checkpoint {directory} "
+                "--out DIR`, in Python tiertrain.export(checkpoint, DIR)) and give DIR, or evaluate and generate "
+                "from it with --checkpoint"
+                if run
                 else "; give the directory that holds the weights (model.from_scratch = true trains its config from "
                 "random weights instead)"
             )
