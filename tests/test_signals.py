@@ -94,6 +94,23 @@ def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, how):
     assert engine_pids(tmp_path) == [] and not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("tiertrain")]
 
 
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_and_names_the_checkpoint_to_resume(tmp_path):
+    """Found from outside: a second SIGTERM stopped the run at once with a bare "tiertrain:
+    interrupted" (the first names the resume command); it names the last checkpoint and the command."""
+    proc = start(tmp_path, "--train.steps=100000", "--checkpoint.every=1", env={"TIERTRAIN_SLOW_AT": "update:0.2"})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("tiertrain:")][-1]
+    assert line.startswith("tiertrain: interrupted (stopped at once; the last checkpoint is "), err[-3000:]
+    assert f"`tiertrain train --resume {tmp_path / 'run'}`)" in line, line
+
+
 @pytest.mark.serial  # /dev/shm is the machine's: another test's segments would come and go
 def test_ctrl_c_during_start_up_leaves_nothing(tmp_path):
     before = shm_names()

@@ -175,6 +175,12 @@ def _cmd_train(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         with _ranks(cfg) as group, Trainer(cfg, group=group, resuming=path is not None) as trainer:
             started = True
             trainer.run(resume=path)
+    except KeyboardInterrupt as exc:
+        if str(exc) or not started:  # the first signal's stop said what follows; nothing ran yet
+            raise
+        # a second signal: stopped at once, mid-step (it printed a bare "interrupted")
+        hint = resume_hint(exc, cfg, path).strip()
+        raise KeyboardInterrupt(f"stopped at once{'; ' + hint[1:-1] if hint else ''}") from None
     except Exception as exc:
         from .io.scratch import DirInUseError
 
