@@ -358,3 +358,28 @@ def test_a_lock_taken_on_a_file_its_holder_just_removed_is_taken_again(tmp_path,
     lock = scratch.DirLock(str(tmp_path), RuntimeError)
     assert os.fstat(lock._fd).st_ino == os.stat(tmp_path / scratch.LOCK).st_ino
     lock.release()
+
+
+def test_a_leftover_named_by_a_pid_another_process_took_since_is_removed(tmp_path):
+    """Found from outside: a checkpoint's .tmp-step-N-PID (a checkpoint's size) whose pid had
+    been taken by another process since (a reboot, a run directory copied from another machine)
+    was kept for good, as a live save's. A process that started after the leftover was last
+    written is not its maker; one that ran while it was written is, and its leftover stays."""
+    import time
+
+    from tiertrain.checkpoint.manifest import clean_incomplete
+
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        old = tmp_path / f".tmp-step-00000003-{other.pid}"  # written before that process started
+        old.mkdir()
+        (old / "params.bin").write_bytes(b"x")
+        past = time.time() - 3600
+        os.utime(old, (past, past))
+        live = tmp_path / f".tmp-step-00000004-{os.getppid()}"  # its pid's process ran while it was written
+        live.mkdir()
+        assert clean_incomplete(str(tmp_path)) == [str(old)]
+        assert live.exists() and not old.exists()
+    finally:
+        other.kill()
+        other.wait()

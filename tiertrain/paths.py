@@ -181,16 +181,26 @@ def _umask() -> int:
     return mask
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, made: str | None = None) -> bool:
     """Whether process ``pid`` runs (another user's counts: it cannot be signalled, but it runs).
-    What leftovers named by their maker's pid are judged by: a reused pid keeps them, harmlessly."""
+    What leftovers named by their maker's pid are judged by. ``made``: the leftover (a file or a
+    directory its maker wrote into while it ran): a process of that pid started after it was
+    last written is not its maker but the pid reused (a reboot, a copy from another machine), and
+    counts as gone (such leftovers, a checkpoint's size, were kept for good)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    if made is None:
         return True
-    return True
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() <= os.path.getmtime(made) + 2.0  # (clock ticks' slack)
+    except (psutil.Error, OSError):
+        return True  # (not told: kept, as before)
 
 
 def remove_dead_temporaries(path: str) -> list[str]:
@@ -207,7 +217,7 @@ def remove_dead_temporaries(path: str) -> list[str]:
         return gone
     for name in names:
         m = pattern.match(name)
-        if m is None or pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1)), os.path.join(parent, name)):
             continue
         try:
             os.remove(os.path.join(parent, name))

@@ -146,9 +146,9 @@ def _clean_leftovers(out: str) -> None:
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(parent)):
             m = left.match(name)
-            if m is None or pid_alive(int(m.group(1))):
-                continue
             path = os.path.join(parent, name)
+            if m is None or pid_alive(int(m.group(1)), path):
+                continue
             if not name.startswith(".") and not os.path.exists(out):
                 os.rename(path, out)
                 log.warning("export --out %s: an export that replaced it was killed; the earlier one put back", out)

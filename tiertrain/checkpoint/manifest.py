@@ -198,7 +198,7 @@ def clean_incomplete(root: str) -> list[str]:
     gone = []
     for name in sorted(os.listdir(root)):
         m = _LEFT.match(name)
-        if m is None or (int(m.group(2)) != os.getpid() and pid_alive(int(m.group(2)))):
+        if m is None or (int(m.group(2)) != os.getpid() and pid_alive(int(m.group(2)), os.path.join(root, name))):
             continue
         path, step = os.path.join(root, name), m.group(1)
         if step and not os.path.exists(os.path.join(root, step)) and os.path.exists(os.path.join(path, MANIFEST)):

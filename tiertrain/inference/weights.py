@@ -403,7 +403,7 @@ def _remove_dead_partials(path: str) -> None:
             fresh = time.time() - os.path.getmtime(tmp) < 600
         except FileNotFoundError:
             continue
-        if not pid.isdigit() or pid_alive(int(pid)) or (fresh and not ours):
+        if not pid.isdigit() or pid_alive(int(pid), tmp if ours else None) or (fresh and not ours):
             continue
         size = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         with contextlib.suppress(FileNotFoundError):

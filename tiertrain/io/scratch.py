@@ -307,7 +307,7 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
         if not os.path.isdir(p):
             continue
         for name in os.listdir(p):
-            if _dead_probe(name):  # a disk probe's file whose process is gone (killed mid-probe)
+            if _dead_probe(name, p):  # a disk probe's file whose process is gone (killed mid-probe)
                 stale = True
             elif ".tmp" in name:  # a temporary file of one of ours: always stale
                 stale = _named(name, known | keep)
@@ -320,14 +320,14 @@ def clean_stale(paths: Iterable[str], known: Iterable[str], keep: Iterable[str] 
     return removed
 
 
-def _dead_probe(name: str) -> bool:
+def _dead_probe(name: str, where: str = "") -> bool:
     """``name`` is a disk probe's file (``.tiertrain-probe-<pid>``: ``cost/probe.py``,
     ``paths.py``) whose process no longer runs."""
     prefix = ".tiertrain-probe-"
     if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
         return False
     pid = int(name[len(prefix) :])
-    return pid != os.getpid() and not pid_alive(pid)
+    return pid != os.getpid() and not pid_alive(pid, os.path.join(where, name) if where else None)
 
 
 def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:

@@ -48,8 +48,8 @@ def remove_stale_socket_dirs(tmp: str) -> list[str]:
         pid = name.removeprefix(PREFIX).split("-")[0]
         if not name.startswith(PREFIX) or not pid.isdigit():
             continue
-        if pid_alive(int(pid)):
-            continue  # its trainer still runs (or the pid was reused: left alone either way)
+        if pid_alive(int(pid), os.path.join(tmp, name)):
+            continue  # its trainer still runs
         shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
         gone.append(os.path.join(tmp, name))
     return gone
