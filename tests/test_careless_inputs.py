@@ -994,3 +994,29 @@ def test_eval_of_a_run_whose_newest_checkpoint_goes_while_it_opens_takes_the_new
     assert main(["eval", f"--checkpoint={run}", "--data.eval_corpus=bundled"]) == 0
     assert [os.path.basename(p) for p in calls] == ["step-00000003", "step-00000002"]
     assert "its newest checkpoint was removed while it was opened" in capsys.readouterr().err
+
+
+def test_a_run_directory_deleted_during_the_run_is_said_at_its_end(tmp_path, monkeypatch, capsys):
+    """Found from outside: the run directory deleted mid-run (a cleanup script), the run ended
+    with "metrics in .../metrics.jsonl", a file long gone, and exit 0 without a word."""
+    import shutil
+
+    from tests.reference import tiny_flags
+    from tiertrain.cli import main
+    from tiertrain.training.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def then_deleted(self):
+        rec = step(self)
+        if rec.step == 1:
+            shutil.rmtree(tmp_path / "run")
+        return rec
+
+    monkeypatch.setattr(Trainer, "train_step", then_deleted)
+    assert main(["train", *tiny_flags(tmp_path, steps=2)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"but {tmp_path / 'run' / 'metrics.jsonl'} was deleted during the run: its metrics and config.json are lost"
+        in err
+    )

@@ -63,5 +63,15 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
         raise KeyboardInterrupt(f"interrupted after step {tr.step}")
     if ck.at_end:
         tr.save_checkpoint()
-    log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
+    import os
+
+    if os.path.exists(metrics.path):
+        log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
+    else:  # (written on through a file deleted under it: "metrics in" a file that was gone)
+        log.warning(
+            "done: %s; but %s was deleted during the run: its metrics and config.json are lost (the checkpoints: %s)",
+            metrics.summary(),
+            metrics.path,
+            tr.checkpoint_root,
+        )
     return metrics.records
