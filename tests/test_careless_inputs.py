@@ -18,6 +18,14 @@ def test_a_full_run_directory_is_one_line_naming_metrics_jsonl(tmp_path, capsys,
     line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--train.run_dir={full / 'run'}", steps=40)], 1)
     assert f"writing the step records to {full / 'run' / 'metrics.jsonl'} failed: No space left on device" in line
     assert "free space on its filesystem or give the run another --train.run_dir" in line
+    # its checkpoints on another disk: the step it took is saved before it stops (the steps were lost)
+    from tiertrain.checkpoint import Manifest, latest_checkpoint
+
+    ck = tmp_path / "ck"
+    flags = tiny_flags(tmp_path, f"--train.run_dir={tmpfs('full2', 8) / 'run'}", f"--checkpoint.dir={ck}", steps=40)
+    one_line_error(capsys, ["train", *flags], 1)
+    saved = latest_checkpoint(str(ck))
+    assert saved is not None and 0 < Manifest.read(saved).step < 40
 
 
 def _state_bytes(flags):

@@ -4,11 +4,13 @@ checkpoints, the guard against a diverged loss, and a stop the ranks agreed on."
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-from ..checkpoint import list_checkpoints
+from ..checkpoint import CheckpointError, list_checkpoints
 from ..cost.report import against_measured
 from ..data.examples import UnscoredStep
+from ..io.errors import StorageError
 from .guard import LossGuard
 from .interrupt import StopFlag
 from .metrics import MetricsLog, StepRecord
@@ -41,7 +43,11 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
                     if tr.group.leader:
                         log.warning("saved step %d, the last the data lets this run take", tr.step)
                 raise
-            metrics.add(rec)
+            try:
+                metrics.add(rec)
+            except StorageError:  # the run directory's disk: the step is done, keep it where its checkpoints can
+                _save_before_stopping(tr, ck, first)
+                raise
             bar.update()
             bar.set_postfix(loss=f"{rec.loss:.3f}")
             diverged = guard.check(rec.step, rec.loss, rec.grad_norm)
@@ -63,8 +69,6 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
         raise KeyboardInterrupt(f"interrupted after step {tr.step}")
     if ck.at_end:
         tr.save_checkpoint()
-    import os
-
     if os.path.exists(metrics.path):
         log.info("done: %s; metrics in %s", metrics.summary(), metrics.path)
     else:  # (written on through a file deleted under it: "metrics in" a file that was gone)
@@ -75,3 +79,18 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
             tr.checkpoint_root,
         )
     return metrics.records
+
+
+def _save_before_stopping(tr: Any, ck: Any, first: int) -> None:
+    """A run stopping because its step records could not be written (its run directory's disk
+    full, say) saves the step it took first, where its checkpoints go (a checkpoint.dir on
+    another disk: the steps since the last save were lost); one rank alone (a save is every
+    rank's collective: a rank cannot start one the others are not in)."""
+    if tr.group.world > 1 or not (ck.every or ck.at_end) or tr.step <= first:
+        return
+    try:
+        tr.save_checkpoint()
+    except (CheckpointError, OSError) as exc:
+        log.warning("could not save step %d before stopping either: %s", tr.step, str(exc).split("\n")[0])
+    else:
+        log.warning("saved step %d before stopping: its step record could not be written", tr.step)
