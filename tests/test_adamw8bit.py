@@ -325,7 +325,10 @@ def test_a_checkpoint_of_ranks_is_the_one_rank_files_and_loads_on_any_number(tmp
                 assert a.read() == b.read(), (first, then, mode, name)
         if (first, mode) != (2, "baseline"):
             continue  # training on from a checkpoint: once
-        on = ckpt_run(root, "on", cfg2, then, resume=saved["path"], steps=1)
+        # (into a run directory of its own: cfg2's holds the run saved "again", which takes another's refuse)
+        on = ckpt_run(
+            root, "on", _config(root / "c", steps=4, micro_batches=6 // then), then, resume=saved["path"], steps=1
+        )
         assert on["step"] == 3 and any(not torch.equal(on["weights"][k], saved["weights"][k]) for k in saved["weights"])
 
 

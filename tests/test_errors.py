@@ -554,7 +554,8 @@ def test_a_step_cut_short_by_hand_is_never_saved_torn_nor_stepped_on(tmp_path, m
 def test_a_trainer_by_hand_never_replaces_another_runs_checkpoints_nor_starts_over_at_a_step(tmp_path):
     """Found from outside: Trainer(...).initialize() into the run directory of an earlier run, then
     save_checkpoint(), replaced its step-4 checkpoint without a word (train() and the command
-    refuse that); initialize() again after steps put the initial weights back at step 3."""
+    refuse that): refused at the save (initialize() then restore() of its own checkpoint goes
+    on); initialize() again after steps put the initial weights back at step 3."""
     from reference import small_config
 
     from tiertrain.errors import TiertrainError
@@ -568,10 +569,16 @@ def test_a_trainer_by_hand_never_replaces_another_runs_checkpoints_nor_starts_ov
         with pytest.raises(TiertrainError, match=r"initialize\(\): this Trainer is at step 1; initial weights now"):
             tr.initialize(progress=False)
     with Trainer(small_config(tmp_path, steps=2)) as tr:
+        tr.initialize(progress=False)
+        tr.train_step()
         with pytest.raises(RunDirError, match=r"already holds a run \(step-00000001\)"):
-            tr.initialize(progress=False)
+            tr.save_checkpoint()
+    with Trainer(small_config(tmp_path, steps=2)) as tr:
+        tr.initialize(progress=False)  # (a frozen base's weights, say, before the checkpoint's adapters)
         tr.restore(saved.path)  # its own run: continued
         assert tr.step == 1
+        tr.train_step()
+        assert tr.save_checkpoint() is not None
     other = small_config(tmp_path / "b", steps=2)
     other.train.run_dir = str(tmp_path / "run")
     with Trainer(other) as tr:  # another run's checkpoint into it: asked as run(resume=) asks

@@ -30,21 +30,24 @@ class _Cut:
 
 class StepGuard:
     """The phase of the step under way, and the step cut short, if one was (see the module
-    docstring). ``phase``: None between steps; ``computing`` (the states untouched),
-    ``updating`` (some may be written), ``done`` (the step finished: its validation)."""
+    docstring). ``phase``: None between steps; ``computing`` (the forward and the backward:
+    the walk mid-step), ``computed`` (the gradients formed, the walk done), ``updating`` (some
+    states may be written), ``done`` (the step finished: its validation)."""
 
     def __init__(self) -> None:
         self.phase: str | None = None
         self.cut: _Cut | None = None
 
     @contextlib.contextmanager
-    def step(self, step: int, *, writes_under_backward: bool) -> Iterator[None]:
-        """Step ``step`` (1-based) under way; ``writes_under_backward``: its update begins with
-        the backward (the speculative update)."""
-        self.phase = "updating" if writes_under_backward else "computing"
+    def step(self, step: int) -> Iterator[None]:
+        """Step ``step`` (1-based) under way (a speculative update's writes under the backward go
+        to the states' other halves: the committed ones are whole until the update judges them)."""
+        self.phase = "computing"
         try:
             yield
         except BaseException as exc:
+            if self.phase == "computed":  # the walk done, nothing written: the step may be taken again
+                raise  # (a speculative step's speculation is dropped then: tests/test_speculate.py)
             text = str(exc).split("\n")[0]
             why = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
             done = self.phase == "done"

@@ -267,6 +267,7 @@ class Trainer:
         self._ran = False  # run() was called: a second would start the run over (or delete it)
         self._stop: StopFlag | None = None  # run()'s, while it steps: Ctrl-C cuts a validation short
         self._guard = StepGuard()  # a step cut short (a notebook's interrupt): what may still be done
+        self._unchecked_start = False  # initialize() by hand: the run directory not yet asked (first save)
 
     def _need_open(self, what: str) -> None:
         """Refuse ``what`` once closed: states kept in memory would still step, with nothing on
@@ -361,8 +362,7 @@ class Trainer:
                 f"Trainer.initialize(): this Trainer is at step {self.step}; initial weights now would train on "
                 "from that step's schedule and rows. Make a new Trainer to start over"
             )
-        if not self._ran:  # by hand (run() asked before): another run's checkpoints were replaced by this one's
-            self.rundir.start_fresh(self.cfg.train.overwrite, self.group.world)
+        self._unchecked_start = not self._ran  # by hand: the run directory is asked at the first save
         write_initial_weights(self, progress)
         self.update.finish_init()
         self.params.invalidate()
@@ -400,6 +400,9 @@ class Trainer:
         every rank calls it; rank 0 writes and returns the result, the others None."""
         self._need_weights("save_checkpoint()")
         self._guard.refuse("save_checkpoint()", reads_states=True)
+        if self._unchecked_start:  # started by hand (initialize(), no run()): another run's checkpoints there
+            self.rundir.start_fresh(self.cfg.train.overwrite, self.group.world)  # were replaced by this one's
+            self._unchecked_start = False
         extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
         with self.state_regions() as regions:
             rows = self.corpus.rows_read(self.step, self.group.world)
@@ -412,6 +415,7 @@ class Trainer:
         path = restorable(path)
         if not self._ran and self.group.leader:  # by hand: into a directory of another run's, as run() refuses
             self.rundir.take_over(path, self.cfg.train.overwrite, self.group.world)
+        self._unchecked_start = False
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
         man = Manifest.read(path)
@@ -458,7 +462,7 @@ class Trainer:
         # before anything of the step is done: a step whose rows score nothing leaves the states
         # at the last step (``UnscoredStep``), as they can be saved
         scored = self.corpus.scored(self.step, self.group.world)
-        with self._guard.step(self.step + 1, writes_under_backward=self.cfg.update.speculate == "on"):
+        with self._guard.step(self.step + 1):
             return self._step_once(scored)
 
     def _step_once(self, scored: int | None) -> StepRecord:
@@ -468,6 +472,7 @@ class Trainer:
         lr = lr_at(self.step + 1, cfg.optim, cfg.train.steps)
         self.update.begin_step(self.step + 1, lr)
         out = self._run_step(scored)
+        self._guard.phase = "computed"
         t0 = time.perf_counter()
         self.grads.flush()  # sync point: every gradient home before the update reads it
         if self.adapter_update is not None:  # the only trained parameters: the base forms no gradient
