@@ -212,6 +212,14 @@ def test_generation_reads_the_same_tokens_from_the_tier(tmp_path):
     want = generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6))
     cfg.io.weights = "tier"
     assert generate(cfg, [[1, 2, 3], [4, 5]], Sampling(max_new_tokens=6)) == want
+    # eval of the same model reads the copy generate made (it made its own: eval leaves the
+    # vocabulary's pieces to the planner, generate sets 1, and the copy's key held that setting)
+    copies = lambda: sorted(n for n in os.listdir(cfg.io.paths[0]) if n.startswith("weights-") and n.endswith(".bin"))  # noqa: E731
+    made = copies()
+    cfg.data.eval_corpus = "bundled"
+    cfg.data.eval_micro_batches = 1
+    evaluate(cfg)
+    assert len(made) == 1 and copies() == made
 
 
 def test_a_converted_copy_is_its_checkpoints_and_a_damaged_one_is_made_again(tmp_path, capsys):

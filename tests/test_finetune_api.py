@@ -114,6 +114,11 @@ def test_plot_draws_several_runs_with_validation(tmp_path):
     assert main(["plot", str(tmp_path / "run"), str(tmp_path / "run2"), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["plot", str(tmp_path / "run")]) == 0 and (tmp_path / "run" / "curves.png").exists()
+    assert main(["plot", str(tmp_path / "run2"), "--out", str(out)]) == 0  # an earlier plot: replaced
+    # any other file of a .png name was replaced without a word (found from outside)
+    (tmp_path / "photo.png").write_text("not a plot")
+    assert main(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "photo.png")]) == 1
+    assert (tmp_path / "photo.png").read_text() == "not a plot"
     from tiertrain.errors import UsageError
     from tiertrain.plot import plot_runs, read_metrics
 

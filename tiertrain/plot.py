@@ -89,4 +89,15 @@ def _checked_out(out: str) -> str:
     suffix = os.path.splitext(out)[1].lower().lstrip(".")
     if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
         raise UsageError(f"plot --out = {out!r}: matplotlib cannot write .{suffix} files; give a name ending in .png")
-    return prepare_output_file("plot --out", out)
+    return prepare_output_file("plot --out", out, ours=_a_plot)
+
+
+def _a_plot(path: str) -> bool:
+    """An earlier plot: a PNG matplotlib wrote (its Software text says so); another file of that
+    name (a photo, a note named .png) is never replaced."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Matplotlib" in head

@@ -116,8 +116,11 @@ def _stored(cfg, rt, quant, experts: list, progress: bool) -> ParamSource:
     # checked) small beside them, so that the bytes read are the bytes asked for; by the model
     # alone, so that io.routed_experts either way reads the same copy
     block = min(rt.align, ROUTED_BLOCK) if experts else rt.align
+    # (without how units are cut: the layout's sizes are in the key; eval leaves vocab_pieces to the
+    # planner, generate sets 1, and each made its own copy of the same weights)
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("vocab_pieces", "layer_pieces")}
     key, lineage = weights_key(
-        dataclasses.asdict(cfg.model),
+        model,
         rt.dtype,
         rt.layout,
         [*source_files(cfg.model), *source.files],
