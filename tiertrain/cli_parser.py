@@ -64,10 +64,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help='a text file (one prompt a line) or JSONL (a "prompt" field a line)')
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate after each prompt (default 32)")
     g.add_argument("--temperature", type=float, default=None, help="0 (the default): greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling: the k likeliest tokens only (0, the default: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling: the likeliest tokens up to this mass (1: all)")
     g.add_argument(
         "--repetition-penalty",
         type=float,
@@ -75,7 +75,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="above 1: tokens already in the row made less likely, as transformers' generate does "
         "(default: the model's generation_config.json's, else 1: none)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
     g.add_argument("--stop", type=int, action="append", help="a token id that ends a row (repeatable)")
     g.add_argument(
         "--ignore-eos",
