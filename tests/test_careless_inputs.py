@@ -271,8 +271,9 @@ def test_nproc_beyond_the_cores_or_the_memory_is_refused_before_any_rank_starts(
     half = (psutil.virtual_memory().available >> 20) // 2
     line = one_line_error(capsys, ["train", "--nproc", "4", f"--memory.host_mib={half}", *tiny_flags(tmp_path)], 1)
     assert (
-        f"--nproc 4: 4 ranks need {4 * (half + 256):,} MiB (each 256 MiB for its process and memory.host_mib = " in line
+        f"--nproc 4: 4 ranks need {4 * (half + 384):,} MiB (each 384 MiB for its process and memory.host_mib = " in line
     )
+    assert "and their launcher 256 MiB" in line  # (measured from outside: 342 MiB a rank, 224 the launcher)
     assert "use --nproc 1 or fewer, or lower memory.host_mib" in line
     nothing_left(tmp_path)
 

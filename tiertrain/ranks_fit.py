@@ -7,11 +7,15 @@ from __future__ import annotations
 from .errors import ConfigError, UsageError
 from .memlimit import affinity_cores, available_memory, cpu_quota
 
-__all__ = ["check_ranks_fit", "RANK_PROCESS_MIB"]
+__all__ = ["check_ranks_fit", "RANK_PROCESS_MIB", "LAUNCHER_MIB"]
 
-# A rank's process before any state: the interpreter, torch and tiertrain imported (measured
-# 225 MiB on CPU), its I/O threads' arenas; the least a rank needs whatever its budget
-RANK_PROCESS_MIB = 256
+# A rank's process before any state: the interpreter, torch, transformers and tiertrain imported
+# (measured 342 MiB on CPU with transformers' model code, 225 without), its I/O threads' arenas;
+# the least a rank needs whatever its budget. The launcher's own process beside them (measured
+# 224 MiB: it imports torch's launcher). Found from outside: 256 a rank and no launcher counted
+# 1,512 MiB where the ranks took 1,925.
+RANK_PROCESS_MIB = 384
+LAUNCHER_MIB = 256
 
 
 def _cores() -> int:
@@ -33,12 +37,13 @@ def check_ranks_fit(nproc: int, host_mib: int | None) -> None:
     each = RANK_PROCESS_MIB + (host_mib or 0)
     avail_bytes, where = available_memory()  # a container's limit, where tighter than the machine
     avail = avail_bytes >> 20
-    if nproc * each > avail:
+    if LAUNCHER_MIB + nproc * each > avail:
         budget = f" and memory.host_mib = {host_mib:,} MiB" if host_mib else ""
+        fit = max(1, (avail - LAUNCHER_MIB) // each)
         raise UsageError(
             f"--nproc {nproc}: {nproc} ranks need {nproc * each:,} MiB (each {RANK_PROCESS_MIB} MiB for its "
-            f"process{budget}), this machine has {avail:,} MiB {where}; use --nproc {max(1, avail // each)} "
-            f"or fewer{', or lower memory.host_mib' if host_mib else ''}"
+            f"process{budget}) and their launcher {LAUNCHER_MIB} MiB, this machine has {avail:,} MiB {where}; use "
+            f"--nproc {fit} or fewer{', or lower memory.host_mib' if host_mib else ''}"
         )
 
 
