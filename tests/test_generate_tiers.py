@@ -387,3 +387,18 @@ def test_the_kv_cache_stays_within_the_host_budget_when_its_own_is_unset(tmp_pat
     host, spilled = map(float, re.search(r"([\d.]+) MiB in host memory, ([\d.]+) MiB on the storage", said[1]).groups())
     assert 0 < host <= room and spilled > 0, said
     assert tight == roomy
+
+
+def test_a_budget_below_what_eval_and_generate_cannot_do_without_is_refused(tmp_path):
+    """Found from outside: eval and generate at memory.host_mib = 50 ran on at 5x the budget (an
+    INFO line said "less 192 MiB of slots"); training refuses such a budget, naming the least."""
+    from tiertrain.config import ConfigError
+    from tiertrain.inference.evaluate import evaluate
+
+    cfg = _cfg(tmp_path, _llama_dir(tmp_path, d_model=256))  # a block of 3 MiB: 4 units' room is 12
+    cfg.memory.host_mib, cfg.data.eval_corpus, cfg.data.eval_micro_batches = 8, "bundled", 1
+    for run in (lambda: generate(cfg, PROMPTS, Sampling(max_new_tokens=2)), lambda: evaluate(cfg.to_dict())):
+        with pytest.raises(ConfigError, match=r"memory.host_mib = 8: below what this run cannot do without, \d+ MiB"):
+            run()
+    cfg.memory.host_mib = 64
+    assert len(generate(cfg, PROMPTS, Sampling(max_new_tokens=2))[0]) == 2

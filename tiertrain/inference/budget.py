@@ -9,7 +9,7 @@ import logging
 
 from ..device.host import HeapTrim
 
-__all__ = ["host_budget", "resident_budget", "kv_host_budget", "heap_trim"]
+__all__ = ["host_budget", "resident_budget", "kv_host_budget", "heap_trim", "refuse_small_budget"]
 
 log = logging.getLogger("tiertrain")
 
@@ -24,6 +24,22 @@ def resident_budget(cfg, rt, other_bytes: int = 0, host: tuple[int, str] | None 
     total, src = host if host is not None else host_budget(cfg)
     fixed = _working_bytes(cfg, rt) + other_bytes
     return max(0, total - fixed), (f"{src}, less {fixed / 2**20:,.0f} MiB of slots, cache and working memory")
+
+
+def refuse_small_budget(cfg, rt) -> None:
+    """Refuse a ``memory.host_mib`` below what a forward-only run cannot do without (the slots
+    and a unit of working memory), naming it, as training refuses its own: eval and generate
+    ran on, 5x over a budget of 50 MiB, with an INFO line."""
+    from ..config import ConfigError
+
+    need = _working_bytes(cfg, rt)
+    if cfg.memory.host_mib is not None and cfg.memory.host_mib << 20 < need:
+        raise ConfigError(
+            f"memory.host_mib = {cfg.memory.host_mib}: below what this run cannot do without, "
+            f"{-(-need >> 20)} MiB ({cfg.memory.device_slots} parameter slots and a unit of working memory, "
+            f"the largest unit {rt.layout.max_unit_numel * rt.dtype.itemsize / 2**20:,.1f} MiB); raise it to at "
+            f"least {-(-need >> 20)}"
+        )
 
 
 def _working_bytes(cfg, rt) -> int:

@@ -40,7 +40,7 @@ from ..paths import check_writable_dir, pid_alive
 from ..state.layout import FlatLayout
 from ..state.quant import DequantSource
 from ..state.sources import ParamSource
-from .budget import resident_budget
+from .budget import refuse_small_budget, resident_budget
 
 __all__ = [
     "WeightParams",
@@ -79,6 +79,7 @@ def forward_params(
     key/value cache; ``host``: the run's ``host_budget``, taken once). Closed with ``close()``."""
     from .routed import find_experts
 
+    refuse_small_budget(cfg, rt)  # before any weight is read or converted
     experts = find_experts(rt.model, rt.layout)  # a mixture of experts' experts modules (none: dense)
     quant = _quant_layout(cfg, rt)
     if quant is not None and experts:
