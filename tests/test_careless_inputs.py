@@ -13,17 +13,17 @@ from tiertrain.cli import main
 
 
 def test_a_full_run_directory_is_one_line_naming_metrics_jsonl(tmp_path, capsys, tmpfs):
-    """ENOSPC appending a step record: two tracebacks (the write's, then the close's), no file named."""
-    full = tmpfs("full", 16)
-    line = one_line_error(capsys, ["train", *tiny_flags(tmp_path, f"--train.run_dir={full / 'run'}", steps=40)], 1)
-    assert f"writing the step records to {full / 'run' / 'metrics.jsonl'} failed: No space left on device" in line
-    assert "free space on its filesystem or give the run another --train.run_dir" in line
-    # its checkpoints on another disk: the step it took is saved before it stops (the steps were lost)
+    """ENOSPC appending a step record: two tracebacks (the write's, then the close's), no file
+    named. Its checkpoints on another disk: the step it took is saved before it stops (the steps
+    since the last save were lost). (With its checkpoints on that disk too, the run is refused at
+    start: its first checkpoint would not fit.)"""
     from tiertrain.checkpoint import Manifest, latest_checkpoint
 
-    ck = tmp_path / "ck"
-    flags = tiny_flags(tmp_path, f"--train.run_dir={tmpfs('full2', 8) / 'run'}", f"--checkpoint.dir={ck}", steps=40)
-    one_line_error(capsys, ["train", *flags], 1)
+    full, ck = tmpfs("full", 16), tmp_path / "ck"
+    flags = tiny_flags(tmp_path, f"--train.run_dir={full / 'run'}", f"--checkpoint.dir={ck}", steps=40)
+    line = one_line_error(capsys, ["train", *flags], 1)
+    assert f"writing the step records to {full / 'run' / 'metrics.jsonl'} failed: No space left on device" in line
+    assert "free space on its filesystem or give the run another --train.run_dir" in line
     saved = latest_checkpoint(str(ck))
     assert saved is not None and 0 < Manifest.read(saved).step < 40
 
@@ -886,6 +886,9 @@ def test_a_first_checkpoint_that_did_not_fit_its_checkpoint_dir_is_not_called_mi
     line = one_line_error(capsys, ["train", *flags], 1)
     assert "not enough space for the checkpoint of step 2" in line and "not mounted" not in line, line
     assert "stopped before its first checkpoint" in line, line
+    # found before any step (a run trained every step, then failed its final save: all of it lost)
+    assert "at start, before any step: not enough space" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()
     line = one_line_error(capsys, ["train", *flags], 1)  # started again: the same
     assert "not mounted" not in line and "stopped before its first checkpoint" in line, line
 

@@ -32,7 +32,7 @@ from ..io import aligned_empty
 from ..models.pieces import WholeTensors
 from .rundir import mark_saved_elsewhere
 
-__all__ = ["Checkpoints", "other_ranks_note", "rows_read", "changed_rows"]
+__all__ = ["Checkpoints", "other_ranks_note", "rows_read", "changed_rows", "refuse_another_kind", "said_after_restore"]
 
 log = logging.getLogger("tiertrain")
 
@@ -55,6 +55,33 @@ def other_ranks_note(trained: int, before: tuple[int, int], world: int, now: tup
         f"was trained on {trained} rank(s), this run has {world}: each rank takes {now[0]} micro-batches of {now[1]} "
         f"sequences, so a step now takes {will} sequences (the checkpoint's steps took {was}); {hint}"
     )
+
+
+def refuse_another_kind(user_cfg, dtype, man: Manifest, path: str) -> None:
+    """Refuse checkpoint ``man`` (at ``path``) made for another kind of run than ``user_cfg``'s
+    (its adapters, its base's precision, its heads, its optimizer), before any state is read."""
+    from ..adapters.train import same_adapter_config
+    from ..state.quant import same_base
+    from ..update.adamw8bit import same_optimizer
+    from .rundir import same_heads
+
+    where, ours = f"checkpoint {path}", user_cfg.to_dict()
+    same_adapter_config(ours["adapter"], man.config.get("adapter"), where)
+    same_base(ours["model"], str(dtype), man, where)
+    same_heads(ours["model"], man.config.get("model") or {}, where)
+    theirs = man.config.get("optim", {}).get("name", "adamw")
+    same_optimizer(user_cfg.optim.name, theirs, where, adapters=user_cfg.adapter.on)
+
+
+def said_after_restore(man: Manifest, user_cfg, corpus) -> None:
+    """What a restore of ``man`` tells (rank 0): the scratch its run left in other io.paths,
+    removed; rows changed since it was saved."""
+    from .rundir import abandoned_scratch
+
+    abandoned_scratch(man.config, user_cfg.io.paths)  # a run killed, resumed with other io.paths
+    now = getattr(corpus, "identity", "")
+    if man.rows_of and now and now != man.rows_of:
+        log.warning(changed_rows(man, now, corpus.rows_per_epoch))
 
 
 def changed_rows(man: Manifest, now: str, per_epoch: int) -> str:
@@ -103,6 +130,19 @@ class Checkpoints:
     @property
     def pool_bytes(self) -> int:
         return self.io.pool_bytes
+
+    def check_space_at_start(self, regions: dict, step: int, extra: dict | None = None) -> None:
+        """Refuse a run whose first checkpoint (of ``step``) would not fit where checkpoints go,
+        before it trains (found from outside: a run trained every step, then failed its final
+        save: all of it lost). Every rank calls it, as ``save``."""
+        g = self.group
+        whole = g.gathered(regions, self.state_layout)
+        problem = g.rank0s(self.io.space_problem(whole, self.root, step, extra) if g.leader else "")
+        if problem:
+            raise CheckpointError(
+                f"at start, before any step: {problem}; free space there, or give checkpoint.dir another disk "
+                "(the run would train, then fail to save)"
+            )
 
     def save(
         self, regions: dict, step: int, extra: dict | None = None, rows: int = 0, rows_of: str = ""

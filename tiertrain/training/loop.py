@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from ..adapters import ADAPTER_FILE
 from ..checkpoint import CheckpointError, list_checkpoints
 from ..cost.report import against_measured
 from ..data.examples import UnscoredStep
@@ -27,6 +28,7 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
     from tqdm import tqdm
 
     cfg, ck = tr.cfg, tr.cfg.checkpoint
+    _first_checkpoint_fits(tr, first)
     pred = tr.predict() if cfg.train.predict else None
     log.info("fixed pools: %s", ", ".join(f"{k} {v / MIB:,.1f} MiB" for k, v in tr.pool_bytes.items()))
     guard = LossGuard()
@@ -94,3 +96,15 @@ def _save_before_stopping(tr: Any, ck: Any, first: int) -> None:
         log.warning("could not save step %d before stopping either: %s", tr.step, str(exc).split("\n")[0])
     else:
         log.warning("saved step %d before stopping: its step record could not be written", tr.step)
+
+
+def _first_checkpoint_fits(tr: Any, first: int) -> None:
+    """The run's first checkpoint fits where checkpoints go, checked before any step (a run
+    trained every step, then failed its final save: all of it lost)."""
+    ck = tr.cfg.checkpoint
+    if not (ck.every or ck.at_end):
+        return
+    step = min(first + ck.every, tr.cfg.train.steps) if ck.every else tr.cfg.train.steps
+    extra = {ADAPTER_FILE: tr.adapter_update.state(tr.user_cfg)} if tr.adapter_update is not None else None
+    with tr.state_regions() as regions:
+        tr.checkpoints.check_space_at_start(regions, step, extra)

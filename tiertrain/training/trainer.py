@@ -26,7 +26,6 @@ from ..activations.offload import OffloadedGraphs
 from ..activations.policy import policy_for
 from ..activations.stash import HiddenStash
 from ..adapters import ADAPTER_FILE, AdapterUpdate
-from ..adapters.train import same_adapter_config
 from ..checkpoint import (
     CheckpointError,
     CheckpointIO,
@@ -49,19 +48,18 @@ from ..models import WeightSource
 from ..runtime import Runtime
 from ..state.decl import SpacePlan, checkpointed
 from ..state.grads import GradStore, accum_dtype_for
-from ..state.quant import quant_spec, same_base
+from ..state.quant import quant_spec
 from ..update import UPDATES, Update
-from ..update.adamw8bit import same_optimizer
 from ..update.lr import lr_at
 from .advice import nothing_to_train, restorable
-from .checkpoints import Checkpoints, changed_rows, rows_read
+from .checkpoints import Checkpoints, refuse_another_kind, rows_read, said_after_restore
 from .initial import write_initial_weights
 from .interrupt import StopFlag
 from .loop import run_steps
 from .meter import StepMeter
 from .metrics import MetricsLog, StepRecord, flops_per_token
 from .plan import ActivationPlan, declare_states, device_needs, plan_run, predict_step, refuse_small_vocab, say_model
-from .rundir import RunDir, abandoned_scratch, clean_leftovers, same_heads
+from .rundir import RunDir, clean_leftovers
 from .step_guard import StepGuard
 
 if TYPE_CHECKING:  # annotations only: the cost model is imported where it is used
@@ -419,11 +417,7 @@ class Trainer:
         zero = {f"{d.name}.bin" for d in checkpointed(self.plan.states) if d.zero_if_absent}
         # adapters or none, and which: named before any state is read (the files differ too)
         man = Manifest.read(path)
-        same_adapter_config(self.user_cfg.to_dict()["adapter"], man.config.get("adapter"), f"checkpoint {path}")
-        same_base(self.user_cfg.to_dict()["model"], str(self.dtype), man, f"checkpoint {path}")
-        same_heads(self.user_cfg.to_dict()["model"], man.config.get("model") or {}, f"checkpoint {path}")
-        theirs = man.config.get("optim", {}).get("name", "adamw")
-        same_optimizer(self.cfg.optim.name, theirs, f"checkpoint {path}", adapters=self.cfg.adapter.on)
+        refuse_another_kind(self.user_cfg, self.dtype, man, path)
         self.checkpoints.say_other_ranks(man, path, self.cfg.data)
         self.checkpoints.say_schedule(man, path, self.cfg.optim, self.cfg.train.steps)
         with self.state_regions() as regions:
@@ -434,11 +428,8 @@ class Trainer:
         self.params.invalidate()
         self.step = man.step  # and the data goes on from the rows it had read, whatever the batch now
         self.corpus.resume_at(man.step, rows_read(man, self.cfg.data, self.group.world))
-        if self.group.leader:  # a run killed, resumed with other io.paths: its scratch there (its states' size)
-            abandoned_scratch(man.config, self.user_cfg.io.paths)
-        now = getattr(self.corpus, "identity", "")
-        if man.rows_of and now and now != man.rows_of and self.group.leader:
-            log.warning(changed_rows(man, now, self.corpus.rows_per_epoch))
+        if self.group.leader:
+            said_after_restore(man, self.user_cfg, self.corpus)
         self.update.restored(man.step)
         self._weighted = True
         return man
