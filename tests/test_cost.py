@@ -3,6 +3,7 @@ prediction's arithmetic, and `tiertrain plan`. (How close its times come to meas
 is a benchmark: bench/cost_model.py.)"""
 
 import dataclasses
+import re
 import subprocess
 import sys
 import time
@@ -198,6 +199,8 @@ def test_plan_prints_placement_bytes_and_the_predicted_step(tmp_path):
     # update.mode = auto picks by the probe: the update phase is the baseline's or the overlap's
     assert ("| update |" in out) != ("| update (thread, under the next forward) |" in out)
     assert "update path (auto): " in r.stderr
+    # the scratch space, as train says it at start (the plan said none at all: found from outside)
+    assert re.search(r"scratch space needed on .*: [\d.]+ GiB \(\w+\.bin [\d.]+ MiB, ", r.stderr), r.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
     assert not any((tmp_path / "ssd").glob("*.bin"))  # and no state files
     assert not any((tmp_path / "ssd").glob(".tiertrain-probe-*"))  # the probe's file is gone

@@ -290,6 +290,9 @@ def _plan(args: argparse.Namespace, cfg, rt) -> int:
     plan = plan_run(cfg, rt, probe_mib=args.probe_mib, measure=True)
     for line in plan.notes:
         log.info("%s", line)
+    from .state.decl import SpacePlan  # (what train says at start: the plan said no space at all)
+
+    log.info("scratch space needed on %s: %s", ", ".join(cfg.io.paths), SpacePlan(plan.states).describe())
     rates = plan.rates if plan.rates is not None else measure_rates(cfg, rt, probe_mib=args.probe_mib)
     if plan.budget.record_bytes:  # the dry run's figures, for the prediction of this plan
         rates = dataclasses.replace(rates, act_bytes=plan.budget.act_bytes, record_bytes=plan.budget.record_bytes)
