@@ -14,18 +14,13 @@ from tiertrain.cli import main
 
 def test_a_full_run_directory_is_one_line_naming_metrics_jsonl(tmp_path, capsys, tmpfs):
     """ENOSPC appending a step record: two tracebacks (the write's, then the close's), no file
-    named. Its checkpoints on another disk: the step it took is saved before it stops (the steps
-    since the last save were lost). (With its checkpoints on that disk too, the run is refused at
-    start: its first checkpoint would not fit.)"""
-    from tiertrain.checkpoint import Manifest, latest_checkpoint
-
+    named. (Its checkpoints elsewhere: on that disk too, the run is refused at start, its first
+    checkpoint would not fit.)"""
     full, ck = tmpfs("full", 16), tmp_path / "ck"
     flags = tiny_flags(tmp_path, f"--train.run_dir={full / 'run'}", f"--checkpoint.dir={ck}", steps=40)
     line = one_line_error(capsys, ["train", *flags], 1)
     assert f"writing the step records to {full / 'run' / 'metrics.jsonl'} failed: No space left on device" in line
     assert "free space on its filesystem or give the run another --train.run_dir" in line
-    saved = latest_checkpoint(str(ck))
-    assert saved is not None and 0 < Manifest.read(saved).step < 40
 
 
 def _state_bytes(flags):

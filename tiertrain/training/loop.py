@@ -8,10 +8,9 @@ import os
 from typing import Any
 
 from ..adapters import ADAPTER_FILE
-from ..checkpoint import CheckpointError, list_checkpoints
+from ..checkpoint import list_checkpoints
 from ..cost.report import against_measured
 from ..data.examples import UnscoredStep
-from ..io.errors import StorageError
 from .guard import LossGuard
 from .interrupt import StopFlag
 from .metrics import MetricsLog, StepRecord
@@ -45,11 +44,7 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
                     if tr.group.leader:
                         log.warning("saved step %d, the last the data lets this run take", tr.step)
                 raise
-            try:
-                metrics.add(rec)
-            except StorageError:  # the run directory's disk: the step is done, keep it where its checkpoints can
-                _save_before_stopping(tr, ck, first)
-                raise
+            metrics.add(rec)
             bar.update()
             bar.set_postfix(loss=f"{rec.loss:.3f}")
             diverged = guard.check(rec.step, rec.loss, rec.grad_norm)
@@ -81,21 +76,6 @@ def run_steps(tr: Any, stop: StopFlag, metrics: MetricsLog, first: int, progress
             tr.checkpoint_root,
         )
     return metrics.records
-
-
-def _save_before_stopping(tr: Any, ck: Any, first: int) -> None:
-    """A run stopping because its step records could not be written (its run directory's disk
-    full, say) saves the step it took first, where its checkpoints go (a checkpoint.dir on
-    another disk: the steps since the last save were lost); one rank alone (a save is every
-    rank's collective: a rank cannot start one the others are not in)."""
-    if tr.group.world > 1 or not (ck.every or ck.at_end) or tr.step <= first:
-        return
-    try:
-        tr.save_checkpoint()
-    except (CheckpointError, OSError) as exc:
-        log.warning("could not save step %d before stopping either: %s", tr.step, str(exc).split("\n")[0])
-    else:
-        log.warning("saved step %d before stopping: its step record could not be written", tr.step)
 
 
 def _first_checkpoint_fits(tr: Any, first: int) -> None:
