@@ -409,6 +409,23 @@ def test_a_streamed_completion_prints_whole_characters(capsys):
     assert all("\ufffd" not in s for s in seen) and seen[3] == "" and seen[4] == "é"  # é: two bytes
 
 
+def test_ctrl_c_mid_stream_ends_the_line(monkeypatch, capsys):
+    """Ctrl-C while one prompt's completion streamed left stdout without its newline (the shell's
+    prompt glued to the text); the line is ended, and the interrupt goes on as it was."""
+    import tiertrain.inference.prompts as prompts
+    from tiertrain.config import load_config
+
+    def cut(cfg, ps, sampling, *, on_tokens=None, **kw):
+        on_tokens([ps[0][0]])
+        on_tokens([ps[0][1]])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prompts, "generate", cut)
+    with pytest.raises(KeyboardInterrupt):
+        prompts.run_generate(load_config(None, []), ["ab"], prompts.Sampling(max_new_tokens=4))
+    assert capsys.readouterr().out == "abab\n"
+
+
 def test_odd_prompts_and_padding_ids(tmp_path, llama_dir):
     """A config's pad_token_id of -1 (some converted Llamas) padded rows of unequal prompts with
     -1: an IndexError deep in the embedding (a device assert on CUDA); tuple prompts passed the

@@ -94,7 +94,7 @@ class StreamedText:
     def __init__(self, tok, prompt: str) -> None:
         self.tok, self.prompt = tok, prompt
         self.tokens: list[int] = []
-        self.printed, self.started = 0, False
+        self.printed, self.started, self.ended = 0, False, False
 
     def __call__(self, tokens: list) -> None:
         from ..paths import to_stdout
@@ -113,8 +113,16 @@ class StreamedText:
             said += text[self.printed : upto]
             self.printed = upto
         if not tokens:  # the line ended before generate logs its summary
-            said += "\n"
+            said, self.ended = said + "\n", True
         to_stdout(said, "generate")
+
+    def cut_short(self) -> None:
+        """End a line cut short (Ctrl-C mid-stream: the shell's prompt was glued to it)."""
+        if self.started and not self.ended:
+            from ..paths import to_stdout
+
+            self.ended = True
+            to_stdout("\n", "generate")
 
 
 def run_generate(
@@ -133,15 +141,19 @@ def run_generate(
     show = StreamedText(tok, texts[0])
     # the built-in GPT has no model directory to name its end-of-sequence token: its tokenizer's
     eos = None if cfg.model.hf_dir else tuple(i for i in [getattr(tok, "eos_token_id", None)] if i is not None)
-    rows = generate(
-        cfg,
-        prompts,
-        sampling,
-        weights=weights,
-        on_tokens=show if stream else None,
-        tokenizer_vocab=tok.vocab_size,
-        eos=eos,
-    )
+    try:
+        rows = generate(
+            cfg,
+            prompts,
+            sampling,
+            weights=weights,
+            on_tokens=show if stream else None,
+            tokenizer_vocab=tok.vocab_size,
+            eos=eos,
+        )
+    except KeyboardInterrupt:
+        show.cut_short()
+        raise
     texts_out = [tok.decode(r) for r in rows]
     if out is None and not stream:  # (a streamed row was printed as it came)
         for t, c in zip(texts, texts_out):
