@@ -67,7 +67,11 @@ def test_a_failed_prepare_leaves_no_directory_it_made(tmp_path, capsys):
     text.write_bytes(b"fine\n\xff\xfe not utf-8\n")
     assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "out.tokens")]) == 1
     assert "is not UTF-8 text" in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "bad.txt"]
+    # an empty text: a token file of no tokens was made, which train refused later
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["prepare", "--input", str(tmp_path / "empty.txt"), "--output", str(tmp_path / "out.tokens")]) == 1
+    assert "empty.txt: no text to tokenize (0 tokens)" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "bad.txt", "empty.txt"]
 
 
 @pytest.mark.slow

@@ -49,7 +49,8 @@ def prepare(inputs: Sequence[str], output: str, *, tokenizer: str | None = None,
                 if carry:
                     yield np.asarray(tok.encode(carry), dtype=np.int64)
 
-    return write_tokens(output, chunks(), tok.vocab_size)
+    empty = f"prepare --input {', '.join(inputs)}: no text to tokenize (0 tokens); give a text file that holds some"
+    return write_tokens(output, chunks(), tok.vocab_size, empty=empty)  # (train refused the empty file, later)
 
 
 def prepare_examples(

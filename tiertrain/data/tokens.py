@@ -27,8 +27,9 @@ class TokenFileError(TiertrainError, ValueError):
     """A token file is missing, malformed or corrupt."""
 
 
-def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> int:
-    """Write token ids (an iterable of arrays) to ``path``; return the token count."""
+def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int, *, empty: str | None = None) -> int:
+    """Write token ids (an iterable of arrays) to ``path``; return the token count. ``empty``:
+    the error where there is none (a file of no tokens, which every reader refuses, not made)."""
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
     remove_dead_temporaries(path)  # a killed earlier writer's
     tmp = f"{path}.tmp{os.getpid()}"
@@ -44,6 +45,8 @@ def write_tokens(path: str, chunks: Iterable[np.ndarray], vocab_size: int) -> in
                 crc = crc32c(np.frombuffer(data, dtype=np.uint8), crc)
                 f.write(data)
                 count += arr.size
+            if not count and empty is not None:
+                raise TokenFileError(empty)
             f.seek(0)
             f.write(_HEAD.pack(_MAGIC, 1, dtype.itemsize, count, vocab_size, crc))
             f.flush()
