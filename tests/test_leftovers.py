@@ -225,7 +225,7 @@ def test_a_killed_run_resumed_with_other_io_paths_leaves_no_scratch_behind(tmp_p
     assert killed.returncode != 0 and (tmp_path / "ssd" / "params.bin").exists()
     resumed = _cli(tmp_path, "--train.steps=3", "--resume", run, f"--io.paths={tmp_path / 'ssd2'}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"the checkpoint's run left in its scratch {tmp_path / 'ssd'} (it did not finish)" in resumed.stderr
+    assert f"the checkpoint's run (it did not finish) left in {tmp_path / 'ssd'}" in resumed.stderr
     assert os.listdir(tmp_path / "ssd") == [] and not (tmp_path / "ssd2").exists()
 
 

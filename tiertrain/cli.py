@@ -72,24 +72,11 @@ def _launch(args: argparse.Namespace, overrides: Sequence[str], cfg) -> int:
     try:
         return launch(cmd, args.nproc)
     finally:
-        _clean_after_ranks(cfg.io.paths)
+        from .io.scratch import clean_abandoned  # what ranks ended or killed left: their states' size
+
+        clean_abandoned(cfg.io.paths, "the ranks that did not finish")
         for p in reversed(fresh):  # the run directory's ranks/ before it, each before the parents made for it
             _remove_empty_tree(p)
-
-
-def _clean_after_ranks(paths: Sequence[str]) -> None:
-    """What ranks that did not finish (ended by the launcher, killed) left in their scratch
-    subdirectories: their states' size, left until a run used the same paths again."""
-    from .io.scratch import clean_abandoned
-
-    gone = clean_abandoned(paths)
-    if gone:
-        log.info(
-            "removed %d file(s), %.2f GB, the ranks that did not finish left in %s",
-            len(gone),
-            sum(n for _, n in gone) / 1e9,
-            ", ".join(sorted({os.path.dirname(f) for f, _ in gone})),
-        )
 
 
 def _remove_empty_tree(path: str) -> None:
@@ -314,7 +301,8 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
     from .inference.weights import CheckpointWeights
 
     named = re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(args.checkpoint))) is not None
-    for attempt in range(3):
+    attempts = 3
+    while True:
         path = None
         try:
             path, cfg = _resume_target(
@@ -325,11 +313,11 @@ def _checkpoint_model(args: argparse.Namespace, overrides: Sequence[str]):
             # a run still training there pruned the newest checkpoint while it was opened (checkpoint.keep):
             # "is missing; use an earlier checkpoint", it said; the newest one again, where none was named
             gone = path is None or not os.path.exists(os.path.join(path, "manifest.json"))
-            if named or not gone or attempt == 2:
+            attempts -= 1
+            if named or not gone or not attempts:
                 raise
             log.info("--checkpoint %s: its newest checkpoint was removed while it was opened (a run saving there?); "
                      "taking the newest again", args.checkpoint)  # fmt: skip
-    raise AssertionError("unreachable")
 
 
 def _cmd_eval(args: argparse.Namespace, overrides: Sequence[str]) -> int:

@@ -232,7 +232,6 @@ class ExampleBatches:
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.by_document = packing and by_document
         self.vocab_size = data.vocab_size
-        self.identity = data.identity  # (a checkpoint records it: rows changed before a resume are said)
         lengths = data.lengths
         too_long = lengths > seq_len + 1
         self.keep = np.flatnonzero(~too_long) if long_examples == "drop" else np.arange(data.count)
@@ -260,6 +259,11 @@ class ExampleBatches:
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._last: tuple | None = None  # the last step's rows (``_step_rows``)
         self._origin = (0, 0)  # (step, row): step ``step`` reads from row ``row`` on (``resume_at``)
+
+    @property
+    def identity(self) -> str:
+        """The rows' content (a checkpoint records it: rows changed before a resume are said)."""
+        return self.data.identity
 
     def first_row(self, step: int, world: int = 1) -> int:
         """The first global row of step ``step`` (0-based): the rows follow on from the origin,

@@ -53,6 +53,8 @@ def _rows_settings(cfg: DataConfig) -> list[str]:
 class Corpus:
     """Token ids of the configured corpus and the batches of each step."""
 
+    identity = ""  # (prepared rows' content, which a checkpoint records: random windows of a text have none)
+
     def __init__(self, cfg: DataConfig, what: str = "data.corpus") -> None:
         self.cfg = cfg
         path = bundled_corpus_path() if cfg.corpus == "bundled" else cfg.corpus

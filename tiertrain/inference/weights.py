@@ -33,7 +33,6 @@ import zlib
 
 import torch
 
-from ..config import ConfigError
 from ..io import FileHandle, IOFuture, aligned_empty, round_up
 from ..models import WeightSource
 from ..paths import check_writable_dir, pid_alive
@@ -474,15 +473,7 @@ class WeightParams(ParamSource):
 
     def _fill(self, u: int, out: torch.Tensor) -> int:
         unit = self.layout.units[u]
-        values = self.source.load(u, [r.name for r in unit.params])
-        out[: unit.numel].zero_()  # alignment padding
-        for rec in unit.params:
-            t = values[rec.name]
-            if tuple(t.shape) != tuple(rec.shape):
-                raise ConfigError(
-                    f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
-                )
-            out[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
+        unit.fill(self.source.load(u, [r.name for r in unit.params]), out)
         return unit.numel * out.element_size()
 
     def close(self) -> None:

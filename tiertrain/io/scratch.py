@@ -342,15 +342,24 @@ def clean_other_legs(paths: Iterable[str], world: int) -> list[tuple[str, int]]:
     return removed
 
 
-def clean_abandoned(paths: Iterable[str]) -> list[tuple[str, int]]:
+def clean_abandoned(paths: Iterable[str], who: str) -> list[tuple[str, int]]:
     """The files runs that died left in ``paths`` (the scratch paths as the user gave them) and
     their ``rank<r>`` subdirectories: a rank the launcher ended, a run killed and resumed with
     other io.paths (its states' size, left for good). Only where the lock's record says its run
-    never finished and no run holds it now; what was removed is returned."""
+    never finished and no run holds it now; what was removed is said (``who`` left it) and
+    returned."""
     removed: list[tuple[str, int]] = []
     for path in paths:
         if os.path.isdir(path):
             removed += _clean_unheld(path, [path, *_rank_dirs(path)], abandoned_only=True)
+    if removed:
+        log.info(
+            "removed %d file(s), %.2f GB, %s left in %s",
+            len(removed),
+            sum(n for _, n in removed) / 1e9,
+            who,
+            ", ".join(sorted({os.path.dirname(f) for f, _ in removed})),
+        )
     return removed
 
 

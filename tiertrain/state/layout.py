@@ -93,6 +93,20 @@ class UnitLayout:
         """Elements that hold parameters (the rest is alignment padding)."""
         return sum(p.numel for p in self.params)
 
+    def fill(self, values: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+        """The unit's flat buffer (``flat``, at least ``numel`` long) from its parameters' tensors
+        by name, each checked against the model's shape; the alignment padding zeroed."""
+        from ..errors import ConfigError
+
+        flat[: self.numel].zero_()
+        for rec in self.params:
+            t = values[rec.name]
+            if tuple(t.shape) != tuple(rec.shape):
+                raise ConfigError(
+                    f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
+                )
+            flat[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
+
 
 class FlatLayout:
     """The flat layout of a ``LayeredModel``: units, their sizes and global offsets."""

@@ -79,9 +79,8 @@ def said_after_restore(man: Manifest, user_cfg, corpus) -> None:
     from .rundir import abandoned_scratch
 
     abandoned_scratch(man.config, user_cfg.io.paths)  # a run killed, resumed with other io.paths
-    now = getattr(corpus, "identity", "")
-    if man.rows_of and now and now != man.rows_of:
-        log.warning(changed_rows(man, now, corpus.rows_per_epoch))
+    if man.rows_of and corpus.identity and corpus.identity != man.rows_of:
+        log.warning(changed_rows(man, corpus.identity, corpus.rows_per_epoch))
 
 
 def changed_rows(man: Manifest, now: str, per_epoch: int) -> str:

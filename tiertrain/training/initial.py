@@ -9,7 +9,6 @@ import logging
 import time
 from typing import Any
 
-from ..errors import ConfigError
 from ..io import aligned_empty
 
 __all__ = ["write_initial_weights"]
@@ -29,15 +28,7 @@ def write_initial_weights(tr: Any, progress: bool) -> None:
         if time.perf_counter() - said > 30 and tr.group.leader:  # a log file has no bar: a line now and then
             said = time.perf_counter()
             log.info("initial weights: %d of %d units, %.0f s", unit.index, len(tr.layout), said - t0)
-        values = tr.source.load(unit.index, [r.name for r in unit.params])
         view = flat[: unit.numel]
-        view.zero_()
-        for rec in unit.params:
-            t = values[rec.name]
-            if tuple(t.shape) != tuple(rec.shape):
-                raise ConfigError(
-                    f"weights for {rec.name} have shape {tuple(t.shape)}, the model expects {tuple(rec.shape)}"
-                )
-            view[rec.offset : rec.offset + rec.numel].copy_(t.reshape(-1))
+        unit.fill(tr.source.load(unit.index, [r.name for r in unit.params]), view)
         whole = getattr(tr.update, "init_whole", False)  # a rank's quantized base: quantized whole
         tr.update.init_unit(unit.index, view if whole else tr.rt.state_layout.shard(unit.index, view))

@@ -7,7 +7,6 @@ import logging
 import os
 from typing import Any
 
-from ..adapters import ADAPTER_FILE
 from ..checkpoint import list_checkpoints
 from ..cost.report import against_measured
 from ..data.examples import UnscoredStep
@@ -85,6 +84,5 @@ def _first_checkpoint_fits(tr: Any, first: int) -> None:
     if not (ck.every or ck.at_end):
         return
     step = min(first + ck.every, tr.cfg.train.steps) if ck.every else tr.cfg.train.steps
-    extra = {ADAPTER_FILE: tr.adapter_update.state(tr.user_cfg)} if tr.adapter_update is not None else None
     with tr.state_regions() as regions:
-        tr.checkpoints.check_space_at_start(regions, step, extra)
+        tr.checkpoints.check_space_at_start(regions, step, tr.checkpoint_extra())

@@ -493,14 +493,7 @@ def abandoned_scratch(stored: dict, paths: list[str]) -> None:
 
     theirs = (stored.get("io") or {}).get("paths") or []
     old = [p for p in theirs if isinstance(p, str) and not any(_same(p, q) for q in paths)]
-    gone = clean_abandoned(old)
-    if gone:
-        log.info(
-            "removed %d file(s), %.2f GB, the checkpoint's run left in its scratch %s (it did not finish)",
-            len(gone),
-            sum(n for _, n in gone) / 1e9,
-            ", ".join(sorted({os.path.dirname(f) for f, _ in gone})),
-        )
+    clean_abandoned(old, "the checkpoint's run (it did not finish)")
 
 
 def same_heads(ours: dict, theirs: dict, where: str) -> None:

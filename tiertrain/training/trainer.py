@@ -401,10 +401,13 @@ class Trainer:
         if self._unchecked_start:  # started by hand (initialize(), no run()): another run's checkpoints there
             self.rundir.start_fresh(self.cfg.train.overwrite, self.group.world)  # were replaced by this one's
             self._unchecked_start = False
-        extra = {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
         with self.state_regions() as regions:
             rows = self.corpus.rows_read(self.step, self.group.world)
-            return self.checkpoints.save(regions, self.step, extra, rows, getattr(self.corpus, "identity", ""))
+            return self.checkpoints.save(regions, self.step, self.checkpoint_extra(), rows, self.corpus.identity)
+
+    def checkpoint_extra(self) -> dict | None:
+        """A checkpoint's small files beside the states (the adapters'), by name."""
+        return {ADAPTER_FILE: self.adapter_update.state(self.user_cfg)} if self.adapter_update is not None else None
 
     def restore(self, path: str) -> Manifest:
         """Load checkpoint ``path`` (a run directory: its latest): weights, optimizer state, step, RNG."""
